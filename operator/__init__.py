@@ -1,0 +1,1 @@
+"""holeblend operator: the BlendDeployment API, CRD generation, rendering and reconcile."""

@@ -1,0 +1,1 @@
+"""holeblend runtime: segments, hole lookup, blending, KV stores and engines."""
