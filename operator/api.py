@@ -1,0 +1,571 @@
+"""The BlendDeployment API (`blend.holeblend.io/v1alpha1`): the single source of truth.
+
+The CRD (`holeblend-operator crd`), the chart's CRD and docs/api.md are generated from these
+models. Field names are camelCase on the wire (aliases) and snake_case in Python.
+"""
+
+import re
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from holeblend_operator.cel import CelRule, cel_schema_extra, cel_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+GROUP = "blend.holeblend.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "BlendDeployment"
+PLURAL = "blenddeployments"
+SINGULAR = "blenddeployment"
+SHORT_NAMES = ("bd",)
+
+DEFAULT_RESOURCE_NAMES = {"ascend": "huawei.com/Ascend910", "nvidia": "nvidia.com/gpu"}
+
+
+def _matching(pattern: str, what: str, max_length: int | None = None):
+    """A string type checked against `pattern`, with a message that says what is expected."""
+    regex = re.compile(pattern)
+
+    def check(value: str) -> str:
+        if max_length is not None and len(value) > max_length:
+            raise ValueError(f"{value!r} is longer than {max_length} characters; shorten it")
+        if not regex.fullmatch(value):
+            raise ValueError(f"{value!r} is not {what}")
+        return value
+
+    schema = {"pattern": pattern} | ({"maxLength": max_length} if max_length else {})
+    return Annotated[str, AfterValidator(check), Field(json_schema_extra=schema)]
+
+
+DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+DNS_SUBDOMAIN = rf"{DNS_LABEL}(\.{DNS_LABEL})*"
+LABEL_NAME = r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]"
+
+ResourceName = _matching(
+    rf"{DNS_SUBDOMAIN}/{LABEL_NAME}",
+    "an extended resource name like 'huawei.com/Ascend910' or 'nvidia.com/gpu'",
+    max_length=253,
+)
+LabelKey = _matching(
+    rf"({DNS_SUBDOMAIN}/)?{LABEL_NAME}",
+    "a label key ('name' or 'prefix.example.com/name', letters, digits, '-', '_', '.')",
+    max_length=316,
+)
+LabelValue = _matching(
+    rf"({LABEL_NAME})?",
+    "a label value (at most 63 letters, digits, '-', '_', '.'; starting and ending alphanumeric)",
+    max_length=63,
+)
+EnvName = _matching(r"[-._a-zA-Z][-._a-zA-Z0-9]*", "an environment variable name like 'HF_HOME'")
+DnsName = _matching(
+    DNS_SUBDOMAIN, "a DNS-1123 name (lowercase letters, digits, '-', '.')", max_length=253
+)
+Quantity = _matching(
+    r"(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?",
+    "a Kubernetes quantity like '500m', '2', '16Gi'",
+)
+ResourceList = dict[ResourceName | Literal["cpu", "memory", "ephemeral-storage"], Quantity]
+
+
+class ApiModel(BaseModel):
+    """Base of every API object: camelCase on the wire, unknown fields rejected, immutable."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        frozen=True,
+        use_attribute_docstrings=True,
+    )
+
+
+class Resources(ApiModel):
+    """CPU, memory and device requests and limits of a container."""
+
+    requests: ResourceList = Field(default_factory=dict)
+    """Minimum resources the scheduler reserves, e.g. {cpu: '4', memory: 32Gi}."""
+    limits: ResourceList = Field(default_factory=dict)
+    """Maximum resources; accelerator counts are added from `accelerator` automatically."""
+
+
+class PvcSource(ApiModel):
+    """Model files on a PersistentVolumeClaim."""
+
+    claim_name: DnsName
+    """Name of the PersistentVolumeClaim in the BlendDeployment's namespace."""
+    path: str = Field(default="/", min_length=1)
+    """Directory of the model inside the volume."""
+
+
+class HostPathSource(ApiModel):
+    """Model files in a directory on every node."""
+
+    path: str = Field(pattern=r"^/.*", min_length=1)
+    """Absolute directory on the node, e.g. /data/models/Qwen3-8B."""
+
+
+class HubSource(ApiModel):
+    """Model downloaded from a model hub at start (clusters that can reach one)."""
+
+    id: str = Field(min_length=1)
+    """Repository id on the hub, e.g. Qwen/Qwen3-8B."""
+    revision: str | None = None
+    """Branch, tag or commit; the hub's default branch when unset."""
+
+
+_ONE_SOURCE = CelRule(
+    rule="[has(self.pvc), has(self.hostPath), has(self.hub)].filter(x, x).size() == 1",
+    message="set exactly one of model.source.pvc, model.source.hostPath or model.source.hub",
+    check=lambda s: sum(x is not None for x in (s.pvc, s.host_path, s.hub)) == 1,
+)
+
+
+class ModelSource(ApiModel):
+    """Where the model's weights come from: exactly one of pvc, hostPath or hub."""
+
+    model_config = ConfigDict(json_schema_extra=cel_schema_extra(_ONE_SOURCE))
+    check_rules = cel_validator(_ONE_SOURCE)
+
+    pvc: PvcSource | None = None
+    """Weights on a PersistentVolumeClaim (recommended for production)."""
+    host_path: HostPathSource | None = None
+    """Weights pre-staged on every node."""
+    hub: HubSource | None = None
+    """Weights from a hub; needs network access from the pods."""
+
+
+class Dtype(StrEnum):
+    AUTO = "auto"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+    FLOAT32 = "float32"
+
+
+class ModelSpec(ApiModel):
+    """The served model."""
+
+    name: str = Field(min_length=1, max_length=253)
+    """Model identity, e.g. Qwen/Qwen3-8B; part of every KV cache key."""
+    served_name: str | None = Field(default=None, min_length=1, max_length=253)
+    """Name clients use in the OpenAI API; defaults to `name`."""
+    source: ModelSource
+    """Where the weights come from."""
+    dtype: Dtype = Dtype.AUTO
+    """Weight and activation dtype; `auto` takes the checkpoint's."""
+    max_model_len: int | None = Field(default=None, ge=128, le=1048576)
+    """Longest prompt plus answer in tokens; the model's own limit when unset."""
+
+
+class EnvVar(ApiModel):
+    """A plain environment variable."""
+
+    name: EnvName
+    """Variable name."""
+    value: str = ""
+    """Variable value."""
+
+
+class EngineSpec(ApiModel):
+    """The vLLM engine pods that run the hole-mode blending runtime."""
+
+    image: str | None = Field(default=None, min_length=1)
+    """Container image; a holeblend runtime image for the accelerator type when unset."""
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    """When the kubelet pulls the image."""
+    tensor_parallel_size: int = Field(default=1, ge=1, le=64)
+    """Devices one engine shards the model over; at most `accelerator.count`."""
+    extra_args: list[str] = Field(default_factory=list)
+    """Extra `vllm serve` arguments, e.g. ['--enable-prefix-caching']."""
+    env: list[EnvVar] = Field(default_factory=list)
+    """Extra environment variables of the engine container."""
+    resources: Resources = Field(default_factory=Resources)
+    """CPU and memory; accelerator devices are added from `accelerator`."""
+    port: int = Field(default=8000, ge=1, le=65535)
+    """Port of the OpenAI-compatible API and /metrics."""
+    shm_size: Quantity = "8Gi"
+    """Size of the in-memory /dev/shm volume (tensor-parallel workers share memory)."""
+
+
+class AcceleratorType(StrEnum):
+    ASCEND = "ascend"
+    NVIDIA = "nvidia"
+    CPU = "cpu"
+
+
+class Toleration(ApiModel):
+    """A pod toleration, as in core/v1."""
+
+    key: LabelKey | None = None
+    """Taint key; empty with operator Exists tolerates every taint."""
+    operator: Literal["Exists", "Equal"] = "Equal"
+    """Exists matches any value; Equal matches `value`."""
+    value: LabelValue | None = None
+    """Taint value for operator Equal."""
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    """Taint effect to tolerate; all effects when unset."""
+    toleration_seconds: int | None = Field(default=None, ge=0)
+    """How long a NoExecute taint is tolerated."""
+
+
+_DEVICES_NEED_COUNT = CelRule(
+    rule="self.type == 'cpu' || self.count >= 1",
+    message="accelerator.count must be at least 1 for ascend and nvidia; use type: cpu for none",
+    check=lambda a: a.type == AcceleratorType.CPU or a.count >= 1,
+    field_path=".count",
+)
+_CPU_HAS_NO_RESOURCE = CelRule(
+    rule="self.type != 'cpu' || !has(self.resourceName)",
+    message="accelerator.resourceName applies to ascend and nvidia only; remove it for type: cpu",
+    check=lambda a: a.type != AcceleratorType.CPU or a.resource_name is None,
+    field_path=".resourceName",
+)
+
+
+class AcceleratorSpec(ApiModel):
+    """Which devices the engine pods get and how they are scheduled."""
+
+    model_config = ConfigDict(
+        json_schema_extra=cel_schema_extra(_DEVICES_NEED_COUNT, _CPU_HAS_NO_RESOURCE)
+    )
+    check_rules = cel_validator(_DEVICES_NEED_COUNT, _CPU_HAS_NO_RESOURCE)
+
+    type: AcceleratorType = AcceleratorType.ASCEND
+    """ascend (Huawei Ascend NPUs), nvidia (GPUs) or cpu."""
+    count: int = Field(default=1, ge=0, le=64)
+    """Devices per engine pod."""
+    resource_name: ResourceName | None = None
+    """Device plugin resource; huawei.com/Ascend910 (MindCluster) or nvidia.com/gpu by default.
+    Set e.g. huawei.com/ascend-1980 for other Ascend device plugins."""
+    node_selector: dict[LabelKey, LabelValue] = Field(default_factory=dict)
+    """Node labels the engine pods require, e.g. {accelerator: huawei-Ascend910}."""
+    tolerations: list[Toleration] = Field(default_factory=list)
+    """Taints of accelerator nodes the engine pods tolerate."""
+    scheduler_name: DnsName | None = None
+    """Scheduler of the engine pods, e.g. volcano; the default scheduler when unset."""
+    driver_host_path: str = Field(default="/usr/local/Ascend/driver", pattern=r"^/.*")
+    """Ascend only: the node's driver directory, mounted read-only into the engine."""
+
+    @property
+    def effective_resource_name(self) -> str | None:
+        return self.resource_name or DEFAULT_RESOURCE_NAMES.get(self.type)
+
+
+class BlendMode(StrEnum):
+    HOLE = "hole"
+    PREFIX = "prefix"
+    OFF = "off"
+
+
+class SegmentContext(StrEnum):
+    AFTER_SYSTEM = "afterSystem"
+    ALONE = "alone"
+
+
+class Selection(StrEnum):
+    K_DEVIATION = "kDeviation"
+    RANDOM = "random"
+
+
+class KVTiers(ApiModel):
+    """Where segment KV caches live."""
+
+    local_cpu_bytes: Quantity = "4Gi"
+    """Byte budget of the in-process LRU tier of each engine pod."""
+    shared_url: str | None = Field(default=None, pattern=r"^[a-z][a-z0-9+.-]*://.+")
+    """Shared tier on an existing store, e.g. redis://kv-cache:6379/0; none when unset."""
+
+
+class BlendSpec(ApiModel):
+    """How prompts are split into segments and their cached KV blended."""
+
+    mode: BlendMode = BlendMode.HOLE
+    """hole: reuse every cached segment; prefix: stop at the first miss (CacheBlend); off."""
+    separator: str = Field(default=" # #", min_length=1, max_length=64)
+    """String between the system prompt, the documents and the question."""
+    check_layers: list[Annotated[int, Field(ge=0, le=255)]] = Field(
+        default_factory=lambda: [1], min_length=1, max_length=8
+    )
+    """Layers at which deviating tokens are selected for recompute."""
+    recompute_ratio: float = Field(default=0.15, gt=0, le=1)
+    """Initial share of cached tokens recomputed, in (0, 1]; the tuner adjusts it."""
+    selection: Selection = Selection.K_DEVIATION
+    """How tokens to recompute are chosen: largest K deviation, or random (a baseline)."""
+    chunk_size: int = Field(default=256, ge=16, le=8192)
+    """Tokens per KV storage chunk."""
+    min_segment_tokens: int = Field(default=16, ge=1, le=65536)
+    """Segments shorter than this are recomputed, never cached."""
+    segment_context: SegmentContext = SegmentContext.AFTER_SYSTEM
+    """afterSystem: cache a document's KV as computed right after the system prompt
+    (about half the blending error at low ratios); alone: from position 0."""
+    kv: KVTiers = Field(default_factory=KVTiers)
+    """Cache tiers."""
+
+
+class LookupServerSpec(ApiModel):
+    """The shared index of cached segments, one per BlendDeployment."""
+
+    enabled: bool = True
+    """Run the lookup server; without it each pod only knows its own cache."""
+    replicas: int = Field(default=1, ge=1, le=16)
+    """Lookup server pods."""
+    image: str | None = Field(default=None, min_length=1)
+    """Container image; the holeblend runtime CPU image when unset."""
+    port: int = Field(default=8100, ge=1, le=65535)
+    """Port of the lookup API, /metrics and /healthz."""
+    resources: Resources = Field(default_factory=Resources)
+    """CPU and memory of a lookup server pod."""
+
+
+_BOUNDS_ORDERED = CelRule(
+    rule="self.minRatio <= self.maxRatio",
+    message="tuning.minRatio must not exceed tuning.maxRatio",
+    check=lambda t: t.min_ratio <= t.max_ratio,
+    field_path=".minRatio",
+)
+
+
+class TuningSpec(ApiModel):
+    """Closed-loop tuning of the recompute ratio from the F1 proxy."""
+
+    model_config = ConfigDict(json_schema_extra=cel_schema_extra(_BOUNDS_ORDERED))
+    check_rules = cel_validator(_BOUNDS_ORDERED)
+
+    enabled: bool = True
+    """Let the operator adjust blend.recomputeRatio within [minRatio, maxRatio]."""
+    target_f1_proxy: float = Field(default=0.9, gt=0, le=1)
+    """F1 of blended vs full-prefill answers the tuner keeps the ratio at."""
+    band: float = Field(default=0.03, ge=0, le=0.5)
+    """Dead band around the target inside which nothing changes."""
+    min_ratio: float = Field(default=0.05, gt=0, le=1)
+    """Lowest ratio the tuner may set."""
+    max_ratio: float = Field(default=0.6, gt=0, le=1)
+    """Highest ratio the tuner may set."""
+    step_up_factor: float = Field(default=1.5, gt=1, le=4)
+    """Multiplier applied when quality is below target."""
+    step_down: float = Field(default=0.02, gt=0, le=0.5)
+    """Amount subtracted when quality stays above target for the cooldown."""
+    interval_seconds: int = Field(default=60, ge=5, le=86400)
+    """How often the tuner evaluates."""
+    cooldown_seconds: int = Field(default=300, ge=0, le=86400)
+    """How long quality must stay above target before lowering the ratio."""
+    min_samples: int = Field(default=20, ge=1, le=100000)
+    """Fewest F1-proxy samples in the window to act on."""
+    shadow_sample_rate: float = Field(default=0.02, ge=0, le=1)
+    """Share of requests also run with full prefill to score the F1 proxy."""
+    prometheus_url: str | None = Field(default=None, pattern=r"^https?://.+")
+    """Prometheus to query; the operator scrapes the pods directly when unset."""
+
+
+class ServiceMonitorSpec(ApiModel):
+    """A prometheus-operator ServiceMonitor for the engine and lookup server metrics."""
+
+    enabled: bool = False
+    """Create the ServiceMonitor (needs the monitoring.coreos.com CRDs)."""
+    interval_seconds: int = Field(default=15, ge=1, le=3600)
+    """Scrape interval."""
+    labels: dict[LabelKey, LabelValue] = Field(default_factory=dict)
+    """Extra labels, e.g. {release: prometheus} to match a Prometheus's selector."""
+
+
+class MonitoringSpec(ApiModel):
+    """Metrics collection."""
+
+    service_monitor: ServiceMonitorSpec = Field(default_factory=ServiceMonitorSpec)
+    """ServiceMonitor settings."""
+
+
+class DisruptionBudgetSpec(ApiModel):
+    """A PodDisruptionBudget for the engine pods."""
+
+    enabled: bool = True
+    """Create the PodDisruptionBudget."""
+    max_unavailable: int = Field(default=1, ge=1)
+    """Engine pods a voluntary disruption (drain) may take down at once."""
+
+
+_TP_FITS = CelRule(
+    rule="self.accelerator.type == 'cpu' || self.engine.tensorParallelSize <= self.accelerator.count",
+    message="engine.tensorParallelSize must not exceed accelerator.count; raise the count or lower the size",
+    check=lambda s: (
+        s.accelerator.type == AcceleratorType.CPU
+        or s.engine.tensor_parallel_size <= s.accelerator.count
+    ),
+    field_path=".engine.tensorParallelSize",
+)
+_RATIO_IN_BOUNDS = CelRule(
+    rule="!self.tuning.enabled || (self.tuning.minRatio <= self.blend.recomputeRatio && self.blend.recomputeRatio <= self.tuning.maxRatio)",
+    message="blend.recomputeRatio must lie within [tuning.minRatio, tuning.maxRatio] when tuning is enabled; move it or widen the bounds",
+    check=lambda s: (
+        not s.tuning.enabled or s.tuning.min_ratio <= s.blend.recompute_ratio <= s.tuning.max_ratio
+    ),
+    field_path=".blend.recomputeRatio",
+)
+
+
+class BlendDeploymentSpec(ApiModel):
+    """Desired state of a BlendDeployment."""
+
+    model_config = ConfigDict(json_schema_extra=cel_schema_extra(_TP_FITS, _RATIO_IN_BOUNDS))
+    check_rules = cel_validator(_TP_FITS, _RATIO_IN_BOUNDS)
+
+    model: ModelSpec
+    """The served model."""
+    replicas: int = Field(default=1, ge=0, le=1024)
+    """Engine pods; also set by `kubectl scale` and autoscalers."""
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    """Engine container settings."""
+    accelerator: AcceleratorSpec = Field(default_factory=AcceleratorSpec)
+    """Devices and scheduling."""
+    blend: BlendSpec = Field(default_factory=BlendSpec)
+    """KV blending."""
+    lookup_server: LookupServerSpec = Field(default_factory=LookupServerSpec)
+    """Shared lookup server."""
+    tuning: TuningSpec = Field(default_factory=TuningSpec)
+    """Recompute-ratio tuner."""
+    monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
+    """Metrics collection."""
+    disruption_budget: DisruptionBudgetSpec = Field(default_factory=DisruptionBudgetSpec)
+    """Voluntary disruption limits."""
+
+
+class ConditionType(StrEnum):
+    READY = "Ready"
+    PROGRESSING = "Progressing"
+    DEGRADED = "Degraded"
+    LOOKUP_SERVER_READY = "LookupServerReady"
+    TUNED = "Tuned"
+
+
+class Condition(ApiModel):
+    """A standard Kubernetes condition."""
+
+    type: str = Field(min_length=1, max_length=316)
+    """Ready, Progressing, Degraded, LookupServerReady or Tuned."""
+    status: Literal["True", "False", "Unknown"]
+    """Whether the condition holds."""
+    reason: str = Field(default="", max_length=1024)
+    """CamelCase reason code."""
+    message: str = Field(default="", max_length=32768)
+    """What happened and what to do, for a person."""
+    last_transition_time: str | None = None
+    """When status last changed (RFC 3339)."""
+    observed_generation: int | None = Field(default=None, ge=0)
+    """The spec generation the condition was computed from."""
+
+
+class Phase(StrEnum):
+    PENDING = "Pending"
+    PROGRESSING = "Progressing"
+    READY = "Ready"
+    DEGRADED = "Degraded"
+
+
+class TuningDecision(ApiModel):
+    """One decision of the tuner."""
+
+    time: str
+    """When it was taken (RFC 3339)."""
+    direction: Literal["up", "down", "hold"]
+    """What the tuner did to the ratio."""
+    from_ratio: float = Field(gt=0, le=1)
+    """Ratio before."""
+    to_ratio: float = Field(gt=0, le=1)
+    """Ratio after."""
+    reason: str
+    """Why, with the numbers it saw."""
+
+
+class TuningStatus(ApiModel):
+    """The tuner's recent decisions."""
+
+    history: list[TuningDecision] = Field(default_factory=list, max_length=20)
+    """The latest decisions, newest last."""
+
+
+class ObservedMetrics(ApiModel):
+    """Windowed metrics the operator last read."""
+
+    hit_percent: float | None = Field(default=None, ge=0, le=100)
+    """Share of prompt tokens served from cached KV, in percent."""
+    f1_proxy: float | None = Field(default=None, ge=0, le=1)
+    """Mean F1 of blended vs full-prefill answers over the window."""
+    top1_agreement: float | None = Field(default=None, ge=0, le=1)
+    """Mean next-token agreement of blended vs full prefill over the window."""
+    ttft_seconds: float | None = Field(default=None, ge=0)
+    """Mean time to first token."""
+    num_samples: int | None = Field(default=None, ge=0)
+    """F1-proxy samples in the window."""
+    observed_at: str | None = None
+    """When they were read (RFC 3339)."""
+
+
+class BlendDeploymentStatus(ApiModel):
+    """Observed state, written by the operator."""
+
+    observed_generation: int | None = None
+    """The spec generation last reconciled."""
+    replicas: int = 0
+    """Engine pods that exist."""
+    ready_replicas: int = 0
+    """Engine pods that are ready."""
+    selector: str | None = None
+    """Label selector of the engine pods (for the scale subresource and autoscalers)."""
+    phase: Phase = Phase.PENDING
+    """Pending, Progressing, Ready or Degraded."""
+    conditions: list[Condition] = Field(default_factory=list)
+    """Ready, Progressing, Degraded, LookupServerReady, Tuned."""
+    recompute_ratio: float | None = Field(default=None, gt=0, le=1)
+    """The ratio the pods run with now."""
+    tuning: TuningStatus = Field(default_factory=TuningStatus)
+    """Tuner decisions."""
+    metrics: ObservedMetrics = Field(default_factory=ObservedMetrics)
+    """Last observed metrics."""
+
+
+class ObjectMeta(BaseModel):
+    """The part of metadata the operator reads; everything else passes through."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    name: DnsName
+    namespace: str = "default"
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+    uid: str | None = None
+    generation: int | None = None
+
+
+class BlendDeployment(ApiModel):
+    """A served RAG model with hole-mode KV blending, lookup server and tuner."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    api_version: Literal["blend.holeblend.io/v1alpha1"] = API_VERSION
+    kind: Literal["BlendDeployment"] = KIND
+    metadata: ObjectMeta
+    spec: BlendDeploymentSpec
+    status: BlendDeploymentStatus = Field(default_factory=BlendDeploymentStatus)
+
+
+def format_validation_error(exc) -> str:
+    """One line per problem, `field.path: what is wrong`, joined with '; '."""
+    problems = []
+    for error in exc.errors():
+        path = ".".join(str(part) for part in error["loc"] if not _is_type_tag(part))
+        message = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "extra_forbidden":
+            message = "unknown field; check its spelling against `kubectl explain bd.spec`"
+        if error["type"] not in ("extra_forbidden", "missing") and _is_scalar(error["input"]):
+            message += f" (got {error['input']!r})"
+        problems.append(f"{path}: {message}" if path else message)
+    return "; ".join(problems)
+
+
+def _is_scalar(value) -> bool:
+    return isinstance(value, str | int | float | bool) and "got " not in str(value)
+
+
+def _is_type_tag(part) -> bool:
+    # pydantic adds the branch of a union or a function-validator name to `loc`.
+    return isinstance(part, str) and ("[" in part or part.startswith("function-"))
