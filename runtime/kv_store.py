@@ -1,0 +1,139 @@
+"""Per-segment KV storage: the entry type, the store protocol and a local LRU tier."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class SegmentKV:
+    """The KV cache of one segment, for every layer."""
+
+    # The segment key (see `segments.segment_key`).
+    key: str
+    # [num_layers, num_kv_heads, num_tokens, head_dim], K already rotated at `positions`.
+    k: torch.Tensor
+    # [num_layers, num_kv_heads, num_tokens, head_dim].
+    v: torch.Tensor
+    # [num_tokens] int64: the RoPE positions K was rotated at (needed to re-rotate).
+    positions: torch.Tensor
+    # The model the KV was computed with; a reader checks it before trusting the tensors.
+    model_id: str
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            raise ValueError("key: must not be empty")
+        if self.k.dim() != 4:
+            raise ValueError(
+                f"k: expected 4 dims [layers, heads, tokens, head_dim], got {tuple(self.k.shape)}"
+            )
+        if self.v.shape != self.k.shape:
+            raise ValueError(f"v: shape {tuple(self.v.shape)} differs from k {tuple(self.k.shape)}")
+        if self.v.dtype != self.k.dtype:
+            raise ValueError(f"v: dtype {self.v.dtype} differs from k {self.k.dtype}")
+        if self.positions.shape != (self.num_tokens,) or self.positions.dtype != torch.int64:
+            raise ValueError(
+                f"positions: expected int64 of shape ({self.num_tokens},), "
+                f"got {self.positions.dtype} {tuple(self.positions.shape)}"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def num_bytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes + self.positions.nbytes
+
+
+class KVStore(Protocol):
+    def get(self, key: str) -> SegmentKV | None:
+        """The entry, or None on a miss."""
+        ...
+
+    def put(self, kv: SegmentKV) -> bool:
+        """Store `kv`; False when the store will not hold it."""
+        ...
+
+    def contains(self, key: str) -> bool:
+        """Whether `key` is stored, without counting as a use."""
+        ...
+
+
+class LocalKVStore:
+    """In-process KV store with a byte budget and least-recently-used eviction.
+
+    `get` and `put` count as uses; `contains` does not, so a lookup that is never
+    followed by a load does not keep an entry alive. Thread-safe: the engine stores
+    segments off the request path.
+    """
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes < 1:
+            raise ValueError(f"capacity_bytes: must be >= 1, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self._entries: OrderedDict[str, SegmentKV] = OrderedDict()
+        self._num_bytes = 0
+        self._num_evictions = 0
+        self._lock = threading.Lock()
+
+    @property
+    def num_bytes(self) -> int:
+        return self._num_bytes
+
+    @property
+    def num_evictions(self) -> int:
+        return self._num_evictions
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: str) -> SegmentKV | None:
+        with self._lock:
+            kv = self._entries.get(key)
+            if kv is not None:
+                self._entries.move_to_end(key)
+            return kv
+
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def put(self, kv: SegmentKV) -> bool:
+        """Store `kv`, evicting least recently used entries; False if it exceeds the budget."""
+        if kv.num_bytes > self.capacity_bytes:
+            return False
+        with self._lock:
+            self._remove(kv.key)
+            while self._num_bytes + kv.num_bytes > self.capacity_bytes:
+                self._evict_oldest()
+            self._entries[kv.key] = kv
+            self._num_bytes += kv.num_bytes
+            return True
+
+    def remove(self, key: str) -> bool:
+        """Drop `key`; False when it was not stored."""
+        with self._lock:
+            return self._remove(key)
+
+    def keys(self) -> tuple[str, ...]:
+        """Stored keys, least recently used first."""
+        with self._lock:
+            return tuple(self._entries)
+
+    def _remove(self, key: str) -> bool:
+        kv = self._entries.pop(key, None)
+        if kv is None:
+            return False
+        self._num_bytes -= kv.num_bytes
+        return True
+
+    def _evict_oldest(self) -> None:
+        _, kv = self._entries.popitem(last=False)
+        self._num_bytes -= kv.num_bytes
+        self._num_evictions += 1
