@@ -1,0 +1,18 @@
+"""The engine PodDisruptionBudget: drains take down at most maxUnavailable engine pods."""
+
+from holeblend_operator.api import BlendDeployment
+from holeblend_operator.render.labels import ENGINE, engine_selector, object_meta
+from holeblend_operator.render.naming import engine_name
+
+
+def engine_disruption_budget(bd: BlendDeployment) -> dict:
+    name = engine_name(bd.metadata.name)
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": object_meta(bd, name, ENGINE),
+        "spec": {
+            "maxUnavailable": bd.spec.disruption_budget.max_unavailable,
+            "selector": {"matchLabels": engine_selector(bd)},
+        },
+    }

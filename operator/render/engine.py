@@ -1,0 +1,163 @@
+"""The engine Deployment: vLLM pods running the hole-mode blending runtime."""
+
+import json
+import posixpath
+
+from holeblend_operator.api import AcceleratorType, BlendDeployment, EnvVar, ModelSource
+from holeblend_operator.render import accelerator as accel
+from holeblend_operator.render.images import engine_image
+from holeblend_operator.render.labels import ENGINE, engine_selector, object_meta, standard_labels
+from holeblend_operator.render.naming import engine_name, runtime_config_name
+from holeblend_operator.render.runtime_config import CONFIG_DIR, CONFIG_PATH, config_hash
+
+MODEL_DIR = "/models"
+CONFIG_HASH_ANNOTATION = "blend.holeblend.io/runtime-config-hash"
+# The KV-connector contract with the runtime: vLLM imports the class from this module.
+CONNECTOR_CLASS = "HoleBlendConnector"
+CONNECTOR_MODULE = "holeblend_runtime.vllm_connector"
+HEALTH_PATH = "/health"
+
+
+def model_argument(source: ModelSource) -> str:
+    """What `vllm serve` loads: a directory of the mounted volume, or the hub id."""
+    if source.pvc is not None:
+        return posixpath.normpath(posixpath.join(MODEL_DIR, source.pvc.path.lstrip("/")))
+    if source.host_path is not None:
+        return MODEL_DIR
+    return source.hub.id
+
+
+def model_volumes(source: ModelSource) -> list[dict]:
+    if source.pvc is not None:
+        claim = {"claimName": source.pvc.claim_name, "readOnly": True}
+        return [{"name": "model", "persistentVolumeClaim": claim}]
+    if source.host_path is not None:
+        return [{"name": "model", "hostPath": {"path": source.host_path.path, "type": "Directory"}}]
+    return []
+
+
+def model_volume_mounts(source: ModelSource) -> list[dict]:
+    if source.hub is not None:
+        return []
+    return [{"name": "model", "mountPath": MODEL_DIR, "readOnly": True}]
+
+
+def kv_transfer_config() -> str:
+    """vLLM's --kv-transfer-config: our connector, which reads the blend settings file."""
+    config = {
+        "kv_connector": CONNECTOR_CLASS,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"holeblend_config": CONFIG_PATH},
+    }
+    return json.dumps(config, sort_keys=True, separators=(",", ":"))
+
+
+def vllm_args(bd: BlendDeployment) -> list[str]:
+    model, engine = bd.spec.model, bd.spec.engine
+    args = ["serve", model_argument(model.source)]
+    args += ["--served-model-name", model.served_name or model.name]
+    args += ["--host", "0.0.0.0", "--port", str(engine.port)]
+    args += ["--dtype", str(model.dtype)]
+    args += ["--tensor-parallel-size", str(engine.tensor_parallel_size)]
+    if model.max_model_len is not None:
+        args += ["--max-model-len", str(model.max_model_len)]
+    if model.source.hub is not None and model.source.hub.revision is not None:
+        args += ["--revision", model.source.hub.revision]
+    return [*args, "--kv-transfer-config", kv_transfer_config(), *engine.extra_args]
+
+
+def engine_env(bd: BlendDeployment) -> list[dict]:
+    """Our variables first, then the user's; a user variable replaces ours of the same name."""
+    ours = [EnvVar(name="HOLEBLEND_CONFIG", value=CONFIG_PATH), *accel.accelerator_env(bd)]
+    user_names = {var.name for var in bd.spec.engine.env}
+    kept = [var for var in ours if var.name not in user_names]
+    return [{"name": var.name, "value": var.value} for var in (*kept, *bd.spec.engine.env)]
+
+
+def probes() -> dict:
+    http = {"httpGet": {"path": HEALTH_PATH, "port": "http"}}
+    # Loading a large model takes minutes: the startup probe allows 30 of them before the
+    # liveness probe starts counting, so slow loads are not killed in a restart loop.
+    return {
+        "startupProbe": http | {"periodSeconds": 10, "failureThreshold": 180},
+        "readinessProbe": http | {"periodSeconds": 10, "failureThreshold": 3},
+        "livenessProbe": http | {"periodSeconds": 15, "timeoutSeconds": 5, "failureThreshold": 4},
+    }
+
+
+def engine_container(bd: BlendDeployment) -> dict:
+    engine, accelerator = bd.spec.engine, bd.spec.accelerator
+    container = {
+        "name": "engine",
+        "image": engine_image(engine.image, accelerator.type),
+        "imagePullPolicy": engine.image_pull_policy,
+        "command": ["vllm"],
+        "args": vllm_args(bd),
+        "env": engine_env(bd),
+        "ports": [{"name": "http", "containerPort": engine.port, "protocol": "TCP"}],
+        "resources": accel.container_resources(bd),
+        "volumeMounts": engine_volume_mounts(bd),
+    }
+    return container | probes()
+
+
+def engine_volume_mounts(bd: BlendDeployment) -> list[dict]:
+    # The config directory is mounted whole (no subPath) so the kubelet refreshes the file
+    # when the tuner changes the ratio.
+    return [
+        {"name": "runtime-config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "shm", "mountPath": "/dev/shm"},
+        *model_volume_mounts(bd.spec.model.source),
+        *accel.host_volume_mounts(bd.spec.accelerator),
+    ]
+
+
+def engine_volumes(bd: BlendDeployment) -> list[dict]:
+    config = {"name": runtime_config_name(bd.metadata.name)}
+    shm = {"medium": "Memory", "sizeLimit": bd.spec.engine.shm_size}
+    return [
+        {"name": "runtime-config", "configMap": config},
+        {"name": "shm", "emptyDir": shm},
+        *model_volumes(bd.spec.model.source),
+        *accel.host_volumes(bd.spec.accelerator),
+    ]
+
+
+def pod_spec(bd: BlendDeployment) -> dict:
+    spec = {
+        "containers": [engine_container(bd)],
+        "volumes": engine_volumes(bd),
+        # The engine never talks to the Kubernetes API, and service-link variables such as
+        # <NAME>_PORT can collide with vLLM's own VLLM_* settings.
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+    }
+    return spec | accel.scheduling(bd.spec.accelerator)
+
+
+def rollout_strategy(bd: BlendDeployment) -> dict:
+    # Device nodes are usually full: a surge pod would wait for a free NPU/GPU forever, so
+    # device pods are replaced one at a time instead.
+    if bd.spec.accelerator.type == AcceleratorType.CPU:
+        return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+
+
+def engine_deployment(bd: BlendDeployment) -> dict:
+    name = engine_name(bd.metadata.name)
+    template_meta = {
+        "labels": standard_labels(bd, ENGINE),
+        "annotations": {CONFIG_HASH_ANNOTATION: config_hash(bd)},
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": object_meta(bd, name, ENGINE),
+        "spec": {
+            "replicas": bd.spec.replicas,
+            "selector": {"matchLabels": engine_selector(bd)},
+            "strategy": rollout_strategy(bd),
+            "template": {"metadata": template_meta, "spec": pod_spec(bd)},
+        },
+    }

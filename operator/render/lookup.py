@@ -1,0 +1,55 @@
+"""The lookup-server Deployment: the fleet-wide index of cached segments."""
+
+from holeblend_operator.api import BlendDeployment
+from holeblend_operator.render.images import lookup_image
+from holeblend_operator.render.labels import (
+    LOOKUP_SERVER,
+    object_meta,
+    selector_labels,
+    standard_labels,
+)
+from holeblend_operator.render.naming import lookup_name
+
+# The runtime module that serves the index; the contract with holeblend_runtime.
+LOOKUP_SERVER_MODULE = "holeblend_runtime.lookup_server"
+HEALTH_PATH = "/healthz"
+
+
+def lookup_container(bd: BlendDeployment) -> dict:
+    server = bd.spec.lookup_server
+    http = {"httpGet": {"path": HEALTH_PATH, "port": "http"}}
+    container = {
+        "name": "lookup-server",
+        "image": lookup_image(server.image),
+        "command": ["python", "-m", LOOKUP_SERVER_MODULE],
+        "args": ["--host", "0.0.0.0", "--port", str(server.port)],
+        "ports": [{"name": "http", "containerPort": server.port, "protocol": "TCP"}],
+        "readinessProbe": http | {"periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": http | {"periodSeconds": 10, "timeoutSeconds": 3, "failureThreshold": 3},
+    }
+    resources = {"requests": server.resources.requests, "limits": server.resources.limits}
+    return container | {
+        "resources": {k: dict(sorted(v.items())) for k, v in resources.items() if v}
+    }
+
+
+def lookup_deployment(bd: BlendDeployment) -> dict:
+    name = lookup_name(bd.metadata.name)
+    pod_spec = {
+        "containers": [lookup_container(bd)],
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": object_meta(bd, name, LOOKUP_SERVER),
+        "spec": {
+            "replicas": bd.spec.lookup_server.replicas,
+            "selector": {"matchLabels": selector_labels(bd, LOOKUP_SERVER)},
+            "template": {
+                "metadata": {"labels": standard_labels(bd, LOOKUP_SERVER)},
+                "spec": pod_spec,
+            },
+        },
+    }

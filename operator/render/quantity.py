@@ -1,0 +1,34 @@
+"""Kubernetes quantities ('4Gi', '512M', '1e9') as whole bytes, for the runtime's byte budgets."""
+
+import math
+import re
+from decimal import Decimal
+
+_SUFFIXES = {
+    "": 1,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+    "Ei": 2**60,
+    "m": Decimal("0.001"),
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "P": 10**15,
+    "E": 10**18,
+}
+_QUANTITY = re.compile(
+    r"([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)(Ki|Mi|Gi|Ti|Pi|Ei|[mkMGTPE])?"
+)
+
+
+def quantity_bytes(quantity: str, field: str) -> int:
+    """Bytes in `quantity`, rounded up; ValueError naming `field` when it is not a quantity."""
+    match = _QUANTITY.fullmatch(quantity)
+    if match is None:
+        raise ValueError(f"{field}: {quantity!r} is not a Kubernetes quantity like '4Gi'")
+    number, suffix = match.groups()
+    return math.ceil(Decimal(number) * _SUFFIXES[suffix or ""])

@@ -1,0 +1,38 @@
+"""A prometheus-operator ServiceMonitor scraping the engine and lookup-server Services."""
+
+from holeblend_operator.api import BlendDeployment
+from holeblend_operator.render.labels import (
+    APP_NAME,
+    ENGINE,
+    LOOKUP_SERVER,
+    METRICS,
+    instance_label,
+    object_meta,
+)
+from holeblend_operator.render.naming import service_monitor_name
+
+SERVICE_MONITOR_API_VERSION = "monitoring.coreos.com/v1"
+
+
+def service_monitor(bd: BlendDeployment) -> dict:
+    settings = bd.spec.monitoring.service_monitor
+    metadata = object_meta(bd, service_monitor_name(bd.metadata.name), METRICS)
+    # Our labels win over the user's extra labels: the selector depends on them.
+    metadata["labels"] = dict(sorted(settings.labels.items())) | metadata["labels"]
+    components = [ENGINE, LOOKUP_SERVER] if bd.spec.lookup_server.enabled else [ENGINE]
+    selector = {
+        "matchLabels": {
+            "app.kubernetes.io/name": APP_NAME,
+            "app.kubernetes.io/instance": instance_label(bd),
+        },
+        "matchExpressions": [
+            {"key": "app.kubernetes.io/component", "operator": "In", "values": components}
+        ],
+    }
+    endpoint = {"port": "http", "path": "/metrics", "interval": f"{settings.interval_seconds}s"}
+    return {
+        "apiVersion": SERVICE_MONITOR_API_VERSION,
+        "kind": "ServiceMonitor",
+        "metadata": metadata,
+        "spec": {"selector": selector, "endpoints": [endpoint]},
+    }
