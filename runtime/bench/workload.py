@@ -1,0 +1,315 @@
+"""A seeded synthetic multi-document QA workload.
+
+Every document describes one invented organisation through short fact sentences
+(years, people, places, counts, dates), so each answer exists only in the prompt and the
+model cannot know it beforehand. Each prompt asks one question whose gold answer occurs
+in exactly one of its documents. Some documents are "holes": left out when the prompt is
+first sent (pass 1), present when it is sent again (pass 2).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+SYSTEM_PROMPT = (
+    "You are a careful assistant. Answer the question using only the documents. "
+    "Reply with the answer alone, in a few words."
+)
+
+_SYLLABLES = (
+    "bra", "ken", "lor", "vas", "mir", "tol", "quen", "dar", "sel", "vok", "rin", "tha",
+    "mor", "zel", "pan", "dru", "fen", "gal", "hes", "jor", "kal", "nim", "osk", "pel",
+)  # fmt: skip
+_FIRST_NAMES = (
+    "Talia", "Oren", "Mirela", "Brannoc", "Isvet", "Corwen", "Anselma", "Dariel", "Fenna",
+    "Gideor", "Halvara", "Joriel", "Kestra", "Lucan", "Merisol", "Nolwen", "Perrin",
+    "Quilla", "Rhoswen", "Sabeth", "Teodric", "Ulma", "Varic", "Wenna", "Yselt", "Zorin",
+)  # fmt: skip
+_ORG_KINDS = (
+    "Institute", "Trading Company", "Observatory", "Library", "Shipyard", "Orchestra",
+    "Museum", "Brewery", "Foundry", "Seed Bank", "Weaving Guild", "Ferry Line",
+)  # fmt: skip
+_MONTHS = (
+    "January", "February", "March", "April", "May", "June", "July", "August",
+    "September", "October", "November", "December",
+)  # fmt: skip
+_COLOURS = ("green", "silver", "crimson", "golden", "violet", "white", "rust", "blue")
+_ANIMALS = ("heron", "fox", "otter", "lynx", "stag", "owl", "salmon", "badger", "wren")
+
+
+@dataclass(frozen=True)
+class _FactTemplate:
+    # Statement and question; {e} is the organisation, {v} the value.
+    sentence: str
+    question: str
+    # Which value generator fills {v}.
+    value_kind: str
+
+
+_FACT_TEMPLATES = (
+    _FactTemplate("{e} was founded in {v}.", "In which year was {e} founded?", "year"),
+    _FactTemplate("{e} was founded by {v}.", "Who founded {e}?", "person"),
+    _FactTemplate(
+        "The headquarters of {e} are in the town of {v}.",
+        "In which town are the headquarters of {e}?",
+        "place",
+    ),
+    _FactTemplate(
+        "The main office of {e} stands on {v}.",
+        "On which street does the main office of {e} stand?",
+        "street",
+    ),
+    _FactTemplate("{e} employs {v} people.", "How many people does {e} employ?", "count"),
+    _FactTemplate(
+        "The current director of {e} is {v}.", "Who is the current director of {e}?", "person"
+    ),
+    _FactTemplate(
+        "{e} opened its first branch on {v}.",
+        "On which date did {e} open its first branch?",
+        "date",
+    ),
+    _FactTemplate(
+        "The yearly budget of {e} is {v} crowns.",
+        "How many crowns is the yearly budget of {e}?",
+        "count",
+    ),
+    _FactTemplate(
+        "The oldest building of {e} has {v} floors.",
+        "How many floors does the oldest building of {e} have?",
+        "small_count",
+    ),
+    _FactTemplate("The emblem of {e} shows a {v}.", "What does the emblem of {e} show?", "emblem"),
+    _FactTemplate(
+        "{e} keeps a second office in the port of {v}.",
+        "In which port does {e} keep a second office?",
+        "place",
+    ),
+    _FactTemplate(
+        "Every year {e} welcomes about {v} visitors.",
+        "How many visitors does {e} welcome every year?",
+        "count",
+    ),
+    _FactTemplate(
+        "The chief archivist of {e} is {v}.", "Who is the chief archivist of {e}?", "person"
+    ),
+    _FactTemplate(
+        "{e} moved into its present home in {v}.",
+        "In which year did {e} move into its present home?",
+        "year",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Fact:
+    sentence: str
+    question: str
+    answer: str
+
+
+@dataclass(frozen=True)
+class Document:
+    # The organisation the document is about.
+    entity: str
+    text: str
+    facts: tuple[Fact, ...]
+    # Whether only there to make the prompt longer (no question is asked about it).
+    is_distractor: bool
+
+
+@dataclass(frozen=True)
+class QAPrompt:
+    """One request: documents, one question and its gold answer."""
+
+    system: str
+    documents: tuple[Document, ...]
+    question: str
+    gold_answer: str
+    # Index into `documents` of the document that holds the answer.
+    answer_document: int
+    # Indexes into `documents` left out in pass 1 (sorted).
+    hole_documents: tuple[int, ...]
+
+    def document_texts(self, *, without_holes: bool) -> tuple[str, ...]:
+        skipped = set(self.hole_documents) if without_holes else set()
+        return tuple(d.text for i, d in enumerate(self.documents) if i not in skipped)
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    seed: int = 0
+    # Prompts in the workload; each asks one question.
+    num_questions: int = 4
+    # Documents per prompt that a question may be about.
+    num_documents: int = 10
+    # Extra distractor documents per prompt ("inflate"), placed at random positions.
+    num_inflate: int = 0
+    # Document length range in tokens (as counted by the caller's tokenizer).
+    min_document_tokens: int = 124
+    max_document_tokens: int = 181
+    # Documents left out in pass 1: "middle", "none", or prompt positions like "2,5".
+    holes: str = "middle"
+
+    def __post_init__(self) -> None:
+        for name in ("num_questions", "num_documents", "min_document_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.num_inflate < 0:
+            raise ValueError(f"num_inflate: must be >= 0, got {self.num_inflate}")
+        if self.max_document_tokens < self.min_document_tokens:
+            raise ValueError("max_document_tokens: must be >= min_document_tokens")
+        hole_positions(self.holes, self.num_documents_per_prompt)
+
+    @property
+    def num_documents_per_prompt(self) -> int:
+        return self.num_documents + self.num_inflate
+
+
+def hole_positions(holes: str, num_documents: int) -> tuple[int, ...]:
+    """Parse a hole spec into sorted document positions in the prompt."""
+    spec = holes.strip().lower()
+    if spec == "middle":
+        return (num_documents // 2,)
+    if spec == "none":
+        return ()
+    try:
+        positions = sorted({int(part) for part in spec.split(",")})
+    except ValueError:
+        raise ValueError(
+            f"holes: expected 'middle', 'none' or positions like '2,5', got {holes!r}"
+        ) from None
+    if positions[0] < 0 or positions[-1] >= num_documents:
+        raise ValueError(f"holes: positions must lie in 0..{num_documents - 1}, got {holes!r}")
+    return tuple(positions)
+
+
+def approximate_token_count(text: str) -> int:
+    """Rough token count for tests without a tokenizer: words, punctuation, single digits."""
+    return len(re.findall(r"\d|[^\W\d]+|[^\w\s]", text))
+
+
+def generate_workload(
+    config: WorkloadConfig, count_tokens: Callable[[str], int] = approximate_token_count
+) -> tuple[QAPrompt, ...]:
+    """The same prompts for the same config and token counter, every time."""
+    rng = random.Random(config.seed)
+    used_entities: set[str] = set()
+    return tuple(
+        _generate_prompt(rng, config, count_tokens, used_entities)
+        for _ in range(config.num_questions)
+    )
+
+
+def _generate_prompt(
+    rng: random.Random,
+    config: WorkloadConfig,
+    count_tokens: Callable[[str], int],
+    used_entities: set[str],
+) -> QAPrompt:
+    used_values: set[str] = set()
+    is_distractor = [False] * config.num_documents + [True] * config.num_inflate
+    rng.shuffle(is_distractor)
+    documents = tuple(
+        _generate_document(rng, config, count_tokens, used_entities, used_values, flag)
+        for flag in is_distractor
+    )
+    answer_document = rng.choice([i for i, d in enumerate(documents) if not d.is_distractor])
+    fact = _unique_fact(rng, documents, answer_document)
+    return QAPrompt(
+        system=SYSTEM_PROMPT,
+        documents=documents,
+        question=fact.question,
+        gold_answer=fact.answer,
+        answer_document=answer_document,
+        hole_documents=hole_positions(config.holes, len(documents)),
+    )
+
+
+def _unique_fact(rng: random.Random, documents: tuple[Document, ...], index: int) -> Fact:
+    # Values are unique per prompt, but one value can still be a substring of another
+    # ("1873" inside "21873"): ask only about facts found in exactly one document.
+    candidates = [
+        fact
+        for fact in documents[index].facts
+        if sum(fact.answer in d.text for d in documents) == 1
+    ]
+    if not candidates:
+        raise ValueError("documents: no fact with an answer unique to its document")
+    return rng.choice(candidates)
+
+
+def _generate_document(
+    rng: random.Random,
+    config: WorkloadConfig,
+    count_tokens: Callable[[str], int],
+    used_entities: set[str],
+    used_values: set[str],
+    is_distractor: bool,
+) -> Document:
+    entity = _unique(rng, _entity_name, used_entities)
+    target = rng.randint(config.min_document_tokens, config.max_document_tokens)
+    facts: list[Fact] = []
+    for template in rng.sample(_FACT_TEMPLATES, len(_FACT_TEMPLATES)):
+        fact = _make_fact(rng, template, entity, used_values)
+        if count_tokens(_join(facts + [fact])) > config.max_document_tokens:
+            break
+        facts.append(fact)
+        if count_tokens(_join(facts)) >= target:
+            break
+    return Document(entity, _join(facts), tuple(facts), is_distractor)
+
+
+def _make_fact(
+    rng: random.Random, template: _FactTemplate, entity: str, used_values: set[str]
+) -> Fact:
+    value = _unique(rng, _VALUE_GENERATORS[template.value_kind], used_values)
+    sentence = template.sentence.format(e=entity, v=value)
+    return Fact(
+        sentence=sentence[:1].upper() + sentence[1:],
+        question=template.question.format(e=entity),
+        answer=value,
+    )
+
+
+def _join(facts: list[Fact]) -> str:
+    return " ".join(f.sentence for f in facts)
+
+
+def _unique(rng: random.Random, generate: Callable[[random.Random], str], used: set[str]) -> str:
+    for _ in range(1000):
+        value = generate(rng)
+        if value not in used:
+            used.add(value)
+            return value
+    raise ValueError("seed: could not draw a fresh value after 1000 tries")
+
+
+def _invented_word(rng: random.Random, num_syllables: int) -> str:
+    return "".join(rng.choice(_SYLLABLES) for _ in range(num_syllables)).capitalize()
+
+
+def _entity_name(rng: random.Random) -> str:
+    return f"the {_invented_word(rng, 2)} {rng.choice(_ORG_KINDS)}"
+
+
+def _person(rng: random.Random) -> str:
+    return f"{rng.choice(_FIRST_NAMES)} {_invented_word(rng, 2)}"
+
+
+def _date(rng: random.Random) -> str:
+    return f"{rng.randint(1, 28)} {rng.choice(_MONTHS)} {rng.randint(1820, 1990)}"
+
+
+_VALUE_GENERATORS: dict[str, Callable[[random.Random], str]] = {
+    "year": lambda rng: str(rng.randint(1750, 1995)),
+    "person": _person,
+    "place": lambda rng: _invented_word(rng, 3),
+    "street": lambda rng: f"{_invented_word(rng, 2)} Street",
+    "count": lambda rng: f"{rng.randint(1200, 98000):,}",
+    "small_count": lambda rng: str(rng.randint(3, 40)),
+    "date": _date,
+    "emblem": lambda rng: f"{rng.choice(_COLOURS)} {rng.choice(_ANIMALS)}",
+}
