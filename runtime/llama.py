@@ -1,0 +1,159 @@
+"""A small Llama-family forward pass in plain torch, with explicit positions.
+
+Attention runs one sequence at a time with tensors shaped [heads, tokens, head_dim];
+the KV cache of a sequence is one K and one V tensor [layers, kv_heads, tokens, head_dim]
+that callers allocate and the model writes into, so a prefill, a blend and a decode step
+share the same layer code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from holeblend_runtime.model_config import ModelConfig
+from holeblend_runtime.rope import RopeTable, apply_rope, rope_table
+
+
+@dataclass(frozen=True, eq=False)
+class LayerWeights:
+    attn_norm: torch.Tensor
+    # Q, K and V projections stacked: one matmul instead of three.
+    qkv: torch.Tensor
+    out: torch.Tensor
+    ffn_norm: torch.Tensor
+    # SwiGLU gate and up projections stacked.
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+def causal_mask(query_positions: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """Bool [queries, keys]: key j is visible to a query at position p iff j <= p.
+
+    Keys are the cache slots 0..num_keys-1, one per position. Queries may be any sorted
+    subset of positions; each sees exactly the keys up to its own true position.
+    """
+    keys = torch.arange(num_keys, device=query_positions.device)
+    return keys[None, :] <= query_positions[:, None]
+
+
+class Llama:
+    """Weights plus the layer functions; no state besides the weights."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Mapping[str, torch.Tensor],
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.embedding = self._weight(weights, "token_embd.weight")
+        self.final_norm = self._weight(weights, "output_norm.weight")
+        output_name = "token_embd.weight" if config.tie_word_embeddings else "output.weight"
+        self.output = self._weight(weights, output_name)
+        self.layers = [self._layer(weights, i) for i in range(config.num_layers)]
+
+    def _weight(self, weights: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+        if name not in weights:
+            raise ValueError(f"weights: missing tensor {name}")
+        return weights[name].to(device=self.device, dtype=self.dtype)
+
+    def _layer(self, weights: Mapping[str, torch.Tensor], i: int) -> LayerWeights:
+        def get(name: str) -> torch.Tensor:
+            return self._weight(weights, f"blk.{i}.{name}.weight")
+
+        return LayerWeights(
+            attn_norm=get("attn_norm"),
+            qkv=torch.cat([get("attn_q"), get("attn_k"), get("attn_v")]).contiguous(),
+            out=get("attn_output"),
+            ffn_norm=get("ffn_norm"),
+            gate_up=torch.cat([get("ffn_gate"), get("ffn_up")]).contiguous(),
+            down=get("ffn_down"),
+        )
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    def new_kv(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed K and V buffers for a sequence of `num_tokens`."""
+        c = self.config
+        shape = (c.num_layers, c.num_kv_heads, num_tokens, c.head_dim)
+        return (
+            torch.zeros(shape, device=self.device, dtype=self.dtype),
+            torch.zeros(shape, device=self.device, dtype=self.dtype),
+        )
+
+    def rope(self, positions: torch.Tensor) -> RopeTable:
+        c = self.config
+        return rope_table(positions, head_dim=c.head_dim, theta=c.rope_theta, dtype=self.dtype)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.embedding[token_ids.to(self.device)]
+
+    def qkv(
+        self, layer: int, h: torch.Tensor, rope: RopeTable
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q [heads, n, d], K and V [kv_heads, n, d] of hidden states h [n, hidden]; Q, K rotated."""
+        c, w = self.config, self.layers[layer]
+        x = self._rms_norm(h, w.attn_norm) @ w.qkv.T
+        q, k, v = x.split([c.hidden_size, c.kv_width, c.kv_width], dim=-1)
+        q = q.view(-1, c.num_heads, c.head_dim).transpose(0, 1)
+        k = k.view(-1, c.num_kv_heads, c.head_dim).transpose(0, 1)
+        v = v.view(-1, c.num_kv_heads, c.head_dim).transpose(0, 1)
+        return apply_rope(q, rope), apply_rope(k, rope), v
+
+    def attend_and_mlp(
+        self,
+        layer: int,
+        h: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+    ) -> torch.Tensor:
+        """The rest of the layer for the queries' rows of h: attention over (k, v), MLP."""
+        w = self.layers[layer]
+        attn = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True
+        )
+        h = h + attn.transpose(0, 1).reshape(h.shape[0], -1) @ w.out.T
+        gate, up = (self._rms_norm(h, w.ffn_norm) @ w.gate_up.T).chunk(2, dim=-1)
+        return h + (F.silu(gate) * up) @ w.down.T
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Next-token logits for hidden states h [n, hidden] -> [n, vocab]."""
+        return self._rms_norm(h, self.final_norm) @ self.output.T
+
+    def forward(
+        self, token_ids: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int
+    ) -> torch.Tensor:
+        """Run tokens at positions start.. after the cached slots [0, start).
+
+        Writes their K/V into the cache buffers and returns their last hidden states.
+        """
+        end = start + token_ids.shape[0]
+        if end > k_cache.shape[2]:
+            raise ValueError(f"k_cache: holds {k_cache.shape[2]} slots, need {end}")
+        positions = torch.arange(start, end, device=self.device)
+        rope, mask = self.rope(positions), None
+        if start > 0 and end - start > 1:
+            mask = causal_mask(positions, end)
+        h = self.embed(token_ids)
+        for layer in range(self.num_layers):
+            q, k, v = self.qkv(layer, h, rope)
+            k_cache[layer, :, start:end], v_cache[layer, :, start:end] = k, v
+            keys, values = k_cache[layer, :, :end], v_cache[layer, :, :end]
+            h = self.attend_and_mlp(layer, h, q, keys, values, mask, is_causal=start == 0)
+        return h
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return x * torch.rsqrt(variance + self.config.rms_norm_eps) * weight

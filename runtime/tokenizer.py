@@ -1,0 +1,64 @@
+"""Text <-> token ids with the model's own byte-level BPE vocabulary."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from holeblend_runtime.model_config import ModelConfig
+
+
+def build_bpe_tokenizer(
+    *,
+    tokens: Sequence[str],
+    merges: Sequence[str],
+    special_tokens: Sequence[str],
+    pre_tokenizer: str,
+) -> Tokenizer:
+    """A GPT-2 style tokenizer; `pre_tokenizer` is llama.cpp's name for the split regex."""
+    vocab = {token: i for i, token in enumerate(tokens)}
+    pairs = [tuple(merge.split(" ", 1)) for merge in merges]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    tokenizer.pre_tokenizer = _pre_tokenizer(pre_tokenizer)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in special_tokens]
+    )
+    return tokenizer
+
+
+def _pre_tokenizer(name: str) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if name == "gpt2":
+        return byte_level
+    if name == "smollm":
+        # llama.cpp's "smollm": every digit alone, then GPT-2's regex over bytes.
+        digits = pre_tokenizers.Digits(individual_digits=True)
+        return pre_tokenizers.Sequence([digits, byte_level])
+    raise ValueError(f"tokenizer.ggml.pre: unsupported pre-tokenizer {name!r}")
+
+
+class TextTokenizer:
+    """Encodes the way the model's tokenizer does, BOS included only if it adds one."""
+
+    def __init__(self, tokenizer: Tokenizer, config: ModelConfig) -> None:
+        self._tokenizer = tokenizer
+        self.bos_token_id = config.bos_token_id
+        self.eos_token_id = config.eos_token_id
+        self.add_bos_token = config.add_bos_token and config.bos_token_id is not None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` alone (no BOS): pieces concatenate into prompts."""
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a whole prompt: BOS first when the model's tokenizer adds it."""
+        prefix = [self.bos_token_id] if self.add_bos_token else []
+        return prefix + self.encode(text)
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tokenizer.token_to_id(token)
