@@ -39,7 +39,7 @@ pytest: $(STAMP)
 test: lint layers pytest
 
 generate: $(STAMP)
-	$(VENV)/bin/holeblend-operator crd --output crds/blenddeployments.blend.holeblend.io.yaml
+	$(VENV)/bin/holeblend-operator crd --output crds/blenddeployments.blend.holeblend.io.yaml --docs docs/api.md
 	cp crds/blenddeployments.blend.holeblend.io.yaml charts/holeblend/crds/
 
 clean:

@@ -8,9 +8,10 @@ import re
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from holeblend_operator.cel import CelRule, cel_schema_extra, cel_validator
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 from pydantic.alias_generators import to_camel
+
+from holeblend_operator.cel import CelRule, cel_schema_extra, cel_validator
 
 GROUP = "blend.holeblend.io"
 VERSION = "v1alpha1"
@@ -23,9 +24,14 @@ SHORT_NAMES = ("bd",)
 DEFAULT_RESOURCE_NAMES = {"ascend": "huawei.com/Ascend910", "nvidia": "nvidia.com/gpu"}
 
 
+# Anchored pattern -> what it describes, for messages about map keys in the CRD.
+PATTERN_MEANINGS: dict[str, str] = {}
+
+
 def _matching(pattern: str, what: str, max_length: int | None = None):
     """A string type checked against `pattern`, with a message that says what is expected."""
     regex = re.compile(pattern)
+    PATTERN_MEANINGS[f"^{pattern}$"] = what
 
     def check(value: str) -> str:
         if max_length is not None and len(value) > max_length:
@@ -34,7 +40,8 @@ def _matching(pattern: str, what: str, max_length: int | None = None):
             raise ValueError(f"{value!r} is not {what}")
         return value
 
-    schema = {"pattern": pattern} | ({"maxLength": max_length} if max_length else {})
+    # Anchored: the API server's `pattern` is a search, pydantic's check a full match.
+    schema = {"pattern": f"^{pattern}$"} | ({"maxLength": max_length} if max_length else {})
     return Annotated[str, AfterValidator(check), Field(json_schema_extra=schema)]
 
 
@@ -42,6 +49,11 @@ DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 DNS_SUBDOMAIN = rf"{DNS_LABEL}(\.{DNS_LABEL})*"
 LABEL_NAME = r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]"
 
+AbsolutePath = _matching(r"/.*", "an absolute path like /data/models", max_length=4096)
+StoreUrl = _matching(
+    r"[a-z][a-z0-9+.-]*://.+", "a URL like redis://kv-cache:6379/0", max_length=2048
+)
+HttpUrl = _matching(r"https?://.+", "an http(s) URL like http://prometheus:9090", max_length=2048)
 ResourceName = _matching(
     rf"{DNS_SUBDOMAIN}/{LABEL_NAME}",
     "an extended resource name like 'huawei.com/Ascend910' or 'nvidia.com/gpu'",
@@ -61,11 +73,26 @@ EnvName = _matching(r"[-._a-zA-Z][-._a-zA-Z0-9]*", "an environment variable name
 DnsName = _matching(
     DNS_SUBDOMAIN, "a DNS-1123 name (lowercase letters, digits, '-', '.')", max_length=253
 )
-Quantity = _matching(
-    r"(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?",
-    "a Kubernetes quantity like '500m', '2', '16Gi'",
+QUANTITY_PATTERN = r"(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?"
+# Kubernetes accepts `cpu: 2` as well as `cpu: "2"`: keep quantities as strings inside,
+# accept both on the wire.
+Quantity = Annotated[
+    _matching(QUANTITY_PATTERN, "a Kubernetes quantity like '500m', '2', '16Gi'"),
+    BeforeValidator(lambda v: str(v) if isinstance(v, int) and not isinstance(v, bool) else v),
+    WithJsonSchema(
+        {
+            "x-kubernetes-int-or-string": True,
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "pattern": f"^{QUANTITY_PATTERN}$",
+        }
+    ),
+]
+ResourceKey = _matching(
+    rf"(cpu|memory|ephemeral-storage|hugepages-[-A-Za-z0-9]+|{DNS_SUBDOMAIN}/{LABEL_NAME})",
+    "a resource name: cpu, memory, ephemeral-storage or an extended resource like nvidia.com/gpu",
+    max_length=253,
 )
-ResourceList = dict[ResourceName | Literal["cpu", "memory", "ephemeral-storage"], Quantity]
+ResourceList = Annotated[dict[ResourceKey, Quantity], Field(max_length=32)]
 
 
 class ApiModel(BaseModel):
@@ -101,7 +128,7 @@ class PvcSource(ApiModel):
 class HostPathSource(ApiModel):
     """Model files in a directory on every node."""
 
-    path: str = Field(pattern=r"^/.*", min_length=1)
+    path: AbsolutePath
     """Absolute directory on the node, e.g. /data/models/Qwen3-8B."""
 
 
@@ -175,9 +202,9 @@ class EngineSpec(ApiModel):
     """When the kubelet pulls the image."""
     tensor_parallel_size: int = Field(default=1, ge=1, le=64)
     """Devices one engine shards the model over; at most `accelerator.count`."""
-    extra_args: list[str] = Field(default_factory=list)
+    extra_args: list[str] = Field(default_factory=list, max_length=128)
     """Extra `vllm serve` arguments, e.g. ['--enable-prefix-caching']."""
-    env: list[EnvVar] = Field(default_factory=list)
+    env: list[EnvVar] = Field(default_factory=list, max_length=128)
     """Extra environment variables of the engine container."""
     resources: Resources = Field(default_factory=Resources)
     """CPU and memory; accelerator devices are added from `accelerator`."""
@@ -237,13 +264,13 @@ class AcceleratorSpec(ApiModel):
     resource_name: ResourceName | None = None
     """Device plugin resource; huawei.com/Ascend910 (MindCluster) or nvidia.com/gpu by default.
     Set e.g. huawei.com/ascend-1980 for other Ascend device plugins."""
-    node_selector: dict[LabelKey, LabelValue] = Field(default_factory=dict)
+    node_selector: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=64)
     """Node labels the engine pods require, e.g. {accelerator: huawei-Ascend910}."""
-    tolerations: list[Toleration] = Field(default_factory=list)
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=64)
     """Taints of accelerator nodes the engine pods tolerate."""
     scheduler_name: DnsName | None = None
     """Scheduler of the engine pods, e.g. volcano; the default scheduler when unset."""
-    driver_host_path: str = Field(default="/usr/local/Ascend/driver", pattern=r"^/.*")
+    driver_host_path: AbsolutePath = "/usr/local/Ascend/driver"
     """Ascend only: the node's driver directory, mounted read-only into the engine."""
 
     @property
@@ -272,7 +299,7 @@ class KVTiers(ApiModel):
 
     local_cpu_bytes: Quantity = "4Gi"
     """Byte budget of the in-process LRU tier of each engine pod."""
-    shared_url: str | None = Field(default=None, pattern=r"^[a-z][a-z0-9+.-]*://.+")
+    shared_url: StoreUrl | None = None
     """Shared tier on an existing store, e.g. redis://kv-cache:6379/0; none when unset."""
 
 
@@ -353,7 +380,7 @@ class TuningSpec(ApiModel):
     """Fewest F1-proxy samples in the window to act on."""
     shadow_sample_rate: float = Field(default=0.02, ge=0, le=1)
     """Share of requests also run with full prefill to score the F1 proxy."""
-    prometheus_url: str | None = Field(default=None, pattern=r"^https?://.+")
+    prometheus_url: HttpUrl | None = None
     """Prometheus to query; the operator scrapes the pods directly when unset."""
 
 
@@ -364,7 +391,7 @@ class ServiceMonitorSpec(ApiModel):
     """Create the ServiceMonitor (needs the monitoring.coreos.com CRDs)."""
     interval_seconds: int = Field(default=15, ge=1, le=3600)
     """Scrape interval."""
-    labels: dict[LabelKey, LabelValue] = Field(default_factory=dict)
+    labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=64)
     """Extra labels, e.g. {release: prometheus} to match a Prometheus's selector."""
 
 
@@ -513,7 +540,7 @@ class BlendDeploymentStatus(ApiModel):
     """Label selector of the engine pods (for the scale subresource and autoscalers)."""
     phase: Phase = Phase.PENDING
     """Pending, Progressing, Ready or Degraded."""
-    conditions: list[Condition] = Field(default_factory=list)
+    conditions: list[Condition] = Field(default_factory=list, max_length=16)
     """Ready, Progressing, Degraded, LookupServerReady, Tuned."""
     recompute_ratio: float | None = Field(default=None, gt=0, le=1)
     """The ratio the pods run with now."""

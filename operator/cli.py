@@ -1,8 +1,32 @@
-"""Command line of the operator: `holeblend-operator {crd,render,run}`."""
+"""Command line of the operator: `holeblend-operator {crd,render,run}`.
 
+Each subcommand lives in its own module with `add_parser(subparsers)` and a `run(args)`
+returning the exit code; this module only wires them together.
+"""
+
+import argparse
 import sys
+
+from holeblend_operator import crd_command, render_command
+
+COMMANDS = [crd_command, render_command]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="holeblend-operator",
+        description="Kubernetes operator for hole-mode KV blending (BlendDeployment).",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for command in COMMANDS:
+        command.add_parser(subparsers)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("holeblend-operator: no commands yet", file=sys.stderr)
-    return 1
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

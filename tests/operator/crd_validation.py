@@ -1,0 +1,60 @@
+"""Validate a manifest the way the API server would: defaults, OpenAPI schema, CEL rules.
+
+The schema part runs `jsonschema` (Draft 4 semantics match OpenAPI v3's boolean
+`exclusiveMinimum`); the CEL part evaluates the CRD's own `x-kubernetes-validations`
+with a real CEL interpreter, after applying the schema's defaults as the API server does.
+"""
+
+import copy
+from typing import Any
+
+import celpy
+import jsonschema
+
+from holeblend_operator.crd import open_api_schema
+
+_CEL = celpy.Environment()
+
+
+def apply_defaults(schema: dict[str, Any], value: Any) -> Any:
+    """Fill in `default`s of missing object fields, recursively (API server defaulting)."""
+    if isinstance(value, dict) and "properties" in schema:
+        for name, sub in schema["properties"].items():
+            if name not in value and "default" in sub:
+                value[name] = copy.deepcopy(sub["default"])
+            if name in value:
+                value[name] = apply_defaults(sub, value[name])
+    elif isinstance(value, list) and "items" in schema:
+        return [apply_defaults(schema["items"], item) for item in value]
+    return value
+
+
+def cel_errors(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:
+    """Messages of every CEL rule that fails, as `path: message`."""
+    errors = [
+        f"{path or '<root>'}: {rule['message']}"
+        for rule in schema.get("x-kubernetes-validations", [])
+        if not _evaluate(rule["rule"], value)
+    ]
+    if isinstance(value, dict):
+        for name, sub in schema.get("properties", {}).items():
+            if name in value:
+                errors += cel_errors(sub, value[name], f"{path}.{name}")
+    return errors
+
+
+def _evaluate(rule: str, value: Any) -> bool:
+    program = _CEL.program(_CEL.compile(rule))
+    return bool(program.evaluate({"self": celpy.json_to_cel(value)}))
+
+
+def api_server_errors(manifest: dict[str, Any]) -> list[str]:
+    """Schema errors, or (when the schema passes) CEL errors, like the API server reports."""
+    schema = open_api_schema()
+    obj = apply_defaults(schema, copy.deepcopy(manifest))
+    validator = jsonschema.Draft4Validator(schema)
+    schema_errors = [
+        f"{'.'.join(str(p) for p in e.absolute_path)}: {e.message}"
+        for e in validator.iter_errors(obj)
+    ]
+    return schema_errors or cel_errors(schema, obj)
