@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+
 from holeblend_runtime.bench.quality import (
     answer_f1,
     answer_words,

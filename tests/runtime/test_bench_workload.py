@@ -3,6 +3,7 @@
 import dataclasses
 
 import pytest
+
 from holeblend_runtime.bench.workload import (
     WorkloadConfig,
     approximate_token_count,

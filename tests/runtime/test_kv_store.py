@@ -4,6 +4,7 @@ import threading
 
 import pytest
 import torch
+
 from holeblend_runtime.kv_store import KVStore, LocalKVStore, SegmentKV
 
 

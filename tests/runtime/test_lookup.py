@@ -1,6 +1,7 @@
 """From per-segment hit flags to a reuse plan, for prefix and hole policies."""
 
 import pytest
+
 from holeblend_runtime.lookup import LookupMode, ReusePolicy, plan_reuse
 from holeblend_runtime.segments import SegmentedPrompt, SegmentSplitter
 

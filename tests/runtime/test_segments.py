@@ -1,6 +1,7 @@
 """Splitting prompts on separator token ids and position-independent segment keys."""
 
 import pytest
+
 from holeblend_runtime.segments import (
     Segment,
     SegmentKind,
