@@ -75,14 +75,17 @@ def engine_env(bd: BlendDeployment) -> list[dict]:
     return [{"name": var.name, "value": var.value} for var in (*kept, *bd.spec.engine.env)]
 
 
+def health_probe(**timing: int) -> dict:
+    return {"httpGet": {"path": HEALTH_PATH, "port": "http"}, **timing}
+
+
 def probes() -> dict:
-    http = {"httpGet": {"path": HEALTH_PATH, "port": "http"}}
     # Loading a large model takes minutes: the startup probe allows 30 of them before the
     # liveness probe starts counting, so slow loads are not killed in a restart loop.
     return {
-        "startupProbe": http | {"periodSeconds": 10, "failureThreshold": 180},
-        "readinessProbe": http | {"periodSeconds": 10, "failureThreshold": 3},
-        "livenessProbe": http | {"periodSeconds": 15, "timeoutSeconds": 5, "failureThreshold": 4},
+        "startupProbe": health_probe(periodSeconds=10, failureThreshold=180),
+        "readinessProbe": health_probe(periodSeconds=10, failureThreshold=3),
+        "livenessProbe": health_probe(periodSeconds=15, timeoutSeconds=5, failureThreshold=4),
     }
 
 

@@ -15,17 +15,20 @@ LOOKUP_SERVER_MODULE = "holeblend_runtime.lookup_server"
 HEALTH_PATH = "/healthz"
 
 
+def health_probe(**timing: int) -> dict:
+    return {"httpGet": {"path": HEALTH_PATH, "port": "http"}, **timing}
+
+
 def lookup_container(bd: BlendDeployment) -> dict:
     server = bd.spec.lookup_server
-    http = {"httpGet": {"path": HEALTH_PATH, "port": "http"}}
     container = {
         "name": "lookup-server",
         "image": lookup_image(server.image),
         "command": ["python", "-m", LOOKUP_SERVER_MODULE],
         "args": ["--host", "0.0.0.0", "--port", str(server.port)],
         "ports": [{"name": "http", "containerPort": server.port, "protocol": "TCP"}],
-        "readinessProbe": http | {"periodSeconds": 5, "failureThreshold": 3},
-        "livenessProbe": http | {"periodSeconds": 10, "timeoutSeconds": 3, "failureThreshold": 3},
+        "readinessProbe": health_probe(periodSeconds=5, failureThreshold=3),
+        "livenessProbe": health_probe(periodSeconds=10, timeoutSeconds=3, failureThreshold=3),
     }
     resources = {"requests": server.resources.requests, "limits": server.resources.limits}
     return container | {
