@@ -1,0 +1,607 @@
+"""The pure render functions: golden files, Kubernetes schemas, names and behaviour.
+
+Golden files live in tests/operator/golden/<example>/<kind>-<name>.yaml, one per rendered
+child of each manifest in examples/. After an intended change of the rendered objects,
+regenerate them and review the diff:
+
+    HOLEBLEND_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/operator/test_render.py
+    git diff tests/operator/golden
+"""
+
+import importlib.metadata
+import os
+import re
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from holeblend_operator.api import BlendDeployment
+from holeblend_operator.render import (
+    CONFIG_HASH_ANNOTATION,
+    engine_selector,
+    render_children,
+    selector_string,
+)
+from holeblend_operator.render.images import DEFAULT_ENGINE_IMAGES, HOLEBLEND_VERSION
+from holeblend_operator.render.naming import bounded_label_value, bounded_name, child_name
+from holeblend_operator.render.quantity import quantity_bytes
+from holeblend_operator.render_command import object_yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+GOLDEN = Path(__file__).resolve().parent / "golden"
+UPDATE_GOLDEN = os.environ.get("HOLEBLEND_UPDATE_GOLDEN") == "1"
+KUBERNETES_VERSIONS = ["1.30", kubernetes_validate.latest_version()]
+DNS_1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+
+MINIMAL = {
+    "apiVersion": "blend.holeblend.io/v1alpha1",
+    "kind": "BlendDeployment",
+    "metadata": {"name": "rag", "namespace": "serving"},
+    "spec": {"model": {"name": "Qwen/Qwen3-8B", "source": {"pvc": {"claimName": "models"}}}},
+}
+
+
+def make_bd(name: str = "rag", **spec) -> BlendDeployment:
+    manifest = {**MINIMAL, "metadata": {**MINIMAL["metadata"], "name": name}}
+    return BlendDeployment.model_validate({**manifest, "spec": {**MINIMAL["spec"], **spec}})
+
+
+def load_example(path: Path) -> BlendDeployment:
+    return BlendDeployment.model_validate(yaml.safe_load(path.read_text()))
+
+
+def golden_name(child: dict) -> str:
+    return f"{child['kind'].lower()}-{child['metadata']['name']}.yaml"
+
+
+def find(children: list[dict], kind: str, component: str) -> dict:
+    matches = [
+        c
+        for c in children
+        if c["kind"] == kind and c["metadata"]["labels"]["app.kubernetes.io/component"] == component
+    ]
+    assert len(matches) == 1, f"expected one {kind} of {component}, got {len(matches)}"
+    return matches[0]
+
+
+def engine_pod(bd: BlendDeployment) -> dict:
+    return find(render_children(bd), "Deployment", "engine")["spec"]["template"]
+
+
+def engine_container(bd: BlendDeployment) -> dict:
+    return engine_pod(bd)["spec"]["containers"][0]
+
+
+def env_of(container: dict) -> dict[str, str]:
+    return {var["name"]: var["value"] for var in container["env"]}
+
+
+def blend_json(bd: BlendDeployment) -> dict:
+    configmap = find(render_children(bd), "ConfigMap", "runtime-config")
+    return yaml.safe_load(configmap["data"]["blend.json"])
+
+
+# --- golden files --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_rendered_children_match_golden_files(path):
+    folder = GOLDEN / path.stem
+    children = render_children(load_example(path))
+    if UPDATE_GOLDEN:
+        folder.mkdir(parents=True, exist_ok=True)
+        for stale in folder.glob("*.yaml"):
+            stale.unlink()
+        for child in children:
+            (folder / golden_name(child)).write_text(object_yaml(child))
+    for child in children:
+        golden = folder / golden_name(child)
+        assert golden.exists(), f"{golden} missing; regenerate with HOLEBLEND_UPDATE_GOLDEN=1"
+        assert object_yaml(child) == golden.read_text(), f"{golden} differs from the render"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_golden_folder_holds_no_stale_files(path):
+    rendered = {golden_name(child) for child in render_children(load_example(path))}
+    assert {p.name for p in (GOLDEN / path.stem).glob("*.yaml")} == rendered
+
+
+def test_every_golden_folder_belongs_to_an_example():
+    assert {p.name for p in GOLDEN.iterdir() if p.is_dir()} == {p.stem for p in EXAMPLES}
+
+
+# --- Kubernetes schemas --------------------------------------------------------------
+
+
+def built_in_children():
+    for path in EXAMPLES:
+        for child in render_children(load_example(path)):
+            if child["kind"] != "ServiceMonitor":
+                yield pytest.param(child, id=f"{path.stem}-{golden_name(child)[:-5]}")
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("child", list(built_in_children()))
+def test_rendered_objects_pass_kubernetes_validate_strict(child, version):
+    kubernetes_validate.validate(child, version, strict=True)
+
+
+def test_strict_validation_rejects_a_misspelled_field():
+    # Guards the test above: the validator must see unknown fields in our objects.
+    deployment = find(render_children(make_bd()), "Deployment", "engine")
+    deployment["spec"]["template"]["spec"]["containers"][0]["volumeMount"] = []
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, "1.30", strict=True)
+
+
+def test_service_monitor_has_the_prometheus_operator_shape():
+    bd = make_bd(monitoring={"serviceMonitor": {"enabled": True, "intervalSeconds": 30}})
+    monitor = find(render_children(bd), "ServiceMonitor", "metrics")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert set(monitor) == {"apiVersion", "kind", "metadata", "spec"}
+    assert set(monitor["spec"]) == {"selector", "endpoints"}
+    assert monitor["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "30s"}]
+    assert re.fullmatch(r"(\d+(ms|s|m|h))+", monitor["spec"]["endpoints"][0]["interval"])
+
+
+def test_service_monitor_selects_the_engine_and_lookup_services_by_their_labels():
+    bd = make_bd(monitoring={"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}})
+    children = render_children(bd)
+    monitor = find(children, "ServiceMonitor", "metrics")
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    selected = [c for c in children if c["kind"] == "Service" and selects(monitor, c)]
+    assert [s["metadata"]["name"] for s in selected] == ["rag-engine", "rag-lookup"]
+    assert all(s["spec"]["ports"][0]["name"] == "http" for s in selected)
+
+
+def selects(monitor: dict, service: dict) -> bool:
+    labels, selector = service["metadata"]["labels"], monitor["spec"]["selector"]
+    matches_labels = selector["matchLabels"].items() <= labels.items()
+    return matches_labels and all(
+        labels.get(e["key"]) in e["values"] for e in selector["matchExpressions"]
+    )
+
+
+# --- names and labels ----------------------------------------------------------------
+
+
+def test_short_names_are_kept():
+    assert child_name("rag", "engine") == "rag-engine"
+
+
+def test_long_names_are_truncated_with_a_stable_hash():
+    name = child_name("a" * 70, "engine")
+    assert len(name) == 63 and DNS_1035_LABEL.fullmatch(name)
+    assert name == child_name("a" * 70, "engine")
+    assert re.fullmatch(r"a+-[0-9a-f]{8}", name)
+
+
+def test_long_names_that_share_a_prefix_stay_distinct():
+    assert child_name("p" * 80 + "-one", "engine") != child_name("p" * 80 + "-two", "engine")
+
+
+def test_names_with_dots_or_a_leading_digit_become_dns_labels():
+    for bd_name in ("my.model", "8b-model", "x" * 250 + ".v1"):
+        assert DNS_1035_LABEL.fullmatch(bounded_name(f"{bd_name}-engine"))
+        assert len(bounded_name(f"{bd_name}-engine")) <= 63
+
+
+def test_every_child_of_a_long_named_deployment_fits_63_characters():
+    bd = make_bd("m" * 250, monitoring={"serviceMonitor": {"enabled": True}})
+    children = render_children(bd)
+    names = [c["metadata"]["name"] for c in children]
+    assert all(len(n) <= 63 and DNS_1035_LABEL.fullmatch(n) for n in names), names
+    for child in children:
+        assert all(len(value) <= 63 for value in child["metadata"]["labels"].values())
+        if child["kind"] != "ServiceMonitor":
+            kubernetes_validate.validate(child, "1.30", strict=True)
+
+
+def test_long_instance_label_is_truncated_with_a_hash():
+    assert len(bounded_label_value("z" * 100)) == 63
+    assert bounded_label_value("z" * 100) != bounded_label_value("z" * 99)
+    assert bounded_label_value("my.model") == "my.model"
+
+
+def test_children_carry_the_standard_labels():
+    for child in render_children(make_bd()):
+        labels = child["metadata"]["labels"]
+        assert labels["app.kubernetes.io/name"] == "holeblend"
+        assert labels["app.kubernetes.io/instance"] == "rag"
+        assert labels["app.kubernetes.io/managed-by"] == "holeblend-operator"
+        assert labels["app.kubernetes.io/part-of"] == "holeblend"
+        assert labels["app.kubernetes.io/version"] == HOLEBLEND_VERSION
+
+
+def test_children_live_in_the_blend_deployments_namespace():
+    assert {c["metadata"]["namespace"] for c in render_children(make_bd())} == {"serving"}
+
+
+def test_selectors_do_not_change_across_updates():
+    before = make_bd()
+    after = make_bd(
+        replicas=5,
+        engine={"image": "registry.example/engine:2", "env": [{"name": "A", "value": "1"}]},
+        blend={"mode": "prefix", "recomputeRatio": 0.3},
+    )
+    selectors = [
+        [c["spec"]["selector"] for c in render_children(bd) if "selector" in c.get("spec", {})]
+        for bd in (before, after)
+    ]
+    assert selectors[0] == selectors[1]
+
+
+def test_selector_string_selects_the_engine_pods():
+    bd = make_bd()
+    pairs = dict(item.split("=") for item in selector_string(bd).split(","))
+    assert pairs == engine_selector(bd)
+    assert pairs.items() <= engine_pod(bd)["metadata"]["labels"].items()
+
+
+def test_default_images_follow_the_package_version():
+    assert importlib.metadata.version("holeblend") == HOLEBLEND_VERSION
+
+
+# --- determinism and purity ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_rendering_twice_gives_equal_objects(path):
+    bd = load_example(path)
+    first, second = render_children(bd), render_children(bd)
+    assert first == second
+    assert [object_yaml(c) for c in first] == [object_yaml(c) for c in second]
+
+
+def test_children_share_no_mutable_objects():
+    # The reconcile step mutates children (kopf.adopt); a shared dict would leak into others.
+    bd = make_bd(monitoring={"serviceMonitor": {"enabled": True}})
+    seen: set[int] = set()
+
+    def walk(value):
+        if isinstance(value, dict | list):
+            assert id(value) not in seen, f"shared object {value!r}"
+            seen.add(id(value))
+            for item in value.values() if isinstance(value, dict) else value:
+                walk(item)
+
+    walk(render_children(bd))
+
+
+def test_children_come_in_a_stable_order():
+    bd = make_bd(monitoring={"serviceMonitor": {"enabled": True}})
+    assert [(c["kind"], c["metadata"]["name"]) for c in render_children(bd)] == [
+        ("Deployment", "rag-engine"),
+        ("Service", "rag-engine"),
+        ("ConfigMap", "rag-runtime"),
+        ("Deployment", "rag-lookup"),
+        ("Service", "rag-lookup"),
+        ("PodDisruptionBudget", "rag-engine"),
+        ("ServiceMonitor", "rag-metrics"),
+    ]
+
+
+# --- accelerators ----------------------------------------------------------------------
+
+
+def test_ascend_pods_request_the_configured_resource_name():
+    bd = make_bd(
+        accelerator={"type": "ascend", "count": 2, "resourceName": "huawei.com/ascend-1980"}
+    )
+    resources = engine_container(bd)["resources"]
+    assert resources["requests"]["huawei.com/ascend-1980"] == "2"
+    assert resources["limits"]["huawei.com/ascend-1980"] == "2"
+    assert "huawei.com/Ascend910" not in resources["limits"]
+
+
+def test_ascend_pods_default_to_mindclusters_resource_name():
+    resources = engine_container(make_bd(accelerator={"type": "ascend"}))["resources"]
+    assert resources == {
+        "requests": {"huawei.com/Ascend910": "1"},
+        "limits": {"huawei.com/Ascend910": "1"},
+    }
+
+
+def test_device_count_wins_over_a_user_set_device_resource():
+    bd = make_bd(
+        accelerator={"type": "ascend", "count": 4},
+        engine={
+            "tensorParallelSize": 4,
+            "resources": {"requests": {"huawei.com/Ascend910": "1", "cpu": "8"}},
+        },
+    )
+    resources = engine_container(bd)["resources"]
+    assert resources["requests"] == {"cpu": "8", "huawei.com/Ascend910": "4"}
+    assert resources["limits"] == {"huawei.com/Ascend910": "4"}
+
+
+def test_ascend_pods_mount_the_driver_from_the_node_read_only():
+    bd = make_bd(accelerator={"type": "ascend", "driverHostPath": "/opt/Ascend/driver"})
+    pod = engine_pod(bd)["spec"]
+    host_paths = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    assert set(host_paths.values()) == {
+        "/opt/Ascend/driver",
+        "/usr/local/dcmi",
+        "/usr/local/bin/npu-smi",
+        "/etc/ascend_install.info",
+    }
+    mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+    for name, path in host_paths.items():
+        assert mounts[name]["mountPath"] == path and mounts[name]["readOnly"] is True
+
+
+def test_ascend_visible_devices_are_numbered_from_zero():
+    bd = make_bd(accelerator={"type": "ascend", "count": 4})
+    assert env_of(engine_container(bd))["ASCEND_RT_VISIBLE_DEVICES"] == "0,1,2,3"
+
+
+def test_user_set_visible_devices_replace_ours():
+    env = [{"name": "ASCEND_RT_VISIBLE_DEVICES", "value": "1"}]
+    container = engine_container(make_bd(accelerator={"count": 2}, engine={"env": env}))
+    names = [var["name"] for var in container["env"]]
+    assert names.count("ASCEND_RT_VISIBLE_DEVICES") == 1
+    assert env_of(container)["ASCEND_RT_VISIBLE_DEVICES"] == "1"
+
+
+def test_nvidia_pods_request_gpus_and_no_ascend_mounts():
+    container = engine_container(make_bd(accelerator={"type": "nvidia", "count": 2}))
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "2"}
+    assert "ASCEND_RT_VISIBLE_DEVICES" not in env_of(container)
+    assert not [m for m in container["volumeMounts"] if m["name"].startswith("ascend")]
+
+
+def test_cpu_pods_request_no_devices():
+    bd = make_bd(
+        accelerator={"type": "cpu", "count": 0},
+        engine={"resources": {"requests": {"cpu": "2", "memory": "4Gi"}}},
+    )
+    pod = engine_pod(bd)["spec"]
+    assert pod["containers"][0]["resources"] == {"requests": {"cpu": "2", "memory": "4Gi"}}
+    assert not [v for v in pod["volumes"] if "hostPath" in v]
+    assert "ASCEND_RT_VISIBLE_DEVICES" not in env_of(pod["containers"][0])
+
+
+@pytest.mark.parametrize("accelerator", ["ascend", "nvidia", "cpu"])
+def test_every_engine_gets_a_memory_backed_shm_of_the_configured_size(accelerator):
+    count = 0 if accelerator == "cpu" else 1
+    bd = make_bd(accelerator={"type": accelerator, "count": count}, engine={"shmSize": "3Gi"})
+    pod = engine_pod(bd)["spec"]
+    shm = next(v for v in pod["volumes"] if v["name"] == "shm")
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "3Gi"}
+    assert {"name": "shm", "mountPath": "/dev/shm"} in pod["containers"][0]["volumeMounts"]
+
+
+@pytest.mark.parametrize("accelerator", ["ascend", "nvidia", "cpu"])
+def test_default_engine_image_follows_the_accelerator(accelerator):
+    count = 0 if accelerator == "cpu" else 1
+    bd = make_bd(accelerator={"type": accelerator, "count": count})
+    assert engine_container(bd)["image"] == DEFAULT_ENGINE_IMAGES[accelerator]
+
+
+def test_a_configured_engine_image_is_used_as_is():
+    bd = make_bd(engine={"image": "registry.example/holeblend:dev"})
+    assert engine_container(bd)["image"] == "registry.example/holeblend:dev"
+
+
+def test_scheduling_settings_reach_the_engine_pod():
+    toleration = {"key": "npu", "operator": "Exists", "effect": "NoSchedule"}
+    bd = make_bd(
+        accelerator={
+            "nodeSelector": {"accelerator": "huawei-Ascend910"},
+            "tolerations": [toleration],
+            "schedulerName": "volcano",
+        }
+    )
+    pod = engine_pod(bd)["spec"]
+    assert pod["nodeSelector"] == {"accelerator": "huawei-Ascend910"}
+    assert pod["tolerations"] == [toleration]
+    assert pod["schedulerName"] == "volcano"
+
+
+def test_unset_scheduling_settings_are_left_out():
+    pod = engine_pod(make_bd())["spec"]
+    assert not {"nodeSelector", "tolerations", "schedulerName"} & set(pod)
+
+
+# --- the vLLM command line and the model source --------------------------------------------
+
+
+def test_engine_serves_the_model_with_our_kv_connector():
+    bd = make_bd(
+        model={
+            "name": "Qwen/Qwen3-8B",
+            "servedName": "qwen",
+            "dtype": "bfloat16",
+            "maxModelLen": 8192,
+            "source": {"pvc": {"claimName": "models", "path": "/Qwen3-8B"}},
+        },
+        accelerator={"count": 2},
+        engine={"tensorParallelSize": 2, "port": 9000, "extraArgs": ["--enforce-eager"]},
+    )
+    args = engine_container(bd)["args"]
+    assert args[:2] == ["serve", "/models/Qwen3-8B"]
+    flags = dict(zip(args[2:-1:2], args[3::2], strict=False))
+    assert flags["--served-model-name"] == "qwen" and flags["--dtype"] == "bfloat16"
+    assert flags["--max-model-len"] == "8192" and flags["--tensor-parallel-size"] == "2"
+    assert flags["--port"] == "9000"
+    connector = yaml.safe_load(flags["--kv-transfer-config"])
+    assert connector["kv_connector_module_path"] == "holeblend_runtime.vllm_connector"
+    assert connector["kv_connector_extra_config"] == {
+        "holeblend_config": "/etc/holeblend/blend.json"
+    }
+    assert args[-1] == "--enforce-eager"
+
+
+def test_engine_finds_its_settings_through_holeblend_config():
+    container = engine_container(make_bd())
+    assert env_of(container)["HOLEBLEND_CONFIG"] == "/etc/holeblend/blend.json"
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "runtime-config")
+    # Mounted without subPath so the kubelet refreshes the file when the ratio changes.
+    assert mount == {"name": "runtime-config", "mountPath": "/etc/holeblend", "readOnly": True}
+
+
+def test_pvc_source_mounts_the_claim_read_only():
+    pod = engine_pod(make_bd())["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "model")
+    assert volume["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+    assert pod["containers"][0]["args"][1] == "/models"
+
+
+def test_host_path_source_mounts_the_node_directory():
+    source = {"hostPath": {"path": "/data/models/qwen"}}
+    pod = engine_pod(make_bd(model={"name": "qwen", "source": source}))["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "model")
+    assert volume["hostPath"] == {"path": "/data/models/qwen", "type": "Directory"}
+    assert pod["containers"][0]["args"][1] == "/models"
+
+
+def test_hub_source_passes_the_model_id_without_a_volume():
+    source = {"hub": {"id": "HuggingFaceTB/SmolLM2-135M-Instruct", "revision": "main"}}
+    pod = engine_pod(make_bd(model={"name": "smol", "source": source}))["spec"]
+    args = pod["containers"][0]["args"]
+    assert args[1] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert args[args.index("--revision") + 1] == "main"
+    assert "model" not in {v["name"] for v in pod["volumes"]}
+
+
+def test_served_name_defaults_to_the_model_name():
+    args = engine_container(make_bd())["args"]
+    assert args[args.index("--served-model-name") + 1] == "Qwen/Qwen3-8B"
+
+
+# --- runtime ConfigMap and rollouts ---------------------------------------------------------
+
+
+def test_runtime_config_carries_the_blend_settings():
+    bd = make_bd(
+        blend={
+            "mode": "prefix",
+            "checkLayers": [1, 2],
+            "recomputeRatio": 0.2,
+            "kv": {"localCpuBytes": "1Gi", "sharedUrl": "redis://kv:6379/0"},
+        },
+    )
+    config = blend_json(bd)
+    assert config["mode"] == "prefix" and config["checkLayers"] == [1, 2]
+    assert config["recomputeRatio"] == 0.2 and config["separator"] == " # #"
+    assert config["kv"] == {"localCpuBytes": 2**30, "sharedUrl": "redis://kv:6379/0"}
+    assert config["model"] == {"name": "Qwen/Qwen3-8B", "dtype": "auto"}
+    assert config["lookupServerUrl"] == "http://rag-lookup.serving.svc:8100"
+
+
+def test_runtime_config_json_has_sorted_keys():
+    configmap = find(render_children(make_bd()), "ConfigMap", "runtime-config")
+    keys = list(yaml.safe_load(configmap["data"]["blend.json"]))
+    assert keys == sorted(keys)
+
+
+def test_ratio_change_does_not_roll_engine_pods():
+    before, after = make_bd(), make_bd(blend={"recomputeRatio": 0.3})
+    assert blend_json(before)["recomputeRatio"] != blend_json(after)["recomputeRatio"]
+    assert engine_pod(before) == engine_pod(after)
+
+
+@pytest.mark.parametrize(
+    "blend", [{"mode": "prefix"}, {"checkLayers": [2]}, {"separator": " ##"}, {"chunkSize": 512}]
+)
+def test_other_blend_changes_roll_engine_pods(blend):
+    before, after = engine_pod(make_bd()), engine_pod(make_bd(blend=blend))
+    annotation = CONFIG_HASH_ANNOTATION
+    assert (
+        before["metadata"]["annotations"][annotation]
+        != after["metadata"]["annotations"][annotation]
+    )
+
+
+def with_status_ratio(bd: BlendDeployment, ratio: float) -> BlendDeployment:
+    return bd.model_copy(update={"status": bd.status.model_copy(update={"recompute_ratio": ratio})})
+
+
+def test_tuned_ratio_from_status_reaches_the_configmap_within_bounds():
+    bd = make_bd(tuning={"minRatio": 0.05, "maxRatio": 0.4})
+    assert blend_json(with_status_ratio(bd, 0.25))["recomputeRatio"] == 0.25
+    assert blend_json(with_status_ratio(bd, 0.9))["recomputeRatio"] == 0.4
+    assert engine_pod(with_status_ratio(bd, 0.25)) == engine_pod(bd)
+
+
+def test_tuned_ratio_is_ignored_when_tuning_is_off():
+    bd = make_bd(tuning={"enabled": False}, blend={"recomputeRatio": 0.7})
+    assert blend_json(with_status_ratio(bd, 0.25))["recomputeRatio"] == 0.7
+
+
+def test_replica_count_follows_the_spec():
+    deployment = find(render_children(make_bd(replicas=3)), "Deployment", "engine")
+    assert deployment["spec"]["replicas"] == 3
+
+
+# --- optional children ------------------------------------------------------------------
+
+
+def test_lookup_server_children_disappear_when_disabled():
+    bd = make_bd(lookupServer={"enabled": False}, monitoring={"serviceMonitor": {"enabled": True}})
+    children = render_children(bd)
+    components = {c["metadata"]["labels"]["app.kubernetes.io/component"] for c in children}
+    assert "lookup-server" not in components
+    assert blend_json(bd)["lookupServerUrl"] is None
+    monitor = find(children, "ServiceMonitor", "metrics")
+    assert monitor["spec"]["selector"]["matchExpressions"][0]["values"] == ["engine"]
+
+
+def test_lookup_server_runs_the_runtime_module_on_its_port():
+    bd = make_bd(lookupServer={"port": 9100, "replicas": 2})
+    children = render_children(bd)
+    deployment = find(children, "Deployment", "lookup-server")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert deployment["spec"]["replicas"] == 2
+    assert container["command"] == ["python", "-m", "holeblend_runtime.lookup_server"]
+    assert container["ports"] == [{"name": "http", "containerPort": 9100, "protocol": "TCP"}]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert find(children, "Service", "lookup-server")["spec"]["ports"][0]["port"] == 9100
+
+
+def test_engine_service_exposes_the_engine_port_as_http():
+    service = find(render_children(make_bd(engine={"port": 8080})), "Service", "engine")
+    assert service["spec"]["type"] == "ClusterIP"
+    assert service["spec"]["ports"] == [
+        {"name": "http", "port": 8080, "targetPort": "http", "protocol": "TCP"}
+    ]
+    assert service["spec"]["selector"] == engine_selector(make_bd())
+
+
+def test_disruption_budget_follows_the_spec():
+    bd = make_bd(disruptionBudget={"maxUnavailable": 2})
+    budget = find(render_children(bd), "PodDisruptionBudget", "engine")
+    assert budget["spec"] == {"maxUnavailable": 2, "selector": {"matchLabels": engine_selector(bd)}}
+    disabled = make_bd(disruptionBudget={"enabled": False})
+    assert "PodDisruptionBudget" not in {c["kind"] for c in render_children(disabled)}
+
+
+def test_service_monitor_is_off_by_default():
+    assert "ServiceMonitor" not in {c["kind"] for c in render_children(make_bd())}
+
+
+# --- quantities -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("quantity", "num_bytes"),
+    [
+        ("4Gi", 4 * 2**30),
+        ("512Mi", 512 * 2**20),
+        ("1G", 10**9),
+        ("1e3", 1000),
+        ("1.5Ki", 1536),
+        ("100", 100),
+        ("1500m", 2),
+    ],
+)
+def test_quantities_convert_to_whole_bytes(quantity, num_bytes):
+    assert quantity_bytes(quantity, "field") == num_bytes
+
+
+def test_a_bad_quantity_names_the_field():
+    with pytest.raises(ValueError, match="spec.blend.kv.localCpuBytes"):
+        quantity_bytes("four gigs", "spec.blend.kv.localCpuBytes")
