@@ -18,6 +18,9 @@ from tests.operator.crd_validation import api_server_errors
 
 BROKEN = sorted((Path(__file__).parent / "broken").glob("*.yaml"))
 ACCEPTED_BY_SERVER = "accepted"
+# The installed console script: `python -m` from the repository root would put the
+# `operator/` folder in front of Python's own `operator` module.
+OPERATOR_CLI = str(Path(sys.executable).parent / "holeblend-operator")
 
 
 def _expectations(path: Path) -> tuple[str, str]:
@@ -51,7 +54,7 @@ def test_api_server_schema_and_cel_reject(path):
 def test_render_exits_1_with_one_line(path):
     expected, _ = _expectations(path)
     result = subprocess.run(
-        [sys.executable, "-m", "holeblend_operator.cli", "render", "-f", str(path)],
+        [OPERATOR_CLI, "render", "-f", str(path)],
         capture_output=True,
         text=True,
         timeout=60,
