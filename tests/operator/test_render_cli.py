@@ -115,7 +115,7 @@ def test_invalid_manifest_never_prints_a_traceback(tmp_path):
     manifest = tmp_path / "bad.yaml"
     manifest.write_text(BROKEN["bad-ratio"][0])
     result = subprocess.run(
-        [sys.executable, "-m", "holeblend_operator.cli", "render", "-f", str(manifest)],
+        [str(Path(sys.executable).parent / "holeblend-operator"), "render", "-f", str(manifest)],
         capture_output=True,
         text=True,
         check=False,
