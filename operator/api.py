@@ -220,8 +220,25 @@ class AcceleratorType(StrEnum):
     CPU = "cpu"
 
 
+_EQUAL_NEEDS_KEY = CelRule(
+    rule="self.operator == 'Exists' || has(self.key)",
+    message="a toleration with operator Equal needs a key; set key, or use operator: Exists",
+    check=lambda t: t.operator == "Exists" or t.key is not None,
+)
+_EXISTS_HAS_NO_VALUE = CelRule(
+    rule="self.operator != 'Exists' || !has(self.value)",
+    message="a toleration with operator Exists matches any value; remove value",
+    check=lambda t: t.operator != "Exists" or t.value is None,
+)
+
+
 class Toleration(ApiModel):
     """A pod toleration, as in core/v1."""
+
+    model_config = ConfigDict(
+        json_schema_extra=cel_schema_extra(_EQUAL_NEEDS_KEY, _EXISTS_HAS_NO_VALUE)
+    )
+    check_rules = cel_validator(_EQUAL_NEEDS_KEY, _EXISTS_HAS_NO_VALUE)
 
     key: LabelKey | None = None
     """Taint key; empty with operator Exists tolerates every taint."""

@@ -40,6 +40,9 @@ def cel_errors(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:
         for name, sub in schema.get("properties", {}).items():
             if name in value:
                 errors += cel_errors(sub, value[name], f"{path}.{name}")
+    if isinstance(value, list) and "items" in schema:
+        for index, item in enumerate(value):
+            errors += cel_errors(schema["items"], item, f"{path}[{index}]")
     return errors
 
 
