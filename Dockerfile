@@ -17,4 +17,4 @@ RUN pip install --no-cache-dir --no-index --find-links /wheels "holeblend[operat
 USER 10001
 EXPOSE 8080
 ENTRYPOINT ["holeblend-operator"]
-CMD ["run", "--all-namespaces"]
+CMD ["run"]

