@@ -7,9 +7,9 @@ returning the exit code; this module only wires them together.
 import argparse
 import sys
 
-from holeblend_operator import crd_command, render_command
+from holeblend_operator import crd_command, rbac_command, render_command, run_command
 
-COMMANDS = [crd_command, render_command]
+COMMANDS = [crd_command, render_command, run_command, rbac_command]
 
 
 def build_parser() -> argparse.ArgumentParser:

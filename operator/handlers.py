@@ -1,0 +1,221 @@
+"""kopf handlers: thin wrappers that route every trigger into `reconcile`.
+
+create, update and resume share one reconcile. Children are watched instead of polled:
+a child event whose object no longer contains what we render (edited or deleted by hand)
+triggers a reconcile of its owner, and Deployment events refresh the owner's status, both
+debounced per owner; owners that are not ready yet are looked at again after a while.
+No timer and no finalizer (kopf timers add one): owner references let the garbage
+collector delete the children, and nothing outside the cluster needs cleaning up.
+"""
+
+import asyncio
+import datetime
+import logging
+import random
+import time
+
+import kopf
+
+from holeblend_operator import kube, metrics, reconcile
+from holeblend_operator.api import GROUP, KIND, PLURAL, VERSION
+from holeblend_operator.render.labels import MANAGED_BY
+from holeblend_operator.settings import OperatorSettings
+
+FIRST_CREATE = reconcile.Options(create_first=True, prune=False)
+FULL = reconcile.Options(create_first=False, prune=True)
+DRIFT = reconcile.Options(create_first=False, prune=False)
+# Progress and diff-base annotations under our own group, none in status (a structural
+# schema would prune an unknown status.kopf field on a real cluster).
+ANNOTATION_PREFIX = f"operator.{GROUP}"
+
+
+class Operator:
+    """The state the handlers share: settings, the API client, pending status refreshes."""
+
+    def __init__(self, settings: OperatorSettings):
+        self.settings = settings
+        self.client: kube.Client | None = None
+        self._configuration = None
+        self._pending: dict[tuple[str, str], tuple[asyncio.Task, bool]] = {}
+        self._desired_cache: dict[tuple, dict] = {}
+
+    async def startup(self, settings: kopf.OperatorSettings, **_) -> None:
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+            prefix=ANNOTATION_PREFIX
+        )
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix=ANNOTATION_PREFIX
+        )
+        settings.persistence.finalizer = (
+            f"{ANNOTATION_PREFIX}/finalizer"  # never added: no finalizers
+        )
+        settings.networking.request_timeout = self.settings.request_timeout_s
+        # Kubernetes Events on the BlendDeployment for retries and failures only: a success
+        # event per child event would cost an API write each.
+        settings.posting.level = logging.WARNING
+        if self.settings.peering is None:
+            settings.peering.standalone = True
+        self.client = kube.Client.from_configuration(
+            self.configuration(), self.settings.request_timeout_s, self.settings.api_concurrency
+        )
+
+    def login(self, **_) -> kopf.ConnectionInfo:
+        return kube.connection_info(self.configuration())
+
+    def configuration(self):
+        # kopf logs in and the startup handler builds the client: load credentials once for both.
+        if self._configuration is None:
+            self._configuration = kube.load_configuration()
+        return self._configuration
+
+    async def cleanup(self, **_) -> None:
+        for task, _ in self._pending.values():
+            task.cancel()
+        if self.client is not None:
+            self.client.close()
+
+    async def run(
+        self, body: kopf.Body, trigger: str, options: reconcile.Options, retry: int
+    ) -> None:
+        started = time.monotonic()
+        result = "error"
+        try:
+            await reconcile.reconcile(self.client, dict(body), options, _now())
+            result = "ok"
+        except reconcile.InvalidSpec as exc:
+            result = "invalid"
+            raise kopf.PermanentError(f"invalid spec: {exc}") from exc
+        except reconcile.Blocked as exc:
+            result = "blocked"
+            raise kopf.TemporaryError(str(exc), delay=self.settings.blocked_retry_s) from exc
+        except kube.Forbidden as exc:
+            result = "forbidden"
+            raise kopf.TemporaryError(str(exc), delay=self.settings.backoff_cap_s) from exc
+        except kube.Unavailable as exc:
+            result = "retry"
+            raise kopf.TemporaryError(str(exc), delay=self.backoff(retry)) from exc
+        finally:
+            metrics.RECONCILES.labels(trigger=trigger, result=result).inc()
+            metrics.RECONCILE_SECONDS.labels(trigger=trigger).observe(time.monotonic() - started)
+
+    def backoff(self, retry: int) -> float:
+        """Exponential, capped, with jitter so that many objects do not retry in lockstep."""
+        delay = min(self.settings.backoff_cap_s, self.settings.backoff_base_s * 2 ** min(retry, 16))
+        return delay * random.uniform(0.5, 1.0)
+
+    def request(self, namespace: str, name: str, full: bool, delay: float | None = None) -> None:
+        """Reconcile (full) or refresh the status of a BlendDeployment soon; repeated requests
+        within the debounce window join the pending one, and a full one wins."""
+        key = (namespace, name)
+        pending = self._pending.get(key)
+        if pending is not None and (pending[1] or not full):
+            return
+        if pending is not None:
+            pending[0].cancel()
+        delay = self.settings.status_debounce_s if delay is None else delay
+        task = asyncio.get_running_loop().create_task(self._later(key, full, delay))
+        self._pending[key] = (task, full)
+
+    async def _later(self, key: tuple[str, str], full: bool, delay: float) -> None:
+        await asyncio.sleep(delay)
+        del self._pending[key]
+        trigger = "drift" if full else "child-status"
+        try:
+            body = await self.client.get(kube.BLEND_DEPLOYMENT, *key)
+            if body is None:
+                return
+            if full:
+                await self.run(body, trigger, DRIFT, retry=0)
+            elif not await reconcile.refresh(self.client, body, _now()):
+                # Not ready yet: look again later, pods may report why (e.g. Unschedulable).
+                self.request(*key, full=False, delay=self.settings.requeue_s)
+        except (kopf.PermanentError, kopf.TemporaryError, kube.Unavailable, kube.Forbidden) as exc:
+            logging.getLogger(__name__).warning("%s of %s/%s failed: %s", trigger, *key, exc)
+            self.request(*key, full=full, delay=self.settings.requeue_s)
+
+    def is_drifted(self, child: dict, event_type: str | None, owner: dict) -> bool:
+        """Whether a child event shows the child deleted or changed away from what we render."""
+        if event_type == "DELETED":
+            return True
+        try:
+            desired = self._desired(owner)
+        except reconcile.InvalidSpec:
+            return False
+        key = (child.get("kind"), child.get("metadata", {}).get("name"))
+        return key in desired and not reconcile.is_current(child, desired[key])
+
+    def _desired(self, owner: dict) -> dict:
+        # Rendered once per owner generation and labels, not once per child event.
+        meta = owner.get("metadata", {})
+        cache_key = (
+            meta.get("uid"),
+            meta.get("generation"),
+            repr(sorted((meta.get("labels") or {}).items())),
+        )
+        if cache_key not in self._desired_cache:
+            if len(self._desired_cache) > 4096:
+                self._desired_cache.clear()
+            children = reconcile.desired_children(reconcile.parse(owner), owner)
+            self._desired_cache[cache_key] = {
+                (c["kind"], c["metadata"]["name"]): c for c in children
+            }
+        return self._desired_cache[cache_key]
+
+
+def register(settings: OperatorSettings, registry: kopf.OperatorRegistry | None = None) -> Operator:
+    """Register every handler in `registry` (kopf's default one if None)."""
+    registry = registry or kopf.get_default_registry()
+    operator = Operator(settings)
+    resource = (GROUP, VERSION, PLURAL)
+
+    async def on_create(body, retry, **_):
+        await operator.run(body, "create", FIRST_CREATE, retry)
+
+    async def on_update(body, retry, **_):
+        await operator.run(body, "update", FULL, retry)
+
+    async def on_resume(body, retry, **_):
+        await operator.run(body, "resume", FULL, retry)
+
+    async def blend_deployments(body, namespace, name, **_):
+        return {(namespace, name): dict(body)}
+
+    async def on_child_event(body, type, namespace, blend_deployments, **_):
+        owner_name = _owner_name(body)
+        owners = list(blend_deployments.get((namespace, owner_name), [])) if owner_name else []
+        if not owners:
+            return  # not ours, or the owner is gone and the garbage collector takes the child
+        if operator.is_drifted(dict(body), type, owners[0]):
+            operator.request(namespace, owner_name, full=True)
+        elif body.get("kind") == "Deployment":
+            operator.request(namespace, owner_name, full=False)
+
+    kopf.on.login(registry=registry)(operator.login)
+    kopf.on.startup(registry=registry)(operator.startup)
+    kopf.on.cleanup(registry=registry)(operator.cleanup)
+    kopf.index(*resource, registry=registry, id="blend_deployments")(blend_deployments)
+    kopf.on.create(*resource, registry=registry, id="reconcile-create")(on_create)
+    kopf.on.update(*resource, registry=registry, id="reconcile-update")(on_update)
+    kopf.on.resume(*resource, registry=registry, id="reconcile-resume")(on_resume)
+    for kind in kube.CHILD_KINDS.values():
+        if kind.kind != "ServiceMonitor":  # watched only where its CRD exists; see README
+            kopf.on.event(
+                kind.group,
+                kind.api_version.rpartition("/")[2],
+                kind.plural,
+                registry=registry,
+                id=f"child-{kind.plural}",
+                labels={"app.kubernetes.io/managed-by": MANAGED_BY},
+            )(on_child_event)
+    return operator
+
+
+def _owner_name(child: dict) -> str | None:
+    for ref in child.get("metadata", {}).get("ownerReferences") or []:
+        if ref.get("kind") == KIND and ref.get("apiVersion", "").startswith(GROUP + "/"):
+            return ref.get("name")
+    return None
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

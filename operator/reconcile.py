@@ -1,0 +1,266 @@
+"""One idempotent reconcile of a BlendDeployment: render, apply children, prune, write status.
+
+Children are applied with owner references (kopf.adopt) and two annotations: a hash of the
+applied object, and the applied object itself. A child whose hash matches and whose live
+fields still contain what was applied is left alone (no write). Otherwise it gets one JSON
+merge patch: the desired object plus nulls for fields applied last time and no longer
+rendered (e.g. an Ascend nodeSelector after switching to CPU), so removals happen without
+replacing the object and without touching fields the API server or others own.
+"""
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+from typing import Any
+
+import kopf
+import pydantic
+
+from holeblend_operator import kube, metrics
+from holeblend_operator.api import GROUP, BlendDeployment, format_validation_error
+from holeblend_operator.render import engine_name, lookup_name, render_children, selector_string
+from holeblend_operator.render.labels import MANAGED_BY, instance_label
+from holeblend_operator.status import (
+    Observed,
+    Problem,
+    build_status,
+    invalid_spec_status,
+    is_available,
+    without_times,
+)
+
+HASH_ANNOTATION = f"{GROUP}/input-hash"
+LAST_APPLIED_ANNOTATION = f"{GROUP}/last-applied"
+DEPLOYMENT = kube.CHILD_KINDS["Deployment"]
+
+
+class InvalidSpec(Exception):
+    """The spec does not pass the API models; the message names the field and the fix."""
+
+
+class Blocked(Exception):
+    """Children could not be applied for a reason a person must fix (status says which)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How much work one reconcile does."""
+
+    create_first: bool  # POST each child before looking (right after the owner was created)
+    prune: bool  # list owned children and delete those no longer rendered
+
+
+def parse(body: dict) -> BlendDeployment:
+    try:
+        return BlendDeployment.model_validate(dict(body))
+    except pydantic.ValidationError as exc:
+        raise InvalidSpec(format_validation_error(exc)) from exc
+
+
+async def reconcile(client: kube.Client, body: dict, options: Options, now: str) -> None:
+    """Bring the children and status in line with the spec; raise if that is not possible."""
+    try:
+        bd = parse(body)
+    except InvalidSpec as exc:
+        await _write_invalid(client, body, str(exc), now)
+        raise
+    children = desired_children(bd, body)
+    problem = await _apply_all(client, bd, children, options)
+    await write_status(
+        client, bd, body.get("status") or {}, await observe(client, bd, problem), now
+    )
+    if problem is not None:
+        raise Blocked(f"{problem.reason}: {problem.message}")
+
+
+async def refresh(client: kube.Client, body: dict, now: str) -> bool:
+    """Re-derive the status from the children (after a child changed); True if Ready."""
+    try:
+        bd = parse(body)
+    except InvalidSpec:
+        return True  # the handlers already reported it; nothing to wait for
+    observed = await observe(client, bd, None)
+    await write_status(client, bd, body.get("status") or {}, observed, now)
+    return is_available(observed.engine, bd.spec.replicas)
+
+
+def desired_children(bd: BlendDeployment, body: dict) -> list[dict]:
+    children = render_children(bd)
+    kopf.adopt(children, owner=body)
+    for child in children:
+        applied = _canonical(child)
+        annotations = child["metadata"].setdefault("annotations", {})
+        annotations[HASH_ANNOTATION] = hashlib.sha256(applied.encode()).hexdigest()[:16]
+        annotations[LAST_APPLIED_ANNOTATION] = applied
+    return children
+
+
+async def _apply_all(
+    client: kube.Client, bd: BlendDeployment, children: list[dict], options: Options
+) -> Problem | None:
+    uid = bd.metadata.uid
+    try:
+        await asyncio.gather(
+            *(apply_child(client, child, uid, options.create_first) for child in children)
+        )
+        if options.prune:
+            await prune(client, bd, children)
+    except kube.Invalid as exc:
+        return Problem("ChildRejected", f"the API server rejected a child: {exc}")
+    except ChildConflict as exc:
+        return Problem("ChildConflict", str(exc))
+    except kube.NotServed as exc:
+        return Problem(
+            "ResourceNotServed", f"{exc}; install that CRD or turn the feature off in the spec"
+        )
+    return None
+
+
+class ChildConflict(Exception):
+    """A child's name is taken by an object this BlendDeployment does not own."""
+
+
+async def apply_child(
+    client: kube.Client, desired: dict, owner_uid: str | None, create_first: bool
+) -> str:
+    """Create, patch or leave one child; returns what it did."""
+    kind = kube.CHILD_KINDS[desired["kind"]]
+    namespace, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
+    if create_first and await client.create(kind, desired) is not None:
+        return _count(kind, "created")
+    live = await client.get(kind, namespace, name)
+    if live is None:
+        if await client.create(kind, desired) is None:
+            raise kube.Unavailable(f"{kind.kind} {name} appeared while being created")
+        return _count(kind, "created")
+    if not is_owned_by(live, owner_uid):
+        raise ChildConflict(
+            f"{kind.kind} {namespace}/{name} exists and is not owned by this "
+            "BlendDeployment; delete or rename it"
+        )
+    if is_current(live, desired):
+        return _count(kind, "unchanged")
+    await client.patch(kind, namespace, name, merge_patch(live, desired))
+    return _count(kind, "patched")
+
+
+async def prune(client: kube.Client, bd: BlendDeployment, children: list[dict]) -> None:
+    """Delete owned children that the spec no longer renders (lookup server off, ...)."""
+    selector = (
+        f"app.kubernetes.io/instance={instance_label(bd)},app.kubernetes.io/managed-by={MANAGED_BY}"
+    )
+    wanted = {(child["kind"], child["metadata"]["name"]) for child in children}
+    found = await asyncio.gather(
+        *(client.list(kind, bd.metadata.namespace, selector) for kind in kube.CHILD_KINDS.values())
+    )
+    for kind, objects in zip(kube.CHILD_KINDS.values(), found, strict=True):
+        for obj in objects:
+            name = obj["metadata"]["name"]
+            if is_owned_by(obj, bd.metadata.uid) and (kind.kind, name) not in wanted:
+                await client.delete(kind, bd.metadata.namespace, name)
+                _count(kind, "deleted")
+
+
+async def observe(client: kube.Client, bd: BlendDeployment, problem: Problem | None) -> Observed:
+    namespace = bd.metadata.namespace
+    lookup_wanted = bd.spec.lookup_server.enabled
+    engine, lookup = await asyncio.gather(
+        client.get(DEPLOYMENT, namespace, engine_name(bd.metadata.name)),
+        client.get(DEPLOYMENT, namespace, lookup_name(bd.metadata.name))
+        if lookup_wanted
+        else _none(),
+    )
+    pods: list[dict] = []
+    if engine is not None and not is_available(engine, bd.spec.replicas):
+        pods = await client.list(kube.PODS, namespace, selector_string(bd))
+    return Observed(engine=engine, lookup=lookup, engine_pods=pods, problem=problem)
+
+
+async def write_status(
+    client: kube.Client, bd: BlendDeployment, current: dict, observed: Observed, now: str
+) -> bool:
+    """Patch the status if anything but transition times changed; True if it wrote."""
+    new = build_status(bd, observed, current.get("conditions") or [], now)
+    if without_times({k: current.get(k) for k in new}) == without_times(new):
+        return False
+    await client.patch_status(bd.metadata.namespace, bd.metadata.name, new)
+    metrics.STATUS_WRITES.inc()
+    return True
+
+
+async def _write_invalid(client: kube.Client, body: dict, message: str, now: str) -> None:
+    meta, current = body.get("metadata", {}), body.get("status") or {}
+    new = invalid_spec_status(meta.get("generation"), message, current.get("conditions") or [], now)
+    if without_times({k: current.get(k) for k in new}) != without_times(new):
+        await client.patch_status(meta.get("namespace"), meta.get("name"), new)
+        metrics.STATUS_WRITES.inc()
+
+
+def is_owned_by(obj: dict, owner_uid: str | None) -> bool:
+    refs = obj.get("metadata", {}).get("ownerReferences") or []
+    return any(ref.get("uid") == owner_uid for ref in refs)
+
+
+def is_current(live: dict, desired: dict) -> bool:
+    """Same inputs as last applied, and nobody changed the applied fields since."""
+    live_hash = live.get("metadata", {}).get("annotations", {}).get(HASH_ANNOTATION)
+    desired_hash = desired["metadata"]["annotations"][HASH_ANNOTATION]
+    return live_hash == desired_hash and contains(live, desired)
+
+
+def contains(live: Any, desired: Any) -> bool:
+    """Every field of `desired` is in `live` with the same value (server defaults may add more)."""
+    if isinstance(desired, dict):
+        return isinstance(live, dict) and all(
+            k in live and contains(live[k], v) for k, v in desired.items()
+        )
+    if isinstance(desired, list):
+        return (
+            isinstance(live, list)
+            and len(live) == len(desired)
+            and all(map(contains, live, desired))
+        )
+    # The API server may return 8 where "8" was sent (ports, quantities): compare as text.
+    return live == desired or str(live) == str(desired)
+
+
+def merge_patch(live: dict, desired: dict) -> dict:
+    """A JSON merge patch to `desired` that also removes fields applied last time only."""
+    applied_before = live.get("metadata", {}).get("annotations", {}).get(LAST_APPLIED_ANNOTATION)
+    previous = json.loads(applied_before) if applied_before else {}
+    return _merged(desired, _removals(previous, desired))
+
+
+def _removals(previous: dict, desired: dict) -> dict:
+    removals: dict[str, Any] = {}
+    for key, old in previous.items():
+        if key not in desired:
+            removals[key] = None
+        elif (
+            isinstance(old, dict)
+            and isinstance(desired[key], dict)
+            and (nested := _removals(old, desired[key]))
+        ):
+            removals[key] = nested
+    return removals
+
+
+def _merged(desired: dict, removals: dict) -> dict:
+    merged = dict(desired)
+    for key, value in removals.items():
+        merged[key] = _merged(desired[key], value) if isinstance(value, dict) else value
+    return merged
+
+
+def _canonical(obj: dict) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def _count(kind: kube.Kind, action: str) -> str:
+    metrics.CHILD_WRITES.labels(kind=kind.kind, action=action).inc()
+    return action
+
+
+async def _none() -> None:
+    return None

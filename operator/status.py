@@ -1,0 +1,245 @@
+"""BlendDeployment status from what the children report: pure functions, no API calls.
+
+The conditions follow the Kubernetes conventions (type/status/reason/message/
+lastTransitionTime): Ready, Progressing, Degraded, LookupServerReady. Messages say what is
+wrong and what to do about it, because a person reads them in `kubectl describe`.
+"""
+
+import dataclasses
+from typing import Any
+
+from holeblend_operator.api import DEFAULT_RESOURCE_NAMES, BlendDeployment, Phase
+from holeblend_operator.render import effective_recompute_ratio, selector_string
+
+# Container waiting reasons that will not clear up by themselves.
+STUCK_REASONS = (
+    "CrashLoopBackOff",
+    "ImagePullBackOff",
+    "ErrImagePull",
+    "CreateContainerConfigError",
+    "InvalidImageName",
+    "CreateContainerError",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """Why the BlendDeployment is Degraded."""
+
+    reason: str  # CamelCase, e.g. Unschedulable, InvalidSpec, ChildConflict
+    message: str  # what happened and what to do
+
+
+@dataclasses.dataclass(frozen=True)
+class Observed:
+    """What the operator read from the cluster for one status computation."""
+
+    engine: dict | None  # the engine Deployment as the API returned it, None if absent
+    lookup: dict | None  # the lookup-server Deployment, None if absent or disabled
+    engine_pods: list[dict]  # engine pods; read only while the engine is not available
+    problem: Problem | None = None  # a failure of the reconcile itself (apply error, ...)
+
+
+def build_status(bd: BlendDeployment, observed: Observed, previous: list[dict], now: str) -> dict:
+    """The full status to write, keeping lastTransitionTime of conditions that did not flip."""
+    problem = observed.problem or deployment_problem(observed.engine, observed.engine_pods, bd)
+    engine_ready = is_available(observed.engine, bd.spec.replicas)
+    lookup_ready = not bd.spec.lookup_server.enabled or is_available(observed.lookup, None)
+    conditions = [
+        _ready(engine_ready, lookup_ready, bd),
+        _progressing(observed.engine, engine_ready and lookup_ready, problem),
+        _degraded(problem),
+        _lookup_ready(bd, observed.lookup),
+    ]
+    engine_status = (observed.engine or {}).get("status", {})
+    return {
+        "observedGeneration": bd.metadata.generation,
+        "replicas": engine_status.get("replicas", 0),
+        "readyReplicas": engine_status.get("readyReplicas", 0),
+        "selector": selector_string(bd),
+        "phase": _phase(observed.engine, conditions).value,
+        "recomputeRatio": effective_recompute_ratio(bd),
+        "conditions": stamp_transitions(conditions, previous, now, bd.metadata.generation),
+    }
+
+
+def invalid_spec_status(
+    generation: int | None, message: str, previous: list[dict], now: str
+) -> dict:
+    """Status for a spec the models reject: Degraded, children left as they were."""
+    problem = Problem(
+        "InvalidSpec",
+        f"{message}. Fix the manifest and apply it again; "
+        "the running children are left as they were.",
+    )
+    conditions = [
+        _degraded(problem),
+        _condition("Ready", False, "InvalidSpec", "the spec is invalid"),
+    ]
+    return {
+        "observedGeneration": generation,
+        "phase": Phase.DEGRADED.value,
+        "conditions": stamp_transitions(conditions, previous, now, generation),
+    }
+
+
+def is_available(deployment: dict | None, replicas: int | None) -> bool:
+    """All wanted replicas of the Deployment's current generation are ready."""
+    if deployment is None:
+        return False
+    status = deployment.get("status", {})
+    wanted = deployment.get("spec", {}).get("replicas", 1) if replicas is None else replicas
+    generation = deployment.get("metadata", {}).get("generation", 0)
+    current = status.get("observedGeneration", 0) >= generation
+    return (
+        current
+        and status.get("readyReplicas", 0) >= wanted
+        and status.get("updatedReplicas", wanted) >= wanted
+    )
+
+
+def deployment_problem(
+    engine: dict | None, pods: list[dict], bd: BlendDeployment
+) -> Problem | None:
+    """A failure the engine Deployment or its pods report, with what to do about it."""
+    for pod in pods:
+        if found := _pod_problem(pod, bd):
+            return found
+    for condition in (engine or {}).get("status", {}).get("conditions", []):
+        if condition.get("type") == "ReplicaFailure" and condition.get("status") == "True":
+            return Problem(condition.get("reason", "ReplicaFailure"), condition.get("message", ""))
+        if (
+            condition.get("type") == "Progressing"
+            and condition.get("reason") == "ProgressDeadlineExceeded"
+        ):
+            return Problem(
+                "ProgressDeadlineExceeded",
+                f"{condition.get('message', '')}; "
+                "check the engine pods with `kubectl describe pod`",
+            )
+    return None
+
+
+def _pod_problem(pod: dict, bd: BlendDeployment) -> Problem | None:
+    status = pod.get("status", {})
+    for condition in status.get("conditions", []):
+        if condition.get("type") == "PodScheduled" and condition.get("reason") == "Unschedulable":
+            return Problem(
+                "Unschedulable",
+                f"engine pods cannot be scheduled: {condition.get('message', '')} "
+                f"{_scheduling_hint(bd)}",
+            )
+    for container in status.get("containerStatuses", []):
+        waiting = container.get("state", {}).get("waiting", {})
+        if waiting.get("reason") in STUCK_REASONS:
+            return Problem(
+                waiting["reason"],
+                f"engine container {container.get('name')}: "
+                f"{waiting.get('message', waiting['reason'])}",
+            )
+    return None
+
+
+def _scheduling_hint(bd: BlendDeployment) -> str:
+    accelerator = bd.spec.accelerator
+    if accelerator.type.value == "cpu":
+        return "Lower spec.engine.resources or add nodes with free CPU and memory."
+    resource = accelerator.resource_name or DEFAULT_RESOURCE_NAMES[accelerator.type.value]
+    return (
+        f"Check that nodes advertise {resource} (device plugin running, `kubectl describe node`), "
+        "or set spec.accelerator.resourceName, nodeSelector and tolerations to match your nodes."
+    )
+
+
+def _ready(engine_ready: bool, lookup_ready: bool, bd: BlendDeployment) -> dict:
+    if engine_ready and lookup_ready:
+        if bd.spec.replicas == 0:
+            return _condition("Ready", True, "ScaledToZero", "spec.replicas is 0; nothing to serve")
+        return _condition(
+            "Ready", True, "AllReplicasReady", f"{bd.spec.replicas} engine pod(s) ready"
+        )
+    if not engine_ready:
+        return _condition(
+            "Ready", False, "EngineNotReady", "waiting for engine pods to become ready"
+        )
+    return _condition("Ready", False, "LookupServerNotReady", "waiting for the lookup server")
+
+
+def _progressing(engine: dict | None, ready: bool, problem: Problem | None) -> dict:
+    if ready:
+        return _condition("Progressing", False, "RolloutComplete", "every child is up to date")
+    if problem is not None:
+        return _condition("Progressing", False, "Blocked", f"rollout blocked: {problem.reason}")
+    if engine is None:
+        return _condition(
+            "Progressing", True, "CreatingChildren", "creating the engine and its services"
+        )
+    return _condition("Progressing", True, "RollingOut", "engine pods are starting or updating")
+
+
+def _degraded(problem: Problem | None) -> dict:
+    if problem is None:
+        return _condition("Degraded", False, "AsExpected", "no problems found")
+    return _condition("Degraded", True, problem.reason, problem.message)
+
+
+def _lookup_ready(bd: BlendDeployment, lookup: dict | None) -> dict:
+    if not bd.spec.lookup_server.enabled:
+        return _condition(
+            "LookupServerReady",
+            False,
+            "Disabled",
+            "spec.lookupServer.enabled is false: each pod only reuses its own cache",
+        )
+    if is_available(lookup, None):
+        return _condition(
+            "LookupServerReady", True, "Available", "the lookup server answers lookups"
+        )
+    return _condition(
+        "LookupServerReady",
+        False,
+        "NotAvailable",
+        "lookup server pods are not ready; pods treat every segment as a miss until they are",
+    )
+
+
+def _phase(engine: dict | None, conditions: list[dict]) -> Phase:
+    by_type = {c["type"]: c["status"] for c in conditions}
+    if by_type["Degraded"] == "True":
+        return Phase.DEGRADED
+    if by_type["Ready"] == "True":
+        return Phase.READY
+    return Phase.PENDING if engine is None else Phase.PROGRESSING
+
+
+def _condition(kind: str, status: bool, reason: str, message: str) -> dict:
+    return {
+        "type": kind,
+        "status": "True" if status else "False",
+        "reason": reason,
+        "message": message,
+    }
+
+
+def stamp_transitions(
+    conditions: list[dict], previous: list[dict], now: str, generation: int | None
+) -> list[dict]:
+    """Keep the old lastTransitionTime where a condition's status did not change."""
+    before = {c.get("type"): c for c in previous or []}
+    stamped = []
+    for condition in conditions:
+        old = before.get(condition["type"], {})
+        since = old.get("lastTransitionTime") if old.get("status") == condition["status"] else None
+        stamped.append(
+            {**condition, "lastTransitionTime": since or now, "observedGeneration": generation}
+        )
+    return stamped
+
+
+def without_times(status: dict[str, Any]) -> dict[str, Any]:
+    """Status minus the transition times, to tell a real change from a re-stamp."""
+    conditions = [
+        {k: v for k, v in c.items() if k != "lastTransitionTime"}
+        for c in status.get("conditions") or []
+    ]
+    return {**status, "conditions": conditions}
