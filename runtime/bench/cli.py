@@ -1,0 +1,161 @@
+"""holeblend-bench: full prefill vs standard CacheBlend (prefix) vs hole mode, on SmolLM2.
+
+Prints one table row per (mode, ratio, pass) and optionally writes them as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from holeblend_runtime.bench.report import format_table, write_json
+from holeblend_runtime.bench.runner import BLEND_MODES, BenchConfig, BenchRunner
+from holeblend_runtime.bench.workload import WorkloadConfig, generate_workload
+from holeblend_runtime.blend_config import K_DEVIATION, RANDOM, BlendConfig
+from holeblend_runtime.engine import ReferenceEngine
+
+# Settings a run uses unless the command line says otherwise; --quick swaps in the second.
+DEFAULTS: dict[str, Any] = {
+    "questions": 4,
+    "documents": 10,
+    "min_doc_tokens": 124,
+    "max_doc_tokens": 181,
+    "ratios": "0.05,0.15,0.3,0.5,1.0",
+    "max_new_tokens": 12,
+}
+QUICK: dict[str, Any] = {
+    "questions": 2,
+    "documents": 6,
+    "min_doc_tokens": 100,
+    "max_doc_tokens": 140,
+    "ratios": "0.15,1.0",
+    "max_new_tokens": 6,
+}
+SELECTIONS = {"kdev": K_DEVIATION, K_DEVIATION: K_DEVIATION, "random": RANDOM}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="holeblend-bench", description=__doc__)
+    add = parser.add_argument
+    add("--quick", action="store_true", help="small run (under 3 minutes on 2 CPU cores)")
+    add(
+        "--questions",
+        type=int,
+        help=f"prompts, one question each (default {DEFAULTS['questions']})",
+    )
+    add("--documents", type=int, help=f"documents per prompt (default {DEFAULTS['documents']})")
+    add("--inflate", type=int, default=0, help="extra distractor documents per prompt")
+    add("--min-doc-tokens", type=int, help=f"default {DEFAULTS['min_doc_tokens']}")
+    add("--max-doc-tokens", type=int, help=f"default {DEFAULTS['max_doc_tokens']}")
+    add("--holes", default="middle", help="documents left out of pass 1: middle, none, or '2,5'")
+    add("--ratios", help=f"recompute ratios to sweep (default {DEFAULTS['ratios']})")
+    add("--modes", default=",".join(BLEND_MODES), help="blend modes besides full prefill")
+    add("--check-layer", type=int, default=BlendConfig.check_layer, help="deviation check layer")
+    add("--selection", choices=sorted(SELECTIONS), default="kdev", help="recompute selection")
+    add("--seed", type=int, default=0, help="workload (and random selection) seed")
+    add("--max-new-tokens", type=int, help=f"answer length (default {DEFAULTS['max_new_tokens']})")
+    add("--threads", type=int, default=2, help="torch CPU threads")
+    add("--json", type=Path, help="write the results to this JSON file")
+    add("--no-progress", action="store_true", help="no progress bar on stderr")
+    args = parser.parse_args(argv)
+    preset = QUICK if args.quick else DEFAULTS
+    for name, value in preset.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def bench_config(args: argparse.Namespace) -> BenchConfig:
+    workload = WorkloadConfig(
+        seed=args.seed,
+        num_questions=args.questions,
+        num_documents=args.documents,
+        num_inflate=args.inflate,
+        min_document_tokens=args.min_doc_tokens,
+        max_document_tokens=args.max_doc_tokens,
+        holes=args.holes,
+    )
+    return BenchConfig(
+        workload=workload,
+        ratios=_floats(args.ratios, "ratios"),
+        modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
+        max_new_tokens=args.max_new_tokens,
+    )
+
+
+def blend_config(args: argparse.Namespace) -> BlendConfig:
+    return BlendConfig(
+        check_layer=args.check_layer, selection=SELECTIONS[args.selection], seed=args.seed
+    )
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the bench; returns the JSON document (also written when --json is given)."""
+    config, blend = bench_config(args), blend_config(args)
+    started = time.perf_counter()
+    loaded = ReferenceEngine.load(blend=blend, num_threads=args.threads)
+    tokenizer = loaded.tokenizer
+
+    def new_engine() -> ReferenceEngine:
+        # Same weights, empty KV store: every sweep point starts cold.
+        return ReferenceEngine(loaded.model, tokenizer, blend)
+
+    workload = generate_workload(config.workload, lambda text: len(tokenizer.encode(text)))
+    runner = BenchRunner(new_engine, tokenizer, config)
+    results = runner.run(workload, show_progress=not args.no_progress)
+    document = {
+        "model": loaded.config.model_id,
+        "config": _config_record(config, blend, workload, runner, args),
+        "results": results,
+    }
+    document["config"]["wall_s"] = time.perf_counter() - started
+    if args.json is not None:
+        write_json(args.json, document["model"], document["config"], results)
+    return document
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        document = run(args)
+    except ValueError as error:
+        print(f"holeblend-bench: {error}", file=sys.stderr)
+        return 2
+    print(f"model {document['model']}; ratio '-' = full prefill, nothing reused")
+    print(format_table(document["results"]))
+    if args.json is not None:
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _config_record(
+    config: BenchConfig,
+    blend: BlendConfig,
+    workload: Sequence[Any],
+    runner: BenchRunner,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    prompt_lengths = [runner.request(qa, pass_number=2).prompt.num_tokens for qa in workload]
+    return {
+        "bench": config.to_dict(),
+        "blend": dataclasses.asdict(blend),
+        "quick": args.quick,
+        "threads": args.threads,
+        "num_prompt_tokens_full": prompt_lengths,
+    }
+
+
+def _floats(text: str, field: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"{field}: expected comma-separated numbers, got {text!r}") from None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Per-request measurements -> one result row per (mode, ratio, pass), as a table or JSON."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Column order of the table and key order of each JSON result; scripts read these names.
+RESULT_KEYS = (
+    "mode",
+    "ratio",
+    "pass",
+    "num_prompts",
+    "reused_share",
+    "hole_share",
+    "recomputed_share",
+    "ttft_mean_s",
+    "ttft_p90_s",
+    "speedup_vs_full",
+    "f1_vs_full",
+    "top1_vs_full",
+    "kl_vs_full",
+    "gold_loss",
+    "f1_vs_gold",
+)
+
+
+@dataclass(frozen=True)
+class RequestMeasure:
+    """One prompt sent once in one mode."""
+
+    num_prompt_tokens: int
+    num_reused_tokens: int
+    num_hole_tokens: int
+    num_recomputed_tokens: int
+    ttft_s: float
+    # Answer-token F1 of this answer against the full-prefill answer.
+    f1_vs_full: float
+    # Over the full-prefill answer's span, teacher-forced.
+    top1_vs_full: float
+    kl_vs_full: float
+    # Mean NLL of the gold answer tokens, teacher-forced.
+    gold_loss: float
+    f1_vs_gold: float
+
+
+def summarize(
+    mode: str,
+    ratio: float | None,
+    pass_number: int,
+    measures: Sequence[RequestMeasure],
+    full_ttft_mean_s: float,
+) -> dict[str, Any]:
+    """One result row; `ratio` is None for full prefill (nothing is reused)."""
+    if not measures:
+        raise ValueError("measures: need at least one request")
+    num_tokens = sum(m.num_prompt_tokens for m in measures)
+    ttfts = [m.ttft_s for m in measures]
+    ttft_mean = statistics.fmean(ttfts)
+    row = {
+        "mode": mode,
+        "ratio": ratio,
+        "pass": pass_number,
+        "num_prompts": len(measures),
+        "reused_share": sum(m.num_reused_tokens for m in measures) / num_tokens,
+        "hole_share": sum(m.num_hole_tokens for m in measures) / num_tokens,
+        "recomputed_share": sum(m.num_recomputed_tokens for m in measures) / num_tokens,
+        "ttft_mean_s": ttft_mean,
+        "ttft_p90_s": percentile(ttfts, 0.9),
+        "speedup_vs_full": full_ttft_mean_s / ttft_mean,
+    }
+    for name in ("f1_vs_full", "top1_vs_full", "kl_vs_full", "gold_loss", "f1_vs_gold"):
+        row[name] = statistics.fmean(getattr(m, name) for m in measures)
+    row["num_prompt_tokens_mean"] = num_tokens / len(measures)
+    return row
+
+
+def percentile(values: Sequence[float], share: float) -> float:
+    """Linear interpolation between the closest ranks (numpy's default)."""
+    if not values:
+        raise ValueError("values: need at least one value")
+    ordered = sorted(values)
+    rank = share * (len(ordered) - 1)
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def format_table(results: Sequence[dict[str, Any]]) -> str:
+    headers = [_short_header(key) for key in RESULT_KEYS]
+    rows = [[_format_cell(result[key]) for key in RESULT_KEYS] for result in results]
+    widths = [max(len(cell) for cell in column) for column in zip(headers, *rows, strict=True)]
+    lines = [_format_line(headers, widths), _format_line(["-" * w for w in widths], widths)]
+    lines += [_format_line(row, widths) for row in rows]
+    return "\n".join(lines)
+
+
+def write_json(
+    path: Path, model: str, config: dict[str, Any], results: Sequence[dict[str, Any]]
+) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    document = {"model": model, "config": config, "results": list(results)}
+    path.write_text(json.dumps(document, indent=2) + "\n")
+
+
+def _short_header(key: str) -> str:
+    return key.replace("_share", "").replace("_vs_full", "/full").replace("_vs_gold", "/gold")
+
+
+def _format_cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    return str(value)
+
+
+def _format_line(cells: Sequence[str], widths: Sequence[int]) -> str:
+    return "  ".join(cell.rjust(width) for cell, width in zip(cells, widths, strict=True))

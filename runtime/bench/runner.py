@@ -1,0 +1,242 @@
+"""Run the two-pass workload through the engine in every mode and ratio.
+
+Pass 1 sends each prompt with its hole documents left out, into an empty KV store; the
+engine stores the documents it computed. Pass 2 sends the full prompts: every document
+but the holes is a hit. Each (mode, ratio) point starts from an empty store, so its two
+passes see the same cache state as every other point's. Full prefill of every prompt in
+both passes runs once; its answers are the reference for the blended ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+import torch
+from tqdm import tqdm
+
+from holeblend_runtime.bench.quality import (
+    answer_f1,
+    answer_words,
+    kl_divergence,
+    mean_nll,
+    top1_agreement,
+)
+from holeblend_runtime.bench.report import RequestMeasure, summarize
+from holeblend_runtime.bench.workload import QAPrompt, WorkloadConfig
+from holeblend_runtime.segments import SegmentedPrompt
+
+FULL = "full"
+BLEND_MODES = ("prefix", "hole")
+PASSES = (1, 2)
+
+
+class Prefill(Protocol):
+    # Next-token logits at the last prompt position, [vocab].
+    logits: torch.Tensor
+    num_reused_tokens: int
+    num_hole_tokens: int
+    num_recomputed_tokens: int
+    ttft_s: float
+
+
+class Engine(Protocol):
+    """The part of the reference engine the bench uses."""
+
+    def build_prompt(
+        self, system: str, documents: Sequence[str], question: str
+    ) -> SegmentedPrompt: ...
+
+    def prefill(self, prompt: SegmentedPrompt, mode: str, ratio: float) -> Prefill: ...
+
+    def score(self, prefill: Prefill, token_ids: Sequence[int]) -> torch.Tensor: ...
+
+    def generate(self, prefill: Prefill, max_new_tokens: int) -> list[int]: ...
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    workload: WorkloadConfig
+    # Recompute ratios swept for each blend mode.
+    ratios: tuple[float, ...] = (0.05, 0.15, 0.3, 0.5, 1.0)
+    # Blend modes compared against full prefill (which always runs, as the reference).
+    modes: tuple[str, ...] = BLEND_MODES
+    max_new_tokens: int = 12
+
+    def __post_init__(self) -> None:
+        if not self.ratios:
+            raise ValueError("ratios: need at least one ratio")
+        for ratio in self.ratios:
+            if not 0.0 <= ratio <= 1.0:
+                raise ValueError(f"ratios: {ratio} is outside [0, 1]")
+        for mode in self.modes:
+            if mode not in BLEND_MODES:
+                raise ValueError(f"modes: expected some of {BLEND_MODES}, got {mode!r}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Request:
+    """A workload prompt as sent in one pass."""
+
+    prompt: SegmentedPrompt
+    # Gold answer tokens, as the assistant would write them.
+    gold_ids: tuple[int, ...]
+    gold_words: tuple[str, ...]
+    question_words: tuple[str, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class Reference:
+    """Full prefill of one request: what blended answers are compared with."""
+
+    answer_ids: tuple[int, ...]
+    answer_words: tuple[str, ...]
+    # Logits predicting each reference answer token, [len(answer_ids) or 1, vocab].
+    span_logits: torch.Tensor
+    measure: RequestMeasure
+
+
+class BenchRunner:
+    """`new_engine` gives an engine with an empty KV store (sharing the loaded model)."""
+
+    def __init__(
+        self, new_engine: Callable[[], Engine], tokenizer: Tokenizer, config: BenchConfig
+    ) -> None:
+        self.new_engine = new_engine
+        self.tokenizer = tokenizer
+        self.config = config
+        self.engine = new_engine()
+
+    def num_requests(self, num_prompts: int) -> int:
+        """Prefills the run makes: references plus every (mode, ratio, pass)."""
+        num_points = len(self.config.modes) * len(self.config.ratios)
+        return num_prompts * len(PASSES) * (1 + num_points)
+
+    def run(self, workload: Sequence[QAPrompt], show_progress: bool = True) -> list[dict[str, Any]]:
+        requests = {p: [self.request(qa, pass_number=p) for qa in workload] for p in PASSES}
+        with tqdm(
+            total=self.num_requests(len(workload)),
+            desc="holeblend-bench",
+            unit="req",
+            disable=not show_progress,
+        ) as progress:
+            self._warm_up(requests[2][0])
+            references = {p: self._references(requests[p], progress) for p in PASSES}
+            results = [self._full_row(p, references[p]) for p in PASSES]
+            for mode in self.config.modes:
+                for ratio in self.config.ratios:
+                    results += self._sweep_point(mode, ratio, requests, references, progress)
+        return results
+
+    def request(self, qa: QAPrompt, *, pass_number: int) -> Request:
+        documents = qa.document_texts(without_holes=pass_number == 1)
+        return Request(
+            prompt=self.engine.build_prompt(qa.system, documents, qa.question),
+            gold_ids=tuple(self.tokenizer.encode(qa.gold_answer)),
+            gold_words=tuple(answer_words(qa.gold_answer)),
+            question_words=tuple(answer_words(qa.question)),
+        )
+
+    def _warm_up(self, request: Request) -> None:
+        # The first forward pays for lazy allocations; keep it out of every timing.
+        self.engine.prefill(request.prompt, FULL, 1.0)
+
+    def _references(self, requests: Sequence[Request], progress: tqdm) -> list[Reference]:
+        references = []
+        for request in requests:
+            references.append(self._reference(request))
+            progress.update()
+        return references
+
+    def _reference(self, request: Request) -> Reference:
+        prefill = self.engine.prefill(request.prompt, FULL, 1.0)
+        gold_loss = self._gold_loss(prefill, request)
+        answer_ids = tuple(self.engine.generate(prefill, self.config.max_new_tokens))
+        words = tuple(answer_words(self.tokenizer.decode(answer_ids)))
+        span_logits = self._span_logits(prefill, answer_ids)
+        measure = RequestMeasure(
+            num_prompt_tokens=request.prompt.num_tokens,
+            num_reused_tokens=prefill.num_reused_tokens,
+            num_hole_tokens=prefill.num_hole_tokens,
+            num_recomputed_tokens=prefill.num_recomputed_tokens,
+            ttft_s=prefill.ttft_s,
+            f1_vs_full=answer_f1(words, words, request.question_words),
+            top1_vs_full=top1_agreement(span_logits, span_logits),
+            kl_vs_full=kl_divergence(span_logits, span_logits).mean().item(),
+            gold_loss=gold_loss,
+            f1_vs_gold=answer_f1(words, request.gold_words, request.question_words),
+        )
+        return Reference(answer_ids, words, span_logits, measure)
+
+    def _full_row(self, pass_number: int, references: Sequence[Reference]) -> dict[str, Any]:
+        measures = [r.measure for r in references]
+        return summarize(FULL, None, pass_number, measures, _mean_ttft(measures))
+
+    def _sweep_point(
+        self,
+        mode: str,
+        ratio: float,
+        requests: dict[int, list[Request]],
+        references: dict[int, list[Reference]],
+        progress: tqdm,
+    ) -> list[dict[str, Any]]:
+        self.engine = self.new_engine()
+        rows = []
+        for pass_number in PASSES:
+            measures = []
+            for request, reference in zip(
+                requests[pass_number], references[pass_number], strict=True
+            ):
+                measures.append(self._measure(mode, ratio, request, reference))
+                progress.update()
+            full_ttft = _mean_ttft([r.measure for r in references[pass_number]])
+            rows.append(summarize(mode, ratio, pass_number, measures, full_ttft))
+        return rows
+
+    def _measure(
+        self, mode: str, ratio: float, request: Request, reference: Reference
+    ) -> RequestMeasure:
+        prefill = self.engine.prefill(request.prompt, mode, ratio)
+        span_logits = self._span_logits(prefill, reference.answer_ids)
+        gold_loss = self._gold_loss(prefill, request)
+        words = answer_words(
+            self.tokenizer.decode(self.engine.generate(prefill, self.config.max_new_tokens))
+        )
+        return RequestMeasure(
+            num_prompt_tokens=request.prompt.num_tokens,
+            num_reused_tokens=prefill.num_reused_tokens,
+            num_hole_tokens=prefill.num_hole_tokens,
+            num_recomputed_tokens=prefill.num_recomputed_tokens,
+            ttft_s=prefill.ttft_s,
+            f1_vs_full=answer_f1(words, reference.answer_words, request.question_words),
+            top1_vs_full=top1_agreement(reference.span_logits, span_logits),
+            kl_vs_full=kl_divergence(reference.span_logits, span_logits).mean().item(),
+            gold_loss=gold_loss,
+            f1_vs_gold=answer_f1(words, request.gold_words, request.question_words),
+        )
+
+    def _span_logits(self, prefill: Prefill, token_ids: Sequence[int]) -> torch.Tensor:
+        """Row i predicts token_ids[i] after the prompt; an empty answer (EOS first)
+        still has its first-token distribution to compare."""
+        if not token_ids:
+            return prefill.logits.reshape(1, -1)
+        return self.engine.score(prefill, list(token_ids))
+
+    def _gold_loss(self, prefill: Prefill, request: Request) -> float:
+        return mean_nll(self._span_logits(prefill, request.gold_ids), request.gold_ids)
+
+
+def _mean_ttft(measures: Sequence[RequestMeasure]) -> float:
+    return sum(m.ttft_s for m in measures) / len(measures)

@@ -1,0 +1,51 @@
+"""Command-line options of holeblend-bench (no model involved)."""
+
+import pytest
+
+from holeblend_runtime.bench.cli import QUICK, bench_config, blend_config, parse_args
+
+
+def test_quick_preset_applies_unless_overridden():
+    config = bench_config(parse_args(["--quick", "--documents", "5"]))
+    assert config.workload.num_documents == 5
+    assert config.workload.num_questions == QUICK["questions"]
+    assert config.ratios == (0.15, 1.0)
+    assert config.max_new_tokens == QUICK["max_new_tokens"]
+
+
+def test_defaults_sweep_ratios_on_ten_documents_with_a_middle_hole():
+    config = bench_config(parse_args([]))
+    assert config.ratios == (0.05, 0.15, 0.3, 0.5, 1.0)
+    assert config.workload.num_documents == 10
+    assert (config.workload.min_document_tokens, config.workload.max_document_tokens) == (124, 181)
+    assert config.workload.holes == "middle"
+    assert config.modes == ("prefix", "hole")
+
+
+def test_holes_seed_and_modes_pass_through():
+    args = parse_args(["--holes", "2,5", "--seed", "7", "--modes", "hole", "--inflate", "3"])
+    config = bench_config(args)
+    assert config.workload.holes == "2,5"
+    assert config.workload.seed == 7 and config.workload.num_inflate == 3
+    assert config.modes == ("hole",)
+
+
+@pytest.mark.parametrize(("name", "expected"), [("kdev", "k-deviation"), ("random", "random")])
+def test_selection_names_map_to_the_blend_config(name, expected):
+    blend = blend_config(parse_args(["--selection", name, "--check-layer", "3"]))
+    assert blend.selection == expected and blend.check_layer == 3
+
+
+@pytest.mark.parametrize(
+    ("argv", "field"),
+    [
+        (["--ratios", "0.1,x"], "ratios"),
+        (["--ratios", "1.5"], "ratios"),
+        (["--modes", "full"], "modes"),
+        (["--holes", "42"], "holes"),
+        (["--max-new-tokens", "0"], "max_new_tokens"),
+    ],
+)
+def test_bad_options_raise_naming_the_field(argv, field):
+    with pytest.raises(ValueError, match=field):
+        bench_config(parse_args(argv))
