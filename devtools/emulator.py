@@ -359,7 +359,9 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             created = await self._insert(request.resource, request.namespace, body)
         return _json(created, status=201)
 
-    async def _insert(self, resource: Resource, namespace: str | None, body: dict) -> dict:
+    async def _insert(
+        self, resource: Resource, namespace: str | None, body: dict, keep_status: bool = False
+    ) -> dict:
         info = self._info(resource)
         body = copy.deepcopy(body)
         meta = body.setdefault("metadata", {})
@@ -374,7 +376,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             raise _error(409, "AlreadyExists", f'{resource.plural} "{name}" already exists')
         body.setdefault("apiVersion", _api_version(resource))
         body.setdefault("kind", info.kind)
-        if "status" in info.subresources:
+        if "status" in info.subresources and not keep_status:  # clients set status via /status
             body.pop("status", None)
         body = schemas.with_defaults(body, self._schemas.get(resource, {}))
         meta = body["metadata"]
@@ -650,7 +652,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
                     "controller": True,
                 }
                 pod["metadata"]["ownerReferences"] = [owner]
-                await self._insert(PODS, namespace, pod)
+                await self._insert(PODS, namespace, pod, keep_status=True)
         if reason is None:
             for key in self._owned_by(PODS, namespace, deployment["metadata"]["uid"]):
                 self._rv += 1

@@ -169,7 +169,8 @@ def register(settings: OperatorSettings, registry: kopf.OperatorRegistry | None 
     resource = (GROUP, VERSION, PLURAL)
 
     async def on_create(body, retry, **_):
-        await operator.run(body, "create", FIRST_CREATE, retry)
+        # A retried create may follow an operator restart and a spec change: do the full job.
+        await operator.run(body, "create", FIRST_CREATE if retry == 0 else FULL, retry)
 
     async def on_update(body, retry, **_):
         await operator.run(body, "update", FULL, retry)

@@ -101,10 +101,12 @@ async def _apply_all(
 ) -> Problem | None:
     uid = bd.metadata.uid
     try:
-        await asyncio.gather(
+        actions = await asyncio.gather(
             *(apply_child(client, child, uid, options.create_first) for child in children)
         )
-        if options.prune:
+        # A first create that finds children already there is a retry after a crash or restart:
+        # an earlier spec may have left children this one no longer renders.
+        if options.prune or any(action != "created" for action in actions):
             await prune(client, bd, children)
     except kube.Invalid as exc:
         return Problem("ChildRejected", f"the API server rejected a child: {exc}")

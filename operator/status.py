@@ -1,7 +1,8 @@
 """BlendDeployment status from what the children report: pure functions, no API calls.
 
 The conditions follow the Kubernetes conventions (type/status/reason/message/
-lastTransitionTime): Ready, Progressing, Degraded, LookupServerReady. Messages say what is
+lastTransitionTime): Ready, Progressing, Degraded, LookupServerReady. status.recomputeRatio, tuning and metrics
+belong to the tuner and are never written here. Messages say what is
 wrong and what to do about it, because a person reads them in `kubectl describe`.
 """
 
@@ -9,7 +10,7 @@ import dataclasses
 from typing import Any
 
 from holeblend_operator.api import DEFAULT_RESOURCE_NAMES, BlendDeployment, Phase
-from holeblend_operator.render import effective_recompute_ratio, selector_string
+from holeblend_operator.render import selector_string
 
 # Container waiting reasons that will not clear up by themselves.
 STUCK_REASONS = (
@@ -58,7 +59,6 @@ def build_status(bd: BlendDeployment, observed: Observed, previous: list[dict], 
         "readyReplicas": engine_status.get("readyReplicas", 0),
         "selector": selector_string(bd),
         "phase": _phase(observed.engine, conditions).value,
-        "recomputeRatio": effective_recompute_ratio(bd),
         "conditions": stamp_transitions(conditions, previous, now, bd.metadata.generation),
     }
 

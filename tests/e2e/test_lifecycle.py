@@ -1,0 +1,152 @@
+"""Create, update, scale and delete BlendDeployments with the operator running against the emulator."""
+
+import subprocess
+
+from tests.e2e.conftest import (
+    BD,
+    DEPLOYMENTS,
+    condition,
+    create,
+    edit,
+    example,
+    owned_children,
+    running_operator,
+    status_of,
+)
+
+NAME = "smollm2-demo"
+CHILDREN = [
+    ("ConfigMap", f"{NAME}-runtime"),
+    ("Deployment", f"{NAME}-engine"),
+    ("Deployment", f"{NAME}-lookup"),
+    ("PodDisruptionBudget", f"{NAME}-engine"),
+    ("Service", f"{NAME}-engine"),
+    ("Service", f"{NAME}-lookup"),
+]
+
+
+def is_ready(cluster, name=NAME, generation=1):
+    status = status_of(cluster, name)
+    return status.get("phase") == "Ready" and status.get("observedGeneration") == generation
+
+
+def engine(cluster, name=NAME):
+    return cluster.get(DEPLOYMENTS, "default", f"{name}-engine")
+
+
+def test_create_makes_owned_children_and_ready_status(cluster):
+    with running_operator():
+        bd = create(cluster, example())
+        cluster.wait_for(lambda: is_ready(cluster))
+    uid = bd["metadata"]["uid"]
+    assert owned_children(cluster, uid) == CHILDREN
+    ref = engine(cluster)["metadata"]["ownerReferences"][0]
+    assert (ref["kind"], ref["name"], ref["controller"]) == ("BlendDeployment", NAME, True)
+    status = status_of(cluster, NAME)
+    assert status["selector"] == engine_selector(cluster)
+    assert (status["replicas"], status["readyReplicas"]) == (1, 1)
+    assert condition(cluster, NAME, "Ready")["status"] == "True"
+    assert condition(cluster, NAME, "LookupServerReady")["status"] == "True"
+    assert condition(cluster, NAME, "Degraded")["status"] == "False"
+
+
+def engine_selector(cluster):
+    labels = engine(cluster)["spec"]["selector"]["matchLabels"]
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
+def test_update_patches_children_and_removes_fields_no_longer_rendered(cluster):
+    with running_operator():
+        create(cluster, example())
+        cluster.wait_for(lambda: is_ready(cluster))
+        gpu = {"type": "nvidia", "count": 1, "nodeSelector": {"gpu": "yes"}}
+        edit(
+            cluster,
+            BD,
+            NAME,
+            {"spec": {"replicas": 3, "accelerator": gpu, "blend": {"recomputeRatio": 0.3}}},
+        )
+        cluster.wait_for(lambda: engine(cluster)["spec"]["replicas"] == 3)
+        pod = engine(cluster)["spec"]["template"]["spec"]
+        assert pod["nodeSelector"] == {"gpu": "yes"}
+        assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] in (1, "1")
+        config = cluster.get("v1/configmaps", "default", f"{NAME}-runtime")
+        assert "0.3" in str(config["data"])
+        edit(
+            cluster,
+            BD,
+            NAME,
+            {"spec": {"accelerator": {"type": "cpu", "count": 0, "nodeSelector": None}}},
+        )
+        cluster.wait_for(lambda: "nodeSelector" not in engine(cluster)["spec"]["template"]["spec"])
+        limits = engine(cluster)["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert "nvidia.com/gpu" not in limits
+
+
+def test_kubectl_scale_goes_through_the_scale_subresource(cluster):
+    env = {"KUBECONFIG": cluster.kubeconfig, "PATH": "/usr/bin:/bin"}
+    with running_operator():
+        create(cluster, example())
+        cluster.wait_for(lambda: is_ready(cluster))
+        done = subprocess.run(
+            ["kubectl", "scale", f"bd/{NAME}", "--replicas=4"],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        cluster.wait_for(lambda: engine(cluster)["spec"]["replicas"] == 4)
+        cluster.wait_for(lambda: status_of(cluster, NAME).get("readyReplicas") == 4)
+    selector = subprocess.run(
+        [
+            "kubectl",
+            "get",
+            "--raw",
+            f"/apis/{BD.rpartition('/')[0]}/namespaces/default/blenddeployments/{NAME}/scale",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert engine_selector(cluster) in selector
+
+
+def test_disabling_the_lookup_server_deletes_its_children(cluster):
+    with running_operator():
+        bd = create(cluster, example())
+        cluster.wait_for(lambda: is_ready(cluster))
+        edit(cluster, BD, NAME, {"spec": {"lookupServer": {"enabled": False}}})
+        cluster.wait_for(lambda: cluster.get(DEPLOYMENTS, "default", f"{NAME}-lookup") is None)
+        cluster.wait_for(
+            lambda: condition(cluster, NAME, "LookupServerReady").get("reason") == "Disabled"
+        )
+    names = owned_children(cluster, bd["metadata"]["uid"])
+    assert ("Service", f"{NAME}-lookup") not in names
+    assert ("Deployment", f"{NAME}-engine") in names
+
+
+def test_deleting_the_owner_collects_children_by_owner_reference(cluster):
+    env = {"KUBECONFIG": cluster.kubeconfig, "PATH": "/usr/bin:/bin"}
+    with running_operator():
+        create(cluster, example())
+        cluster.wait_for(lambda: is_ready(cluster))
+        subprocess.run(["kubectl", "delete", "bd", NAME], env=env, check=True, capture_output=True)
+        cluster.wait_for(lambda: engine(cluster) is None)
+    assert cluster.get(BD, "default", NAME) is None  # no finalizer held it back
+    assert cluster.list("v1/services", "default") == []
+
+
+def test_hand_edited_and_deleted_children_are_put_back(cluster):
+    with running_operator():
+        create(cluster, example())
+        cluster.wait_for(lambda: is_ready(cluster))
+        edit(cluster, DEPLOYMENTS, f"{NAME}-engine", {"spec": {"replicas": 7}})
+        cluster.wait_for(lambda: engine(cluster)["spec"]["replicas"] == 1)
+        cluster.call(
+            cluster.api.edit_object("v1/configmaps", "default", f"{NAME}-runtime", {"data": None})
+        )
+        cluster.wait_for(
+            lambda: (cluster.get("v1/configmaps", "default", f"{NAME}-runtime") or {}).get("data")
+        )
