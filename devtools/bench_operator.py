@@ -1,0 +1,189 @@
+"""`make bench-operator`: time for N BlendDeployments to converge, next to the emulator's floor.
+
+For each N: start a fresh emulator, run `holeblend-operator run` as a subprocess, create N
+BlendDeployments at once, and wait until every one has status Ready for its generation (all
+children created and settled). Then replay the same API writes and reads the operator sent
+(recorded by the emulator), without the operator, against a fresh emulator with the same
+concurrency: that is the emulator's floor. Operator peak RSS and CPU come from /proc.
+"""
+
+import argparse
+import asyncio
+import copy
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import aiohttp
+import yaml
+
+from holeblend_devtools import workloads
+from holeblend_devtools.background import EmulatorThread, environment_for
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CRD = str(ROOT / "crds" / "blenddeployments.blend.holeblend.io.yaml")
+BD = "blend.holeblend.io/v1alpha1/blenddeployments"
+BD_PATH = "/apis/blend.holeblend.io/v1alpha1/namespaces/default/blenddeployments"
+REPLAY_CONCURRENCY = 16  # the operator's own API concurrency (OperatorSettings.api_concurrency)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--counts", default="1,20,200", help="numbers of BlendDeployments")
+    parser.add_argument("--json", dest="json_path", help="write the results here")
+    parser.add_argument("--timeout", type=float, default=120.0)
+    args = parser.parse_args(argv)
+    results = [measure(int(n), args.timeout) for n in args.counts.split(",")]
+    text = json.dumps({"results": results}, indent=2)
+    print(text)
+    if args.json_path:
+        pathlib.Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(args.json_path).write_text(text + "\n")
+    return 0
+
+
+def measure(num_objects: int, timeout: float) -> dict:
+    with tempfile.TemporaryDirectory(prefix="holeblend-bench-") as workdir:
+        kubeconfig = os.path.join(workdir, "kubeconfig")
+        with EmulatorThread(
+            kubeconfig, crds=(CRD,), node=workloads.Node({}, {}), max_history=1
+        ) as cluster:
+            operator = start_operator(environment_for(kubeconfig))
+            cluster.wait_for(lambda: operator_watching(cluster), timeout=30)
+            cluster.api._requests.clear()
+            started = time.monotonic()
+            cluster.call(create_all(cluster.url, num_objects))
+            cluster.wait_for(lambda: all_ready(cluster, num_objects), timeout=timeout, interval=0.1)
+            converge_s = time.monotonic() - started
+            rss_mb, cpu_s = usage(operator.pid)
+            requests = recorded(cluster.api._requests)
+            stop(operator)
+        floor_s = replay(requests, workdir)
+    return {
+        "num_objects": num_objects,
+        "converge_s": round(converge_s, 3),
+        "floor_s": round(floor_s, 3),
+        "ratio_to_floor": round(converge_s / floor_s, 2) if floor_s else None,
+        "num_requests": len(requests),
+        "rss_mb": round(rss_mb, 1),
+        "cpu_s_per_object": round(cpu_s / num_objects, 4),
+    }
+
+
+def start_operator(env: dict) -> subprocess.Popen:
+    command = [
+        sys.executable,
+        "-m",
+        "holeblend_operator.cli",
+        "run",
+        "--health-port",
+        "0",
+        "--log-level",
+        "warning",
+        "--status-debounce-s",
+        "0.2",
+    ]
+    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def operator_watching(cluster: EmulatorThread) -> bool:
+    return any(
+        r.params.get("watch") and "blenddeployments" in str(r.url)
+        for r in list(cluster.api._requests)
+    )
+
+
+def manifest(index: int) -> dict:
+    with open(ROOT / "examples" / "cpu.yaml") as file:
+        body = copy.deepcopy(yaml.safe_load(file))
+    body["metadata"] = {"name": f"bench-{index:04d}", "namespace": "default"}
+    return body
+
+
+async def create_all(url: str, num_objects: int) -> None:
+    async with aiohttp.ClientSession(url) as session:
+        await asyncio.gather(*(session.post(BD_PATH, json=manifest(i)) for i in range(num_objects)))
+
+
+def all_ready(cluster: EmulatorThread, num_objects: int) -> bool:
+    items = cluster.call(_ready_count(cluster))
+    return items >= num_objects
+
+
+async def _ready_count(cluster: EmulatorThread) -> int:
+    count = 0
+    for key in cluster.api._keys(cluster.api._info_key(BD), "default", ()):
+        status = cluster.api._stored(key).raw.get("status") or {}
+        count += status.get("phase") == "Ready" and status.get("observedGeneration") == 1
+    return count
+
+
+def recorded(requests: list) -> list[tuple[str, str, bytes, str]]:
+    """The operator's requests (and the N creates) minus long-lived watches and discovery."""
+    kept = []
+    for request in list(requests):
+        if (
+            request.params.get("watch")
+            or request.resource is None
+            or request.resource.plural is None
+        ):
+            continue
+        content_type = request.headers.get("Content-Type", "application/json")
+        kept.append(
+            (str(request.method.value), str(request.url.path_qs), request.body, content_type)
+        )
+    return kept
+
+
+def replay(requests: list, workdir: str) -> float:
+    kubeconfig = os.path.join(workdir, "replay-kubeconfig")
+    with EmulatorThread(
+        kubeconfig, crds=(CRD,), node=workloads.Node({}, {}), max_history=1
+    ) as cluster:
+        return cluster.call(_replay(cluster.url, requests), timeout=600)
+
+
+async def _replay(url: str, requests: list) -> float:
+    semaphore = asyncio.Semaphore(REPLAY_CONCURRENCY)
+
+    async def send(session, method, path, body, content_type):
+        async with (
+            semaphore,
+            session.request(
+                method, path, data=body or None, headers={"Content-Type": content_type}
+            ) as response,
+        ):
+            await response.read()
+
+    async with aiohttp.ClientSession(url) as session:
+        started = time.monotonic()
+        await asyncio.gather(*(send(session, *request) for request in requests))
+        return time.monotonic() - started
+
+
+def usage(pid: int) -> tuple[float, float]:
+    """Peak RSS (MB) and CPU seconds (user + system) of a running process."""
+    with open(f"/proc/{pid}/status") as file:
+        peak_kb = next(int(line.split()[1]) for line in file if line.startswith("VmHWM:"))
+    with open(f"/proc/{pid}/stat") as file:
+        fields = file.read().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return peak_kb / 1024, (int(fields[11]) + int(fields[12])) / ticks
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
