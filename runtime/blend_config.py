@@ -1,0 +1,54 @@
+"""How the blender reuses cached KV: validated once, passed whole."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Names of the built-in token selection strategies (see selection.py).
+K_DEVIATION = "k-deviation"
+RANDOM = "random"
+SELECTION_NAMES = (K_DEVIATION, RANDOM)
+# LMCache's separator without its trailing space: with a leading space on every piece
+# the pieces tokenize exactly as the whole prompt does (see docs/blending.md).
+DEFAULT_SEPARATOR = " # #"
+
+
+@dataclass(frozen=True)
+class BlendConfig:
+    """Blending knobs; `ratio` may be overridden per request."""
+
+    # Layer whose fresh K is compared with the cached K; layers up to it run in full.
+    check_layer: int = 1
+    # Share of the cached tokens recomputed in the layers after the check layer.
+    ratio: float = 0.15
+    # Token selection strategy name: "k-deviation" (top-k K deviation) or "random".
+    selection: str = K_DEVIATION
+    # Pick the top ratio share separately in each run of cached tokens between holes.
+    per_section: bool = False
+    separator: str = DEFAULT_SEPARATOR
+    # Documents shorter than this are never cached (computed fresh every time).
+    min_segment_tokens: int = 8
+    # Cache a document at the positions right after the system prompt (True) or alone
+    # from position 0 (False); after the system prompt roughly halves blending error.
+    cache_after_system: bool = True
+    # Seed of the random selection strategy (a fresh generator per request).
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.check_layer < 0:
+            raise ValueError(f"check_layer: must be >= 0, got {self.check_layer}")
+        check_ratio(self.ratio)
+        if self.selection not in SELECTION_NAMES:
+            raise ValueError(
+                f"selection: expected one of {SELECTION_NAMES}, got {self.selection!r}"
+            )
+        if not self.separator or self.separator.isspace():
+            raise ValueError("separator: must contain a visible character")
+        if self.min_segment_tokens < 1:
+            raise ValueError(f"min_segment_tokens: must be >= 1, got {self.min_segment_tokens}")
+
+
+def check_ratio(ratio: float) -> float:
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"ratio: must be within [0, 1], got {ratio}")
+    return ratio

@@ -1,0 +1,218 @@
+"""Blend cached per-segment KV into one prompt's KV cache (CacheBlend, hole-aware).
+
+1. Cached K is re-rotated from the positions it was computed at to its positions in
+   this prompt; cached V needs nothing.
+2. Layers up to and including the check layer run in full over every token, so their
+   K/V are exact. At the check layer the fresh K of each cached token is compared with
+   its cached K; the strategy picks the cached tokens whose K moved most.
+3. The recompute set is those tokens plus every token without cached KV (holes,
+   separators, the uncached tail). Later layers compute hidden states only for it;
+   each of its tokens attends to all cache slots up to its own true position, reading
+   fresh K/V where a slot was recomputed and the cached K/V elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from holeblend_runtime.blend_config import BlendConfig, check_ratio
+from holeblend_runtime.kv_store import SegmentKV
+from holeblend_runtime.llama import Llama, causal_mask
+from holeblend_runtime.rope import RopeTable, rerotate
+from holeblend_runtime.selection import SelectionStrategy, make_strategy, num_to_select
+
+
+@dataclass(frozen=True)
+class CachedSpan:
+    """A reused segment: where it sits in the prompt and its cached KV."""
+
+    start: int
+    end: int
+    kv: SegmentKV
+
+
+@dataclass(frozen=True, eq=False)
+class BlendResult:
+    # [vocab] next-token logits at the last prompt position.
+    logits: torch.Tensor
+    # [layers, kv_heads, tokens, head_dim]: the prompt's blended KV cache.
+    k: torch.Tensor
+    v: torch.Tensor
+    # Sorted positions computed in the layers after the check layer.
+    recomputed: torch.Tensor
+    # Sorted positions of the cached tokens the strategy chose (a subset of `recomputed`).
+    selected: torch.Tensor
+    # Check-layer squared K deviation of every cached token, in position order.
+    deviation: torch.Tensor
+
+
+class Blender:
+    def __init__(self, model: Llama, config: BlendConfig) -> None:
+        if config.check_layer >= model.num_layers:
+            raise ValueError(
+                f"check_layer: must be below the model's {model.num_layers} layers, "
+                f"got {config.check_layer}"
+            )
+        self.model = model
+        self.config = config
+
+    def blend(
+        self,
+        token_ids: torch.Tensor,
+        spans: Sequence[CachedSpan],
+        ratio: float,
+        hole_ranges: Sequence[tuple[int, int]] = (),
+        strategy: SelectionStrategy | None = None,
+    ) -> BlendResult:
+        """Prefill `token_ids` reusing `spans`; `hole_ranges` bound per-section selection."""
+        check_ratio(ratio)
+        num_tokens = token_ids.shape[0]
+        positions = torch.arange(num_tokens, device=self.model.device)
+        rope = self.model.rope(positions)
+        k_cache, v_cache, is_cached = self.assemble_cached_kv(spans, num_tokens)
+        h = self._full_layers(token_ids, rope, k_cache, v_cache)
+        check = self._check_layer(
+            h, rope, k_cache, v_cache, is_cached, ratio, hole_ranges, strategy
+        )
+        h = check.hidden
+        rope_sub = RopeTable(rope.cos[check.recomputed], rope.sin[check.recomputed])
+        for layer in range(self.config.check_layer + 1, self.model.num_layers):
+            h = self._sparse_layer(layer, h, rope_sub, k_cache, v_cache, check)
+        logits = self.model.logits(h[-1:])[0]
+        return BlendResult(
+            logits, k_cache, v_cache, check.recomputed, check.selected, check.deviation
+        )
+
+    def assemble_cached_kv(
+        self, spans: Sequence[CachedSpan], num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """K/V buffers holding every span's KV, K re-rotated to the span's positions."""
+        k_cache, v_cache = self.model.new_kv(num_tokens)
+        is_cached = torch.zeros(num_tokens, dtype=torch.bool, device=self.model.device)
+        for span in spans:
+            self._check_span(span, num_tokens)
+            to_positions = torch.arange(span.start, span.end, device=self.model.device)
+            k = span.kv.k.to(self.model.device)
+            from_positions = span.kv.positions.to(self.model.device)
+            theta = self.model.config.rope_theta
+            k_cache[:, :, span.start : span.end] = rerotate(
+                k, from_positions, to_positions, theta=theta
+            )
+            v_cache[:, :, span.start : span.end] = span.kv.v.to(self.model.device)
+            is_cached[span.start : span.end] = True
+        return k_cache, v_cache, is_cached
+
+    def _check_span(self, span: CachedSpan, num_tokens: int) -> None:
+        if not 0 <= span.start < span.end <= num_tokens:
+            raise ValueError(f"spans: range ({span.start}, {span.end}) is outside the prompt")
+        if span.kv.num_tokens != span.end - span.start:
+            raise ValueError(
+                f"spans: KV of {span.kv.num_tokens} tokens for range ({span.start}, {span.end})"
+            )
+
+    def _full_layers(
+        self, token_ids: torch.Tensor, rope: RopeTable, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """Layers below the check layer, every token, plain causal attention."""
+        h = self.model.embed(token_ids)
+        for layer in range(self.config.check_layer):
+            q, k, v = self.model.qkv(layer, h, rope)
+            k_cache[layer], v_cache[layer] = k, v
+            h = self.model.attend_and_mlp(layer, h, q, k, v, is_causal=True)
+        return h
+
+    def _check_layer(
+        self,
+        h: torch.Tensor,
+        rope: RopeTable,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        is_cached: torch.Tensor,
+        ratio: float,
+        hole_ranges: Sequence[tuple[int, int]],
+        strategy: SelectionStrategy | None,
+    ) -> _CheckOutcome:
+        layer = self.config.check_layer
+        q, k, v = self.model.qkv(layer, h, rope)
+        cached_positions = is_cached.nonzero().squeeze(1)
+        deviation = (
+            (k[:, cached_positions] - k_cache[layer, :, cached_positions]).pow(2).sum((0, 2))
+        )
+        strategy = strategy or make_strategy(self.config)
+        selected = self._select(deviation, cached_positions, ratio, hole_ranges, strategy)
+        recomputed = torch.cat([selected, (~is_cached).nonzero().squeeze(1)]).sort().values
+        # The check layer's K/V are fresh for every token: computing them was the price
+        # of the deviation, and they are exact.
+        k_cache[layer], v_cache[layer] = k, v
+        outcome = _CheckOutcome(
+            h, recomputed, selected, deviation, _attention_mask(recomputed, h.shape[0])
+        )
+        hidden = self.model.attend_and_mlp(
+            layer, h[recomputed], q[:, recomputed], k, v, outcome.mask, outcome.is_causal
+        )
+        return outcome.with_hidden(hidden)
+
+    def _select(
+        self,
+        deviation: torch.Tensor,
+        cached_positions: torch.Tensor,
+        ratio: float,
+        hole_ranges: Sequence[tuple[int, int]],
+        strategy: SelectionStrategy,
+    ) -> torch.Tensor:
+        """Sorted positions of the chosen cached tokens (per section if configured)."""
+        if not self.config.per_section or not hole_ranges:
+            chosen = strategy.select(deviation, num_to_select(deviation.shape[0], ratio))
+            return cached_positions[chosen].sort().values
+        hole_starts = torch.tensor(sorted(s for s, _ in hole_ranges), device=deviation.device)
+        sections = torch.searchsorted(hole_starts, cached_positions)
+        picks = []
+        for section in sections.unique():
+            members = (sections == section).nonzero().squeeze(1)
+            chosen = strategy.select(deviation[members], num_to_select(members.shape[0], ratio))
+            picks.append(cached_positions[members[chosen]])
+        return torch.cat(picks).sort().values
+
+    def _sparse_layer(
+        self,
+        layer: int,
+        h: torch.Tensor,
+        rope: RopeTable,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        check: _CheckOutcome,
+    ) -> torch.Tensor:
+        """One layer for the recompute set only; reused K/V stay in the cache."""
+        q, k, v = self.model.qkv(layer, h, rope)
+        keys, values = k_cache[layer], v_cache[layer]
+        keys[:, check.recomputed], values[:, check.recomputed] = k, v
+        return self.model.attend_and_mlp(layer, h, q, keys, values, check.mask, check.is_causal)
+
+
+@dataclass(frozen=True, eq=False)
+class _CheckOutcome:
+    """What the check layer decided, shared by every later layer."""
+
+    hidden: torch.Tensor
+    recomputed: torch.Tensor
+    selected: torch.Tensor
+    deviation: torch.Tensor
+    # None when every token is recomputed: plain causal attention then.
+    mask: torch.Tensor | None
+
+    @property
+    def is_causal(self) -> bool:
+        return self.mask is None
+
+    def with_hidden(self, hidden: torch.Tensor) -> _CheckOutcome:
+        return _CheckOutcome(hidden, self.recomputed, self.selected, self.deviation, self.mask)
+
+
+def _attention_mask(recomputed: torch.Tensor, num_tokens: int) -> torch.Tensor | None:
+    """Built once per request: each recomputed token sees the slots up to its position."""
+    if recomputed.shape[0] == num_tokens:
+        return None
+    return causal_mask(recomputed, num_tokens)

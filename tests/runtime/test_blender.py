@@ -1,0 +1,155 @@
+"""Blending on the real model: exactness at ratio 1, re-rotation, the recompute set."""
+
+import pytest
+import torch
+
+from holeblend_runtime.blender import CachedSpan
+from holeblend_runtime.llama import causal_mask
+from holeblend_runtime.rope import apply_rope, rerotate, rope_table
+
+HOLE = 2  # segment index of the second document
+
+
+def _with_question(texts, question):
+    system, documents, _ = texts
+    return system, documents, question
+
+
+def _positions(ranges):
+    return {p for start, end in ranges for p in range(start, end)}
+
+
+@pytest.mark.parametrize("mode", ["hole", "prefix"])
+@pytest.mark.parametrize("check_layer", [1, 3])
+def test_ratio_one_reproduces_full_prefill(cached_engine, rag_texts, mode, check_layer):
+    engine, prompt = cached_engine(rag_texts, hole=HOLE, check_layer=check_layer)
+    full = engine.prefill(prompt, "full")
+    blended = engine.prefill(prompt, mode, ratio=1.0)
+    assert blended.num_reused_tokens > 0
+    torch.testing.assert_close(blended.logits, full.logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(blended.k, full.k, atol=1e-4, rtol=0)
+    torch.testing.assert_close(blended.v, full.v, atol=1e-4, rtol=0)
+
+
+def test_ratio_one_reproduces_full_prefill_on_a_pure_hit(cached_engine, rag_texts):
+    engine, prompt = cached_engine(rag_texts, hole=None)
+    blended = engine.prefill(prompt, "hole", ratio=1.0)
+    assert blended.lookup.mode == "pure-hit"
+    full = engine.prefill(prompt, "full")
+    torch.testing.assert_close(blended.logits, full.logits, atol=1e-4, rtol=0)
+
+
+def test_low_ratio_changes_logits_but_keeps_them_close(cached_engine, rag_texts):
+    """The reuse is real: at ratio 0.15 the answer differs a little from full prefill."""
+    engine, prompt = cached_engine(rag_texts, hole=HOLE)
+    full = engine.prefill(prompt, "full")
+    blended = engine.prefill(prompt, "hole", ratio=0.15)
+    difference = (blended.logits - full.logits).abs().max().item()
+    assert 1e-3 < difference < 0.5 * full.logits.abs().max().item()
+
+
+def test_rerotation_composes_rotations_exactly():
+    k = torch.randn(2, 3, 7, 64)
+    start, end = torch.arange(5, 12), torch.arange(300, 307)
+    at_start = apply_rope(k, rope_table(start, head_dim=64, theta=1e5, dtype=torch.float32))
+    at_end = apply_rope(k, rope_table(end, head_dim=64, theta=1e5, dtype=torch.float32))
+    torch.testing.assert_close(rerotate(at_start, start, end, theta=1e5), at_end, atol=2e-5, rtol=0)
+
+
+def test_rerotated_cached_k_equals_first_layer_k_of_full_prefill(cached_engine, rag_texts):
+    """Documents cached alone from position 0, moved to their prompt positions."""
+    engine, prompt = cached_engine(rag_texts, hole=None, cache_after_system=False)
+    keys = engine.segment_keys(prompt)
+    spans = [
+        CachedSpan(segment.start, segment.end, engine.store.get(keys[i]))
+        for i, segment in enumerate(prompt.segments)
+        if keys[i] is not None
+    ]
+    assert all(span.kv.positions[0] == 0 for span in spans)
+    k, v, is_cached = engine.blender.assemble_cached_kv(spans, prompt.num_tokens)
+    full = engine.prefill(prompt, "full")
+    for span in spans[1:]:
+        assert span.start > 0
+        torch.testing.assert_close(
+            k[0, :, span.start : span.end], full.k[0, :, span.start : span.end], atol=1e-5, rtol=0
+        )
+        torch.testing.assert_close(
+            v[0, :, span.start : span.end], full.v[0, :, span.start : span.end]
+        )
+    assert int(is_cached.sum()) == sum(span.end - span.start for span in spans)
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.3])
+def test_hole_tokens_separators_and_tail_are_always_recomputed(cached_engine, rag_texts, ratio):
+    engine, prompt = cached_engine(rag_texts, hole=HOLE)
+    prefill = engine.prefill(prompt, "hole", ratio=ratio)
+    recomputed = set(prefill.recomputed_positions.tolist())
+    lookup = prefill.lookup
+    assert _positions(lookup.hole_ranges) <= recomputed
+    assert _positions(prompt.separator_ranges) <= recomputed
+    assert set(range(lookup.tail_start, prompt.num_tokens)) <= recomputed
+    uncached = set(range(prompt.num_tokens)) - _positions(lookup.hit_ranges)
+    if ratio == 0.0:
+        assert recomputed == uncached
+
+
+def test_top_k_is_chosen_among_cached_tokens_only(cached_engine, rag_texts):
+    engine, prompt = cached_engine(rag_texts, hole=HOLE)
+    prefill = engine.prefill(prompt, "hole", ratio=0.3)
+    cached = sorted(_positions(prefill.lookup.hit_ranges))
+    selected = prefill.selected_positions.tolist()
+    assert set(selected) <= set(cached)
+    assert len(selected) == round(0.3 * len(cached))
+    is_selected = torch.tensor([p in set(selected) for p in cached])
+    deviation = prefill.deviation
+    assert deviation.shape == (len(cached),)
+    assert deviation[is_selected].min() >= deviation[~is_selected].max()
+
+
+def test_causal_mask_follows_true_positions():
+    mask = causal_mask(torch.tensor([1, 4, 5]), num_keys=7)
+    assert mask.tolist() == [
+        [True, True, False, False, False, False, False],
+        [True, True, True, True, True, False, False],
+        [True, True, True, True, True, True, False],
+    ]
+
+
+def test_recomputed_tokens_never_attend_to_later_positions(cached_engine, rag_texts):
+    """Changing only the question must not change any KV before it."""
+    engine_a, prompt_a = cached_engine(
+        _with_question(rag_texts, "Who built the bridge?"), hole=HOLE
+    )
+    engine_b, prompt_b = cached_engine(
+        _with_question(rag_texts, "When did the museum open?"), hole=HOLE
+    )
+    a = engine_a.prefill(prompt_a, "hole", ratio=0.3)
+    b = engine_b.prefill(prompt_b, "hole", ratio=0.3)
+    start = prompt_a.question.start
+    assert start == prompt_b.question.start
+    assert torch.equal(a.selected_positions, b.selected_positions)
+    torch.testing.assert_close(a.k[:, :, :start], b.k[:, :, :start], atol=1e-5, rtol=0)
+    torch.testing.assert_close(a.v[:, :, :start], b.v[:, :, :start], atol=1e-5, rtol=0)
+    assert not torch.allclose(a.logits, b.logits, atol=1e-2)
+
+
+def test_per_section_selection_takes_the_ratio_in_every_section(cached_engine, rag_texts):
+    engine, prompt = cached_engine(rag_texts, hole=HOLE, per_section=True)
+    prefill = engine.prefill(prompt, "hole", ratio=0.2)
+    hole_start = prompt.segments[HOLE].start
+    selected = prefill.selected_positions
+    before, after = (selected < hole_start).sum().item(), (selected > hole_start).sum().item()
+    num_before = sum(prompt.segments[i].num_tokens for i in (0, 1))
+    num_after = sum(prompt.segments[i].num_tokens for i in (3, 4))
+    assert (before, after) == (round(0.2 * num_before), round(0.2 * num_after))
+
+
+def test_random_selection_is_reproducible_and_not_top_k(cached_engine, rag_texts):
+    engine, prompt = cached_engine(rag_texts, hole=HOLE, selection="random", seed=7)
+    first = engine.prefill(prompt, "hole", ratio=0.2).selected_positions
+    engine.store.remove(engine.segment_keys(prompt)[HOLE])  # the prefill stored the hole
+    again = engine.prefill(prompt, "hole", ratio=0.2).selected_positions
+    top_k_engine, _ = cached_engine(rag_texts, hole=HOLE)
+    top_k = top_k_engine.prefill(prompt, "hole", ratio=0.2).selected_positions
+    assert torch.equal(first, again)
+    assert first.shape == top_k.shape and not torch.equal(first, top_k)

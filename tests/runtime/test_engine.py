@@ -1,0 +1,169 @@
+"""The reference engine's modes, store behaviour, scoring and generation, bad input."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from holeblend_runtime.blend_config import BlendConfig
+from holeblend_runtime.engine import ReferenceEngine
+from holeblend_runtime.segments import SegmentedPrompt
+
+HOLE = 2  # segment index of the second document
+
+
+def test_prefix_mode_recomputes_everything_after_the_first_miss(cached_engine, rag_texts):
+    engine, prompt = cached_engine(rag_texts, hole=HOLE)
+    prefill = engine.prefill(prompt, "prefix", ratio=0.15)
+    assert prefill.lookup.reused_segments == (0, 1)
+    first_miss = prompt.segments[HOLE].start
+    recomputed = set(prefill.recomputed_positions.tolist())
+    assert set(range(first_miss, prompt.num_tokens)) <= recomputed
+    assert (
+        prefill.num_reused_tokens == prompt.segments[0].num_tokens + prompt.segments[1].num_tokens
+    )
+
+
+def test_hole_mode_reuses_every_cached_segment_after_the_miss(cached_engine, rag_texts):
+    engine, prompt = cached_engine(rag_texts, hole=HOLE)
+    prefill = engine.prefill(prompt, "hole", ratio=0.15)
+    hole = prompt.segments[HOLE]
+    assert prefill.lookup.mode == "hole"
+    assert prefill.lookup.reused_segments == (0, 1, 3, 4)
+    assert prefill.lookup.hole_ranges == ((hole.start, hole.end),)
+    assert prefill.num_hole_tokens == hole.num_tokens
+    assert prefill.num_recomputed_tokens < prompt.num_tokens / 2
+
+
+def test_missing_segments_are_stored_so_the_next_pass_is_a_pure_hit(cached_engine, rag_texts):
+    engine, prompt = cached_engine(rag_texts, hole=HOLE)
+    first = engine.prefill(prompt, "hole", ratio=0.15)
+    second = engine.prefill(prompt, "hole", ratio=0.15)
+    assert first.num_stored_segments == 1
+    assert second.lookup.mode == "pure-hit" and second.num_stored_segments == 0
+
+
+def test_first_pass_on_an_empty_store_is_a_full_prefill_that_stores(new_engine, rag_texts):
+    engine = new_engine()
+    prompt = engine.build_prompt(*rag_texts)
+    prefill = engine.prefill(prompt, "hole")
+    full = engine.prefill(prompt, "full")
+    assert prefill.lookup.mode == "full-miss"
+    assert prefill.num_stored_segments == 5  # system + 4 documents
+    torch.testing.assert_close(prefill.logits, full.logits, atol=1e-5, rtol=0)
+
+
+def test_full_mode_leaves_the_store_alone(new_engine, rag_texts):
+    engine = new_engine()
+    prompt = engine.build_prompt(*rag_texts)
+    engine.prefill(prompt, "full")
+    assert len(engine.store) == 0
+
+
+def test_generation_is_greedy_and_agrees_with_scoring(cached_engine, rag_texts):
+    engine, prompt = cached_engine(rag_texts, hole=HOLE)
+    prefill = engine.prefill(prompt, "hole", ratio=0.15)
+    tokens = engine.generate(prefill, max_new_tokens=6)
+    logits = engine.score(prefill, tokens)
+    assert len(tokens) >= 1 and logits.shape == (len(tokens), engine.config.vocab_size)
+    assert torch.equal(logits[0], prefill.logits)
+    assert logits.argmax(-1).tolist() == tokens
+
+
+def test_blending_at_ratio_one_generates_what_full_prefill_generates(cached_engine, rag_texts):
+    engine, prompt = cached_engine(rag_texts, hole=HOLE)
+    full = engine.generate(engine.prefill(prompt, "full"), max_new_tokens=8)
+    blended = engine.generate(engine.prefill(prompt, "hole", ratio=1.0), max_new_tokens=8)
+    assert len(full) == 8 and blended == full
+
+
+# --- bad input ----------------------------------------------------------------------
+
+
+def test_empty_prompt_is_refused(reference_engine):
+    with pytest.raises(ValueError, match="empty"):
+        reference_engine.prefill(SegmentedPrompt((), (), ()), "hole")
+    with pytest.raises(ValueError, match="empty"):
+        reference_engine.prompt_builder.splitter.split([])
+
+
+def test_prompt_without_separator_is_refused(reference_engine):
+    token_ids = reference_engine.tokenizer.encode("Just a question without documents.")
+    with pytest.raises(ValueError, match="separator"):
+        reference_engine.prompt_builder.splitter.split(token_ids)
+
+
+def test_prompt_longer_than_the_context_is_refused(reference_engine, rag_texts):
+    system, _, question = rag_texts
+    prompt = reference_engine.build_prompt(system, ["word " * 8300], question)
+    assert prompt.num_tokens > reference_engine.config.context_length
+    for mode in ("full", "prefix", "hole"):
+        with pytest.raises(ValueError, match="context"):
+            reference_engine.prefill(prompt, mode)
+
+
+def _corrupt(kv, how, config):
+    if how == "model":
+        return dataclasses.replace(kv, model_id="another-model:1")
+    if how == "dtype":
+        return dataclasses.replace(kv, k=kv.k.double(), v=kv.v.double())
+    if how == "layers":
+        return dataclasses.replace(kv, k=kv.k[:-1].clone(), v=kv.v[:-1].clone())
+    if how == "nan":
+        k = kv.k.clone()
+        k[5, 0, 3, 7] = float("nan")
+        return dataclasses.replace(kv, k=k)
+    if how == "positions":
+        return dataclasses.replace(kv, positions=kv.positions + config.context_length)
+    raise AssertionError(how)
+
+
+@pytest.mark.parametrize("how", ["model", "dtype", "layers", "nan", "positions"])
+def test_corrupted_cached_kv_is_refused_and_computed_fresh(cached_engine, rag_texts, how):
+    expected_engine, prompt = cached_engine(rag_texts, hole=HOLE)
+    expected = expected_engine.prefill(prompt, "hole", ratio=0.15)
+    engine, _ = cached_engine(rag_texts, hole=None)
+    key = engine.segment_keys(prompt)[HOLE]
+    engine.store.put(_corrupt(engine.store.get(key), how, engine.config))
+    actual = engine.prefill(prompt, "hole", ratio=0.15)
+    assert actual.num_rejected_segments == 1
+    assert actual.lookup.hole_ranges == expected.lookup.hole_ranges
+    torch.testing.assert_close(actual.logits, expected.logits, atol=1e-4, rtol=0)
+    # The refused entry was replaced by a good one.
+    assert engine.kv_problem(engine.store.get(key), key, prompt.segments[HOLE].num_tokens) is None
+
+
+def test_entry_stored_under_another_key_is_refused(cached_engine, rag_texts):
+    engine, prompt = cached_engine(rag_texts, hole=None)
+    keys = engine.segment_keys(prompt)
+    other = engine.store.get(keys[HOLE + 1])
+    assert engine.kv_problem(other, keys[HOLE], other.num_tokens) is not None
+
+
+@pytest.mark.parametrize("mode, ratio", [("half", 0.1), ("hole", 1.5), ("hole", -0.1)])
+def test_bad_mode_or_ratio_is_refused(reference_engine, rag_texts, mode, ratio):
+    prompt = reference_engine.build_prompt(*rag_texts)
+    with pytest.raises(ValueError, match="mode|ratio"):
+        reference_engine.prefill(prompt, mode, ratio)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("check_layer", -1),
+        ("ratio", 2.0),
+        ("selection", "best"),
+        ("separator", " "),
+        ("min_segment_tokens", 0),
+    ],
+)
+def test_blend_config_names_the_bad_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        BlendConfig(**{field: value})
+
+
+def test_check_layer_beyond_the_model_is_refused(reference_engine):
+    with pytest.raises(ValueError, match="check_layer"):
+        ReferenceEngine(
+            reference_engine.model, reference_engine.tokenizer, BlendConfig(check_layer=30)
+        )

@@ -1,0 +1,83 @@
+"""The GGUF is read into the right config, weights and tokenizer, and cached on disk."""
+
+import os
+
+import pytest
+import torch
+
+from holeblend_runtime.gguf_model import cache_entry_dir, find_smollm2_gguf, unpermute_qk
+from holeblend_runtime.rope import apply_rope, rope_table
+
+
+def test_config_comes_from_gguf_metadata(reference_engine):
+    config = reference_engine.config
+    assert (config.num_layers, config.hidden_size, config.intermediate_size) == (30, 576, 1536)
+    assert (config.num_heads, config.num_kv_heads, config.head_dim) == (9, 3, 64)
+    assert config.rope_theta == 100000.0
+    assert (config.vocab_size, config.context_length) == (49152, 8192)
+    assert (config.bos_token_id, config.eos_token_id) == (1, 2)
+    assert config.tie_word_embeddings
+    assert config.model_id.startswith("SmolLM2-135M-Instruct")
+
+
+def test_cache_entry_changes_when_the_gguf_file_changes(tmp_path):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"x" * 10)
+    first = cache_entry_dir(gguf, tmp_path / "cache")
+    os.utime(gguf, ns=(1, 1))
+    assert cache_entry_dir(gguf, tmp_path / "cache") != first
+    gguf.write_bytes(b"x" * 11)
+    assert cache_entry_dir(gguf, tmp_path / "cache").name.split("-")[1] == "11"
+
+
+def test_gguf_is_found_in_the_installed_wheel():
+    path = find_smollm2_gguf()
+    assert path.suffix == ".gguf" and path.stat().st_size > 50_000_000
+
+
+def _llama_cpp_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """What llama.cpp's converter does to Hugging Face Q/K rows."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(num_heads, 2, rows // num_heads // 2, -1)
+        .transpose(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    weight = torch.randn(3 * 64, 10)
+    assert torch.equal(unpermute_qk(_llama_cpp_permute(weight, 3), 3), weight)
+
+
+def test_unpermuted_weights_give_rotate_half_rope():
+    """Interleaved-pair RoPE on permuted rows == rotate-half RoPE on un-permuted rows."""
+    weight, x = torch.randn(64, 8), torch.randn(5, 8)
+    table = rope_table(torch.arange(5), head_dim=64, theta=10000.0, dtype=torch.float32)
+    permuted = x @ _llama_cpp_permute(weight, 1).T
+    pairs = permuted.view(5, 32, 2)
+    cos, sin = table.cos[:, :32], table.sin[:, :32]
+    interleaved = torch.stack(
+        [pairs[..., 0] * cos - pairs[..., 1] * sin, pairs[..., 0] * sin + pairs[..., 1] * cos], -1
+    ).view(5, 64)
+    rotate_half = apply_rope(x @ unpermute_qk(_llama_cpp_permute(weight, 1), 1).T, table)
+    order = torch.cat([torch.arange(0, 64, 2), torch.arange(1, 64, 2)])
+    torch.testing.assert_close(interleaved[:, order], rotate_half, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_forward_matches_transformers_when_installed(reference_engine):
+    """Optional oracle: transformers is not a dependency; skipped unless installed."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    path = find_smollm2_gguf()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+    ids = reference_engine.tokenizer.encode("<|im_start|>user\nName three rivers.<|im_end|>\n")
+    with torch.inference_mode():
+        expected = hf(torch.tensor([ids])).logits[0, -1]
+        k, v = reference_engine.model.new_kv(len(ids))
+        h = reference_engine.model.forward(torch.tensor(ids), k, v, start=0)
+        actual = reference_engine.model.logits(h[-1:])[0]
+    torch.testing.assert_close(actual, expected, atol=2e-4, rtol=1e-4)

@@ -1,0 +1,63 @@
+"""The tokenizer behaves like the model's own, and prompts split into their pieces."""
+
+import pytest
+
+from holeblend_runtime.prompt import PromptBuilder
+from holeblend_runtime.segments import SegmentKind
+
+
+def test_tokenizer_encodes_chatml_like_the_model_vocabulary(reference_engine):
+    # Ids checked once against transformers' tokenizer for the same GGUF.
+    ids = reference_engine.tokenizer.encode("<|im_start|>system\nYou are helpful.<|im_end|>\n")
+    assert ids == [1, 9690, 198, 2683, 359, 5356, 30, 2, 198]
+
+
+def test_digits_are_split_one_by_one(reference_engine):
+    tokenizer = reference_engine.tokenizer
+    assert len(tokenizer.encode(" 12345")) == 6
+    assert tokenizer.decode(tokenizer.encode("Year 1871, 3.5 km")) == "Year 1871, 3.5 km"
+
+
+def test_no_bos_is_added_because_the_gguf_says_so(reference_engine, rag_texts):
+    assert not reference_engine.tokenizer.add_bos_token
+    prompt = reference_engine.build_prompt(*rag_texts)
+    assert prompt.token_ids[0] == reference_engine.tokenizer.token_to_id("<|im_start|>")
+
+
+def test_prompt_segments_are_system_documents_question(reference_engine, rag_texts):
+    system, documents, question = rag_texts
+    prompt = reference_engine.build_prompt(system, documents, question)
+    tokenizer = reference_engine.tokenizer
+    kinds = [s.kind for s in prompt.segments]
+    assert kinds == [SegmentKind.SYSTEM] + [SegmentKind.DOCUMENT] * 4 + [SegmentKind.QUESTION]
+    for segment, text in zip(prompt.documents, documents, strict=True):
+        assert tokenizer.decode(segment.token_ids) == " " + text
+    assert tokenizer.decode(prompt.system.token_ids, skip_special_tokens=False).endswith("user\n")
+    assert tokenizer.decode(prompt.question.token_ids, skip_special_tokens=False).endswith(
+        "<|im_start|>assistant\n"
+    )
+
+
+def test_pieces_tokenize_exactly_like_the_whole_prompt(reference_engine, rag_texts):
+    builder = reference_engine.prompt_builder
+    prompt = builder.build(*rag_texts)
+    whole = reference_engine.tokenizer.encode("".join(builder.pieces(*rag_texts)))
+    assert list(prompt.token_ids) == whole
+
+
+def test_separator_that_merges_in_context_is_refused(reference_engine, rag_texts):
+    builder = PromptBuilder(reference_engine.tokenizer, "\n\n", min_segment_tokens=8)
+    with pytest.raises(ValueError, match="separator"):
+        builder.build(*rag_texts)
+
+
+def test_document_containing_the_separator_is_refused(reference_engine, rag_texts):
+    system, documents, question = rag_texts
+    with pytest.raises(ValueError, match=r"documents\[1\]"):
+        reference_engine.build_prompt(system, [documents[0], "a # # b"], question)
+
+
+def test_empty_document_is_refused(reference_engine, rag_texts):
+    system, _, question = rag_texts
+    with pytest.raises(ValueError, match=r"documents\[0\]"):
+        reference_engine.build_prompt(system, ["   "], question)
