@@ -148,7 +148,7 @@ class Blender:
         # of the deviation, and they are exact.
         k_cache[layer], v_cache[layer] = k, v
         outcome = _CheckOutcome(
-            h, recomputed, selected, deviation, _attention_mask(recomputed, h.shape[0])
+            h, recomputed, selected, deviation, _attention_mask(recomputed, h.shape[0], h.dtype)
         )
         hidden = self.model.attend_and_mlp(
             layer, h[recomputed], q[:, recomputed], k, v, outcome.mask, outcome.is_causal
@@ -211,8 +211,10 @@ class _CheckOutcome:
         return _CheckOutcome(hidden, self.recomputed, self.selected, self.deviation, self.mask)
 
 
-def _attention_mask(recomputed: torch.Tensor, num_tokens: int) -> torch.Tensor | None:
+def _attention_mask(
+    recomputed: torch.Tensor, num_tokens: int, dtype: torch.dtype
+) -> torch.Tensor | None:
     """Built once per request: each recomputed token sees the slots up to its position."""
     if recomputed.shape[0] == num_tokens:
         return None
-    return causal_mask(recomputed, num_tokens)
+    return causal_mask(recomputed, num_tokens, dtype)

@@ -107,7 +107,7 @@ def test_top_k_is_chosen_among_cached_tokens_only(cached_engine, rag_texts):
 
 
 def test_causal_mask_follows_true_positions():
-    mask = causal_mask(torch.tensor([1, 4, 5]), num_keys=7)
+    mask = causal_mask(torch.tensor([1, 4, 5]), num_keys=7) == 0
     assert mask.tolist() == [
         [True, True, False, False, False, False, False],
         [True, True, True, True, True, False, False],
