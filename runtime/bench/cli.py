@@ -26,7 +26,7 @@ DEFAULTS: dict[str, Any] = {
     "min_doc_tokens": 124,
     "max_doc_tokens": 181,
     "ratios": "0.05,0.15,0.3,0.5,1.0",
-    "max_new_tokens": 12,
+    "max_new_tokens": 20,
 }
 QUICK: dict[str, Any] = {
     "questions": 2,
@@ -34,7 +34,7 @@ QUICK: dict[str, Any] = {
     "min_doc_tokens": 100,
     "max_doc_tokens": 140,
     "ratios": "0.15,1.0",
-    "max_new_tokens": 6,
+    "max_new_tokens": 16,
 }
 SELECTIONS = {"kdev": K_DEVIATION, K_DEVIATION: K_DEVIATION, "random": RANDOM}
 

@@ -2,13 +2,20 @@
 
 Pass 1 sends each prompt with its hole documents left out, into an empty KV store; the
 engine stores the documents it computed. Pass 2 sends the full prompts: every document
-but the holes is a hit. Each (mode, ratio) point starts from an empty store, so its two
-passes see the same cache state as every other point's. Full prefill of every prompt in
-both passes runs once; its answers are the reference for the blended ones.
+but the holes is a hit. Each (mode, ratio) sweep point has its own engine with its own
+store, empty at the start, so its two passes see the same cache state as every other
+point's. Full prefill of every prompt in both passes runs once; its answers are the
+reference for the blended ones.
+
+Requests are interleaved: each prompt goes to full prefill and then to every sweep
+point before the next prompt. A slower or busier machine then slows all modes alike
+instead of whichever happened to run last, which keeps the speedups honest. The price
+is memory: every sweep point's store holds the run's documents at once.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
@@ -68,7 +75,7 @@ class BenchConfig:
     ratios: tuple[float, ...] = (0.05, 0.15, 0.3, 0.5, 1.0)
     # Blend modes compared against full prefill (which always runs, as the reference).
     modes: tuple[str, ...] = BLEND_MODES
-    max_new_tokens: int = 12
+    max_new_tokens: int = 20
 
     def __post_init__(self) -> None:
         if not self.ratios:
@@ -109,7 +116,8 @@ class Reference:
 
 
 class BenchRunner:
-    """`new_engine` gives an engine with an empty KV store (sharing the loaded model)."""
+    """`new_engine` gives an engine with an empty KV store (sharing the loaded model);
+    the first one runs full prefill, one more per sweep point blends."""
 
     def __init__(
         self, new_engine: Callable[[], Engine], tokenizer: Tokenizer, config: BenchConfig
@@ -121,24 +129,31 @@ class BenchRunner:
 
     def num_requests(self, num_prompts: int) -> int:
         """Prefills the run makes: references plus every (mode, ratio, pass)."""
-        num_points = len(self.config.modes) * len(self.config.ratios)
-        return num_prompts * len(PASSES) * (1 + num_points)
+        return num_prompts * len(PASSES) * (1 + len(self.sweep_points()))
+
+    def sweep_points(self) -> list[tuple[str, float]]:
+        return [(mode, ratio) for mode in self.config.modes for ratio in self.config.ratios]
 
     def run(self, workload: Sequence[QAPrompt], show_progress: bool = True) -> list[dict[str, Any]]:
         requests = {p: [self.request(qa, pass_number=p) for qa in workload] for p in PASSES}
+        # Each sweep point's engine shares the loaded model and owns an empty store.
+        engines = {point: self.new_engine() for point in self.sweep_points()}
+        measures: dict[tuple[str, float | None, int], list[RequestMeasure]] = defaultdict(list)
+        total = self.num_requests(len(workload))
         with tqdm(
-            total=self.num_requests(len(workload)),
-            desc="holeblend-bench",
-            unit="req",
-            disable=not show_progress,
-        ) as progress:
+            total=total, desc="holeblend-bench", unit="req", disable=not show_progress
+        ) as bar:
             self._warm_up(requests[2][0])
-            references = {p: self._references(requests[p], progress) for p in PASSES}
-            results = [self._full_row(p, references[p]) for p in PASSES]
-            for mode in self.config.modes:
-                for ratio in self.config.ratios:
-                    results += self._sweep_point(mode, ratio, requests, references, progress)
-        return results
+            for pass_number in PASSES:
+                for request in requests[pass_number]:
+                    reference = self._reference(request)
+                    measures[(FULL, None, pass_number)].append(reference.measure)
+                    bar.update()
+                    for (mode, ratio), engine in engines.items():
+                        measure = self._measure(engine, mode, ratio, request, reference)
+                        measures[(mode, ratio, pass_number)].append(measure)
+                        bar.update()
+        return self._rows(measures)
 
     def request(self, qa: QAPrompt, *, pass_number: int) -> Request:
         documents = qa.document_texts(without_holes=pass_number == 1)
@@ -153,19 +168,12 @@ class BenchRunner:
         # The first forward pays for lazy allocations; keep it out of every timing.
         self.engine.prefill(request.prompt, FULL, 1.0)
 
-    def _references(self, requests: Sequence[Request], progress: tqdm) -> list[Reference]:
-        references = []
-        for request in requests:
-            references.append(self._reference(request))
-            progress.update()
-        return references
-
     def _reference(self, request: Request) -> Reference:
         prefill = self.engine.prefill(request.prompt, FULL, 1.0)
-        gold_loss = self._gold_loss(prefill, request)
+        gold_loss = _gold_loss(self.engine, prefill, request)
         answer_ids = tuple(self.engine.generate(prefill, self.config.max_new_tokens))
         words = tuple(answer_words(self.tokenizer.decode(answer_ids)))
-        span_logits = self._span_logits(prefill, answer_ids)
+        span_logits = _span_logits(self.engine, prefill, answer_ids)
         measure = RequestMeasure(
             num_prompt_tokens=request.prompt.num_tokens,
             num_reused_tokens=prefill.num_reused_tokens,
@@ -180,39 +188,25 @@ class BenchRunner:
         )
         return Reference(answer_ids, words, span_logits, measure)
 
-    def _full_row(self, pass_number: int, references: Sequence[Reference]) -> dict[str, Any]:
-        measures = [r.measure for r in references]
-        return summarize(FULL, None, pass_number, measures, _mean_ttft(measures))
-
-    def _sweep_point(
-        self,
-        mode: str,
-        ratio: float,
-        requests: dict[int, list[Request]],
-        references: dict[int, list[Reference]],
-        progress: tqdm,
+    def _rows(
+        self, measures: dict[tuple[str, float | None, int], list[RequestMeasure]]
     ) -> list[dict[str, Any]]:
-        self.engine = self.new_engine()
-        rows = []
-        for pass_number in PASSES:
-            measures = []
-            for request, reference in zip(
-                requests[pass_number], references[pass_number], strict=True
-            ):
-                measures.append(self._measure(mode, ratio, request, reference))
-                progress.update()
-            full_ttft = _mean_ttft([r.measure for r in references[pass_number]])
-            rows.append(summarize(mode, ratio, pass_number, measures, full_ttft))
-        return rows
+        full_ttft = {p: _mean_ttft(measures[(FULL, None, p)]) for p in PASSES}
+        points = [(FULL, None)] + self.sweep_points()
+        return [
+            summarize(mode, ratio, p, measures[(mode, ratio, p)], full_ttft[p])
+            for mode, ratio in points
+            for p in PASSES
+        ]
 
     def _measure(
-        self, mode: str, ratio: float, request: Request, reference: Reference
+        self, engine: Engine, mode: str, ratio: float, request: Request, reference: Reference
     ) -> RequestMeasure:
-        prefill = self.engine.prefill(request.prompt, mode, ratio)
-        span_logits = self._span_logits(prefill, reference.answer_ids)
-        gold_loss = self._gold_loss(prefill, request)
+        prefill = engine.prefill(request.prompt, mode, ratio)
+        span_logits = _span_logits(engine, prefill, reference.answer_ids)
+        gold_loss = _gold_loss(engine, prefill, request)
         words = answer_words(
-            self.tokenizer.decode(self.engine.generate(prefill, self.config.max_new_tokens))
+            self.tokenizer.decode(engine.generate(prefill, self.config.max_new_tokens))
         )
         return RequestMeasure(
             num_prompt_tokens=request.prompt.num_tokens,
@@ -227,15 +221,17 @@ class BenchRunner:
             f1_vs_gold=answer_f1(words, request.gold_words, request.question_words),
         )
 
-    def _span_logits(self, prefill: Prefill, token_ids: Sequence[int]) -> torch.Tensor:
-        """Row i predicts token_ids[i] after the prompt; an empty answer (EOS first)
-        still has its first-token distribution to compare."""
-        if not token_ids:
-            return prefill.logits.reshape(1, -1)
-        return self.engine.score(prefill, list(token_ids))
 
-    def _gold_loss(self, prefill: Prefill, request: Request) -> float:
-        return mean_nll(self._span_logits(prefill, request.gold_ids), request.gold_ids)
+def _span_logits(engine: Engine, prefill: Prefill, token_ids: Sequence[int]) -> torch.Tensor:
+    """Row i predicts token_ids[i] after the prompt; an empty answer (EOS first) still
+    has its first-token distribution to compare."""
+    if not token_ids:
+        return prefill.logits.reshape(1, -1)
+    return engine.score(prefill, list(token_ids))
+
+
+def _gold_loss(engine: Engine, prefill: Prefill, request: Request) -> float:
+    return mean_nll(_span_logits(engine, prefill, request.gold_ids), request.gold_ids)
 
 
 def _mean_ttft(measures: Sequence[RequestMeasure]) -> float:
