@@ -77,6 +77,14 @@ class EmulatorThread:
         await started
 
     async def _serve(self, started: asyncio.Future) -> None:
+        try:
+            await self._serve_until_stopped(started)
+        except Exception as exc:  # a bad CRD path or a taken port: fail the caller, not hang
+            if not started.done():
+                started.set_exception(exc)
+            raise
+
+    async def _serve_until_stopped(self, started: asyncio.Future) -> None:
         async with (
             ClusterEmulator(**self._options) as api,
             kmock.Server(api, host="127.0.0.1", port=self._port) as server,

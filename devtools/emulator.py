@@ -19,6 +19,7 @@ operator and kubectl rely on and kmock leaves out:
 
 import asyncio
 import collections
+import contextlib
 import copy
 import dataclasses
 import datetime
@@ -317,7 +318,8 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         except TimeoutError:
             pass
         finally:
-            await bus.unmark(marker)
+            with contextlib.suppress(ValueError, RuntimeError):  # gone at loop shutdown
+                await bus.unmark(marker)
         return response
 
     def _backlog(self, request: rendering.Request, requirements: tuple, since: str | None) -> list:

@@ -18,6 +18,7 @@ import kopf
 
 from holeblend_operator import kube, metrics, reconcile
 from holeblend_operator.api import GROUP, KIND, PLURAL, VERSION
+from holeblend_operator.render import engine_name, lookup_name
 from holeblend_operator.render.labels import MANAGED_BY
 from holeblend_operator.settings import OperatorSettings
 
@@ -36,8 +37,14 @@ class Operator:
         self.settings = settings
         self.client: kube.Client | None = None
         self._configuration = None
-        self._pending: dict[tuple[str, str], tuple[asyncio.Task, bool]] = {}
-        self._desired_cache: dict[tuple, dict] = {}
+        self._pending: dict[tuple[str, str], tuple[asyncio.Task, bool, float]] = {}
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._prepared: dict[tuple, tuple] = {}
+        self._current: dict[
+            tuple, tuple
+        ] = {}  # child -> (resourceVersion, generation) known current
+        self._owners: kopf.Index | None = None
+        self._deployments: kopf.Index | None = None
 
     async def startup(self, settings: kopf.OperatorSettings, **_) -> None:
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
@@ -69,18 +76,28 @@ class Operator:
         return self._configuration
 
     async def cleanup(self, **_) -> None:
-        for task, _ in self._pending.values():
+        tasks = [task for task, _, _ in self._pending.values()]
+        for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self.client is not None:
-            self.client.close()
+            await self.client.close()
 
     async def run(
         self, body: kopf.Body, trigger: str, options: reconcile.Options, retry: int
     ) -> None:
         started = time.monotonic()
         result = "error"
+        meta = body.get("metadata", {})
+        key = (meta.get("namespace"), meta.get("name"))
         try:
-            await reconcile.reconcile(self.client, dict(body), options, _now())
+            async with self._lock(key):  # one reconcile or refresh per owner at a time
+                live = await reconcile.reconcile(
+                    self.client, dict(body), options, _now(), self.prepared
+                )
+            self._remember_current(key[0], live)
+            # The children's controllers report after we wrote them: take another look soon.
+            self.request(*key, full=False)
             result = "ok"
         except reconcile.InvalidSpec as exc:
             result = "invalid"
@@ -104,62 +121,112 @@ class Operator:
         return delay * random.uniform(0.5, 1.0)
 
     def request(self, namespace: str, name: str, full: bool, delay: float | None = None) -> None:
-        """Reconcile (full) or refresh the status of a BlendDeployment soon; repeated requests
-        within the debounce window join the pending one, and a full one wins."""
+        """Reconcile (full) or refresh the status of a BlendDeployment soon. Requests join a
+        pending one: the earliest time and the larger job (full over refresh) win."""
         key = (namespace, name)
-        pending = self._pending.get(key)
-        if pending is not None and (pending[1] or not full):
-            return
-        if pending is not None:
-            pending[0].cancel()
         delay = self.settings.status_debounce_s if delay is None else delay
-        task = asyncio.get_running_loop().create_task(self._later(key, full, delay))
-        self._pending[key] = (task, full)
+        due = time.monotonic() + delay
+        pending = self._pending.get(key)
+        if pending is not None:
+            task, pending_full, pending_due = pending
+            if pending_due <= due and (pending_full or not full):
+                return
+            task.cancel()
+            full, due = full or pending_full, min(due, pending_due)
+        task = asyncio.get_running_loop().create_task(self._later(key, full, due))
+        self._pending[key] = (task, full, due)
 
-    async def _later(self, key: tuple[str, str], full: bool, delay: float) -> None:
-        await asyncio.sleep(delay)
+    async def _later(self, key: tuple[str, str], full: bool, due: float) -> None:
+        await asyncio.sleep(max(0.0, due - time.monotonic()))
         del self._pending[key]
         trigger = "drift" if full else "child-status"
         try:
-            body = await self.client.get(kube.BLEND_DEPLOYMENT, *key)
+            body = await self._owner(key)
             if body is None:
                 return
             if full:
                 await self.run(body, trigger, DRIFT, retry=0)
-            elif not await reconcile.refresh(self.client, body, _now()):
-                # Not ready yet: look again later, pods may report why (e.g. Unschedulable).
+                return
+            async with self._lock(key):
+                ready = await reconcile.refresh(
+                    self.client, body, _now(), self._known(*key), self.prepared
+                )
+            if not ready:  # look again later: pods may report why (e.g. Unschedulable)
                 self.request(*key, full=False, delay=self.settings.requeue_s)
         except (kopf.PermanentError, kopf.TemporaryError, kube.Unavailable, kube.Forbidden) as exc:
             logging.getLogger(__name__).warning("%s of %s/%s failed: %s", trigger, *key, exc)
             self.request(*key, full=full, delay=self.settings.requeue_s)
 
+    def _lock(self, key: tuple[str, str]) -> asyncio.Lock:
+        return self._locks.setdefault(key, asyncio.Lock())
+
+    def remember(self, owners: kopf.Index, deployments: kopf.Index) -> None:
+        """kopf's in-memory indexes, kept current from the watches (an informer cache)."""
+        self._owners, self._deployments = owners, deployments
+
+    async def _owner(self, key: tuple[str, str]) -> dict | None:
+        if self._owners is not None:
+            found = list(self._owners.get(key, []))
+            return found[0] if found else None
+        return await self.client.get(kube.BLEND_DEPLOYMENT, *key)
+
+    def _known(self, namespace: str, owner: str) -> dict:
+        """The owner's Deployments as last seen on the watch; absent ones are fetched."""
+        known = {}
+        for name in (engine_name(owner), lookup_name(owner)):
+            found = list(self._deployments.get((namespace, name), [])) if self._deployments else []
+            if found:
+                known[("Deployment", name)] = found[0]
+        return known
+
     def is_drifted(self, child: dict, event_type: str | None, owner: dict) -> bool:
-        """Whether a child event shows the child deleted or changed away from what we render."""
+        """Whether a child event shows the child deleted or changed away from what we render.
+
+        Cheap for the common events: our own writes (same resourceVersion as written) and
+        status updates by controllers (same generation) skip the full comparison."""
+        meta = child.get("metadata", {})
+        key = (child.get("kind"), meta.get("namespace"), meta.get("name"))
         if event_type == "DELETED":
+            self._current.pop(key, None)
             return True
+        seen_version, seen_generation = self._current.get(key, (None, None))
+        if seen_version is not None and seen_version == meta.get("resourceVersion"):
+            return False
         try:
-            desired = self._desired(owner)
+            desired = self.prepared(owner)[1]
         except reconcile.InvalidSpec:
             return False
-        key = (child.get("kind"), child.get("metadata", {}).get("name"))
-        return key in desired and not reconcile.is_current(child, desired[key])
+        wanted = next((c for c in desired if (c["kind"], c["metadata"]["name"]) == key[::2]), None)
+        if wanted is None:
+            return False  # pruned on the next full reconcile
+        same_spec = seen_generation is not None and seen_generation == meta.get("generation")
+        if same_spec:  # only status moved: check what else a person may edit, the metadata
+            current = reconcile.contains(meta, wanted["metadata"])
+        else:
+            current = reconcile.is_current(child, wanted)
+        if current:
+            self._current[key] = (meta.get("resourceVersion"), meta.get("generation"))
+        return not current
 
-    def _desired(self, owner: dict) -> dict:
-        # Rendered once per owner generation and labels, not once per child event.
+    def _remember_current(self, namespace: str | None, live: dict) -> None:
+        for (kind, name), obj in live.items():
+            meta = obj.get("metadata", {})
+            self._current[(kind, namespace, name)] = (
+                meta.get("resourceVersion"),
+                meta.get("generation"),
+            )
+
+    def prepared(self, owner: dict) -> tuple:
+        """reconcile.prepare, cached per owner spec, labels and tuned ratio (render inputs)."""
         meta = owner.get("metadata", {})
-        cache_key = (
-            meta.get("uid"),
-            meta.get("generation"),
-            repr(sorted((meta.get("labels") or {}).items())),
-        )
-        if cache_key not in self._desired_cache:
-            if len(self._desired_cache) > 4096:
-                self._desired_cache.clear()
-            children = reconcile.desired_children(reconcile.parse(owner), owner)
-            self._desired_cache[cache_key] = {
-                (c["kind"], c["metadata"]["name"]): c for c in children
-            }
-        return self._desired_cache[cache_key]
+        ratio = (owner.get("status") or {}).get("recomputeRatio")
+        labels = tuple(sorted((meta.get("labels") or {}).items()))
+        cache_key = (meta.get("uid"), meta.get("generation"), labels, ratio)
+        if cache_key not in self._prepared:
+            if len(self._prepared) > 4096:
+                self._prepared.clear()
+            self._prepared[cache_key] = reconcile.prepare(owner)  # InvalidSpec is not cached
+        return self._prepared[cache_key]
 
 
 def register(settings: OperatorSettings, registry: kopf.OperatorRegistry | None = None) -> Operator:
@@ -181,7 +248,11 @@ def register(settings: OperatorSettings, registry: kopf.OperatorRegistry | None 
     async def blend_deployments(body, namespace, name, **_):
         return {(namespace, name): dict(body)}
 
-    async def on_child_event(body, type, namespace, blend_deployments, **_):
+    async def child_deployments(body, namespace, name, **_):
+        return {(namespace, name): dict(body)}
+
+    async def on_child_event(body, type, namespace, blend_deployments, child_deployments, **_):
+        operator.remember(blend_deployments, child_deployments)
         owner_name = _owner_name(body)
         owners = list(blend_deployments.get((namespace, owner_name), [])) if owner_name else []
         if not owners:
@@ -195,6 +266,14 @@ def register(settings: OperatorSettings, registry: kopf.OperatorRegistry | None 
     kopf.on.startup(registry=registry)(operator.startup)
     kopf.on.cleanup(registry=registry)(operator.cleanup)
     kopf.index(*resource, registry=registry, id="blend_deployments")(blend_deployments)
+    kopf.index(
+        "apps",
+        "v1",
+        "deployments",
+        registry=registry,
+        id="child_deployments",
+        labels={"app.kubernetes.io/managed-by": MANAGED_BY},
+    )(child_deployments)
     kopf.on.create(*resource, registry=registry, id="reconcile-create")(on_create)
     kopf.on.update(*resource, registry=registry, id="reconcile-update")(on_update)
     kopf.on.resume(*resource, registry=registry, id="reconcile-resume")(on_resume)

@@ -1,7 +1,7 @@
 """The one module of the operator that talks to the Kubernetes API.
 
-Requests go through the `kubernetes` client's connection pool and credentials (kubeconfig
-or in-cluster) on a small thread pool, as raw JSON: no model classes, no discovery.
+Requests carry the `kubernetes` client's credentials (kubeconfig or in-cluster) and go out
+through aiohttp on the operator's event loop, as raw JSON: no model classes, no discovery.
 `ACCESS` lists every (resource, verb) the operator uses; each request is checked against it,
 and the RBAC manifest is generated from it, so the two cannot drift apart.
 
@@ -11,18 +11,17 @@ worth retrying (timeouts, connection errors, 409 conflicts, 429 and 5xx) raises
 `Unavailable`, which the handlers turn into `kopf.TemporaryError` with a backoff.
 """
 
-import asyncio
-import concurrent.futures
 import dataclasses
 import json
 import os
+import ssl
 import urllib.parse
 from typing import Any
 
+import aiohttp
 import kopf
 import kubernetes.client
 import kubernetes.config
-import urllib3.exceptions
 
 from holeblend_operator import metrics
 from holeblend_operator.api import GROUP, PLURAL, VERSION
@@ -147,23 +146,27 @@ def connection_info(config: kubernetes.client.Configuration) -> kopf.ConnectionI
 
 
 class Client:
-    """Raw JSON requests on a bounded thread pool; one instance per operator process."""
+    """Raw JSON requests over one aiohttp session; one instance per operator process.
 
-    def __init__(self, api: kubernetes.client.ApiClient, timeout_s: float, max_workers: int):
+    The `kubernetes` client supplies the URL and the auth headers (it refreshes expiring
+    tokens), aiohttp sends the request on kopf's event loop: no threads, no model classes.
+    """
+
+    def __init__(self, api: kubernetes.client.ApiClient, timeout_s: float, max_in_flight: int):
         self._api = api
-        self._timeout_s = timeout_s
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="kube")
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._max_in_flight = max_in_flight
+        self._session: aiohttp.ClientSession | None = None
 
     @classmethod
     def from_configuration(
-        cls, config: kubernetes.client.Configuration, timeout_s: float, max_workers: int
+        cls, config: kubernetes.client.Configuration, timeout_s: float, max_in_flight: int
     ) -> "Client":
-        config.connection_pool_maxsize = max_workers
-        return cls(kubernetes.client.ApiClient(config), timeout_s, max_workers)
+        return cls(kubernetes.client.ApiClient(config), timeout_s, max_in_flight)
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self._api.close()
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
 
     async def get(self, kind: Kind, namespace: str | None, name: str) -> dict | None:
         return await self._call("get", kind, "GET", kind.path(namespace, name), missing_ok=True)
@@ -215,30 +218,46 @@ class Client:
         if verb not in kind.verbs:  # keeps ACCESS (and so RBAC) complete: see the module doc
             raise PermissionError(f"{verb} {kind.plural} is not declared in kube.ACCESS")
         url = path + (f"?{urllib.parse.urlencode(query)}" if query else "")
-        loop = asyncio.get_running_loop()
-        status, data = await loop.run_in_executor(self._pool, self._send, method, url, body)
+        status, data = await self._send(method, url, body)
         metrics.API_REQUESTS.labels(verb=verb, resource=kind.plural, code=str(status)).inc()
         return _interpret(status, data, verb, kind, missing_ok=missing_ok, exists_ok=exists_ok)
 
-    def _send(self, method: str, url: str, body: Any) -> tuple[int, bytes]:
-        headers = {
-            "Accept": "application/json",
-            "Content-Type": MERGE_PATCH if method == "PATCH" else "application/json",
-        }
-        _, full_url, headers, body, _ = self._api.param_serialize(
-            method, url, header_params=headers, body=body, auth_settings=["BearerToken"]
+    async def _send(self, method: str, url: str, body: Any) -> tuple[int, bytes]:
+        content_type = MERGE_PATCH if method == "PATCH" else "application/json"
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        _, full_url, headers, _, _ = self._api.param_serialize(
+            method, url, header_params=headers, auth_settings=["BearerToken"]
         )
+        data = None if body is None else json.dumps(body)
         try:
-            response = self._api.call_api(
-                method, full_url, headers, body, _request_timeout=self._timeout_s
+            async with self._get_session().request(
+                method, full_url, headers=headers, data=data, timeout=self._timeout
+            ) as response:
+                return response.status, await response.read()
+        except (
+            aiohttp.ClientError,
+            TimeoutError,
+            OSError,
+            RuntimeError,
+        ) as exc:  # RuntimeError: closed
+            return 0, f"{type(exc).__name__}: {exc}".encode()  # 0: no answer
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None:  # created on first use: it binds to the running loop
+            connector = aiohttp.TCPConnector(
+                ssl=_ssl_context(self._api.configuration), limit=self._max_in_flight
             )
-        except (urllib3.exceptions.HTTPError, OSError) as exc:
-            return 0, str(exc).encode()  # 0: no answer (timeout or connection failure)
-        except kubernetes.client.ApiException as exc:
-            return exc.status or 0, (exc.body or b"") if isinstance(exc.body, bytes) else str(
-                exc.body
-            ).encode()
-        return response.status, response.read()
+            self._session = aiohttp.ClientSession(connector=connector)
+        return self._session
+
+
+def _ssl_context(config: kubernetes.client.Configuration) -> ssl.SSLContext | bool:
+    if not config.verify_ssl:
+        return False
+    context = ssl.create_default_context(cafile=config.ssl_ca_cert)
+    if config.cert_file:
+        context.load_cert_chain(config.cert_file, config.key_file)
+    return context
 
 
 def _interpret(

@@ -58,29 +58,43 @@ def parse(body: dict) -> BlendDeployment:
         raise InvalidSpec(format_validation_error(exc)) from exc
 
 
-async def reconcile(client: kube.Client, body: dict, options: Options, now: str) -> None:
-    """Bring the children and status in line with the spec; raise if that is not possible."""
+def prepare(body: dict) -> tuple[BlendDeployment, list[dict]]:
+    """The validated spec and the desired children (InvalidSpec if the spec is invalid)."""
+    bd = parse(body)
+    return bd, desired_children(bd, body)
+
+
+async def reconcile(
+    client: kube.Client, body: dict, options: Options, now: str, prepared=prepare
+) -> dict:
+    """Bring the children and status in line with the spec; raise if that is not possible.
+
+    Returns the children as the API server last returned them, by (kind, name).
+    `prepared` may be a caching version of `prepare`."""
     try:
-        bd = parse(body)
+        bd, children = prepared(body)
     except InvalidSpec as exc:
         await _write_invalid(client, body, str(exc), now)
         raise
-    children = desired_children(bd, body)
-    problem = await _apply_all(client, bd, children, options)
-    await write_status(
-        client, bd, body.get("status") or {}, await observe(client, bd, problem), now
-    )
+    problem, live = await _apply_all(client, bd, children, options)
+    observed = await observe(client, bd, problem, live)
+    await write_status(client, bd, body.get("status") or {}, observed, now)
     if problem is not None:
         raise Blocked(f"{problem.reason}: {problem.message}")
+    return live
 
 
-async def refresh(client: kube.Client, body: dict, now: str) -> bool:
-    """Re-derive the status from the children (after a child changed); True if Ready."""
+async def refresh(
+    client: kube.Client, body: dict, now: str, known: dict | None = None, prepared=prepare
+) -> bool:
+    """Re-derive the status from the children (after a child changed); True if Ready.
+
+    `known` maps (kind, name) to children as last seen on the watch, saving a GET each."""
     try:
-        bd = parse(body)
+        bd, _ = prepared(body)
     except InvalidSpec:
         return True  # the handlers already reported it; nothing to wait for
-    observed = await observe(client, bd, None)
+    observed = await observe(client, bd, None, known or {})
     await write_status(client, bd, body.get("status") or {}, observed, now)
     return is_available(observed.engine, bd.spec.replicas)
 
@@ -98,25 +112,25 @@ def desired_children(bd: BlendDeployment, body: dict) -> list[dict]:
 
 async def _apply_all(
     client: kube.Client, bd: BlendDeployment, children: list[dict], options: Options
-) -> Problem | None:
+) -> tuple[Problem | None, dict]:
+    """Apply every child; the problem a person must fix (if any) and the children as written."""
     uid = bd.metadata.uid
     try:
-        actions = await asyncio.gather(
+        results = await asyncio.gather(
             *(apply_child(client, child, uid, options.create_first) for child in children)
         )
         # A first create that finds children already there is a retry after a crash or restart:
         # an earlier spec may have left children this one no longer renders.
-        if options.prune or any(action != "created" for action in actions):
+        if options.prune or any(action != "created" for action, _ in results):
             await prune(client, bd, children)
     except kube.Invalid as exc:
-        return Problem("ChildRejected", f"the API server rejected a child: {exc}")
+        return Problem("ChildRejected", f"the API server rejected a child: {exc}"), {}
     except ChildConflict as exc:
-        return Problem("ChildConflict", str(exc))
+        return Problem("ChildConflict", str(exc)), {}
     except kube.NotServed as exc:
-        return Problem(
-            "ResourceNotServed", f"{exc}; install that CRD or turn the feature off in the spec"
-        )
-    return None
+        message = f"{exc}; install that CRD or turn the feature off in the spec"
+        return Problem("ResourceNotServed", message), {}
+    return None, {(obj["kind"], obj["metadata"]["name"]): obj for _, obj in results if obj}
 
 
 class ChildConflict(Exception):
@@ -125,26 +139,26 @@ class ChildConflict(Exception):
 
 async def apply_child(
     client: kube.Client, desired: dict, owner_uid: str | None, create_first: bool
-) -> str:
-    """Create, patch or leave one child; returns what it did."""
+) -> tuple[str, dict | None]:
+    """Create, patch or leave one child; returns what it did and the object as written."""
     kind = kube.CHILD_KINDS[desired["kind"]]
     namespace, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
-    if create_first and await client.create(kind, desired) is not None:
-        return _count(kind, "created")
+    if create_first and (created := await client.create(kind, desired)) is not None:
+        return _count(kind, "created"), created
     live = await client.get(kind, namespace, name)
     if live is None:
-        if await client.create(kind, desired) is None:
+        if (created := await client.create(kind, desired)) is None:
             raise kube.Unavailable(f"{kind.kind} {name} appeared while being created")
-        return _count(kind, "created")
+        return _count(kind, "created"), created
     if not is_owned_by(live, owner_uid):
         raise ChildConflict(
             f"{kind.kind} {namespace}/{name} exists and is not owned by this "
             "BlendDeployment; delete or rename it"
         )
     if is_current(live, desired):
-        return _count(kind, "unchanged")
-    await client.patch(kind, namespace, name, merge_patch(live, desired))
-    return _count(kind, "patched")
+        return _count(kind, "unchanged"), live
+    patched = await client.patch(kind, namespace, name, merge_patch(live, desired))
+    return _count(kind, "patched"), patched
 
 
 async def prune(client: kube.Client, bd: BlendDeployment, children: list[dict]) -> None:
@@ -164,19 +178,36 @@ async def prune(client: kube.Client, bd: BlendDeployment, children: list[dict]) 
                 _count(kind, "deleted")
 
 
-async def observe(client: kube.Client, bd: BlendDeployment, problem: Problem | None) -> Observed:
-    namespace = bd.metadata.namespace
+async def observe(
+    client: kube.Client, bd: BlendDeployment, problem: Problem | None, known: dict
+) -> Observed:
+    """The engine and lookup Deployments (from `known` where possible) and, while the
+    controller reports engine pods that are not ready, those pods (for the reason)."""
+    name = bd.metadata.name
     lookup_wanted = bd.spec.lookup_server.enabled
     engine, lookup = await asyncio.gather(
-        client.get(DEPLOYMENT, namespace, engine_name(bd.metadata.name)),
-        client.get(DEPLOYMENT, namespace, lookup_name(bd.metadata.name))
-        if lookup_wanted
-        else _none(),
+        _deployment(client, bd, engine_name(name), known),
+        _deployment(client, bd, lookup_name(name), known) if lookup_wanted else _none(),
     )
     pods: list[dict] = []
-    if engine is not None and not is_available(engine, bd.spec.replicas):
-        pods = await client.list(kube.PODS, namespace, selector_string(bd))
+    if has_unready_pods(engine, bd.spec.replicas):
+        pods = await client.list(kube.PODS, bd.metadata.namespace, selector_string(bd))
     return Observed(engine=engine, lookup=lookup, engine_pods=pods, problem=problem)
+
+
+async def _deployment(
+    client: kube.Client, bd: BlendDeployment, name: str, known: dict
+) -> dict | None:
+    if ("Deployment", name) in known:
+        return known[("Deployment", name)]
+    return await client.get(DEPLOYMENT, bd.metadata.namespace, name)
+
+
+def has_unready_pods(deployment: dict | None, replicas: int) -> bool:
+    """The Deployment controller has reported on this generation and pods are missing."""
+    if deployment is None or "status" not in deployment:
+        return False  # just created: nothing to diagnose until the controller reports
+    return not is_available(deployment, replicas)
 
 
 async def write_status(
