@@ -44,7 +44,7 @@ class Operator:
             tuple, tuple
         ] = {}  # child -> (resourceVersion, generation) known current
         self._owners: kopf.Index | None = None
-        self._deployments: kopf.Index | None = None
+        self._deployments: dict[tuple[str, str], dict] = {}  # our Deployments as last watched
 
     async def startup(self, settings: kopf.OperatorSettings, **_) -> None:
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
@@ -160,9 +160,15 @@ class Operator:
     def _lock(self, key: tuple[str, str]) -> asyncio.Lock:
         return self._locks.setdefault(key, asyncio.Lock())
 
-    def remember(self, owners: kopf.Index, deployments: kopf.Index) -> None:
-        """kopf's in-memory indexes, kept current from the watches (an informer cache)."""
-        self._owners, self._deployments = owners, deployments
+    def remember(self, owners: kopf.Index, child: dict, event_type: str | None) -> None:
+        """Keep kopf's owner index and the latest state of our Deployments (an informer cache)."""
+        self._owners = owners
+        if child.get("kind") == "Deployment":
+            key = (child["metadata"].get("namespace"), child["metadata"].get("name"))
+            if event_type == "DELETED":
+                self._deployments.pop(key, None)
+            else:
+                self._deployments[key] = child
 
     async def _owner(self, key: tuple[str, str]) -> dict | None:
         if self._owners is not None:
@@ -174,9 +180,8 @@ class Operator:
         """The owner's Deployments as last seen on the watch; absent ones are fetched."""
         known = {}
         for name in (engine_name(owner), lookup_name(owner)):
-            found = list(self._deployments.get((namespace, name), [])) if self._deployments else []
-            if found:
-                known[("Deployment", name)] = found[0]
+            if (namespace, name) in self._deployments:
+                known[("Deployment", name)] = self._deployments[(namespace, name)]
         return known
 
     def is_drifted(self, child: dict, event_type: str | None, owner: dict) -> bool:
@@ -248,11 +253,8 @@ def register(settings: OperatorSettings, registry: kopf.OperatorRegistry | None 
     async def blend_deployments(body, namespace, name, **_):
         return {(namespace, name): dict(body)}
 
-    async def child_deployments(body, namespace, name, **_):
-        return {(namespace, name): dict(body)}
-
-    async def on_child_event(body, type, namespace, blend_deployments, child_deployments, **_):
-        operator.remember(blend_deployments, child_deployments)
+    async def on_child_event(body, type, namespace, blend_deployments, **_):
+        operator.remember(blend_deployments, dict(body), type)
         owner_name = _owner_name(body)
         owners = list(blend_deployments.get((namespace, owner_name), [])) if owner_name else []
         if not owners:
@@ -266,14 +268,6 @@ def register(settings: OperatorSettings, registry: kopf.OperatorRegistry | None 
     kopf.on.startup(registry=registry)(operator.startup)
     kopf.on.cleanup(registry=registry)(operator.cleanup)
     kopf.index(*resource, registry=registry, id="blend_deployments")(blend_deployments)
-    kopf.index(
-        "apps",
-        "v1",
-        "deployments",
-        registry=registry,
-        id="child_deployments",
-        labels={"app.kubernetes.io/managed-by": MANAGED_BY},
-    )(child_deployments)
     kopf.on.create(*resource, registry=registry, id="reconcile-create")(on_create)
     kopf.on.update(*resource, registry=registry, id="reconcile-update")(on_update)
     kopf.on.resume(*resource, registry=registry, id="reconcile-resume")(on_resume)

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import ssl
+import time
 import urllib.parse
 from typing import Any
 
@@ -27,6 +28,7 @@ from holeblend_operator import metrics
 from holeblend_operator.api import GROUP, PLURAL, VERSION
 
 MERGE_PATCH = "application/merge-patch+json"
+AUTH_REFRESH_S = 60.0  # how often credentials are re-read (tokens expire in minutes to hours)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,9 +156,12 @@ class Client:
 
     def __init__(self, api: kubernetes.client.ApiClient, timeout_s: float, max_in_flight: int):
         self._api = api
+        self._host = api.configuration.host  # the property scans the environment: read once
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._max_in_flight = max_in_flight
         self._session: aiohttp.ClientSession | None = None
+        self._auth: dict[str, str] = {}
+        self._auth_read_at: float | None = None
 
     @classmethod
     def from_configuration(
@@ -224,14 +229,15 @@ class Client:
 
     async def _send(self, method: str, url: str, body: Any) -> tuple[int, bytes]:
         content_type = MERGE_PATCH if method == "PATCH" else "application/json"
-        headers = {"Accept": "application/json", "Content-Type": content_type}
-        _, full_url, headers, _, _ = self._api.param_serialize(
-            method, url, header_params=headers, auth_settings=["BearerToken"]
-        )
+        headers = {
+            "Accept": "application/json",
+            "Content-Type": content_type,
+            **self._auth_headers(),
+        }
         data = None if body is None else json.dumps(body)
         try:
             async with self._get_session().request(
-                method, full_url, headers=headers, data=data, timeout=self._timeout
+                method, self._host + url, headers=headers, data=data, timeout=self._timeout
             ) as response:
                 return response.status, await response.read()
         except (
@@ -241,6 +247,16 @@ class Client:
             RuntimeError,
         ) as exc:  # RuntimeError: closed
             return 0, f"{type(exc).__name__}: {exc}".encode()  # 0: no answer
+
+    def _auth_headers(self) -> dict[str, str]:
+        # The client's auth settings run its token-refresh hook (exec plugins, rotated service
+        # account tokens), which costs about a millisecond: do it once a minute, not per request.
+        now = time.monotonic()
+        if self._auth_read_at is None or now - self._auth_read_at > AUTH_REFRESH_S:
+            token = self._api.configuration.auth_settings().get("BearerToken", {}).get("value")
+            self._auth = {"Authorization": token} if token else {}
+            self._auth_read_at = now
+        return self._auth
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None:  # created on first use: it binds to the running loop

@@ -67,8 +67,10 @@ def prepare(body: dict) -> tuple[BlendDeployment, list[dict]]:
 async def reconcile(
     client: kube.Client, body: dict, options: Options, now: str, prepared=prepare
 ) -> dict:
-    """Bring the children and status in line with the spec; raise if that is not possible.
+    """Bring the children in line with the spec; raise if that is not possible.
 
+    Status is written here only for problems; otherwise `refresh` writes it once the
+    children's controllers have reported (the caller schedules it right after).
     Returns the children as the API server last returned them, by (kind, name).
     `prepared` may be a caching version of `prepare`."""
     try:
@@ -77,9 +79,9 @@ async def reconcile(
         await _write_invalid(client, body, str(exc), now)
         raise
     problem, live = await _apply_all(client, bd, children, options)
-    observed = await observe(client, bd, problem, live)
-    await write_status(client, bd, body.get("status") or {}, observed, now)
     if problem is not None:
+        observed = await observe(client, bd, problem, live)
+        await write_status(client, bd, body.get("status") or {}, observed, now)
         raise Blocked(f"{problem.reason}: {problem.message}")
     return live
 
