@@ -75,6 +75,7 @@ bench-operator: $(STAMP)
 # The operator's RBAC, generated from the API access table in holeblend_operator.kube.
 rbac: $(STAMP)
 	$(VENV)/bin/holeblend-operator rbac -o deploy/rbac.yaml
+	$(VENV)/bin/holeblend-operator rbac --helm -o charts/holeblend/templates/rbac.yaml
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -40,6 +40,11 @@ def test_committed_rbac_manifest_matches_the_access_table():
     assert committed == rbac_command.render(rbac_command.DEFAULT_NAMESPACE), "run `make rbac`"
 
 
+def test_committed_chart_rbac_template_matches_the_access_table():
+    committed = (ROOT / "charts" / "holeblend" / "templates" / "rbac.yaml").read_text()
+    assert committed == rbac_command.render_helm(), "run `make rbac`"
+
+
 def test_every_child_kind_has_the_verbs_reconcile_uses():
     for kind in kube.CHILD_KINDS.values():
         assert {"get", "list", "create", "patch", "delete", "watch"} <= set(kind.verbs), kind.kind
