@@ -60,11 +60,22 @@ class Operator:
         # Kubernetes Events on the BlendDeployment for retries and failures only: a success
         # event per child event would cost an API write each.
         settings.posting.level = logging.WARNING
-        if self.settings.peering is None:
-            settings.peering.standalone = True
+        self._configure_peering(settings.peering)
         self.client = kube.Client.from_configuration(
             self.configuration(), self.settings.request_timeout_s, self.settings.api_concurrency
         )
+
+    def _configure_peering(self, peering) -> None:
+        if self.settings.peering is None:
+            peering.standalone = True
+            return
+        peering.standalone, peering.mandatory = False, True
+        peering.name = self.settings.peering
+        peering.lifetime = self.settings.peering_lifetime_s
+        # Replicas of one Deployment would share a priority, and kopf pauses every operator
+        # that sees a live peer of equal priority: a random priority per process makes exactly
+        # one replica (the highest) active and the others stand by until its record expires.
+        peering.priority = self.settings.peering_priority or random.randint(1, 2**30)
 
     def login(self, **_) -> kopf.ConnectionInfo:
         return kube.connection_info(self.configuration())

@@ -12,6 +12,8 @@ ENV_PREFIX = "HOLEBLEND_OPERATOR_"
 class OperatorSettings:
     namespaces: tuple[str, ...] = ()  # namespaces to serve; empty serves the whole cluster
     peering: str | None = None  # kopf peering name for HA (one active replica); None: standalone
+    peering_priority: int = 0  # highest live priority is active; 0 picks a random one per process
+    peering_lifetime_s: int = 60  # a silent peer counts as dead after this; standby takes over
     health_host: str = "0.0.0.0"  # where /healthz and /metrics listen
     health_port: int = 8080  # 0 picks a free port (tests)
     status_debounce_s: float = 0.5  # child events within this window cause one refresh per owner
@@ -37,6 +39,8 @@ class OperatorSettings:
                 raise ValueError(f"{field} must be >= 0, got {getattr(self, field)}")
         if not 0 <= self.health_port <= 65535:
             raise ValueError(f"health_port must be a TCP port (0-65535), got {self.health_port}")
+        if self.peering_lifetime_s < 1:
+            raise ValueError(f"peering_lifetime_s must be >= 1, got {self.peering_lifetime_s}")
         if self.api_concurrency < 1:
             raise ValueError(f"api_concurrency must be >= 1, got {self.api_concurrency}")
         if self.log_format not in ("json", "plain"):

@@ -1,0 +1,88 @@
+"""HA: two operator processes share a kopf peering object; one works, the other stands by."""
+
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import yaml
+
+from tests.e2e.conftest import BD, ROOT, create, edit, example, status_of
+from tests.e2e.test_process import fetch, free_port
+
+PEERING = "kopf.dev/v1/clusterkopfpeerings"
+
+
+def start(port: int) -> subprocess.Popen:
+    command = [
+        sys.executable,
+        "-m",
+        "holeblend_operator.cli",
+        "run",
+        "--peering",
+        "holeblend",
+        "--peering-lifetime-s",
+        "2",
+        "--health-host",
+        "127.0.0.1",
+        "--health-port",
+        str(port),
+        "--status-debounce-s",
+        "0.05",
+        "--log-level",
+        "warning",
+    ]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def reconciles(port: int) -> float:
+    text = fetch(f"http://127.0.0.1:{port}/metrics")[1]
+    found = re.findall(
+        r'holeblend_operator_reconciles_total\{result="ok",trigger="(?:create|update)"\} (\S+)',
+        text,
+    )
+    return sum(float(value) for value in found)
+
+
+def test_only_one_replica_reconciles_and_the_standby_takes_over(cluster):
+    with open(ROOT / "deploy" / "kopf-peering.yaml") as file:
+        for crd in yaml.safe_load_all(file):
+            cluster.call(_install(cluster, crd))
+    cluster.call(cluster.api.put_object(PEERING, {"metadata": {"name": "holeblend"}}))
+    ports = [free_port(), free_port()]
+    processes = [start(port) for port in ports]
+    try:
+        for port in ports:
+            cluster.wait_for(
+                lambda port=port: fetch(f"http://127.0.0.1:{port}/healthz")[0] == 200, timeout=20
+            )
+        cluster.wait_for(
+            lambda: len(cluster.get(PEERING, None, "holeblend").get("status") or {}) == 2,
+            timeout=20,
+        )
+        time.sleep(1.0)  # both have seen each other's keep-alive: the lower one pauses
+        create(cluster, example())
+        cluster.wait_for(
+            lambda: status_of(cluster, "smollm2-demo").get("phase") == "Ready", timeout=20
+        )
+        counts = [reconciles(port) for port in ports]
+        assert sorted(counts) == [0.0, 1.0], counts
+        active = counts.index(1.0)
+        processes[active].send_signal(signal.SIGKILL)  # a crash: no goodbye in the peering object
+        processes[active].wait()
+        standby = ports[1 - active]
+        edit(cluster, BD, "smollm2-demo", {"spec": {"replicas": 2}})
+        cluster.wait_for(lambda: reconciles(standby) >= 1.0, timeout=20)
+        cluster.wait_for(
+            lambda: status_of(cluster, "smollm2-demo").get("observedGeneration") == 2, timeout=20
+        )
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                process.wait(timeout=20)
+
+
+async def _install(cluster, crd):
+    cluster.api.install_crd(crd)
