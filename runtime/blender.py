@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
+from holeblend_runtime.attention import CausalPlan, plan_causal
 from holeblend_runtime.blend_config import BlendConfig, check_ratio
 from holeblend_runtime.kv_store import SegmentKV
-from holeblend_runtime.llama import Llama, causal_mask
+from holeblend_runtime.llama import Llama
 from holeblend_runtime.rope import RopeTable, rerotate
 from holeblend_runtime.selection import SelectionStrategy, make_strategy, num_to_select
 
@@ -121,7 +122,7 @@ class Blender:
         for layer in range(self.config.check_layer):
             q, k, v = self.model.qkv(layer, h, rope)
             k_cache[layer], v_cache[layer] = k, v
-            h = self.model.attend_and_mlp(layer, h, q, k, v, is_causal=True)
+            h = self.model.attend_and_mlp(layer, h, q, k, v, plan=None)
         return h
 
     def _check_layer(
@@ -147,12 +148,9 @@ class Blender:
         # The check layer's K/V are fresh for every token: computing them was the price
         # of the deviation, and they are exact.
         k_cache[layer], v_cache[layer] = k, v
-        outcome = _CheckOutcome(
-            h, recomputed, selected, deviation, _attention_mask(recomputed, h.shape[0], h.dtype)
-        )
-        hidden = self.model.attend_and_mlp(
-            layer, h[recomputed], q[:, recomputed], k, v, outcome.mask, outcome.is_causal
-        )
+        plan = plan_causal(recomputed, h.shape[0], h.dtype)
+        outcome = _CheckOutcome(h, recomputed, selected, deviation, plan)
+        hidden = self.model.attend_and_mlp(layer, h[recomputed], q[:, recomputed], k, v, plan)
         return outcome.with_hidden(hidden)
 
     def _select(
@@ -189,7 +187,7 @@ class Blender:
         q, k, v = self.model.qkv(layer, h, rope)
         keys, values = k_cache[layer], v_cache[layer]
         keys[:, check.recomputed], values[:, check.recomputed] = k, v
-        return self.model.attend_and_mlp(layer, h, q, keys, values, check.mask, check.is_causal)
+        return self.model.attend_and_mlp(layer, h, q, keys, values, check.plan)
 
 
 @dataclass(frozen=True, eq=False)
@@ -200,21 +198,8 @@ class _CheckOutcome:
     recomputed: torch.Tensor
     selected: torch.Tensor
     deviation: torch.Tensor
-    # None when every token is recomputed: plain causal attention then.
-    mask: torch.Tensor | None
-
-    @property
-    def is_causal(self) -> bool:
-        return self.mask is None
+    # Attention of the recompute set; None when every token is recomputed.
+    plan: CausalPlan | None
 
     def with_hidden(self, hidden: torch.Tensor) -> _CheckOutcome:
-        return _CheckOutcome(hidden, self.recomputed, self.selected, self.deviation, self.mask)
-
-
-def _attention_mask(
-    recomputed: torch.Tensor, num_tokens: int, dtype: torch.dtype
-) -> torch.Tensor | None:
-    """Built once per request: each recomputed token sees the slots up to its position."""
-    if recomputed.shape[0] == num_tokens:
-        return None
-    return causal_mask(recomputed, num_tokens, dtype)
+        return _CheckOutcome(hidden, self.recomputed, self.selected, self.deviation, self.plan)

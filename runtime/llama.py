@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from holeblend_runtime.attention import CausalPlan, attend, plan_causal
 from holeblend_runtime.model_config import ModelConfig
 from holeblend_runtime.rope import RopeTable, apply_rope, rope_table
 
@@ -28,16 +29,6 @@ class LayerWeights:
     # SwiGLU gate and up projections stacked.
     gate_up: torch.Tensor
     down: torch.Tensor
-
-
-def causal_mask(query_positions: torch.Tensor, num_keys: int) -> torch.Tensor:
-    """Bool [queries, keys]: key j is visible to a query at position p iff j <= p.
-
-    Keys are the cache slots 0..num_keys-1, one per position. Queries may be any sorted
-    subset of positions; each sees exactly the keys up to its own true position.
-    """
-    keys = torch.arange(num_keys, device=query_positions.device)
-    return keys[None, :] <= query_positions[:, None]
 
 
 class Llama:
@@ -82,12 +73,13 @@ class Llama:
         return self.config.num_layers
 
     def new_kv(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Zeroed K and V buffers for a sequence of `num_tokens`."""
+        """K and V buffers for a sequence of `num_tokens` (uninitialized: every slot is
+        written before it is read)."""
         c = self.config
         shape = (c.num_layers, c.num_kv_heads, num_tokens, c.head_dim)
         return (
-            torch.zeros(shape, device=self.device, dtype=self.dtype),
-            torch.zeros(shape, device=self.device, dtype=self.dtype),
+            torch.empty(shape, device=self.device, dtype=self.dtype),
+            torch.empty(shape, device=self.device, dtype=self.dtype),
         )
 
     def rope(self, positions: torch.Tensor) -> RopeTable:
@@ -116,14 +108,14 @@ class Llama:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        mask: torch.Tensor | None = None,
-        is_causal: bool = False,
+        plan: CausalPlan | None,
     ) -> torch.Tensor:
-        """The rest of the layer for the queries' rows of h: attention over (k, v), MLP."""
+        """The rest of the layer for the queries' rows of h: attention over (k, v), MLP.
+
+        `plan` None: the queries are positions 0..n-1 of (k, v), plain causal attention.
+        """
         w = self.layers[layer]
-        attn = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True
-        )
+        attn = attend(q, k, v, plan)
         h = h + attn.transpose(0, 1).reshape(h.shape[0], -1) @ w.out.T
         gate, up = (self._rms_norm(h, w.ffn_norm) @ w.gate_up.T).chunk(2, dim=-1)
         return h + (F.silu(gate) * up) @ w.down.T
@@ -143,15 +135,14 @@ class Llama:
         if end > k_cache.shape[2]:
             raise ValueError(f"k_cache: holds {k_cache.shape[2]} slots, need {end}")
         positions = torch.arange(start, end, device=self.device)
-        rope, mask = self.rope(positions), None
-        if start > 0 and end - start > 1:
-            mask = causal_mask(positions, end)
+        rope = self.rope(positions)
+        plan = plan_causal(positions, end, self.dtype)
         h = self.embed(token_ids)
         for layer in range(self.num_layers):
             q, k, v = self.qkv(layer, h, rope)
             k_cache[layer, :, start:end], v_cache[layer, :, start:end] = k, v
             keys, values = k_cache[layer, :, :end], v_cache[layer, :, :end]
-            h = self.attend_and_mlp(layer, h, q, keys, values, mask, is_causal=start == 0)
+            h = self.attend_and_mlp(layer, h, q, keys, values, plan)
         return h
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from holeblend_runtime.blender import CachedSpan
-from holeblend_runtime.llama import causal_mask
 from holeblend_runtime.rope import apply_rope, rerotate, rope_table
 
 HOLE = 2  # segment index of the second document
@@ -104,15 +103,6 @@ def test_top_k_is_chosen_among_cached_tokens_only(cached_engine, rag_texts):
     deviation = prefill.deviation
     assert deviation.shape == (len(cached),)
     assert deviation[is_selected].min() >= deviation[~is_selected].max()
-
-
-def test_causal_mask_follows_true_positions():
-    mask = causal_mask(torch.tensor([1, 4, 5]), num_keys=7) == 0
-    assert mask.tolist() == [
-        [True, True, False, False, False, False, False],
-        [True, True, True, True, True, False, False],
-        [True, True, True, True, True, True, False],
-    ]
 
 
 def test_recomputed_tokens_never_attend_to_later_positions(cached_engine, rag_texts):
