@@ -157,9 +157,6 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         columns = version.get("additionalPrinterColumns") or []
         self._columns[resource] = tuple(tables.PrinterColumn.from_crd(c) for c in columns)
 
-    def _info_key(self, resource: Resource | str) -> Resource:
-        return Resource(resource)
-
     def get_object(self, resource: Resource | str, namespace: str | None, name: str) -> dict | None:
         """The stored object (a copy), or None."""
         key = (Resource(resource), namespace, name)
@@ -186,6 +183,16 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             old = self._require((resource, namespace, name))
             new = dicts.merge_patch_dict(copy.deepcopy(old), patch)
             return await self._commit(resource, (resource, namespace, name), old, dict(new))
+
+    def count_objects(self, resource: Resource | str, namespace: str | None, predicate) -> int:
+        """How many stored objects satisfy `predicate(obj)`; no copies (for polling loops)."""
+        keys = self._keys(Resource(resource), namespace, ())
+        return sum(1 for key in keys if predicate(self._stored(key).raw))
+
+    def take_requests(self) -> list[rendering.Request]:
+        """The requests recorded so far (kmock's log), clearing the log."""
+        taken, self._requests[:] = list(self._requests), []
+        return taken
 
     async def settle(self) -> None:
         """Wait for the stand-in controllers' pending writes."""
