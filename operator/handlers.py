@@ -30,6 +30,22 @@ DRIFT = reconcile.Options(create_first=False, prune=False)
 ANNOTATION_PREFIX = f"operator.{GROUP}"
 
 
+class OwnerOnlyDiffBase(kopf.AnnotationsDiffBaseStorage):
+    """kopf builds a diff base (two deep copies of the object) for every watch event of every
+    resource, but only BlendDeployments have create/update handlers that use it; children
+    have event handlers only. Skipping it for them halves kopf's cost per child event."""
+
+    def build(self, *, body, extra_fields=None):
+        if body.get("kind") != KIND:
+            return {}
+        return super().build(body=body, extra_fields=extra_fields)
+
+    def fetch(self, *, body):
+        if body.get("kind") != KIND:
+            return None
+        return super().fetch(body=body)
+
+
 class Operator:
     """The state the handlers share: settings, the API client, pending status refreshes."""
 
@@ -50,9 +66,7 @@ class Operator:
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
             prefix=ANNOTATION_PREFIX
         )
-        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-            prefix=ANNOTATION_PREFIX
-        )
+        settings.persistence.diffbase_storage = OwnerOnlyDiffBase(prefix=ANNOTATION_PREFIX)
         settings.persistence.finalizer = (
             f"{ANNOTATION_PREFIX}/finalizer"  # never added: no finalizers
         )
