@@ -113,3 +113,20 @@ def test_scripted_faults_answer_before_anything_is_stored(cluster):
             return codes
 
     assert asyncio.run(post_twice()) == [503, 201]
+
+
+def test_an_autoscaler_can_put_the_scale_subresource(cluster):
+    cluster.call(cluster.api.put_object(BD, example()))
+    path = f"/apis/{BD.rpartition('/')[0]}/namespaces/default/blenddeployments/smollm2-demo/scale"
+
+    async def put_scale():
+        async with aiohttp.ClientSession(cluster.url) as session:
+            async with session.get(path) as response:
+                scale = await response.json()
+            scale["spec"]["replicas"] = 5
+            async with session.put(path, json=scale) as response:
+                return response.status, await response.json()
+
+    code, scale = asyncio.run(put_scale())
+    assert code == 200 and scale["kind"] == "Scale" and scale["spec"]["replicas"] == 5
+    assert cluster.get(BD, "default", "smollm2-demo")["spec"]["replicas"] == 5

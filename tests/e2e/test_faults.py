@@ -103,3 +103,43 @@ def test_restart_mid_way_resumes_without_duplicates_or_orphans(cluster):
         ("PodDisruptionBudget", f"{NAME}-engine"),
         ("Service", f"{NAME}-engine"),
     ]
+
+
+SERVICE_MONITOR_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "servicemonitors.monitoring.coreos.com"},
+    "spec": {
+        "group": "monitoring.coreos.com",
+        "scope": "Namespaced",
+        "names": {
+            "kind": "ServiceMonitor",
+            "plural": "servicemonitors",
+            "singular": "servicemonitor",
+        },
+        "versions": [{"name": "v1", "served": True, "storage": True}],
+    },
+}
+
+
+def test_service_monitor_without_its_crd_is_degraded_until_the_crd_appears(cluster):
+    bd = example()
+    bd["spec"]["monitoring"] = {"serviceMonitor": {"enabled": True}}
+    with running_operator():
+        create(cluster, bd)
+        cluster.wait_for(
+            lambda: condition(cluster, NAME, "Degraded").get("reason") == "ResourceNotServed"
+        )
+        assert (
+            cluster.get(DEPLOYMENTS, "default", f"{NAME}-engine") is not None
+        )  # the rest is applied
+        cluster.call(_install(cluster, SERVICE_MONITOR_CRD))
+        monitors = "monitoring.coreos.com/v1/servicemonitors"
+        cluster.wait_for(
+            lambda: cluster.get(monitors, "default", f"{NAME}-metrics") is not None, timeout=15
+        )
+        cluster.wait_for(lambda: is_ready(cluster), timeout=15)
+
+
+async def _install(cluster, crd):
+    cluster.api.install_crd(crd)
