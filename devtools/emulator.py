@@ -23,7 +23,6 @@ import contextlib
 import copy
 import dataclasses
 import datetime
-import itertools
 import json
 import uuid
 from typing import Any
@@ -109,7 +108,6 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     max_history: int = 2  # object versions kept for assertions (kmock keeps all by default)
     faults: list[Fault] = attrs.field(factory=list)
 
-    _counter: itertools.count = attrs.field(factory=lambda: itertools.count(1), init=False)
     _rv: int = attrs.field(default=0, init=False)
     _names: dict = attrs.field(factory=lambda: collections.defaultdict(dict), init=False)
     _scales: dict = attrs.field(factory=dict, init=False)
