@@ -261,10 +261,23 @@ def contains(live: Any, desired: Any) -> bool:
 
 
 def merge_patch(live: dict, desired: dict) -> dict:
-    """A JSON merge patch to `desired` that also removes fields applied last time only."""
+    """A JSON merge patch with only what differs from `live`, plus nulls for fields that were
+    applied last time and are no longer rendered. Lists are replaced whole (merge-patch rules)."""
     applied_before = live.get("metadata", {}).get("annotations", {}).get(LAST_APPLIED_ANNOTATION)
     previous = json.loads(applied_before) if applied_before else {}
-    return _merged(desired, _removals(previous, desired))
+    return _merged(_changes(live, desired), _removals(previous, desired))
+
+
+def _changes(live: dict, desired: dict) -> dict:
+    changes: dict[str, Any] = {}
+    for key, value in desired.items():
+        current = live.get(key)
+        if isinstance(value, dict) and isinstance(current, dict):
+            if nested := _changes(current, value):
+                changes[key] = nested
+        elif key not in live or not contains(current, value):
+            changes[key] = value
+    return changes
 
 
 def _removals(previous: dict, desired: dict) -> dict:
@@ -281,10 +294,10 @@ def _removals(previous: dict, desired: dict) -> dict:
     return removals
 
 
-def _merged(desired: dict, removals: dict) -> dict:
-    merged = dict(desired)
+def _merged(changes: dict, removals: dict) -> dict:
+    merged = dict(changes)
     for key, value in removals.items():
-        merged[key] = _merged(desired[key], value) if isinstance(value, dict) else value
+        merged[key] = _merged(changes.get(key, {}), value) if isinstance(value, dict) else value
     return merged
 
 

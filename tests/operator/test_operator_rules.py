@@ -26,6 +26,17 @@ def test_merge_patch_removes_fields_applied_before_and_no_longer_rendered():
     assert patch == {"spec": {"replicas": 2, "nodeSelector": None}}  # server defaults untouched
 
 
+def test_merge_patch_carries_only_what_differs():
+    desired = {"metadata": {"labels": {"a": "1"}}, "spec": {"replicas": 3, "ports": [{"port": 80}]}}
+    live = {
+        "metadata": {"labels": {"a": "1", "extra": "x"}},
+        "spec": {"replicas": 1, "ports": [{"port": 80, "protocol": "TCP"}]},
+    }
+    assert merge_patch(live, desired) == {"spec": {"replicas": 3}}
+    live["spec"]["ports"] = [{"port": 81}]
+    assert merge_patch(live, desired) == {"spec": {"replicas": 3, "ports": [{"port": 80}]}}
+
+
 def test_contains_ignores_server_defaults_but_sees_hand_edits():
     desired = {"spec": {"replicas": 1, "ports": [{"port": 8000}]}}
     assert contains(
