@@ -93,6 +93,7 @@ def converge(
 def start_operator(env: dict) -> subprocess.Popen:
     command = [
         sys.executable,
+        "-I",  # never the repository root on sys.path: operator/ would shadow the stdlib module
         "-m",
         "holeblend_operator.cli",
         "run",

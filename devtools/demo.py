@@ -77,6 +77,7 @@ def start_operator(env: dict) -> subprocess.Popen:
     step("holeblend-operator run --standalone")
     command = [
         sys.executable,
+        "-I",  # never the repository root on sys.path: operator/ would shadow the stdlib module
         "-m",
         "holeblend_operator.cli",
         "run",

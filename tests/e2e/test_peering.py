@@ -17,6 +17,7 @@ PEERING = "kopf.dev/v1/clusterkopfpeerings"
 def start(port: int) -> subprocess.Popen:
     command = [
         sys.executable,
+        "-I",  # never the repository root on sys.path: operator/ would shadow the stdlib module
         "-m",
         "holeblend_operator.cli",
         "run",

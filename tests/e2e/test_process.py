@@ -28,6 +28,7 @@ def test_run_serves_health_and_metrics_and_stops_on_sigterm(cluster):
     port = free_port()
     command = [
         sys.executable,
+        "-I",  # never the repository root on sys.path: operator/ would shadow the stdlib module
         "-m",
         "holeblend_operator.cli",
         "run",
