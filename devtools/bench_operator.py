@@ -2,15 +2,17 @@
 
 For each N: start a fresh emulator, run `holeblend-operator run` as a subprocess, create N
 BlendDeployments at once, and wait until every one has status Ready for its generation (all
-children created and settled). Then replay the same API writes and reads the operator sent
-(recorded by the emulator), without the operator, against a fresh emulator with the same
-concurrency: that is the emulator's floor. Operator peak RSS and CPU come from /proc.
+children created and settled). Then replay the same API requests (recorded by the emulator:
+the N creates, the operator's reads and writes, and its watch streams) without the operator,
+from another process, against a fresh emulator, 16 in flight as the operator sends them:
+that is the emulator's floor. Operator peak RSS and CPU come from /proc.
 """
 
 import argparse
 import asyncio
 import copy
 import json
+import multiprocessing
 import os
 import pathlib
 import signal
@@ -57,7 +59,7 @@ def measure(num_objects: int, timeout: float) -> dict:
                 result = converge(cluster, operator, num_objects, timeout)
             finally:
                 stop(operator)
-        result["floor_s"] = replay(result.pop("requests"), workdir)
+        result["floor_s"] = replay(result.pop("requests"), result.pop("watches"), workdir)
     return {
         "num_objects": num_objects,
         "converge_s": round(result["converge_s"], 3),
@@ -74,7 +76,8 @@ def converge(
 ) -> dict:
     """Create the objects at once; time until all are Ready; what the operator sent meanwhile."""
     cluster.wait_for(lambda: operator_watching(cluster), timeout=30)
-    cluster.call(_async(cluster.api.take_requests))
+    startup = cluster.call(_async(cluster.api.take_requests))
+    watches = sorted({r.url.path for r in startup if r.params.get("watch")})
     started = time.monotonic()
     cluster.call(create_all(cluster.url, num_objects))
     cluster.wait_for(lambda: count_ready(cluster) >= num_objects, timeout=timeout, interval=0.1)
@@ -86,6 +89,7 @@ def converge(
         "rss_mb": rss_mb,
         "cpu_s": cpu_s,
         "requests": requests,
+        "watches": watches,
         "num_requests": len(requests),
     }
 
@@ -154,30 +158,46 @@ def recorded(requests: list) -> list[tuple[str, str, bytes, str]]:
     return kept
 
 
-def replay(requests: list, workdir: str) -> float:
+def replay(requests: list, watches: list[str], workdir: str) -> float:
+    """Seconds a fresh emulator takes to serve the recorded requests while streaming the same
+    watches, sent from another process (as the operator's were), 16 in flight."""
     kubeconfig = os.path.join(workdir, "replay-kubeconfig")
-    with EmulatorThread(
-        kubeconfig, crds=(CRD,), node=workloads.Node({}, {}), max_history=1
-    ) as cluster:
-        return cluster.call(_replay(cluster.url, requests), timeout=600)
+    node = workloads.Node({}, {})
+    emulator = EmulatorThread(kubeconfig, crds=(CRD,), node=node, max_history=1)
+    with emulator as cluster, multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(replay_from_client, (cluster.url, requests, watches))
 
 
-async def _replay(url: str, requests: list) -> float:
+def replay_from_client(url: str, requests: list, watches: list[str]) -> float:
+    return asyncio.run(_replay(url, requests, watches))
+
+
+async def _replay(url: str, requests: list, watches: list[str]) -> float:
     semaphore = asyncio.Semaphore(REPLAY_CONCURRENCY)
 
     async def send(session, method, path, body, content_type):
+        headers = {"Content-Type": content_type}
         async with (
             semaphore,
-            session.request(
-                method, path, data=body or None, headers={"Content-Type": content_type}
-            ) as response,
+            session.request(method, path, data=body or None, headers=headers) as response,
         ):
             await response.read()
 
-    async with aiohttp.ClientSession(url) as session:
+    async def drain(session, path):
+        async with session.get(path, params={"watch": "true"}) as response:
+            async for _ in response.content:
+                pass
+
+    async with aiohttp.ClientSession(url, timeout=aiohttp.ClientTimeout(total=None)) as session:
+        streams = [asyncio.create_task(drain(session, path)) for path in watches]
+        await asyncio.sleep(0.5)  # the streams are open, as the operator's were
         started = time.monotonic()
         await asyncio.gather(*(send(session, *request) for request in requests))
-        return time.monotonic() - started
+        elapsed = time.monotonic() - started
+        for stream in streams:
+            stream.cancel()
+        await asyncio.gather(*streams, return_exceptions=True)
+        return elapsed
 
 
 def usage(pid: int) -> tuple[float, float]:
