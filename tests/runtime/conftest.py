@@ -13,8 +13,12 @@ from holeblend_runtime.kv_store import LocalKVStore
 
 @pytest.fixture(scope="session")
 def reference_engine() -> ReferenceEngine:
-    """SmolLM2-135M-Instruct with default blending; tests needing a clean store use new_engine."""
-    return ReferenceEngine.load()
+    """SmolLM2-135M-Instruct with default blending; tests needing a clean store use new_engine.
+
+    One thread: on a shared 2-core machine two torch threads spin against other processes
+    and made this suite 4x slower (236 s vs 55 s measured); tests do not measure speed.
+    """
+    return ReferenceEngine.load(num_threads=1)
 
 
 @pytest.fixture
