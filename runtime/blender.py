@@ -70,41 +70,43 @@ class Blender:
     ) -> BlendResult:
         """Prefill `token_ids` reusing `spans`; `hole_ranges` bound per-section selection."""
         check_ratio(ratio)
-        num_tokens = token_ids.shape[0]
-        positions = torch.arange(num_tokens, device=self.model.device)
-        rope = self.model.rope(positions)
-        k_cache, v_cache, is_cached = self.assemble_cached_kv(spans, num_tokens)
-        h = self._full_layers(token_ids, rope, k_cache, v_cache)
-        check = self._check_layer(
-            h, rope, k_cache, v_cache, is_cached, ratio, hole_ranges, strategy
-        )
+        cache = self._cache(token_ids.shape[0], spans)
+        h = self._full_layers(token_ids, cache)
+        check = self._check_layer(h, cache, _Selection(ratio, tuple(hole_ranges), strategy))
         h = check.hidden
-        rope_sub = RopeTable(rope.cos[check.recomputed], rope.sin[check.recomputed])
+        rope = RopeTable(cache.rope.cos[check.recomputed], cache.rope.sin[check.recomputed])
         for layer in range(self.config.check_layer + 1, self.model.num_layers):
-            h = self._sparse_layer(layer, h, rope_sub, k_cache, v_cache, check)
+            h = self._sparse_layer(layer, h, rope, cache, check)
         logits = self.model.logits(h[-1:])[0]
         return BlendResult(
-            logits, k_cache, v_cache, check.recomputed, check.selected, check.deviation
+            logits, cache.k, cache.v, check.recomputed, check.selected, check.deviation
         )
 
     def assemble_cached_kv(
         self, spans: Sequence[CachedSpan], num_tokens: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """K/V buffers holding every span's KV, K re-rotated to the span's positions."""
+        """K/V buffers holding every span's KV, K re-rotated to the span's positions, and
+        which positions are cached (the other slots are uninitialized)."""
+        device = self.model.device
         k_cache, v_cache = self.model.new_kv(num_tokens)
-        is_cached = torch.zeros(num_tokens, dtype=torch.bool, device=self.model.device)
+        is_cached = torch.zeros(num_tokens, dtype=torch.bool, device=device)
         for span in spans:
             self._check_span(span, num_tokens)
-            to_positions = torch.arange(span.start, span.end, device=self.model.device)
-            k = span.kv.k.to(self.model.device)
-            from_positions = span.kv.positions.to(self.model.device)
+            to_positions = torch.arange(span.start, span.end, device=device)
+            from_positions = span.kv.positions.to(device)
+            k = span.kv.k.to(device)
             theta = self.model.config.rope_theta
             k_cache[:, :, span.start : span.end] = rerotate(
                 k, from_positions, to_positions, theta=theta
             )
-            v_cache[:, :, span.start : span.end] = span.kv.v.to(self.model.device)
+            v_cache[:, :, span.start : span.end] = span.kv.v.to(device)
             is_cached[span.start : span.end] = True
         return k_cache, v_cache, is_cached
+
+    def _cache(self, num_tokens: int, spans: Sequence[CachedSpan]) -> _BlendCache:
+        k, v, is_cached = self.assemble_cached_kv(spans, num_tokens)
+        rope = self.model.rope(torch.arange(num_tokens, device=self.model.device))
+        return _BlendCache(rope, k, v, is_cached)
 
     def _check_span(self, span: CachedSpan, num_tokens: int) -> None:
         if not 0 <= span.start < span.end <= num_tokens:
@@ -114,80 +116,86 @@ class Blender:
                 f"spans: KV of {span.kv.num_tokens} tokens for range ({span.start}, {span.end})"
             )
 
-    def _full_layers(
-        self, token_ids: torch.Tensor, rope: RopeTable, k_cache: torch.Tensor, v_cache: torch.Tensor
-    ) -> torch.Tensor:
+    def _full_layers(self, token_ids: torch.Tensor, cache: _BlendCache) -> torch.Tensor:
         """Layers below the check layer, every token, plain causal attention."""
         h = self.model.embed(token_ids)
         for layer in range(self.config.check_layer):
-            q, k, v = self.model.qkv(layer, h, rope)
-            k_cache[layer], v_cache[layer] = k, v
+            q, k, v = self.model.qkv(layer, h, cache.rope)
+            cache.k[layer], cache.v[layer] = k, v
             h = self.model.attend_and_mlp(layer, h, q, k, v, plan=None)
         return h
 
     def _check_layer(
-        self,
-        h: torch.Tensor,
-        rope: RopeTable,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        is_cached: torch.Tensor,
-        ratio: float,
-        hole_ranges: Sequence[tuple[int, int]],
-        strategy: SelectionStrategy | None,
+        self, h: torch.Tensor, cache: _BlendCache, selection: _Selection
     ) -> _CheckOutcome:
+        """Fresh QKV for every token; choose the recompute set; attention for it only."""
         layer = self.config.check_layer
-        q, k, v = self.model.qkv(layer, h, rope)
-        cached_positions = is_cached.nonzero().squeeze(1)
-        deviation = (
-            (k[:, cached_positions] - k_cache[layer, :, cached_positions]).pow(2).sum((0, 2))
-        )
-        strategy = strategy or make_strategy(self.config)
-        selected = self._select(deviation, cached_positions, ratio, hole_ranges, strategy)
-        recomputed = torch.cat([selected, (~is_cached).nonzero().squeeze(1)]).sort().values
-        # The check layer's K/V are fresh for every token: computing them was the price
+        q, k, v = self.model.qkv(layer, h, cache.rope)
+        cached_positions = cache.is_cached.nonzero().squeeze(1)
+        fresh, stored = k[:, cached_positions], cache.k[layer, :, cached_positions]
+        deviation = (fresh - stored).pow(2).sum((0, 2))
+        selected = self._select(deviation, cached_positions, selection)
+        uncached = (~cache.is_cached).nonzero().squeeze(1)
+        recomputed = torch.cat([selected, uncached]).sort().values
+        # The check layer's K/V stay fresh for every token: computing them was the price
         # of the deviation, and they are exact.
-        k_cache[layer], v_cache[layer] = k, v
+        cache.k[layer], cache.v[layer] = k, v
         plan = plan_causal(recomputed, h.shape[0], h.dtype)
-        outcome = _CheckOutcome(h, recomputed, selected, deviation, plan)
         hidden = self.model.attend_and_mlp(layer, h[recomputed], q[:, recomputed], k, v, plan)
-        return outcome.with_hidden(hidden)
+        return _CheckOutcome(hidden, recomputed, selected, deviation, plan)
 
     def _select(
-        self,
-        deviation: torch.Tensor,
-        cached_positions: torch.Tensor,
-        ratio: float,
-        hole_ranges: Sequence[tuple[int, int]],
-        strategy: SelectionStrategy,
+        self, deviation: torch.Tensor, cached_positions: torch.Tensor, selection: _Selection
     ) -> torch.Tensor:
         """Sorted positions of the chosen cached tokens (per section if configured)."""
-        if not self.config.per_section or not hole_ranges:
-            chosen = strategy.select(deviation, num_to_select(deviation.shape[0], ratio))
-            return cached_positions[chosen].sort().values
-        hole_starts = torch.tensor(sorted(s for s, _ in hole_ranges), device=deviation.device)
-        sections = torch.searchsorted(hole_starts, cached_positions)
+        strategy = selection.strategy or make_strategy(self.config)
+        sections = self._sections(cached_positions, selection.hole_ranges)
         picks = []
-        for section in sections.unique():
-            members = (sections == section).nonzero().squeeze(1)
-            chosen = strategy.select(deviation[members], num_to_select(members.shape[0], ratio))
-            picks.append(cached_positions[members[chosen]])
+        for members in sections:
+            k = num_to_select(members.shape[0], selection.ratio)
+            picks.append(cached_positions[members[strategy.select(deviation[members], k)]])
         return torch.cat(picks).sort().values
 
+    def _sections(
+        self, cached_positions: torch.Tensor, hole_ranges: tuple[tuple[int, int], ...]
+    ) -> list[torch.Tensor]:
+        """Indexes into cached_positions per section: all of them, or split at each hole."""
+        everything = torch.arange(cached_positions.shape[0], device=cached_positions.device)
+        if not self.config.per_section or not hole_ranges:
+            return [everything]
+        hole_starts = torch.tensor(
+            sorted(s for s, _ in hole_ranges), device=cached_positions.device
+        )
+        section_of = torch.searchsorted(hole_starts, cached_positions)
+        return [everything[section_of == section] for section in section_of.unique()]
+
     def _sparse_layer(
-        self,
-        layer: int,
-        h: torch.Tensor,
-        rope: RopeTable,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        check: _CheckOutcome,
+        self, layer: int, h: torch.Tensor, rope: RopeTable, cache: _BlendCache, check: _CheckOutcome
     ) -> torch.Tensor:
         """One layer for the recompute set only; reused K/V stay in the cache."""
         q, k, v = self.model.qkv(layer, h, rope)
-        keys, values = k_cache[layer], v_cache[layer]
+        keys, values = cache.k[layer], cache.v[layer]
         keys[:, check.recomputed], values[:, check.recomputed] = k, v
         return self.model.attend_and_mlp(layer, h, q, keys, values, check.plan)
+
+
+@dataclass(frozen=True, eq=False)
+class _BlendCache:
+    """One request's KV buffers (filled in place, layer by layer) and RoPE table."""
+
+    rope: RopeTable
+    k: torch.Tensor
+    v: torch.Tensor
+    # [tokens] bool: the slot holds reused KV.
+    is_cached: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _Selection:
+    ratio: float
+    hole_ranges: tuple[tuple[int, int], ...]
+    # None: the strategy the config names.
+    strategy: SelectionStrategy | None
 
 
 @dataclass(frozen=True, eq=False)
@@ -200,6 +208,3 @@ class _CheckOutcome:
     deviation: torch.Tensor
     # Attention of the recompute set; None when every token is recomputed.
     plan: CausalPlan | None
-
-    def with_hidden(self, hidden: torch.Tensor) -> _CheckOutcome:
-        return _CheckOutcome(hidden, self.recomputed, self.selected, self.deviation, self.plan)

@@ -167,3 +167,17 @@ def test_check_layer_beyond_the_model_is_refused(reference_engine):
         ReferenceEngine(
             reference_engine.model, reference_engine.tokenizer, BlendConfig(check_layer=30)
         )
+
+
+def test_documents_below_min_segment_tokens_are_never_cached(new_engine, rag_texts):
+    system, documents, question = rag_texts
+    engine = new_engine(min_segment_tokens=20)
+    prompt = engine.build_prompt(
+        system, [documents[0], "Short note: the mill closed.", documents[1]], question
+    )
+    short = prompt.segments[2]
+    assert short.num_tokens < 20 and engine.segment_keys(prompt)[2] is None
+    engine.prefill(prompt, "hole")
+    second = engine.prefill(prompt, "hole", ratio=0.15)
+    assert second.lookup.hole_ranges == ((short.start, short.end),)
+    assert second.lookup.reused_segments == (0, 1, 3)
