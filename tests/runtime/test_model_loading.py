@@ -5,7 +5,12 @@ import os
 import pytest
 import torch
 
-from holeblend_runtime.gguf_model import cache_entry_dir, find_smollm2_gguf, unpermute_qk
+from holeblend_runtime.gguf_model import (
+    cache_entry_dir,
+    find_smollm2_gguf,
+    load_model_files,
+    unpermute_qk,
+)
 from holeblend_runtime.rope import apply_rope, rope_table
 
 
@@ -81,3 +86,19 @@ def test_forward_matches_transformers_when_installed(reference_engine):
         h = reference_engine.model.forward(torch.tensor(ids), k, v, start=0)
         actual = reference_engine.model.logits(h[-1:])[0]
     torch.testing.assert_close(actual, expected, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_damaged_weight_cache_is_rebuilt(tmp_path, reference_engine):
+    files = load_model_files(cache_dir=tmp_path)
+    entry = cache_entry_dir(find_smollm2_gguf(), tmp_path)
+    weights = entry / "weights.safetensors"
+    damaged = weights.read_bytes()[:1000]
+    weights.unlink()  # a new file: `files` still maps the old one
+    weights.write_bytes(damaged)
+    rebuilt = load_model_files(cache_dir=tmp_path)
+    assert rebuilt.config == files.config == reference_engine.config
+    assert weights.stat().st_size > 100_000_000
+    torch.testing.assert_close(
+        rebuilt.weights["blk.3.attn_k.weight"], files.weights["blk.3.attn_k.weight"]
+    )
