@@ -28,14 +28,28 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"holeblend-operator run: {exc}", file=sys.stderr)
         return 2
+    configure_logging(config)
+    asyncio.run(serve(config))
+    return 0
+
+
+def configure_logging(config: settings.OperatorSettings) -> None:
+    """kopf's handler on the root logger (JSON lines by default) at the chosen level."""
     kopf.configure(
-        debug=config.log_level == "debug",
-        verbose=config.log_level in ("debug", "info"),
+        debug=config.log_level == "debug",  # kopf's `verbose` also means DEBUG: not used
         quiet=config.log_level == "warning",
         log_format=kopf.LogFormat.JSON if config.log_format == "json" else kopf.LogFormat.FULL,
     )
-    asyncio.run(serve(config))
-    return 0
+    logging.getLogger("kopf.objects").addFilter(_quiet_child_events)
+
+
+def _quiet_child_events(record: logging.LogRecord) -> bool:
+    # kopf logs every successful handler call at INFO; for child watch events that is one
+    # line per child change, noise next to the owners' create/update/resume lines.
+    message = record.getMessage()
+    return not (
+        record.levelno == logging.INFO and "Handler 'child-" in message and "succeeded" in message
+    )
 
 
 async def serve(config: settings.OperatorSettings, stop: asyncio.Event | None = None) -> None:
