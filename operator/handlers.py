@@ -66,6 +66,12 @@ class Operator:
             prefix=ANNOTATION_PREFIX
         )
         settings.persistence.diffbase_storage = OwnerOnlyDiffBase(prefix=ANNOTATION_PREFIX)
+        # Watch only our children, filtered by the API server: clusters have many more
+        # Deployments, Services and ConfigMaps than BlendDeployments.
+        for kind in kube.CHILD_KINDS.values():
+            settings.watching.label_selectors[kind.selector] = (
+                f"app.kubernetes.io/managed-by={MANAGED_BY}"
+            )
         # Named under our group, but never added: no handler here needs a finalizer.
         settings.persistence.finalizer = f"{ANNOTATION_PREFIX}/finalizer"
         settings.networking.request_timeout = self.settings.request_timeout_s

@@ -45,6 +45,12 @@ class Kind:
     def group(self) -> str:
         return self.api_version.rpartition("/")[0]
 
+    @property
+    def selector(self) -> str:
+        """kopf's resource selector notation: plural.version.group."""
+        version = self.api_version.rpartition("/")[2]
+        return ".".join(part for part in (self.plural, version, self.group) if part)
+
     def path(
         self, namespace: str | None, name: str | None = None, subresource: str | None = None
     ) -> str:

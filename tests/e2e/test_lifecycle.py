@@ -151,3 +151,17 @@ def test_hand_edited_and_deleted_children_are_put_back(cluster):
         cluster.wait_for(
             lambda: (cluster.get("v1/configmaps", "default", f"{NAME}-runtime") or {}).get("data")
         )
+
+
+def test_children_are_watched_through_a_server_side_label_selector(cluster):
+    with running_operator():
+        create(cluster, example())
+        cluster.wait_for(lambda: is_ready(cluster))
+    requests = cluster.call(_requests(cluster))
+    watches = {r.url.path: r.params.get("labelSelector") for r in requests if r.params.get("watch")}
+    for path in ("/apis/apps/v1/deployments", "/api/v1/services", "/api/v1/configmaps"):
+        assert watches[path] == "app.kubernetes.io/managed-by=holeblend-operator"
+
+
+async def _requests(cluster):
+    return list(cluster.api)  # kmock iterates its request log
