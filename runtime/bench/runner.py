@@ -83,6 +83,8 @@ class BenchConfig:
         for ratio in self.ratios:
             if not 0.0 <= ratio <= 1.0:
                 raise ValueError(f"ratios: {ratio} is outside [0, 1]")
+        if not self.modes:
+            raise ValueError(f"modes: need at least one of {BLEND_MODES}")
         for mode in self.modes:
             if mode not in BLEND_MODES:
                 raise ValueError(f"modes: expected some of {BLEND_MODES}, got {mode!r}")
@@ -165,8 +167,12 @@ class BenchRunner:
         )
 
     def _warm_up(self, request: Request) -> None:
-        # The first forward pays for lazy allocations; keep it out of every timing.
+        # First calls pay for lazy allocations and code paths; keep them out of every
+        # timing: full prefill, then a throwaway engine's cold and warm blend.
         self.engine.prefill(request.prompt, FULL, 1.0)
+        engine = self.new_engine()
+        for _ in range(2):
+            engine.prefill(request.prompt, self.config.modes[0], self.config.ratios[0])
 
     def _reference(self, request: Request) -> Reference:
         prefill = self.engine.prefill(request.prompt, FULL, 1.0)

@@ -42,6 +42,7 @@ def test_selection_names_map_to_the_blend_config(name, expected):
         (["--ratios", "0.1,x"], "ratios"),
         (["--ratios", "1.5"], "ratios"),
         (["--modes", "full"], "modes"),
+        (["--modes", ","], "modes"),
         (["--holes", "42"], "holes"),
         (["--max-new-tokens", "0"], "max_new_tokens"),
     ],
