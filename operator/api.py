@@ -523,6 +523,10 @@ class TuningDecision(ApiModel):
 class TuningStatus(ApiModel):
     """The tuner's recent decisions."""
 
+    base_ratio: float | None = Field(default=None, gt=0, le=1)
+    """spec.blend.recomputeRatio the tuned ratio started from; when the spec's ratio
+    changes, the pods take the new value and tuning starts over from it."""
+
     history: list[TuningDecision] = Field(default_factory=list, max_length=20)
     """The latest decisions, newest last."""
 

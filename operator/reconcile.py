@@ -217,7 +217,7 @@ async def write_status(
 ) -> bool:
     """Patch the status if anything but transition times changed; True if it wrote."""
     new = build_status(bd, observed, current.get("conditions") or [], now)
-    if without_times({k: current.get(k) for k in new}) == without_times(new):
+    if is_contained(without_times(new), without_times(current)):
         return False
     await client.patch_status(bd.metadata.namespace, bd.metadata.name, new)
     metrics.STATUS_WRITES.inc()
@@ -230,6 +230,18 @@ async def _write_invalid(client: kube.Client, body: dict, message: str, now: str
     if without_times({k: current.get(k) for k in new}) != without_times(new):
         await client.patch_status(meta.get("namespace"), meta.get("name"), new)
         metrics.STATUS_WRITES.inc()
+
+
+def is_contained(new: dict, current: dict) -> bool:
+    """True if merge-patching `new` onto `current` would change nothing."""
+    for key, value in new.items():
+        live = current.get(key)
+        if isinstance(value, dict) and isinstance(live, dict):
+            if not is_contained(value, live):
+                return False
+        elif live != value:
+            return False
+    return True
 
 
 def is_owned_by(obj: dict, owner_uid: str | None) -> bool:

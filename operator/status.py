@@ -1,16 +1,17 @@
 """BlendDeployment status from what the children report: pure functions, no API calls.
 
 The conditions follow the Kubernetes conventions (type/status/reason/message/
-lastTransitionTime): Ready, Progressing, Degraded, LookupServerReady. status.recomputeRatio, tuning and metrics
-belong to the tuner and are never written here. Messages say what is
-wrong and what to do about it, because a person reads them in `kubectl describe`.
+lastTransitionTime): Ready, Progressing, Degraded, LookupServerReady. status.recomputeRatio
+is the ratio the pods run with (render's effective ratio); the tuner's history and metrics
+are never written here. Messages say what is wrong and what to do about it, because a
+person reads them in `kubectl describe`.
 """
 
 import dataclasses
 from typing import Any
 
 from holeblend_operator.api import DEFAULT_RESOURCE_NAMES, BlendDeployment, Phase
-from holeblend_operator.render import selector_string
+from holeblend_operator.render import effective_recompute_ratio, selector_string
 
 # Container waiting reasons that will not clear up by themselves.
 STUCK_REASONS = (
@@ -60,6 +61,9 @@ def build_status(bd: BlendDeployment, observed: Observed, previous: list[dict], 
         "selector": selector_string(bd),
         "phase": _phase(observed.engine, conditions).value,
         "conditions": stamp_transitions(conditions, previous, now, bd.metadata.generation),
+        "recomputeRatio": effective_recompute_ratio(bd),
+        # Merge-patched: only baseRatio is written, the tuner's history stays.
+        "tuning": {"baseRatio": bd.spec.blend.recompute_ratio},
     }
 
 

@@ -26,11 +26,17 @@ LIVE_KEYS = frozenset({"recomputeRatio"})
 
 
 def effective_recompute_ratio(bd: BlendDeployment) -> float:
-    """The tuner's ratio (status) while tuning is on, clamped to the bounds; else the spec's."""
-    tuning, tuned = bd.spec.tuning, bd.status.recompute_ratio
-    if not tuning.enabled or tuned is None:
-        return bd.spec.blend.recompute_ratio
-    return min(max(tuned, tuning.min_ratio), tuning.max_ratio)
+    """The tuner's ratio (status) while tuning is on, clamped to the bounds; else the spec's.
+
+    A tuned ratio counts only while it derives from the spec's current ratio
+    (status.tuning.baseRatio): a person who edits spec.blend.recomputeRatio gets that value.
+    """
+    tuning, status = bd.spec.tuning, bd.status
+    spec_ratio = bd.spec.blend.recompute_ratio
+    is_tuned = status.recompute_ratio is not None and status.tuning.base_ratio == spec_ratio
+    if not tuning.enabled or not is_tuned:
+        return spec_ratio
+    return min(max(status.recompute_ratio, tuning.min_ratio), tuning.max_ratio)
 
 
 def lookup_server_url(bd: BlendDeployment) -> str | None:

@@ -73,6 +73,8 @@ def test_update_patches_children_and_removes_fields_no_longer_rendered(cluster):
         assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] in (1, "1")
         config = cluster.get("v1/configmaps", "default", f"{NAME}-runtime")
         assert "0.3" in str(config["data"])
+        cluster.wait_for(lambda: status_of(cluster, NAME).get("recomputeRatio") == 0.3)
+        assert status_of(cluster, NAME)["tuning"]["baseRatio"] == 0.3
         edit(
             cluster,
             BD,

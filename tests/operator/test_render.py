@@ -518,7 +518,10 @@ def test_other_blend_changes_roll_engine_pods(blend):
 
 
 def with_status_ratio(bd: BlendDeployment, ratio: float) -> BlendDeployment:
-    return bd.model_copy(update={"status": bd.status.model_copy(update={"recompute_ratio": ratio})})
+    # A tuned ratio counts only while it derives from the spec's current ratio.
+    tuning = bd.status.tuning.model_copy(update={"base_ratio": bd.spec.blend.recompute_ratio})
+    status = bd.status.model_copy(update={"recompute_ratio": ratio, "tuning": tuning})
+    return bd.model_copy(update={"status": status})
 
 
 def test_tuned_ratio_from_status_reaches_the_configmap_within_bounds():
