@@ -52,6 +52,7 @@ test: lint layers pytest
 generate: $(STAMP)
 	$(VENV)/bin/holeblend-operator crd --output crds/blenddeployments.blend.holeblend.io.yaml --docs docs/api.md
 	cp crds/blenddeployments.blend.holeblend.io.yaml charts/holeblend/crds/
+	cp deploy/kopf-peering.yaml charts/holeblend/crds/
 
 # Rewrite the golden files of the rendered children after an intended change; review the diff.
 golden: $(STAMP)

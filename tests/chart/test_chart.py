@@ -50,6 +50,8 @@ def test_chart_lints(values, tmp_path):
 @pytest.mark.parametrize("values", VALUES, ids=lambda v: v.stem if v else "defaults")
 def test_rendered_objects_are_valid_kubernetes(values, tmp_path):
     for obj in _render(tmp_path, values):
+        if obj["apiVersion"] == "kopf.dev/v1":
+            continue  # kopf's peering objects: custom resources, checked below
         for version in ("1.30", "1.37.0"):
             kubernetes_validate.validate(obj, version, strict=True)
 
@@ -71,3 +73,25 @@ def test_ha_values_turn_on_peering(tmp_path):
         deployment["spec"]["template"]["spec"]["containers"][0]["args"]
     )
     assert args.peering and args.namespaces == ["team-a", "team-b"]
+
+
+def test_ha_values_create_the_peering_objects_the_replicas_use(tmp_path):
+    objects = _render(tmp_path, CHART / "ci" / "ha-values.yaml")
+    deployment = next(o for o in objects if o["kind"] == "Deployment")
+    args = build_parser().parse_args(
+        deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    )
+    peerings = [o for o in objects if o["kind"] == "KopfPeering"]
+    assert {(p["metadata"]["namespace"], p["metadata"]["name"]) for p in peerings} == {
+        ("team-a", args.peering),
+        ("team-b", args.peering),
+    }
+
+
+def test_single_replica_needs_no_peering(tmp_path):
+    assert not [o for o in _render(tmp_path, None) if "KopfPeering" in o["kind"]]
+
+
+def test_chart_ships_the_peering_crds_of_deploy():
+    shipped = (CHART / "crds" / "kopf-peering.yaml").read_text()
+    assert shipped == (ROOT / "deploy" / "kopf-peering.yaml").read_text(), "run `make generate`"
