@@ -68,6 +68,7 @@ bench-quick: $(STAMP)
 # The operator against an in-process Kubernetes API emulator, driven by kubectl; no cluster needed.
 demo: $(STAMP) $(TOOLS)/helm
 	PATH="$(CURDIR)/$(TOOLS):$$PATH" $(PY) -m holeblend_devtools.demo
+	$(VENV)/bin/holeblend-bench --quick --json out/demo-bench.json
 
 # Time for 1, 20 and 200 BlendDeployments to converge vs the emulator's own floor; RSS, CPU.
 bench-operator: $(STAMP)

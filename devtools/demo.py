@@ -2,8 +2,8 @@
 
 Starts the emulator (with a stand-in Deployment controller), runs `holeblend-operator run`
 as a subprocess, applies the CRD and examples/cpu.yaml with kubectl, prints the children and
-`kubectl get bd` with its printer columns, then stops everything. Later demo stages (the
-runtime serving traffic, the bench) hook in at `after_operator_stage`.
+`kubectl get bd` with its printer columns, then stops everything. `make demo` then runs
+`holeblend-bench --quick`: full prefill, standard CacheBlend and hole mode on the real model.
 """
 
 import argparse
@@ -38,7 +38,6 @@ def main(argv: list[str] | None = None) -> int:
             operator = start_operator(env)
             try:
                 ok = operator_stage(env, args.timeout)
-                after_operator_stage(env)
             finally:
                 stop_operator(operator)
     step("stopped the operator and the emulator")
@@ -67,10 +66,6 @@ def operator_stage(env: dict, timeout: float) -> bool:
         "jsonpath={range .status.conditions[*]}{.type}={.status} ({.reason}){'\\n'}{end}",
     )
     return ready
-
-
-def after_operator_stage(env: dict) -> None:
-    """Hook for the next demo stages (runtime traffic, benchmarks); nothing yet."""
 
 
 def start_operator(env: dict) -> subprocess.Popen:
