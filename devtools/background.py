@@ -7,6 +7,7 @@ emulator never shares the caller's event loop.
 
 import asyncio
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -112,3 +113,9 @@ async def _async(fn: Callable[[], Any]) -> Any:
 def environment_for(kubeconfig: str) -> dict[str, str]:
     """os.environ pointed at the emulator (for kubectl and operator subprocesses)."""
     return dict(os.environ, KUBECONFIG=kubeconfig)
+
+
+def operator_command(*flags: str) -> list[str]:
+    """`holeblend-operator run FLAGS` as a subprocess command of this interpreter."""
+    # -I: never the repository root on sys.path, where operator/ would shadow the stdlib module.
+    return [sys.executable, "-I", "-m", "holeblend_operator.cli", "run", *flags]

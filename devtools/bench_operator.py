@@ -25,7 +25,7 @@ import aiohttp
 import yaml
 
 from holeblend_devtools import workloads
-from holeblend_devtools.background import EmulatorThread, environment_for
+from holeblend_devtools.background import EmulatorThread, environment_for, operator_command
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CRD = str(ROOT / "crds" / "blenddeployments.blend.holeblend.io.yaml")
@@ -95,19 +95,14 @@ def converge(
 
 
 def start_operator(env: dict) -> subprocess.Popen:
-    command = [
-        sys.executable,
-        "-I",  # never the repository root on sys.path: operator/ would shadow the stdlib module
-        "-m",
-        "holeblend_operator.cli",
-        "run",
+    command = operator_command(
         "--health-port",
         "0",
         "--log-level",
         "warning",
         "--status-debounce-s",
         "0.2",
-    ]
+    )
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

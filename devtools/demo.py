@@ -17,7 +17,7 @@ import tempfile
 import time
 
 from holeblend_devtools import workloads
-from holeblend_devtools.background import EmulatorThread, environment_for
+from holeblend_devtools.background import EmulatorThread, environment_for, operator_command
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CRD = ROOT / "crds" / "blenddeployments.blend.holeblend.io.yaml"
@@ -70,19 +70,14 @@ def operator_stage(env: dict, timeout: float) -> bool:
 
 def start_operator(env: dict) -> subprocess.Popen:
     step("holeblend-operator run --standalone")
-    command = [
-        sys.executable,
-        "-I",  # never the repository root on sys.path: operator/ would shadow the stdlib module
-        "-m",
-        "holeblend_operator.cli",
-        "run",
+    command = operator_command(
         "--health-port",
         "0",
         "--log-format",
         "plain",
         "--log-level",
         "warning",
-    ]
+    )
     return subprocess.Popen(command, env=env)
 
 

@@ -3,11 +3,11 @@
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import yaml
 
+from holeblend_devtools.background import operator_command
 from tests.e2e.conftest import BD, ROOT, create, edit, example, status_of
 from tests.e2e.test_process import fetch, free_port
 
@@ -15,12 +15,7 @@ PEERING = "kopf.dev/v1/clusterkopfpeerings"
 
 
 def start(port: int) -> subprocess.Popen:
-    command = [
-        sys.executable,
-        "-I",  # never the repository root on sys.path: operator/ would shadow the stdlib module
-        "-m",
-        "holeblend_operator.cli",
-        "run",
+    command = operator_command(
         "--peering",
         "holeblend",
         "--peering-lifetime-s",
@@ -33,7 +28,7 @@ def start(port: int) -> subprocess.Popen:
         "0.05",
         "--log-level",
         "warning",
-    ]
+    )
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

@@ -3,10 +3,10 @@
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 
+from holeblend_devtools.background import operator_command
 from tests.e2e.conftest import create, example, status_of
 
 
@@ -26,19 +26,14 @@ def fetch(url: str) -> tuple[int, str]:
 
 def test_run_serves_health_and_metrics_and_stops_on_sigterm(cluster):
     port = free_port()
-    command = [
-        sys.executable,
-        "-I",  # never the repository root on sys.path: operator/ would shadow the stdlib module
-        "-m",
-        "holeblend_operator.cli",
-        "run",
+    command = operator_command(
         "--health-port",
         str(port),
         "--health-host",
         "127.0.0.1",
         "--status-debounce-s",
         "0.05",
-    ]
+    )
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         cluster.wait_for(lambda: fetch(f"http://127.0.0.1:{port}/healthz")[0] == 200, timeout=20)
