@@ -46,6 +46,18 @@ class OwnerOnlyDiffBase(kopf.AnnotationsDiffBaseStorage):
         return super().fetch(body=body)
 
 
+class CopyFreeProgress(kopf.AnnotationsProgressStorage):
+    """kopf deep-copies both diff essences on every owner event to strip progress annotations;
+    they are there only while a handler is being retried, and the essences are fresh copies."""
+
+    def clear(self, *, essence):
+        annotations = essence.get("metadata", {}).get("annotations", {})
+        if any(key.startswith(f"{self.prefix}/") for key in annotations):
+            return super().clear(essence=essence)
+        self.remove_empty_stanzas(essence)  # as kopf's clear does
+        return essence
+
+
 class Operator:
     """The state the handlers share: settings, the API client, pending status refreshes."""
 
@@ -62,9 +74,7 @@ class Operator:
         self._deployments: dict[tuple[str, str], dict] = {}  # our Deployments as last watched
 
     async def startup(self, settings: kopf.OperatorSettings, **_) -> None:
-        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
-            prefix=ANNOTATION_PREFIX
-        )
+        settings.persistence.progress_storage = CopyFreeProgress(prefix=ANNOTATION_PREFIX)
         settings.persistence.diffbase_storage = OwnerOnlyDiffBase(prefix=ANNOTATION_PREFIX)
         # Watch only our children, filtered by the API server: clusters have many more
         # Deployments, Services and ConfigMaps than BlendDeployments.

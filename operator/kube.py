@@ -165,6 +165,9 @@ class Client:
         self._host = api.configuration.host  # the property scans the environment: read once
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._max_in_flight = max_in_flight
+        # Built now, not on the first request: loading the CA bundle takes tens of ms,
+        # which would otherwise delay the first reconcile.
+        self._ssl = _ssl_context(api.configuration)
         self._session: aiohttp.ClientSession | None = None
         self._auth: dict[str, str] = {}
         self._auth_read_at: float | None = None
@@ -266,9 +269,7 @@ class Client:
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None:  # created on first use: it binds to the running loop
-            connector = aiohttp.TCPConnector(
-                ssl=_ssl_context(self._api.configuration), limit=self._max_in_flight
-            )
+            connector = aiohttp.TCPConnector(ssl=self._ssl, limit=self._max_in_flight)
             self._session = aiohttp.ClientSession(connector=connector)
         return self._session
 

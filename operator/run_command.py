@@ -7,6 +7,7 @@ handlers in flight, then the health server closes.
 
 import argparse
 import asyncio
+import gc
 import logging
 import sys
 
@@ -14,6 +15,8 @@ import kopf
 
 from holeblend_operator import handlers, settings
 from holeblend_operator.health import HealthServer
+
+GC_THRESHOLD = 20_000  # allocations between gen-0 collections (CPython's default: 700)
 
 
 def add_parser(subparsers) -> None:
@@ -29,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"holeblend-operator run: {exc}", file=sys.stderr)
         return 2
     configure_logging(config)
+    tune_garbage_collector()  # here, not in serve(): tests embed serve() in their own process
     asyncio.run(serve(config))
     return 0
 
@@ -50,6 +54,16 @@ def _quiet_child_events(record: logging.LogRecord) -> bool:
     return not (
         record.levelno == logging.INFO and "Handler 'child-" in message and "succeeded" in message
     )
+
+
+def tune_garbage_collector() -> None:
+    # kopf allocates many short-lived containers per watch event, so the default gen-0
+    # threshold (700) runs a collection every few events, and each older-generation pass
+    # walks every object imported at startup. Freeze the startup heap (never garbage)
+    # and collect less often: a few MB more at peak for less CPU per event.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_THRESHOLD, 20, 20)
 
 
 async def serve(config: settings.OperatorSettings, stop: asyncio.Event | None = None) -> None:
