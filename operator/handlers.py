@@ -262,10 +262,11 @@ class Operator:
 
     def prepared(self, owner: dict) -> tuple:
         """reconcile.prepare, cached per owner spec, labels and tuned ratio (render inputs)."""
-        meta = owner.get("metadata", {})
-        ratio = (owner.get("status") or {}).get("recomputeRatio")
+        meta, status = owner.get("metadata", {}), owner.get("status") or {}
+        # render reads the tuned ratio and the spec ratio it derives from (effective ratio).
+        tuned = (status.get("recomputeRatio"), (status.get("tuning") or {}).get("baseRatio"))
         labels = tuple(sorted((meta.get("labels") or {}).items()))
-        cache_key = (meta.get("uid"), meta.get("generation"), labels, ratio)
+        cache_key = (meta.get("uid"), meta.get("generation"), labels, tuned)
         if cache_key not in self._prepared:
             if len(self._prepared) > 4096:
                 self._prepared.clear()
