@@ -7,6 +7,8 @@ emulator never shares the caller's event loop.
 
 import asyncio
 import os
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -119,3 +121,13 @@ def operator_command(*flags: str) -> list[str]:
     """`holeblend-operator run FLAGS` as a subprocess command of this interpreter."""
     # -I: never the repository root on sys.path, where operator/ would shadow the stdlib module.
     return [sys.executable, "-I", "-m", "holeblend_operator.cli", "run", *flags]
+
+
+def stop_process(process: subprocess.Popen, timeout: float = 20) -> None:
+    """SIGTERM (the operator's graceful stop), then SIGKILL if it does not exit in time."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

@@ -15,7 +15,6 @@ import json
 import multiprocessing
 import os
 import pathlib
-import signal
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,12 @@ import aiohttp
 import yaml
 
 from holeblend_devtools import workloads
-from holeblend_devtools.background import EmulatorThread, environment_for, operator_command
+from holeblend_devtools.background import (
+    EmulatorThread,
+    environment_for,
+    operator_command,
+    stop_process,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CRD = str(ROOT / "crds" / "blenddeployments.blend.holeblend.io.yaml")
@@ -58,7 +62,7 @@ def measure(num_objects: int, timeout: float) -> dict:
             try:
                 result = converge(cluster, operator, num_objects, timeout)
             finally:
-                stop(operator)
+                stop_process(operator)
         result["floor_s"] = replay(result.pop("requests"), result.pop("watches"), workdir)
     return {
         "num_objects": num_objects,
@@ -203,15 +207,6 @@ def usage(pid: int) -> tuple[float, float]:
         fields = file.read().rsplit(")", 1)[1].split()
     ticks = os.sysconf("SC_CLK_TCK")
     return peak_kb / 1024, (int(fields[11]) + int(fields[12])) / ticks
-
-
-def stop(process: subprocess.Popen) -> None:
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 if __name__ == "__main__":

@@ -10,14 +10,18 @@ import argparse
 import os
 import pathlib
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 
 from holeblend_devtools import workloads
-from holeblend_devtools.background import EmulatorThread, environment_for, operator_command
+from holeblend_devtools.background import (
+    EmulatorThread,
+    environment_for,
+    operator_command,
+    stop_process,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CRD = ROOT / "crds" / "blenddeployments.blend.holeblend.io.yaml"
@@ -39,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 ok = operator_stage(env, args.timeout)
             finally:
-                stop_operator(operator)
+                stop_process(operator)
     step("stopped the operator and the emulator")
     return 0 if ok else 1
 
@@ -79,15 +83,6 @@ def start_operator(env: dict) -> subprocess.Popen:
         "warning",
     )
     return subprocess.Popen(command, env=env)
-
-
-def stop_operator(process: subprocess.Popen) -> None:
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 def wait_ready(env: dict, name: str, timeout: float) -> bool:
