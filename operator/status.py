@@ -10,7 +10,7 @@ person reads them in `kubectl describe`.
 import dataclasses
 from typing import Any
 
-from holeblend_operator.api import DEFAULT_RESOURCE_NAMES, BlendDeployment, Phase
+from holeblend_operator.api import DEFAULT_RESOURCE_NAMES, BlendDeployment, ConditionType, Phase
 from holeblend_operator.render import effective_recompute_ratio, selector_string
 
 # Container waiting reasons that will not clear up by themselves.
@@ -78,7 +78,7 @@ def invalid_spec_status(
     )
     conditions = [
         _degraded(problem),
-        _condition("Ready", False, "InvalidSpec", "the spec is invalid"),
+        _condition(ConditionType.READY, False, "InvalidSpec", "the spec is invalid"),
     ]
     return {
         "observedGeneration": generation,
@@ -158,49 +158,65 @@ def _scheduling_hint(bd: BlendDeployment) -> str:
 def _ready(engine_ready: bool, lookup_ready: bool, bd: BlendDeployment) -> dict:
     if engine_ready and lookup_ready:
         if bd.spec.replicas == 0:
-            return _condition("Ready", True, "ScaledToZero", "spec.replicas is 0; nothing to serve")
+            return _condition(
+                ConditionType.READY, True, "ScaledToZero", "spec.replicas is 0; nothing to serve"
+            )
         return _condition(
-            "Ready", True, "AllReplicasReady", f"{bd.spec.replicas} engine pod(s) ready"
+            ConditionType.READY, True, "AllReplicasReady", f"{bd.spec.replicas} engine pod(s) ready"
         )
     if not engine_ready:
         return _condition(
-            "Ready", False, "EngineNotReady", "waiting for engine pods to become ready"
+            ConditionType.READY, False, "EngineNotReady", "waiting for engine pods to become ready"
         )
-    return _condition("Ready", False, "LookupServerNotReady", "waiting for the lookup server")
+    return _condition(
+        ConditionType.READY, False, "LookupServerNotReady", "waiting for the lookup server"
+    )
 
 
 def _progressing(engine: dict | None, ready: bool, problem: Problem | None) -> dict:
     if ready:
-        return _condition("Progressing", False, "RolloutComplete", "every child is up to date")
+        return _condition(
+            ConditionType.PROGRESSING, False, "RolloutComplete", "every child is up to date"
+        )
     if problem is not None:
-        return _condition("Progressing", False, "Blocked", f"rollout blocked: {problem.reason}")
+        return _condition(
+            ConditionType.PROGRESSING, False, "Blocked", f"rollout blocked: {problem.reason}"
+        )
     if engine is None:
         return _condition(
-            "Progressing", True, "CreatingChildren", "creating the engine and its services"
+            ConditionType.PROGRESSING,
+            True,
+            "CreatingChildren",
+            "creating the engine and its services",
         )
-    return _condition("Progressing", True, "RollingOut", "engine pods are starting or updating")
+    return _condition(
+        ConditionType.PROGRESSING, True, "RollingOut", "engine pods are starting or updating"
+    )
 
 
 def _degraded(problem: Problem | None) -> dict:
     if problem is None:
-        return _condition("Degraded", False, "AsExpected", "no problems found")
-    return _condition("Degraded", True, problem.reason, problem.message)
+        return _condition(ConditionType.DEGRADED, False, "AsExpected", "no problems found")
+    return _condition(ConditionType.DEGRADED, True, problem.reason, problem.message)
 
 
 def _lookup_ready(bd: BlendDeployment, lookup: dict | None) -> dict:
     if not bd.spec.lookup_server.enabled:
         return _condition(
-            "LookupServerReady",
+            ConditionType.LOOKUP_SERVER_READY,
             False,
             "Disabled",
             "spec.lookupServer.enabled is false: each pod only reuses its own cache",
         )
     if is_available(lookup, None):
         return _condition(
-            "LookupServerReady", True, "Available", "the lookup server answers lookups"
+            ConditionType.LOOKUP_SERVER_READY,
+            True,
+            "Available",
+            "the lookup server answers lookups",
         )
     return _condition(
-        "LookupServerReady",
+        ConditionType.LOOKUP_SERVER_READY,
         False,
         "NotAvailable",
         "lookup server pods are not ready; pods treat every segment as a miss until they are",
@@ -209,16 +225,16 @@ def _lookup_ready(bd: BlendDeployment, lookup: dict | None) -> dict:
 
 def _phase(engine: dict | None, conditions: list[dict]) -> Phase:
     by_type = {c["type"]: c["status"] for c in conditions}
-    if by_type["Degraded"] == "True":
+    if by_type[ConditionType.DEGRADED] == "True":
         return Phase.DEGRADED
-    if by_type["Ready"] == "True":
+    if by_type[ConditionType.READY] == "True":
         return Phase.READY
     return Phase.PENDING if engine is None else Phase.PROGRESSING
 
 
-def _condition(kind: str, status: bool, reason: str, message: str) -> dict:
+def _condition(kind: ConditionType, status: bool, reason: str, message: str) -> dict:
     return {
-        "type": kind,
+        "type": kind.value,
         "status": "True" if status else "False",
         "reason": reason,
         "message": message,
