@@ -1,14 +1,24 @@
-"""kopf handlers: thin wrappers that route every trigger into `reconcile`.
+"""kopf handlers: thin event handlers that route every trigger into `reconcile`.
 
-create, update and resume share one reconcile. Children are watched instead of polled:
-a child event whose object no longer contains what we render (edited or deleted by hand)
-triggers a reconcile of its owner, and Deployment events refresh the owner's status, both
-debounced per owner; owners that are not ready yet are looked at again after a while.
-No timer and no finalizer (kopf timers add one): owner references let the garbage
-collector delete the children, and nothing outside the cluster needs cleaning up.
+Everything goes through watch events, handled with kopf's low-level event handlers:
+
+- A BlendDeployment event whose render inputs (uid, generation, labels) differ from the last
+  ones seen schedules a reconcile: a first create (POST before looking), an update or, after
+  a restart, a resume. Our own status writes change none of them and cost nothing more.
+- A child event whose object no longer contains what we render (edited or deleted by hand)
+  schedules a reconcile of its owner; Deployment events schedule a status refresh.
+- Failures are retried here with capped, jittered exponential backoff; an invalid spec is
+  reported in status and not retried until the spec changes.
+
+kopf's create/update handlers are not used: they would PATCH a diff-base annotation onto
+every BlendDeployment after each change (one more write and one more watch event each) and
+keep two deep copies of every object for their diffs. No timer and no finalizer (kopf timers
+add one): owner references let the garbage collector delete the children, and nothing
+outside the cluster needs cleaning up.
 """
 
 import asyncio
+import dataclasses
 import datetime
 import logging
 import random
@@ -25,68 +35,73 @@ from holeblend_operator.settings import OperatorSettings
 FIRST_CREATE = reconcile.Options(create_first=True, prune=False)
 FULL = reconcile.Options(create_first=False, prune=True)
 DRIFT = reconcile.Options(create_first=False, prune=False)
-# Progress and diff-base annotations under our own group, none in status (a structural
-# schema would prune an unknown status.kopf field on a real cluster).
+# The finalizer name kopf would use, under our own group (kopf adds none here).
 ANNOTATION_PREFIX = f"operator.{GROUP}"
+LOG = logging.getLogger(__name__)
+
+Key = tuple[str, str]  # (namespace, name) of a BlendDeployment
 
 
-class OwnerOnlyDiffBase(kopf.AnnotationsDiffBaseStorage):
-    """kopf builds a diff base (two deep copies of the object) for every watch event of every
-    resource, but only BlendDeployments have create/update handlers that use it; children
-    have event handlers only. Skipping it saves two deep copies per child event."""
+class NoDiffBase(kopf.AnnotationsDiffBaseStorage):
+    """kopf builds a diff base (deep copies of the object) on every watch event for its
+    create/update handlers; this operator has none, so there is nothing to build or store."""
 
     def build(self, *, body, extra_fields=None):
-        if body.get("kind") != KIND:
-            return {}
-        return super().build(body=body, extra_fields=extra_fields)
+        return {}
 
     def fetch(self, *, body):
-        if body.get("kind") != KIND:
-            return None
-        return super().fetch(body=body)
+        return None
 
 
-class CopyFreeProgress(kopf.AnnotationsProgressStorage):
-    """kopf deep-copies both diff essences on every owner event to strip progress annotations;
-    they are there only while a handler is being retried, and the essences are fresh copies."""
+@dataclasses.dataclass
+class Job:
+    """Work pending for one BlendDeployment: a reconcile (with options) or a status refresh."""
 
-    def clear(self, *, essence):
-        annotations = essence.get("metadata", {}).get("annotations", {})
-        if any(key.startswith(f"{self.prefix}/") for key in annotations):
-            return super().clear(essence=essence)
-        self.remove_empty_stanzas(essence)  # as kopf's clear does
-        return essence
+    task: asyncio.Task
+    options: reconcile.Options | None  # None: refresh the status only
+    trigger: str
+    due: float
+
+
+def merge(a: reconcile.Options | None, b: reconcile.Options | None) -> reconcile.Options | None:
+    """The job that does both: the larger reconcile wins over a refresh; POST-first only if
+    both are first creates; pruning if either prunes."""
+    if a is None or b is None:
+        return b if a is None else a
+    return reconcile.Options(a.create_first and b.create_first, a.prune or b.prune)
 
 
 class Operator:
-    """The state the handlers share: settings, the API client, pending status refreshes."""
+    """The state the handlers share: settings, the API client, the owners as last watched,
+    and the jobs pending per owner."""
 
     def __init__(self, settings: OperatorSettings):
         self.settings = settings
         self.client: kube.Client | None = None
         self._configuration = None
-        self._pending: dict[tuple[str, str], tuple[asyncio.Task, bool, float]] = {}
-        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._owners: dict[Key, dict] = {}  # BlendDeployments as last watched (informer cache)
+        self._inputs: dict[Key, tuple] = {}  # their render inputs when last scheduled
+        self._loggers: dict[Key, logging.LoggerAdapter] = {}  # kopf's, posting Warning events
+        self._pending: dict[Key, Job] = {}
+        self._retries: dict[Key, int] = {}  # failed reconciles in a row
+        self._locks: dict[Key, asyncio.Lock] = {}
         self._prepared: dict[tuple, tuple] = {}
         # child (kind, namespace, name) -> (resourceVersion, generation) known to be current
         self._current: dict[tuple, tuple] = {}
-        self._owners: kopf.Index | None = None
-        self._deployments: dict[tuple[str, str], dict] = {}  # our Deployments as last watched
+        self._deployments: dict[Key, dict] = {}  # our Deployments as last watched
 
     async def startup(self, settings: kopf.OperatorSettings, **_) -> None:
-        settings.persistence.progress_storage = CopyFreeProgress(prefix=ANNOTATION_PREFIX)
-        settings.persistence.diffbase_storage = OwnerOnlyDiffBase(prefix=ANNOTATION_PREFIX)
+        settings.persistence.diffbase_storage = NoDiffBase(prefix=ANNOTATION_PREFIX)
         # Watch only our children, filtered by the API server: clusters have many more
         # Deployments, Services and ConfigMaps than BlendDeployments.
         for kind in kube.CHILD_KINDS.values():
             settings.watching.label_selectors[kind.selector] = (
                 f"app.kubernetes.io/managed-by={MANAGED_BY}"
             )
-        # Named under our group, but never added: no handler here needs a finalizer.
         settings.persistence.finalizer = f"{ANNOTATION_PREFIX}/finalizer"
         settings.networking.request_timeout = self.settings.request_timeout_s
         # Kubernetes Events on the BlendDeployment for retries and failures only: a success
-        # event per child event would cost an API write each.
+        # event per reconcile would cost an API write each.
         settings.posting.level = logging.WARNING
         self._configure_peering(settings.peering)
         self.client = kube.Client.from_configuration(
@@ -115,93 +130,147 @@ class Operator:
         return self._configuration
 
     async def cleanup(self, **_) -> None:
-        tasks = [task for task, _, _ in self._pending.values()]
+        tasks = [job.task for job in self._pending.values()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.client is not None:
             await self.client.close()
 
-    async def run(
-        self, body: kopf.Body, trigger: str, options: reconcile.Options, retry: int
-    ) -> None:
-        started = time.monotonic()
-        result = "error"
+    def owner_event(self, body: dict, event_type: str | None, logger=None) -> None:
+        """Remember a BlendDeployment as watched; schedule a reconcile if its inputs changed."""
         meta = body.get("metadata", {})
         key = (meta.get("namespace"), meta.get("name"))
+        if event_type == "DELETED":
+            self._forget(key)
+            return
+        self._owners[key] = body
+        if logger is not None:
+            self._loggers[key] = logger
+        labels = tuple(sorted((meta.get("labels") or {}).items()))
+        inputs = (meta.get("uid"), meta.get("generation"), labels)
+        previous = self._inputs.get(key)
+        if previous == inputs:
+            return  # e.g. our own status write: nothing rendered depends on it
+        self._inputs[key] = inputs
+        self._retries.pop(key, None)
+        observed = (body.get("status") or {}).get("observedGeneration")
+        if previous is not None or observed not in (None, meta.get("generation")):
+            self.request(key, FULL, "update", delay=0)  # changed while we watched, or before
+        elif observed is None:
+            # New, or never got as far as a status: POST the children first (a child that
+            # exists already turns this into a full reconcile, pruning included).
+            self.request(key, FIRST_CREATE, "create", delay=0)
+        else:  # listed at start-up (or after a watch restart): children may have drifted
+            self.request(key, FULL, "resume", delay=0)
+
+    def _forget(self, key: Key) -> None:
+        job = self._pending.pop(key, None)
+        if job is not None:
+            job.task.cancel()
+        for table in (self._owners, self._inputs, self._loggers, self._retries, self._locks):
+            table.pop(key, None)
+
+    def request(
+        self,
+        key: Key,
+        options: reconcile.Options | None,
+        trigger: str,
+        delay: float | None = None,
+    ) -> None:
+        """Reconcile (with `options`) or refresh the status (None) of a BlendDeployment soon.
+
+        A request joins the pending one: the earlier time and the larger job win, and only one
+        job per owner is pending at a time (a running one is no longer pending)."""
+        delay = self.settings.status_debounce_s if delay is None else delay
+        due = time.monotonic() + delay
+        pending = self._pending.get(key)
+        if pending is not None:
+            merged = merge(pending.options, options)
+            if pending.due <= due and merged == pending.options:
+                return
+            pending.task.cancel()
+            trigger = pending.trigger if merged == pending.options else trigger
+            options, due = merged, min(due, pending.due)
+        task = asyncio.get_running_loop().create_task(self._later(key, due))
+        self._pending[key] = Job(task, options, trigger, due)
+
+    async def _later(self, key: Key, due: float) -> None:
+        await asyncio.sleep(max(0.0, due - time.monotonic()))
+        job = self._pending.pop(key)
+        if job.options is not None:
+            await self.run(key, job.trigger, job.options)
+        else:
+            await self._refresh(key)
+
+    async def run(self, key: Key, trigger: str, options: reconcile.Options) -> None:
+        """One reconcile of a BlendDeployment; failures are retried later, never raised."""
+        body = self._owners.get(key)
+        if body is None:
+            return  # deleted meanwhile
+        started = time.monotonic()
+        result = "error"
         try:
             async with self._lock(key):  # one reconcile or refresh per owner at a time
-                live = await reconcile.reconcile(
-                    self.client, dict(body), options, _now(), self.prepared
-                )
+                live = await reconcile.reconcile(self.client, body, options, _now(), self.prepared)
             self._remember_current(key[0], live)
+            self._retries.pop(key, None)
             # The children's controllers report after we wrote them: take another look soon.
-            self.request(*key, full=False)
+            self.request(key, None, "child-status")
             result = "ok"
         except reconcile.InvalidSpec as exc:
-            result = "invalid"
-            raise kopf.PermanentError(f"invalid spec: {exc}") from exc
+            result = "invalid"  # reported in status; a spec change schedules the next try
+            self._log(key).error("Invalid spec, not retried until it changes: %s", exc)
         except reconcile.Blocked as exc:
             result = "blocked"
-            raise kopf.TemporaryError(str(exc), delay=self.settings.blocked_retry_s) from exc
+            self._retry(key, self.settings.blocked_retry_s, exc)
         except kube.Forbidden as exc:
             result = "forbidden"
-            raise kopf.TemporaryError(str(exc), delay=self.settings.backoff_cap_s) from exc
+            self._retry(key, self.settings.backoff_cap_s, exc)
         except kube.Unavailable as exc:
             result = "retry"
-            raise kopf.TemporaryError(str(exc), delay=self.backoff(retry)) from exc
+            self._retry(key, self.backoff(self._retries.get(key, 0)), exc)
+        except Exception as exc:  # a bug must not stop this owner for good: log and retry
+            LOG.exception("reconcile of %s/%s failed", *key)
+            self._retry(key, self.settings.backoff_cap_s, exc)
         finally:
             metrics.RECONCILES.labels(trigger=trigger, result=result).inc()
             metrics.RECONCILE_SECONDS.labels(trigger=trigger).observe(time.monotonic() - started)
+
+    def _retry(self, key: Key, delay: float, reason: Exception) -> None:
+        self._retries[key] = self._retries.get(key, 0) + 1
+        self._log(key).warning("Reconcile failed, retrying in %.1f s: %s", delay, reason)
+        self.request(key, FULL, "retry", delay=delay)
 
     def backoff(self, retry: int) -> float:
         """Exponential, capped, with jitter so that many objects do not retry in lockstep."""
         delay = min(self.settings.backoff_cap_s, self.settings.backoff_base_s * 2 ** min(retry, 16))
         return delay * random.uniform(0.5, 1.0)
 
-    def request(self, namespace: str, name: str, full: bool, delay: float | None = None) -> None:
-        """Reconcile (full) or refresh the status of a BlendDeployment soon. Requests join a
-        pending one: the earliest time and the larger job (full over refresh) win."""
-        key = (namespace, name)
-        delay = self.settings.status_debounce_s if delay is None else delay
-        due = time.monotonic() + delay
-        pending = self._pending.get(key)
-        if pending is not None:
-            task, pending_full, pending_due = pending
-            if pending_due <= due and (pending_full or not full):
-                return
-            task.cancel()
-            full, due = full or pending_full, min(due, pending_due)
-        task = asyncio.get_running_loop().create_task(self._later(key, full, due))
-        self._pending[key] = (task, full, due)
-
-    async def _later(self, key: tuple[str, str], full: bool, due: float) -> None:
-        await asyncio.sleep(max(0.0, due - time.monotonic()))
-        del self._pending[key]
-        trigger = "drift" if full else "child-status"
+    async def _refresh(self, key: Key) -> None:
+        body = self._owners.get(key)
+        if body is None:
+            return
         try:
-            body = await self._owner(key)
-            if body is None:
-                return
-            if full:
-                await self.run(body, trigger, DRIFT, retry=0)
-                return
             async with self._lock(key):
                 ready = await reconcile.refresh(
                     self.client, body, _now(), self._known(*key), self.prepared
                 )
             if not ready:  # look again later: pods may report why (e.g. Unschedulable)
-                self.request(*key, full=False, delay=self.settings.requeue_s)
-        except (kopf.PermanentError, kopf.TemporaryError, kube.Unavailable, kube.Forbidden) as exc:
-            logging.getLogger(__name__).warning("%s of %s/%s failed: %s", trigger, *key, exc)
-            self.request(*key, full=full, delay=self.settings.requeue_s)
+                self.request(key, None, "child-status", delay=self.settings.requeue_s)
+        except Exception as exc:  # API trouble or a bug: say so and look again later
+            LOG.warning("status refresh of %s/%s failed: %s", *key, exc)
+            self.request(key, None, "child-status", delay=self.settings.requeue_s)
 
-    def _lock(self, key: tuple[str, str]) -> asyncio.Lock:
+    def _log(self, key: Key):
+        """kopf's logger for this owner (its warnings become Kubernetes Events), else ours."""
+        return self._loggers.get(key, LOG)
+
+    def _lock(self, key: Key) -> asyncio.Lock:
         return self._locks.setdefault(key, asyncio.Lock())
 
-    def remember(self, owners: kopf.Index, child: dict, event_type: str | None) -> None:
-        """Keep kopf's owner index and the latest state of our Deployments (an informer cache)."""
-        self._owners = owners
+    def remember(self, child: dict, event_type: str | None) -> None:
+        """Keep the latest state of our Deployments (an informer cache)."""
         if child.get("kind") == "Deployment":
             key = (child["metadata"].get("namespace"), child["metadata"].get("name"))
             if event_type == "DELETED":
@@ -209,11 +278,18 @@ class Operator:
             else:
                 self._deployments[key] = child
 
-    async def _owner(self, key: tuple[str, str]) -> dict | None:
-        if self._owners is not None:
-            found = list(self._owners.get(key, []))
-            return found[0] if found else None
-        return await self.client.get(kube.BLEND_DEPLOYMENT, *key)
+    def child_event(self, child: dict, event_type: str | None) -> None:
+        """Reconcile the owner of a drifted child; refresh its status on Deployment events."""
+        self.remember(child, event_type)
+        owner_name = _owner_name(child)
+        key = (child.get("metadata", {}).get("namespace"), owner_name)
+        owner = self._owners.get(key) if owner_name else None
+        if owner is None:
+            return  # not ours, or the owner is gone and the garbage collector takes the child
+        if self.is_drifted(child, event_type, owner):
+            self.request(key, DRIFT, "drift")
+        elif child.get("kind") == "Deployment":
+            self.request(key, None, "child-status")
 
     def _known(self, namespace: str, owner: str) -> dict:
         """The owner's Deployments as last seen on the watch; absent ones are fetched."""
@@ -278,39 +354,17 @@ def register(settings: OperatorSettings, registry: kopf.OperatorRegistry | None 
     """Register every handler in `registry` (kopf's default one if None)."""
     registry = registry or kopf.get_default_registry()
     operator = Operator(settings)
-    resource = (GROUP, VERSION, PLURAL)
 
-    async def on_create(body, retry, **_):
-        # A retried create may follow an operator restart and a spec change: do the full job.
-        await operator.run(body, "create", FIRST_CREATE if retry == 0 else FULL, retry)
+    async def on_owner_event(body, type, logger, **_):
+        operator.owner_event(dict(body), type, logger)
 
-    async def on_update(body, retry, **_):
-        await operator.run(body, "update", FULL, retry)
-
-    async def on_resume(body, retry, **_):
-        await operator.run(body, "resume", FULL, retry)
-
-    async def blend_deployments(body, namespace, name, **_):
-        return {(namespace, name): dict(body)}
-
-    async def on_child_event(body, type, namespace, blend_deployments, **_):
-        operator.remember(blend_deployments, dict(body), type)
-        owner_name = _owner_name(body)
-        owners = list(blend_deployments.get((namespace, owner_name), [])) if owner_name else []
-        if not owners:
-            return  # not ours, or the owner is gone and the garbage collector takes the child
-        if operator.is_drifted(dict(body), type, owners[0]):
-            operator.request(namespace, owner_name, full=True)
-        elif body.get("kind") == "Deployment":
-            operator.request(namespace, owner_name, full=False)
+    async def on_child_event(body, type, **_):
+        operator.child_event(dict(body), type)
 
     kopf.on.login(registry=registry)(operator.login)
     kopf.on.startup(registry=registry)(operator.startup)
     kopf.on.cleanup(registry=registry)(operator.cleanup)
-    kopf.index(*resource, registry=registry, id="blend_deployments")(blend_deployments)
-    kopf.on.create(*resource, registry=registry, id="reconcile-create")(on_create)
-    kopf.on.update(*resource, registry=registry, id="reconcile-update")(on_update)
-    kopf.on.resume(*resource, registry=registry, id="reconcile-resume")(on_resume)
+    kopf.on.event(GROUP, VERSION, PLURAL, registry=registry, id="blenddeployments")(on_owner_event)
     for kind in kube.CHILD_KINDS.values():
         if kind.kind != "ServiceMonitor":  # watched only where its CRD exists; see README
             kopf.on.event(

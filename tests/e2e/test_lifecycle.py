@@ -1,7 +1,10 @@
 """Create, update, scale and delete BlendDeployments with the operator running against the emulator."""
 
+import collections
 import subprocess
+import time
 
+from holeblend_operator import metrics
 from tests.e2e.conftest import (
     BD,
     DEPLOYMENTS,
@@ -167,3 +170,39 @@ def test_children_are_watched_through_a_server_side_label_selector(cluster):
 
 async def _requests(cluster):
     return list(cluster.api)  # kmock iterates its request log
+
+
+def test_the_operator_writes_nothing_but_status_to_the_blend_deployment(cluster):
+    """No kopf annotations, finalizers or diff bases on the owner; one reconcile per change."""
+    before = reconciles()
+    with running_operator():
+        create(cluster, example())
+        cluster.wait_for(lambda: is_ready(cluster))
+        time.sleep(0.5)  # several debounce periods: a write caused by our own write would show
+        edit(cluster, BD, NAME, {"spec": {"replicas": 2}})
+        cluster.wait_for(lambda: is_ready(cluster, generation=2))
+        time.sleep(0.5)
+    writes = [
+        (str(request.method.value), request.url.path)
+        for request in cluster.call(_taken(cluster))
+        if "blenddeployments" in request.url.path and str(request.method.value) != "GET"
+    ]
+    assert writes and all(path.endswith(f"/{NAME}/status") for _, path in writes), writes
+    meta = cluster.get(BD, "default", NAME)["metadata"]
+    assert not meta.get("finalizers")
+    assert not [key for key in meta.get("annotations") or {} if "kopf" in key or "operator." in key]
+    assert reconciles() - before == {("create", "ok"): 1, ("update", "ok"): 1}
+
+
+async def _taken(cluster):
+    return cluster.api.take_requests()
+
+
+def reconciles() -> collections.Counter:
+    """The operator's reconcile counter by (trigger, result), read from its registry."""
+    counts = collections.Counter()
+    for metric in metrics.RECONCILES.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_total"):
+                counts[(sample.labels["trigger"], sample.labels["result"])] = int(sample.value)
+    return counts

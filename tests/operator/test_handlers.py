@@ -1,0 +1,138 @@
+"""Which BlendDeployment watch events schedule which job, and how pending jobs merge."""
+
+import asyncio
+
+import pytest
+
+from holeblend_operator import handlers
+from holeblend_operator.settings import OperatorSettings
+
+KEY = ("default", "demo")
+
+
+class Recorder(handlers.Operator):
+    """The operator with its scheduling seam recorded instead of run."""
+
+    def __init__(self):
+        super().__init__(OperatorSettings())
+        self.requests = []
+
+    def request(self, key, options, trigger, delay=None):
+        self.requests.append((key, trigger, options))
+
+
+def body(generation=1, labels=None, observed=None, uid="uid-1", ratio=0.15):
+    status = {} if observed is None else {"observedGeneration": observed, "recomputeRatio": ratio}
+    return {
+        "metadata": {
+            "namespace": KEY[0],
+            "name": KEY[1],
+            "uid": uid,
+            "generation": generation,
+            "labels": labels or {},
+        },
+        "spec": {},
+        "status": status,
+    }
+
+
+def scheduled(events):
+    operator = Recorder()
+    for event_type, obj in events:
+        operator.owner_event(obj, event_type)
+    return [(trigger, options) for _, trigger, options in operator.requests]
+
+
+@pytest.mark.parametrize(
+    ("events", "expected"),
+    [
+        pytest.param([("ADDED", body())], [("create", handlers.FIRST_CREATE)], id="created"),
+        pytest.param(
+            [(None, body())], [("create", handlers.FIRST_CREATE)], id="listed-never-reconciled"
+        ),
+        pytest.param([(None, body(observed=1))], [("resume", handlers.FULL)], id="listed-done"),
+        pytest.param(
+            [(None, body(generation=3, observed=2))],
+            [("update", handlers.FULL)],
+            id="listed-changed-while-down",
+        ),
+        pytest.param(
+            [("ADDED", body()), ("MODIFIED", body(observed=1)), ("MODIFIED", body(observed=1))],
+            [("create", handlers.FIRST_CREATE)],
+            id="own-status-writes-cost-nothing",
+        ),
+        pytest.param(
+            [("ADDED", body()), ("MODIFIED", body(observed=1, ratio=0.3))],
+            [("create", handlers.FIRST_CREATE)],
+            id="tuned-ratio-in-status-only",
+        ),
+        pytest.param(
+            [("ADDED", body()), ("MODIFIED", body(generation=2, observed=1))],
+            [("create", handlers.FIRST_CREATE), ("update", handlers.FULL)],
+            id="spec-changed",
+        ),
+        pytest.param(
+            [("ADDED", body()), ("MODIFIED", body(labels={"team": "a"}, observed=1))],
+            [("create", handlers.FIRST_CREATE), ("update", handlers.FULL)],
+            id="labels-changed",
+        ),
+        pytest.param(
+            [("ADDED", body()), ("DELETED", body()), ("ADDED", body(uid="uid-2"))],
+            [("create", handlers.FIRST_CREATE), ("create", handlers.FIRST_CREATE)],
+            id="deleted-and-created-again",
+        ),
+    ],
+)
+def test_owner_events_schedule_one_job_per_change(events, expected):
+    assert scheduled(events) == expected
+
+
+def test_deleting_an_owner_forgets_it_and_drops_its_pending_job():
+    async def scenario():
+        operator = handlers.Operator(OperatorSettings())
+        operator.owner_event(body(), "ADDED")
+        task = operator._pending[KEY].task
+        operator.owner_event(body(), "DELETED")
+        await asyncio.sleep(0)
+        return operator, task
+
+    operator, task = asyncio.run(scenario())
+    assert task.cancelled()
+    assert KEY not in operator._pending and KEY not in operator._owners
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "merged"),
+    [
+        (None, handlers.FULL, handlers.FULL),
+        (handlers.DRIFT, None, handlers.DRIFT),
+        (handlers.FIRST_CREATE, handlers.DRIFT, handlers.DRIFT),
+        (handlers.DRIFT, handlers.FULL, handlers.FULL),
+        (handlers.FIRST_CREATE, handlers.FIRST_CREATE, handlers.FIRST_CREATE),
+    ],
+)
+def test_merged_jobs_do_the_work_of_both(first, second, merged):
+    assert handlers.merge(first, second) == merged
+    assert handlers.merge(second, first) == merged
+
+
+def test_a_pending_job_takes_the_earlier_time_and_the_larger_work():
+    async def scenario():
+        operator = handlers.Operator(OperatorSettings(status_debounce_s=60))
+        loop = asyncio.get_running_loop()
+        operator.request(KEY, None, "child-status")  # a refresh in a minute
+        refresh = operator._pending[KEY]
+        operator.request(KEY, handlers.DRIFT, "drift", delay=30)  # a drift fix sooner
+        job = operator._pending[KEY]
+        operator.request(KEY, None, "child-status", delay=45)  # joins: nothing changes
+        unchanged = operator._pending[KEY] is job
+        await asyncio.sleep(0)
+        for pending in list(operator._pending.values()):
+            pending.task.cancel()
+        return refresh, job, unchanged, loop.time()
+
+    refresh, job, unchanged, now = asyncio.run(scenario())
+    assert refresh.task.cancelled()
+    assert (job.options, job.trigger) == (handlers.DRIFT, "drift")
+    assert 25 < job.due - now <= 30
+    assert unchanged
