@@ -1,0 +1,20 @@
+"""`make bench-operator` runs and writes the JSON the issue asks for (tiny N; numbers elsewhere)."""
+
+import json
+
+from holeblend_devtools import bench_operator
+
+KEYS = {"num_objects", "converge_s", "floor_s", "rss_mb", "cpu_s_per_object"}
+
+
+def test_bench_operator_writes_converge_and_floor_per_count(tmp_path):
+    path = tmp_path / "bench.json"
+    assert bench_operator.main(["--counts", "1,3", "--json", str(path), "--timeout", "60"]) == 0
+    results = json.loads(path.read_text())["results"]
+    assert [r["num_objects"] for r in results] == [1, 3]
+    for result in results:
+        assert KEYS <= result.keys()
+        assert result["converge_s"] > 0 and result["floor_s"] > 0
+        assert 30 < result["rss_mb"] < 500 and result["cpu_s_per_object"] > 0
+        # each BlendDeployment: its create, six children and at least one status write
+        assert result["num_requests"] >= 8 * result["num_objects"]
