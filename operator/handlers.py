@@ -18,6 +18,7 @@ outside the cluster needs cleaning up.
 """
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -81,7 +82,6 @@ class Operator:
         self._configuration = None
         self._owners: dict[Key, dict] = {}  # BlendDeployments as last watched (informer cache)
         self._inputs: dict[Key, tuple] = {}  # their render inputs when last scheduled
-        self._loggers: dict[Key, logging.LoggerAdapter] = {}  # kopf's, posting Warning events
         self._pending: dict[Key, Job] = {}
         self._retries: dict[Key, int] = {}  # failed reconciles in a row
         self._locks: dict[Key, asyncio.Lock] = {}
@@ -137,7 +137,7 @@ class Operator:
         if self.client is not None:
             await self.client.close()
 
-    def owner_event(self, body: dict, event_type: str | None, logger=None) -> None:
+    def owner_event(self, body: dict, event_type: str | None) -> None:
         """Remember a BlendDeployment as watched; schedule a reconcile if its inputs changed."""
         meta = body.get("metadata", {})
         key = (meta.get("namespace"), meta.get("name"))
@@ -145,8 +145,6 @@ class Operator:
             self._forget(key)
             return
         self._owners[key] = body
-        if logger is not None:
-            self._loggers[key] = logger
         labels = tuple(sorted((meta.get("labels") or {}).items()))
         inputs = (meta.get("uid"), meta.get("generation"), labels)
         previous = self._inputs.get(key)
@@ -168,7 +166,7 @@ class Operator:
         job = self._pending.pop(key, None)
         if job is not None:
             job.task.cancel()
-        for table in (self._owners, self._inputs, self._loggers, self._retries, self._locks):
+        for table in (self._owners, self._inputs, self._retries, self._locks):
             table.pop(key, None)
 
     def request(
@@ -220,7 +218,7 @@ class Operator:
             result = "ok"
         except reconcile.InvalidSpec as exc:
             result = "invalid"  # reported in status; a spec change schedules the next try
-            self._log(key).error("Invalid spec, not retried until it changes: %s", exc)
+            self._warn(key, "InvalidSpec", f"not reconciled until the spec changes: {exc}")
         except reconcile.Blocked as exc:
             result = "blocked"
             self._retry(key, self.settings.blocked_retry_s, exc)
@@ -239,7 +237,7 @@ class Operator:
 
     def _retry(self, key: Key, delay: float, reason: Exception) -> None:
         self._retries[key] = self._retries.get(key, 0) + 1
-        self._log(key).warning("Reconcile failed, retrying in %.1f s: %s", delay, reason)
+        self._warn(key, "ReconcileFailed", f"retrying in {delay:.3g} s: {reason}")
         self.request(key, FULL, "retry", delay=delay)
 
     def backoff(self, retry: int) -> float:
@@ -262,9 +260,14 @@ class Operator:
             LOG.warning("status refresh of %s/%s failed: %s", *key, exc)
             self.request(key, None, "child-status", delay=self.settings.requeue_s)
 
-    def _log(self, key: Key):
-        """kopf's logger for this owner (its warnings become Kubernetes Events), else ours."""
-        return self._loggers.get(key, LOG)
+    def _warn(self, key: Key, reason: str, message: str) -> None:
+        """Log, and post a Warning event on the BlendDeployment (`kubectl describe bd`)."""
+        LOG.warning("%s/%s: %s: %s", *key, reason, message)
+        body = self._owners.get(key)
+        if body is not None:
+            # LookupError: outside kopf's tasks, where its event queue is not set.
+            with contextlib.suppress(LookupError):
+                kopf.warn(body, reason=reason, message=message)
 
     def _lock(self, key: Key) -> asyncio.Lock:
         return self._locks.setdefault(key, asyncio.Lock())
@@ -355,8 +358,8 @@ def register(settings: OperatorSettings, registry: kopf.OperatorRegistry | None 
     registry = registry or kopf.get_default_registry()
     operator = Operator(settings)
 
-    async def on_owner_event(body, type, logger, **_):
-        operator.owner_event(dict(body), type, logger)
+    async def on_owner_event(body, type, **_):
+        operator.owner_event(dict(body), type)
 
     async def on_child_event(body, type, **_):
         operator.child_event(dict(body), type)

@@ -66,11 +66,10 @@ class Kind:
 
 
 _CHILD_VERBS = ("get", "list", "watch", "create", "patch", "delete")
-BLEND_DEPLOYMENT = Kind(
-    f"{GROUP}/{VERSION}", "BlendDeployment", PLURAL, ("get", "list", "watch", "patch")
-)
+# BlendDeployments are only watched: the operator writes nothing but their status.
+BLEND_DEPLOYMENT = Kind(f"{GROUP}/{VERSION}", "BlendDeployment", PLURAL, ("list", "watch"))
 BLEND_DEPLOYMENT_STATUS = Kind(
-    f"{GROUP}/{VERSION}", "BlendDeployment", f"{PLURAL}/status", ("get", "patch")
+    f"{GROUP}/{VERSION}", "BlendDeployment", f"{PLURAL}/status", ("patch",)
 )
 PODS = Kind("v1", "Pod", "pods", ("list",))
 # Children by kind, as the render functions name them.
@@ -139,7 +138,7 @@ def load_configuration() -> kubernetes.client.Configuration:
 
 
 def connection_info(config: kubernetes.client.Configuration) -> kopf.ConnectionInfo:
-    """The same credentials for kopf's own requests (watches, its annotations, events)."""
+    """The same credentials for kopf's own requests (watches, events, peering)."""
     token = (config.api_key or {}).get("authorization") or (config.api_key or {}).get("BearerToken")
     scheme, _, token = (token or "").rpartition(" ")
     return kopf.ConnectionInfo(

@@ -37,6 +37,15 @@ def test_api_errors_timeouts_and_conflicts_are_retried_until_converged(cluster):
         cluster.wait_for(is_ready_fn(cluster), timeout=20)
     assert all(fault.times == 0 for fault in cluster.api.faults)
     assert len(owned_children(cluster, bd["metadata"]["uid"])) == 6
+    failures = warnings(cluster, "ReconcileFailed")
+    assert failures and all(e["involvedObject"]["uid"] == bd["metadata"]["uid"] for e in failures)
+    assert any("HTTP 503" in e["message"] for e in failures)
+
+
+def warnings(cluster, reason):
+    """Warning events with this reason, as `kubectl describe bd` would list them."""
+    events = cluster.list("v1/events", "default")
+    return [e for e in events if e.get("type") == "Warning" and e.get("reason") == reason]
 
 
 def is_ready_fn(cluster):
@@ -71,6 +80,7 @@ def test_invalid_spec_becomes_degraded_and_is_not_retried(cluster):
         time.sleep(1.5)  # several backoff periods: a retry loop would show up in the count
     assert invalid_count() - before == 1
     assert "blend.recomputeRatio" in condition(cluster, NAME, "Degraded")["message"]
+    assert len(warnings(cluster, "InvalidSpec")) == 1
     assert cluster.get(DEPLOYMENTS, "default", f"{NAME}-engine") is None
 
 
