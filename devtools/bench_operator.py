@@ -89,7 +89,9 @@ def converge(
         bodies = manifests(num_objects)
         started = time.monotonic()
         created = client.apply_async(create_from_client, (cluster.url, bodies))
-        cluster.wait_for(lambda: count_ready(cluster) >= num_objects, timeout=timeout, interval=0.01)
+        cluster.wait_for(
+            lambda: count_ready(cluster) >= num_objects, timeout=timeout, interval=0.01
+        )
         converge_s = time.monotonic() - started
         created.get(timeout=timeout)
     rss_mb, cpu_s = usage(operator.pid)
