@@ -8,7 +8,7 @@ and the RBAC manifest is generated from it, so the two cannot drift apart.
 Failures are sorted for the caller: a missing object is `None` (or `False`), an object that
 already exists is `None` from `create`, a rejected object raises `Invalid`, and anything
 worth retrying (timeouts, connection errors, 409 conflicts, 429 and 5xx) raises
-`Unavailable`, which the handlers turn into `kopf.TemporaryError` with a backoff.
+`Unavailable`, which the handlers retry with a capped, jittered exponential backoff.
 """
 
 import dataclasses
