@@ -141,7 +141,9 @@ class Operator:
         """Remember a BlendDeployment as watched; schedule a reconcile if its inputs changed."""
         meta = body.get("metadata", {})
         key = (meta.get("namespace"), meta.get("name"))
-        if event_type == "DELETED":
+        if event_type == "DELETED" or meta.get("deletionTimestamp"):
+            # Going away (others' finalizers may hold it a while): the garbage collector
+            # takes the children; creating or fixing any now would only race it.
             self._forget(key)
             return
         self._owners[key] = body

@@ -36,6 +36,12 @@ def body(generation=1, labels=None, observed=None, uid="uid-1", ratio=0.15):
     }
 
 
+def terminating(obj):
+    obj["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    obj["metadata"]["finalizers"] = ["example.com/backup"]
+    return obj
+
+
 def scheduled(events):
     operator = Recorder()
     for event_type, obj in events:
@@ -81,6 +87,12 @@ def scheduled(events):
             [("create", handlers.FIRST_CREATE), ("create", handlers.FIRST_CREATE)],
             id="deleted-and-created-again",
         ),
+        pytest.param(
+            [("ADDED", body()), ("MODIFIED", terminating(body(generation=2, observed=1)))],
+            [("create", handlers.FIRST_CREATE)],
+            id="terminating",
+        ),
+        pytest.param([(None, terminating(body()))], [], id="listed-terminating"),
     ],
 )
 def test_owner_events_schedule_one_job_per_change(events, expected):
