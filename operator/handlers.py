@@ -370,16 +370,17 @@ def register(settings: OperatorSettings, registry: kopf.OperatorRegistry | None 
     kopf.on.startup(registry=registry)(operator.startup)
     kopf.on.cleanup(registry=registry)(operator.cleanup)
     kopf.on.event(GROUP, VERSION, PLURAL, registry=registry, id="blenddeployments")(on_owner_event)
+    # kopf watches a resource only while the API serves it: ServiceMonitors from the moment
+    # their CRD appears (it watches the CRDs), and none where the CRD is never installed.
     for kind in kube.CHILD_KINDS.values():
-        if kind.kind != "ServiceMonitor":  # watched only where its CRD exists; see README
-            kopf.on.event(
-                kind.group,
-                kind.api_version.rpartition("/")[2],
-                kind.plural,
-                registry=registry,
-                id=f"child-{kind.plural}",
-                labels={"app.kubernetes.io/managed-by": MANAGED_BY},
-            )(on_child_event)
+        kopf.on.event(
+            kind.group,
+            kind.api_version.rpartition("/")[2],
+            kind.plural,
+            registry=registry,
+            id=f"child-{kind.plural}",
+            labels={"app.kubernetes.io/managed-by": MANAGED_BY},
+        )(on_child_event)
     return operator
 
 

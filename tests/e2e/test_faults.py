@@ -143,13 +143,16 @@ def test_service_monitor_without_its_crd_is_degraded_until_the_crd_appears(clust
         assert (
             cluster.get(DEPLOYMENTS, "default", f"{NAME}-engine") is not None
         )  # the rest is applied
-        cluster.call(_install(cluster, SERVICE_MONITOR_CRD))
+        crds = "apiextensions.k8s.io/v1/customresourcedefinitions"
+        cluster.call(cluster.api.put_object(crds, SERVICE_MONITOR_CRD))  # as `kubectl apply`
         monitors = "monitoring.coreos.com/v1/servicemonitors"
         cluster.wait_for(
             lambda: cluster.get(monitors, "default", f"{NAME}-metrics") is not None, timeout=15
         )
         cluster.wait_for(lambda: is_ready(cluster), timeout=15)
-
-
-async def _install(cluster, crd):
-    cluster.api.install_crd(crd)
+        # Once its CRD is there, the ServiceMonitor is watched like the other children.
+        edit(cluster, monitors, f"{NAME}-metrics", {"spec": {"endpoints": []}})
+        cluster.wait_for(
+            lambda: cluster.get(monitors, "default", f"{NAME}-metrics")["spec"]["endpoints"],
+            timeout=15,
+        )
