@@ -62,6 +62,7 @@ class Job:
     options: reconcile.Options | None  # None: refresh the status only
     trigger: str
     due: float
+    refetch: bool  # read the owner and its Deployments afresh instead of the watched copies
 
 
 def merge(a: reconcile.Options | None, b: reconcile.Options | None) -> reconcile.Options | None:
@@ -147,8 +148,7 @@ class Operator:
             self._forget(key)
             return
         self._owners[key] = body
-        labels = tuple(sorted((meta.get("labels") or {}).items()))
-        inputs = (meta.get("uid"), meta.get("generation"), labels)
+        inputs = _inputs(body)
         previous = self._inputs.get(key)
         if previous == inputs:
             return  # e.g. our own status write: nothing rendered depends on it
@@ -177,31 +177,58 @@ class Operator:
         options: reconcile.Options | None,
         trigger: str,
         delay: float | None = None,
+        refetch: bool = False,
     ) -> None:
         """Reconcile (with `options`) or refresh the status (None) of a BlendDeployment soon.
 
         A request joins the pending one: the earlier time and the larger job win, and only one
-        job per owner is pending at a time (a running one is no longer pending)."""
+        job per owner is pending at a time (a running one is no longer pending). Jobs for later
+        (retries, requeues) `refetch`: by then the watched copies may be stale, e.g. in an HA
+        replica that kopf paused for a peer, whose watches stopped."""
         delay = self.settings.status_debounce_s if delay is None else delay
         due = time.monotonic() + delay
         pending = self._pending.get(key)
         if pending is not None:
             merged = merge(pending.options, options)
-            if pending.due <= due and merged == pending.options:
+            refetch = refetch or pending.refetch
+            if pending.due <= due and merged == pending.options and refetch == pending.refetch:
                 return
             pending.task.cancel()
             trigger = pending.trigger if merged == pending.options else trigger
             options, due = merged, min(due, pending.due)
         task = asyncio.get_running_loop().create_task(self._later(key, due))
-        self._pending[key] = Job(task, options, trigger, due)
+        self._pending[key] = Job(task, options, trigger, due, refetch)
 
     async def _later(self, key: Key, due: float) -> None:
         await asyncio.sleep(max(0.0, due - time.monotonic()))
         job = self._pending.pop(key)
-        if job.options is not None:
-            await self.run(key, job.trigger, job.options)
+        options, trigger = job.options, job.trigger
+        if job.refetch:
+            changed = await self._refetch(key, job)
+            if changed is None:
+                return  # gone, or tried again later
+            if changed:  # the spec moved on meanwhile: apply it, not just the old job
+                options, trigger = merge(options, FULL), "update"
+        if options is not None:
+            await self.run(key, trigger, options)
         else:
-            await self._refresh(key)
+            await self._refresh(key, from_watch=not job.refetch)
+
+    async def _refetch(self, key: Key, job: Job) -> bool | None:
+        """Read the owner afresh; whether its render inputs changed (None: gone, or failed)."""
+        try:
+            body = await self.client.get(kube.BLEND_DEPLOYMENT, *key)
+        except Exception as exc:  # API trouble: the same job later
+            LOG.warning("reading %s/%s failed: %s", *key, exc)
+            self.request(key, job.options, job.trigger, self.settings.requeue_s, refetch=True)
+            return None
+        if body is None or body.get("metadata", {}).get("deletionTimestamp"):
+            self._forget(key)
+            return None
+        self._owners[key] = body
+        changed = self._inputs.get(key) != _inputs(body)
+        self._inputs[key] = _inputs(body)
+        return changed
 
     async def run(self, key: Key, trigger: str, options: reconcile.Options) -> None:
         """One reconcile of a BlendDeployment; failures are retried later, never raised."""
@@ -240,27 +267,27 @@ class Operator:
     def _retry(self, key: Key, delay: float, reason: Exception) -> None:
         self._retries[key] = self._retries.get(key, 0) + 1
         self._warn(key, "ReconcileFailed", f"retrying in {delay:.3g} s: {reason}")
-        self.request(key, FULL, "retry", delay=delay)
+        self.request(key, FULL, "retry", delay=delay, refetch=True)
 
     def backoff(self, retry: int) -> float:
         """Exponential, capped, with jitter so that many objects do not retry in lockstep."""
         delay = min(self.settings.backoff_cap_s, self.settings.backoff_base_s * 2 ** min(retry, 16))
         return delay * random.uniform(0.5, 1.0)
 
-    async def _refresh(self, key: Key) -> None:
+    async def _refresh(self, key: Key, from_watch: bool = True) -> None:
         body = self._owners.get(key)
         if body is None:
             return
+        later = {"delay": self.settings.requeue_s, "refetch": True}
         try:
+            known = self._known(*key) if from_watch else {}  # else the Deployments are read
             async with self._lock(key):
-                ready = await reconcile.refresh(
-                    self.client, body, _now(), self._known(*key), self.prepared
-                )
+                ready = await reconcile.refresh(self.client, body, _now(), known, self.prepared)
             if not ready:  # look again later: pods may report why (e.g. Unschedulable)
-                self.request(key, None, "child-status", delay=self.settings.requeue_s)
+                self.request(key, None, "child-status", **later)
         except Exception as exc:  # API trouble or a bug: say so and look again later
             LOG.warning("status refresh of %s/%s failed: %s", *key, exc)
-            self.request(key, None, "child-status", delay=self.settings.requeue_s)
+            self.request(key, None, "child-status", **later)
 
     def _warn(self, key: Key, reason: str, message: str) -> None:
         """Log, and post a Warning event on the BlendDeployment (`kubectl describe bd`)."""
@@ -382,6 +409,16 @@ def register(settings: OperatorSettings, registry: kopf.OperatorRegistry | None 
             labels={"app.kubernetes.io/managed-by": MANAGED_BY},
         )(on_child_event)
     return operator
+
+
+def _inputs(owner: dict) -> tuple:
+    """What a reconcile renders from, besides the status: a change here needs one."""
+    meta = owner.get("metadata", {})
+    return (
+        meta.get("uid"),
+        meta.get("generation"),
+        tuple(sorted((meta.get("labels") or {}).items())),
+    )
 
 
 def _owner_name(child: dict) -> str | None:

@@ -66,8 +66,9 @@ class Kind:
 
 
 _CHILD_VERBS = ("get", "list", "watch", "create", "patch", "delete")
-# BlendDeployments are only watched: the operator writes nothing but their status.
-BLEND_DEPLOYMENT = Kind(f"{GROUP}/{VERSION}", "BlendDeployment", PLURAL, ("list", "watch"))
+# The operator writes nothing but the status of BlendDeployments; it reads one afresh before
+# a retry or requeue (its watched copy may be stale by then).
+BLEND_DEPLOYMENT = Kind(f"{GROUP}/{VERSION}", "BlendDeployment", PLURAL, ("get", "list", "watch"))
 BLEND_DEPLOYMENT_STATUS = Kind(
     f"{GROUP}/{VERSION}", "BlendDeployment", f"{PLURAL}/status", ("patch",)
 )

@@ -1,10 +1,13 @@
 """API failures, bad specs, unschedulable pods and restarts: the operator converges or says why."""
 
+import asyncio
+
 from holeblend_devtools.emulator import Fault
-from holeblend_operator import metrics
+from holeblend_operator import handlers, kube, metrics
 from tests.e2e.conftest import (
     BD,
     DEPLOYMENTS,
+    FAST,
     condition,
     create,
     edit,
@@ -156,3 +159,24 @@ def test_service_monitor_without_its_crd_is_degraded_until_the_crd_appears(clust
             lambda: cluster.get(monitors, "default", f"{NAME}-metrics")["spec"]["endpoints"],
             timeout=15,
         )
+
+
+def test_retries_read_the_owner_afresh_instead_of_a_stale_watched_copy(cluster):
+    # An HA replica that kopf paused for a peer keeps its pending retries, but its watches
+    # stopped: what it last saw may be old. A retry must apply the spec as it is now.
+    stale = create(cluster, example())
+    edit(cluster, BD, NAME, {"spec": {"replicas": 3}})
+    key = ("default", NAME)
+
+    async def retry_with_stale_copy():
+        operator = handlers.Operator(FAST)
+        operator.client = kube.Client.from_configuration(kube.load_configuration(), 1.0, 4)
+        operator.owner_event(stale, "MODIFIED")  # the copy it last watched
+        operator._pending.pop(key).task.cancel()
+        operator._retry(key, 0.0, kube.Unavailable("injected"))  # as after a failed reconcile
+        await operator._pending[key].task
+        await operator.cleanup()
+
+    asyncio.run(retry_with_stale_copy())
+    engine = cluster.get(DEPLOYMENTS, "default", f"{NAME}-engine")
+    assert engine["spec"]["replicas"] == 3

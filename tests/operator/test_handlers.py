@@ -17,7 +17,7 @@ class Recorder(handlers.Operator):
         super().__init__(OperatorSettings())
         self.requests = []
 
-    def request(self, key, options, trigger, delay=None):
+    def request(self, key, options, trigger, delay=None, refetch=False):
         self.requests.append((key, trigger, options))
 
 
@@ -147,4 +147,20 @@ def test_a_pending_job_takes_the_earlier_time_and_the_larger_work():
     assert refresh.task.cancelled()
     assert (job.options, job.trigger) == (handlers.DRIFT, "drift")
     assert 25 < job.due - now <= 30
+    assert unchanged
+
+
+def test_a_request_to_read_afresh_is_kept_when_jobs_merge():
+    async def scenario():
+        operator = handlers.Operator(OperatorSettings(status_debounce_s=60))
+        operator.request(KEY, None, "child-status", delay=10, refetch=True)
+        operator.request(KEY, handlers.DRIFT, "drift", delay=20)  # later, larger: joins
+        job = operator._pending[KEY]
+        operator.request(KEY, handlers.DRIFT, "drift", delay=30, refetch=True)  # nothing new
+        unchanged = operator._pending[KEY] is job
+        job.task.cancel()
+        return job, unchanged
+
+    job, unchanged = asyncio.run(scenario())
+    assert (job.options, job.refetch) == (handlers.DRIFT, True)
     assert unchanged
