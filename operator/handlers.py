@@ -242,6 +242,7 @@ class Operator:
                 live = await reconcile.reconcile(self.client, body, options, _now(), self.prepared)
             self._remember_current(key[0], live)
             self._retries.pop(key, None)
+            LOG.info("%s/%s reconciled (%s) in %.3f s", *key, trigger, time.monotonic() - started)
             # The children's controllers report after we wrote them: take another look soon.
             self.request(key, None, "child-status")
             result = "ok"

@@ -44,16 +44,28 @@ def configure_logging(config: settings.OperatorSettings) -> None:
         quiet=config.log_level == "warning",
         log_format=kopf.LogFormat.JSON if config.log_format == "json" else kopf.LogFormat.FULL,
     )
-    logging.getLogger("kopf.objects").addFilter(_quiet_child_events)
+    logging.getLogger("kopf.objects").addFilter(_quiet_event_handlers)
+    logging.getLogger("kopf._core.reactor.observation").addFilter(_quiet_optional_resources)
 
 
-def _quiet_child_events(record: logging.LogRecord) -> bool:
-    # kopf logs every successful handler call at INFO; for child watch events that is one
-    # line per child change, noise next to the owners' create/update/resume lines.
+def _quiet_event_handlers(record: logging.LogRecord) -> bool:
+    # kopf logs every successful handler call at INFO: with event handlers only, that is a
+    # line per watch event. The reconciles log their own outcome.
     message = record.getMessage()
     return not (
-        record.levelno == logging.INFO and "Handler 'child-" in message and "succeeded" in message
+        record.levelno == logging.INFO
+        and message.startswith("Handler '")
+        and "succeeded" in message
     )
+
+
+def _quiet_optional_resources(record: logging.LogRecord) -> bool:
+    # kopf warns at start-up about watched resources the cluster does not serve. ServiceMonitors
+    # are optional (prometheus-operator): a BlendDeployment that asks for one without the CRD
+    # says so in its status and events; a cluster without it needs no warning.
+    message = record.getMessage()
+    unresolved = message.partition("Unresolved resources cannot be served")[2]
+    return not (unresolved and unresolved.count("Selector(") == unresolved.count("servicemonitors"))
 
 
 def tune_garbage_collector() -> None:
