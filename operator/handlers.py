@@ -8,7 +8,8 @@ Everything goes through watch events, handled with kopf's low-level event handle
 - A child event whose object no longer contains what we render (edited or deleted by hand)
   schedules a reconcile of its owner; Deployment events schedule a status refresh.
 - Failures are retried here with capped, jittered exponential backoff; an invalid spec is
-  reported in status and not retried until the spec changes.
+  reported in status and not retried until the spec changes. Retries and requeues read the
+  owner afresh: an HA replica that kopf paused for a peer keeps its jobs but not its watches.
 
 kopf's create/update handlers are not used: they would PATCH a diff-base annotation onto
 every BlendDeployment after each change (one more write and one more watch event each) and
