@@ -191,7 +191,11 @@ def test_the_operator_writes_nothing_but_status_to_the_blend_deployment(cluster)
     meta = cluster.get(BD, "default", NAME)["metadata"]
     assert not meta.get("finalizers")
     assert not [key for key in meta.get("annotations") or {} if "kopf" in key or "operator." in key]
-    assert reconciles() - before == {("create", "ok"): 1, ("update", "ok"): 1}
+    done = reconciles() - before
+    # One successful reconcile per change (a retry after a slow request would count as one);
+    # none caused by our own writes to the children or the status.
+    assert sum(count for (_, result), count in done.items() if result == "ok") == 2, done
+    assert not [trigger for trigger, _ in done if trigger in ("drift", "resume")], done
 
 
 async def _taken(cluster):
