@@ -33,6 +33,7 @@ from holeblend_operator.api import GROUP, KIND, PLURAL, VERSION
 from holeblend_operator.render import engine_name, lookup_name
 from holeblend_operator.render.labels import MANAGED_BY
 from holeblend_operator.settings import OperatorSettings
+from holeblend_operator.status import is_available
 
 FIRST_CREATE = reconcile.Options(create_first=True, prune=False)
 FULL = reconcile.Options(create_first=False, prune=True)
@@ -323,7 +324,24 @@ class Operator:
         if self.is_drifted(child, event_type, owner):
             self.request(key, DRIFT, "drift")
         elif child.get("kind") == "Deployment":
-            self.request(key, None, "child-status")
+            # Debounced while the Deployments settle; at once when the last one has: the
+            # status is then final, and Ready shows without waiting out the debounce.
+            delay = 0 if self._settled(key[0], owner) else None
+            self.request(key, None, "child-status", delay=delay)
+
+    def _settled(self, namespace: str, owner: dict) -> bool:
+        """Every Deployment the owner renders is, as last watched, available as rendered."""
+        try:
+            desired = self.prepared(owner)[1]
+        except reconcile.InvalidSpec:
+            return False
+        return all(
+            is_available(
+                self._deployments.get((namespace, c["metadata"]["name"])), c["spec"].get("replicas")
+            )
+            for c in desired
+            if c["kind"] == "Deployment"
+        )
 
     def _known(self, namespace: str, owner: str) -> dict:
         """The owner's Deployments as last seen on the watch; absent ones are fetched."""

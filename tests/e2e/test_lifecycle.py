@@ -1,6 +1,7 @@
 """Create, update, scale and delete BlendDeployments with the operator running against the emulator."""
 
 import collections
+import dataclasses
 import subprocess
 import time
 
@@ -8,6 +9,7 @@ from holeblend_operator import metrics
 from tests.e2e.conftest import (
     BD,
     DEPLOYMENTS,
+    FAST,
     KUBECTL,
     condition,
     create,
@@ -210,3 +212,13 @@ def reconciles() -> collections.Counter:
             if sample.name.endswith("_total"):
                 counts[(sample.labels["trigger"], sample.labels["result"])] = int(sample.value)
     return counts
+
+
+def test_ready_shows_once_the_deployments_settle_without_waiting_out_the_debounce(cluster):
+    slow_debounce = dataclasses.replace(FAST, status_debounce_s=30.0)
+    with running_operator(slow_debounce):
+        create(cluster, example())
+        cluster.wait_for(lambda: is_ready(cluster), timeout=10)  # well before 30 s
+        edit(cluster, BD, NAME, {"spec": {"replicas": 2}})
+        cluster.wait_for(lambda: is_ready(cluster, generation=2), timeout=10)
+    assert status_of(cluster, NAME)["readyReplicas"] == 2
