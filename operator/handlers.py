@@ -30,7 +30,12 @@ import kopf
 
 from holeblend_operator import kube, metrics, reconcile
 from holeblend_operator.api import GROUP, KIND, PLURAL, VERSION
-from holeblend_operator.render import engine_name, lookup_name
+from holeblend_operator.render import (
+    effective_ratio,
+    effective_recompute_ratio,
+    engine_name,
+    lookup_name,
+)
 from holeblend_operator.render.labels import MANAGED_BY
 from holeblend_operator.settings import OperatorSettings
 from holeblend_operator.status import is_available
@@ -88,7 +93,8 @@ class Operator:
         self._pending: dict[Key, Job] = {}
         self._retries: dict[Key, int] = {}  # failed reconciles in a row
         self._locks: dict[Key, asyncio.Lock] = {}
-        self._prepared: dict[tuple, tuple] = {}
+        self._prepared: dict[tuple, tuple] = {}  # render inputs -> (model, children)
+        self._specs: dict[tuple, object] = {}  # (uid, generation, labels) -> validated spec
         # child (kind, namespace, name) -> (resourceVersion, generation) known to be current
         self._current: dict[tuple, tuple] = {}
         self._deployments: dict[Key, dict] = {}  # our Deployments as last watched
@@ -389,17 +395,27 @@ class Operator:
             )
 
     def prepared(self, owner: dict) -> tuple:
-        """reconcile.prepare, cached per owner spec, labels and tuned ratio (render inputs)."""
-        meta, status = owner.get("metadata", {}), owner.get("status") or {}
-        # render reads the tuned ratio and the spec ratio it derives from (effective ratio).
-        tuned = (status.get("recomputeRatio"), (status.get("tuning") or {}).get("baseRatio"))
-        labels = tuple(sorted((meta.get("labels") or {}).items()))
-        cache_key = (meta.get("uid"), meta.get("generation"), labels, tuned)
-        if cache_key not in self._prepared:
+        """reconcile.prepare, cached per render input: uid, generation, labels and the ratio
+        the pods run with (the one input render takes from the status). So the first status
+        write, which records the ratio, costs no second render."""
+        meta = owner.get("metadata", {})
+        base = (
+            meta.get("uid"),
+            meta.get("generation"),
+            tuple(sorted((meta.get("labels") or {}).items())),
+        )
+        spec = self._specs.get(base)
+        key = None if spec is None else (*base, _effective_ratio(spec, owner))
+        if key is None or key not in self._prepared:
             if len(self._prepared) > 4096:
                 self._prepared.clear()
-            self._prepared[cache_key] = reconcile.prepare(owner)  # InvalidSpec is not cached
-        return self._prepared[cache_key]
+                self._specs.clear()
+            result = reconcile.prepare(owner)  # InvalidSpec is not cached
+            bd = result[0]
+            self._specs[base] = bd.spec
+            key = (*base, effective_recompute_ratio(bd))
+            self._prepared[key] = result
+        return self._prepared[key]
 
 
 def register(settings: OperatorSettings, registry: kopf.OperatorRegistry | None = None) -> Operator:
@@ -429,6 +445,16 @@ def register(settings: OperatorSettings, registry: kopf.OperatorRegistry | None 
             labels={"app.kubernetes.io/managed-by": MANAGED_BY},
         )(on_child_event)
     return operator
+
+
+def _effective_ratio(spec, owner: dict) -> float | tuple:
+    """The ratio render would use for this owner's status; the raw values if not numbers
+    (then a cache miss validates them)."""
+    status = owner.get("status") or {}
+    tuned, base = status.get("recomputeRatio"), (status.get("tuning") or {}).get("baseRatio")
+    if not all(value is None or isinstance(value, int | float) for value in (tuned, base)):
+        return ("raw", repr(tuned), repr(base))
+    return effective_ratio(spec, tuned, base)
 
 
 def _inputs(owner: dict) -> tuple:

@@ -19,6 +19,7 @@ from holeblend_operator.render.naming import (
 )
 from holeblend_operator.render.runtime_config import (
     config_hash,
+    effective_ratio,
     effective_recompute_ratio,
     runtime_config,
     runtime_configmap,
@@ -32,6 +33,7 @@ __all__ = [
     "bounded_name",
     "child_name",
     "config_hash",
+    "effective_ratio",
     "effective_recompute_ratio",
     "engine_name",
     "engine_selector",

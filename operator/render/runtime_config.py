@@ -11,7 +11,7 @@ change.
 import hashlib
 import json
 
-from holeblend_operator.api import BlendDeployment
+from holeblend_operator.api import BlendDeployment, BlendDeploymentSpec
 from holeblend_operator.render.labels import RUNTIME_CONFIG, object_meta
 from holeblend_operator.render.naming import lookup_name, runtime_config_name
 from holeblend_operator.render.quantity import quantity_bytes
@@ -26,17 +26,23 @@ LIVE_KEYS = frozenset({"recomputeRatio"})
 
 
 def effective_recompute_ratio(bd: BlendDeployment) -> float:
-    """The tuner's ratio (status) while tuning is on, clamped to the bounds; else the spec's.
+    """The ratio the pods run with: see `effective_ratio`."""
+    status = bd.status
+    return effective_ratio(bd.spec, status.recompute_ratio, status.tuning.base_ratio)
+
+
+def effective_ratio(spec: BlendDeploymentSpec, tuned: float | None, base: float | None) -> float:
+    """The tuner's ratio (status.recomputeRatio) while tuning is on, clamped to the bounds;
+    else the spec's.
 
     A tuned ratio counts only while it derives from the spec's current ratio
     (status.tuning.baseRatio): a person who edits spec.blend.recomputeRatio gets that value.
+    The only input render takes from the status.
     """
-    tuning, status = bd.spec.tuning, bd.status
-    spec_ratio = bd.spec.blend.recompute_ratio
-    is_tuned = status.recompute_ratio is not None and status.tuning.base_ratio == spec_ratio
-    if not tuning.enabled or not is_tuned:
+    tuning, spec_ratio = spec.tuning, spec.blend.recompute_ratio
+    if not tuning.enabled or tuned is None or base != spec_ratio:
         return spec_ratio
-    return min(max(status.recompute_ratio, tuning.min_ratio), tuning.max_ratio)
+    return min(max(tuned, tuning.min_ratio), tuning.max_ratio)
 
 
 def lookup_server_url(bd: BlendDeployment) -> str | None:

@@ -1,13 +1,17 @@
 """Which BlendDeployment watch events schedule which job, and how pending jobs merge."""
 
 import asyncio
+import json
+import pathlib
 
 import pytest
+import yaml
 
-from holeblend_operator import handlers
+from holeblend_operator import handlers, reconcile
 from holeblend_operator.settings import OperatorSettings
 
 KEY = ("default", "demo")
+ROOT = pathlib.Path(__file__).parents[2]
 
 
 class Recorder(handlers.Operator):
@@ -164,3 +168,51 @@ def test_a_request_to_read_afresh_is_kept_when_jobs_merge():
     job, unchanged = asyncio.run(scenario())
     assert (job.options, job.refetch) == (handlers.DRIFT, True)
     assert unchanged
+
+
+def example_owner(status: dict | None = None, ratio: float = 0.15) -> dict:
+    with open(ROOT / "examples" / "cpu.yaml") as file:
+        owner = yaml.safe_load(file)
+    owner["metadata"].update(namespace="default", uid="uid-1", generation=1)
+    owner["spec"]["blend"]["recomputeRatio"] = ratio
+    owner["status"] = status or {}
+    return owner
+
+
+def tuned(ratio, base):
+    return {"recomputeRatio": ratio, "tuning": {"baseRatio": base}}
+
+
+def configured_ratio(result) -> float:
+    configmap = next(c for c in result[1] if c["kind"] == "ConfigMap")
+    return json.loads(next(iter(configmap["data"].values())))["recomputeRatio"]
+
+
+@pytest.mark.parametrize(
+    ("ratio", "statuses", "renders", "last_ratio"),
+    [
+        # the first status write records the spec's ratio: same render, no second one
+        (0.15, [None, tuned(0.15, 0.15)], 1, 0.15),
+        # a tuned ratio derived from the current spec ratio: rendered anew
+        (0.15, [tuned(0.15, 0.15), tuned(0.3, 0.15)], 2, 0.3),
+        # a tuned ratio left from an older spec ratio counts for nothing
+        (0.15, [None, tuned(0.3, 0.1)], 1, 0.15),
+        # a tuned ratio beyond the tuning bounds is clamped (maxRatio 0.6)
+        (0.15, [None, tuned(0.9, 0.15)], 2, 0.6),
+    ],
+)
+def test_renders_are_cached_per_effective_ratio(monkeypatch, ratio, statuses, renders, last_ratio):
+    calls = []
+
+    def counting_prepare(body):
+        calls.append(body)
+        return real_prepare(body)
+
+    real_prepare = reconcile.prepare
+    monkeypatch.setattr(reconcile, "prepare", counting_prepare)
+    operator = handlers.Operator(OperatorSettings())
+    results = [operator.prepared(example_owner(status, ratio)) for status in statuses]
+    assert len(calls) == renders
+    assert configured_ratio(results[-1]) == last_ratio
+    # and the cache gives what an uncached render of the last owner gives
+    assert results[-1][1] == real_prepare(example_owner(statuses[-1], ratio))[1]
