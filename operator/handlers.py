@@ -234,9 +234,8 @@ class Operator:
             self._forget(key)
             return None
         self._owners[key] = body
-        changed = self._inputs.get(key) != _inputs(body)
-        self._inputs[key] = _inputs(body)
-        return changed
+        previous, self._inputs[key] = self._inputs.get(key), _inputs(body)
+        return previous != self._inputs[key]
 
     async def run(self, key: Key, trigger: str, options: reconcile.Options) -> None:
         """One reconcile of a BlendDeployment; failures are retried later, never raised."""
@@ -337,11 +336,8 @@ class Operator:
 
     def _settled(self, namespace: str, owner: dict) -> bool:
         """Every Deployment the owner renders is, as last watched, available as rendered."""
-        try:
-            desired = self.prepared(owner)[1]
-        except reconcile.InvalidSpec:
-            return False
-        return all(
+        desired = self._desired(owner)
+        return desired is not None and all(
             is_available(
                 self._deployments.get((namespace, c["metadata"]["name"])), c["spec"].get("replicas")
             )
@@ -370,13 +366,10 @@ class Operator:
         seen_version, seen_generation = self._current.get(key, (None, None))
         if seen_version is not None and seen_version == meta.get("resourceVersion"):
             return False
-        try:
-            desired = self.prepared(owner)[1]
-        except reconcile.InvalidSpec:
-            return False
+        desired = self._desired(owner) or []
         wanted = next((c for c in desired if (c["kind"], c["metadata"]["name"]) == key[::2]), None)
         if wanted is None:
-            return False  # pruned on the next full reconcile
+            return False  # invalid spec (status says so), or pruned on the next full reconcile
         same_spec = seen_generation is not None and seen_generation == meta.get("generation")
         if same_spec:  # only status moved: check what else a person may edit, the metadata
             current = reconcile.contains(meta, wanted["metadata"])
@@ -394,16 +387,18 @@ class Operator:
                 meta.get("generation"),
             )
 
+    def _desired(self, owner: dict) -> list[dict] | None:
+        """The children the owner renders; None if its spec is invalid (status says so)."""
+        try:
+            return self.prepared(owner)[1]
+        except reconcile.InvalidSpec:
+            return None
+
     def prepared(self, owner: dict) -> tuple:
         """reconcile.prepare, cached per render input: uid, generation, labels and the ratio
         the pods run with (the one input render takes from the status). So the first status
         write, which records the ratio, costs no second render."""
-        meta = owner.get("metadata", {})
-        base = (
-            meta.get("uid"),
-            meta.get("generation"),
-            tuple(sorted((meta.get("labels") or {}).items())),
-        )
+        base = _inputs(owner)
         spec = self._specs.get(base)
         key = None if spec is None else (*base, _effective_ratio(spec, owner))
         if key is None or key not in self._prepared:
