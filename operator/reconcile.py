@@ -217,19 +217,24 @@ async def write_status(
 ) -> bool:
     """Patch the status if anything but transition times changed; True if it wrote."""
     new = build_status(bd, observed, current.get("conditions") or [], now)
-    if is_contained(without_times(new), without_times(current)):
-        return False
-    await client.patch_status(bd.metadata.namespace, bd.metadata.name, new)
-    metrics.STATUS_WRITES.inc()
-    return True
+    return await _patch_status(client, bd.metadata.namespace, bd.metadata.name, current, new)
 
 
 async def _write_invalid(client: kube.Client, body: dict, message: str, now: str) -> None:
     meta, current = body.get("metadata", {}), body.get("status") or {}
     new = invalid_spec_status(meta.get("generation"), message, current.get("conditions") or [], now)
-    if without_times({k: current.get(k) for k in new}) != without_times(new):
-        await client.patch_status(meta.get("namespace"), meta.get("name"), new)
-        metrics.STATUS_WRITES.inc()
+    await _patch_status(client, meta.get("namespace"), meta.get("name"), current, new)
+
+
+async def _patch_status(
+    client: kube.Client, namespace: str, name: str, current: dict, new: dict
+) -> bool:
+    """Merge-patch `new` onto the status unless only transition times would change."""
+    if is_contained(without_times(new), without_times(current)):
+        return False
+    await client.patch_status(namespace, name, new)
+    metrics.STATUS_WRITES.inc()
+    return True
 
 
 def is_contained(new: dict, current: dict) -> bool:
