@@ -12,6 +12,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from pydantic.alias_generators import to_camel
 
 from holeblend_operator.cel import CelRule, cel_schema_extra, cel_validator
+from holeblend_operator.quantity import quantity_bytes
 
 GROUP = "blend.holeblend.io"
 VERSION = "v1alpha1"
@@ -93,6 +94,17 @@ ResourceKey = _matching(
     max_length=253,
 )
 ResourceList = Annotated[dict[ResourceKey, Quantity], Field(max_length=32)]
+
+
+# A byte budget the runtime reads as a whole number of bytes: also checked by the parser the
+# renderer uses, so a quantity the pattern admits but the parser cannot read (a fractional
+# exponent) is an invalid spec, not a render error.
+def _readable_bytes(value: str) -> str:
+    quantity_bytes(value)  # ValueError if the runtime's byte budget could not be read from it
+    return value
+
+
+ByteCount = Annotated[Quantity, AfterValidator(_readable_bytes)]
 
 
 class ApiModel(BaseModel):
@@ -314,7 +326,7 @@ class Selection(StrEnum):
 class KVTiers(ApiModel):
     """Where segment KV caches live."""
 
-    local_cpu_bytes: Quantity = "4Gi"
+    local_cpu_bytes: ByteCount = "4Gi"
     """Byte budget of the in-process LRU tier of each engine pod."""
     shared_url: StoreUrl | None = None
     """Shared tier on an existing store, e.g. redis://kv-cache:6379/0; none when unset."""

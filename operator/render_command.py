@@ -50,19 +50,12 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        children = [child for bd in load_manifests(args.filename) for child in render(bd)]
+        children = [child for bd in load_manifests(args.filename) for child in render_children(bd)]
     except ManifestError as exc:
         print(f"holeblend-operator render: {exc}", file=sys.stderr)
         return 1
     sys.stdout.write(json_list(children) if args.output == "json" else yaml_stream(children))
     return 0
-
-
-def render(bd: BlendDeployment) -> list[dict]:
-    try:
-        return render_children(bd)
-    except ValueError as exc:
-        raise ManifestError(f"{bd.metadata.name}: {_one_line(str(exc))}") from exc
 
 
 def load_manifests(filename: str) -> list[BlendDeployment]:

@@ -12,9 +12,9 @@ import hashlib
 import json
 
 from holeblend_operator.api import BlendDeployment, BlendDeploymentSpec
+from holeblend_operator.quantity import quantity_bytes
 from holeblend_operator.render.labels import RUNTIME_CONFIG, object_meta
 from holeblend_operator.render.naming import lookup_name, runtime_config_name
-from holeblend_operator.render.quantity import quantity_bytes
 
 CONFIG_KEY = "blend.json"
 CONFIG_DIR = "/etc/holeblend"

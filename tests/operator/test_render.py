@@ -17,7 +17,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from holeblend_operator import reconcile
 from holeblend_operator.api import BlendDeployment
+from holeblend_operator.quantity import quantity_bytes
 from holeblend_operator.render import (
     CONFIG_HASH_ANNOTATION,
     all_child_keys,
@@ -27,7 +29,6 @@ from holeblend_operator.render import (
 )
 from holeblend_operator.render.images import DEFAULT_ENGINE_IMAGES, HOLEBLEND_VERSION
 from holeblend_operator.render.naming import bounded_label_value, bounded_name, child_name
-from holeblend_operator.render.quantity import quantity_bytes
 from holeblend_operator.render_command import object_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -613,6 +614,8 @@ def test_service_monitor_is_off_by_default():
         ("1.5Ki", 1536),
         ("100", 100),
         ("1500m", 2),
+        ("1u", 1),
+        ("2000000000n", 2),
     ],
 )
 def test_quantities_convert_to_whole_bytes(quantity, num_bytes):
@@ -622,3 +625,12 @@ def test_quantities_convert_to_whole_bytes(quantity, num_bytes):
 def test_a_bad_quantity_names_the_field():
     with pytest.raises(ValueError, match="spec.blend.kv.localCpuBytes"):
         quantity_bytes("four gigs", "spec.blend.kv.localCpuBytes")
+
+
+def test_a_byte_budget_the_parser_cannot_read_is_an_invalid_spec():
+    # The quantity pattern (as in the CRD) admits a fractional exponent; the byte budget
+    # must still be readable, so the spec is rejected with the field named, before render.
+    body = make_bd().model_dump(by_alias=True, exclude_none=True)
+    body["spec"]["blend"]["kv"]["localCpuBytes"] = "1e1.5"
+    with pytest.raises(reconcile.InvalidSpec, match=r"spec\.blend\.kv\.localCpuBytes"):
+        reconcile.prepare(body)

@@ -12,6 +12,8 @@ _SUFFIXES = {
     "Ti": 2**40,
     "Pi": 2**50,
     "Ei": 2**60,
+    "n": Decimal("1e-9"),
+    "u": Decimal("1e-6"),
     "m": Decimal("0.001"),
     "k": 10**3,
     "M": 10**6,
@@ -21,14 +23,16 @@ _SUFFIXES = {
     "E": 10**18,
 }
 _QUANTITY = re.compile(
-    r"([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)(Ki|Mi|Gi|Ti|Pi|Ei|[mkMGTPE])?"
+    r"([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE])?"
 )
 
 
-def quantity_bytes(quantity: str, field: str) -> int:
-    """Bytes in `quantity`, rounded up; ValueError naming `field` when it is not a quantity."""
+def quantity_bytes(quantity: str, field: str | None = None) -> int:
+    """Bytes in `quantity`, rounded up; ValueError (naming `field`, if given) when it is not a
+    quantity this parser reads (the API models check byte budgets with it)."""
     match = _QUANTITY.fullmatch(quantity)
     if match is None:
-        raise ValueError(f"{field}: {quantity!r} is not a Kubernetes quantity like '4Gi'")
+        where = f"{field}: " if field else ""
+        raise ValueError(f"{where}{quantity!r} is not a Kubernetes quantity like '4Gi'")
     number, suffix = match.groups()
     return math.ceil(Decimal(number) * _SUFFIXES[suffix or ""])
