@@ -10,7 +10,7 @@ person reads them in `kubectl describe`.
 import dataclasses
 from typing import Any
 
-from holeblend_operator.api import DEFAULT_RESOURCE_NAMES, BlendDeployment, ConditionType, Phase
+from holeblend_operator.api import BlendDeployment, ConditionType, Phase
 from holeblend_operator.render import effective_recompute_ratio, selector_string
 
 # Container waiting reasons that will not clear up by themselves.
@@ -148,7 +148,7 @@ def _scheduling_hint(bd: BlendDeployment) -> str:
     accelerator = bd.spec.accelerator
     if accelerator.type.value == "cpu":
         return "Lower spec.engine.resources or add nodes with free CPU and memory."
-    resource = accelerator.resource_name or DEFAULT_RESOURCE_NAMES[accelerator.type.value]
+    resource = accelerator.effective_resource_name
     return (
         f"Check that nodes advertise {resource} (device plugin running, `kubectl describe node`), "
         "or set spec.accelerator.resourceName, nodeSelector and tolerations to match your nodes."

@@ -29,7 +29,6 @@ from holeblend_operator.render.service_monitor import service_monitor
 
 __all__ = [
     "CONFIG_HASH_ANNOTATION",
-    "all_child_keys",
     "bounded_name",
     "child_name",
     "config_hash",
@@ -58,24 +57,3 @@ def render_children(bd: BlendDeployment) -> list[dict]:
     if spec.monitoring.service_monitor.enabled:
         children.append(service_monitor(bd))
     return children
-
-
-def all_child_keys(bd: BlendDeployment) -> list[tuple[str, str, str]]:
-    """(apiVersion, kind, name) of every child `bd` can have, enabled or not, so the
-    reconcile step can delete the children of a feature that was switched off."""
-    spec = bd.spec
-    everything = spec.model_copy(
-        update={
-            "lookup_server": _enabled(spec.lookup_server),
-            "disruption_budget": _enabled(spec.disruption_budget),
-            "monitoring": spec.monitoring.model_copy(
-                update={"service_monitor": _enabled(spec.monitoring.service_monitor)}
-            ),
-        }
-    )
-    children = render_children(bd.model_copy(update={"spec": everything}))
-    return [(c["apiVersion"], c["kind"], c["metadata"]["name"]) for c in children]
-
-
-def _enabled(feature):
-    return feature.model_copy(update={"enabled": True})

@@ -7,6 +7,7 @@ pods need only the device resource: the NVIDIA container toolkit injects the dri
 """
 
 from holeblend_operator.api import AcceleratorSpec, AcceleratorType, BlendDeployment, EnvVar
+from holeblend_operator.render.pods import resources
 
 # (volume name, path on the node and in the container, hostPath type)
 ASCEND_HOST_MOUNTS = (
@@ -30,8 +31,7 @@ def container_resources(bd: BlendDeployment) -> dict:
     """The user's requests and limits with the devices added to both (extended resources
     cannot be overcommitted, so the API server requires requests == limits for them)."""
     user, devices = bd.spec.engine.resources, device_resources(bd.spec.accelerator)
-    merged = {"requests": user.requests | devices, "limits": user.limits | devices}
-    return {key: dict(sorted(value.items())) for key, value in merged.items() if value}
+    return resources(user.requests | devices, user.limits | devices)
 
 
 def accelerator_env(bd: BlendDeployment) -> list[EnvVar]:

@@ -8,6 +8,7 @@ from holeblend_operator.render import accelerator as accel
 from holeblend_operator.render.images import engine_image
 from holeblend_operator.render.labels import ENGINE, engine_selector, object_meta, standard_labels
 from holeblend_operator.render.naming import engine_name, runtime_config_name
+from holeblend_operator.render.pods import POD_HARDENING, health_probe
 from holeblend_operator.render.runtime_config import CONFIG_DIR, CONFIG_PATH, config_hash
 
 MODEL_DIR = "/models"
@@ -75,17 +76,15 @@ def engine_env(bd: BlendDeployment) -> list[dict]:
     return [{"name": var.name, "value": var.value} for var in (*kept, *bd.spec.engine.env)]
 
 
-def health_probe(**timing: int) -> dict:
-    return {"httpGet": {"path": HEALTH_PATH, "port": "http"}, **timing}
-
-
 def probes() -> dict:
     # Loading a large model takes minutes: the startup probe allows 30 of them before the
     # liveness probe starts counting, so slow loads are not killed in a restart loop.
     return {
-        "startupProbe": health_probe(periodSeconds=10, failureThreshold=180),
-        "readinessProbe": health_probe(periodSeconds=10, failureThreshold=3),
-        "livenessProbe": health_probe(periodSeconds=15, timeoutSeconds=5, failureThreshold=4),
+        "startupProbe": health_probe(HEALTH_PATH, periodSeconds=10, failureThreshold=180),
+        "readinessProbe": health_probe(HEALTH_PATH, periodSeconds=10, failureThreshold=3),
+        "livenessProbe": health_probe(
+            HEALTH_PATH, periodSeconds=15, timeoutSeconds=5, failureThreshold=4
+        ),
     }
 
 
@@ -131,10 +130,7 @@ def pod_spec(bd: BlendDeployment) -> dict:
     spec = {
         "containers": [engine_container(bd)],
         "volumes": engine_volumes(bd),
-        # The engine never talks to the Kubernetes API, and service-link variables such as
-        # <NAME>_PORT can collide with vLLM's own VLLM_* settings.
-        "automountServiceAccountToken": False,
-        "enableServiceLinks": False,
+        **POD_HARDENING,
     }
     return spec | accel.scheduling(bd.spec.accelerator)
 

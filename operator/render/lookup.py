@@ -9,14 +9,11 @@ from holeblend_operator.render.labels import (
     standard_labels,
 )
 from holeblend_operator.render.naming import lookup_name
+from holeblend_operator.render.pods import POD_HARDENING, health_probe, resources
 
 # The runtime module that serves the index; the contract with holeblend_runtime.
 LOOKUP_SERVER_MODULE = "holeblend_runtime.lookup_server"
 HEALTH_PATH = "/healthz"
-
-
-def health_probe(**timing: int) -> dict:
-    return {"httpGet": {"path": HEALTH_PATH, "port": "http"}, **timing}
 
 
 def lookup_container(bd: BlendDeployment) -> dict:
@@ -27,22 +24,17 @@ def lookup_container(bd: BlendDeployment) -> dict:
         "command": ["python", "-m", LOOKUP_SERVER_MODULE],
         "args": ["--host", "0.0.0.0", "--port", str(server.port)],
         "ports": [{"name": "http", "containerPort": server.port, "protocol": "TCP"}],
-        "readinessProbe": health_probe(periodSeconds=5, failureThreshold=3),
-        "livenessProbe": health_probe(periodSeconds=10, timeoutSeconds=3, failureThreshold=3),
+        "readinessProbe": health_probe(HEALTH_PATH, periodSeconds=5, failureThreshold=3),
+        "livenessProbe": health_probe(
+            HEALTH_PATH, periodSeconds=10, timeoutSeconds=3, failureThreshold=3
+        ),
     }
-    resources = {"requests": server.resources.requests, "limits": server.resources.limits}
-    return container | {
-        "resources": {k: dict(sorted(v.items())) for k, v in resources.items() if v}
-    }
+    return container | {"resources": resources(server.resources.requests, server.resources.limits)}
 
 
 def lookup_deployment(bd: BlendDeployment) -> dict:
     name = lookup_name(bd.metadata.name)
-    pod_spec = {
-        "containers": [lookup_container(bd)],
-        "automountServiceAccountToken": False,
-        "enableServiceLinks": False,
-    }
+    pod_spec = {"containers": [lookup_container(bd)], **POD_HARDENING}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

@@ -22,7 +22,6 @@ from holeblend_operator.api import BlendDeployment
 from holeblend_operator.quantity import quantity_bytes
 from holeblend_operator.render import (
     CONFIG_HASH_ANNOTATION,
-    all_child_keys,
     engine_selector,
     render_children,
     selector_string,
@@ -582,19 +581,6 @@ def test_disruption_budget_follows_the_spec():
     assert budget["spec"] == {"maxUnavailable": 2, "selector": {"matchLabels": engine_selector(bd)}}
     disabled = make_bd(disruptionBudget={"enabled": False})
     assert "PodDisruptionBudget" not in {c["kind"] for c in render_children(disabled)}
-
-
-def test_all_child_keys_name_disabled_children_too():
-    bd = make_bd(
-        lookupServer={"enabled": False},
-        disruptionBudget={"enabled": False},
-        monitoring={"serviceMonitor": {"enabled": False}},
-    )
-    keys = all_child_keys(bd)
-    assert len(render_children(bd)) == 3 and len(keys) == 7
-    assert ("policy/v1", "PodDisruptionBudget", "rag-engine") in keys
-    assert ("monitoring.coreos.com/v1", "ServiceMonitor", "rag-metrics") in keys
-    assert ("apps/v1", "Deployment", "rag-lookup") in keys
 
 
 def test_service_monitor_is_off_by_default():
