@@ -22,12 +22,13 @@ def instance_label(bd: BlendDeployment) -> str:
     return bounded_label_value(bd.metadata.name)
 
 
+def instance_labels(bd: BlendDeployment) -> dict[str, str]:
+    """Every pod of this BlendDeployment, whatever its component."""
+    return {"app.kubernetes.io/name": APP_NAME, "app.kubernetes.io/instance": instance_label(bd)}
+
+
 def selector_labels(bd: BlendDeployment, component: str) -> dict[str, str]:
-    return {
-        "app.kubernetes.io/name": APP_NAME,
-        "app.kubernetes.io/instance": instance_label(bd),
-        "app.kubernetes.io/component": component,
-    }
+    return instance_labels(bd) | {"app.kubernetes.io/component": component}
 
 
 def standard_labels(bd: BlendDeployment, component: str) -> dict[str, str]:

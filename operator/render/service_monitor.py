@@ -2,11 +2,10 @@
 
 from holeblend_operator.api import BlendDeployment
 from holeblend_operator.render.labels import (
-    APP_NAME,
     ENGINE,
     LOOKUP_SERVER,
     METRICS,
-    instance_label,
+    instance_labels,
     object_meta,
 )
 from holeblend_operator.render.naming import service_monitor_name
@@ -21,10 +20,7 @@ def service_monitor(bd: BlendDeployment) -> dict:
     metadata["labels"] = dict(sorted(settings.labels.items())) | metadata["labels"]
     components = [ENGINE, LOOKUP_SERVER] if bd.spec.lookup_server.enabled else [ENGINE]
     selector = {
-        "matchLabels": {
-            "app.kubernetes.io/name": APP_NAME,
-            "app.kubernetes.io/instance": instance_label(bd),
-        },
+        "matchLabels": instance_labels(bd),
         "matchExpressions": [
             {"key": "app.kubernetes.io/component", "operator": "In", "values": components}
         ],
