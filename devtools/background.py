@@ -52,11 +52,15 @@ class EmulatorThread:
         """Run a coroutine on the emulator's loop and return its result."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
+    def run(self, fn: Callable[[], Any]) -> Any:
+        """Call a plain function on the emulator's loop (its state is not thread-safe)."""
+        return self.call(_async(fn))
+
     def get(self, resource: str, namespace: str | None, name: str) -> dict | None:
-        return self.call(_async(lambda: self.api.get_object(resource, namespace, name)))
+        return self.run(lambda: self.api.get_object(resource, namespace, name))
 
     def list(self, resource: str, namespace: str | None = None) -> list[dict]:
-        return self.call(_async(lambda: self.api.list_objects(resource, namespace)))
+        return self.run(lambda: self.api.list_objects(resource, namespace))
 
     def wait_for(
         self, predicate: Callable[[], Any], timeout: float = 10, interval: float = 0.05

@@ -80,7 +80,7 @@ def converge(
 ) -> dict:
     """Create the objects at once; time until all are Ready; what the operator sent meanwhile."""
     cluster.wait_for(lambda: operator_watching(cluster), timeout=30)
-    startup = cluster.call(_async(cluster.api.take_requests))
+    startup = cluster.run(cluster.api.take_requests)
     watches = sorted({r.url.path for r in startup if r.params.get("watch")})
     # The creates come from another process, as in the replay: sent from the emulator's own
     # thread they would take its time and count against the operator only.
@@ -95,7 +95,7 @@ def converge(
         converge_s = time.monotonic() - started
         created.get(timeout=timeout)
     rss_mb, cpu_s = usage(operator.pid)
-    requests = recorded(cluster.call(_async(cluster.api.take_requests)))
+    requests = recorded(cluster.run(cluster.api.take_requests))
     return {
         "converge_s": converge_s,
         "rss_mb": rss_mb,
@@ -119,12 +119,8 @@ def start_operator(env: dict) -> subprocess.Popen:
 
 
 def operator_watching(cluster: EmulatorThread) -> bool:
-    requests = cluster.call(_async(lambda: list(cluster.api)))  # kmock iterates its request log
+    requests = cluster.run(lambda: list(cluster.api))  # kmock iterates its request log
     return any(r.params.get("watch") and "blenddeployments" in str(r.url) for r in requests)
-
-
-async def _async(fn):
-    return fn()
 
 
 def manifests(num_objects: int) -> list[dict]:
@@ -158,7 +154,7 @@ async def create_all(url: str, bodies: list[dict]) -> None:
 
 
 def count_ready(cluster: EmulatorThread) -> int:
-    return cluster.call(_async(lambda: cluster.api.count_objects(BD, "default", is_ready)))
+    return cluster.run(lambda: cluster.api.count_objects(BD, "default", is_ready))
 
 
 def is_ready(obj: dict) -> bool:

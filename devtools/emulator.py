@@ -192,11 +192,6 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         taken, self._requests[:] = list(self._requests), []
         return taken
 
-    async def settle(self) -> None:
-        """Wait for the stand-in controllers' pending writes."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks))
-
     # --- kmock overrides ------------------------------------------------------------
 
     async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:

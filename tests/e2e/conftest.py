@@ -1,5 +1,6 @@
 """An API emulator per test and a helper to run the operator against it with kopf's KopfRunner."""
 
+import collections
 import contextlib
 import copy
 import pathlib
@@ -12,7 +13,7 @@ import yaml
 
 from holeblend_devtools import workloads
 from holeblend_devtools.background import EmulatorThread
-from holeblend_operator import handlers
+from holeblend_operator import handlers, metrics
 from holeblend_operator.settings import OperatorSettings
 
 ROOT = pathlib.Path(__file__).parents[2]
@@ -25,6 +26,7 @@ KUBECTL = (
 )
 BD = "blend.holeblend.io/v1alpha1/blenddeployments"
 DEPLOYMENTS = "apps/v1/deployments"
+NAME = "smollm2-demo"  # the CPU example's name
 # Short delays so that retries and debounces fit in a fast test suite.
 FAST = OperatorSettings(
     status_debounce_s=0.05,
@@ -86,3 +88,20 @@ def owned_children(cluster: EmulatorThread, uid: str) -> list[tuple[str, str]]:
             if any(ref["uid"] == uid for ref in refs):
                 found.append((obj["kind"], obj["metadata"]["name"]))
     return sorted(found)
+
+
+def is_ready(cluster: EmulatorThread, name: str = NAME, generation: int | None = 1) -> bool:
+    """Ready for `generation` (any generation if None)."""
+    status = status_of(cluster, name)
+    current = generation is None or status.get("observedGeneration") == generation
+    return status.get("phase") == "Ready" and current
+
+
+def reconciles() -> collections.Counter:
+    """The operator's reconcile counter by (trigger, result), read from its registry."""
+    counts = collections.Counter()
+    for metric in metrics.RECONCILES.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_total"):
+                counts[(sample.labels["trigger"], sample.labels["result"])] = int(sample.value)
+    return counts

@@ -8,7 +8,7 @@ import time
 import aiohttp
 
 from holeblend_devtools.emulator import Fault
-from tests.e2e.conftest import BD, KUBECTL, example
+from tests.e2e.conftest import BD, KUBECTL, create, example
 
 CM_PATH = "/api/v1/namespaces/default/configmaps"
 
@@ -39,7 +39,7 @@ def test_kubectl_apply_get_scale_and_delete_a_blend_deployment(cluster, tmp_path
 
 
 def test_status_subresource_is_separate_from_the_main_resource(cluster):
-    body = cluster.call(cluster.api.put_object(BD, example()))
+    body = create(cluster, example())
     path = f"/apis/{BD.rpartition('/')[0]}/namespaces/default/blenddeployments/smollm2-demo"
 
     async def patch(url, payload):
@@ -117,7 +117,7 @@ def test_scripted_faults_answer_before_anything_is_stored(cluster):
 
 
 def test_an_autoscaler_can_put_the_scale_subresource(cluster):
-    cluster.call(cluster.api.put_object(BD, example()))
+    create(cluster, example())
     path = f"/apis/{BD.rpartition('/')[0]}/namespaces/default/blenddeployments/smollm2-demo/scale"
 
     async def put_scale():

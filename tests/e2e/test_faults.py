@@ -3,25 +3,22 @@
 import asyncio
 
 from holeblend_devtools.emulator import Fault
-from holeblend_operator import handlers, kube, metrics
+from holeblend_operator import handlers, kube
 from tests.e2e.conftest import (
     BD,
     DEPLOYMENTS,
     FAST,
+    NAME,
     condition,
     create,
     edit,
     example,
+    is_ready,
     owned_children,
+    reconciles,
     running_operator,
     status_of,
 )
-
-NAME = "smollm2-demo"
-
-
-def is_ready(cluster):
-    return status_of(cluster, NAME).get("phase") == "Ready"
 
 
 def test_api_errors_timeouts_and_conflicts_are_retried_until_converged(cluster):
@@ -37,7 +34,7 @@ def test_api_errors_timeouts_and_conflicts_are_retried_until_converged(cluster):
     )
     with running_operator():
         bd = create(cluster, example())
-        cluster.wait_for(is_ready_fn(cluster), timeout=20)
+        cluster.wait_for(lambda: is_ready(cluster, generation=None), timeout=20)
     assert all(fault.times == 0 for fault in cluster.api.faults)
     assert len(owned_children(cluster, bd["metadata"]["uid"])) == 6
     failures = warnings(cluster, "ReconcileFailed")
@@ -49,10 +46,6 @@ def warnings(cluster, reason):
     """Warning events with this reason, as `kubectl describe bd` would list them."""
     events = cluster.list("v1/events", "default")
     return [e for e in events if e.get("type") == "Warning" and e.get("reason") == reason]
-
-
-def is_ready_fn(cluster):
-    return lambda: is_ready(cluster)
 
 
 def test_unschedulable_accelerator_shows_as_degraded_with_the_scheduler_reason(cluster):
@@ -88,8 +81,7 @@ def test_invalid_spec_becomes_degraded_and_is_not_retried(cluster):
 
 
 def invalid_count():
-    value = metrics.RECONCILES.labels(trigger="create", result="invalid")._value.get()
-    return value
+    return reconciles()[("create", "invalid")]
 
 
 def test_restart_mid_way_resumes_without_duplicates_or_orphans(cluster):
@@ -104,7 +96,8 @@ def test_restart_mid_way_resumes_without_duplicates_or_orphans(cluster):
     with running_operator():
         cluster.wait_for(
             lambda: (
-                is_ready(cluster) and cluster.get(DEPLOYMENTS, "default", f"{NAME}-lookup") is None
+                is_ready(cluster, generation=None)
+                and cluster.get(DEPLOYMENTS, "default", f"{NAME}-lookup") is None
             ),
             timeout=15,
         )
@@ -152,7 +145,7 @@ def test_service_monitor_without_its_crd_is_degraded_until_the_crd_appears(clust
         cluster.wait_for(
             lambda: cluster.get(monitors, "default", f"{NAME}-metrics") is not None, timeout=15
         )
-        cluster.wait_for(lambda: is_ready(cluster), timeout=15)
+        cluster.wait_for(lambda: is_ready(cluster, generation=None), timeout=15)
         # Once its CRD is there, the ServiceMonitor is watched like the other children.
         edit(cluster, monitors, f"{NAME}-metrics", {"spec": {"endpoints": []}})
         cluster.wait_for(

@@ -1,26 +1,26 @@
 """Create, update, scale and delete BlendDeployments with the operator running against the emulator."""
 
-import collections
 import dataclasses
 import subprocess
 import time
 
-from holeblend_operator import metrics
 from tests.e2e.conftest import (
     BD,
     DEPLOYMENTS,
     FAST,
     KUBECTL,
+    NAME,
     condition,
     create,
     edit,
     example,
+    is_ready,
     owned_children,
+    reconciles,
     running_operator,
     status_of,
 )
 
-NAME = "smollm2-demo"
 CHILDREN = [
     ("ConfigMap", f"{NAME}-runtime"),
     ("Deployment", f"{NAME}-engine"),
@@ -29,11 +29,6 @@ CHILDREN = [
     ("Service", f"{NAME}-engine"),
     ("Service", f"{NAME}-lookup"),
 ]
-
-
-def is_ready(cluster, name=NAME, generation=1):
-    status = status_of(cluster, name)
-    return status.get("phase") == "Ready" and status.get("observedGeneration") == generation
 
 
 def engine(cluster, name=NAME):
@@ -152,9 +147,7 @@ def test_hand_edited_and_deleted_children_are_put_back(cluster):
         cluster.wait_for(lambda: is_ready(cluster))
         edit(cluster, DEPLOYMENTS, f"{NAME}-engine", {"spec": {"replicas": 7}})
         cluster.wait_for(lambda: engine(cluster)["spec"]["replicas"] == 1)
-        cluster.call(
-            cluster.api.edit_object("v1/configmaps", "default", f"{NAME}-runtime", {"data": None})
-        )
+        edit(cluster, "v1/configmaps", f"{NAME}-runtime", {"data": None})
         cluster.wait_for(
             lambda: (cluster.get("v1/configmaps", "default", f"{NAME}-runtime") or {}).get("data")
         )
@@ -164,14 +157,10 @@ def test_children_are_watched_through_a_server_side_label_selector(cluster):
     with running_operator():
         create(cluster, example())
         cluster.wait_for(lambda: is_ready(cluster))
-    requests = cluster.call(_requests(cluster))
+    requests = cluster.run(lambda: list(cluster.api))  # kmock iterates its request log
     watches = {r.url.path: r.params.get("labelSelector") for r in requests if r.params.get("watch")}
     for path in ("/apis/apps/v1/deployments", "/api/v1/services", "/api/v1/configmaps"):
         assert watches[path] == "app.kubernetes.io/managed-by=holeblend-operator"
-
-
-async def _requests(cluster):
-    return list(cluster.api)  # kmock iterates its request log
 
 
 def test_the_operator_writes_nothing_but_status_to_the_blend_deployment(cluster):
@@ -186,7 +175,7 @@ def test_the_operator_writes_nothing_but_status_to_the_blend_deployment(cluster)
         time.sleep(0.5)
     writes = [
         (str(request.method.value), request.url.path)
-        for request in cluster.call(_taken(cluster))
+        for request in cluster.run(cluster.api.take_requests)
         if "blenddeployments" in request.url.path and str(request.method.value) != "GET"
     ]
     assert writes and all(path.endswith(f"/{NAME}/status") for _, path in writes), writes
@@ -198,20 +187,6 @@ def test_the_operator_writes_nothing_but_status_to_the_blend_deployment(cluster)
     # none caused by our own writes to the children or the status.
     assert sum(count for (_, result), count in done.items() if result == "ok") == 2, done
     assert not [trigger for trigger, _ in done if trigger in ("drift", "resume")], done
-
-
-async def _taken(cluster):
-    return cluster.api.take_requests()
-
-
-def reconciles() -> collections.Counter:
-    """The operator's reconcile counter by (trigger, result), read from its registry."""
-    counts = collections.Counter()
-    for metric in metrics.RECONCILES.collect():
-        for sample in metric.samples:
-            if sample.name.endswith("_total"):
-                counts[(sample.labels["trigger"], sample.labels["result"])] = int(sample.value)
-    return counts
 
 
 def test_ready_shows_once_the_deployments_settle_without_waiting_out_the_debounce(cluster):

@@ -44,7 +44,7 @@ def reconciles(port: int) -> float:
 def test_only_one_replica_reconciles_and_the_standby_takes_over(cluster):
     with open(ROOT / "deploy" / "kopf-peering.yaml") as file:
         for crd in yaml.safe_load_all(file):
-            cluster.call(_install(cluster, crd))
+            cluster.run(lambda crd=crd: cluster.api.install_crd(crd))
     cluster.call(cluster.api.put_object(PEERING, {"metadata": {"name": "holeblend"}}))
     ports = [free_port(), free_port()]
     processes = [start(port) for port in ports]
@@ -78,7 +78,3 @@ def test_only_one_replica_reconciles_and_the_standby_takes_over(cluster):
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
                 process.wait(timeout=20)
-
-
-async def _install(cluster, crd):
-    cluster.api.install_crd(crd)

@@ -5,28 +5,15 @@ The schema part runs `jsonschema` (Draft 4 semantics match OpenAPI v3's boolean
 with a real CEL interpreter, after applying the schema's defaults as the API server does.
 """
 
-import copy
 from typing import Any
 
 import celpy
 import jsonschema
 
+from holeblend_devtools import schemas
 from holeblend_operator.crd import open_api_schema
 
 _CEL = celpy.Environment()
-
-
-def apply_defaults(schema: dict[str, Any], value: Any) -> Any:
-    """Fill in `default`s of missing object fields, recursively (API server defaulting)."""
-    if isinstance(value, dict) and "properties" in schema:
-        for name, sub in schema["properties"].items():
-            if name not in value and "default" in sub:
-                value[name] = copy.deepcopy(sub["default"])
-            if name in value:
-                value[name] = apply_defaults(sub, value[name])
-    elif isinstance(value, list) and "items" in schema:
-        return [apply_defaults(schema["items"], item) for item in value]
-    return value
 
 
 def cel_errors(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:
@@ -54,7 +41,7 @@ def _evaluate(rule: str, value: Any) -> bool:
 def api_server_errors(manifest: dict[str, Any]) -> list[str]:
     """Schema errors, or (when the schema passes) CEL errors, like the API server reports."""
     schema = open_api_schema()
-    obj = apply_defaults(schema, copy.deepcopy(manifest))
+    obj = schemas.with_defaults(manifest, schema)  # as the API server defaults
     validator = jsonschema.Draft4Validator(schema)
     schema_errors = [
         f"{'.'.join(str(p) for p in e.absolute_path)}: {e.message}"
