@@ -49,16 +49,12 @@ class Prefill:
     mode: Mode
     # The recompute ratio used (1.0 for full mode).
     ratio: float
-    lookup: LookupResult
+    lookup: LookupResult | None  # None in full mode
     # [vocab] next-token logits after the last prompt token.
     logits: torch.Tensor
     # [layers, kv_heads, tokens, head_dim]: the whole prompt's KV cache.
     k: torch.Tensor
     v: torch.Tensor
-    num_reused_tokens: int
-    num_hole_tokens: int
-    # Tokens computed in every layer (the recompute set; all tokens in full mode).
-    num_recomputed_tokens: int
     # Cached entries refused (wrong model, shape, dtype, non-finite) and computed fresh.
     num_rejected_segments: int
     # Segments stored after the first token was ready.
@@ -74,6 +70,19 @@ class Prefill:
     @property
     def num_prompt_tokens(self) -> int:
         return self.prompt.num_tokens
+
+    @property
+    def num_reused_tokens(self) -> int:
+        return self.lookup.num_reused_tokens if self.lookup is not None else 0
+
+    @property
+    def num_hole_tokens(self) -> int:
+        return self.lookup.num_hole_tokens if self.lookup is not None else 0
+
+    @property
+    def num_recomputed_tokens(self) -> int:
+        """Tokens computed in every layer (the recompute set; all tokens in full mode)."""
+        return int(self.recomputed_positions.shape[0])
 
 
 class ReferenceEngine:
@@ -209,7 +218,6 @@ class ReferenceEngine:
         lookup = lookup or plan_reuse(prompt, [False] * len(prompt.segments), ReusePolicy.HOLE)
         return Prefill(
             prompt, mode, 1.0, lookup, logits, k, v,
-            num_reused_tokens=0, num_hole_tokens=0, num_recomputed_tokens=prompt.num_tokens,
             num_rejected_segments=num_rejected, num_stored_segments=0,
             deviation=torch.empty(0), recomputed_positions=torch.arange(prompt.num_tokens),
             selected_positions=torch.empty(0, dtype=torch.int64),
@@ -234,8 +242,6 @@ class ReferenceEngine:
         blended = self.blender.blend(token_ids, spans, ratio, lookup.hole_ranges, self.strategy)
         return Prefill(
             prompt, mode, ratio, lookup, blended.logits, blended.k, blended.v,
-            num_reused_tokens=lookup.num_reused_tokens, num_hole_tokens=lookup.num_hole_tokens,
-            num_recomputed_tokens=int(blended.recomputed.shape[0]),
             num_rejected_segments=num_rejected, num_stored_segments=0,
             deviation=blended.deviation, recomputed_positions=blended.recomputed,
             selected_positions=blended.selected, ttft_s=time.perf_counter() - started,
@@ -287,7 +293,7 @@ class ReferenceEngine:
         entries: Sequence[SegmentKV | None],
     ) -> int:
         missing = [i for i, (k, e) in enumerate(zip(keys, entries, strict=True)) if k and e is None]
-        return self.cache_segments(prompt, missing) if missing else 0
+        return self._cache_segments(prompt, missing, keys) if missing else 0
 
     @torch.inference_mode()
     def cache_segments(self, prompt: SegmentedPrompt, indexes: Sequence[int] | None = None) -> int:
@@ -297,9 +303,13 @@ class ReferenceEngine:
         after the system prompt and separator, or alone, as the config says. Returns the
         number the store accepted.
         """
-        keys = self.segment_keys(prompt)
         chosen = range(len(prompt.segments)) if indexes is None else indexes
-        wanted = [i for i in chosen if keys[i] is not None]
+        return self._cache_segments(prompt, chosen, self.segment_keys(prompt))
+
+    def _cache_segments(
+        self, prompt: SegmentedPrompt, indexes: Sequence[int], keys: Sequence[str | None]
+    ) -> int:
+        wanted = [i for i in indexes if keys[i] is not None]
         if not wanted:
             return 0
         context_k, context_v = self._context_kv(prompt)

@@ -36,8 +36,6 @@ class LookupResult:
 
     mode: LookupMode
     num_prompt_tokens: int
-    # Tokens whose KV comes from the cache (the sum of the hit ranges).
-    num_reused_tokens: int
     # Indexes into `SegmentedPrompt.segments` of the reused segments, in prompt order.
     reused_segments: tuple[int, ...]
     # Token ranges [start, end) of the reused segments.
@@ -47,6 +45,11 @@ class LookupResult:
     # First token of the uncached tail: the end of the last reused segment (0 when
     # nothing is reused); everything from here on is computed fresh.
     tail_start: int
+
+    @property
+    def num_reused_tokens(self) -> int:
+        """Tokens whose KV comes from the cache (the sum of the hit ranges)."""
+        return sum(end - start for start, end in self.hit_ranges)
 
     @property
     def num_hole_tokens(self) -> int:
@@ -73,7 +76,6 @@ def plan_reuse(
     return LookupResult(
         mode=_mode(hit_ranges, hole_ranges),
         num_prompt_tokens=prompt.num_tokens,
-        num_reused_tokens=sum(end - start for start, end in hit_ranges),
         reused_segments=reused,
         hit_ranges=hit_ranges,
         hole_ranges=hole_ranges,

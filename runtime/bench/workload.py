@@ -254,10 +254,11 @@ def _generate_document(
     facts: list[Fact] = []
     for template in rng.sample(_FACT_TEMPLATES, len(_FACT_TEMPLATES)):
         fact = _make_fact(rng, template, entity, used_values)
-        if count_tokens(_join(facts + [fact])) > config.max_document_tokens:
+        num_tokens = count_tokens(_join([*facts, fact]))
+        if num_tokens > config.max_document_tokens:
             break
         facts.append(fact)
-        if count_tokens(_join(facts)) >= target:
+        if num_tokens >= target:
             break
     return Document(entity, _join(facts), tuple(facts), is_distractor)
 
