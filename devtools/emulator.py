@@ -503,9 +503,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
                     return _json(obj)
                 marked = {**obj, "metadata": {**obj["metadata"], "deletionTimestamp": _now()}}
                 return _json(await self._commit(request.resource, key, obj, marked))
-            self._rv += 1
-            gone = {**obj, "metadata": {**obj["metadata"], "resourceVersion": str(self._rv)}}
-            await self._remove(request.resource, key, gone)
+            await self._delete_now(request.resource, key)
         return _json(
             {
                 "kind": "Status",
@@ -524,11 +522,15 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         requirements = selectors.parse(request.params.get("labelSelector"))
         async with self._lock:
             for key in self._keys(request.resource, request.namespace, requirements):
-                self._rv += 1
-                obj = self._stored(key).raw
-                gone = {**obj, "metadata": {**obj["metadata"], "resourceVersion": str(self._rv)}}
-                await self._remove(request.resource, key, gone)
+                await self._delete_now(request.resource, key)
         return _json({"kind": "Status", "apiVersion": "v1", "status": "Success"})
+
+    async def _delete_now(self, resource: Resource, key: tuple) -> None:
+        """Remove a stored object; its DELETED event carries a new resourceVersion."""
+        obj = self._stored(key).raw
+        self._rv += 1
+        gone = {**obj, "metadata": {**obj["metadata"], "resourceVersion": str(self._rv)}}
+        await self._remove(resource, key, gone)
 
     async def _remove(self, resource: Resource, key: tuple, last: dict) -> None:
         self._objects._objects[key].delete()
@@ -541,15 +543,10 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         # Background propagation: dependents go after their owner, then their own dependents.
         for (resource, namespace), names in list(self._names.items()):
             for name in list(names):
-                obj = self._stored((resource, namespace, name)).raw
-                refs = obj["metadata"].get("ownerReferences") or []
+                key = (resource, namespace, name)
+                refs = self._stored(key).raw["metadata"].get("ownerReferences") or []
                 if any(ref.get("uid") == owner_uid for ref in refs):
-                    self._rv += 1
-                    gone = {
-                        **obj,
-                        "metadata": {**obj["metadata"], "resourceVersion": str(self._rv)},
-                    }
-                    await self._remove(resource, (resource, namespace, name), gone)
+                    await self._delete_now(resource, key)
 
     # --- store ----------------------------------------------------------------------
 
@@ -660,8 +657,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
                 await self._insert(PODS, namespace, pod, keep_status=True)
         if reason is None:
             for key in self._owned_by(PODS, namespace, deployment["metadata"]["uid"]):
-                self._rv += 1
-                await self._remove(PODS, key, self._stored(key).raw)
+                await self._delete_now(PODS, key)
 
     def _owned_by(self, resource: Resource, namespace: str, uid: str) -> list:
         keys = self._keys(resource, namespace, ())
