@@ -19,7 +19,7 @@ so the scheduler offers nothing.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -99,6 +99,20 @@ def model_identity(vllm_config: Any) -> tuple[str, str]:
     return f"{config.model}@{revision}", str(config.dtype).removeprefix("torch.")
 
 
+def _block_size(kv_cache_config: Any, vllm_config: Any) -> int:
+    """Tokens per block of the (single) KV cache group: the backend may choose it (the CPU
+    backend uses 128 whatever --block-size says)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) != 1:
+        raise ValueError(
+            "kv_cache_config: hole-mode blending needs one KV cache group; "
+            "run vLLM with --disable-hybrid-kv-cache-manager"
+        )
+    return (
+        int(groups[0].kv_cache_spec.block_size) if groups else vllm_config.cache_config.block_size
+    )
+
+
 def _text_tokenizer(vllm_config: Any) -> Any:
     from transformers import AutoTokenizer
 
@@ -122,6 +136,7 @@ class HoleBlendConnector(KVConnectorBase_V1):
             self._scheduler = _SchedulerSide(vllm_config, self.settings, self.store)
         else:
             self._worker = _WorkerSide(vllm_config, self.settings, self.store)
+            self._worker.block_size = _block_size(kv_cache_config, vllm_config)
 
     # --- scheduler side ---------------------------------------------------------------
 
@@ -212,6 +227,9 @@ class _SchedulerSide:
 
     def _plan(self, request_id: str, token_ids: Any) -> None:
         plan = self.planner.plan(list(token_ids))
+        if plan is not None and self.ratio.ratio() >= 1.0:
+            # Recomputing every token is a plain prefill: vLLM's own is faster and exact.
+            plan = replace(plan, num_covered_tokens=0)
         self.plans[request_id] = plan
         self.ledger.set_plan(request_id, plan.num_covered_tokens if plan else 0)
         if plan is not None and plan.is_lookup_failed:
@@ -257,7 +275,10 @@ class _SchedulerSide:
 
     def record_outcomes(self, outcomes: tuple[LoadOutcome, ...]) -> None:
         for outcome in outcomes:
-            self.outcomes[outcome.request_id] = outcome
+            # A request that finished in its first step is gone already (its figures
+            # were the plan's); keep outcomes only for requests still running.
+            if outcome.request_id in self.plans:
+                self.outcomes[outcome.request_id] = outcome
             metrics.BLEND_SECONDS.observe(outcome.blend_seconds)
             metrics.REJECTED_SEGMENTS.inc(outcome.num_rejected_segments)
 
@@ -324,6 +345,7 @@ class _WorkerSide:
         self.settings = settings
         self.store = store
         self.kv_caches: dict[str, torch.Tensor] = {}
+        self.block_size = vllm_config.cache_config.block_size
         self._worker: BlendWorker | None = None
         self._storer: SegmentStorer | None = None
         self._outcomes: list[LoadOutcome] = []
@@ -358,7 +380,7 @@ class _WorkerSide:
         tokenizer = TextTokenizer(_text_tokenizer(config).backend_tokenizer, adapter.config)
         engine = ReferenceEngine(adapter, tokenizer, self.settings.blend, self.store)
         caches = [self.kv_caches[name] for name in adapter.attention_layer_names()]
-        writer = PagedKVWriter(adapter.attention_modules(), caches, config.cache_config.block_size)
+        writer = PagedKVWriter(adapter.attention_modules(), caches, self.block_size)
         return BlendWorker(engine, writer)
 
     def _segment_storer(self) -> SegmentStorer:
