@@ -28,8 +28,6 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 SEPARATOR = " # #"
 CONNECTOR = "HoleBlendConnector"
 CONNECTOR_MODULE = "holeblend_runtime.vllm_connector"
-# vLLM on CPU reserves 92% of the machine's memory for its KV cache unless told otherwise.
-KV_CACHE_BYTES = 512 << 20
 
 
 @dataclass(frozen=True)
@@ -43,8 +41,12 @@ class ProbeConfig:
     max_model_len: int = 4096
     # Greedy answers of a run without the connector, to score against (prompt index -> ids).
     reference_answers: dict[int, list[int]] = field(default_factory=dict)
-    # Remove the KV file of every reused segment before pass 2 (corrupt: overwrite them).
+    # Before pass 2: "corrupt" overwrites every stored KV file, "remove" deletes them.
     fault: str | None = None
+    # Also abort a request after its load step and preempt one after its load.
+    is_lifecycle: bool = False
+    # vLLM's KV cache on CPU (it reserves most of the machine's memory unless told).
+    kv_cache_bytes: int = 512 << 20
 
 
 def build_prompts(config: ProbeConfig) -> list[tuple[list[int], list[int]]]:
@@ -102,7 +104,7 @@ class Probe:
             model=str(model_dir), dtype="float32", enforce_eager=True, seed=0,
             max_model_len=config.max_model_len, enable_prefix_caching=False,
             disable_hybrid_kv_cache_manager=True, kv_transfer_config=transfer,
-            kv_cache_memory_bytes=KV_CACHE_BYTES,
+            kv_cache_memory_bytes=config.kv_cache_bytes,
         )  # fmt: skip
         self.start_s = time.perf_counter() - started
 
@@ -127,12 +129,6 @@ class Probe:
 
         return get_kv_transfer_group()
 
-    def wait_for_stores(self) -> None:
-        if self.config.is_connector:
-            worker = self.connector("worker")._worker
-            if worker is not None:
-                worker.wait_for_stores()
-
     def stored_files(self) -> set[str]:
         return (
             {p.name for p in self.kv_dir.glob("*.safetensors")} if self.kv_dir.exists() else set()
@@ -140,7 +136,6 @@ class Probe:
 
     def keep_only(self, names: set[str]) -> None:
         """Remove segments stored since `names` were (keeps the hole a hole)."""
-        self.wait_for_stores()
         for path in self.kv_dir.glob("*.safetensors"):
             if path.name not in names:
                 path.unlink()
@@ -156,7 +151,6 @@ def run(config: ProbeConfig, model_dir: Path) -> dict[str, Any]:
     free_before = probe.free_blocks()
     for first, _ in pairs:
         probe.generate(first, 1)
-    probe.wait_for_stores()
     pass1_files = probe.stored_files()
     apply_fault(config.fault, probe.kv_dir)
     pass1_files = probe.stored_files() if config.fault == "remove" else pass1_files
@@ -165,8 +159,9 @@ def run(config: ProbeConfig, model_dir: Path) -> dict[str, Any]:
         probe._write_settings(ratio)
         for index, (_, second) in enumerate(pairs):
             results.append(serve_second(probe, index, second, ratio, pass1_files))
-    probe.wait_for_stores()
+    lifecycle = check_lifecycle(probe, pairs, pass1_files) if config.is_lifecycle else {}
     return {
+        "lifecycle": lifecycle,
         "is_connector": config.is_connector,
         "engine_start_s": probe.start_s,
         "prompt_tokens": [len(second) for _, second in pairs],
@@ -199,6 +194,51 @@ def serve_second(
         probe.keep_only(keep)
         result["top1_agreement"] = agreement(probe, token_ids, reference)
     return result
+
+
+def check_lifecycle(
+    probe: Probe, pairs: list[tuple[list[int], list[int]]], keep: set[str]
+) -> dict[str, Any]:
+    """Abort a request right after its load step; run two long requests at once so the
+    KV cache runs out and vLLM preempts one after its load (it is loaded again later)."""
+    from vllm import SamplingParams
+
+    engine = probe.llm.llm_engine
+    probe.keep_only(keep)
+    aborted = engine.add_request(
+        "abort-me", {"prompt_token_ids": pairs[0][1]}, SamplingParams(max_tokens=50)
+    )
+    engine.step()
+    engine.abort_request([aborted])
+    engine.step()
+    probe.keep_only(keep)
+    params = SamplingParams(max_tokens=LIFECYCLE_TOKENS, temperature=0.0, ignore_eos=True)
+    ids = [f"long-{i}" for i in range(2)]
+    for request_id, (_, second) in zip(ids, pairs[:2], strict=True):
+        engine.add_request(request_id, {"prompt_token_ids": second}, params)
+    outputs, preemptions = run_until_done(engine, ids)
+    return {
+        "num_preemptions": preemptions,
+        "answers": [list(outputs[i].outputs[0].token_ids) for i in ids],
+        "kv_transfer_params": [outputs[i].kv_transfer_params for i in ids],
+        "free_blocks": probe.free_blocks(),
+    }
+
+
+LIFECYCLE_TOKENS = 200
+
+
+def run_until_done(engine: Any, ids: list[str]) -> tuple[dict[str, Any], int]:
+    scheduler = engine.engine_core.engine_core.scheduler
+    outputs: dict[str, Any] = {}
+    preemptions = 0
+    while len(outputs) < len(ids):
+        for output in engine.step():
+            if output.finished and output.request_id in ids:
+                outputs[output.request_id] = output
+        running = scheduler.requests.values()
+        preemptions = max([preemptions, *(r.num_preemptions for r in running)])
+    return outputs, preemptions
 
 
 def agreement(probe: Probe, prompt: list[int], answer: list[int]) -> float:
@@ -254,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=12)
     parser.add_argument("--reference", type=Path, help="JSON output of a run without the connector")
     parser.add_argument("--fault", choices=["corrupt", "remove"])
+    parser.add_argument("--lifecycle", action="store_true", help="abort and preemption checks")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--kv-cache-mib", type=int, default=512)
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args(argv)
     from holeblend_devtools.hf_export import export_smollm2
@@ -267,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
         ratios=tuple(float(r) for r in args.ratios.split(",")),
         num_questions=args.num_questions, num_documents=args.num_documents,
         max_tokens=args.max_tokens, reference_answers=reference, fault=args.fault,
+        is_lifecycle=args.lifecycle, max_model_len=args.max_model_len,
+        kv_cache_bytes=args.kv_cache_mib << 20,
     )  # fmt: skip
     report = run(config, export_smollm2())
     args.json.parent.mkdir(parents=True, exist_ok=True)
