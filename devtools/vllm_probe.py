@@ -129,16 +129,17 @@ class Probe:
 
         return get_kv_transfer_group()
 
-    def stored_files(self) -> set[str]:
-        return (
-            {p.name for p in self.kv_dir.glob("*.safetensors")} if self.kv_dir.exists() else set()
-        )
+    def snapshot(self) -> dict[str, bytes]:
+        return {p.name: p.read_bytes() for p in self.kv_dir.glob("*.safetensors")}
 
-    def keep_only(self, names: set[str]) -> None:
-        """Remove segments stored since `names` were (keeps the hole a hole)."""
+    def restore(self, snapshot: dict[str, bytes]) -> None:
+        """The KV tier exactly as after pass 1: what was stored since goes (the hole stays
+        a hole), what was removed since (a corrupt file) comes back."""
         for path in self.kv_dir.glob("*.safetensors"):
-            if path.name not in names:
+            if path.name not in snapshot:
                 path.unlink()
+        for name, data in snapshot.items():
+            (self.kv_dir / name).write_bytes(data)
 
     def free_blocks(self) -> int:
         scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
@@ -151,9 +152,8 @@ def run(config: ProbeConfig, model_dir: Path) -> dict[str, Any]:
     free_before = probe.free_blocks()
     for first, _ in pairs:
         probe.generate(first, 1)
-    pass1_files = probe.stored_files()
     apply_fault(config.fault, probe.kv_dir)
-    pass1_files = probe.stored_files() if config.fault == "remove" else pass1_files
+    pass1_files = probe.snapshot() if config.is_connector else {}
     results = []
     for ratio in config.ratios:
         probe._write_settings(ratio)
@@ -174,13 +174,13 @@ def run(config: ProbeConfig, model_dir: Path) -> dict[str, Any]:
 
 
 def serve_second(
-    probe: Probe, index: int, token_ids: list[int], ratio: float, keep: set[str]
+    probe: Probe, index: int, token_ids: list[int], ratio: float, keep: dict[str, bytes]
 ) -> dict[str, Any]:
-    probe.keep_only(keep)
+    probe.restore(keep)
     started = time.perf_counter()
     probe.generate(token_ids, 1)
     ttft = time.perf_counter() - started
-    probe.keep_only(keep)
+    probe.restore(keep)
     output = probe.generate(token_ids, probe.config.max_tokens)
     result = {
         "prompt": index,
@@ -191,27 +191,27 @@ def serve_second(
     }
     reference = probe.config.reference_answers.get(index)
     if reference:
-        probe.keep_only(keep)
+        probe.restore(keep)
         result["top1_agreement"] = agreement(probe, token_ids, reference)
     return result
 
 
 def check_lifecycle(
-    probe: Probe, pairs: list[tuple[list[int], list[int]]], keep: set[str]
+    probe: Probe, pairs: list[tuple[list[int], list[int]]], keep: dict[str, bytes]
 ) -> dict[str, Any]:
     """Abort a request right after its load step; run two long requests at once so the
     KV cache runs out and vLLM preempts one after its load (it is loaded again later)."""
     from vllm import SamplingParams
 
     engine = probe.llm.llm_engine
-    probe.keep_only(keep)
+    probe.restore(keep)
     aborted = engine.add_request(
         "abort-me", {"prompt_token_ids": pairs[0][1]}, SamplingParams(max_tokens=50)
     )
     engine.step()
     engine.abort_request([aborted])
     engine.step()
-    probe.keep_only(keep)
+    probe.restore(keep)
     params = SamplingParams(max_tokens=LIFECYCLE_TOKENS, temperature=0.0, ignore_eos=True)
     ids = [f"long-{i}" for i in range(2)]
     for request_id, (_, second) in zip(ids, pairs[:2], strict=True):
