@@ -16,7 +16,7 @@ from typing import Any
 from holeblend_runtime.bench.report import format_table, write_json
 from holeblend_runtime.bench.runner import BLEND_MODES, BenchConfig, BenchRunner
 from holeblend_runtime.bench.workload import WorkloadConfig, generate_workload
-from holeblend_runtime.blend_config import K_DEVIATION, RANDOM, BlendConfig
+from holeblend_runtime.blend_config import K_DEVIATION, RANDOM, STORE_POLICIES, BlendConfig
 from holeblend_runtime.engine import ReferenceEngine
 
 # Settings a run uses unless the command line says otherwise; --quick swaps in the second.
@@ -55,6 +55,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--holes", default="middle", help="documents left out of pass 1: middle, none, or '2,5'")
     add("--ratios", help=f"recompute ratios to sweep (default {DEFAULTS['ratios']})")
     add("--modes", default=",".join(BLEND_MODES), help="blend modes besides full prefill")
+    add(
+        "--store-policies",
+        default=BlendConfig.store_policy,
+        help=f"store policies to sweep, some of {','.join(STORE_POLICIES)}",
+    )
+    add(
+        "--shuffle-first-pass",
+        action="store_true",
+        help="send pass 1's documents in a seeded random order",
+    )
     add("--check-layer", type=int, default=BlendConfig.check_layer, help="deviation check layer")
     add("--selection", choices=sorted(SELECTIONS), default="kdev", help="recompute selection")
     add("--seed", type=int, default=0, help="workload (and random selection) seed")
@@ -79,11 +89,13 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         min_document_tokens=args.min_doc_tokens,
         max_document_tokens=args.max_doc_tokens,
         holes=args.holes,
+        shuffle_first_pass=args.shuffle_first_pass,
     )
     return BenchConfig(
         workload=workload,
         ratios=_floats(args.ratios, "ratios"),
-        modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
+        modes=_names(args.modes),
+        store_policies=_names(args.store_policies),
         max_new_tokens=args.max_new_tokens,
     )
 
@@ -101,9 +113,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     loaded = ReferenceEngine.load(blend=blend, num_threads=args.threads)
     tokenizer = loaded.tokenizer
 
-    def new_engine() -> ReferenceEngine:
-        # Same weights, empty KV store: every sweep point starts cold.
-        return ReferenceEngine(loaded.model, tokenizer, blend)
+    def new_engine(store_policy: str) -> ReferenceEngine:
+        # Same weights, empty KV store: every sweep point starts cold. One activity for
+        # all: a background store waits while any engine works.
+        point_blend = dataclasses.replace(blend, store_policy=store_policy)
+        return ReferenceEngine(loaded.model, tokenizer, point_blend, activity=loaded.activity)
 
     workload = generate_workload(config.workload, lambda text: len(tokenizer.encode(text)))
     runner = BenchRunner(new_engine, tokenizer, config)
@@ -148,6 +162,10 @@ def _config_record(
         "threads": args.threads,
         "num_prompt_tokens_full": prompt_lengths,
     }
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
 def _floats(text: str, field: str) -> tuple[float, ...]:
