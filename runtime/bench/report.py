@@ -106,9 +106,9 @@ def percentile(values: Sequence[float], share: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-def format_table(results: Sequence[dict[str, Any]]) -> str:
-    headers = [_short_header(key) for key in RESULT_KEYS]
-    rows = [[_format_cell(result[key]) for key in RESULT_KEYS] for result in results]
+def format_table(results: Sequence[dict[str, Any]], keys: Sequence[str] = RESULT_KEYS) -> str:
+    headers = [_short_header(key) for key in keys]
+    rows = [[_format_cell(result.get(key)) for key in keys] for result in results]
     widths = [max(len(cell) for cell in column) for column in zip(headers, *rows, strict=True)]
     lines = [_format_line(headers, widths), _format_line(["-" * w for w in widths], widths)]
     lines += [_format_line(row, widths) for row in rows]
