@@ -12,7 +12,13 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from pydantic.alias_generators import to_camel
 
 from holeblend_contract import blend_settings as contract
-from holeblend_contract.blend_settings import BlendMode, Dtype, SegmentContext, Selection
+from holeblend_contract.blend_settings import (
+    BlendMode,
+    Dtype,
+    SegmentContext,
+    Selection,
+    StorePolicy,
+)
 from holeblend_operator.cel import CelRule, cel_schema_extra, cel_validator
 from holeblend_operator.quantity import quantity_bytes
 
@@ -332,6 +338,10 @@ class BlendSpec(ApiModel):
     segment_context: SegmentContext = SegmentContext.AFTER_SYSTEM
     """afterSystem: cache a document's KV as computed right after the system prompt
     (about half the blending error at low ratios); alone: from position 0."""
+    store_policy: StorePolicy = StorePolicy.IN_CONTEXT
+    """How a document the request computed gets cached: in-context keeps the KV the request
+    computed (free); isolated recomputes it after the system prompt in a low-priority
+    background worker (see docs/blending.md for the measured trade-off)."""
     kv: KVTiers = Field(default_factory=KVTiers)
     """Cache tiers."""
 
