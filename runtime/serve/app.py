@@ -233,7 +233,8 @@ class Server:
             async with asyncio.timeout(max(remaining, 0) + 1.0):
                 event = await job.events.get()
             if isinstance(event, Exception):
-                raise event
+                message = f"the engine failed: {event}"
+                raise HttpError(500, error_body(message, None, "server_error"))
             if isinstance(event, PrefillDone):
                 self.metrics.ttft.labels(event.mode).observe(event.ttft_s)
             yield event
@@ -281,6 +282,9 @@ class Server:
         except TimeoutError:
             outcome = "timeout"
             await response.write(sse(_timeout_error(self.settings.request_timeout).body))
+        except HttpError as error:
+            outcome = _outcome_of(error.status)
+            await response.write(sse(error.body))
         await response.write(sse("[DONE]"))
         await response.write_eof()
         return outcome, response

@@ -173,6 +173,7 @@ class EngineWorker:
                 return reason
             job.emit(token)
             num_tokens += 1
+            self.metrics.completion_tokens.labels(str(prefill.mode)).inc()
         return "length" if num_tokens == job.max_tokens else "stop"
 
     def _time_lookup(self, prompt: SegmentedPrompt) -> None:
