@@ -88,7 +88,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     load.add_argument("--corpus", type=int, default=40, help="documents in the corpus")
     load.add_argument("--request-documents", type=int, default=6, help="documents per request")
     load.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of popularity")
-    load.add_argument("--store-policy", help="blend.json storePolicy (default: the server's)")
     load.add_argument("--workdir", type=Path, help="server configs and logs (default: temp)")
     add("--no-progress", action="store_true", help="no progress bar on stderr")
     args = parser.parse_args(argv)
@@ -169,7 +168,6 @@ def load_config(args: argparse.Namespace) -> LoadConfig:
         ratio=args.load_ratio,
         num_clients=args.clients,
         max_tokens=args.max_new_tokens,
-        store_policy=args.store_policy,
     )
 
 

@@ -11,13 +11,13 @@
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from holeblend_contract.blend_settings import BlendMode, BlendSettings, ModelSettings
 from holeblend_runtime.bench.load_client import Outcome, ServeProcess, drive
 from holeblend_runtime.bench.load_workload import LoadRequest, LoadWorkloadConfig
 from holeblend_runtime.bench.quality import answer_f1, answer_words
@@ -26,7 +26,9 @@ from holeblend_runtime.bench.report import percentile
 FULL = "full"
 LOAD_MODES = (FULL, "prefix", "hole")
 # blend.json `mode` per benchmark mode (the CRD's names: `off` is full prefill).
-BLEND_MODE = {FULL: "off", "prefix": "prefix", "hole": "hole"}
+BLEND_MODE = {FULL: BlendMode.OFF, "prefix": BlendMode.PREFIX, "hole": BlendMode.HOLE}
+# The model `holeblend-serve` loads (the reference engine's SmolLM2), as blend.json names it.
+MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # Column order of the load table and key order of each JSON result.
 LOAD_RESULT_KEYS = (
     "mode",
@@ -52,8 +54,6 @@ class LoadConfig:
     ratio: float = 0.15
     num_clients: int = 4
     max_tokens: int = 12
-    # blend.json `storePolicy`; None: the server's default.
-    store_policy: str | None = None
     timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
@@ -67,16 +67,12 @@ class LoadConfig:
             raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
 
 
-def blend_settings(mode: str, ratio: float, store_policy: str | None) -> dict[str, Any]:
-    """The blend.json a mode's server reads (camelCase, as the operator renders it)."""
-    settings: dict[str, Any] = {
-        "formatVersion": 1,
-        "mode": BLEND_MODE[mode],
-        "recomputeRatio": ratio,
-    }
-    if store_policy is not None:
-        settings["storePolicy"] = store_policy
-    return settings
+def blend_settings(mode: str, ratio: float) -> str:
+    """The blend.json a mode's server reads, through the settings contract."""
+    settings = BlendSettings(
+        model=ModelSettings(name=MODEL_NAME), mode=BLEND_MODE[mode], recompute_ratio=ratio
+    )
+    return settings.to_json()
 
 
 def run_load(
@@ -105,7 +101,7 @@ def _run_mode(
     config: LoadConfig, mode: str, requests: Sequence[LoadRequest], workdir: Path
 ) -> tuple[list[Outcome], float]:
     settings_path = workdir / f"blend-{mode}.json"
-    settings_path.write_text(json.dumps(blend_settings(mode, config.ratio, config.store_policy)))
+    settings_path.write_text(blend_settings(mode, config.ratio))
     warmup = [r for r in requests if r.is_warmup]
     measured = [r for r in requests if not r.is_warmup]
     with ServeProcess(settings_path, workdir / f"serve-{mode}.log") as server:

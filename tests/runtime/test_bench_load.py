@@ -7,6 +7,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from holeblend_contract.blend_settings import parse_blend_settings
 from holeblend_runtime.bench.load import (
     LOAD_RESULT_KEYS,
     blend_settings,
@@ -83,11 +84,10 @@ def test_completion_body_is_openai_with_the_documents_extension(stream):
     assert body["temperature"] == 0 and body["max_tokens"] == 8
 
 
-def test_blend_settings_use_the_crd_mode_names():
-    assert blend_settings("full", 0.15, None) == {
-        "formatVersion": 1, "mode": "off", "recomputeRatio": 0.15,
-    }  # fmt: skip
-    assert blend_settings("hole", 0.3, "isolated")["storePolicy"] == "isolated"
+def test_blend_settings_pass_the_contract_with_the_crd_mode_names():
+    full = parse_blend_settings(blend_settings("full", 0.15))
+    assert full.mode == "off" and full.recompute_ratio == 0.15
+    assert parse_blend_settings(blend_settings("hole", 0.3)).mode == "hole"
 
 
 def test_sse_payloads_stop_at_done():
