@@ -134,6 +134,13 @@ def _unpack(body: bytes, limits: Limits) -> Any:
             max_ext_len=0,
         )
     except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+        if "max_array_len" in str(e):
+            raise WireError(
+                "too_many_keys",
+                f"a list in the request is too long ({e}): keys at most {limits.max_keys} per "
+                f"lookup or evict, entries at most {limits.max_entries} per admit or resync",
+                413,
+            ) from None
         raise WireError("bad_request", f"body is not one valid msgpack map: {e}") from None
 
 
