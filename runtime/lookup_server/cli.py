@@ -49,6 +49,7 @@ def serve_parser() -> argparse.ArgumentParser:
             defaults_limits.max_body_bytes,
             "bytes of one request body at most",
         ),
+        ("drain-seconds", float, 3.0, "seconds between SIGTERM (failing /ready) and exit"),
         ("log-level", str, "INFO", "logging level"),
     ):
         parser.add_argument(
@@ -63,7 +64,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     except ValueError as error:
         raise SystemExit(f"holeblend-lookup: {error}") from None
     limits = Limits(max_body_bytes=args.max_body_bytes, max_keys=args.max_keys)
-    return ServerConfig(host=args.host, port=args.port, index=index, limits=limits)
+    return ServerConfig(args.host, args.port, index, limits, drain_s=args.drain_seconds)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -49,6 +49,7 @@ class LookupProcess:
     def start(self) -> LookupProcess:
         command = [sys.executable, "-I", "-m", "holeblend_runtime.lookup_server"]
         command += ["--host", "127.0.0.1", "--port", str(self.port), "--log-level", "WARNING"]
+        command += ["--drain-seconds", "0"]
         self.process = subprocess.Popen([*command, *self.extra_args])
         _wait_until(self.is_ready, 30, "the lookup server", self.process)
         return self

@@ -4,7 +4,7 @@
    connection's bytes are parsed inline in `data_received`; a complete request is
    answered right there, so a lookup never waits in a queue or on another task.
 2. `POST /v1` carries the msgpack wire format (`wire.py`); `GET /healthz` (alive),
-   `GET /ready` (serving lookups), `GET /metrics` (Prometheus text) and `GET /stats`
+   `GET /ready` (serving lookups; 503 while draining after SIGTERM), `GET /metrics` (Prometheus text) and `GET /stats`
    (the same as the `stats` operation, as JSON) are for probes and people.
 3. Requests over the size limits, malformed frames, unknown operations and versions get
    a clear error reply; a connection whose framing is broken is answered and closed.
@@ -49,6 +49,9 @@ class ServerConfig:
     index: IndexLimits = field(default_factory=IndexLimits)
     # Request size limits.
     limits: wire.Limits = field(default_factory=wire.Limits)
+    # Seconds between SIGTERM and exit, with /ready failing, so the Service stops routing
+    # to this pod before it goes.
+    drain_s: float = 3.0
 
 
 class _HttpError(Exception):
@@ -67,6 +70,7 @@ class LookupServer:
         self._server: asyncio.AbstractServer | None = None
         self._stopped = asyncio.Event()
         self._sweeper: asyncio.Task | None = None
+        self.is_draining = False
 
     @property
     def port(self) -> int:
@@ -91,6 +95,11 @@ class LookupServer:
     def stop(self) -> None:
         self._stopped.set()
 
+    def drain(self) -> None:
+        """Fail /ready now and stop after `drain_s`, still answering in between."""
+        self.is_draining = True
+        asyncio.get_running_loop().call_later(self.config.drain_s, self.stop)
+
     async def _sweep_silent_pods(self) -> None:
         period = max(self.config.index.pod_timeout_s / 4, 0.05)
         while True:
@@ -108,8 +117,12 @@ class LookupServer:
             return self._rpc(body)
         if method != "GET":
             raise _HttpError(405, f"{path} takes GET")
-        if path in ("/healthz", "/ready"):
+        if path == "/healthz":
             return 200, "text/plain", b"ok\n"
+        if path == "/ready":
+            if self.is_draining:
+                return 503, "text/plain", b"draining: shutting down\n"
+            return 200, "text/plain", b"ready\n"
         if path == "/metrics":
             return 200, self.metrics.content_type, self.metrics.render()
         if path == "/stats":
@@ -271,7 +284,7 @@ def run(config: ServerConfig) -> None:
     server = LookupServer(config)
     for signum in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(signum, server.stop)
+            loop.add_signal_handler(signum, server.drain)
     try:
         loop.run_until_complete(server.start())
         print(f"holeblend-lookup: serving on {config.host}:{server.port}", flush=True)
