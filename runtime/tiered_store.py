@@ -36,6 +36,7 @@ from holeblend_runtime.lookup_client import (
     LookupClient,
 )
 from holeblend_runtime.lookup_server.wire import Entry
+from holeblend_runtime.model_config import ModelConfig
 from holeblend_runtime.shared_tier import (
     DTYPE_SIZES,
     BlobHeader,
@@ -61,6 +62,11 @@ class KVLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+
+    @classmethod
+    def of(cls, config: ModelConfig, dtype: str) -> KVLayout:
+        """The layout of `config`'s KV cache in `dtype` (the engine's `kv_dtype`)."""
+        return cls(config.model_id, dtype, config.num_layers, config.num_kv_heads, config.head_dim)
 
     def header(self, key: str, num_tokens: int = 0) -> BlobHeader:
         shape = (self.num_layers, self.num_kv_heads, num_tokens, self.head_dim)

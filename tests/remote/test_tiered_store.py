@@ -1,5 +1,6 @@
 """Two pods' tiered stores sharing a real redis-server and a real lookup server process."""
 
+import threading
 import time
 
 import pytest
@@ -138,3 +139,41 @@ def test_holdings_are_what_a_resync_announces(pods):
     assert [entry.key for entry in a.holdings()] == ["doc-1"]
     assert a.holdings()[0].shared and a.holdings()[0].num_bytes == segment("doc-1").num_bytes
     assert torch.equal(a.get("doc-1").k, segment("doc-1").k)
+
+
+def test_lookups_under_load_survive_a_lookup_server_restart(pods, lookup_server):
+    a, b = pods
+    keys = [f"doc-{i}" for i in range(8)]
+    for i, key in enumerate(keys):
+        a.put(segment(key, seed=i))
+    a.announcer.flush()
+    outcomes: list[int] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def hammer() -> None:
+        while not stop.is_set():
+            try:
+                found = b.get_many(keys)
+            except BaseException as error:  # the test fails on any
+                errors.append(error)
+                return
+            outcomes.append(sum(kv is not None for kv in found))
+            for key in keys:  # keep B's local tier empty: every round asks the remote tiers
+                b.local.remove(key)
+
+    worker = threading.Thread(target=hammer)
+    worker.start()
+    try:
+        wait_for(lambda: len(outcomes) > 5)
+        lookup_server.kill()
+        num_before_restart = len(outcomes)
+        wait_for(lambda: len(outcomes) > num_before_restart + 5)
+        lookup_server.start()
+        wait_for(lambda: outcomes[-1] == len(keys))
+    finally:
+        stop.set()
+        worker.join(10)
+    assert not errors
+    assert 0 in outcomes[num_before_restart:]  # all miss while it was down
+    assert outcomes[-1] == len(keys)  # and full reuse after the resync
