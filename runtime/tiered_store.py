@@ -42,8 +42,8 @@ from holeblend_runtime.shared_tier import (
     BlobHeader,
     SharedTier,
     SharedTierConfig,
+    blob_pieces,
     decode_blob,
-    encode_blob,
 )
 
 log = logging.getLogger(__name__)
@@ -75,9 +75,13 @@ class KVLayout:
 
 def kv_to_blob(kv: SegmentKV) -> bytes:
     """The shared-tier blob of one segment (K, V and positions, checksummed)."""
+    return b"".join(kv_blob_pieces(kv))
+
+
+def kv_blob_pieces(kv: SegmentKV) -> list:
+    """The blob of one segment in pieces that share the tensors' memory (no copy)."""
     header = BlobHeader(kv.key, kv.model_id, _dtype_name(kv.k.dtype), tuple(kv.k.shape))
-    parts = [_raw_bytes(t) for t in (kv.k, kv.v, kv.positions)]
-    return encode_blob(header, parts)
+    return blob_pieces(header, [_raw_bytes(t) for t in (kv.k, kv.v, kv.positions)])
 
 
 def blob_to_kv(blob: bytes, expected: BlobHeader | None = None) -> SegmentKV:
@@ -163,7 +167,7 @@ class TieredKVStore:
     def put(self, kv: SegmentKV) -> bool:
         """Store in the local and shared tiers, then admit to the lookup server."""
         is_local = self.local.put(kv)
-        is_shared = self.shared is not None and self.shared.put_blob(kv.key, kv_to_blob(kv))
+        is_shared = self.shared is not None and self.shared.put_pieces(kv.key, kv_blob_pieces(kv))
         self.stats.shared_stores += is_shared
         if is_local or is_shared:
             self._announce(kv, is_shared)

@@ -7,7 +7,7 @@
    `lookups_per_s` counts keys looked up per second (each key is one lookup),
    `batches_per_s` requests per second, and p50/p99 request latency in milliseconds.
 2. Shared tier: segment blobs of 1, 8 and 32 MB (SmolLM2's KV layout) stored and
-   loaded through `SharedTier` (encode + checksum + SET, GET + checks) and, in the same
+   loaded through `SharedTier` (checksum + SET of the pieces, GET + checks) and, in the same
    run and interleaved, the same bytes through raw redis-py SET/GET. Per row: GB/s of
    each and the ratio.
 
@@ -29,7 +29,7 @@ from pathlib import Path
 from holeblend_runtime.lookup_client import ClientConfig, LookupClient
 from holeblend_runtime.lookup_server.processes import LookupProcess, RedisProcess
 from holeblend_runtime.lookup_server.wire import Entry
-from holeblend_runtime.shared_tier import BlobHeader, SharedTier, SharedTierConfig, encode_blob
+from holeblend_runtime.shared_tier import BlobHeader, SharedTier, SharedTierConfig, blob_pieces
 
 BATCH_KEYS = 16
 CLIENT_COUNTS = (1, 8)
@@ -49,7 +49,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--entries", type=int, default=10_000, help="segments in the index")
     parser.add_argument("--url", help="an already running lookup server (default: start one)")
     parser.add_argument("--redis-url", help="an existing Redis (default: start redis-server)")
-    parser.add_argument("--repeats", type=int, default=7, help="round trips per blob size")
+    parser.add_argument(
+        "--repeats", type=int, default=15, help="round trips per blob size (median reported)"
+    )
     parser.add_argument("--skip-shared-tier", action="store_true")
     return parser.parse_args(argv)
 
@@ -155,19 +157,29 @@ def bench_shared_tier(redis_url: str, repeats: int) -> list[dict]:
             "raw_set": [],
             "raw_get": [],
         }
-        for _ in range(repeats):  # interleaved, so both see the same machine load
-            times["raw_set"].append(_timed(tier.client.set, "bench:raw", raw_value))
-            times["raw_get"].append(_timed(tier.client.get, "bench:raw"))
-            times["tier_put"].append(_timed(_tier_put, tier, header, parts))
-            times["tier_get"].append(_timed(_must_load, tier, header))
+        for repeat in range(repeats):
+            # Interleaved, alternating which goes first, so both see the same machine load.
+            steps = [_raw_round, _tier_round] if repeat % 2 == 0 else [_tier_round, _raw_round]
+            for step in steps:
+                step(tier, header, parts, raw_value, times)
         rows.append(_tier_row(size_mb, len(raw_value), times))
     tier.client.delete("bench:raw", tier.redis_key("bench-1mb"), tier.redis_key("bench-8mb"))
     tier.close()
     return rows
 
 
+def _raw_round(tier: SharedTier, header, parts, raw_value: bytes, times: dict) -> None:
+    times["raw_set"].append(_timed(tier.client.set, "bench:raw", raw_value))
+    times["raw_get"].append(_timed(tier.client.get, "bench:raw"))
+
+
+def _tier_round(tier: SharedTier, header: BlobHeader, parts, raw_value, times: dict) -> None:
+    times["tier_put"].append(_timed(_tier_put, tier, header, parts))
+    times["tier_get"].append(_timed(_must_load, tier, header))
+
+
 def _tier_put(tier: SharedTier, header: BlobHeader, parts: list[bytes]) -> None:
-    if not tier.put_blob(header.key, encode_blob(header, parts)):
+    if not tier.put_pieces(header.key, blob_pieces(header, parts)):
         raise RuntimeError("the shared tier refused the benchmark blob")
 
 
