@@ -127,8 +127,9 @@ def _reply_head(head: bytes) -> tuple[int, bool]:
 
 @dataclass(frozen=True)
 class ClientConfig:
-    # Seconds one attempt may take (connect, send and reply).
-    timeout_ms: float = 20.0
+    # Milliseconds one attempt may take (connect, send and the whole reply). One lookup per
+    # prompt; 50 ms is small next to a prefill and rides out a loaded node's stalls.
+    timeout_ms: float = 50.0
     # Further attempts after a failed one, within the same call.
     retries: int = 1
     # Consecutive failed calls that open the circuit breaker.

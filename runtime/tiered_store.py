@@ -143,6 +143,19 @@ class TieredKVStore:
         self._announced: OrderedDict[str, Entry] = OrderedDict()
         self._lock = threading.Lock()
 
+    # --- sizes of the local tier (what the engine's metrics report) -----------------------
+
+    @property
+    def num_bytes(self) -> int:
+        return self.local.num_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.local.capacity_bytes
+
+    def __len__(self) -> int:
+        return len(self.local)
+
     # --- the KVStore protocol --------------------------------------------------------------
 
     def get(self, key: str) -> SegmentKV | None:
@@ -275,9 +288,12 @@ class TierSettings:
         return cls(local_bytes, shared_url, lookup_url, deployment, pod, **more)
 
 
-def open_tiered_store(settings: TierSettings, layout: KVLayout) -> TieredKVStore:
-    """The store for these settings, its announcer started when there is a lookup server."""
-    local = LocalKVStore(settings.local_bytes)
+def open_tiered_store(
+    settings: TierSettings, layout: KVLayout, local: LocalKVStore | None = None
+) -> TieredKVStore:
+    """The store for these settings (over `local`, or a new local tier), its announcer
+    started when there is a lookup server."""
+    local = local if local is not None else LocalKVStore(settings.local_bytes)
     shared = None
     if settings.shared_url:
         config = SharedTierConfig(
@@ -292,4 +308,75 @@ def open_tiered_store(settings: TierSettings, layout: KVLayout) -> TieredKVStore
     announcing = LookupClient(settings.lookup_url, settings.client)
     store = TieredKVStore(local, layout, shared, lookup)
     store.announcer = Announcer(announcing, pod, store.holdings, settings.announcer).start()
+    return store
+
+
+class TierMetrics:
+    """A Prometheus collector of a `TieredKVStore`'s counters, read at scrape time."""
+
+    def __init__(self, store: TieredKVStore) -> None:
+        self.store = store
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        store, stats = self.store, self.store.stats
+        hits = CounterMetricFamily(
+            "holeblend_kv_tier_hits", "Segments found, by tier.", labels=["tier"]
+        )
+        hits.add_metric(["local"], stats.local_hits)
+        hits.add_metric(["shared"], stats.shared_hits)
+        yield hits
+        shared = store.shared.stats if store.shared is not None else None
+        lookup = store.lookup.stats if store.lookup is not None else None
+        for name, help_text, value in (
+            ("kv_tier_misses", "Segments found in no tier (computed).", stats.misses),
+            (
+                "kv_load_failures",
+                "Advertised shared-tier segments that did not load.",
+                stats.load_failures,
+            ),
+            ("kv_shared_stores", "Segments written to the shared tier.", stats.shared_stores),
+            (
+                "kv_shared_errors",
+                "Shared-tier commands that failed or timed out.",
+                shared and shared.errors,
+            ),
+            (
+                "kv_shared_bad_blobs",
+                "Shared-tier blobs refused (corrupt, truncated, foreign).",
+                shared and shared.bad_blobs,
+            ),
+            (
+                "lookup_client_failures",
+                "Lookup server calls that failed after retries.",
+                lookup and lookup.failures,
+            ),
+            (
+                "lookup_client_degraded",
+                "Lookups answered all-miss (server failed or breaker open).",
+                lookup and lookup.degraded_lookups,
+            ),
+        ):
+            counter = CounterMetricFamily(f"holeblend_{name}", help_text)
+            counter.add_metric([], value or 0)
+            yield counter
+
+
+def with_remote_tiers(engine, settings, local: LocalKVStore, registry=None):
+    """`local`, or a `TieredKVStore` over it when blend.json names a shared tier or a lookup
+    server (`settings`: the runtime's `BlendSettings`); its counters go to `registry`."""
+    shared_url, lookup_url = settings.kv.shared_url, settings.lookup_server_url
+    if not shared_url and not lookup_url:
+        return local
+    tiers = TierSettings.from_env(local.capacity_bytes, shared_url, lookup_url)
+    store = open_tiered_store(tiers, KVLayout.of(engine.config, engine.kv_dtype), local)
+    if registry is not None:
+        registry.register(TierMetrics(store))
+    log.info(
+        "KV tiers: local %d bytes, shared %s, lookup server %s",
+        local.capacity_bytes,
+        shared_url,
+        lookup_url,
+    )
     return store
