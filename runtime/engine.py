@@ -388,8 +388,8 @@ class ReferenceEngine:
         """Usable cached entries per segment, and how many stored ones were refused."""
         entries: list[SegmentKV | None] = []
         num_rejected = 0
-        for segment, key in zip(prompt.segments, keys, strict=True):
-            entry = self.store.get(key) if key is not None else None
+        stored = self._get_many(keys)
+        for segment, key, entry in zip(prompt.segments, keys, stored, strict=True):
             problem = None if entry is None else self.kv_problem(entry, key, segment.num_tokens)
             if problem is not None:
                 log.warning(
@@ -399,6 +399,13 @@ class ReferenceEngine:
                 entry = None
             entries.append(entry)
         return entries, num_rejected
+
+    def _get_many(self, keys: Sequence[str | None]) -> list[SegmentKV | None]:
+        """The store's entries for `keys` (None for a None key), in one batch: a tiered store
+        asks the lookup server once per prompt, not once per segment."""
+        wanted = [key for key in keys if key is not None]
+        found = dict(zip(wanted, self.store.get_many(wanted), strict=True))
+        return [found.get(key) if key is not None else None for key in keys]
 
     def kv_problem(self, entry: SegmentKV, key: str, num_tokens: int) -> str | None:
         """Why a cached entry cannot be used for a segment of `num_tokens`, or None."""

@@ -39,6 +39,7 @@ from holeblend_runtime.serve.responses import (
 )
 from holeblend_runtime.serve.settings import ServeSettings
 from holeblend_runtime.serve.worker import EngineWorker, Finished, Job, PrefillDone, QueueFull
+from holeblend_runtime.tiered_store import with_remote_tiers
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ class Server:
             from_settings(settings), store, cache_dir=self.settings.cache_dir,
             num_threads=self.settings.torch_threads,
         )  # fmt: skip
+        self.engine.store = with_remote_tiers(self.engine, settings, store, self.metrics.registry)
         prompt = self.engine.build_prompt("Warm-up.", WARM_UP_DOCUMENTS, "Ready?")
         self.engine.generate(self.engine.prefill(prompt, Mode.FULL), 2)
         self.metrics.kv_store_capacity_bytes.set(store.capacity_bytes)
