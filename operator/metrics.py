@@ -47,3 +47,8 @@ TUNING_MAX_RATIO = Gauge(
     "spec.tuning.maxRatio, by BlendDeployment (for the pinned-at-a-bound alert).",
     ["namespace", "name"],
 )
+TUNING_TARGET = Gauge(
+    "holeblend_operator_tuning_target_f1_proxy",
+    "spec.tuning.targetF1Proxy, by BlendDeployment (drawn against the proxies).",
+    ["namespace", "name"],
+)

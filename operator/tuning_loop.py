@@ -43,6 +43,12 @@ from holeblend_operator.tuning_sources import PrometheusSource, ScrapeSource, Ta
 LOG = logging.getLogger(__name__)
 TICK_S = 1.0
 HISTORY_LENGTH = 20  # TuningStatus.history's bound
+TUNING_GAUGES = (
+    metrics.TUNED_RATIO,
+    metrics.TUNING_MIN_RATIO,
+    metrics.TUNING_MAX_RATIO,
+    metrics.TUNING_TARGET,
+)
 PEERING_KINDS = {k.kind: k for k in kube.FRAMEWORK_KINDS if k.group == "kopf.dev"}
 
 
@@ -183,8 +189,8 @@ class TuningLoop:
 
     def forget(self, key: tuple) -> None:
         self._due.pop(key, None)
-        with contextlib.suppress(KeyError):
-            for gauge in (metrics.TUNED_RATIO, metrics.TUNING_MIN_RATIO, metrics.TUNING_MAX_RATIO):
+        for gauge in TUNING_GAUGES:
+            with contextlib.suppress(KeyError):  # never set: not tuned yet
                 gauge.remove(*key)
 
     async def tune(self, key: tuple) -> Decision | None:
@@ -271,6 +277,7 @@ class TuningLoop:
         metrics.TUNED_RATIO.labels(*key).set(decision.to_ratio)
         metrics.TUNING_MIN_RATIO.labels(*key).set(spec.min_ratio)
         metrics.TUNING_MAX_RATIO.labels(*key).set(spec.max_ratio)
+        metrics.TUNING_TARGET.labels(*key).set(spec.target_f1_proxy)
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None:
