@@ -22,6 +22,7 @@ prefill of the same prompt, in the background, and scores the blended request ag
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -132,6 +133,7 @@ class ShadowScorer:
         self._idle = threading.Event()
         self._idle.set()
         self.scores: list[ShadowScore] = []  # kept for benchmarks and tests (bounded below)
+        self.outcomes: collections.Counter[str] = collections.Counter()  # offers by outcome
         self._thread = threading.Thread(target=self._work, name="shadow-prefill", daemon=True)
         self._thread.start()
 
@@ -233,6 +235,7 @@ class ShadowScorer:
             time.sleep(0.005)
 
     def _count(self, outcome: str) -> str:
+        self.outcomes[outcome] += 1
         if self.metrics is not None:
             self.metrics.offers.labels(outcome=outcome).inc()
         return outcome
