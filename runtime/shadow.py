@@ -3,8 +3,8 @@
 For a sampled share of requests (spec.tuning.shadowSampleRate) the engine also runs full
 prefill of the same prompt, in the background, and scores the blended request against it:
 
-1. `offer` samples the request, and drops it at once (never queues it) when the engine is
-   busy or the shadow slots are taken: serving never waits for a shadow.
+1. `offer` samples the request, and drops it at once (never queues it) when requests are
+   waiting or the shadow slots are taken: serving never waits for a shadow.
 2. A worker thread at the lowest CPU priority runs full prefill in chunks of
    `chunk_tokens`; between chunks and decode steps it pauses while the engine is busy, so a
    request waits at most one chunk for the CPU, and gives the sample up (`preempted`) if it
@@ -113,6 +113,7 @@ class ShadowScorer:
         sample_rate: float,
         *,
         is_busy: Callable[[], bool] = lambda: False,
+        is_backlogged: Callable[[], bool] | None = None,
         metrics: ShadowMetrics | None = None,
         slots: int = 1,
         chunk_tokens: int = 32,
@@ -125,7 +126,10 @@ class ShadowScorer:
             raise ValueError(f"slots and chunk_tokens: must be >= 1, got {slots}, {chunk_tokens}")
         self.model, self.tokenizer = model, tokenizer
         self.sample_rate = sample_rate
-        self.is_busy = is_busy
+        self.is_busy = is_busy  # a request is running or waiting: the worker pauses
+        # Requests are waiting (default: is_busy): an offer is dropped. A server that offers
+        # from its compute thread, while its own request still counts, passes this apart.
+        self.is_backlogged = is_backlogged or is_busy
         self.metrics = metrics
         self.chunk_tokens, self.max_pause_s = chunk_tokens, max_pause_s
         self._rng = rng or random.Random()
@@ -141,7 +145,7 @@ class ShadowScorer:
         """Take the request for scoring or drop it; returns the outcome (never blocks)."""
         if self._rng.random() >= self.sample_rate:
             return self._count("not_sampled")
-        if self.is_busy():
+        if self.is_backlogged():
             return self._count("dropped_busy")
         try:
             self._jobs.put_nowait(request)
