@@ -11,6 +11,8 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 from pydantic.alias_generators import to_camel
 
+from holeblend_contract import blend_settings as contract
+from holeblend_contract.blend_settings import BlendMode, Dtype, SegmentContext, Selection
 from holeblend_operator.cel import CelRule, cel_schema_extra, cel_validator
 from holeblend_operator.quantity import quantity_bytes
 
@@ -174,13 +176,6 @@ class ModelSource(ApiModel):
     """Weights from a hub; needs network access from the pods."""
 
 
-class Dtype(StrEnum):
-    AUTO = "auto"
-    FLOAT16 = "float16"
-    BFLOAT16 = "bfloat16"
-    FLOAT32 = "float32"
-
-
 class ModelSpec(ApiModel):
     """The served model."""
 
@@ -307,26 +302,10 @@ class AcceleratorSpec(ApiModel):
         return self.resource_name or DEFAULT_RESOURCE_NAMES.get(self.type)
 
 
-class BlendMode(StrEnum):
-    HOLE = "hole"
-    PREFIX = "prefix"
-    OFF = "off"
-
-
-class SegmentContext(StrEnum):
-    AFTER_SYSTEM = "afterSystem"
-    ALONE = "alone"
-
-
-class Selection(StrEnum):
-    K_DEVIATION = "kDeviation"
-    RANDOM = "random"
-
-
 class KVTiers(ApiModel):
     """Where segment KV caches live."""
 
-    local_cpu_bytes: ByteCount = "4Gi"
+    local_cpu_bytes: ByteCount = f"{contract.DEFAULT_LOCAL_CPU_BYTES >> 30}Gi"
     """Byte budget of the in-process LRU tier of each engine pod."""
     shared_url: StoreUrl | None = None
     """Shared tier on an existing store, e.g. redis://kv-cache:6379/0; none when unset."""
@@ -337,19 +316,18 @@ class BlendSpec(ApiModel):
 
     mode: BlendMode = BlendMode.HOLE
     """hole: reuse every cached segment; prefix: stop at the first miss (CacheBlend); off."""
-    separator: str = Field(default=" # #", min_length=1, max_length=64)
+    separator: str = Field(default=contract.DEFAULT_SEPARATOR, min_length=1, max_length=64)
     """String between the system prompt, the documents and the question."""
-    check_layers: list[Annotated[int, Field(ge=0, le=255)]] = Field(
-        default_factory=lambda: [1], min_length=1, max_length=8
-    )
-    """Layers at which deviating tokens are selected for recompute."""
-    recompute_ratio: float = Field(default=0.15, gt=0, le=1)
+    check_layer: int = Field(default=contract.DEFAULT_CHECK_LAYER, ge=1, le=255)
+    """Layer at which the tokens whose K deviates most are selected for recompute (>= 1:
+    K at layer 0 depends only on the token and its position)."""
+    recompute_ratio: float = Field(default=contract.DEFAULT_RECOMPUTE_RATIO, gt=0, le=1)
     """Initial share of cached tokens recomputed, in (0, 1]; the tuner adjusts it."""
     selection: Selection = Selection.K_DEVIATION
     """How tokens to recompute are chosen: largest K deviation, or random (a baseline)."""
-    chunk_size: int = Field(default=256, ge=16, le=8192)
+    chunk_size: int = Field(default=contract.DEFAULT_CHUNK_SIZE, ge=16, le=8192)
     """Tokens per KV storage chunk."""
-    min_segment_tokens: int = Field(default=16, ge=1, le=65536)
+    min_segment_tokens: int = Field(default=contract.DEFAULT_MIN_SEGMENT_TOKENS, ge=1, le=65536)
     """Segments shorter than this are recomputed, never cached."""
     segment_context: SegmentContext = SegmentContext.AFTER_SYSTEM
     """afterSystem: cache a document's KV as computed right after the system prompt
@@ -407,7 +385,7 @@ class TuningSpec(ApiModel):
     """How long quality must stay above target before lowering the ratio."""
     min_samples: int = Field(default=20, ge=1, le=100000)
     """Fewest F1-proxy samples in the window to act on."""
-    shadow_sample_rate: float = Field(default=0.02, ge=0, le=1)
+    shadow_sample_rate: float = Field(default=contract.DEFAULT_SHADOW_SAMPLE_RATE, ge=0, le=1)
     """Share of requests also run with full prefill to score the F1 proxy."""
     prometheus_url: HttpUrl | None = None
     """Prometheus to query; the operator scrapes the pods directly when unset."""

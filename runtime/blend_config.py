@@ -1,16 +1,23 @@
-"""How the blender reuses cached KV: validated once, passed whole."""
+"""How the blender reuses cached KV: validated once, passed whole.
+
+The defaults and the selection names are the blend settings contract's
+(`holeblend_contract.blend_settings`); `from_settings` builds a config from a parsed
+`blend.json`.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from holeblend_contract import blend_settings as contract
+
 # Names of the built-in token selection strategies (see selection.py).
-K_DEVIATION = "k-deviation"
-RANDOM = "random"
+K_DEVIATION = contract.Selection.K_DEVIATION.value
+RANDOM = contract.Selection.RANDOM.value
 SELECTION_NAMES = (K_DEVIATION, RANDOM)
 # LMCache's separator without its trailing space: with a leading space on every piece
 # the pieces tokenize exactly as the whole prompt does (see docs/blending.md).
-DEFAULT_SEPARATOR = " # #"
+DEFAULT_SEPARATOR = contract.DEFAULT_SEPARATOR
 
 
 @dataclass(frozen=True)
@@ -18,16 +25,16 @@ class BlendConfig:
     """Blending knobs; `ratio` may be overridden per request."""
 
     # Layer whose fresh K is compared with the cached K; layers up to it run in full.
-    check_layer: int = 1
+    check_layer: int = contract.DEFAULT_CHECK_LAYER
     # Share of the cached tokens recomputed in the layers after the check layer.
-    ratio: float = 0.15
-    # Token selection strategy name: "k-deviation" (top-k K deviation) or "random".
+    ratio: float = contract.DEFAULT_RECOMPUTE_RATIO
+    # Token selection strategy name: "kDeviation" (top-k K deviation) or "random".
     selection: str = K_DEVIATION
     # Pick the top ratio share separately in each run of cached tokens between holes.
     per_section: bool = False
     separator: str = DEFAULT_SEPARATOR
     # Documents shorter than this are never cached (computed fresh every time).
-    min_segment_tokens: int = 8
+    min_segment_tokens: int = contract.DEFAULT_MIN_SEGMENT_TOKENS
     # Cache a document at the positions right after the system prompt (True) or alone
     # from position 0 (False); after the system prompt roughly halves blending error.
     cache_after_system: bool = True
@@ -46,6 +53,18 @@ class BlendConfig:
             raise ValueError("separator: must contain a visible character")
         if self.min_segment_tokens < 1:
             raise ValueError(f"min_segment_tokens: must be >= 1, got {self.min_segment_tokens}")
+
+
+def from_settings(settings: contract.BlendSettings) -> BlendConfig:
+    """The blending knobs of a parsed `blend.json` (runtime-only knobs keep their defaults)."""
+    return BlendConfig(
+        check_layer=settings.check_layer,
+        ratio=settings.recompute_ratio,
+        selection=settings.selection.value,
+        separator=settings.separator,
+        min_segment_tokens=settings.min_segment_tokens,
+        cache_after_system=settings.segment_context is contract.SegmentContext.AFTER_SYSTEM,
+    )
 
 
 def check_ratio(ratio: float) -> float:

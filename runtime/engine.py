@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
@@ -367,24 +367,29 @@ class ReferenceEngine:
         h = self.model.forward(inputs, k, v, start=num_prompt)
         return torch.cat([prefill.logits[None], self.model.logits(h)])
 
-    @torch.inference_mode()
     def generate(self, prefill: Prefill, max_new_tokens: int) -> list[int]:
         """Greedy continuation; stops after `max_new_tokens` or at EOS (not returned)."""
+        return list(self.generate_stream(prefill, max_new_tokens))
+
+    def generate_stream(self, prefill: Prefill, max_new_tokens: int) -> Iterator[int]:
+        """`generate`, one token at a time: a caller that stops iterating stops decoding."""
+        with torch.inference_mode():
+            yield from self._generate(prefill, max_new_tokens)
+
+    def _generate(self, prefill: Prefill, max_new_tokens: int) -> Iterator[int]:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
         position = prefill.num_prompt_tokens
         max_new_tokens = min(max_new_tokens, self.config.context_length - position)
         k, v = self._grow_kv(prefill, max_new_tokens)
-        generated: list[int] = []
         logits = prefill.logits
-        while len(generated) < max_new_tokens:
+        for _ in range(max_new_tokens):
             token = int(logits.argmax())
             if token == self.config.eos_token_id:
-                break
-            generated.append(token)
+                return
+            yield token
             h = self.model.forward(torch.tensor([token], device=self.model.device), k, v, position)
             logits, position = self.model.logits(h)[0], position + 1
-        return generated
 
     def _grow_kv(self, prefill: Prefill, num_more: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.model.new_kv(prefill.num_prompt_tokens + num_more)

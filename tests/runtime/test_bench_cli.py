@@ -30,7 +30,7 @@ def test_holes_seed_and_modes_pass_through():
     assert config.modes == ("hole",)
 
 
-@pytest.mark.parametrize(("name", "expected"), [("kdev", "k-deviation"), ("random", "random")])
+@pytest.mark.parametrize(("name", "expected"), [("kdev", "kDeviation"), ("random", "random")])
 def test_selection_names_map_to_the_blend_config(name, expected):
     blend = blend_config(parse_args(["--selection", name, "--check-layer", "3"]))
     assert blend.selection == expected and blend.check_layer == 3
