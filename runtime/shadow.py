@@ -133,7 +133,10 @@ class ShadowScorer:
         self.metrics = metrics
         self.chunk_tokens, self.max_pause_s = chunk_tokens, max_pause_s
         self._rng = rng or random.Random()
-        self._jobs: queue.Queue[ShadowRequest | None] = queue.Queue(maxsize=slots)
+        self.slots = slots
+        self._jobs: queue.Queue[ShadowRequest | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._num_in_flight = 0
         self._idle = threading.Event()
         self._idle.set()
         self.scores: list[ShadowScore] = []  # kept for benchmarks and tests (bounded below)
@@ -147,11 +150,12 @@ class ShadowScorer:
             return self._count("not_sampled")
         if self.is_backlogged():
             return self._count("dropped_busy")
-        try:
-            self._jobs.put_nowait(request)
-        except queue.Full:
-            return self._count("dropped_full")
-        self._idle.clear()
+        with self._lock:
+            if self._num_in_flight >= self.slots:  # queued or running
+                return self._count("dropped_full")
+            self._num_in_flight += 1
+            self._idle.clear()
+        self._jobs.put(request)
         return "queued"
 
     def wait_idle(self, timeout: float | None = None) -> bool:
@@ -177,8 +181,10 @@ class ShadowScorer:
                 LOG.exception("shadow scoring failed")
                 self._count("failed")
             finally:
-                if self._jobs.empty():
-                    self._idle.set()
+                with self._lock:
+                    self._num_in_flight -= 1
+                    if self._num_in_flight == 0:
+                        self._idle.set()
 
     @torch.inference_mode()
     def score(self, request: ShadowRequest) -> ShadowScore:
