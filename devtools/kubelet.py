@@ -209,6 +209,7 @@ class ProcessKubelet:
         container = pod.container
         command = [*container.get("command", []), *container.get("args", [])]
         command = [self._local_value(pod, arg) for arg in command]
+        command[0] = shutil.which(command[0], path=_search_path()) or command[0]
         command = [pod.ip if arg == "0.0.0.0" else arg for arg in command]
         env = dict(os.environ)
         env.update(
