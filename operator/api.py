@@ -562,7 +562,9 @@ class TuningDecision(ApiModel):
     to_ratio: float = Field(gt=0, le=1)
     """Ratio after."""
     reason: str
-    """Why, with the numbers it saw."""
+    """Why, with the numbers it saw; starts with a reason code (e.g. `BelowTarget:`)."""
+    inputs: "ObservedMetrics | None" = None
+    """The windowed metrics the decision was taken on."""
 
 
 class TuningStatus(ApiModel):
@@ -574,6 +576,9 @@ class TuningStatus(ApiModel):
 
     history: list[TuningDecision] = Field(default_factory=list, max_length=20)
     """The latest decisions, newest last."""
+    above_target_since: str | None = None
+    """Since when the F1 proxy has stayed above target + band (RFC 3339); the ratio is
+    lowered once this is a cooldown ago."""
 
 
 class ObservedMetrics(ApiModel):
