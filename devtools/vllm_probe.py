@@ -70,17 +70,12 @@ def build_prompts(config: ProbeConfig) -> list[tuple[list[int], list[int]]]:
     return pairs
 
 
-def blend_settings(ratio: float) -> dict[str, Any]:
-    return {
-        "formatVersion": 1,
-        "mode": "hole",
-        "separator": SEPARATOR,
-        "checkLayers": [1],
-        "recomputeRatio": ratio,
-        "selection": "kDeviation",
-        "minSegmentTokens": 8,
-        "segmentContext": "afterSystem",
-    }
+def blend_settings(ratio: float) -> str:
+    """blend.json as the operator writes it (the shared contract's model)."""
+    from holeblend_contract.blend_settings import BlendSettings, ModelSettings
+
+    model = ModelSettings(name="SmolLM2-135M-Instruct", dtype="float32")
+    return BlendSettings(model=model, separator=SEPARATOR, recompute_ratio=ratio).to_json()
 
 
 class Probe:
@@ -111,7 +106,7 @@ class Probe:
     def _write_settings(self, ratio: float) -> None:
         self.settings_path.parent.mkdir(parents=True, exist_ok=True)
         temporary = self.settings_path.with_suffix(".tmp")
-        temporary.write_text(json.dumps(blend_settings(ratio)))
+        temporary.write_text(blend_settings(ratio))
         os.replace(temporary, self.settings_path)
 
     def generate(self, token_ids: list[int], max_tokens: int, **extra: Any) -> Any:
