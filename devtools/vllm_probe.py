@@ -227,13 +227,25 @@ def run_until_done(engine: Any, ids: list[str]) -> tuple[dict[str, Any], int]:
     scheduler = engine.engine_core.engine_core.scheduler
     outputs: dict[str, Any] = {}
     preemptions = 0
-    while len(outputs) < len(ids):
+    for _ in range(MAX_STEPS):
+        if len(outputs) == len(ids):
+            break
         for output in engine.step():
             if output.finished and output.request_id in ids:
                 outputs[output.request_id] = output
         running = scheduler.requests.values()
         preemptions = max([preemptions, *(r.num_preemptions for r in running)])
+    else:
+        states = {
+            r.request_id: (str(r.status), r.num_computed_tokens)
+            for r in scheduler.requests.values()
+        }
+        raise RuntimeError(f"requests not finished after {MAX_STEPS} steps: {states}")
     return outputs, preemptions
+
+
+# Two requests of LIFECYCLE_TOKENS new tokens finish in ~2 x 200 steps.
+MAX_STEPS = 3000
 
 
 def agreement(probe: Probe, prompt: list[int], answer: list[int]) -> float:
