@@ -26,7 +26,7 @@ def run_probe(work_dir: Path, *args: str) -> dict:
     out = work_dir / "result.json"
     command = [sys.executable, "-I", "-m", "holeblend_devtools.vllm_probe", *PROBE_ARGS]
     command += ["--work-dir", str(work_dir), "--json", str(out), *args]
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=1200)
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=3000)
     if completed.returncode != 0:
         pytest.fail(f"probe failed ({completed.returncode}):\n{completed.stderr[-4000:]}")
     return json.loads(out.read_text())

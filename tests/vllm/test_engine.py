@@ -12,7 +12,9 @@ from holeblend_devtools.vllm_probe import ProbeConfig, build_prompts
 from holeblend_runtime.bench.quality import top1_agreement
 from holeblend_runtime.engine import ReferenceEngine
 
-pytestmark = pytest.mark.slow
+# Each fixture starts a vLLM engine in a subprocess: ~1-2 min on a quiet 2-core machine,
+# over 10 min when the machine is shared.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 
 
 def results_at(report: dict, ratio: float) -> list[dict]:
