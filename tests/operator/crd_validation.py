@@ -25,9 +25,28 @@ import jsonschema
 
 from holeblend_devtools import schemas
 from holeblend_operator.crd import open_api_schema
+from holeblend_operator.quantity import quantity_value
 
 _CEL = celpy.Environment()
 _PROGRAMS: dict[str, Any] = {}
+
+
+class _Quantity(celpy.celtypes.StringType):
+    """A value of Kubernetes' CEL quantity library (`quantity('2Gi')`)."""
+
+
+def _quantity(text) -> _Quantity:
+    quantity_value(str(text))  # the library refuses what does not parse
+    return _Quantity(str(text))
+
+
+def _compare_to(a: _Quantity, b: _Quantity) -> celpy.celtypes.IntType:
+    x, y = quantity_value(str(a)), quantity_value(str(b))
+    return celpy.celtypes.IntType((x > y) - (x < y))
+
+
+# The parts of the Kubernetes CEL libraries our rules use.
+_KUBERNETES_FUNCTIONS = {"quantity": _quantity, "compareTo": _compare_to}
 
 
 def _is_type(validator, types, instance, schema):
@@ -85,7 +104,8 @@ def cel_errors(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:
 def _rule_problem(rule: dict[str, str], value: Any, schema: dict[str, Any]) -> str | None:
     expression = rule["rule"]
     if expression not in _PROGRAMS:
-        _PROGRAMS[expression] = _CEL.program(_CEL.compile(expression))
+        ast = _CEL.compile(expression)
+        _PROGRAMS[expression] = _CEL.program(ast, functions=_KUBERNETES_FUNCTIONS)
     try:
         result = _PROGRAMS[expression].evaluate({"self": to_cel(value, schema)})
     except celpy.CELEvalError as exc:
