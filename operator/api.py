@@ -315,6 +315,20 @@ class EnvVar(ApiModel):
     """Variable value."""
 
 
+_NO_OPERATOR_KEYS = {
+    "x-kubernetes-validations": [
+        {
+            "rule": "self.all(k, "
+            + " && ".join(f"!k.startsWith('{p}')" for p in reserved.RESERVED_METADATA_PREFIXES)
+            + ")",
+            "message": "keys under "
+            + " and ".join(reserved.RESERVED_METADATA_PREFIXES)
+            + " are set by the operator; use a key of your own",
+        }
+    ]
+}
+
+
 class EngineSpec(ApiModel):
     """The vLLM engine pods that run the hole-mode blending runtime."""
 
@@ -325,11 +339,38 @@ class EngineSpec(ApiModel):
     tensor_parallel_size: int = Field(default=1, ge=1, le=64)
     """Devices one engine shards the model over; at most `accelerator.count`."""
     extra_args: list[Annotated[str, Field(max_length=1024)]] = Field(
-        default_factory=list, max_length=64
+        default_factory=list,
+        max_length=64,
+        json_schema_extra=cel_schema_extra(
+            CelRule(
+                rule=reserved.RESERVED_FLAGS_RULE,
+                message="extraArgs must not set flags the operator sets ("
+                + ", ".join(reserved.RESERVED_FLAGS)
+                + "); use their spec fields",
+                check=lambda args: reserved.reserved_flag_problem(args) is None,
+            )
+        ),
     )
     """Extra `vllm serve` arguments, e.g. ['--enable-prefix-caching']; flags the operator
     sets itself (--port, --tensor-parallel-size, ...) are refused with the field to use."""
-    env: list[EnvVar] = Field(default_factory=list, max_length=64)
+    env: list[EnvVar] = Field(
+        default_factory=list,
+        max_length=64,
+        json_schema_extra=cel_schema_extra(
+            CelRule(
+                rule=reserved.RESERVED_ENV_RULE,
+                message="env must not set variables the operator sets ("
+                + ", ".join(reserved.RESERVED_ENV)
+                + "); use their spec fields",
+                check=lambda env: True,
+            ),
+            CelRule(
+                rule=reserved.UNIQUE_ENV_RULE,
+                message="env names must be unique",
+                check=lambda env: True,
+            ),
+        ),
+    )
     """Extra environment variables of the engine container; names must be unique, and those
     the operator sets (HOLEBLEND_CONFIG, *_VISIBLE_DEVICES, ...) are refused."""
     resources: Resources = Field(default_factory=Resources)
@@ -338,10 +379,14 @@ class EngineSpec(ApiModel):
     """Port of the OpenAI-compatible API and /metrics."""
     shm_size: ByteCount = "8Gi"
     """Size of the in-memory /dev/shm volume (tensor-parallel workers share memory)."""
-    pod_labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=32)
+    pod_labels: dict[LabelKey, LabelValue] = Field(
+        default_factory=dict, max_length=32, json_schema_extra=_NO_OPERATOR_KEYS
+    )
     """Extra labels of the engine pods, e.g. {volcano.sh/queue-name: inference} (scheduler
     metadata); the app.kubernetes.io/* labels are the operator's."""
-    pod_annotations: dict[LabelKey, AnnotationValue] = Field(default_factory=dict, max_length=32)
+    pod_annotations: dict[LabelKey, AnnotationValue] = Field(
+        default_factory=dict, max_length=32, json_schema_extra=_NO_OPERATOR_KEYS
+    )
     """Extra annotations of the engine pods, e.g. HAMi's {hami.io/vnpu-mode: hami-core} or
     MindCluster's; keys under blend.holeblend.io/ are the operator's."""
     termination_grace_period_seconds: int = Field(default=120, ge=30, le=3600)

@@ -55,9 +55,14 @@ def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         elif key == "items":
             out[key] = structural(value, defs)
         elif key == "patternProperties":
-            out.update(_map_with_checked_keys(value, node.get("propertyNames", {}), defs))
+            checked = _map_with_checked_keys(value, node.get("propertyNames", {}), defs)
+            rules = checked.pop("x-kubernetes-validations")
+            out.update(checked)
+            out["x-kubernetes-validations"] = rules + out.get("x-kubernetes-validations", [])
         elif key == "const":
             out["enum"] = [value]
+        elif key == "x-kubernetes-validations":
+            out[key] = out.get(key, []) + copy.deepcopy(value)
         else:
             out[key] = copy.deepcopy(value)
     return _fix_bounds_and_defaults(out)

@@ -36,6 +36,23 @@ RESERVED_ENV = {
 }
 
 
+def _flag_regex(flag: str) -> str:
+    # vLLM reads '_' as '-' in long flags; '--port=9000' sets --port too.
+    return flag[:2] + flag[2:].replace("-", "[-_]") if flag.startswith("--") else flag
+
+
+# The same checks as CEL, for the CRD (the API server's messages are shorter than ours).
+RESERVED_FLAGS_RULE = (
+    "self.all(a, !a.matches('^("
+    + "|".join(_flag_regex(flag) for flag in RESERVED_FLAGS)
+    + ")(=.*)?$'))"
+)
+RESERVED_ENV_RULE = (
+    "self.all(e, !(e.name in [" + ", ".join(f"'{name}'" for name in RESERVED_ENV) + "]))"
+)
+UNIQUE_ENV_RULE = "self.all(e, self.exists_one(f, f.name == e.name))"
+
+
 def flag_name(arg: str) -> str | None:
     """The flag an argument sets ('--port=9000' -> '--port'; vLLM also reads '_' as '-')."""
     if not arg.startswith("-"):
