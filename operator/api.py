@@ -230,7 +230,18 @@ class PvcSource(ApiModel):
 
     claim_name: DnsName
     """Name of the PersistentVolumeClaim in the BlendDeployment's namespace."""
-    path: str = Field(default="/", min_length=1, max_length=4096, pattern=r"^[^\x00]*$")
+    path: str = Field(
+        default="/",
+        min_length=1,
+        max_length=4096,
+        json_schema_extra=cel_schema_extra(
+            CelRule(
+                rule=r"!self.matches('(^|/)\\.\\.(/|$)')",
+                message="the path contains '..'; the model must stay inside its volume",
+                check=lambda path: True,  # checked with a better message by the validator
+            )
+        ),
+    )
     """Directory of the model inside the volume; '/' is the volume's root, '..' is refused."""
 
     @field_validator("path")
