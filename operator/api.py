@@ -7,6 +7,7 @@ models. Field names are camelCase on the wire (aliases) and snake_case in Python
 import re
 from enum import StrEnum
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     AfterValidator,
@@ -20,6 +21,15 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from holeblend_contract import blend_settings as contract
+from holeblend_contract.blend_settings import (
+    BlendMode,
+    Dtype,
+    SegmentContext,
+    Selection,
+    StorePolicy,
+)
+from holeblend_contract.shared_tier import check_shared_url
 from holeblend_operator import host_paths, reserved
 from holeblend_operator.cel import CelRule, cel_schema_extra, cel_validator
 from holeblend_operator.quantity import quantity_bytes, quantity_value
@@ -295,13 +305,6 @@ class ModelSource(ApiModel):
     """Weights from a hub; needs network access from the pods."""
 
 
-class Dtype(StrEnum):
-    AUTO = "auto"
-    FLOAT16 = "float16"
-    BFLOAT16 = "bfloat16"
-    FLOAT32 = "float32"
-
-
 class ModelSpec(ApiModel):
     """The served model."""
 
@@ -535,29 +538,56 @@ class AcceleratorSpec(ApiModel):
         return self.resource_name or DEFAULT_RESOURCE_NAMES.get(self.type)
 
 
-class BlendMode(StrEnum):
-    HOLE = "hole"
-    PREFIX = "prefix"
-    OFF = "off"
+class SecretKeyRef(ApiModel):
+    """One key of a Secret in the BlendDeployment's namespace."""
+
+    name: DnsName
+    """Secret name."""
+    key: str = Field(pattern=r"^[-._a-zA-Z0-9]+$", min_length=1, max_length=253)
+    """Key within the Secret."""
 
 
-class SegmentContext(StrEnum):
-    AFTER_SYSTEM = "afterSystem"
-    ALONE = "alone"
-
-
-class Selection(StrEnum):
-    K_DEVIATION = "kDeviation"
-    RANDOM = "random"
+# The shared tier's URL sits in a ConfigMap: a password in it is refused (CEL and pydantic),
+# with the fix named; the password comes from sharedPasswordSecret instead.
+SharedStoreUrl = Annotated[
+    _matching(
+        r"(redis|rediss|valkey|valkeys)://.+",
+        "a redis://, rediss://, valkey:// or valkeys:// URL like redis://kv-cache:6379/0",
+        max_length=2048,
+    ),
+    AfterValidator(lambda url: check_shared_url(url, "spec.blend.kv.sharedUrl")),
+]
+_SHARED_URL_NO_PASSWORD = CelRule(
+    rule="!has(self.sharedUrl) || !self.sharedUrl.matches('^[a-z]+://[^/@]*:[^/@]*@')",
+    message="kv.sharedUrl must not carry a password (it is stored in a ConfigMap); remove it and reference a Secret key in kv.sharedPasswordSecret",
+    check=lambda kv: kv.shared_url is None or urlsplit(kv.shared_url).password is None,
+    field_path=".sharedUrl",
+)
+_SECRET_NEEDS_URL = CelRule(
+    rule="!has(self.sharedPasswordSecret) || has(self.sharedUrl)",
+    message="kv.sharedPasswordSecret needs kv.sharedUrl; set the URL of the shared tier or remove the secret",
+    check=lambda kv: kv.shared_password_secret is None or kv.shared_url is not None,
+    field_path=".sharedPasswordSecret",
+)
 
 
 class KVTiers(ApiModel):
     """Where segment KV caches live."""
 
-    local_cpu_bytes: ByteCount = "4Gi"
+    model_config = ConfigDict(
+        json_schema_extra=cel_schema_extra(_SHARED_URL_NO_PASSWORD, _SECRET_NEEDS_URL)
+    )
+    check_rules = cel_validator(_SHARED_URL_NO_PASSWORD, _SECRET_NEEDS_URL)
+
+    local_cpu_bytes: ByteCount = f"{contract.DEFAULT_LOCAL_CPU_BYTES >> 30}Gi"
     """Byte budget of the in-process LRU tier of each engine pod."""
-    shared_url: StoreUrl | None = None
-    """Shared tier on an existing store, e.g. redis://kv-cache:6379/0; none when unset."""
+    shared_url: SharedStoreUrl | None = None
+    """Shared tier on Redis or Valkey, e.g. redis://kv-cache:6379/0 (no password; see
+    sharedPasswordSecret); none when unset. Configure the store with
+    `maxmemory-policy allkeys-lru` (docs/shared-tier.md)."""
+    shared_password_secret: SecretKeyRef | None = None
+    """Secret key holding the shared tier's password, given to the engine pods as the env
+    var HOLEBLEND_SHARED_TIER_PASSWORD; none when the store needs no password."""
 
 
 class BlendSpec(ApiModel):
@@ -565,23 +595,26 @@ class BlendSpec(ApiModel):
 
     mode: BlendMode = Field(default=BlendMode.HOLE, strict=False)
     """hole: reuse every cached segment; prefix: stop at the first miss (CacheBlend); off."""
-    separator: str = Field(default=" # #", min_length=1, max_length=64)
+    separator: str = Field(default=contract.DEFAULT_SEPARATOR, min_length=1, max_length=64)
     """String between the system prompt, the documents and the question."""
-    check_layers: list[Annotated[int, Field(ge=0, le=255)]] = Field(
-        default_factory=lambda: [1], min_length=1, max_length=8
-    )
-    """Layers at which deviating tokens are selected for recompute."""
-    recompute_ratio: float = Field(default=0.15, gt=0, le=1)
+    check_layer: int = Field(default=contract.DEFAULT_CHECK_LAYER, ge=1, le=255)
+    """Layer at which the tokens whose K deviates most are selected for recompute (>= 1:
+    K at layer 0 depends only on the token and its position)."""
+    recompute_ratio: float = Field(default=contract.DEFAULT_RECOMPUTE_RATIO, gt=0, le=1)
     """Initial share of cached tokens recomputed, in (0, 1]; the tuner adjusts it."""
     selection: Selection = Field(default=Selection.K_DEVIATION, strict=False)
     """How tokens to recompute are chosen: largest K deviation, or random (a baseline)."""
-    chunk_size: int = Field(default=256, ge=16, le=8192)
+    chunk_size: int = Field(default=contract.DEFAULT_CHUNK_SIZE, ge=16, le=8192)
     """Tokens per KV storage chunk."""
-    min_segment_tokens: int = Field(default=16, ge=1, le=65536)
+    min_segment_tokens: int = Field(default=contract.DEFAULT_MIN_SEGMENT_TOKENS, ge=1, le=65536)
     """Segments shorter than this are recomputed, never cached."""
     segment_context: SegmentContext = Field(default=SegmentContext.AFTER_SYSTEM, strict=False)
     """afterSystem: cache a document's KV as computed right after the system prompt
     (about half the blending error at low ratios); alone: from position 0."""
+    store_policy: StorePolicy = Field(default=StorePolicy.IN_CONTEXT, strict=False)
+    """How a document the request computed gets cached: in-context keeps the KV the request
+    computed (free); isolated recomputes it after the system prompt in a low-priority
+    background worker (see docs/blending.md for the measured trade-off)."""
     kv: KVTiers = Field(default_factory=KVTiers)
     """Cache tiers."""
 
@@ -635,7 +668,7 @@ class TuningSpec(ApiModel):
     """How long quality must stay above target before lowering the ratio."""
     min_samples: int = Field(default=20, ge=1, le=100000)
     """Fewest F1-proxy samples in the window to act on."""
-    shadow_sample_rate: float = Field(default=0.02, ge=0, le=1)
+    shadow_sample_rate: float = Field(default=contract.DEFAULT_SHADOW_SAMPLE_RATE, ge=0, le=1)
     """Share of requests also run with full prefill to score the F1 proxy."""
     prometheus_url: HttpUrl | None = None
     """Prometheus to query; the operator scrapes the pods directly when unset."""
@@ -771,7 +804,9 @@ class TuningDecision(ApiModel):
     to_ratio: float = Field(gt=0, le=1)
     """Ratio after."""
     reason: str = Field(max_length=1024)
-    """Why, with the numbers it saw."""
+    """Why, with the numbers it saw; starts with a reason code (e.g. `BelowTarget:`)."""
+    inputs: "ObservedMetrics | None" = None
+    """The windowed metrics the decision was taken on."""
 
 
 class TuningStatus(ApiModel):
@@ -783,6 +818,9 @@ class TuningStatus(ApiModel):
 
     history: list[TuningDecision] = Field(default_factory=list, max_length=20)
     """The latest decisions, newest last."""
+    above_target_since: str | None = None
+    """Since when the F1 proxy has stayed above target + band (RFC 3339); the ratio is
+    lowered once this is a cooldown ago."""
 
 
 class ObservedMetrics(ApiModel):

@@ -1,5 +1,7 @@
 """The runtime ConfigMap: the blend settings every engine pod reads from `HOLEBLEND_CONFIG`.
 
+The file's format (names, defaults, `formatVersion`, live keys) is defined once in
+`holeblend_contract.blend_settings`; this module only fills it in from a BlendDeployment.
 The file is JSON with sorted keys so equal settings give byte-equal data. The tuner changes
 `recomputeRatio` live: it records the ratio in status.recomputeRatio, the reconcile re-renders
 this ConfigMap with it, and the kubelet refreshes the mounted file (the volume is mounted
@@ -11,18 +13,23 @@ change.
 import hashlib
 import json
 
+from holeblend_contract.blend_settings import (
+    CONFIG_DIR,
+    CONFIG_ENV,
+    CONFIG_KEY,
+    CONFIG_PATH,
+    FORMAT_VERSION,
+    LIVE_KEYS,
+    BlendSettings,
+    KVSettings,
+    ModelSettings,
+)
 from holeblend_operator.api import BlendDeployment, BlendDeploymentSpec
 from holeblend_operator.quantity import quantity_bytes
 from holeblend_operator.render.labels import RUNTIME_CONFIG, object_meta
 from holeblend_operator.render.naming import lookup_name, runtime_config_name
 
-CONFIG_KEY = "blend.json"
-CONFIG_DIR = "/etc/holeblend"
-CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
-# Bumped when a key changes meaning, so a runtime can refuse a file it does not understand.
-FORMAT_VERSION = 1
-# Keys the runtime picks up without a restart; everything else rolls the pods.
-LIVE_KEYS = frozenset({"recomputeRatio"})
+__all__ = ["CONFIG_DIR", "CONFIG_ENV", "CONFIG_KEY", "CONFIG_PATH", "FORMAT_VERSION", "LIVE_KEYS"]
 
 
 def effective_recompute_ratio(bd: BlendDeployment) -> float:
@@ -54,40 +61,42 @@ def lookup_server_url(bd: BlendDeployment) -> str | None:
     return f"http://{host}:{server.port}"
 
 
-def runtime_config(bd: BlendDeployment) -> dict:
-    """The settings the runtime reads, camelCase like the API."""
+def blend_settings(bd: BlendDeployment) -> BlendSettings:
+    """The settings the runtime reads, as the contract types them."""
     blend, model = bd.spec.blend, bd.spec.model
-    return {
-        "formatVersion": FORMAT_VERSION,
-        "model": {"name": model.name, "dtype": str(model.dtype)},
-        "mode": str(blend.mode),
-        "separator": blend.separator,
-        "checkLayers": list(blend.check_layers),
-        "recomputeRatio": effective_recompute_ratio(bd),
-        "selection": str(blend.selection),
-        "chunkSize": blend.chunk_size,
-        "minSegmentTokens": blend.min_segment_tokens,
-        "segmentContext": str(blend.segment_context),
-        "kv": _kv_tiers(bd),
-        "lookupServerUrl": lookup_server_url(bd),
-        "shadowSampleRate": bd.spec.tuning.shadow_sample_rate,
-    }
+    return BlendSettings(
+        format_version=FORMAT_VERSION,
+        model=ModelSettings(name=model.name, served_name=model.served_name, dtype=model.dtype),
+        mode=blend.mode,
+        separator=blend.separator,
+        check_layer=blend.check_layer,
+        recompute_ratio=effective_recompute_ratio(bd),
+        selection=blend.selection,
+        chunk_size=blend.chunk_size,
+        min_segment_tokens=blend.min_segment_tokens,
+        segment_context=blend.segment_context,
+        store_policy=blend.store_policy,
+        kv=_kv_tiers(bd),
+        lookup_server_url=lookup_server_url(bd),
+        shadow_sample_rate=bd.spec.tuning.shadow_sample_rate,
+    )
 
 
-def _kv_tiers(bd: BlendDeployment) -> dict:
+def runtime_config(bd: BlendDeployment) -> dict:
+    """The file's content: camelCase like the API, every key of the contract present."""
+    return blend_settings(bd).to_wire()
+
+
+def _kv_tiers(bd: BlendDeployment) -> KVSettings:
     kv = bd.spec.blend.kv
     local_bytes = quantity_bytes(kv.local_cpu_bytes, "spec.blend.kv.localCpuBytes")
-    return {"localCpuBytes": local_bytes, "sharedUrl": kv.shared_url}
-
-
-def config_json(config: dict) -> str:
-    return json.dumps(config, sort_keys=True, indent=2) + "\n"
+    return KVSettings(local_cpu_bytes=local_bytes, shared_url=kv.shared_url)
 
 
 def config_hash(bd: BlendDeployment) -> str:
     """Hash of the settings that need a pod restart (all but LIVE_KEYS)."""
-    restart_settings = {k: v for k, v in runtime_config(bd).items() if k not in LIVE_KEYS}
-    return hashlib.sha256(config_json(restart_settings).encode()).hexdigest()[:16]
+    restart_settings = blend_settings(bd).restart_settings()
+    return hashlib.sha256(json.dumps(restart_settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def runtime_configmap(bd: BlendDeployment) -> dict:
@@ -96,5 +105,5 @@ def runtime_configmap(bd: BlendDeployment) -> dict:
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": object_meta(bd, name, RUNTIME_CONFIG),
-        "data": {CONFIG_KEY: config_json(runtime_config(bd))},
+        "data": {CONFIG_KEY: blend_settings(bd).to_json()},
     }

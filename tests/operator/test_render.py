@@ -543,16 +543,16 @@ def test_runtime_config_carries_the_blend_settings():
     bd = make_bd(
         blend={
             "mode": "prefix",
-            "checkLayers": [1, 2],
+            "checkLayer": 2,
             "recomputeRatio": 0.2,
             "kv": {"localCpuBytes": "1Gi", "sharedUrl": "redis://kv:6379/0"},
         },
     )
     config = blend_json(bd)
-    assert config["mode"] == "prefix" and config["checkLayers"] == [1, 2]
+    assert config["mode"] == "prefix" and config["checkLayer"] == 2
     assert config["recomputeRatio"] == 0.2 and config["separator"] == " # #"
     assert config["kv"] == {"localCpuBytes": 2**30, "sharedUrl": "redis://kv:6379/0"}
-    assert config["model"] == {"name": "Qwen/Qwen3-8B", "dtype": "auto"}
+    assert config["model"] == {"name": "Qwen/Qwen3-8B", "servedName": None, "dtype": "auto"}
     assert config["lookupServerUrl"] == "http://rag-lookup.serving.svc:8100"
 
 
@@ -569,7 +569,7 @@ def test_ratio_change_does_not_roll_engine_pods():
 
 
 @pytest.mark.parametrize(
-    "blend", [{"mode": "prefix"}, {"checkLayers": [2]}, {"separator": " ##"}, {"chunkSize": 512}]
+    "blend", [{"mode": "prefix"}, {"checkLayer": 2}, {"separator": " ##"}, {"chunkSize": 512}]
 )
 def test_other_blend_changes_roll_engine_pods(blend):
     before, after = engine_pod(make_bd()), engine_pod(make_bd(blend=blend))
@@ -625,7 +625,9 @@ def test_lookup_server_runs_the_runtime_module_on_its_port():
     assert deployment["spec"]["replicas"] == 2
     assert container["command"] == ["python", "-m", "holeblend_runtime.lookup_server"]
     assert container["ports"] == [{"name": "http", "containerPort": 9100, "protocol": "TCP"}]
-    assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert container["args"] == ["--host", "0.0.0.0", "--port", "9100"]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
     assert find(children, "Service", "lookup-server")["spec"]["ports"][0]["port"] == 9100
 
 

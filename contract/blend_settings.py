@@ -1,0 +1,188 @@
+"""`blend.json`: the blend settings file the operator writes and every engine pod reads.
+
+Defined here once. The operator renders it (`holeblend_operator.render.runtime_config`) from
+a BlendDeployment, taking its defaults from the constants below; the runtime parses it with
+`parse_blend_settings` (`holeblend-serve`, the vLLM connector) and builds its own typed
+config from the result. Contract:
+
+1. JSON, camelCase keys, written with sorted keys (`to_json`), so equal settings give
+   byte-equal files.
+2. `formatVersion` is bumped whenever a key changes meaning. A reader refuses a file newer
+   than `FORMAT_VERSION` with an error that says to upgrade the runtime; it reads older ones.
+3. Unknown keys are an error (a misspelt key is never silently ignored); missing keys take
+   the defaults below.
+4. Only `LIVE_KEYS` may change while a pod runs (the kubelet swaps the mounted file; the
+   runtime re-reads it). A change to any other key rolls the pods (the operator's config
+   hash) and a running reader ignores it until restarted.
+
+Names that differed between the two sides before this contract, and what they are now:
+- `selection`: `kDeviation` | `random` on both sides (the runtime's strategy names).
+- `checkLayer`: one layer (the blender selects at a single layer, as CacheBlend does). At
+  least 1: K at layer 0 depends only on the token and its position, so a deviation there
+  says nothing about context.
+- `segmentContext`: `afterSystem` | `alone` (the runtime's `cache_after_system` flag).
+- `minSegmentTokens`: 8, the value the runtime's benchmarks were measured with.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+FORMAT_VERSION = 1
+# The ConfigMap key, the directory it is mounted at and the variable that names the file.
+CONFIG_KEY = "blend.json"
+CONFIG_DIR = "/etc/holeblend"
+CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
+CONFIG_ENV = "HOLEBLEND_CONFIG"
+# Keys a running engine re-reads without a restart; every other key rolls the pods.
+LIVE_KEYS = frozenset({"recomputeRatio"})
+
+DEFAULT_SEPARATOR = " # #"
+DEFAULT_CHECK_LAYER = 1
+DEFAULT_RECOMPUTE_RATIO = 0.15
+DEFAULT_CHUNK_SIZE = 256
+DEFAULT_MIN_SEGMENT_TOKENS = 8
+DEFAULT_LOCAL_CPU_BYTES = 4 << 30
+DEFAULT_SHADOW_SAMPLE_RATE = 0.02
+
+
+class BlendMode(StrEnum):
+    HOLE = "hole"
+    PREFIX = "prefix"
+    OFF = "off"
+
+
+class SegmentContext(StrEnum):
+    AFTER_SYSTEM = "afterSystem"
+    ALONE = "alone"
+
+
+class Selection(StrEnum):
+    K_DEVIATION = "kDeviation"
+    RANDOM = "random"
+
+
+class StorePolicy(StrEnum):
+    # Keep the KV slices the request computed for a missing document, at their positions.
+    IN_CONTEXT = "in-context"
+    # Recompute the document after the system prompt in a low-priority background worker.
+    ISOLATED = "isolated"
+
+
+class Dtype(StrEnum):
+    AUTO = "auto"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+    FLOAT32 = "float32"
+
+
+class BlendSettingsError(ValueError):
+    """The file cannot be used; the message names the key and what to do."""
+
+
+class _Settings(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
+    )
+
+
+class ModelSettings(_Settings):
+    # Model identity; part of every KV cache key.
+    name: str = Field(min_length=1)
+    # Name clients use in the OpenAI API (None: `name`).
+    served_name: str | None = None
+    dtype: Dtype = Dtype.AUTO
+
+    @property
+    def api_name(self) -> str:
+        return self.served_name or self.name
+
+
+class KVSettings(_Settings):
+    # Byte budget of the in-process LRU tier.
+    local_cpu_bytes: int = Field(default=DEFAULT_LOCAL_CPU_BYTES, ge=0)
+    # Shared tier URL (redis://...), None: no shared tier.
+    shared_url: str | None = None
+
+
+class BlendSettings(_Settings):
+    """The whole file, typed; see the module docstring for the contract."""
+
+    format_version: int = Field(default=FORMAT_VERSION, ge=1)
+    model: ModelSettings
+    mode: BlendMode = BlendMode.HOLE
+    separator: str = Field(default=DEFAULT_SEPARATOR, min_length=1)
+    check_layer: int = Field(default=DEFAULT_CHECK_LAYER, ge=1)
+    recompute_ratio: float = Field(default=DEFAULT_RECOMPUTE_RATIO, ge=0, le=1)
+    selection: Selection = Selection.K_DEVIATION
+    # Tokens per KV storage chunk (the vLLM connector; the reference engine stores whole
+    # segments).
+    chunk_size: int = Field(default=DEFAULT_CHUNK_SIZE, ge=1)
+    min_segment_tokens: int = Field(default=DEFAULT_MIN_SEGMENT_TOKENS, ge=1)
+    segment_context: SegmentContext = SegmentContext.AFTER_SYSTEM
+    store_policy: StorePolicy = StorePolicy.IN_CONTEXT
+    kv: KVSettings = Field(default_factory=KVSettings)
+    lookup_server_url: str | None = None
+    shadow_sample_rate: float = Field(default=DEFAULT_SHADOW_SAMPLE_RATE, ge=0, le=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_newer_format(cls, data: Any) -> Any:
+        version = data.get("formatVersion") if isinstance(data, dict) else None
+        if isinstance(version, int) and version > FORMAT_VERSION:
+            raise ValueError(
+                f"formatVersion: {version} is newer than this runtime reads "
+                f"({FORMAT_VERSION}); upgrade the runtime image to match the operator"
+            )
+        return data
+
+    def to_wire(self) -> dict:
+        """The file's content as a JSON-ready dict (camelCase, every key present)."""
+        return self.model_dump(mode="json", by_alias=True)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_wire(), sort_keys=True, indent=2) + "\n"
+
+    def restart_settings(self) -> dict:
+        """Everything but `LIVE_KEYS`: what must not change without a restart."""
+        return {k: v for k, v in self.to_wire().items() if k not in LIVE_KEYS}
+
+
+def parse_blend_settings(text: str | bytes, source: str = CONFIG_KEY) -> BlendSettings:
+    """Parse and validate one file's text; `BlendSettingsError` naming the key otherwise."""
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise BlendSettingsError(f"{source}: not JSON ({error})") from None
+    if not isinstance(data, dict):
+        raise BlendSettingsError(f"{source}: expected a JSON object, got {type(data).__name__}")
+    try:
+        return BlendSettings.model_validate(data)
+    except ValidationError as error:
+        raise BlendSettingsError(f"{source}: {_describe(error)}") from None
+
+
+def load_blend_settings(path: str | Path) -> BlendSettings:
+    """Read and parse the file at `path`."""
+    try:
+        text = Path(path).read_bytes()
+    except OSError as error:
+        raise BlendSettingsError(f"{path}: cannot read ({error.strerror})") from None
+    return parse_blend_settings(text, source=str(path))
+
+
+def _describe(error: ValidationError) -> str:
+    problems = []
+    for item in error.errors():
+        where = ".".join(str(part) for part in item["loc"]) or "(file)"
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = "unknown key; remove it or check its spelling"
+        problems.append(f"{where}: {message}")
+    return "; ".join(problems)

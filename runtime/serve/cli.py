@@ -1,0 +1,70 @@
+"""`holeblend-serve --config FILE --host H --port P` (flags also from HOLEBLEND_SERVE_*).
+
+Exit status: 0 after a graceful shutdown (SIGTERM/SIGINT), 2 for bad flags or an unusable
+blend.json at start (the message names the key), 1 when the model cannot be loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from aiohttp import web
+
+from holeblend_contract.blend_settings import BlendSettingsError
+from holeblend_runtime.serve.app import Server
+from holeblend_runtime.serve.settings import ServeSettings, parse_settings
+
+log = logging.getLogger("holeblend_runtime.serve")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = parse_settings(argv)
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        server = Server(settings)
+    except (BlendSettingsError, ValueError) as error:
+        print(f"holeblend-serve: {error}", file=sys.stderr)
+        return 2
+    return asyncio.run(serve(server, settings))
+
+
+async def serve(server: Server, settings: ServeSettings) -> int:
+    """Listen, load, serve until SIGTERM/SIGINT, drain, close."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port)
+    await site.start()
+    log.info("listening on %s:%d; loading the model", settings.host, settings.port)
+    watcher = asyncio.create_task(server.live.watch(settings.reload_interval))
+    status = await _load(server, stop)
+    await stop.wait()
+    log.info("draining")
+    await server.drain()
+    watcher.cancel()
+    await runner.cleanup()
+    if server.worker is not None:
+        server.worker.stop()
+    log.info("stopped")
+    return status
+
+
+async def _load(server: Server, stop: asyncio.Event) -> int:
+    try:
+        await asyncio.to_thread(server.load)
+    except Exception:
+        log.exception("cannot load the model")
+        stop.set()
+        return 1
+    server.is_ready = True
+    log.info("ready: model %s", server.model_name)
+    return 0

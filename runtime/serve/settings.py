@@ -1,0 +1,113 @@
+"""The server's own settings: every flag also readable from `HOLEBLEND_SERVE_<FLAG>`.
+
+Precedence: a flag on the command line, then the variable, then the default. The blend
+settings (separator, ratio, ...) are not flags: they come from the `blend.json` file that
+`--config` names (the operator's ConfigMap in a pod).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from holeblend_contract.blend_settings import CONFIG_ENV
+
+ENV_PREFIX = "HOLEBLEND_SERVE_"
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    # The blend.json file (default: $HOLEBLEND_CONFIG, as the operator sets it in pods).
+    config: Path
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Requests that may wait for the compute thread; one more is running. Full: 429.
+    queue_size: int = 8
+    # Seconds from arrival to the last token, queue wait included; then 504 (or an SSE error).
+    request_timeout: float = 120.0
+    # max_tokens when a request sets none.
+    default_max_tokens: int = 64
+    # Seconds SIGTERM waits for queued and running requests before closing.
+    drain_timeout: float = 30.0
+    # Seconds between checks of the config directory for a new blend.json.
+    reload_interval: float = 1.0
+    # Threads torch uses on the compute thread.
+    torch_threads: int = 2
+    # Model cache directory (converted GGUF weights); None: $HOLEBLEND_CACHE_DIR or ~/.cache.
+    cache_dir: Path | None = None
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        _at_least("port", self.port, 0)
+        _at_least("queue_size", self.queue_size, 1)
+        _at_least("default_max_tokens", self.default_max_tokens, 1)
+        _at_least("torch_threads", self.torch_threads, 1)
+        for name in ("request_timeout", "drain_timeout", "reload_interval"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+
+
+def _at_least(name: str, value: int, low: int) -> None:
+    if value < low:
+        raise ValueError(f"{name}: must be >= {low}, got {value}")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def parse_settings(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> ServeSettings:
+    """Flags over HOLEBLEND_SERVE_* variables over defaults; SystemExit(2) on bad input."""
+    environ = os.environ if environ is None else environ
+    parser = argparse.ArgumentParser(prog="holeblend-serve", description=__doc__.split("\n")[0])
+    for field in fields(ServeSettings):
+        kind = _value_type(field.name)
+        help_text = f"(env {env_name(field.name)})"
+        parser.add_argument(_flag(field.name), dest=field.name, type=kind, help=help_text)
+    args = parser.parse_args(argv)
+    values = {}
+    for field in fields(ServeSettings):
+        value = getattr(args, field.name)
+        if value is None and env_name(field.name) in environ:
+            value = _from_env(parser, field.name, environ[env_name(field.name)])
+        if value is not None:
+            values[field.name] = value
+    if "config" not in values and CONFIG_ENV in environ:
+        values["config"] = Path(environ[CONFIG_ENV])
+    if "config" not in values:
+        parser.error(f"--config is required (or {env_name('config')} or {CONFIG_ENV})")
+    try:
+        return ServeSettings(**values)
+    except ValueError as error:
+        parser.error(str(error))
+
+
+_TYPES = {
+    "config": Path,
+    "cache_dir": Path,
+    "host": str,
+    "log_level": str,
+    "request_timeout": float,
+    "drain_timeout": float,
+    "reload_interval": float,
+}
+
+
+def _value_type(name: str):
+    return _TYPES.get(name, int)
+
+
+def _from_env(parser: argparse.ArgumentParser, name: str, text: str):
+    try:
+        return _value_type(name)(text)
+    except ValueError:
+        parser.error(f"{env_name(name)}: {text!r} is not a valid {_value_type(name).__name__}")

@@ -1,0 +1,193 @@
+"""The compute thread: one request at a time through the reference engine.
+
+The model runs on a single thread (torch itself uses `torch_threads` for each operation),
+fed by a bounded queue:
+
+1. `submit` admits a job while fewer than `queue_size` wait, else raises `QueueFull` (the
+   route answers 429 with Retry-After).
+2. The thread takes jobs in arrival order. A job cancelled (its client went away) or past
+   its deadline before it starts is dropped without compute.
+3. It looks the segments up (timed), prefills in the configured mode at the live ratio,
+   then decodes greedily, one token at a time, checking cancellation and the deadline
+   after each token.
+4. Events go back to the job's asyncio queue on the server's loop: `Started`,
+   `PrefillDone`, token ids, then one `Finished` (or an exception).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from holeblend_contract.blend_settings import BlendMode
+from holeblend_runtime.engine import Mode, Prefill, ReferenceEngine
+from holeblend_runtime.segments import SegmentedPrompt
+from holeblend_runtime.serve.live_config import LiveConfig
+from holeblend_runtime.serve.metrics import ServeMetrics
+
+log = logging.getLogger(__name__)
+
+ENGINE_MODES = {BlendMode.HOLE: Mode.HOLE, BlendMode.PREFIX: Mode.PREFIX, BlendMode.OFF: Mode.FULL}
+
+
+class QueueFull(Exception):
+    """No room in the queue; `retry_after_s` estimates when there will be."""
+
+    def __init__(self, retry_after_s: int) -> None:
+        super().__init__(f"queue full; retry after {retry_after_s} s")
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class PrefillDone:
+    """What a response reports about the prefill (the usage extension)."""
+
+    mode: str
+    lookup_mode: str
+    ratio: float
+    num_prompt_tokens: int
+    num_reused_tokens: int
+    num_hole_tokens: int
+    num_recomputed_tokens: int
+    ttft_s: float
+
+    @classmethod
+    def of(cls, prefill: Prefill, ttft_s: float) -> PrefillDone:
+        lookup = prefill.lookup.mode if prefill.lookup is not None else "full-miss"
+        return cls(
+            str(prefill.mode), str(lookup), prefill.ratio, prefill.num_prompt_tokens,
+            prefill.num_reused_tokens, prefill.num_hole_tokens, prefill.num_recomputed_tokens,
+            ttft_s,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Finished:
+    # "stop" (EOS), "length" (max_tokens), "timeout" or "cancelled".
+    reason: str
+
+
+@dataclass(eq=False)
+class Job:
+    prompt: SegmentedPrompt
+    max_tokens: int
+    arrived: float
+    deadline: float
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def emit(self, event: object) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    def stop_reason(self) -> str | None:
+        if self.cancelled.is_set():
+            return "cancelled"
+        if time.perf_counter() > self.deadline:
+            return "timeout"
+        return None
+
+
+class EngineWorker:
+    """The queue and the one thread that runs the engine."""
+
+    def __init__(
+        self, engine: ReferenceEngine, live: LiveConfig, metrics: ServeMetrics, queue_size: int
+    ) -> None:
+        self.engine, self.live, self.metrics = engine, live, metrics
+        self.queue_size = queue_size
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._num_waiting = 0
+        self._num_running = 0
+        self._mean_duration_s = 1.0
+        self._thread = threading.Thread(target=self._run, name="holeblend-engine", daemon=True)
+        # Called after each answered request that reused cached KV (the shadow quality proxies).
+        self.on_answered: Callable[[SegmentedPrompt, tuple[int, ...], float], None] | None = None
+
+    @property
+    def num_pending(self) -> int:
+        """Waiting plus running jobs."""
+        with self._lock:
+            return self._num_waiting + self._num_running
+
+    @property
+    def mode(self) -> Mode:
+        return ENGINE_MODES[self.live.current.mode]
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+
+    def submit(self, job: Job) -> None:
+        with self._lock:
+            if self._num_waiting >= self.queue_size:
+                wait = (self._num_waiting + self._num_running) * self._mean_duration_s
+                raise QueueFull(max(1, round(wait)))
+            self._num_waiting += 1
+            self.metrics.queue_depth.set(self._num_waiting)
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            with self._lock:
+                self._num_waiting -= 1
+                self._num_running += 1
+                self.metrics.queue_depth.set(self._num_waiting)
+            started = time.perf_counter()
+            try:
+                self._serve(job)
+            except Exception as error:  # reported to the request; the thread serves on
+                log.exception("request failed")
+                job.emit(error)
+            finally:
+                self._finish(started)
+
+    def _finish(self, started: float) -> None:
+        with self._lock:
+            self._num_running -= 1
+            duration = time.perf_counter() - started
+            self._mean_duration_s = 0.8 * self._mean_duration_s + 0.2 * duration
+
+    def _serve(self, job: Job) -> None:
+        if (reason := job.stop_reason()) is not None:
+            job.emit(Finished(reason))
+            return
+        self.metrics.queue_wait.observe(time.perf_counter() - job.arrived)
+        self._time_lookup(job.prompt)
+        prefill = self.engine.prefill(job.prompt, self.mode, self.live.recompute_ratio)
+        self.metrics.observe_prefill(prefill)
+        job.emit(PrefillDone.of(prefill, time.perf_counter() - job.arrived))
+        answer: list[int] = []
+        job.emit(Finished(reason := self._decode(job, prefill, answer)))
+        if self.on_answered is not None and prefill.num_reused_tokens and reason != "cancelled":
+            self.on_answered(job.prompt, tuple(answer), prefill.ratio)
+
+    def _decode(self, job: Job, prefill: Prefill, answer: list[int]) -> str:
+        limit = min(job.max_tokens, self.engine.config.context_length - prefill.num_prompt_tokens)
+        for token in self.engine.generate_stream(prefill, limit):
+            if (reason := job.stop_reason()) is not None:
+                return reason
+            job.emit(token)
+            answer.append(token)
+            self.metrics.completion_tokens.labels(str(prefill.mode)).inc()
+        return "length" if len(answer) == job.max_tokens else "stop"
+
+    def _time_lookup(self, prompt: SegmentedPrompt) -> None:
+        """Keys and store look-ups, as the prefill does them (the store is in-process)."""
+        if self.mode is Mode.FULL:
+            return
+        started = time.perf_counter()
+        keys = self.engine.segment_keys(prompt)
+        for key in keys:
+            if key is not None:
+                self.engine.store.contains(key)
+        self.metrics.lookup.observe(time.perf_counter() - started)
