@@ -39,6 +39,8 @@ from holeblend_runtime.serve.responses import (
 )
 from holeblend_runtime.serve.settings import ServeSettings
 from holeblend_runtime.serve.worker import EngineWorker, Finished, Job, PrefillDone, QueueFull
+from holeblend_runtime.shadow import ShadowMetrics, ShadowRequest, ShadowScorer
+from holeblend_runtime.tiered_store import with_remote_tiers
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,7 @@ class Server:
         self.model_name = self.live.startup.model.api_name
         self.engine: ReferenceEngine | None = None
         self.worker: EngineWorker | None = None
+        self.shadow: ShadowScorer | None = None
         self.is_ready = False
         self.is_draining = False
         self.num_active = 0
@@ -95,11 +98,29 @@ class Server:
             from_settings(settings), store, cache_dir=self.settings.cache_dir,
             num_threads=self.settings.torch_threads,
         )  # fmt: skip
+        self.engine.store = with_remote_tiers(self.engine, settings, store, self.metrics.registry)
         prompt = self.engine.build_prompt("Warm-up.", WARM_UP_DOCUMENTS, "Ready?")
         self.engine.generate(self.engine.prefill(prompt, Mode.FULL), 2)
         self.metrics.kv_store_capacity_bytes.set(store.capacity_bytes)
         self.worker = EngineWorker(self.engine, self.live, self.metrics, self.settings.queue_size)
+        self._start_shadow(settings.shadow_sample_rate)
         self.worker.start()
+
+    def _start_shadow(self, sample_rate: float) -> None:
+        """Quality proxies (runtime/shadow.py) for a share of the answered requests."""
+        if sample_rate <= 0:
+            return
+        worker = self.worker
+        self.shadow = ShadowScorer(
+            self.engine.model, self.engine.tokenizer, sample_rate,
+            is_busy=lambda: worker.num_pending > 0,
+            # Offered from the compute thread while its own request still counts as pending.
+            is_backlogged=lambda: worker.num_pending > 1,
+            metrics=ShadowMetrics(self.metrics.registry),
+        )  # fmt: skip
+        worker.on_answered = lambda prompt, answer, ratio: self.shadow.offer(
+            ShadowRequest(prompt, answer, ratio)
+        )
 
     async def drain(self) -> None:
         """Refuse new requests; wait for queued and running ones (at most drain_timeout)."""
