@@ -1,13 +1,21 @@
-"""`make demo`: the operator against an in-process Kubernetes API emulator, driven by kubectl.
+"""`make demo`: holeblend serving for real on one machine, the ratio tuner closing the loop.
 
-Starts the emulator (with a stand-in Deployment controller), runs `holeblend-operator run`
-as a subprocess, applies the CRD and examples/cpu.yaml with kubectl, prints the children and
-`kubectl get bd` with its printer columns, then stops everything. `make demo` then runs
-`holeblend-bench --quick`: full prefill, standard CacheBlend and hole mode on the real model.
+1. Starts the Kubernetes API emulator with the process kubelet (`devtools/kubelet.py`: CPU
+   pods run as local processes, so the engine pod really runs `holeblend-serve`),
+   `holeblend-operator run`, and applies the CRD and examples/cpu.yaml with kubectl.
+2. Waits for real readiness (the engine's /ready probe), prints the children and
+   `kubectl get bd -o wide`.
+3. Shortens the tuning interval for the demo, uses a real Prometheus if one is installed
+   (else the operator scrapes the pod), and sends a RAG request stream to the engine
+   Service's local port while the tuner acts on the live metrics.
+4. Prints `kubectl get bd -o wide` (HIT% and F1 filled in), the ratio history from status,
+   writes out/demo-closed-loop.png (ratio, F1 proxy and TTFT over time), stops everything.
+`make demo` then runs `holeblend-bench --quick`: full prefill, standard CacheBlend and hole
+mode on the real model.
 """
 
 import argparse
-import os
+import json
 import pathlib
 import shutil
 import subprocess
@@ -15,13 +23,8 @@ import sys
 import tempfile
 import time
 
-from holeblend_devtools import workloads
-from holeblend_devtools.background import (
-    EmulatorThread,
-    environment_for,
-    operator_command,
-    stop_process,
-)
+from holeblend_devtools import closed_loop, prometheus, timeline
+from holeblend_runtime.bench.workload import WorkloadConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CRD = ROOT / "crds" / "blenddeployments.blend.holeblend.io.yaml"
@@ -31,21 +34,57 @@ KUBECTL = shutil.which("kubectl") or "/usr/bin/kubectl"
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for Ready")
+    parser.add_argument("--timeout", type=float, default=240.0, help="seconds to wait for Ready")
+    parser.add_argument("--stream-seconds", type=float, default=120.0, help="RAG stream length")
+    parser.add_argument("--png", default="out/demo-closed-loop.png")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="holeblend-demo-") as workdir:
-        kubeconfig = os.path.join(workdir, "kubeconfig")
-        node = workloads.Node(allocatable={}, labels={})
-        with EmulatorThread(kubeconfig, node=node, keep_requests=False) as cluster:
-            env = environment_for(kubeconfig) | {"KUBECACHEDIR": os.path.join(workdir, "cache")}
-            step(f"Kubernetes API emulator on {cluster.url}")
-            operator = start_operator(env)
-            try:
-                ok = operator_stage(env, args.timeout)
-            finally:
-                stop_process(operator)
-    step("stopped the operator and the emulator")
+    with (
+        tempfile.TemporaryDirectory(prefix="holeblend-demo-") as workdir,
+        closed_loop.LiveStack(workdir) as stack,
+    ):
+        step(f"Kubernetes API emulator on {stack.cluster.url}, process kubelet, operator")
+        ok = operator_stage(stack.env, args.timeout)
+        if ok:
+            loop_stage(stack, args)
+    step("stopped the engine, the operator, Prometheus and the emulator")
     return 0 if ok else 1
+
+
+def loop_stage(stack: closed_loop.LiveStack, args) -> None:
+    name = "smollm2-demo"
+    tuning = {"intervalSeconds": 10, "cooldownSeconds": 20, "minSamples": 3}
+    tuning |= {"shadowSampleRate": 0.5, "targetF1Proxy": 0.8, "band": 0.05}
+    if prometheus.is_installed():
+        tuning["prometheusURL"] = stack.start_prometheus(name)
+        step(f"a real Prometheus on {tuning['prometheusURL']} scrapes the engine pod")
+    else:
+        step("no Prometheus here: the operator scrapes the engine pod's /metrics itself")
+    kubectl(
+        stack.env,
+        "patch",
+        "bd",
+        name,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"tuning": tuning}}),
+    )
+    url = stack.engine_url(name)
+    step(f"RAG request stream to the engine Service on {url} for {args.stream_seconds:.0f} s")
+    workload = WorkloadConfig(seed=1, num_questions=6, num_documents=4, max_document_tokens=120)
+    recorder = timeline.Recorder(lambda: stack.status(name), f"{url}/metrics")
+    stream = closed_loop.RagStream(url, workload, think_s=1.0)
+    with recorder:
+        stream.start()
+        time.sleep(args.stream_seconds)
+        stream.stop()
+    print(json.dumps(closed_loop.summary_of_usage(stream.sent)))
+    kubectl(stack.env, "get", "bd", "-o", "wide")
+    step("tuning history (status.tuning.history)")
+    closed_loop.print_history((stack.status(name).get("tuning") or {}).get("history") or [])
+    timeline.plot(
+        recorder.samples, args.png, f"{name}: closed loop", target=tuning["targetF1Proxy"]
+    )
+    step(f"wrote {args.png}")
 
 
 def operator_stage(env: dict, timeout: float) -> bool:
@@ -56,7 +95,7 @@ def operator_stage(env: dict, timeout: float) -> bool:
     kubectl(
         env,
         "get",
-        "deployments,services,configmaps,poddisruptionbudgets",
+        "deployments,pods,services,configmaps,poddisruptionbudgets",
         "-l",
         f"app.kubernetes.io/instance={name}",
     )
@@ -70,19 +109,6 @@ def operator_stage(env: dict, timeout: float) -> bool:
         "jsonpath={range .status.conditions[*]}{.type}={.status} ({.reason}){'\\n'}{end}",
     )
     return ready
-
-
-def start_operator(env: dict) -> subprocess.Popen:
-    step("holeblend-operator run --standalone")
-    command = operator_command(
-        "--health-port",
-        "0",
-        "--log-format",
-        "plain",
-        "--log-level",
-        "warning",
-    )
-    return subprocess.Popen(command, env=env)
 
 
 def wait_ready(env: dict, name: str, timeout: float) -> bool:

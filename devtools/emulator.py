@@ -182,6 +182,15 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             new = dicts.merge_patch_dict(copy.deepcopy(old), patch)
             return await self._commit(resource, (resource, namespace, name), old, dict(new))
 
+    async def delete_object(
+        self, resource: Resource | str, namespace: str | None, name: str
+    ) -> None:
+        """Delete an object at once, as a client's DELETE would (dependents are collected)."""
+        resource = Resource(resource)
+        async with self._lock:
+            if self._exists((resource, namespace, name)):
+                await self._delete_now(resource, (resource, namespace, name))
+
     def count_objects(self, resource: Resource | str, namespace: str | None, predicate) -> int:
         """How many stored objects satisfy `predicate(obj)`; no copies (for polling loops)."""
         keys = self._keys(Resource(resource), namespace, ())

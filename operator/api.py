@@ -13,7 +13,13 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from pydantic.alias_generators import to_camel
 
 from holeblend_contract import blend_settings as contract
-from holeblend_contract.blend_settings import BlendMode, Dtype, SegmentContext, Selection
+from holeblend_contract.blend_settings import (
+    BlendMode,
+    Dtype,
+    SegmentContext,
+    Selection,
+    StorePolicy,
+)
 from holeblend_contract.shared_tier import check_shared_url
 from holeblend_operator.cel import CelRule, cel_schema_extra, cel_validator
 from holeblend_operator.quantity import quantity_bytes
@@ -377,6 +383,10 @@ class BlendSpec(ApiModel):
     segment_context: SegmentContext = SegmentContext.AFTER_SYSTEM
     """afterSystem: cache a document's KV as computed right after the system prompt
     (about half the blending error at low ratios); alone: from position 0."""
+    store_policy: StorePolicy = StorePolicy.IN_CONTEXT
+    """How a document the request computed gets cached: in-context keeps the KV the request
+    computed (free); isolated recomputes it after the system prompt in a low-priority
+    background worker (see docs/blending.md for the measured trade-off)."""
     kv: KVTiers = Field(default_factory=KVTiers)
     """Cache tiers."""
 
@@ -552,7 +562,9 @@ class TuningDecision(ApiModel):
     to_ratio: float = Field(gt=0, le=1)
     """Ratio after."""
     reason: str
-    """Why, with the numbers it saw."""
+    """Why, with the numbers it saw; starts with a reason code (e.g. `BelowTarget:`)."""
+    inputs: "ObservedMetrics | None" = None
+    """The windowed metrics the decision was taken on."""
 
 
 class TuningStatus(ApiModel):
@@ -564,6 +576,9 @@ class TuningStatus(ApiModel):
 
     history: list[TuningDecision] = Field(default_factory=list, max_length=20)
     """The latest decisions, newest last."""
+    above_target_since: str | None = None
+    """Since when the F1 proxy has stayed above target + band (RFC 3339); the ratio is
+    lowered once this is a cooldown ago."""
 
 
 class ObservedMetrics(ApiModel):

@@ -15,7 +15,8 @@ kopf's create/update handlers are not used: they would PATCH a diff-base annotat
 every BlendDeployment after each change (one more write and one more watch event each) and
 keep two deep copies of every object for their diffs. No timer and no finalizer (kopf timers
 add one): owner references let the garbage collector delete the children, and nothing
-outside the cluster needs cleaning up.
+outside the cluster needs cleaning up. The ratio tuner runs as a plain task
+(`tuning_loop`) and asks for a reconcile when it changes the ratio.
 """
 
 import asyncio
@@ -25,10 +26,11 @@ import datetime
 import logging
 import random
 import time
+import uuid
 
 import kopf
 
-from holeblend_operator import kube, metrics, reconcile
+from holeblend_operator import kube, metrics, reconcile, tuning_loop
 from holeblend_operator.api import GROUP, KIND, PLURAL, VERSION
 from holeblend_operator.render import (
     effective_ratio,
@@ -98,6 +100,12 @@ class Operator:
         # child (kind, namespace, name) -> (resourceVersion, generation) known to be current
         self._current: dict[tuple, tuple] = {}
         self._deployments: dict[Key, dict] = {}  # our Deployments as last watched
+        # The ratio tuner (tuning_loop): identity and priority tell it whether this replica
+        # is the active one under peering.
+        self.identity = f"holeblend-operator-{uuid.uuid4().hex[:12]}"
+        self.priority = settings.peering_priority
+        self.tuning = tuning_loop.TuningLoop(self)
+        self._tuning_task: asyncio.Task | None = None
 
     async def startup(self, settings: kopf.OperatorSettings, **_) -> None:
         settings.persistence.diffbase_storage = NoDiffBase(prefix=ANNOTATION_PREFIX)
@@ -116,6 +124,7 @@ class Operator:
         self.client = kube.Client.from_configuration(
             self.configuration(), self.settings.request_timeout_s, self.settings.api_concurrency
         )
+        self._tuning_task = asyncio.get_running_loop().create_task(self.tuning.run())
 
     def _configure_peering(self, peering) -> None:
         if self.settings.peering is None:
@@ -128,6 +137,7 @@ class Operator:
         # that sees a live peer of equal priority: a random priority per process makes exactly
         # one replica (the highest) active and the others stand by until its record expires.
         peering.priority = self.settings.peering_priority or random.randint(1, 2**30)
+        self.priority = peering.priority
 
     def login(self, **_) -> kopf.ConnectionInfo:
         return kube.connection_info(self.configuration())
@@ -140,6 +150,7 @@ class Operator:
 
     async def cleanup(self, **_) -> None:
         tasks = [job.task for job in self._pending.values()]
+        tasks += [self._tuning_task] if self._tuning_task is not None else []
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -178,6 +189,20 @@ class Operator:
             job.task.cancel()
         for table in (self._owners, self._inputs, self._retries, self._locks):
             table.pop(key, None)
+        self.tuning.forget(key)
+
+    @property
+    def owners(self) -> dict[Key, dict]:
+        """The BlendDeployments as last watched (the tuner reads and refreshes them)."""
+        return self._owners
+
+    def lock(self, key: Key) -> asyncio.Lock:
+        """The owner's lock: one reconcile, status refresh or tuning write at a time."""
+        return self._lock(key)
+
+    def request_tuned(self, key: Key) -> None:
+        """The tuner changed status.recomputeRatio: re-render the runtime ConfigMap now."""
+        self.request(key, DRIFT, "tune", delay=0)
 
     def request(
         self,

@@ -1,6 +1,6 @@
 """The operator's own Prometheus metrics (served on /metrics next to /healthz)."""
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 RECONCILES = Counter(
     "holeblend_operator_reconciles_total",
@@ -26,4 +26,29 @@ API_REQUESTS = Counter(
     "holeblend_operator_api_requests_total",
     "Kubernetes API requests by verb, resource and HTTP status (0: no answer).",
     ["verb", "resource", "code"],
+)
+TUNING_DECISIONS = Counter(
+    "holeblend_operator_tuning_decisions_total",
+    "Recompute-ratio tuner decisions by BlendDeployment, direction (up, down, hold) and reason.",
+    ["namespace", "name", "direction", "reason"],
+)
+TUNED_RATIO = Gauge(
+    "holeblend_operator_tuned_ratio",
+    "The recompute ratio the tuner last decided, by BlendDeployment.",
+    ["namespace", "name"],
+)
+TUNING_MIN_RATIO = Gauge(
+    "holeblend_operator_tuning_min_ratio",
+    "spec.tuning.minRatio, by BlendDeployment (for the pinned-at-a-bound alert).",
+    ["namespace", "name"],
+)
+TUNING_MAX_RATIO = Gauge(
+    "holeblend_operator_tuning_max_ratio",
+    "spec.tuning.maxRatio, by BlendDeployment (for the pinned-at-a-bound alert).",
+    ["namespace", "name"],
+)
+TUNING_TARGET = Gauge(
+    "holeblend_operator_tuning_target_f1_proxy",
+    "spec.tuning.targetF1Proxy, by BlendDeployment (drawn against the proxies).",
+    ["namespace", "name"],
 )

@@ -81,7 +81,7 @@ def tune_garbage_collector() -> None:
 async def serve(config: settings.OperatorSettings, stop: asyncio.Event | None = None) -> None:
     """Run until SIGTERM/SIGINT (or `stop`, for embedding in tests and tools)."""
     registry = kopf.OperatorRegistry()
-    handlers.register(config, registry)
+    operator = handlers.register(config, registry)
     ready = asyncio.Event()
     task = asyncio.create_task(
         kopf.operator(
@@ -92,6 +92,7 @@ async def serve(config: settings.OperatorSettings, stop: asyncio.Event | None = 
             namespaces=config.namespaces,
             ready_flag=ready,
             stop_flag=stop,
+            identity=operator.identity,  # the tuner finds this replica in the peering object
         )
     )
     health = HealthServer(task, ready)

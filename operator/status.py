@@ -1,7 +1,8 @@
 """BlendDeployment status from what the children report: pure functions, no API calls.
 
 The conditions follow the Kubernetes conventions (type/status/reason/message/
-lastTransitionTime): Ready, Progressing, Degraded, LookupServerReady. status.recomputeRatio
+lastTransitionTime): Ready, Progressing, Degraded, LookupServerReady, and Tuned, which the
+tuner writes (kept here as it is, or Disabled when tuning is off). status.recomputeRatio
 is the ratio the pods run with (render's effective ratio); the tuner's history and metrics
 are never written here. Messages say what is wrong and what to do about it, because a
 person reads them in `kubectl describe`.
@@ -52,6 +53,7 @@ def build_status(bd: BlendDeployment, observed: Observed, previous: list[dict], 
         _progressing(observed.engine, engine_ready and lookup_ready, problem),
         _degraded(problem),
         _lookup_ready(bd, observed.lookup),
+        *_tuned(bd, previous),
     ]
     engine_status = (observed.engine or {}).get("status", {})
     return {
@@ -231,6 +233,19 @@ def _ready_replicas(deployment: dict | None) -> str:
         return "0/0"
     wanted = deployment.get("spec", {}).get("replicas", 1)
     return f"{deployment.get('status', {}).get('readyReplicas', 0)}/{wanted}"
+
+
+def _tuned(bd: BlendDeployment, previous: list[dict]) -> list[dict]:
+    """The tuner owns the Tuned condition (tuning_loop): kept as it is while tuning is on,
+    so that rewriting the other conditions does not drop it; Disabled when it is off."""
+    if not bd.spec.tuning.enabled:
+        message = "spec.tuning.enabled is false: the pods run spec.blend.recomputeRatio"
+        return [_condition(ConditionType.TUNED, False, "Disabled", message)]
+    return [
+        {k: v for k, v in c.items() if k not in ("lastTransitionTime", "observedGeneration")}
+        for c in previous or []
+        if c.get("type") == ConditionType.TUNED
+    ]
 
 
 def _phase(engine: dict | None, conditions: list[dict]) -> Phase:

@@ -5,6 +5,7 @@ import posixpath
 
 from holeblend_operator.api import AcceleratorType, BlendDeployment, EnvVar, ModelSource
 from holeblend_operator.render import accelerator as accel
+from holeblend_operator.render import serve
 from holeblend_operator.render.images import engine_image
 from holeblend_operator.render.labels import ENGINE, engine_selector, object_meta, standard_labels
 from holeblend_operator.render.naming import engine_name, runtime_config_name
@@ -104,7 +105,10 @@ def engine_container(bd: BlendDeployment) -> dict:
         "resources": accel.container_resources(bd),
         "volumeMounts": engine_volume_mounts(bd),
     }
-    return container | probes()
+    container |= probes()
+    if serve.runs_holeblend_serve(bd):
+        container |= serve.serve_container_fields(bd)
+    return container
 
 
 def engine_volume_mounts(bd: BlendDeployment) -> list[dict]:

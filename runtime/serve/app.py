@@ -39,6 +39,7 @@ from holeblend_runtime.serve.responses import (
 )
 from holeblend_runtime.serve.settings import ServeSettings
 from holeblend_runtime.serve.worker import EngineWorker, Finished, Job, PrefillDone, QueueFull
+from holeblend_runtime.shadow import ShadowMetrics, ShadowRequest, ShadowScorer
 from holeblend_runtime.tiered_store import with_remote_tiers
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class Server:
         self.model_name = self.live.startup.model.api_name
         self.engine: ReferenceEngine | None = None
         self.worker: EngineWorker | None = None
+        self.shadow: ShadowScorer | None = None
         self.is_ready = False
         self.is_draining = False
         self.num_active = 0
@@ -101,7 +103,24 @@ class Server:
         self.engine.generate(self.engine.prefill(prompt, Mode.FULL), 2)
         self.metrics.kv_store_capacity_bytes.set(store.capacity_bytes)
         self.worker = EngineWorker(self.engine, self.live, self.metrics, self.settings.queue_size)
+        self._start_shadow(settings.shadow_sample_rate)
         self.worker.start()
+
+    def _start_shadow(self, sample_rate: float) -> None:
+        """Quality proxies (runtime/shadow.py) for a share of the answered requests."""
+        if sample_rate <= 0:
+            return
+        worker = self.worker
+        self.shadow = ShadowScorer(
+            self.engine.model, self.engine.tokenizer, sample_rate,
+            is_busy=lambda: worker.num_pending > 0,
+            # Offered from the compute thread while its own request still counts as pending.
+            is_backlogged=lambda: worker.num_pending > 1,
+            metrics=ShadowMetrics(self.metrics.registry),
+        )  # fmt: skip
+        worker.on_answered = lambda prompt, answer, ratio: self.shadow.offer(
+            ShadowRequest(prompt, answer, ratio)
+        )
 
     async def drain(self) -> None:
         """Refuse new requests; wait for queued and running ones (at most drain_timeout)."""
@@ -235,7 +254,8 @@ class Server:
             async with asyncio.timeout(max(remaining, 0) + 1.0):
                 event = await job.events.get()
             if isinstance(event, Exception):
-                raise event
+                message = f"the engine failed: {event}"
+                raise HttpError(500, error_body(message, None, "server_error"))
             if isinstance(event, PrefillDone):
                 self.metrics.ttft.labels(event.mode).observe(event.ttft_s)
             yield event
@@ -283,6 +303,9 @@ class Server:
         except TimeoutError:
             outcome = "timeout"
             await response.write(sse(_timeout_error(self.settings.request_timeout).body))
+        except HttpError as error:
+            outcome = _outcome_of(error.status)
+            await response.write(sse(error.body))
         await response.write(sse("[DONE]"))
         await response.write_eof()
         return outcome, response

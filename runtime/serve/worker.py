@@ -21,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from holeblend_contract.blend_settings import BlendMode
@@ -106,6 +107,8 @@ class EngineWorker:
         self._num_running = 0
         self._mean_duration_s = 1.0
         self._thread = threading.Thread(target=self._run, name="holeblend-engine", daemon=True)
+        # Called after each answered request that reused cached KV (the shadow quality proxies).
+        self.on_answered: Callable[[SegmentedPrompt, tuple[int, ...], float], None] | None = None
 
     @property
     def num_pending(self) -> int:
@@ -163,17 +166,20 @@ class EngineWorker:
         prefill = self.engine.prefill(job.prompt, self.mode, self.live.recompute_ratio)
         self.metrics.observe_prefill(prefill)
         job.emit(PrefillDone.of(prefill, time.perf_counter() - job.arrived))
-        job.emit(Finished(self._decode(job, prefill)))
+        answer: list[int] = []
+        job.emit(Finished(reason := self._decode(job, prefill, answer)))
+        if self.on_answered is not None and prefill.num_reused_tokens and reason != "cancelled":
+            self.on_answered(job.prompt, tuple(answer), prefill.ratio)
 
-    def _decode(self, job: Job, prefill: Prefill) -> str:
-        num_tokens = 0
+    def _decode(self, job: Job, prefill: Prefill, answer: list[int]) -> str:
         limit = min(job.max_tokens, self.engine.config.context_length - prefill.num_prompt_tokens)
         for token in self.engine.generate_stream(prefill, limit):
             if (reason := job.stop_reason()) is not None:
                 return reason
             job.emit(token)
-            num_tokens += 1
-        return "length" if num_tokens == job.max_tokens else "stop"
+            answer.append(token)
+            self.metrics.completion_tokens.labels(str(prefill.mode)).inc()
+        return "length" if len(answer) == job.max_tokens else "stop"
 
     def _time_lookup(self, prompt: SegmentedPrompt) -> None:
         """Keys and store look-ups, as the prefill does them (the store is in-process)."""

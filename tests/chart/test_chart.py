@@ -50,8 +50,8 @@ def test_chart_lints(values, tmp_path):
 @pytest.mark.parametrize("values", VALUES, ids=lambda v: v.stem if v else "defaults")
 def test_rendered_objects_are_valid_kubernetes(values, tmp_path):
     for obj in _render(tmp_path, values):
-        if obj["apiVersion"] == "kopf.dev/v1":
-            continue  # kopf's peering objects: custom resources, checked below
+        if obj["apiVersion"] in ("kopf.dev/v1", "monitoring.coreos.com/v1"):
+            continue  # custom resources (kopf's peering objects; prometheus-operator's)
         for version in ("1.30", "1.37.0"):
             kubernetes_validate.validate(obj, version, strict=True)
 

@@ -1,0 +1,218 @@
+"""The closed loop on one machine, for `make demo` and `make closed-loop`.
+
+`LiveStack` starts the API emulator with the process kubelet (CPU engine pods run
+`holeblend-serve` for real), `holeblend-operator run`, and, on request, a real Prometheus
+that scrapes the engine pods. `RagStream` sends a RAG request stream to the engine Service's
+local port: prompts of the synthetic workload (docs/bench.md) drawn with Zipf popularity,
+each first sent without its hole documents, so hits, holes and misses mix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import random
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from holeblend_devtools import prometheus
+from holeblend_devtools.background import (
+    EmulatorThread,
+    environment_for,
+    operator_command,
+    stop_process,
+)
+from holeblend_devtools.kubelet import ProcessKubelet
+from holeblend_runtime.bench.workload import QAPrompt, WorkloadConfig, generate_workload
+
+ROOT = Path(__file__).resolve().parents[1]
+CRD = ROOT / "crds" / "blenddeployments.blend.holeblend.io.yaml"
+EXAMPLE = ROOT / "examples" / "cpu.yaml"
+BD = "blend.holeblend.io/v1alpha1/blenddeployments"
+
+
+class LiveStack:
+    """Emulator + process kubelet + operator (+ Prometheus); everything stops on exit."""
+
+    def __init__(self, workdir: str | Path, operator_flags: tuple[str, ...] = ()):
+        self.workdir = Path(workdir)
+        self.kubeconfig = str(self.workdir / "kubeconfig")
+        self.cluster = EmulatorThread(self.kubeconfig, crds=(str(CRD),), keep_requests=False)
+        self.kubelet: ProcessKubelet | None = None
+        self.operator: subprocess.Popen | None = None
+        self._prometheus: contextlib.ExitStack | None = None
+        self.prometheus_url: str | None = None
+        self.env: dict[str, str] = {}
+        self._operator_flags = operator_flags
+
+    def __enter__(self) -> LiveStack:
+        self.cluster.__enter__()
+        self.env = environment_for(self.kubeconfig) | {
+            "KUBECACHEDIR": str(self.workdir / "kube-cache")
+        }
+        self.kubelet = ProcessKubelet(self.cluster, self.workdir / "pods").__enter__()
+        flags = ("--health-port", "0", "--log-format", "plain", "--log-level", "warning")
+        log = open(self.workdir / "operator.log", "w")  # noqa: SIM115 - kept with the process
+        self.operator = subprocess.Popen(
+            operator_command(*flags, *self._operator_flags), env=self.env, stdout=log, stderr=log
+        )
+        return self
+
+    def __exit__(self, *_) -> None:
+        if self._prometheus is not None:
+            self._prometheus.close()
+        if self.operator is not None:
+            stop_process(self.operator)
+        if self.kubelet is not None:
+            self.kubelet.stop()
+        self.cluster.__exit__(None, None, None)
+
+    def apply(self, body: dict) -> None:
+        self.cluster.call(self.cluster.api.put_object(BD, body))
+
+    def patch(self, name: str, patch: dict) -> None:
+        self.cluster.call(self.cluster.api.edit_object(BD, "default", name, patch))
+
+    def status(self, name: str) -> dict:
+        return (self.cluster.get(BD, "default", name) or {}).get("status") or {}
+
+    def wait_ready(self, name: str, timeout_s: float) -> bool:
+        """Ready in status, which now needs the engine processes to pass their probes."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.status(name).get("phase") == "Ready" and self.engine_url(name):
+                return True
+            time.sleep(0.5)
+        return False
+
+    def engine_url(self, name: str) -> str | None:
+        return self.kubelet.local_url("default", f"{name}-engine") if self.kubelet else None
+
+    def engine_pods(self, name: str) -> list:
+        return [p for p in self.kubelet.pods.values() if p.deployment == f"{name}-engine"]
+
+    def start_prometheus(self, name: str) -> str:
+        """A real Prometheus scraping the engine pods (labels as a ServiceMonitor gives)."""
+        targets = [
+            prometheus.ScrapeTarget(
+                f"{pod.ip}:8000",
+                {"namespace": "default", "service": f"{name}-engine", "pod": pod.name},
+            )
+            for pod in self.engine_pods(name)
+        ]
+        self._prometheus = contextlib.ExitStack()
+        self.prometheus_url = self._prometheus.enter_context(prometheus.running_prometheus(targets))
+        return self.prometheus_url
+
+
+def example(**tuning) -> dict:
+    body = yaml.safe_load(EXAMPLE.read_text())
+    body["spec"]["tuning"] = body["spec"].get("tuning", {}) | tuning
+    return body
+
+
+@dataclasses.dataclass
+class Sent:
+    t: float
+    status: int
+    seconds: float
+    usage: dict
+
+
+class RagStream:
+    """One client thread: a request, a think time, the next; stops on `stop()`."""
+
+    def __init__(
+        self,
+        url: str,
+        workload: WorkloadConfig,
+        think_s: float = 0.5,
+        max_tokens: int = 8,
+        seed: int = 0,
+        zipf_s: float = 1.1,
+    ):
+        self.url, self.think_s, self.max_tokens = url, think_s, max_tokens
+        self.prompts: list[QAPrompt] = list(generate_workload(workload))
+        self._rng = random.Random(seed)
+        self._weights = [1 / (i + 1) ** zipf_s for i in range(len(self.prompts))]
+        self._seen: set[int] = set()
+        self.sent: list[Sent] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rag-stream", daemon=True)
+
+    def start(self) -> RagStream:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=180)
+
+    def switch(self, workload: WorkloadConfig) -> None:
+        """A different corpus from now on (the closed loop's workload change)."""
+        self.prompts = list(generate_workload(workload))
+        self._weights = [1 / (i + 1) for i in range(len(self.prompts))]
+        self._seen = set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            index = self._rng.choices(range(len(self.prompts)), self._weights)[0]
+            qa = self.prompts[index]
+            # The first time without its hole documents: later requests have a hole there.
+            documents = qa.document_texts(without_holes=index not in self._seen)
+            self._seen.add(index)
+            self.sent.append(self.send(qa.system, documents, qa.question))
+            self._stop.wait(self.think_s)
+
+    def send(self, system: str, documents, question: str) -> Sent:
+        body = {
+            "model": "smollm2",
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": question},
+            ],
+            "documents": list(documents),
+            "max_tokens": self.max_tokens,
+        }
+        request = urllib.request.Request(
+            f"{self.url}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        started = time.monotonic()
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                answer = json.loads(response.read())
+                status = response.status
+        except urllib.error.HTTPError as error:
+            answer, status = {}, error.code
+        except OSError:
+            answer, status = {}, 0
+        return Sent(time.time(), status, time.monotonic() - started, answer.get("usage") or {})
+
+
+def summary_of_usage(sent: list[Sent]) -> dict:
+    ok = [s for s in sent if s.status == 200]
+    prompt = sum(s.usage.get("prompt_tokens", 0) for s in ok)
+    cached = sum((s.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for s in ok)
+    return {
+        "requests": len(sent),
+        "ok": len(ok),
+        "reused_share": cached / prompt if prompt else None,
+        "mean_request_s": sum(s.seconds for s in ok) / len(ok) if ok else None,
+    }
+
+
+def print_history(history: list[dict]) -> None:
+    for entry in history:
+        print(
+            f"  {entry.get('time', '')}  {entry.get('direction', ''):4}  "
+            f"{entry.get('fromRatio')} -> {entry.get('toRatio')}  {entry.get('reason', '')}"
+        )

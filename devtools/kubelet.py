@@ -1,0 +1,465 @@
+"""A process kubelet for the API emulator: CPU pods run as local processes.
+
+A controller on its own thread that reads the emulator's objects every `tick_s` and does
+what a Deployment controller, a kubelet and kube-proxy would, on this machine:
+
+1. **Which Deployments.** Those whose pods ask for no device (no extended resources) and
+   whose containers' commands are installed here (`holeblend-serve`, `holeblend-lookup`,
+   any executable on PATH) run for real. Others settle as the emulator's stand-in does
+   (`workloads.deployment_status`): available at once, nothing runs.
+2. **Pods.** `spec.replicas` Pod objects per Deployment, each a process running the first
+   container's command and args with its env. Each pod gets its own loopback address
+   (127.0.0.2, 127.0.0.3, ...) as its podIP; an argument `0.0.0.0` (listen on every
+   interface of the pod) becomes that address, so pods share ports as they do in a cluster.
+   A changed pod template replaces the pods (stop, then start: Recreate).
+3. **ConfigMap volumes** are materialized the way kubelet does it: the keys in a
+   timestamped directory, a `..data` symlink to it, and one symlink per key through
+   `..data`; an update writes a new directory and swaps `..data` atomically (rename of a
+   symlink), so a reader never sees half a file. Env values and args that start with a
+   volume's mountPath are pointed at that directory (no mount namespaces here).
+4. **Readiness** comes from each container's readinessProbe (httpGet on the pod's address,
+   polled every `tick_s`, not every periodSeconds); a Deployment is available only when
+   all its pods are ready. A process that exits is restarted with a doubling backoff and
+   shows `CrashLoopBackOff` meanwhile.
+5. **Services** get a TCP proxy on 127.0.0.1 to their ready endpoints; its port is written
+   to the Service as the annotation `LOCAL_PORT_ANNOTATION`. In-cluster service URLs
+   (`http://NAME.NAMESPACE.svc:PORT`) inside materialized files and env become these local
+   addresses (there is no cluster DNS here).
+
+Everything started is stopped by `stop()` (processes by their pid: SIGTERM, then SIGKILL).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from holeblend_devtools import workloads
+
+DEPLOYMENTS, PODS = "apps/v1/deployments", "v1/pods"
+CONFIGMAPS, SERVICES = "v1/configmaps", "v1/services"
+LOCAL_PORT_ANNOTATION = "emulator.holeblend.io/local-port"
+_SVC_URL = re.compile(r"(https?://)([a-z0-9-]+)\.([a-z0-9-]+)\.svc(?:\.cluster\.local)?:(\d+)")
+
+
+@dataclasses.dataclass
+class Pod:
+    name: str
+    namespace: str
+    ip: str
+    template_hash: str
+    deployment: str
+    container: dict
+    volumes: dict[str, Path]  # volume name -> local directory
+    configmap_of: dict[str, str]  # volume name -> ConfigMap name
+    process: subprocess.Popen | None = None
+    restarts: int = 0
+    next_start: float = 0.0
+    is_ready: bool = False
+    log: Any = None
+
+
+class ProcessKubelet:
+    """`with ProcessKubelet(cluster, workdir): ...` runs CPU pods of `cluster` locally."""
+
+    def __init__(self, cluster, workdir: str | Path, tick_s: float = 0.3):
+        self.cluster = cluster  # background.EmulatorThread
+        self.workdir = Path(workdir)
+        self.tick_s = tick_s
+        self.pods: dict[tuple[str, str], Pod] = {}  # (namespace, pod name) -> pod
+        self._proxies: dict[tuple[str, str], ServiceProxy] = {}
+        self._configmaps: dict[tuple[str, str], str] = {}  # written content hash
+        self._next_ip = 2
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="process-kubelet", daemon=True)
+
+    def __enter__(self) -> ProcessKubelet:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+        for pod in list(self.pods.values()):
+            _stop_process(pod)
+        for proxy in self._proxies.values():
+            proxy.close()
+
+    def local_url(self, namespace: str, service: str) -> str | None:
+        proxy = self._proxies.get((namespace, service))
+        return f"http://127.0.0.1:{proxy.port}" if proxy else None
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                self.sync()
+            except Exception as exc:  # a dev tool: say it and go on
+                print(f"process kubelet: {type(exc).__name__}: {exc}", file=sys.stderr)
+            self._stopped.wait(self.tick_s)
+
+    def sync(self) -> None:
+        configmaps = {_key(c): c for c in self.cluster.list(CONFIGMAPS)}
+        services = self.cluster.list(SERVICES)
+        self._sync_proxies(services)
+        wanted: set[tuple[str, str]] = set()
+        for deployment in self.cluster.list(DEPLOYMENTS):
+            if is_runnable(deployment):
+                wanted |= self._sync_deployment(deployment, configmaps)
+            else:
+                self._settle_stand_in(deployment)
+        for key in [k for k in self.pods if k not in wanted]:
+            self._delete_pod(self.pods.pop(key))
+        for pod in self.pods.values():
+            self._sync_volumes(pod, configmaps)
+            self._sync_process(pod)
+        self._sync_endpoints(services)
+
+    # --- Deployments and pods ---------------------------------------------------------
+
+    def _sync_deployment(self, deployment: dict, configmaps: dict) -> set[tuple[str, str]]:
+        meta = deployment["metadata"]
+        template = deployment["spec"]["template"]
+        digest = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:10]
+        replicas = deployment["spec"].get("replicas", 1)
+        names = {(meta["namespace"], f"{meta['name']}-{digest}-{i}") for i in range(replicas)}
+        for key in names - set(self.pods):
+            self.pods[key] = self._new_pod(deployment, key[1], digest, configmaps)
+        ready = sum(1 for key in names if self.pods[key].is_ready)
+        self._write_deployment_status(deployment, replicas, ready)
+        return names
+
+    def _new_pod(self, deployment: dict, name: str, digest: str, configmaps: dict) -> Pod:
+        meta, template = deployment["metadata"], deployment["spec"]["template"]
+        ip = f"127.0.0.{self._next_ip}"
+        self._next_ip += 1
+        container = template["spec"]["containers"][0]
+        volumes = {
+            v["name"]: self.workdir / meta["namespace"] / name / v["name"]
+            for v in template["spec"].get("volumes", [])
+            if "configMap" in v
+        }
+        configmap_of = {
+            v["name"]: v["configMap"]["name"]
+            for v in template["spec"].get("volumes", [])
+            if "configMap" in v
+        }
+        pod = Pod(
+            name, meta["namespace"], ip, digest, meta["name"], container, volumes, configmap_of
+        )
+        owner = {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "name": meta["name"],
+            "uid": meta["uid"],
+            "controller": True,
+        }
+        body = {
+            "metadata": {
+                "name": name,
+                "namespace": meta["namespace"],
+                "labels": template["metadata"].get("labels", {}),
+                "ownerReferences": [owner],
+            },
+            "spec": template["spec"],
+        }
+        self.cluster.call(self.cluster.api.put_object(PODS, body))
+        self._sync_volumes(pod, configmaps)
+        self._write_pod_status(pod)
+        return pod
+
+    def _delete_pod(self, pod: Pod) -> None:
+        _stop_process(pod)
+        with contextlib.suppress(Exception):  # gone already (garbage collected with its owner)
+            self.cluster.call(self.cluster.api.delete_object(PODS, pod.namespace, pod.name))
+        shutil.rmtree(self.workdir / pod.namespace / pod.name, ignore_errors=True)
+
+    def _sync_process(self, pod: Pod) -> None:
+        was_ready = pod.is_ready
+        if pod.process is not None and pod.process.poll() is not None:
+            pod.process, pod.is_ready = None, False
+            pod.restarts += 1
+            pod.next_start = time.monotonic() + min(2.0**pod.restarts, 30.0)
+        if pod.process is None and time.monotonic() >= pod.next_start:
+            self._start(pod)
+        if pod.process is not None:
+            pod.is_ready = probe(pod)
+        if pod.is_ready != was_ready or pod.process is None:
+            self._write_pod_status(pod)
+
+    def _start(self, pod: Pod) -> None:
+        container = pod.container
+        command = [*container.get("command", []), *container.get("args", [])]
+        command = [self._local_value(pod, arg) for arg in command]
+        command[0] = shutil.which(command[0], path=_search_path()) or command[0]
+        command = [pod.ip if arg == "0.0.0.0" else arg for arg in command]
+        env = dict(os.environ)
+        env.update(
+            {
+                e["name"]: self._local_value(pod, e.get("value", ""))
+                for e in container.get("env", [])
+            }
+        )
+        log_dir = self.workdir / pod.namespace / pod.name
+        log_dir.mkdir(parents=True, exist_ok=True)
+        pod.log = open(log_dir / "container.log", "ab")  # noqa: SIM115 - closed with the pod
+        pod.process = subprocess.Popen(
+            command, env=env, stdout=pod.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def _local_value(self, pod: Pod, value: str) -> str:
+        for mount in pod.container.get("volumeMounts", []):
+            path = mount["mountPath"].rstrip("/")
+            if mount["name"] in pod.volumes and (value == path or value.startswith(path + "/")):
+                return str(pod.volumes[mount["name"]]) + value[len(path) :]
+        return self._local_urls(value)
+
+    # --- volumes ----------------------------------------------------------------------
+
+    def _sync_volumes(self, pod: Pod, configmaps: dict) -> None:
+        for volume, directory in pod.volumes.items():
+            source = configmaps.get((pod.namespace, pod.configmap_of[volume]))
+            data = {k: self._local_urls(v) for k, v in ((source or {}).get("data") or {}).items()}
+            digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+            if self._configmaps.get((pod.name, volume)) != digest:
+                write_atomically(directory, data)
+                self._configmaps[(pod.name, volume)] = digest
+
+    def _local_urls(self, text: str) -> str:
+        def local(match: re.Match) -> str:
+            proxy = self._proxies.get((match[3], match[2]))
+            return f"{match[1]}127.0.0.1:{proxy.port}" if proxy else match[0]
+
+        return _SVC_URL.sub(local, text)
+
+    # --- Services ---------------------------------------------------------------------
+
+    def _sync_proxies(self, services: list[dict]) -> None:
+        for service in services:
+            key = _key(service)
+            if key not in self._proxies:
+                self._proxies[key] = ServiceProxy()
+                annotation = {LOCAL_PORT_ANNOTATION: str(self._proxies[key].port)}
+                self._edit(SERVICES, *key, {"metadata": {"annotations": annotation}})
+
+    def _sync_endpoints(self, services: list[dict]) -> None:
+        for service in services:
+            selector = service["spec"].get("selector") or {}
+            port = service["spec"]["ports"][0]
+            endpoints = [
+                (pod.ip, _container_port(pod.container, port.get("targetPort", port["port"])))
+                for pod in self.pods.values()
+                if pod.is_ready
+                and pod.namespace == service["metadata"]["namespace"]
+                and selector.items() <= self._labels(pod).items()
+            ]
+            self._proxies[_key(service)].endpoints = endpoints
+
+    def _labels(self, pod: Pod) -> dict:
+        found = self.cluster.get(PODS, pod.namespace, pod.name) or {}
+        return found.get("metadata", {}).get("labels", {})
+
+    # --- status -----------------------------------------------------------------------
+
+    def _write_pod_status(self, pod: Pod) -> None:
+        running = pod.process is not None
+        state = {"running": {}} if running else {"waiting": {"reason": "CrashLoopBackOff"}}
+        ready = "True" if pod.is_ready else "False"
+        status = {
+            "phase": "Running" if running else "Pending",
+            "podIP": pod.ip,
+            "conditions": [
+                {"type": "PodScheduled", "status": "True"},
+                {"type": "Ready", "status": ready},
+                {"type": "ContainersReady", "status": ready},
+            ],
+            "containerStatuses": [
+                {
+                    "name": pod.container["name"],
+                    "ready": pod.is_ready,
+                    "restartCount": pod.restarts,
+                    "state": state
+                    if pod.restarts or running
+                    else {"waiting": {"reason": "ContainerCreating"}},
+                }
+            ],
+        }
+        self._edit(PODS, pod.namespace, pod.name, {"status": status})
+
+    def _write_deployment_status(self, deployment: dict, replicas: int, ready: int) -> None:
+        generation = deployment["metadata"].get("generation", 1)
+        available = ready >= replicas
+        status = workloads.deployment_status(deployment, None)
+        status.update(
+            observedGeneration=generation,
+            replicas=replicas,
+            updatedReplicas=replicas,
+            readyReplicas=ready,
+            availableReplicas=ready,
+            unavailableReplicas=replicas - ready,
+        )
+        status["conditions"][0] = workloads._condition(
+            "Available", available, *workloads._available_reason(available)
+        )
+        if deployment.get("status") != status:
+            self._edit(DEPLOYMENTS, *_key(deployment), {"status": status})
+
+    def _settle_stand_in(self, deployment: dict) -> None:
+        status = workloads.deployment_status(deployment, None)
+        if deployment.get("status") != status:
+            self._edit(DEPLOYMENTS, *_key(deployment), {"status": status})
+
+    def _edit(self, resource: str, namespace: str, name: str, patch: dict) -> None:
+        with contextlib.suppress(Exception):  # gone meanwhile: the next tick sees it
+            self.cluster.call(self.cluster.api.edit_object(resource, namespace, name, patch))
+
+
+def is_runnable(deployment: dict) -> bool:
+    """A CPU pod (no extended resources) whose first container's command is installed."""
+    spec = deployment.get("spec", {}).get("template", {}).get("spec", {})
+    containers = spec.get("containers") or []
+    if not containers or workloads._extended_requests(spec):
+        return False
+    command = containers[0].get("command") or []
+    return bool(command) and shutil.which(command[0], path=_search_path()) is not None
+
+
+def _search_path() -> str:
+    return os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+
+
+def probe(pod: Pod) -> bool:
+    check = pod.container.get("readinessProbe") or {}
+    http = check.get("httpGet")
+    if http is None:
+        return pod.process is not None and pod.process.poll() is None
+    port = _container_port(pod.container, http.get("port", 80))
+    url = f"http://{pod.ip}:{port}{http.get('path', '/')}"
+    try:
+        with urllib.request.urlopen(url, timeout=1) as response:
+            return 200 <= response.status < 400
+    except OSError:
+        return False
+
+
+def _container_port(container: dict, port: int | str) -> int:
+    for declared in container.get("ports", []):
+        if declared.get("name") == port:
+            return int(declared["containerPort"])
+    return int(port)
+
+
+def write_atomically(directory: Path, data: dict[str, str]) -> None:
+    """kubelet's ConfigMap volume layout: ..TIMESTAMP/ with the files, ..data -> it, and
+    KEY -> ..data/KEY; an update swaps ..data in one rename."""
+    directory.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.UTC).strftime("..%Y_%m_%d_%H_%M_%S.%f")
+    payload = directory / stamp
+    payload.mkdir()
+    for key, value in data.items():
+        (payload / key).write_text(value)
+    link = directory / "..data_tmp"
+    with contextlib.suppress(FileNotFoundError):
+        link.unlink()
+    link.symlink_to(stamp)
+    previous = os.readlink(directory / "..data") if (directory / "..data").is_symlink() else None
+    os.replace(link, directory / "..data")
+    for key in data:
+        if not (directory / key).is_symlink():
+            (directory / key).symlink_to(f"..data/{key}")
+    if previous is not None:
+        shutil.rmtree(directory / previous, ignore_errors=True)
+
+
+def _stop_process(pod: Pod) -> None:
+    process, pod.process = pod.process, None
+    if process is not None and process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    if pod.log is not None:
+        pod.log.close()
+        pod.log = None
+
+
+class ServiceProxy:
+    """A TCP proxy on 127.0.0.1 to a Service's ready endpoints (round robin)."""
+
+    def __init__(self):
+        self.endpoints: list[tuple[str, int]] = []
+        self._next = 0
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port = self._server.getsockname()[1]
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True, name=f"proxy-{self.port}").start()
+
+    def close(self) -> None:
+        self._closed = True
+        self._server.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        endpoints = list(self.endpoints)
+        if not endpoints:
+            client.close()  # no ready endpoint: connection refused, as kube-proxy does
+            return
+        self._next += 1
+        try:
+            upstream = socket.create_connection(endpoints[self._next % len(endpoints)], timeout=5)
+        except OSError:
+            client.close()
+            return
+        upstream.settimeout(None)
+        threading.Thread(target=_pump, args=(upstream, client), daemon=True).start()
+        _pump(client, upstream)
+
+
+def _pump(source: socket.socket, target: socket.socket) -> None:
+    try:
+        while data := source.recv(65536):
+            target.sendall(data)
+    except OSError:
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            target.shutdown(socket.SHUT_WR)
+        with contextlib.suppress(OSError):
+            source.close()
+
+
+def _key(obj: dict) -> tuple[str, str]:
+    return obj["metadata"]["namespace"], obj["metadata"]["name"]
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -1,0 +1,343 @@
+"""The tuner's driver: reads the metrics, asks the control law, writes the result.
+
+Every second the loop looks for BlendDeployments (as last watched) whose tuning interval is
+up; for each one:
+
+1. Only the active replica tunes. Standalone, that is this process. With `--peering`, it
+   is the live peer of highest priority in kopf's peering object, by kopf's own rule (an
+   equal priority pauses everyone), so a standby replica never writes a ratio.
+2. The BlendDeployment is read afresh (the watched copy may be a write behind). Tuning
+   starts from the spec's ratio whenever status.tuning.baseRatio is not the spec's ratio
+   (first run, or a person edited spec.blend.recomputeRatio).
+3. The metrics come from Prometheus (spec.tuning.prometheusURL) or, without one, from the
+   ready engine pods' /metrics (`tuning_sources`); `tuner.decide` picks the ratio.
+4. The decision goes into status under the owner's lock: recomputeRatio, tuning.baseRatio,
+   the bounded history (a run of holds with the same reason is one entry, its time and
+   numbers the latest), tuning.aboveTargetSince, the metrics, and the Tuned condition.
+   A changed ratio then gets a reconcile, which re-renders the runtime ConfigMap; the pods
+   re-read the mounted file without a restart.
+5. Operator metrics count the decisions by direction and reason and show the tuned ratio
+   next to its bounds (for the dashboard and the pinned-at-a-bound alert).
+
+A plain asyncio task rather than a kopf timer: kopf timers put a finalizer on every object,
+and this operator writes nothing to a BlendDeployment but its status (see `handlers`).
+Switching tuning off needs nothing here: render and status fall back to the spec's ratio.
+"""
+
+import asyncio
+import contextlib
+import datetime
+import logging
+import math
+import time
+
+import aiohttp
+
+from holeblend_operator import kube, metrics
+from holeblend_operator.api import BlendDeployment, ConditionType, TuningSpec
+from holeblend_operator.render import engine_name, selector_string
+from holeblend_operator.status import stamp_transitions
+from holeblend_operator.tuner import Decision, Reading, State, decide
+from holeblend_operator.tuning_sources import PrometheusSource, ScrapeSource, Target, failed
+
+LOG = logging.getLogger(__name__)
+TICK_S = 1.0
+HISTORY_LENGTH = 20  # TuningStatus.history's bound
+TUNING_GAUGES = (
+    metrics.TUNED_RATIO,
+    metrics.TUNING_MIN_RATIO,
+    metrics.TUNING_MAX_RATIO,
+    metrics.TUNING_TARGET,
+)
+PEERING_KINDS = {k.kind: k for k in kube.FRAMEWORK_KINDS if k.group == "kopf.dev"}
+
+
+def window_seconds(spec: TuningSpec) -> float:
+    """How far back a reading looks: a cooldown, and at least two intervals."""
+    return float(max(spec.cooldown_seconds, 2 * spec.interval_seconds))
+
+
+def ratio_in_force(spec_ratio: float, status: dict) -> object:
+    """The ratio tuning continues from: the tuned one (raw, maybe out of bounds or not a
+    number: `decide` clamps it) while it derives from the spec's ratio, else the spec's."""
+    tuning = status.get("tuning") or {}
+    tuned = status.get("recomputeRatio")
+    if tuned is None or tuning.get("baseRatio") != spec_ratio:
+        return spec_ratio
+    return tuned
+
+
+def state_from(status: dict, spec_ratio: float) -> State:
+    tuning = status.get("tuning") or {}
+    if tuning.get("baseRatio") != spec_ratio:
+        return State()
+    return State(above_since=_epoch(tuning.get("aboveTargetSince")))
+
+
+def is_active(peers: dict, identity: str, priority: int, now: datetime.datetime) -> bool:
+    """kopf's rule: pause while a live peer has a higher or equal priority than ours."""
+    for peer_id, info in (peers or {}).items():
+        if peer_id == identity or not isinstance(info, dict):
+            continue
+        seen = _parse_time(info.get("lastseen"))
+        lifetime = datetime.timedelta(seconds=_number(info.get("lifetime"), 60))
+        if seen is not None and seen + lifetime <= now:
+            continue  # dead: its record outlived its lifetime
+        if _number(info.get("priority"), 0) >= priority:
+            return False
+    return True
+
+
+def status_patch(
+    bd: BlendDeployment, status: dict, decision: Decision, seen: Reading, now: str
+) -> dict:
+    """The merge patch that records a decision (step 4 of the module doc)."""
+    entry = {
+        "time": now,
+        "direction": decision.direction,
+        "fromRatio": decision.from_ratio if decision.from_ratio is not None else decision.to_ratio,
+        "toRatio": decision.to_ratio,
+        "reason": f"{decision.code}: {decision.reason}",
+        "inputs": observed_metrics(seen, now),
+    }
+    history = list((status.get("tuning") or {}).get("history") or [])
+    if history and _is_same_hold(history[-1], entry):
+        history[-1] = entry
+    else:
+        history.append(entry)
+    since = decision.state.above_since
+    return {
+        "recomputeRatio": decision.to_ratio,
+        "tuning": {
+            "baseRatio": bd.spec.blend.recompute_ratio,
+            "history": history[-HISTORY_LENGTH:],
+            "aboveTargetSince": _rfc3339(since) if since is not None else None,
+        },
+        "metrics": observed_metrics(seen, now),
+        "conditions": _with_tuned(
+            status.get("conditions") or [], decision, now, bd.metadata.generation
+        ),
+    }
+
+
+def observed_metrics(seen: Reading, now: str) -> dict:
+    """status.metrics (ObservedMetrics) from a reading; NaN and out-of-range values dropped."""
+    values = {
+        "hitPercent": _within(seen.hit_percent, 0, 100),
+        "f1Proxy": _within(seen.f1_proxy, 0, 1),
+        "top1Agreement": _within(seen.top1_agreement, 0, 1),
+        "ttftSeconds": _within(seen.ttft_seconds, 0, math.inf),
+        "numSamples": seen.num_samples,
+        "observedAt": now,
+    }
+    return {key: value for key, value in values.items() if value is not None}
+
+
+def _with_tuned(conditions: list[dict], decision: Decision, now: str, generation) -> list[dict]:
+    tuned = {
+        "type": ConditionType.TUNED.value,
+        "status": "True" if decision.is_tuned else "False",
+        "reason": decision.code,
+        "message": decision.reason[:1000],
+    }
+    others = [c for c in conditions if c.get("type") != ConditionType.TUNED]
+    return others + stamp_transitions([tuned], conditions, now, generation)
+
+
+def _is_same_hold(last: dict, entry: dict) -> bool:
+    code = entry["reason"].partition(":")[0]
+    return (
+        last.get("direction") == entry["direction"] == "hold"
+        and str(last.get("reason", "")).partition(":")[0] == code
+        and last.get("toRatio") == entry["toRatio"]
+    )
+
+
+class TuningLoop:
+    """Runs the tuner for every tuned BlendDeployment the operator watches."""
+
+    def __init__(self, operator):
+        self.operator = operator  # handlers.Operator: owners, client, locks, reconcile requests
+        self._due: dict[tuple, float] = {}  # owner -> monotonic time of its next evaluation
+        self._session: aiohttp.ClientSession | None = None
+        self._scrape: ScrapeSource | None = None
+
+    async def run(self) -> None:
+        try:
+            while True:
+                await asyncio.sleep(TICK_S)
+                await self.tick()
+        finally:
+            if self._session is not None:
+                await self._session.close()
+
+    async def tick(self) -> None:
+        now = time.monotonic()
+        for key, body in list(self.operator.owners.items()):
+            interval = _interval(body)
+            if interval is None:
+                self.forget(key)
+                continue
+            due = self._due.setdefault(key, now + interval)  # the first window needs filling
+            if now < due:
+                continue
+            self._due[key] = now + interval
+            try:
+                await self.tune(key)
+            except Exception:  # never let one owner stop the loop: log and try next interval
+                LOG.exception("tuning %s/%s failed", *key)
+
+    def forget(self, key: tuple) -> None:
+        self._due.pop(key, None)
+        for gauge in TUNING_GAUGES:
+            with contextlib.suppress(KeyError):  # never set: not tuned yet
+                gauge.remove(*key)
+
+    async def tune(self, key: tuple) -> Decision | None:
+        """One evaluation of one BlendDeployment; the decision, or None if not tuned now."""
+        client = self.operator.client
+        if not await self.is_leader(key[0]):
+            return None
+        body = await client.get(kube.BLEND_DEPLOYMENT, *key)
+        bd = _parse(body)
+        if bd is None or not bd.spec.tuning.enabled:
+            return None
+        status = body.get("status") or {}
+        spec, spec_ratio = bd.spec.tuning, bd.spec.blend.recompute_ratio
+        ratio = ratio_in_force(spec_ratio, status)
+        seen = await self.read(bd, ratio)
+        decision = decide(spec, ratio, seen, state_from(status, spec_ratio), time.time())
+        async with self.operator.lock(key):
+            patched = await client.patch_status(
+                *key, status_patch(bd, status, decision, seen, _now())
+            )
+        self._record(key, spec, decision)
+        if patched is not None:
+            self.operator.owners[key] = patched
+        if decision.is_change:
+            LOG.info(
+                "%s/%s tuned %s -> %s: %s",
+                *key,
+                decision.from_ratio,
+                decision.to_ratio,
+                decision.reason,
+            )
+            self.operator.request_tuned(key)
+        return decision
+
+    async def read(self, bd: BlendDeployment, ratio: object) -> Reading:
+        if not isinstance(ratio, int | float) or isinstance(ratio, bool):
+            return failed("no ratio in force")
+        session = self._get_session()
+        target = await self.target(bd)
+        window = window_seconds(bd.spec.tuning)
+        url = bd.spec.tuning.prometheus_url
+        if url is not None:
+            return await PrometheusSource(str(url), session).read(target, float(ratio), window)
+        if self._scrape is None:
+            self._scrape = ScrapeSource(session)
+        return await self._scrape.read(target, float(ratio), window)
+
+    async def target(self, bd: BlendDeployment) -> Target:
+        namespace = bd.metadata.namespace
+        urls = {}
+        if bd.spec.tuning.prometheus_url is None:
+            pods = await self.operator.client.list(kube.PODS, namespace, selector_string(bd))
+            port = bd.spec.engine.port
+            urls = {
+                pod["metadata"]["name"]: f"http://{ip}:{port}/metrics"
+                for pod in pods
+                if _is_ready(pod) and (ip := (pod.get("status") or {}).get("podIP"))
+            }
+        return Target(namespace, engine_name(bd.metadata.name), urls)
+
+    async def is_leader(self, namespace: str) -> bool:
+        settings = self.operator.settings
+        if settings.peering is None:
+            return True
+        clusterwide = not settings.namespaces
+        kind = PEERING_KINDS["ClusterKopfPeering" if clusterwide else "KopfPeering"]
+        try:
+            peering = await self.operator.client.get(
+                kind, None if clusterwide else namespace, settings.peering
+            )
+        except Exception as exc:  # cannot tell: a standby must not write, so do nothing
+            LOG.warning("reading the peering object failed: %s", exc)
+            return False
+        peers = (peering or {}).get("status") or {}
+        return self.operator.identity in peers and is_active(
+            peers,
+            self.operator.identity,
+            self.operator.priority,
+            datetime.datetime.now(datetime.UTC),
+        )
+
+    def _record(self, key: tuple, spec: TuningSpec, decision: Decision) -> None:
+        metrics.TUNING_DECISIONS.labels(*key, decision.direction, decision.code).inc()
+        metrics.TUNED_RATIO.labels(*key).set(decision.to_ratio)
+        metrics.TUNING_MIN_RATIO.labels(*key).set(spec.min_ratio)
+        metrics.TUNING_MAX_RATIO.labels(*key).set(spec.max_ratio)
+        metrics.TUNING_TARGET.labels(*key).set(spec.target_f1_proxy)
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        return self._session
+
+
+def _interval(body: dict) -> float | None:
+    """The owner's tuning interval, None if it is not tuned (or its spec is unreadable)."""
+    tuning = (body.get("spec") or {}).get("tuning") or {}
+    if tuning.get("enabled", True) is not True:
+        return None
+    interval = tuning.get("intervalSeconds", TuningSpec().interval_seconds)
+    return float(interval) if isinstance(interval, int | float) and interval >= 1 else None
+
+
+def _parse(body: dict | None) -> BlendDeployment | None:
+    if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+        return None
+    try:
+        return BlendDeployment.model_validate(body)
+    except ValueError:  # invalid spec: the reconcile reports it; nothing to tune
+        return None
+
+
+def _is_ready(pod: dict) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def _within(value: float | None, low: float, high: float) -> float | None:
+    if value is None or not math.isfinite(value):
+        return None
+    return min(max(value, low), high) if high != math.inf else max(value, low)
+
+
+def _number(value: object, default: float) -> float:
+    return (
+        float(value) if isinstance(value, int | float) and not isinstance(value, bool) else default
+    )
+
+
+def _parse_time(text: object) -> datetime.datetime | None:
+    if not isinstance(text, str):
+        return None
+    try:
+        parsed = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=datetime.UTC)
+
+
+def _epoch(text: object) -> float | None:
+    parsed = _parse_time(text)
+    return parsed.timestamp() if parsed is not None else None
+
+
+def _rfc3339(epoch: float) -> str:
+    return datetime.datetime.fromtimestamp(epoch, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _now() -> str:
+    return _rfc3339(time.time())

@@ -1,0 +1,289 @@
+"""Where the tuner reads the engine's metrics: Prometheus (PromQL), or the pods directly.
+
+Both sources compute the same thing, the increase of each series over a window, per pod
+and then summed, and hand it to `reading`, which turns it into the tuner's `Reading`:
+
+1. Per series (one pod, one label set): value now minus value a window ago. A series that
+   is new in the window (a pod that started, a ratio that was just set) counts from zero,
+   and so does one whose counter went down (its pod restarted).
+2. Summed over pods, by the `ratio` label for the quality proxies (the engine labels each
+   sample with the ratio in force), over everything for tokens and TTFT.
+3. The proxies count only the samples taken at the ratio the tuner set: samples from before
+   a change say nothing about the new ratio.
+
+Failures never raise out of `read`: a Prometheus that is down, slow, or answers garbage or
+HTML, and pods that vanish mid-scrape, give a `Reading` with `error` set (nothing usable)
+or with the pods that did answer. The tuner takes no action on an error.
+"""
+
+import asyncio
+import dataclasses
+import json
+import math
+import time
+import urllib.parse
+from collections.abc import Iterable
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from holeblend_operator.tuner import RATIO_TOLERANCE, Reading
+
+# The engine's metric names (DESIGN.md "Metrics") the tuner reads.
+F1 = "holeblend_f1_proxy"
+TOP1 = "holeblend_top1_agreement"
+TTFT = "holeblend_ttft_seconds"
+PROMPT_TOKENS = "holeblend_prompt_tokens_total"
+REUSED_TOKENS = "holeblend_reused_tokens_total"
+RATIO_GAUGE = "holeblend_recompute_ratio"
+RATIO_LABEL = "ratio"
+# Counters the window is taken over, and whether they are split by the ratio label.
+WINDOWED = {
+    f"{F1}_sum": True,
+    f"{F1}_count": True,
+    f"{TOP1}_sum": True,
+    f"{TOP1}_count": True,
+    f"{TTFT}_sum": False,
+    f"{TTFT}_count": False,
+    PROMPT_TOKENS: False,
+    REUSED_TOKENS: False,
+}
+TIMEOUT_S = 5.0  # one query or scrape; the tuner's interval is at least 5 s
+MAX_BODY_BYTES = 8 << 20  # a /metrics page or query answer larger than this is garbage
+
+Increases = dict[str, dict[str, float]]  # metric -> ratio label ("" if unsplit) -> increase
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """The engine pods of one BlendDeployment, as the sources find them."""
+
+    namespace: str
+    service: str  # the engine Service: Prometheus's `service` label (prometheus-operator)
+    pod_urls: dict[str, str]  # ready pod name -> its /metrics URL (direct scrape only)
+
+
+class SourceError(Exception):
+    """The source gave nothing usable; the message says what it answered."""
+
+
+def reading(
+    increases: Increases, ratio: float, ratios_in_force: Iterable[float], age_s: float | None
+) -> Reading:
+    """The tuner's view of one window: proxies at `ratio`, hit rate and TTFT over all."""
+    f1_sum, num = (
+        _at_ratio(increases, f"{F1}_sum", ratio),
+        _at_ratio(increases, f"{F1}_count", ratio),
+    )
+    top1_sum = _at_ratio(increases, f"{TOP1}_sum", ratio)
+    top1_num = _at_ratio(increases, f"{TOP1}_count", ratio)
+    prompt, reused = _total(increases, PROMPT_TOKENS), _total(increases, REUSED_TOKENS)
+    ttft_sum, ttft_num = _total(increases, f"{TTFT}_sum"), _total(increases, f"{TTFT}_count")
+    return Reading(
+        f1_proxy=f1_sum / num if num > 0 else None,
+        top1_agreement=top1_sum / top1_num if top1_num > 0 else None,
+        num_samples=int(round(num)) if math.isfinite(num) else 0,
+        hit_percent=min(100.0, 100.0 * reused / prompt) if prompt > 0 else None,
+        ttft_seconds=ttft_sum / ttft_num if ttft_num > 0 else None,
+        age_s=age_s,
+        ratios_in_force=tuple(sorted(set(ratios_in_force))),
+    )
+
+
+def failed(message: str) -> Reading:
+    return Reading(None, None, 0, None, None, None, error=message)
+
+
+def _at_ratio(increases: Increases, metric: str, ratio: float) -> float:
+    return sum(
+        value
+        for label, value in increases.get(metric, {}).items()
+        if abs(_as_float(label) - ratio) <= RATIO_TOLERANCE
+    )
+
+
+def _total(increases: Increases, metric: str) -> float:
+    return sum(increases.get(metric, {}).values())
+
+
+def _as_float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan
+
+
+class PrometheusSource:
+    """PromQL against spec.tuning.prometheusURL; series are selected by namespace and the
+    engine Service's name (the labels prometheus-operator's ServiceMonitor gives them)."""
+
+    def __init__(self, url: str, session: aiohttp.ClientSession, timeout_s: float = TIMEOUT_S):
+        self.url = url.rstrip("/")
+        self._session = session
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    async def read(self, target: Target, ratio: float, window_s: float) -> Reading:
+        selector = f'namespace="{target.namespace}",service="{target.service}"'
+        queries = {
+            name: _increase_query(name, selector, window_s, split)
+            for name, split in WINDOWED.items()
+        }
+        queries["ratio"] = f"{RATIO_GAUGE}{{{selector}}}"
+        queries["age"] = f"time() - max(timestamp({RATIO_GAUGE}{{{selector}}}))"
+        try:
+            answers = await asyncio.gather(*(self.query(q) for q in queries.values()))
+        except SourceError as exc:
+            return failed(str(exc))
+        found = dict(zip(queries, answers, strict=True))
+        increases = {name: _by_ratio(found[name]) for name in WINDOWED}
+        if not found["ratio"]:
+            return failed(f"Prometheus has no {RATIO_GAUGE} series for {selector}")
+        ages = [value for _, value in found["age"]]
+        return reading(increases, ratio, (v for _, v in found["ratio"]), ages[0] if ages else None)
+
+    async def query(self, promql: str) -> list[tuple[dict, float]]:
+        """An instant query's vector as (labels, value) pairs; SourceError on anything else."""
+        url = f"{self.url}/api/v1/query?{urllib.parse.urlencode({'query': promql})}"
+        try:
+            async with self._session.get(url, timeout=self._timeout) as response:
+                body = await response.content.read(MAX_BODY_BYTES)
+                status = response.status
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise SourceError(f"Prometheus at {self.url}: {type(exc).__name__}: {exc}") from exc
+        return _parse_vector(self.url, status, body)
+
+
+def _increase_query(metric: str, selector: str, window_s: float, split: bool) -> str:
+    """Per-series increase over the window; new or reset series count from zero (step 1)."""
+    series = f"{metric}{{{selector}}}"
+    window = f"{max(1, int(round(window_s)))}s"
+    per_series = f"(({series} - {series} offset {window}) >= 0 or {series})"
+    return f"sum by ({RATIO_LABEL}) {per_series}" if split else f"sum({per_series})"
+
+
+def _parse_vector(url: str, status: int, body: bytes) -> list[tuple[dict, float]]:
+    try:
+        answer = json.loads(body)
+        if status != 200 or answer.get("status") != "success":
+            raise SourceError(
+                f"Prometheus at {url}: HTTP {status}: {answer.get('error', '')}"[:300]
+            )
+        data = answer["data"]
+        if data["resultType"] == "scalar":
+            return [({}, float(data["result"][1]))]
+        if data["resultType"] != "vector":
+            raise SourceError(f"Prometheus at {url}: expected a vector, got {data['resultType']}")
+        return [(dict(item["metric"]), float(item["value"][1])) for item in data["result"]]
+    except SourceError:
+        raise
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        snippet = body[:80].decode(errors="replace").replace("\n", " ")
+        raise SourceError(
+            f"Prometheus at {url}: HTTP {status}: not a query answer ({snippet!r})"
+        ) from exc
+
+
+def _by_ratio(vector: list[tuple[dict, float]]) -> dict[str, float]:
+    return {labels.get(RATIO_LABEL, ""): value for labels, value in vector if math.isfinite(value)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """One scrape of one pod: counter values by (metric, ratio label), and its ratio gauge."""
+
+    at: float
+    counters: dict[tuple[str, str], float]
+    ratio: float | None
+
+
+class ScrapeSource:
+    """Scrapes the ready engine pods' /metrics directly and keeps a window of snapshots per
+    pod (in memory: after a restart the first window is short, and the tuner waits for
+    minSamples)."""
+
+    def __init__(
+        self, session: aiohttp.ClientSession, timeout_s: float = TIMEOUT_S, clock=time.monotonic
+    ):
+        self._session = session
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._clock = clock
+        self._history: dict[
+            tuple[str, str], list[Snapshot]
+        ] = {}  # (namespace, pod) -> oldest first
+
+    async def read(self, target: Target, ratio: float, window_s: float) -> Reading:
+        if not target.pod_urls:
+            return failed("no ready engine pods to scrape")
+        names = list(target.pod_urls)
+        scraped = await asyncio.gather(*(self.scrape(target.pod_urls[n]) for n in names))
+        now = self._clock()
+        answered = {
+            name: snap
+            for name, snap in zip(names, scraped, strict=True)
+            if isinstance(snap, Snapshot)
+        }
+        if not answered:
+            return failed(f"no engine pod answered on /metrics ({scraped[0]})")
+        increases: Increases = {}
+        for name, snapshot in answered.items():
+            baseline = self._remember(target.namespace, name, snapshot, now, window_s)
+            _add_increases(increases, snapshot, baseline)
+        self._forget_gone(target.namespace, names)
+        ratios = [s.ratio for s in answered.values() if s.ratio is not None]
+        return reading(increases, ratio, ratios, age_s=None)
+
+    async def scrape(self, url: str) -> "Snapshot | str":
+        """The pod's counters now, or why not (a pod may vanish mid-scrape)."""
+        try:
+            async with self._session.get(url, timeout=self._timeout) as response:
+                body = await response.content.read(MAX_BODY_BYTES)
+                if response.status != 200:
+                    return f"{url}: HTTP {response.status}"
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            return f"{url}: {type(exc).__name__}: {exc}"
+        try:
+            return parse_metrics(body.decode(errors="replace"), self._clock())
+        except ValueError as exc:
+            return f"{url}: not Prometheus text format: {exc}"
+
+    def _remember(
+        self, namespace: str, pod: str, snapshot: Snapshot, now: float, window_s: float
+    ) -> Snapshot | None:
+        """Store the snapshot; return the oldest one inside the window (None: a new pod)."""
+        history = self._history.setdefault((namespace, pod), [])
+        history.append(snapshot)
+        while len(history) > 1 and history[1].at <= now - window_s:
+            history.pop(0)
+        return history[0] if history[0] is not snapshot else None
+
+    def _forget_gone(self, namespace: str, pods: list[str]) -> None:
+        for key in [k for k in self._history if k[0] == namespace and k[1] not in pods]:
+            del self._history[key]
+
+
+def parse_metrics(text: str, at: float) -> Snapshot:
+    """The counters the tuner reads and the ratio gauge from a /metrics page (ValueError on
+    text that is not Prometheus's format)."""
+    counters: dict[tuple[str, str], float] = {}
+    ratio = None
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in WINDOWED:
+                label = sample.labels.get(RATIO_LABEL, "") if WINDOWED[sample.name] else ""
+                key = (sample.name, label)
+                counters[key] = counters.get(key, 0.0) + sample.value
+            elif sample.name == RATIO_GAUGE and math.isfinite(sample.value):
+                ratio = sample.value
+    return Snapshot(at, counters, ratio)
+
+
+def _add_increases(increases: Increases, now: Snapshot, then: Snapshot | None) -> None:
+    if then is None:
+        return  # the first sight of a pod is its baseline: its past is not this window's
+    for (metric, label), value in now.counters.items():
+        before = then.counters.get((metric, label))
+        if not math.isfinite(value):
+            continue
+        grown = value - before if before is not None and value >= before else value
+        per_metric = increases.setdefault(metric, {})
+        per_metric[label] = per_metric.get(label, 0.0) + grown

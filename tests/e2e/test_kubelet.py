@@ -1,0 +1,160 @@
+"""The process kubelet: a CPU Deployment's container runs as a local process with its env,
+its ConfigMap volume updated the way kubelet does, readiness from its probe, and its
+Service reachable on a local port."""
+
+import json
+import os
+import signal
+import sys
+import urllib.request
+
+import pytest
+
+from holeblend_devtools.background import EmulatorThread
+from holeblend_devtools.kubelet import LOCAL_PORT_ANNOTATION, ProcessKubelet, write_atomically
+
+# The container: serves its config file (read afresh on every request) and /ready once the
+# file is there. Its argv: HOST PORT.
+SERVER = r"""
+import http.server, os, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        path = os.environ["APP_CONFIG"]
+        if self.path == "/ready":
+            code, body = (200, b"ok") if os.path.exists(path) else (503, b"no config")
+        else:
+            code, body = 200, open(path, "rb").read()
+        self.send_response(code); self.send_header("Content-Length", str(len(body)))
+        self.end_headers(); self.wfile.write(body)
+    def log_message(self, *a): pass
+http.server.ThreadingHTTPServer((sys.argv[1], int(sys.argv[2])), H).serve_forever()
+"""
+LABELS = {"app": "echo"}
+
+
+def deployment(replicas=1):
+    container = {
+        "name": "app",
+        "command": [sys.executable],
+        "args": ["-I", "-c", SERVER, "0.0.0.0", "8000"],
+        "env": [{"name": "APP_CONFIG", "value": "/etc/app/settings.json"}],
+        "ports": [{"name": "http", "containerPort": 8000}],
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}},
+        "volumeMounts": [{"name": "config", "mountPath": "/etc/app"}],
+    }
+    return {
+        "metadata": {"name": "echo", "namespace": "default"},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": LABELS},
+            "template": {
+                "metadata": {"labels": LABELS},
+                "spec": {
+                    "containers": [container],
+                    "volumes": [{"name": "config", "configMap": {"name": "echo-config"}}],
+                },
+            },
+        },
+    }
+
+
+def fetch(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return response.read().decode()
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    with EmulatorThread(str(tmp_path / "kubeconfig")) as emulator:
+        yield emulator
+
+
+def put(cluster, resource, body):
+    cluster.call(cluster.api.put_object(resource, body))
+
+
+def edit(cluster, resource, name, patch):
+    cluster.call(cluster.api.edit_object(resource, "default", name, patch))
+
+
+def settings(value: int) -> dict:
+    return {"data": {"settings.json": json.dumps({"value": value})}}
+
+
+@pytest.mark.slow
+def test_a_cpu_deployment_runs_as_a_process_and_becomes_available_when_ready(cluster, tmp_path):
+    put(cluster, "v1/configmaps", {"metadata": {"name": "echo-config"}} | settings(1))
+    service = {
+        "metadata": {"name": "echo"},
+        "spec": {"selector": LABELS, "ports": [{"port": 80, "targetPort": "http"}]},
+    }
+    put(cluster, "v1/services", service)
+    with ProcessKubelet(cluster, tmp_path / "pods", tick_s=0.1) as kubelet:
+        put(cluster, "apps/v1/deployments", deployment())
+        cluster.wait_for(
+            lambda: (
+                (cluster.get("apps/v1/deployments", "default", "echo").get("status") or {}).get(
+                    "readyReplicas"
+                )
+                == 1
+            ),
+            timeout=30,
+        )
+        (pod,) = cluster.list("v1/pods", "default")
+        assert (
+            pod["status"]["podIP"].startswith("127.0.0.") and pod["status"]["podIP"] != "127.0.0.1"
+        )
+        assert {"type": "Ready", "status": "True"} in pod["status"]["conditions"]
+        port = cluster.get("v1/services", "default", "echo")["metadata"]["annotations"][
+            LOCAL_PORT_ANNOTATION
+        ]
+        url = f"http://127.0.0.1:{port}/settings"
+        assert json.loads(fetch(url)) == {"value": 1}
+
+        # A ConfigMap update reaches the running process without a restart.
+        (local,) = kubelet.pods.values()
+        first_pid = local.process.pid
+        edit(cluster, "v1/configmaps", "echo-config", settings(2))
+        cluster.wait_for(lambda: json.loads(fetch(url)) == {"value": 2}, timeout=10)
+        assert local.process.pid == first_pid
+        volume = local.volumes["config"]
+        assert os.readlink(volume / "settings.json") == "..data/settings.json"
+        assert (volume / "..data").is_symlink()
+
+        # A process that dies is restarted, and the pod is not ready meanwhile.
+        os.kill(first_pid, signal.SIGKILL)
+        cluster.wait_for(lambda: local.restarts == 1 and local.is_ready, timeout=20)
+        assert (
+            cluster.get("v1/pods", "default", pod["metadata"]["name"])["status"][
+                "containerStatuses"
+            ][0]["restartCount"]
+            == 1
+        )
+
+        # Scaled to zero: the process stops and the pod goes.
+        edit(cluster, "apps/v1/deployments", "echo", {"spec": {"replicas": 0}})
+        cluster.wait_for(lambda: not kubelet.pods and not cluster.list("v1/pods", "default"), 10)
+        assert local.process is None
+
+
+def test_an_update_swaps_the_data_link_in_one_step(tmp_path):
+    write_atomically(tmp_path, {"a.json": "1"})
+    first = os.readlink(tmp_path / "..data")
+    write_atomically(tmp_path, {"a.json": "2"})
+    assert os.readlink(tmp_path / "..data") != first
+    assert not (tmp_path / first).exists()  # the old payload is removed after the swap
+    assert (tmp_path / "a.json").read_text() == "2"
+
+
+def test_deployments_that_ask_for_devices_or_missing_commands_are_not_run():
+    from holeblend_devtools.kubelet import is_runnable
+
+    assert is_runnable(deployment())
+    gpu = deployment()
+    gpu["spec"]["template"]["spec"]["containers"][0]["resources"] = {
+        "limits": {"nvidia.com/gpu": 1}
+    }
+    assert not is_runnable(gpu)
+    vllm = deployment()
+    vllm["spec"]["template"]["spec"]["containers"][0]["command"] = ["no-such-command-here"]
+    assert not is_runnable(vllm)

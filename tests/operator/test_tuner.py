@@ -1,0 +1,196 @@
+"""The control law in simulated time: each rule alone, then closed loops against a model
+of how quality depends on the ratio."""
+
+import math
+import random
+
+import pytest
+
+from holeblend_operator.api import TuningSpec
+from holeblend_operator.tuner import Reading, State, decide
+
+SPEC = TuningSpec.model_validate(
+    {
+        "targetF1Proxy": 0.9,
+        "band": 0.02,
+        "minRatio": 0.05,
+        "maxRatio": 0.6,
+        "stepUpFactor": 1.5,
+        "stepDown": 0.02,
+        "intervalSeconds": 10,
+        "cooldownSeconds": 30,
+        "minSamples": 20,
+    }
+)
+
+
+def reading(f1=0.9, n=50, **changes) -> Reading:
+    values = {
+        "f1_proxy": f1,
+        "top1_agreement": f1,
+        "num_samples": n,
+        "hit_percent": 80.0,
+        "ttft_seconds": 0.3,
+        "age_s": 5.0,
+    }
+    return Reading(**(values | changes))
+
+
+def test_quality_below_the_band_raises_the_ratio_multiplicatively():
+    decision = decide(SPEC, 0.1, reading(f1=0.8), State(), now=0)
+    assert (decision.direction, decision.to_ratio, decision.code) == ("up", 0.15, "BelowTarget")
+    assert "0.800" in decision.reason and "50 samples" in decision.reason
+
+
+def test_a_raise_is_capped_at_max_ratio():
+    assert decide(SPEC, 0.5, reading(f1=0.5), State(), now=0).to_ratio == 0.6
+
+
+def test_below_target_at_max_ratio_holds_and_says_it_is_pinned():
+    decision = decide(SPEC, 0.6, reading(f1=0.5), State(), now=0)
+    assert (decision.direction, decision.code, decision.is_tuned) == (
+        "hold",
+        "PinnedAtMaxRatio",
+        False,
+    )
+
+
+def test_quality_inside_the_band_holds():
+    decision = decide(SPEC, 0.2, reading(f1=0.915), State(), now=0)
+    assert (decision.direction, decision.code, decision.is_tuned) == ("hold", "InBand", True)
+
+
+def test_quality_above_the_band_lowers_only_after_a_whole_cooldown():
+    state, ratio = State(), 0.3
+    for now in (0, 10, 20):
+        decision = decide(SPEC, ratio, reading(f1=0.97), state, now)
+        assert (decision.direction, decision.code) == ("hold", "AboveTargetCooling")
+        state = decision.state
+    decision = decide(SPEC, ratio, reading(f1=0.97), state, now=30)
+    assert (decision.direction, decision.to_ratio) == ("down", 0.28)
+    # A new cooldown starts with the change.
+    again = decide(SPEC, 0.28, reading(f1=0.97), decision.state, now=40)
+    assert again.direction == "hold"
+
+
+def test_a_dip_into_the_band_restarts_the_cooldown():
+    state = decide(SPEC, 0.3, reading(f1=0.97), State(), now=0).state
+    state = decide(SPEC, 0.3, reading(f1=0.9), state, now=20).state
+    assert decide(SPEC, 0.3, reading(f1=0.97), state, now=40).direction == "hold"
+
+
+def test_lowering_stops_at_min_ratio():
+    decision = decide(SPEC, 0.06, reading(f1=0.99), State(above_since=0), now=100)
+    assert decision.to_ratio == 0.05
+    held = decide(SPEC, 0.05, reading(f1=0.99), State(above_since=0), now=200)
+    assert (held.direction, held.code) == ("hold", "AtMinRatio")
+
+
+@pytest.mark.parametrize(
+    ("changes", "code"),
+    [
+        ({"n": 19}, "TooFewSamples"),
+        ({"n": 0, "f1": None}, "NoSamples"),
+        ({"f1": math.nan}, "NoSamples"),
+        ({"f1": math.inf}, "NoSamples"),
+        ({"age_s": 31.0}, "StaleMetrics"),
+        ({"age_s": math.nan}, "StaleMetrics"),
+        ({"error": "Prometheus answered HTML"}, "MetricsUnavailable"),
+        ({"ratios_in_force": (0.2, 0.3)}, "RatioNotApplied"),
+    ],
+)
+def test_no_action_on_an_untrustworthy_reading(changes, code):
+    decision = decide(SPEC, 0.2, reading(**({"f1": 0.1} | changes)), State(above_since=0), now=500)
+    assert (decision.direction, decision.to_ratio, decision.code) == ("hold", 0.2, code)
+    assert not decision.is_tuned and decision.state == State()
+
+
+@pytest.mark.parametrize(("ratio", "to", "direction"), [(0.9, 0.6, "down"), (0.01, 0.05, "up")])
+def test_a_ratio_outside_the_bounds_is_clamped_whatever_the_metrics(ratio, to, direction):
+    decision = decide(SPEC, ratio, reading(error="down"), State(), now=0)
+    assert (decision.direction, decision.to_ratio, decision.code) == (
+        direction,
+        to,
+        "ClampedToBounds",
+    )
+    assert str(ratio) in decision.reason
+
+
+@pytest.mark.parametrize("garbage", [None, "0.3", math.nan, -1.0, 0.0, 7.0, True])
+def test_a_value_that_is_no_ratio_resets_to_max_ratio(garbage):
+    decision = decide(SPEC, garbage, reading(), State(), now=0)
+    assert (decision.to_ratio, decision.code, decision.from_ratio) == (0.6, "ClampedToBounds", None)
+
+
+def test_ratios_are_rounded_so_labels_and_files_stay_readable():
+    assert decide(SPEC, 0.15, reading(f1=0.5), State(), now=0).to_ratio == 0.225
+    assert decide(SPEC, 0.1234, reading(f1=0.5), State(), now=0).to_ratio == 0.1851
+
+
+class Plant:
+    """Quality rises with the ratio and saturates; each sample is noisy."""
+
+    def __init__(self, knee: float, seed: int = 0, noise: float = 0.03):
+        self.knee, self.noise = knee, noise
+        self.random = random.Random(seed)
+
+    def quality(self, ratio: float) -> float:
+        return 1.0 - 0.35 * math.exp(-ratio / self.knee)
+
+    def read(self, ratio: float, num_samples: int) -> Reading:
+        noise = [self.random.gauss(0, self.noise) for _ in range(num_samples)]
+        f1 = self.quality(ratio) + sum(noise) / num_samples
+        return reading(f1=f1, n=num_samples, ratios_in_force=(ratio,))
+
+
+def run_loop(plant, ratio: float, spec=SPEC, intervals: int = 40, samples_per_interval=10):
+    """Every interval: the window holds the samples taken at the ratio in force since the
+    last change (the engine labels them by ratio), as the metrics sources report them."""
+    ratios, state, samples = [ratio], State(), 0
+    for step in range(intervals):
+        samples += samples_per_interval
+        decision = decide(
+            spec, ratio, plant.read(ratio, samples), state, now=step * spec.interval_seconds
+        )
+        state = decision.state
+        if decision.is_change:
+            ratio, samples = decision.to_ratio, 0
+        ratios.append(ratio)
+    return ratios
+
+
+def direction_changes(ratios: list[float]) -> int:
+    steps = [b - a for a, b in zip(ratios, ratios[1:], strict=False) if b != a]
+    return sum(1 for a, b in zip(steps, steps[1:], strict=False) if (a > 0) != (b > 0))
+
+
+def smallest_ratio_meeting(plant, spec=SPEC) -> float:
+    ratio = spec.min_ratio
+    while plant.quality(ratio) < spec.target_f1_proxy - spec.band and ratio < spec.max_ratio:
+        ratio += 0.001
+    return ratio
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_from_a_low_ratio_the_loop_reaches_the_target_and_holds_it(seed):
+    plant = Plant(knee=0.08, seed=seed)
+    ratios = run_loop(plant, 0.05)
+    reached = next(i for i, r in enumerate(ratios) if plant.quality(r) >= 0.88)
+    assert reached <= 10, ratios
+    assert all(plant.quality(r) >= 0.88 for r in ratios[reached:]), ratios
+    assert direction_changes(ratios) <= 2, ratios
+    assert all(SPEC.min_ratio <= r <= SPEC.max_ratio for r in ratios)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_from_a_high_ratio_the_loop_comes_down_to_within_one_step_of_the_knee(seed):
+    plant = Plant(knee=0.08, seed=seed)
+    fast = TuningSpec.model_validate(
+        SPEC.model_dump(by_alias=True) | {"stepDown": 0.05, "cooldownSeconds": 20}
+    )
+    ratios = run_loop(plant, 0.6, spec=fast, intervals=60)
+    best = smallest_ratio_meeting(plant, fast)
+    assert abs(ratios[-1] - best) <= fast.step_down * fast.step_up_factor, (best, ratios)
+    assert plant.quality(ratios[-1]) >= 0.88
+    assert direction_changes(ratios) <= 2, ratios
+    assert all(fast.min_ratio <= r <= fast.max_ratio for r in ratios)

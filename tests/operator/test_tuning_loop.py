@@ -1,0 +1,113 @@
+"""The tuner's driver, its pure parts: where tuning continues from, what a decision writes
+into status, and which replica is the active one."""
+
+import datetime
+
+from holeblend_operator.api import BlendDeployment
+from holeblend_operator.tuner import Decision, Reading, State
+from holeblend_operator.tuning_loop import (
+    HISTORY_LENGTH,
+    is_active,
+    ratio_in_force,
+    state_from,
+    status_patch,
+)
+
+SPEC = {
+    "model": {"name": "m", "source": {"hub": {"id": "org/m"}}},
+    "accelerator": {"type": "cpu", "count": 0},
+    "blend": {"recomputeRatio": 0.15},
+}
+BD = BlendDeployment.model_validate({"metadata": {"name": "r", "generation": 3}, "spec": SPEC})
+SEEN = Reading(0.8, 0.9, 40, 75.0, 0.4, 2.0, (0.15,))
+NOW = "2026-11-23T10:00:00Z"
+
+
+def hold(code="InBand", ratio=0.15):
+    return Decision("hold", ratio, ratio, code, "f1 0.9", True, State())
+
+
+def test_tuning_continues_from_the_tuned_ratio_while_it_derives_from_the_spec_ratio():
+    status = {"recomputeRatio": 0.3, "tuning": {"baseRatio": 0.15}}
+    assert ratio_in_force(0.15, status) == 0.3
+    assert ratio_in_force(0.2, status) == 0.2  # a person edited the spec: start over
+    assert ratio_in_force(0.15, {}) == 0.15
+
+
+def test_a_ratio_patched_by_hand_reaches_the_law_unclamped_so_it_can_say_so():
+    assert ratio_in_force(0.15, {"recomputeRatio": 0.95, "tuning": {"baseRatio": 0.15}}) == 0.95
+
+
+def test_the_cooldown_survives_a_failover_through_status():
+    status = {"tuning": {"baseRatio": 0.15, "aboveTargetSince": "2026-11-23T10:00:00Z"}}
+    since = state_from(status, 0.15).above_since
+    assert since == datetime.datetime(2026, 11, 23, 10, tzinfo=datetime.UTC).timestamp()
+    assert state_from(status, 0.2) == State()
+
+
+def test_a_change_writes_ratio_base_history_metrics_and_a_tuned_condition():
+    up = Decision("up", 0.15, 0.225, "BelowTarget", "F1 proxy 0.800", False, State())
+    patch = status_patch(BD, {}, up, SEEN, NOW)
+    assert patch["recomputeRatio"] == 0.225 and patch["tuning"]["baseRatio"] == 0.15
+    (entry,) = patch["tuning"]["history"]
+    assert entry["reason"].startswith("BelowTarget: ") and entry["inputs"]["f1Proxy"] == 0.8
+    assert (entry["fromRatio"], entry["toRatio"], entry["direction"]) == (0.15, 0.225, "up")
+    (tuned,) = patch["conditions"]
+    assert (tuned["type"], tuned["status"], tuned["reason"]) == ("Tuned", "False", "BelowTarget")
+    assert patch["metrics"]["hitPercent"] == 75.0
+    assert BlendDeployment.model_validate(
+        {"metadata": {"name": "r"}, "spec": SPEC, "status": patch}
+    )
+
+
+def test_a_run_of_holds_with_one_reason_is_one_history_entry():
+    status = {}
+    for minute in range(5):
+        patch = status_patch(BD, status, hold(), SEEN, f"2026-11-23T10:0{minute}:00Z")
+        status = patch
+    (entry,) = status["tuning"]["history"]
+    assert entry["time"] == "2026-11-23T10:04:00Z"
+    status = status_patch(BD, status, hold("TooFewSamples"), SEEN, NOW)
+    assert len(status["tuning"]["history"]) == 2
+
+
+def test_the_history_is_bounded():
+    status = {}
+    for i in range(HISTORY_LENGTH + 5):
+        ratio = round(0.1 + i * 0.01, 4)
+        change = Decision("up", ratio, ratio + 0.01, "BelowTarget", "low", False, State())
+        status = status_patch(BD, status, change, SEEN, NOW)
+    history = status["tuning"]["history"]
+    assert len(history) == HISTORY_LENGTH and history[-1]["fromRatio"] == 0.34
+
+
+def test_other_conditions_are_kept_and_tuned_keeps_its_transition_time():
+    ready = {"type": "Ready", "status": "True", "reason": "AllReplicasReady"}
+    tuned = {"type": "Tuned", "status": "True", "reason": "InBand", "lastTransitionTime": "T0"}
+    patch = status_patch(BD, {"conditions": [ready, tuned]}, hold("AboveTargetCooling"), SEEN, NOW)
+    ready_out, tuned_out = patch["conditions"]
+    assert ready_out == ready
+    assert (tuned_out["reason"], tuned_out["lastTransitionTime"]) == ("AboveTargetCooling", "T0")
+
+
+def test_nan_metrics_are_left_out_of_status():
+    nan = Reading(float("nan"), None, 0, float("inf"), None, None)
+    patch = status_patch(BD, {}, hold("NoSamples"), nan, NOW)
+    assert patch["metrics"] == {"numSamples": 0, "observedAt": NOW}
+
+
+NOW_DT = datetime.datetime(2026, 11, 23, 10, tzinfo=datetime.UTC)
+
+
+def peer(priority, seconds_ago=1, lifetime=60):
+    seen = NOW_DT - datetime.timedelta(seconds=seconds_ago)
+    return {"priority": priority, "lastseen": seen.isoformat(), "lifetime": lifetime}
+
+
+def test_only_the_live_peer_of_highest_priority_is_active():
+    peers = {"me": peer(10), "other": peer(5)}
+    assert is_active(peers, "me", 10, NOW_DT)
+    assert not is_active(peers | {"boss": peer(20)}, "me", 10, NOW_DT)
+    assert not is_active(peers | {"twin": peer(10)}, "me", 10, NOW_DT)  # kopf pauses both
+    assert is_active(peers | {"dead": peer(20, seconds_ago=120)}, "me", 10, NOW_DT)
+    assert is_active(peers | {"junk": "not a record"}, "me", 10, NOW_DT)

@@ -1,0 +1,241 @@
+"""The tuner's metrics sources against real HTTP servers on 127.0.0.1: engine pods that
+answer, vanish or send garbage, and Prometheus stand-ins that are down, slow or wrong.
+(The same PromQL against a real Prometheus: tests/chart/test_monitoring_prometheus.py.)"""
+
+import asyncio
+import contextlib
+import json
+
+import aiohttp
+import aiohttp.web
+import pytest
+
+from holeblend_operator.tuning_sources import (
+    PrometheusSource,
+    ScrapeSource,
+    Target,
+    parse_metrics,
+    reading,
+)
+
+
+def metrics_page(f1_sum, f1_count, ratio=0.15, prompt=1000, reused=800, label=None) -> str:
+    label = label or str(ratio)
+    return f"""# TYPE holeblend_f1_proxy histogram
+holeblend_f1_proxy_bucket{{ratio="{label}",le="+Inf"}} {f1_count}
+holeblend_f1_proxy_sum{{ratio="{label}"}} {f1_sum}
+holeblend_f1_proxy_count{{ratio="{label}"}} {f1_count}
+holeblend_f1_proxy_sum{{ratio="0.1"}} 50
+holeblend_f1_proxy_count{{ratio="0.1"}} 100
+# TYPE holeblend_top1_agreement histogram
+holeblend_top1_agreement_sum{{ratio="{label}"}} {f1_sum}
+holeblend_top1_agreement_count{{ratio="{label}"}} {f1_count}
+# TYPE holeblend_prompt_tokens counter
+holeblend_prompt_tokens_total {prompt}
+# TYPE holeblend_reused_tokens counter
+holeblend_reused_tokens_total {reused}
+# TYPE holeblend_ttft_seconds histogram
+holeblend_ttft_seconds_sum 10
+holeblend_ttft_seconds_count 20
+# TYPE holeblend_recompute_ratio gauge
+holeblend_recompute_ratio {ratio}
+"""
+
+
+class Server:
+    """An aiohttp server on 127.0.0.1 whose answer a test sets."""
+
+    def __init__(self):
+        self.answer = (200, "", "text/plain")
+        self.delay_s = 0.0
+        self.runner = None
+        self.port = None
+
+    async def handle(self, request):
+        await asyncio.sleep(self.delay_s)
+        status, text, content_type = self.answer
+        return aiohttp.web.Response(status=status, text=text, content_type=content_type)
+
+    async def start(self):
+        app = aiohttp.web.Application()
+        app.router.add_route("GET", "/{tail:.*}", self.handle)
+        self.runner = aiohttp.web.AppRunner(app)
+        await self.runner.setup()
+        site = aiohttp.web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = self.runner.addresses[0][1]
+        return self
+
+    async def stop(self):
+        await self.runner.cleanup()
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.port}"
+
+
+@contextlib.asynccontextmanager
+async def servers(count):
+    started = [await Server().start() for _ in range(count)]
+    try:
+        async with aiohttp.ClientSession() as session:
+            yield started, session
+    finally:
+        for server in started:
+            with contextlib.suppress(Exception):
+                await server.stop()
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def target(*urls) -> Target:
+    pods = {f"pod-{i}": f"{url}/metrics" for i, url in enumerate(urls)}
+    return Target("default", "rag-engine", pods)
+
+
+def as_increases(page: str) -> dict:
+    """A page's counters as if they had all grown from zero within the window."""
+    increases: dict = {}
+    for (metric, label), value in parse_metrics(page, at=0).counters.items():
+        increases.setdefault(metric, {})[label] = value
+    return increases
+
+
+def test_the_reading_counts_only_samples_taken_at_the_ratio_in_force():
+    increases = as_increases(metrics_page(18, 20, ratio=0.15))
+    seen = reading(increases, 0.15, [0.15], age_s=3)
+    assert (seen.f1_proxy, seen.num_samples, seen.hit_percent) == (0.9, 20, 80.0)
+    assert seen.ttft_seconds == 0.5
+    other = reading(increases, 0.1, [0.15], age_s=3)
+    assert (other.f1_proxy, other.num_samples) == (0.5, 100)
+
+
+def test_a_ratio_label_written_differently_still_matches():
+    increases = as_increases(metrics_page(9, 10, ratio=0.15, label="0.15000"))
+    assert reading(increases, 0.15, [], None).num_samples == 10
+
+
+async def test_the_scrape_window_is_the_increase_since_the_oldest_snapshot_in_it():
+    async with servers(2) as ((a, b), session):
+        clock = Clock()
+        source = ScrapeSource(session, clock=clock)
+        a.answer = b.answer = (200, metrics_page(10, 10), "text/plain")
+        first = await source.read(target(a.url, b.url), 0.15, window_s=30)
+        assert first.num_samples == 0  # the first sight of a pod is its baseline
+        clock.now += 10
+        a.answer = (200, metrics_page(19, 20, prompt=1500, reused=1200), "text/plain")
+        b.answer = (200, metrics_page(14, 15, prompt=1200, reused=900), "text/plain")
+        second = await source.read(target(a.url, b.url), 0.15, window_s=30)
+        assert second.num_samples == 15 and second.f1_proxy == pytest.approx(13 / 15)
+        assert second.hit_percent == pytest.approx(100 * 500 / 700)
+        assert second.ratios_in_force == (0.15,)
+
+
+async def test_a_series_that_appears_after_a_ratio_change_counts_from_zero():
+    async with servers(1) as ((a,), session):
+        clock = Clock()
+        source = ScrapeSource(session, clock=clock)
+        a.answer = (200, metrics_page(10, 10, ratio=0.15), "text/plain")
+        await source.read(target(a.url), 0.225, window_s=30)
+        clock.now += 10
+        a.answer = (200, metrics_page(5, 6, ratio=0.225), "text/plain")
+        seen = await source.read(target(a.url), 0.225, window_s=30)
+        assert (seen.num_samples, seen.ratios_in_force) == (6, (0.225,))
+
+
+async def test_a_restarted_pod_counts_from_zero_instead_of_going_negative():
+    async with servers(1) as ((a,), session):
+        clock = Clock()
+        source = ScrapeSource(session, clock=clock)
+        a.answer = (200, metrics_page(90, 100), "text/plain")
+        await source.read(target(a.url), 0.15, window_s=30)
+        clock.now += 10
+        a.answer = (200, metrics_page(4, 5), "text/plain")
+        assert (await source.read(target(a.url), 0.15, window_s=30)).num_samples == 5
+
+
+async def test_pods_that_vanish_mid_scrape_are_left_out_and_the_rest_count():
+    async with servers(2) as ((a, b), session):
+        clock = Clock()
+        source = ScrapeSource(session, clock=clock)
+        a.answer = b.answer = (200, metrics_page(10, 10), "text/plain")
+        await source.read(target(a.url, b.url), 0.15, window_s=30)
+        clock.now += 10
+        a.answer = (200, metrics_page(20, 20), "text/plain")
+        await b.stop()  # gone between the pod list and the scrape
+        seen = await source.read(target(a.url, b.url), 0.15, window_s=30)
+        assert (seen.error, seen.num_samples) == (None, 10)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        (200, "<html><body>502 Bad Gateway</body></html>", "text/html"),
+        (200, "holeblend_f1_proxy_sum{ratio= garbage", "text/plain"),
+        (503, "overloaded", "text/plain"),
+    ],
+)
+async def test_pods_that_answer_garbage_give_an_error_reading(answer):
+    async with servers(1) as ((a,), session):
+        a.answer = answer
+        seen = await ScrapeSource(session).read(target(a.url), 0.15, window_s=30)
+        assert seen.error and a.url in seen.error
+
+
+async def test_no_ready_pods_is_an_error_reading():
+    async with aiohttp.ClientSession() as session:
+        seen = await ScrapeSource(session).read(target(), 0.15, window_s=30)
+        assert "no ready engine pods" in seen.error
+
+
+def vector(*items) -> str:
+    result = [{"metric": labels, "value": [1700000000.0, str(value)]} for labels, value in items]
+    return json.dumps({"status": "success", "data": {"resultType": "vector", "result": result}})
+
+
+@pytest.mark.parametrize(
+    ("answer", "says"),
+    [
+        ((200, "<html>login page</html>", "text/html"), "not a query answer"),
+        (
+            (200, '{"status": "success", "data": {"resultType": "matrix"}}', "application/json"),
+            "vector",
+        ),
+        (
+            (200, '{"status": "success", "data": {"result": [1, 2]}}', "application/json"),
+            "not a query",
+        ),
+        ((400, '{"status": "error", "error": "parse error"}', "application/json"), "parse error"),
+        ((200, "\x00\xff garbage", "application/octet-stream"), "not a query answer"),
+    ],
+)
+async def test_a_prometheus_that_answers_garbage_gives_an_error_reading(answer, says):
+    async with servers(1) as ((prometheus,), session):
+        prometheus.answer = answer
+        seen = await PrometheusSource(prometheus.url, session).read(target(), 0.15, 60)
+        assert seen.error and says in seen.error, seen.error
+
+
+async def test_a_prometheus_that_is_down_or_slow_gives_an_error_reading_in_time():
+    async with servers(1) as ((slow,), session):
+        slow.delay_s, slow.answer = 1.5, (200, vector(), "application/json")
+        seen = await asyncio.wait_for(
+            PrometheusSource(slow.url, session, timeout_s=0.3).read(target(), 0.15, 60), 3
+        )
+        assert "TimeoutError" in seen.error
+        await slow.stop()
+        down = await PrometheusSource(slow.url, session).read(target(), 0.15, 60)
+        assert "ClientConnectorError" in down.error or "Connect" in down.error
+
+
+async def test_a_prometheus_without_the_engine_series_gives_an_error_reading():
+    async with servers(1) as ((prometheus,), session):
+        prometheus.answer = (200, vector(), "application/json")
+        seen = await PrometheusSource(prometheus.url, session).read(target(), 0.15, 60)
+        assert "no holeblend_recompute_ratio series" in seen.error
