@@ -272,6 +272,8 @@ class Announcer:
         self.holdings = holdings
         self.config = config or AnnouncerConfig()
         self._pending: list[tuple[str, object]] = []
+        # Announcements taken from `_pending` and not yet answered (for `flush`).
+        self._num_sending = 0
         self._cond = threading.Condition()
         self._stopping = False
         self._needs_resync = True
@@ -307,9 +309,9 @@ class Announcer:
         """Wait until queued announcements were sent (for tests and shutdown)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while self._pending and time.monotonic() < deadline:
+            while (self._pending or self._num_sending) and time.monotonic() < deadline:
                 self._cond.wait(0.01)
-            return not self._pending
+            return not (self._pending or self._num_sending)
 
     def stop(self) -> None:
         with self._cond:
@@ -328,8 +330,11 @@ class Announcer:
                 if not self._pending:
                     self._cond.wait(max(0.0, next_heartbeat - time.monotonic()))
                 batch, self._pending = self._pending, []
-                self._cond.notify_all()
+                self._num_sending = len(batch)
             self._send(batch)
+            with self._cond:
+                self._num_sending = 0
+                self._cond.notify_all()
             if time.monotonic() >= next_heartbeat:
                 self._heartbeat()
                 next_heartbeat = time.monotonic() + self.config.heartbeat_s
