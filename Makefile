@@ -15,12 +15,13 @@ TOOLS := .tools/bin
 # Real servers the tests start (Redis, Prometheus), from Debian's packages.
 SYSDEPS := .tools/.system-deps
 
-.PHONY: help venv tools test lint layers pytest generate golden demo bench bench-quick bench-operator rbac clean
+.PHONY: help venv tools test lint layers pytest generate golden demo bench bench-quick bench-operator bench-lookup rbac clean
 
 help:
 	@echo "make demo     - run holeblend end to end on this machine (operator, bench, holeblend-serve)"
 	@echo "make test     - lint, import-layer check and the whole test suite"
 	@echo "make bench    - hole mode vs standard CacheBlend vs full prefill (bench-quick: 1-3 min)"
+	@echo "make bench-lookup - lookup server lookups/s and p99; shared tier GB/s vs raw redis-py"
 	@echo "make bench-operator - operator convergence for 1/20/200 BlendDeployments vs the emulator floor"
 	@echo "make generate - regenerate the CRD, the chart's copy and docs/api.md"
 	@echo "make rbac     - regenerate deploy/rbac.yaml and the chart's RBAC template"
@@ -84,6 +85,10 @@ demo: $(STAMP) $(TOOLS)/helm
 # Time for 1, 20 and 200 BlendDeployments to converge vs the emulator's own floor; RSS, CPU.
 bench-operator: $(STAMP)
 	$(PY) -m holeblend_devtools.bench_operator --json out/bench-operator.json
+
+# Lookup server: 16-key lookups/s and latency from 1 and 8 clients; shared tier GB/s vs raw redis-py.
+bench-lookup: $(STAMP) $(SYSDEPS)
+	$(VENV)/bin/holeblend-lookup bench --json out/lookup-bench.json
 
 # The operator's RBAC, generated from the API access table in holeblend_operator.kube.
 rbac: $(STAMP)

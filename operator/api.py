@@ -625,13 +625,19 @@ class LookupServerSpec(ApiModel):
     enabled: bool = True
     """Run the lookup server; without it each pod only knows its own cache."""
     replicas: int = Field(default=1, ge=1, le=16)
-    """Lookup server pods."""
+    """Lookup server pods. Each holds its own index, so more than one gives pods fewer
+    hits (never a wrong one); see docs/lookup-server.md."""
     image: str | None = Field(default=None, min_length=1, max_length=512)
     """Container image; the holeblend runtime CPU image when unset."""
     port: int = Field(default=8100, ge=1, le=65535)
     """Port of the lookup API, /metrics and /healthz."""
-    resources: Resources = Field(default_factory=Resources)
-    """CPU and memory of a lookup server pod."""
+    resources: Resources = Field(
+        default_factory=lambda: Resources(
+            requests={"cpu": "250m", "memory": "256Mi"}, limits={"memory": "1Gi"}
+        )
+    )
+    """CPU and memory of a lookup server pod. The default fits the default index capacity
+    (1,000,000 segments took about 0.5 GiB when measured; one process uses one core)."""
 
 
 _BOUNDS_ORDERED = CelRule(
