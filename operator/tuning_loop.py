@@ -42,6 +42,7 @@ from holeblend_operator.tuning_sources import PrometheusSource, ScrapeSource, Ta
 
 LOG = logging.getLogger(__name__)
 TICK_S = 1.0
+WINDOW_INTERVALS = 10
 HISTORY_LENGTH = 20  # TuningStatus.history's bound
 TUNING_GAUGES = (
     metrics.TUNED_RATIO,
@@ -53,8 +54,10 @@ PEERING_KINDS = {k.kind: k for k in kube.FRAMEWORK_KINDS if k.group == "kopf.dev
 
 
 def window_seconds(spec: TuningSpec) -> float:
-    """How far back a reading looks: a cooldown, and at least two intervals."""
-    return float(max(spec.cooldown_seconds, 2 * spec.interval_seconds))
+    """How far back a reading looks: a cooldown, and at least ten intervals. Only samples
+    taken at the ratio in force count, so after a change the window fills from zero; a
+    long window lets a lightly loaded engine (few shadow samples) reach minSamples."""
+    return float(max(spec.cooldown_seconds, WINDOW_INTERVALS * spec.interval_seconds))
 
 
 def ratio_in_force(spec_ratio: float, status: dict) -> object:
