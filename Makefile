@@ -18,7 +18,7 @@ SYSDEPS := .tools/.system-deps
 .PHONY: help venv tools test lint layers pytest generate golden demo bench bench-quick bench-operator rbac clean
 
 help:
-	@echo "make demo     - run holeblend end to end on this machine"
+	@echo "make demo     - run holeblend end to end on this machine (operator, bench, holeblend-serve)"
 	@echo "make test     - lint, import-layer check and the whole test suite"
 	@echo "make bench    - hole mode vs standard CacheBlend vs full prefill (bench-quick: 1-3 min)"
 	@echo "make bench-operator - operator convergence for 1/20/200 BlendDeployments vs the emulator floor"
@@ -74,10 +74,12 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(VENV)/bin/holeblend-bench --quick --json out/bench-quick.json
 
-# The operator against an in-process Kubernetes API emulator, driven by kubectl; no cluster needed.
+# The operator against an in-process Kubernetes API emulator, driven by kubectl; no cluster needed;
+# then the benchmark, then holeblend-serve answering RAG requests on the CPU example's config.
 demo: $(STAMP) $(TOOLS)/helm
 	PATH="$(CURDIR)/$(TOOLS):$$PATH" $(PY) -m holeblend_devtools.demo
 	$(VENV)/bin/holeblend-bench --quick --json out/demo-bench.json
+	$(PY) -m holeblend_devtools.serve_demo
 
 # Time for 1, 20 and 200 BlendDeployments to converge vs the emulator's own floor; RSS, CPU.
 bench-operator: $(STAMP)

@@ -68,6 +68,13 @@ class Selection(StrEnum):
     RANDOM = "random"
 
 
+class StorePolicy(StrEnum):
+    # Keep the KV slices the request computed for a missing document, at their positions.
+    IN_CONTEXT = "in-context"
+    # Recompute the document after the system prompt in a low-priority background worker.
+    ISOLATED = "isolated"
+
+
 class Dtype(StrEnum):
     AUTO = "auto"
     FLOAT16 = "float16"
@@ -119,6 +126,7 @@ class BlendSettings(_Settings):
     chunk_size: int = Field(default=DEFAULT_CHUNK_SIZE, ge=1)
     min_segment_tokens: int = Field(default=DEFAULT_MIN_SEGMENT_TOKENS, ge=1)
     segment_context: SegmentContext = SegmentContext.AFTER_SYSTEM
+    store_policy: StorePolicy = StorePolicy.IN_CONTEXT
     kv: KVSettings = Field(default_factory=KVSettings)
     lookup_server_url: str | None = None
     shadow_sample_rate: float = Field(default=DEFAULT_SHADOW_SAMPLE_RATE, ge=0, le=1)

@@ -7,12 +7,20 @@ models. Field names are camelCase on the wire (aliases) and snake_case in Python
 import re
 from enum import StrEnum
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 from pydantic.alias_generators import to_camel
 
 from holeblend_contract import blend_settings as contract
-from holeblend_contract.blend_settings import BlendMode, Dtype, SegmentContext, Selection
+from holeblend_contract.blend_settings import (
+    BlendMode,
+    Dtype,
+    SegmentContext,
+    Selection,
+    StorePolicy,
+)
+from holeblend_contract.shared_tier import check_shared_url
 from holeblend_operator.cel import CelRule, cel_schema_extra, cel_validator
 from holeblend_operator.quantity import quantity_bytes
 
@@ -302,13 +310,56 @@ class AcceleratorSpec(ApiModel):
         return self.resource_name or DEFAULT_RESOURCE_NAMES.get(self.type)
 
 
+class SecretKeyRef(ApiModel):
+    """One key of a Secret in the BlendDeployment's namespace."""
+
+    name: DnsName
+    """Secret name."""
+    key: str = Field(pattern=r"^[-._a-zA-Z0-9]+$", min_length=1, max_length=253)
+    """Key within the Secret."""
+
+
+# The shared tier's URL sits in a ConfigMap: a password in it is refused (CEL and pydantic),
+# with the fix named; the password comes from sharedPasswordSecret instead.
+SharedStoreUrl = Annotated[
+    _matching(
+        r"(redis|rediss|valkey|valkeys)://.+",
+        "a redis://, rediss://, valkey:// or valkeys:// URL like redis://kv-cache:6379/0",
+        max_length=2048,
+    ),
+    AfterValidator(lambda url: check_shared_url(url, "spec.blend.kv.sharedUrl")),
+]
+_SHARED_URL_NO_PASSWORD = CelRule(
+    rule="!has(self.sharedUrl) || !self.sharedUrl.matches('^[a-z]+://[^/@]*:[^/@]*@')",
+    message="kv.sharedUrl must not carry a password (it is stored in a ConfigMap); remove it and reference a Secret key in kv.sharedPasswordSecret",
+    check=lambda kv: kv.shared_url is None or urlsplit(kv.shared_url).password is None,
+    field_path=".sharedUrl",
+)
+_SECRET_NEEDS_URL = CelRule(
+    rule="!has(self.sharedPasswordSecret) || has(self.sharedUrl)",
+    message="kv.sharedPasswordSecret needs kv.sharedUrl; set the URL of the shared tier or remove the secret",
+    check=lambda kv: kv.shared_password_secret is None or kv.shared_url is not None,
+    field_path=".sharedPasswordSecret",
+)
+
+
 class KVTiers(ApiModel):
     """Where segment KV caches live."""
 
+    model_config = ConfigDict(
+        json_schema_extra=cel_schema_extra(_SHARED_URL_NO_PASSWORD, _SECRET_NEEDS_URL)
+    )
+    check_rules = cel_validator(_SHARED_URL_NO_PASSWORD, _SECRET_NEEDS_URL)
+
     local_cpu_bytes: ByteCount = f"{contract.DEFAULT_LOCAL_CPU_BYTES >> 30}Gi"
     """Byte budget of the in-process LRU tier of each engine pod."""
-    shared_url: StoreUrl | None = None
-    """Shared tier on an existing store, e.g. redis://kv-cache:6379/0; none when unset."""
+    shared_url: SharedStoreUrl | None = None
+    """Shared tier on Redis or Valkey, e.g. redis://kv-cache:6379/0 (no password; see
+    sharedPasswordSecret); none when unset. Configure the store with
+    `maxmemory-policy allkeys-lru` (docs/shared-tier.md)."""
+    shared_password_secret: SecretKeyRef | None = None
+    """Secret key holding the shared tier's password, given to the engine pods as the env
+    var HOLEBLEND_SHARED_TIER_PASSWORD; none when the store needs no password."""
 
 
 class BlendSpec(ApiModel):
@@ -332,6 +383,10 @@ class BlendSpec(ApiModel):
     segment_context: SegmentContext = SegmentContext.AFTER_SYSTEM
     """afterSystem: cache a document's KV as computed right after the system prompt
     (about half the blending error at low ratios); alone: from position 0."""
+    store_policy: StorePolicy = StorePolicy.IN_CONTEXT
+    """How a document the request computed gets cached: in-context keeps the KV the request
+    computed (free); isolated recomputes it after the system prompt in a low-priority
+    background worker (see docs/blending.md for the measured trade-off)."""
     kv: KVTiers = Field(default_factory=KVTiers)
     """Cache tiers."""
 

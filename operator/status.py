@@ -210,19 +210,29 @@ def _lookup_ready(bd: BlendDeployment, lookup: dict | None) -> dict:
             "Disabled",
             "spec.lookupServer.enabled is false: each pod only reuses its own cache",
         )
+    ready = _ready_replicas(lookup)
     if is_available(lookup, None):
         return _condition(
             ConditionType.LOOKUP_SERVER_READY,
             True,
             "Available",
-            "the lookup server answers lookups",
+            f"the lookup server answers lookups ({ready} pods pass GET /ready)",
         )
     return _condition(
         ConditionType.LOOKUP_SERVER_READY,
         False,
         "NotAvailable",
-        "lookup server pods are not ready; pods treat every segment as a miss until they are",
+        f"lookup server pods are not ready ({ready} pass GET /ready); "
+        "pods treat every segment as a miss until they are",
     )
+
+
+def _ready_replicas(deployment: dict | None) -> str:
+    """ "ready/wanted" of a Deployment, as its readiness probes report them."""
+    if deployment is None:
+        return "0/0"
+    wanted = deployment.get("spec", {}).get("replicas", 1)
+    return f"{deployment.get('status', {}).get('readyReplicas', 0)}/{wanted}"
 
 
 def _tuned(bd: BlendDeployment, previous: list[dict]) -> list[dict]:

@@ -15,6 +15,11 @@ from holeblend_contract import blend_settings as contract
 K_DEVIATION = contract.Selection.K_DEVIATION.value
 RANDOM = contract.Selection.RANDOM.value
 SELECTION_NAMES = (K_DEVIATION, RANDOM)
+# Store policies: how a segment the request had to compute gets into the KV store
+# (see store_worker.py and docs/blending.md).
+IN_CONTEXT = contract.StorePolicy.IN_CONTEXT.value
+ISOLATED = contract.StorePolicy.ISOLATED.value
+STORE_POLICIES = (IN_CONTEXT, ISOLATED)
 # LMCache's separator without its trailing space: with a leading space on every piece
 # the pieces tokenize exactly as the whole prompt does (see docs/blending.md).
 DEFAULT_SEPARATOR = contract.DEFAULT_SEPARATOR
@@ -25,6 +30,8 @@ class BlendConfig:
     """Blending knobs; `ratio` may be overridden per request."""
 
     # Layer whose fresh K is compared with the cached K; layers up to it run in full.
+    # At least 1: K at layer 0 depends only on the token and its position, so after
+    # re-rotation its deviation is rounding noise and would pick tokens at random.
     check_layer: int = contract.DEFAULT_CHECK_LAYER
     # Share of the cached tokens recomputed in the layers after the check layer.
     ratio: float = contract.DEFAULT_RECOMPUTE_RATIO
@@ -40,14 +47,25 @@ class BlendConfig:
     cache_after_system: bool = True
     # Seed of the random selection strategy (a fresh generator per request).
     seed: int = 0
+    # "in-context": keep the KV the request computed for a missing segment, at its
+    # positions in that prompt (free). "isolated": recompute it alone after the system
+    # prompt in a low-priority background worker (exact for its key, costs a forward).
+    store_policy: str = IN_CONTEXT
 
     def __post_init__(self) -> None:
-        if self.check_layer < 0:
-            raise ValueError(f"check_layer: must be >= 0, got {self.check_layer}")
+        if self.check_layer < 1:
+            raise ValueError(
+                f"check_layer: must be >= 1, got {self.check_layer} (at layer 0 K depends "
+                "only on the token and its position, so its deviation means nothing)"
+            )
         check_ratio(self.ratio)
         if self.selection not in SELECTION_NAMES:
             raise ValueError(
                 f"selection: expected one of {SELECTION_NAMES}, got {self.selection!r}"
+            )
+        if self.store_policy not in STORE_POLICIES:
+            raise ValueError(
+                f"store_policy: expected one of {STORE_POLICIES}, got {self.store_policy!r}"
             )
         if not self.separator or self.separator.isspace():
             raise ValueError("separator: must contain a visible character")
@@ -64,6 +82,7 @@ def from_settings(settings: contract.BlendSettings) -> BlendConfig:
         separator=settings.separator,
         min_segment_tokens=settings.min_segment_tokens,
         cache_after_system=settings.segment_context is contract.SegmentContext.AFTER_SYSTEM,
+        store_policy=settings.store_policy.value,
     )
 
 

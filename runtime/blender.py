@@ -9,6 +9,11 @@
    separators, the uncached tail). Later layers compute hidden states only for it;
    each of its tokens attends to all cache slots up to its own true position, reading
    fresh K/V where a slot was recomputed and the cached K/V elsewhere.
+
+An exact prefix (`PrefixKV`: e.g. the system prompt, cached alone from position 0, whose
+KV is what full prefill would compute) is taken as it is, like a prefix cache: its
+tokens are never computed, compared or selected; every step above runs on the tokens
+after it, which attend to it.
 """
 
 from __future__ import annotations
@@ -50,6 +55,19 @@ class BlendResult:
     deviation: torch.Tensor
 
 
+@dataclass(frozen=True, eq=False)
+class PrefixKV:
+    """K/V buffers of the whole prompt whose first `num_tokens` slots hold exact KV.
+
+    The blender fills the other slots in place and returns these buffers.
+    """
+
+    # [layers, kv_heads, prompt tokens, head_dim].
+    k: torch.Tensor
+    v: torch.Tensor
+    num_tokens: int
+
+
 class Blender:
     def __init__(self, model: Llama, config: BlendConfig) -> None:
         if config.check_layer >= model.num_layers:
@@ -67,11 +85,13 @@ class Blender:
         ratio: float,
         hole_ranges: Sequence[tuple[int, int]] = (),
         strategy: SelectionStrategy | None = None,
+        prefix: PrefixKV | None = None,
     ) -> BlendResult:
-        """Prefill `token_ids` reusing `spans`; `hole_ranges` bound per-section selection."""
+        """Prefill `token_ids` reusing `spans` (and an exact `prefix`, whose tokens are
+        never computed); `hole_ranges` bound per-section selection."""
         check_ratio(ratio)
-        cache = self._cache(token_ids.shape[0], spans)
-        h = self._full_layers(token_ids, cache)
+        cache = self._cache(token_ids.shape[0], spans, prefix)
+        h = self._full_layers(token_ids[cache.start :], cache)
         check = self._check_layer(h, cache, _Selection(ratio, tuple(hole_ranges), strategy))
         h = check.hidden
         rope = RopeTable(cache.rope.cos[check.recomputed], cache.rope.sin[check.recomputed])
@@ -83,12 +103,16 @@ class Blender:
         )
 
     def assemble_cached_kv(
-        self, spans: Sequence[CachedSpan], num_tokens: int
+        self,
+        spans: Sequence[CachedSpan],
+        num_tokens: int,
+        buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """K/V buffers holding every span's KV, K re-rotated to the span's positions, and
-        which positions are cached (the other slots are uninitialized)."""
+        which positions are cached (the other slots are left as they were: uninitialized
+        in new buffers). `buffers` None: new ones."""
         device = self.model.device
-        k_cache, v_cache = self.model.new_kv(num_tokens)
+        k_cache, v_cache = buffers if buffers is not None else self.model.new_kv(num_tokens)
         is_cached = torch.zeros(num_tokens, dtype=torch.bool, device=device)
         for span in spans:
             self._check_span(span, num_tokens)
@@ -103,10 +127,16 @@ class Blender:
             is_cached[span.start : span.end] = True
         return k_cache, v_cache, is_cached
 
-    def _cache(self, num_tokens: int, spans: Sequence[CachedSpan]) -> _BlendCache:
-        k, v, is_cached = self.assemble_cached_kv(spans, num_tokens)
+    def _cache(
+        self, num_tokens: int, spans: Sequence[CachedSpan], prefix: PrefixKV | None
+    ) -> _BlendCache:
+        start = 0 if prefix is None else prefix.num_tokens
+        if any(span.start < start for span in spans):
+            raise ValueError(f"spans: a span starts inside the exact prefix of {start} tokens")
+        buffers = None if prefix is None else (prefix.k, prefix.v)
+        k, v, is_cached = self.assemble_cached_kv(spans, num_tokens, buffers)
         rope = self.model.rope(torch.arange(num_tokens, device=self.model.device))
-        return _BlendCache(rope, k, v, is_cached)
+        return _BlendCache(rope, k, v, is_cached, start)
 
     def _check_span(self, span: CachedSpan, num_tokens: int) -> None:
         if not 0 <= span.start < span.end <= num_tokens:
@@ -117,31 +147,36 @@ class Blender:
             )
 
     def _full_layers(self, token_ids: torch.Tensor, cache: _BlendCache) -> torch.Tensor:
-        """Layers below the check layer, every token, plain causal attention."""
+        """Layers below the check layer, every token after the exact prefix, causal."""
         h = self.model.embed(token_ids)
+        rope, plan = cache.rope_after_prefix(), cache.plan_after_prefix(h.dtype)
         for layer in range(self.config.check_layer):
-            q, k, v = self.model.qkv(layer, h, cache.rope)
-            cache.k[layer], cache.v[layer] = k, v
-            h = self.model.attend_and_mlp(layer, h, q, k, v, plan=None)
+            q, k, v = self.model.qkv(layer, h, rope)
+            cache.k[layer, :, cache.start :], cache.v[layer, :, cache.start :] = k, v
+            h = self.model.attend_and_mlp(layer, h, q, cache.k[layer], cache.v[layer], plan)
         return h
 
     def _check_layer(
         self, h: torch.Tensor, cache: _BlendCache, selection: _Selection
     ) -> _CheckOutcome:
         """Fresh QKV for every token; choose the recompute set; attention for it only."""
-        layer = self.config.check_layer
-        q, k, v = self.model.qkv(layer, h, cache.rope)
-        cached_positions = cache.is_cached.nonzero().squeeze(1)
-        fresh, stored = k[:, cached_positions], cache.k[layer, :, cached_positions]
+        layer, start = self.config.check_layer, cache.start
+        q, k, v = self.model.qkv(layer, h, cache.rope_after_prefix())
+        is_cached = cache.is_cached[start:]
+        cached_positions = is_cached.nonzero().squeeze(1) + start
+        fresh, stored = k[:, cached_positions - start], cache.k[layer, :, cached_positions]
         deviation = (fresh - stored).pow(2).sum((0, 2))
         selected = self._select(deviation, cached_positions, selection)
-        uncached = (~cache.is_cached).nonzero().squeeze(1)
+        uncached = (~is_cached).nonzero().squeeze(1) + start
         recomputed = torch.cat([selected, uncached]).sort().values
         # The check layer's K/V stay fresh for every token: computing them was the price
         # of the deviation, and they are exact.
-        cache.k[layer], cache.v[layer] = k, v
-        plan = plan_causal(recomputed, h.shape[0], h.dtype)
-        hidden = self.model.attend_and_mlp(layer, h[recomputed], q[:, recomputed], k, v, plan)
+        cache.k[layer, :, start:], cache.v[layer, :, start:] = k, v
+        plan = plan_causal(recomputed, cache.num_tokens, h.dtype)
+        rows = recomputed - start
+        hidden = self.model.attend_and_mlp(
+            layer, h[rows], q[:, rows], cache.k[layer], cache.v[layer], plan
+        )
         return _CheckOutcome(hidden, recomputed, selected, deviation, plan)
 
     def _select(
@@ -188,6 +223,19 @@ class _BlendCache:
     v: torch.Tensor
     # [tokens] bool: the slot holds reused KV.
     is_cached: torch.Tensor
+    # Tokens of the exact prefix: never computed, compared or selected.
+    start: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.is_cached.shape[0]
+
+    def rope_after_prefix(self) -> RopeTable:
+        return RopeTable(self.rope.cos[self.start :], self.rope.sin[self.start :])
+
+    def plan_after_prefix(self, dtype: torch.dtype) -> CausalPlan | None:
+        positions = torch.arange(self.start, self.num_tokens, device=self.is_cached.device)
+        return plan_causal(positions, self.num_tokens, dtype)
 
 
 @dataclass(frozen=True)

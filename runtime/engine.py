@@ -2,37 +2,57 @@
 
 `full` computes every token. `prefix` is standard CacheBlend: it reuses cached segments
 up to the first miss and recomputes everything after it. `hole` reuses every cached
-segment and computes only the missing ones between them. Both blending modes store the
-segments that were missing once the first token is ready, each computed in its own
-canonical context (alone, or right after the system prompt) so that its key stays true.
+segment and computes only the missing ones between them.
+
+1. Look every cacheable segment up; refuse unusable entries; plan the reuse.
+2. Take the exact prefix as it is: the system prompt (cached alone from position 0) and,
+   when it was cached right after that system prompt, the first document. Its KV is what
+   full prefill would compute, so it is loaded like a prefix cache, never blended.
+3. If nothing else is reused, continue on the plain causal path from there (a full
+   prefill when nothing at all is reused); otherwise blend the rest.
+4. Store the segments that were missing, as `BlendConfig.store_policy` says:
+   `in-context` keeps the slices this request computed, at their positions (free);
+   `isolated` queues each for a low-priority background recompute alone after the
+   system prompt (`store_worker`). Neither runs a forward pass before the call returns.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
-from holeblend_runtime.blend_config import BlendConfig, check_ratio
-from holeblend_runtime.blender import Blender, CachedSpan
+from holeblend_runtime.blend_config import ISOLATED, BlendConfig, check_ratio
+from holeblend_runtime.blender import Blender, CachedSpan, PrefixKV
 from holeblend_runtime.gguf_model import load_model_files
 from holeblend_runtime.kv_store import KVStore, LocalKVStore, SegmentKV
 from holeblend_runtime.llama import Llama
 from holeblend_runtime.lookup import LookupMode, LookupResult, ReusePolicy, plan_reuse
 from holeblend_runtime.model_config import ModelConfig
 from holeblend_runtime.prompt import PromptBuilder
-from holeblend_runtime.segments import Segment, SegmentedPrompt, segment_key
+from holeblend_runtime.segments import Segment, SegmentedPrompt, SegmentKind, segment_key
 from holeblend_runtime.selection import SelectionStrategy
+from holeblend_runtime.store_worker import (
+    DEFAULT_MAX_PENDING,
+    Activity,
+    IsolatedStoreWorker,
+    StoreJob,
+    StoreStats,
+)
 from holeblend_runtime.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
 
 DEFAULT_STORE_BYTES = 2 << 30
+_T = TypeVar("_T")
 
 
 class Mode(StrEnum):
@@ -57,7 +77,7 @@ class Prefill:
     v: torch.Tensor
     # Cached entries refused (wrong model, shape, dtype, non-finite) and computed fresh.
     num_rejected_segments: int
-    # Segments stored after the first token was ready.
+    # Segments stored before the call returned (store policy in-context).
     num_stored_segments: int
     # Check-layer K deviation of each reused token, in position order (empty without reuse).
     deviation: torch.Tensor
@@ -66,6 +86,13 @@ class Prefill:
     selected_positions: torch.Tensor
     # Seconds from the call to the first token's logits (lookup and blending included).
     ttft_s: float
+    # Seconds from the call to its return (storing included).
+    request_s: float = 0.0
+    # Segments queued for the background store (store policy isolated).
+    num_queued_segments: int = 0
+    # Reused tokens at the start whose KV is exact (loaded like a prefix cache, never
+    # blended; their deviation is not computed).
+    num_exact_prefix_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -85,6 +112,17 @@ class Prefill:
         return int(self.recomputed_positions.shape[0])
 
 
+def _in_foreground(method: Callable[..., _T]) -> Callable[..., _T]:
+    """Marks the engine busy while `method` runs, so background stores wait."""
+
+    @functools.wraps(method)
+    def wrapper(self: ReferenceEngine, *args: Any, **kwargs: Any) -> _T:
+        with self.activity.foreground():
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class ReferenceEngine:
     """Prefill, score and greedy generation on one sequence at a time."""
 
@@ -95,6 +133,8 @@ class ReferenceEngine:
         blend: BlendConfig | None = None,
         store: KVStore | None = None,
         strategy: SelectionStrategy | None = None,
+        activity: Activity | None = None,
+        max_pending_stores: int = DEFAULT_MAX_PENDING,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -106,6 +146,27 @@ class ReferenceEngine:
         self.prompt_builder = PromptBuilder(
             tokenizer, self.blend_config.separator, self.blend_config.min_segment_tokens
         )
+        # Foreground work of this engine (and of engines given the same Activity: share
+        # it between engines on one machine); the background store yields to it.
+        self.activity = activity if activity is not None else Activity()
+        self.store_worker = IsolatedStoreWorker(self.store, self.activity, max_pending_stores)
+
+    def busy(self) -> AbstractContextManager[None]:
+        """Hold the engine busy (e.g. while requests wait in a server's queue): the
+        background store does not start a layer until every hold is released."""
+        return self.activity.foreground()
+
+    def store_stats(self) -> StoreStats:
+        """Counters of the background store (all zero under store policy in-context)."""
+        return self.store_worker.stats()
+
+    def wait_for_stores(self, timeout: float | None = None) -> bool:
+        """Wait until the background store has run every queued job; False on timeout."""
+        return self.store_worker.drain(timeout)
+
+    def close(self) -> None:
+        """Stop the background store (queued jobs are dropped)."""
+        self.store_worker.close()
 
     @classmethod
     def load(
@@ -170,13 +231,18 @@ class ReferenceEngine:
 
     # --- prefill ----------------------------------------------------------------------
 
-    @torch.inference_mode()
     def prefill(
         self, prompt: SegmentedPrompt, mode: Mode | str = Mode.HOLE, ratio: float | None = None
     ) -> Prefill:
-        """The prompt's KV cache and first-token logits; stores missing segments after."""
+        """The prompt's KV cache and first-token logits; stores missing segments (policy)."""
         started = time.perf_counter()
-        mode = _parse_mode(mode)
+        with self.activity.foreground(), torch.inference_mode():
+            result = self._prefill(prompt, _parse_mode(mode), ratio, started)
+        return replace(result, request_s=time.perf_counter() - started)
+
+    def _prefill(
+        self, prompt: SegmentedPrompt, mode: Mode, ratio: float | None, started: float
+    ) -> Prefill:
         ratio = check_ratio(self.blend_config.ratio if ratio is None else ratio)
         self._check_length(prompt)
         if mode is Mode.FULL:
@@ -188,11 +254,10 @@ class ReferenceEngine:
         if lookup.mode is LookupMode.FULL_MISS:
             result = self._full_prefill(prompt, started, mode, lookup, num_rejected)
         else:
-            result = self._blended_prefill(
+            result = self._reuse_prefill(
                 prompt, mode, ratio, lookup, entries, started, num_rejected
             )
-        num_stored = self._store_missing(prompt, keys, entries)
-        return _with_stored(result, num_stored)
+        return self._store_missing(result, keys, entries)
 
     def _check_length(self, prompt: SegmentedPrompt) -> None:
         if prompt.num_tokens == 0:
@@ -224,7 +289,7 @@ class ReferenceEngine:
             ttft_s=time.perf_counter() - started,
         )  # fmt: skip
 
-    def _blended_prefill(
+    def _reuse_prefill(
         self,
         prompt: SegmentedPrompt,
         mode: Mode,
@@ -234,18 +299,86 @@ class ReferenceEngine:
         started: float,
         num_rejected: int,
     ) -> Prefill:
+        prefix, fresh_in_prefix = self._exact_prefix(prompt, lookup, entries)
+        start = 0 if prefix is None else prefix.num_tokens
         spans = [
             CachedSpan(prompt.segments[i].start, prompt.segments[i].end, entries[i])
             for i in lookup.reused_segments
+            if prompt.segments[i].start >= start
         ]
         token_ids = torch.tensor(prompt.token_ids, device=self.model.device)
-        blended = self.blender.blend(token_ids, spans, ratio, lookup.hole_ranges, self.strategy)
+        if spans:
+            blended = self.blender.blend(
+                token_ids, spans, ratio, lookup.hole_ranges, self.strategy, prefix
+            )
+            logits, k, v = blended.logits, blended.k, blended.v
+            deviation, recomputed = blended.deviation, blended.recomputed
+            selected = blended.selected
+        else:
+            logits, k, v = self._continue_causal(token_ids, prefix)
+            deviation, selected = torch.empty(0), torch.empty(0, dtype=torch.int64)
+            recomputed = torch.arange(start, prompt.num_tokens)
         return Prefill(
-            prompt, mode, ratio, lookup, blended.logits, blended.k, blended.v,
+            prompt, mode, ratio, lookup, logits, k, v,
             num_rejected_segments=num_rejected, num_stored_segments=0,
-            deviation=blended.deviation, recomputed_positions=blended.recomputed,
-            selected_positions=blended.selected, ttft_s=time.perf_counter() - started,
+            deviation=deviation, recomputed_positions=torch.cat([fresh_in_prefix, recomputed]),
+            selected_positions=selected, ttft_s=time.perf_counter() - started,
+            num_exact_prefix_tokens=start - int(fresh_in_prefix.shape[0]),
         )  # fmt: skip
+
+    def _continue_causal(
+        self, token_ids: torch.Tensor, prefix: PrefixKV
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Plain causal prefill of the tokens after an exact prefix (a prefix cache hit)."""
+        h = self.model.forward(
+            token_ids[prefix.num_tokens :], prefix.k, prefix.v, prefix.num_tokens
+        )
+        return self.model.logits(h[-1:])[0], prefix.k, prefix.v
+
+    def _exact_prefix(
+        self,
+        prompt: SegmentedPrompt,
+        lookup: LookupResult,
+        entries: Sequence[SegmentKV | None],
+    ) -> tuple[PrefixKV | None, torch.Tensor]:
+        """The reused tokens at the start whose cached KV is exactly full prefill's, loaded
+        into new prompt-sized buffers, and the positions computed fresh on the way (the
+        separator before the first document).
+
+        The system prompt qualifies when reused (cached alone from position 0). The first
+        document qualifies when reused with KV computed right after this system prompt
+        and separator: its key names that context, and its positions start where it
+        starts here.
+        """
+        none = torch.empty(0, dtype=torch.int64)
+        system = prompt.system
+        if 0 not in lookup.reused_segments or not _is_at(entries[0], system.start):
+            return None, none
+        k, v = self.model.new_kv(prompt.num_tokens)
+        _load(k, v, entries[0], system)
+        if not self._is_exact_first_document(prompt, lookup, entries):
+            return PrefixKV(k, v, system.end), none
+        sep_start, sep_end = prompt.separator_ranges[0]
+        separator = torch.tensor(prompt.token_ids[sep_start:sep_end], device=self.model.device)
+        self.model.forward(separator, k, v, start=sep_start)
+        document = prompt.segments[1]
+        _load(k, v, entries[1], document)
+        return PrefixKV(k, v, document.end), torch.arange(sep_start, sep_end)
+
+    def _is_exact_first_document(
+        self,
+        prompt: SegmentedPrompt,
+        lookup: LookupResult,
+        entries: Sequence[SegmentKV | None],
+    ) -> bool:
+        document = prompt.segments[1]
+        return (
+            self.blend_config.cache_after_system
+            and document.kind is SegmentKind.DOCUMENT
+            and 1 in lookup.reused_segments
+            and prompt.separator_ranges[0] == (prompt.system.end, document.start)
+            and _is_at(entries[1], document.start)
+        )
 
     # --- the KV store -----------------------------------------------------------------
 
@@ -255,8 +388,8 @@ class ReferenceEngine:
         """Usable cached entries per segment, and how many stored ones were refused."""
         entries: list[SegmentKV | None] = []
         num_rejected = 0
-        for segment, key in zip(prompt.segments, keys, strict=True):
-            entry = self.store.get(key) if key is not None else None
+        stored = self._get_many(keys)
+        for segment, key, entry in zip(prompt.segments, keys, stored, strict=True):
             problem = None if entry is None else self.kv_problem(entry, key, segment.num_tokens)
             if problem is not None:
                 log.warning(
@@ -266,6 +399,13 @@ class ReferenceEngine:
                 entry = None
             entries.append(entry)
         return entries, num_rejected
+
+    def _get_many(self, keys: Sequence[str | None]) -> list[SegmentKV | None]:
+        """The store's entries for `keys` (None for a None key), in one batch: a tiered store
+        asks the lookup server once per prompt, not once per segment."""
+        wanted = [key for key in keys if key is not None]
+        found = dict(zip(wanted, self.store.get_many(wanted), strict=True))
+        return [found.get(key) if key is not None else None for key in keys]
 
     def kv_problem(self, entry: SegmentKV, key: str, num_tokens: int) -> str | None:
         """Why a cached entry cannot be used for a segment of `num_tokens`, or None."""
@@ -288,13 +428,36 @@ class ReferenceEngine:
 
     def _store_missing(
         self,
-        prompt: SegmentedPrompt,
+        result: Prefill,
         keys: Sequence[str | None],
         entries: Sequence[SegmentKV | None],
-    ) -> int:
+    ) -> Prefill:
+        """Store (in-context) or queue (isolated) every cacheable segment that missed."""
+        prompt = result.prompt
         missing = [i for i, (k, e) in enumerate(zip(keys, entries, strict=True)) if k and e is None]
-        return self._cache_segments(prompt, missing, keys) if missing else 0
+        if self.blend_config.store_policy == ISOLATED:
+            num_queued = sum(self._queue_isolated(prompt, i, keys) for i in missing)
+            return replace(result, num_queued_segments=num_queued)
+        num_stored = 0
+        for i in missing:
+            segment = prompt.segments[i]
+            k = result.k[:, :, segment.start : segment.end]
+            v = result.v[:, :, segment.start : segment.end]
+            num_stored += self.store.put(self._segment_kv(keys[i], k, v, start=segment.start))
+        return replace(result, num_stored_segments=num_stored)
 
+    def _queue_isolated(
+        self, prompt: SegmentedPrompt, index: int, keys: Sequence[str | None]
+    ) -> bool:
+        def compute(before_layer: Callable[[int], None]) -> SegmentKV:
+            context_k, context_v = self._context_kv(prompt, before_layer)
+            return self._canonical_kv(
+                prompt, index, keys[index], context_k, context_v, before_layer
+            )
+
+        return self.store_worker.submit(StoreJob(keys[index], compute))
+
+    @_in_foreground
     @torch.inference_mode()
     def cache_segments(self, prompt: SegmentedPrompt, indexes: Sequence[int] | None = None) -> int:
         """Compute and store segments (default: every cacheable one) in canonical context.
@@ -319,12 +482,14 @@ class ReferenceEngine:
             num_stored += bool(self.store.put(kv))
         return num_stored
 
-    def _context_kv(self, prompt: SegmentedPrompt) -> tuple[torch.Tensor, torch.Tensor]:
+    def _context_kv(
+        self, prompt: SegmentedPrompt, before_layer: Callable[[int], None] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """KV of the tokens documents are cached after (system + separator, or nothing)."""
         offset = self._document_offset(prompt) or prompt.system.end
         k, v = self.model.new_kv(offset)
         token_ids = torch.tensor(prompt.token_ids[:offset], device=self.model.device)
-        self.model.forward(token_ids, k, v, start=0)
+        self.model.forward(token_ids, k, v, start=0, before_layer=before_layer)
         return k, v
 
     def _canonical_kv(
@@ -334,6 +499,7 @@ class ReferenceEngine:
         key: str,
         context_k: torch.Tensor,
         context_v: torch.Tensor,
+        before_layer: Callable[[int], None] | None = None,
     ) -> SegmentKV:
         segment = prompt.segments[index]
         if segment is prompt.system:
@@ -343,7 +509,7 @@ class ReferenceEngine:
         k, v = self.model.new_kv(offset + segment.num_tokens)
         k[:, :, :offset], v[:, :, :offset] = context_k[:, :, :offset], context_v[:, :, :offset]
         token_ids = torch.tensor(segment.token_ids, device=self.model.device)
-        self.model.forward(token_ids, k, v, start=offset)
+        self.model.forward(token_ids, k, v, start=offset, before_layer=before_layer)
         return self._segment_kv(key, k[:, :, offset:], v[:, :, offset:], start=offset)
 
     def _segment_kv(self, key: str, k: torch.Tensor, v: torch.Tensor, start: int) -> SegmentKV:
@@ -352,6 +518,7 @@ class ReferenceEngine:
 
     # --- after the prefill ------------------------------------------------------------
 
+    @_in_foreground
     @torch.inference_mode()
     def score(self, prefill: Prefill, token_ids: Sequence[int]) -> torch.Tensor:
         """Teacher-forced logits [n, vocab]: row i is the distribution over token_ids[i]
@@ -372,8 +539,10 @@ class ReferenceEngine:
         return list(self.generate_stream(prefill, max_new_tokens))
 
     def generate_stream(self, prefill: Prefill, max_new_tokens: int) -> Iterator[int]:
-        """`generate`, one token at a time: a caller that stops iterating stops decoding."""
-        with torch.inference_mode():
+        """`generate`, one token at a time: a caller that stops iterating stops decoding.
+
+        The engine counts as busy (background stores wait) until the iteration ends."""
+        with self.activity.foreground(), torch.inference_mode():
             yield from self._generate(prefill, max_new_tokens)
 
     def _generate(self, prefill: Prefill, max_new_tokens: int) -> Iterator[int]:
@@ -413,5 +582,14 @@ def _parse_mode(mode: Mode | str) -> Mode:
         raise ValueError(f"mode: expected one of {[m.value for m in Mode]}, got {mode!r}") from None
 
 
-def _with_stored(prefill: Prefill, num_stored: int) -> Prefill:
-    return replace(prefill, num_stored_segments=num_stored)
+def _is_at(entry: SegmentKV | None, start: int) -> bool:
+    """Whether a cached entry's K was rotated at positions start, start + 1, ..."""
+    if entry is None:
+        return False
+    expected = torch.arange(start, start + entry.num_tokens, dtype=torch.int64)
+    return torch.equal(entry.positions.cpu(), expected)
+
+
+def _load(k: torch.Tensor, v: torch.Tensor, entry: SegmentKV, segment: Segment) -> None:
+    k[:, :, segment.start : segment.end] = entry.k.to(k.device)
+    v[:, :, segment.start : segment.end] = entry.v.to(v.device)

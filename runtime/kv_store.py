@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -56,6 +57,10 @@ class KVStore(Protocol):
         """The entry, or None on a miss."""
         ...
 
+    def get_many(self, keys: Sequence[str]) -> list[SegmentKV | None]:
+        """`get` of each key, in order; one round trip for a remote store."""
+        ...
+
     def put(self, kv: SegmentKV) -> bool:
         """Store `kv`; False when the store will not hold it."""
         ...
@@ -99,6 +104,9 @@ class LocalKVStore:
             if kv is not None:
                 self._entries.move_to_end(key)
             return kv
+
+    def get_many(self, keys: Sequence[str]) -> list[SegmentKV | None]:
+        return [self.get(key) for key in keys]
 
     def contains(self, key: str) -> bool:
         with self._lock:

@@ -8,7 +8,7 @@ share the same layer code.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -125,11 +125,18 @@ class Llama:
         return self._rms_norm(h, self.final_norm) @ self.output.T
 
     def forward(
-        self, token_ids: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int
+        self,
+        token_ids: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        start: int,
+        before_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Run tokens at positions start.. after the cached slots [0, start).
 
         Writes their K/V into the cache buffers and returns their last hidden states.
+        `before_layer(i)` runs before layer i (a background caller waits there while
+        the machine is busy).
         """
         end = start + token_ids.shape[0]
         if end > k_cache.shape[2]:
@@ -139,6 +146,8 @@ class Llama:
         plan = plan_causal(positions, end, self.dtype)
         h = self.embed(token_ids)
         for layer in range(self.num_layers):
+            if before_layer is not None:
+                before_layer(layer)
             q, k, v = self.qkv(layer, h, rope)
             k_cache[layer, :, start:end], v_cache[layer, :, start:end] = k, v
             keys, values = k_cache[layer, :, :end], v_cache[layer, :, :end]

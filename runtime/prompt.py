@@ -5,7 +5,10 @@ segment carries the template's opening (system turn, then the user turn's header
 question segment carries the closing (end of the user turn, assistant header). Every
 document and the question start with one space, so a separator such as " # #" never
 merges with its neighbours and the pieces tokenize exactly as the whole prompt does;
-the builder checks that and refuses a separator for which it does not hold.
+the builder checks that and refuses a separator for which it does not hold. Segment
+boundaries come from the pieces (where each separator piece's tokens lie), never from
+searching the joined tokens: a document ending in the separator's first tokens (" ... #"
+before " # #") would otherwise be cut in the wrong place.
 """
 
 from __future__ import annotations
@@ -59,20 +62,16 @@ class PromptBuilder:
         for i, document in enumerate(documents):
             if not document.strip():
                 raise ValueError(f"documents[{i}]: empty document")
-            if self.separator in document:
+            if self.separator in _with_leading_space(document):
                 raise ValueError(f"documents[{i}]: contains the separator {self.separator!r}")
         pieces = self.pieces(system, documents, question)
-        token_ids = self._encode_pieces(pieces)
-        prompt = self.splitter.split(token_ids)
-        if len(prompt.documents) != len(documents):
-            raise ValueError(
-                f"separator: {self.separator!r} splits the prompt into "
-                f"{len(prompt.documents)} documents, expected {len(documents)}"
-            )
-        return prompt
+        token_ids, separator_ranges = self._encode_pieces(pieces)
+        return SegmentedPrompt.from_separators(token_ids, separator_ranges)
 
-    def _encode_pieces(self, pieces: list[str]) -> list[int]:
-        joined = [token for piece in pieces for token in self.tokenizer.encode(piece)]
+    def _encode_pieces(self, pieces: list[str]) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of the pieces and the token range of every separator piece."""
+        encoded = [self.tokenizer.encode(piece) for piece in pieces]
+        joined = [token for piece_ids in encoded for token in piece_ids]
         whole = self.tokenizer.encode("".join(pieces))
         if joined != whole:
             raise ValueError(
@@ -80,9 +79,14 @@ class PromptBuilder:
                 f"alone ({_first_difference(joined, whole, self.tokenizer)}); "
                 "choose a separator that does not merge with its neighbours"
             )
-        if self.tokenizer.add_bos_token:
-            return [self.tokenizer.bos_token_id, *joined]
-        return joined
+        prefix = [self.tokenizer.bos_token_id] if self.tokenizer.add_bos_token else []
+        separator_ranges, position = [], len(prefix)
+        for i, piece_ids in enumerate(encoded):
+            # pieces() alternates: opening, SEP, doc, SEP, doc, ..., SEP, closing.
+            if i % 2 == 1:
+                separator_ranges.append((position, position + len(piece_ids)))
+            position += len(piece_ids)
+        return prefix + joined, separator_ranges
 
 
 def _with_leading_space(text: str) -> str:

@@ -1,9 +1,12 @@
 """Split a RAG prompt into system / documents / question and key each segment.
 
-Prompt layout: ``system SEP doc_0 SEP doc_1 ... SEP doc_{n-1} SEP question``. Splitting
-works on token ids (the separator string is tokenized once by the caller), so the
-segments are exactly the tokens the model sees. Keys ignore positions: the same document
-at any place in any prompt has the same key, which is what lets its KV be reused.
+Prompt layout: ``system SEP doc_0 SEP doc_1 ... SEP doc_{n-1} SEP question``. A prompt
+built from its pieces (`prompt.PromptBuilder`) knows where every separator is and makes
+its segments with `SegmentedPrompt.from_separators`; searching the joined tokens
+(`SegmentSplitter`) is for prompts that arrive whole, and is ambiguous when a document
+ends in the first tokens of the separator. Either way the segments are exactly the tokens
+the model sees. Keys ignore positions: the same document at any place in any prompt has
+the same key, which is what lets its KV be reused.
 """
 
 from __future__ import annotations
@@ -60,6 +63,45 @@ class SegmentedPrompt:
     # Token ranges [start, end) of the separators, in prompt order.
     separator_ranges: tuple[tuple[int, int], ...]
 
+    def __post_init__(self) -> None:
+        # Hand-built prompts get the same checks as split or built ones: the engine
+        # relies on system first, question last and one separator between each pair.
+        if not self.token_ids:
+            raise ValueError("token_ids: the prompt is empty")
+        if not self.separator_ranges:
+            raise ValueError(
+                "separator_ranges: no separator in the prompt; "
+                "expected system SEP documents... SEP question"
+            )
+        expected = _segment_bounds(self.separator_ranges, len(self.token_ids))
+        actual = [(s.start, s.end) for s in self.segments]
+        if actual != expected:
+            raise ValueError(
+                f"segments: ranges {actual} do not lie between the separators {expected}"
+            )
+
+    @classmethod
+    def from_separators(
+        cls, token_ids: Sequence[int], separator_ranges: Sequence[tuple[int, int]]
+    ) -> SegmentedPrompt:
+        """The prompt whose separators are exactly at `separator_ranges` (sorted, disjoint)."""
+        tokens = tuple(int(t) for t in token_ids)
+        ranges = tuple((int(start), int(end)) for start, end in separator_ranges)
+        previous_end = 0
+        for start, end in ranges:
+            if not previous_end <= start < end <= len(tokens):
+                raise ValueError(
+                    f"separator_ranges: ({start}, {end}) overlaps, is empty or lies outside "
+                    f"the {len(tokens)} tokens"
+                )
+            previous_end = end
+        bounds = _segment_bounds(ranges, len(tokens))
+        segments = tuple(
+            _make_segment(position, len(bounds), start, end, tokens)
+            for position, (start, end) in enumerate(bounds)
+        )
+        return cls(tokens, segments, ranges)
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
@@ -105,15 +147,15 @@ class SegmentSplitter:
                 f"token_ids: no separator {list(self.separator_ids)} in the prompt; "
                 "expected system SEP documents... SEP question"
             )
-        bounds = _segment_bounds(separator_ranges, len(tokens))
-        segments = tuple(
-            _make_segment(position, len(bounds), start, end, tokens)
-            for position, (start, end) in enumerate(bounds)
-        )
-        return SegmentedPrompt(tokens, segments, separator_ranges)
+        return SegmentedPrompt.from_separators(tokens, separator_ranges)
 
     def find_separators(self, tokens: Sequence[int]) -> tuple[tuple[int, int], ...]:
-        """Non-overlapping occurrences, scanning left to right."""
+        """Non-overlapping occurrences, scanning left to right.
+
+        Ambiguous when a document ends in the separator's first tokens (" ... #" before
+        " # #"): the match starts inside the document. Prompts built from pieces do not
+        search (see `SegmentedPrompt.from_separators`).
+        """
         width = len(self.separator_ids)
         ranges: list[tuple[int, int]] = []
         position = 0

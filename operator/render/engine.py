@@ -5,11 +5,13 @@ import posixpath
 
 from holeblend_operator.api import AcceleratorType, BlendDeployment, EnvVar, ModelSource
 from holeblend_operator.render import accelerator as accel
+from holeblend_operator.render import serve
 from holeblend_operator.render.images import engine_image
 from holeblend_operator.render.labels import ENGINE, engine_selector, object_meta, standard_labels
 from holeblend_operator.render.naming import engine_name, runtime_config_name
 from holeblend_operator.render.pods import POD_HARDENING, health_probe
 from holeblend_operator.render.runtime_config import CONFIG_DIR, CONFIG_PATH, config_hash
+from holeblend_operator.render.shared_tier import shared_tier_env
 
 MODEL_DIR = "/models"
 CONFIG_HASH_ANNOTATION = "blend.holeblend.io/runtime-config-hash"
@@ -73,7 +75,9 @@ def engine_env(bd: BlendDeployment) -> list[dict]:
     ours = [EnvVar(name="HOLEBLEND_CONFIG", value=CONFIG_PATH), *accel.accelerator_env(bd)]
     user_names = {var.name for var in bd.spec.engine.env}
     kept = [var for var in ours if var.name not in user_names]
-    return [{"name": var.name, "value": var.value} for var in (*kept, *bd.spec.engine.env)]
+    plain = [{"name": var.name, "value": var.value} for var in kept]
+    shared = [var for var in shared_tier_env(bd) if var["name"] not in user_names]
+    return [*plain, *shared, *({"name": v.name, "value": v.value} for v in bd.spec.engine.env)]
 
 
 def probes() -> dict:
@@ -101,7 +105,10 @@ def engine_container(bd: BlendDeployment) -> dict:
         "resources": accel.container_resources(bd),
         "volumeMounts": engine_volume_mounts(bd),
     }
-    return container | probes()
+    container |= probes()
+    if serve.runs_holeblend_serve(bd):
+        container |= serve.serve_container_fields(bd)
+    return container
 
 
 def engine_volume_mounts(bd: BlendDeployment) -> list[dict]:

@@ -14,6 +14,8 @@ from holeblend_operator.render.pods import POD_HARDENING, health_probe, resource
 # The runtime module that serves the index; the contract with holeblend_runtime.
 LOOKUP_SERVER_MODULE = "holeblend_runtime.lookup_server"
 HEALTH_PATH = "/healthz"
+# Fails while the server drains after SIGTERM, so the Service stops routing to it first.
+READY_PATH = "/ready"
 
 
 def lookup_container(bd: BlendDeployment) -> dict:
@@ -24,7 +26,7 @@ def lookup_container(bd: BlendDeployment) -> dict:
         "command": ["python", "-m", LOOKUP_SERVER_MODULE],
         "args": ["--host", "0.0.0.0", "--port", str(server.port)],
         "ports": [{"name": "http", "containerPort": server.port, "protocol": "TCP"}],
-        "readinessProbe": health_probe(HEALTH_PATH, periodSeconds=5, failureThreshold=3),
+        "readinessProbe": health_probe(READY_PATH, periodSeconds=2, failureThreshold=2),
         "livenessProbe": health_probe(
             HEALTH_PATH, periodSeconds=10, timeoutSeconds=3, failureThreshold=3
         ),

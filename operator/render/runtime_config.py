@@ -75,6 +75,7 @@ def blend_settings(bd: BlendDeployment) -> BlendSettings:
         chunk_size=blend.chunk_size,
         min_segment_tokens=blend.min_segment_tokens,
         segment_context=blend.segment_context,
+        store_policy=blend.store_policy,
         kv=_kv_tiers(bd),
         lookup_server_url=lookup_server_url(bd),
         shadow_sample_rate=bd.spec.tuning.shadow_sample_rate,

@@ -1,6 +1,8 @@
 """holeblend-bench: full prefill vs standard CacheBlend (prefix) vs hole mode, on SmolLM2.
 
-Prints one table row per (mode, ratio, pass) and optionally writes them as JSON.
+Prints one table row per (mode, ratio, store policy, pass) and optionally writes them as
+JSON. With --load: one `holeblend-serve` per mode driven by concurrent clients with a
+Zipf RAG stream; one row per mode.
 """
 
 from __future__ import annotations
@@ -8,16 +10,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from holeblend_runtime.bench.report import format_table, write_json
+from holeblend_runtime.bench.load import LOAD_MODES, LOAD_RESULT_KEYS, LoadConfig, run_load
+from holeblend_runtime.bench.load_workload import LoadWorkloadConfig, generate_load_workload
+from holeblend_runtime.bench.report import RESULT_KEYS, format_table, write_json
 from holeblend_runtime.bench.runner import BLEND_MODES, BenchConfig, BenchRunner
 from holeblend_runtime.bench.workload import WorkloadConfig, generate_workload
-from holeblend_runtime.blend_config import K_DEVIATION, RANDOM, BlendConfig
+from holeblend_runtime.blend_config import K_DEVIATION, RANDOM, STORE_POLICIES, BlendConfig
 from holeblend_runtime.engine import ReferenceEngine
+from holeblend_runtime.gguf_model import load_model_files
+from holeblend_runtime.tokenizer import TextTokenizer
 
 # Settings a run uses unless the command line says otherwise; --quick swaps in the second.
 DEFAULTS: dict[str, Any] = {
@@ -55,12 +62,33 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--holes", default="middle", help="documents left out of pass 1: middle, none, or '2,5'")
     add("--ratios", help=f"recompute ratios to sweep (default {DEFAULTS['ratios']})")
     add("--modes", default=",".join(BLEND_MODES), help="blend modes besides full prefill")
+    add(
+        "--store-policies",
+        default=BlendConfig.store_policy,
+        help=f"store policies to sweep, some of {','.join(STORE_POLICIES)}",
+    )
+    add(
+        "--shuffle-first-pass",
+        action="store_true",
+        help="send pass 1's documents in a seeded random order",
+    )
     add("--check-layer", type=int, default=BlendConfig.check_layer, help="deviation check layer")
     add("--selection", choices=sorted(SELECTIONS), default="kdev", help="recompute selection")
     add("--seed", type=int, default=0, help="workload (and random selection) seed")
     add("--max-new-tokens", type=int, help=f"answer length (default {DEFAULTS['max_new_tokens']})")
     add("--threads", type=int, default=2, help="torch CPU threads")
     add("--json", type=Path, help="write the results to this JSON file")
+    load = parser.add_argument_group("load benchmark (--load)")
+    load.add_argument("--load", action="store_true", help="drive holeblend-serve per mode")
+    load.add_argument("--load-modes", default=",".join(LOAD_MODES), help="servers to drive")
+    load.add_argument("--load-ratio", type=float, default=0.15, help="recompute ratio")
+    load.add_argument("--clients", type=int, default=4, help="concurrent closed-loop clients")
+    load.add_argument("--requests", type=int, default=32, help="measured requests per mode")
+    load.add_argument("--warmup", type=int, default=8, help="unmeasured requests first")
+    load.add_argument("--corpus", type=int, default=40, help="documents in the corpus")
+    load.add_argument("--request-documents", type=int, default=6, help="documents per request")
+    load.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of popularity")
+    load.add_argument("--workdir", type=Path, help="server configs and logs (default: temp)")
     add("--no-progress", action="store_true", help="no progress bar on stderr")
     args = parser.parse_args(argv)
     preset = QUICK if args.quick else DEFAULTS
@@ -79,11 +107,13 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         min_document_tokens=args.min_doc_tokens,
         max_document_tokens=args.max_doc_tokens,
         holes=args.holes,
+        shuffle_first_pass=args.shuffle_first_pass,
     )
     return BenchConfig(
         workload=workload,
         ratios=_floats(args.ratios, "ratios"),
-        modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
+        modes=_names(args.modes),
+        store_policies=_names(args.store_policies),
         max_new_tokens=args.max_new_tokens,
     )
 
@@ -101,9 +131,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     loaded = ReferenceEngine.load(blend=blend, num_threads=args.threads)
     tokenizer = loaded.tokenizer
 
-    def new_engine() -> ReferenceEngine:
-        # Same weights, empty KV store: every sweep point starts cold.
-        return ReferenceEngine(loaded.model, tokenizer, blend)
+    def new_engine(store_policy: str) -> ReferenceEngine:
+        # Same weights, empty KV store: every sweep point starts cold. One activity for
+        # all: a background store waits while any engine works.
+        point_blend = dataclasses.replace(blend, store_policy=store_policy)
+        return ReferenceEngine(loaded.model, tokenizer, point_blend, activity=loaded.activity)
 
     workload = generate_workload(config.workload, lambda text: len(tokenizer.encode(text)))
     runner = BenchRunner(new_engine, tokenizer, config)
@@ -119,15 +151,53 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return document
 
 
+def load_config(args: argparse.Namespace) -> LoadConfig:
+    workload = LoadWorkloadConfig(
+        seed=args.seed,
+        num_corpus_documents=args.corpus,
+        documents_per_request=args.request_documents,
+        zipf_s=args.zipf,
+        num_warmup=args.warmup,
+        num_requests=args.requests,
+        min_document_tokens=args.min_doc_tokens,
+        max_document_tokens=args.max_doc_tokens,
+    )
+    return LoadConfig(
+        workload=workload,
+        modes=_names(args.load_modes),
+        ratio=args.load_ratio,
+        num_clients=args.clients,
+        max_tokens=args.max_new_tokens,
+    )
+
+
+def run_load_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """The load benchmark; returns the JSON document (also written when --json is given)."""
+    config = load_config(args)
+    started = time.perf_counter()
+    files = load_model_files()
+    tokenizer = TextTokenizer(files.tokenizer, files.config)
+    requests = generate_load_workload(config.workload, lambda t: len(tokenizer.encode(t)))
+    with tempfile.TemporaryDirectory(prefix="holeblend-load-") as temporary:
+        workdir = args.workdir or Path(temporary)
+        workdir.mkdir(parents=True, exist_ok=True)
+        results = run_load(config, requests, workdir, tokenizer.encode)
+    record = {"load": dataclasses.asdict(config), "wall_s": time.perf_counter() - started}
+    if args.json is not None:
+        write_json(args.json, files.config.model_id, record, results)
+    return {"model": files.config.model_id, "config": record, "results": results}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        document = run(args)
+        document = run_load_bench(args) if args.load else run(args)
     except ValueError as error:
         print(f"holeblend-bench: {error}", file=sys.stderr)
         return 2
     print(f"model {document['model']}; ratio '-' = full prefill, nothing reused")
-    print(format_table(document["results"]))
+    keys = LOAD_RESULT_KEYS if args.load else RESULT_KEYS
+    print(format_table(document["results"], keys))
     if args.json is not None:
         print(f"wrote {args.json}")
     return 0
@@ -148,6 +218,10 @@ def _config_record(
         "threads": args.threads,
         "num_prompt_tokens_full": prompt_lengths,
     }
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
 def _floats(text: str, field: str) -> tuple[float, ...]:

@@ -14,6 +14,7 @@ RESULT_KEYS = (
     "mode",
     "ratio",
     "pass",
+    "store_policy",
     "num_prompts",
     "reused_share",
     "hole_share",
@@ -21,6 +22,9 @@ RESULT_KEYS = (
     "ttft_mean_s",
     "ttft_p90_s",
     "speedup_vs_full",
+    "request_s_mean",
+    "speedup_request_vs_full",
+    "background_store_s_mean",
     "f1_vs_full",
     "top1_vs_full",
     "kl_vs_full",
@@ -38,6 +42,8 @@ class RequestMeasure:
     num_hole_tokens: int
     num_recomputed_tokens: int
     ttft_s: float
+    # Call to return: lookup, blending and any synchronous store.
+    request_s: float
     # Answer-token F1 of this answer against the full-prefill answer.
     f1_vs_full: float
     # Over the full-prefill answer's span, teacher-forced.
@@ -54,17 +60,24 @@ def summarize(
     pass_number: int,
     measures: Sequence[RequestMeasure],
     full_ttft_mean_s: float,
+    full_request_mean_s: float,
+    store_policy: str | None = None,
+    background_store_s: float = 0.0,
 ) -> dict[str, Any]:
-    """One result row; `ratio` is None for full prefill (nothing is reused)."""
+    """One result row; `ratio` and `store_policy` are None for full prefill (nothing is
+    reused or stored). `background_store_s`: seconds the background store computed for
+    these requests (isolated policy), spread over them in `background_store_s_mean`."""
     if not measures:
         raise ValueError("measures: need at least one request")
     num_tokens = sum(m.num_prompt_tokens for m in measures)
     ttfts = [m.ttft_s for m in measures]
     ttft_mean = statistics.fmean(ttfts)
+    request_mean = statistics.fmean(m.request_s for m in measures)
     row = {
         "mode": mode,
         "ratio": ratio,
         "pass": pass_number,
+        "store_policy": store_policy,
         "num_prompts": len(measures),
         "reused_share": sum(m.num_reused_tokens for m in measures) / num_tokens,
         "hole_share": sum(m.num_hole_tokens for m in measures) / num_tokens,
@@ -72,6 +85,9 @@ def summarize(
         "ttft_mean_s": ttft_mean,
         "ttft_p90_s": percentile(ttfts, 0.9),
         "speedup_vs_full": full_ttft_mean_s / ttft_mean,
+        "request_s_mean": request_mean,
+        "speedup_request_vs_full": full_request_mean_s / request_mean,
+        "background_store_s_mean": background_store_s / len(measures),
     }
     for name in ("f1_vs_full", "top1_vs_full", "kl_vs_full", "gold_loss", "f1_vs_gold"):
         row[name] = statistics.fmean(getattr(m, name) for m in measures)
@@ -90,9 +106,9 @@ def percentile(values: Sequence[float], share: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-def format_table(results: Sequence[dict[str, Any]]) -> str:
-    headers = [_short_header(key) for key in RESULT_KEYS]
-    rows = [[_format_cell(result[key]) for key in RESULT_KEYS] for result in results]
+def format_table(results: Sequence[dict[str, Any]], keys: Sequence[str] = RESULT_KEYS) -> str:
+    headers = [_short_header(key) for key in keys]
+    rows = [[_format_cell(result.get(key)) for key in keys] for result in results]
     widths = [max(len(cell) for cell in column) for column in zip(headers, *rows, strict=True)]
     lines = [_format_line(headers, widths), _format_line(["-" * w for w in widths], widths)]
     lines += [_format_line(row, widths) for row in rows]
@@ -108,6 +124,8 @@ def write_json(
 
 
 def _short_header(key: str) -> str:
+    key = key.replace("speedup_request_vs_full", "x_req").replace("speedup_vs_full", "x_ttft")
+    key = key.replace("background_store_s_mean", "bg_store_s").replace("store_policy", "store")
     return key.replace("_share", "").replace("_vs_full", "/full").replace("_vs_gold", "/gold")
 
 

@@ -1,11 +1,13 @@
 """Run the two-pass workload through the engine in every mode and ratio.
 
-Pass 1 sends each prompt with its hole documents left out, into an empty KV store; the
-engine stores the documents it computed. Pass 2 sends the full prompts: every document
-but the holes is a hit. Each (mode, ratio) sweep point has its own engine with its own
-store, empty at the start, so its two passes see the same cache state as every other
-point's. Full prefill of every prompt in both passes runs once; its answers are the
-reference for the blended ones.
+Pass 1 sends each prompt with its hole documents left out (optionally in a shuffled
+order), into an empty KV store; the engine stores the documents it computed, as its
+store policy says. Before pass 2 every engine's background store is drained (the idle
+time a server has between bursts; its compute is reported per row). Pass 2 sends the
+full prompts: every document but the holes is a hit. Each (mode, ratio, store policy)
+sweep point has its own engine with its own store, empty at the start, so its two
+passes see the same cache state as every other point's. Full prefill of every prompt in
+both passes runs once; its answers are the reference for the blended ones.
 
 Requests are interleaved: each prompt goes to full prefill and then to every sweep
 point before the next prompt. A slower or busier machine then slows all modes alike
@@ -15,6 +17,7 @@ is memory: every sweep point's store holds the run's documents at once.
 
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -32,6 +35,7 @@ from holeblend_runtime.bench.quality import (
 )
 from holeblend_runtime.bench.report import RequestMeasure, summarize
 from holeblend_runtime.bench.workload import QAPrompt, WorkloadConfig
+from holeblend_runtime.blend_config import IN_CONTEXT, STORE_POLICIES
 from holeblend_runtime.segments import SegmentedPrompt
 
 FULL = "full"
@@ -46,6 +50,7 @@ class Prefill(Protocol):
     num_hole_tokens: int
     num_recomputed_tokens: int
     ttft_s: float
+    request_s: float
 
 
 class Engine(Protocol):
@@ -61,6 +66,12 @@ class Engine(Protocol):
 
     def generate(self, prefill: Prefill, max_new_tokens: int) -> list[int]: ...
 
+    def wait_for_stores(self, timeout: float | None = None) -> bool: ...
+
+    def store_stats(self) -> Any: ...
+
+    def close(self) -> None: ...
+
 
 class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
@@ -75,6 +86,8 @@ class BenchConfig:
     ratios: tuple[float, ...] = (0.05, 0.15, 0.3, 0.5, 1.0)
     # Blend modes compared against full prefill (which always runs, as the reference).
     modes: tuple[str, ...] = BLEND_MODES
+    # Store policies swept for each blend mode and ratio (see BlendConfig.store_policy).
+    store_policies: tuple[str, ...] = (IN_CONTEXT,)
     max_new_tokens: int = 20
 
     def __post_init__(self) -> None:
@@ -88,6 +101,10 @@ class BenchConfig:
         for mode in self.modes:
             if mode not in BLEND_MODES:
                 raise ValueError(f"modes: expected some of {BLEND_MODES}, got {mode!r}")
+        if not self.store_policies or not set(self.store_policies) <= set(STORE_POLICIES):
+            raise ValueError(
+                f"store_policies: expected some of {STORE_POLICIES}, got {self.store_policies}"
+            )
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
 
@@ -117,48 +134,70 @@ class Reference:
     measure: RequestMeasure
 
 
+# (mode, ratio, store policy); ratio and policy are None for full prefill.
+SweepPoint = tuple[str, float | None, str | None]
+MeasureKey = tuple[str, float | None, str | None, int]
+
+
 class BenchRunner:
-    """`new_engine` gives an engine with an empty KV store (sharing the loaded model);
-    the first one runs full prefill, one more per sweep point blends."""
+    """`new_engine(store_policy)` gives an engine with an empty KV store (sharing the
+    loaded model and its foreground activity); the first one runs full prefill, one more
+    per sweep point blends."""
 
     def __init__(
-        self, new_engine: Callable[[], Engine], tokenizer: Tokenizer, config: BenchConfig
+        self, new_engine: Callable[[str], Engine], tokenizer: Tokenizer, config: BenchConfig
     ) -> None:
         self.new_engine = new_engine
         self.tokenizer = tokenizer
         self.config = config
-        self.engine = new_engine()
+        self.engine = new_engine(config.store_policies[0])
 
     def num_requests(self, num_prompts: int) -> int:
         """Prefills the run makes: references plus every (mode, ratio, pass)."""
         return num_prompts * len(PASSES) * (1 + len(self.sweep_points()))
 
-    def sweep_points(self) -> list[tuple[str, float]]:
-        return [(mode, ratio) for mode in self.config.modes for ratio in self.config.ratios]
+    def sweep_points(self) -> list[SweepPoint]:
+        c = self.config
+        return [(m, r, s) for m in c.modes for r in c.ratios for s in c.store_policies]
 
     def run(self, workload: Sequence[QAPrompt], show_progress: bool = True) -> list[dict[str, Any]]:
         requests = {p: [self.request(qa, pass_number=p) for qa in workload] for p in PASSES}
         # Each sweep point's engine shares the loaded model and owns an empty store.
-        engines = {point: self.new_engine() for point in self.sweep_points()}
-        measures: dict[tuple[str, float | None, int], list[RequestMeasure]] = defaultdict(list)
+        engines = {point: self.new_engine(point[2]) for point in self.sweep_points()}
+        measures: dict[MeasureKey, list[RequestMeasure]] = defaultdict(list)
+        background_s: dict[MeasureKey, float] = {}
         total = self.num_requests(len(workload))
         with tqdm(
             total=total, desc="holeblend-bench", unit="req", disable=not show_progress
         ) as bar:
             self._warm_up(requests[2][0])
             for pass_number in PASSES:
+                computed = {point: e.store_stats().compute_s for point, e in engines.items()}
                 for request in requests[pass_number]:
                     reference = self._reference(request)
-                    measures[(FULL, None, pass_number)].append(reference.measure)
+                    measures[(FULL, None, None, pass_number)].append(reference.measure)
                     bar.update()
-                    for (mode, ratio), engine in engines.items():
-                        measure = self._measure(engine, mode, ratio, request, reference)
-                        measures[(mode, ratio, pass_number)].append(measure)
+                    for point, engine in engines.items():
+                        measure = self._measure(engine, point, request, reference)
+                        measures[(*point, pass_number)].append(measure)
                         bar.update()
-        return self._rows(measures)
+                for point, engine in engines.items():
+                    engine.wait_for_stores()
+                    # Background compute of this pass: in the gaps between requests and
+                    # in the drain just now.
+                    background_s[(*point, pass_number)] = (
+                        engine.store_stats().compute_s - computed[point]
+                    )
+        for engine in engines.values():
+            engine.close()
+        return self._rows(measures, background_s)
 
     def request(self, qa: QAPrompt, *, pass_number: int) -> Request:
-        documents = qa.document_texts(without_holes=pass_number == 1)
+        shuffle = self.config.workload.shuffle_first_pass and pass_number == 1
+        documents = qa.document_texts(
+            without_holes=pass_number == 1,
+            shuffle_seed=self.config.workload.seed if shuffle else None,
+        )
         return Request(
             prompt=self.engine.build_prompt(qa.system, documents, qa.question),
             gold_ids=tuple(self.tokenizer.encode(qa.gold_answer)),
@@ -170,9 +209,10 @@ class BenchRunner:
         # First calls pay for lazy allocations and code paths; keep them out of every
         # timing: full prefill, then a throwaway engine's cold and warm blend.
         self.engine.prefill(request.prompt, FULL, 1.0)
-        engine = self.new_engine()
+        engine = self.new_engine(self.config.store_policies[0])
         for _ in range(2):
             engine.prefill(request.prompt, self.config.modes[0], self.config.ratios[0])
+        engine.close()
 
     def _reference(self, request: Request) -> Reference:
         prefill = self.engine.prefill(request.prompt, FULL, 1.0)
@@ -186,6 +226,7 @@ class BenchRunner:
             num_hole_tokens=prefill.num_hole_tokens,
             num_recomputed_tokens=prefill.num_recomputed_tokens,
             ttft_s=prefill.ttft_s,
+            request_s=prefill.request_s,
             f1_vs_full=answer_f1(words, words, request.question_words),
             top1_vs_full=top1_agreement(span_logits, span_logits),
             kl_vs_full=kl_divergence(span_logits, span_logits).mean().item(),
@@ -195,19 +236,31 @@ class BenchRunner:
         return Reference(answer_ids, words, span_logits, measure)
 
     def _rows(
-        self, measures: dict[tuple[str, float | None, int], list[RequestMeasure]]
+        self,
+        measures: dict[MeasureKey, list[RequestMeasure]],
+        background_s: dict[MeasureKey, float],
     ) -> list[dict[str, Any]]:
-        full_ttft = {p: _mean_ttft(measures[(FULL, None, p)]) for p in PASSES}
-        points = [(FULL, None)] + self.sweep_points()
+        full = {p: measures[(FULL, None, None, p)] for p in PASSES}
+        points: list[SweepPoint] = [(FULL, None, None), *self.sweep_points()]
         return [
-            summarize(mode, ratio, p, measures[(mode, ratio, p)], full_ttft[p])
-            for mode, ratio in points
+            summarize(
+                mode,
+                ratio,
+                p,
+                measures[(mode, ratio, policy, p)],
+                full_ttft_mean_s=statistics.fmean(m.ttft_s for m in full[p]),
+                full_request_mean_s=statistics.fmean(m.request_s for m in full[p]),
+                store_policy=policy,
+                background_store_s=background_s.get((mode, ratio, policy, p), 0.0),
+            )  # fmt: skip
+            for mode, ratio, policy in points
             for p in PASSES
         ]
 
     def _measure(
-        self, engine: Engine, mode: str, ratio: float, request: Request, reference: Reference
+        self, engine: Engine, point: SweepPoint, request: Request, reference: Reference
     ) -> RequestMeasure:
+        mode, ratio, _ = point
         prefill = engine.prefill(request.prompt, mode, ratio)
         span_logits = _span_logits(engine, prefill, reference.answer_ids)
         gold_loss = _gold_loss(engine, prefill, request)
@@ -220,6 +273,7 @@ class BenchRunner:
             num_hole_tokens=prefill.num_hole_tokens,
             num_recomputed_tokens=prefill.num_recomputed_tokens,
             ttft_s=prefill.ttft_s,
+            request_s=prefill.request_s,
             f1_vs_full=answer_f1(words, reference.answer_words, request.question_words),
             top1_vs_full=top1_agreement(reference.span_logits, span_logits),
             kl_vs_full=kl_divergence(reference.span_logits, span_logits).mean().item(),
@@ -238,7 +292,3 @@ def _span_logits(engine: Engine, prefill: Prefill, token_ids: Sequence[int]) -> 
 
 def _gold_loss(engine: Engine, prefill: Prefill, request: Request) -> float:
     return mean_nll(_span_logits(engine, prefill, request.gold_ids), request.gold_ids)
-
-
-def _mean_ttft(measures: Sequence[RequestMeasure]) -> float:
-    return sum(m.ttft_s for m in measures) / len(measures)

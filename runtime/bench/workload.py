@@ -133,9 +133,15 @@ class QAPrompt:
     # Indexes into `documents` left out in pass 1 (sorted).
     hole_documents: tuple[int, ...]
 
-    def document_texts(self, *, without_holes: bool) -> tuple[str, ...]:
+    def document_texts(
+        self, *, without_holes: bool, shuffle_seed: int | None = None
+    ) -> tuple[str, ...]:
+        """The documents' texts in prompt order, or shuffled (seeded) when a seed is given."""
         skipped = set(self.hole_documents) if without_holes else set()
-        return tuple(d.text for i, d in enumerate(self.documents) if i not in skipped)
+        texts = [d.text for i, d in enumerate(self.documents) if i not in skipped]
+        if shuffle_seed is not None:
+            random.Random(f"{shuffle_seed}:{self.question}").shuffle(texts)
+        return tuple(texts)
 
 
 @dataclass(frozen=True)
@@ -152,6 +158,10 @@ class WorkloadConfig:
     max_document_tokens: int = 181
     # Documents left out in pass 1: "middle", "none", or prompt positions like "2,5".
     holes: str = "middle"
+    # Send pass 1's documents in a seeded random order, so that pass 2 finds none of
+    # them at the place or after the documents it was stored with (in-context storage
+    # then has no advantage from the repeat).
+    shuffle_first_pass: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_questions", "num_documents", "min_document_tokens"):

@@ -40,6 +40,7 @@ from holeblend_runtime.serve.responses import (
 from holeblend_runtime.serve.settings import ServeSettings
 from holeblend_runtime.serve.worker import EngineWorker, Finished, Job, PrefillDone, QueueFull
 from holeblend_runtime.shadow import ShadowMetrics, ShadowRequest, ShadowScorer
+from holeblend_runtime.tiered_store import with_remote_tiers
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,7 @@ class Server:
             from_settings(settings), store, cache_dir=self.settings.cache_dir,
             num_threads=self.settings.torch_threads,
         )  # fmt: skip
+        self.engine.store = with_remote_tiers(self.engine, settings, store, self.metrics.registry)
         prompt = self.engine.build_prompt("Warm-up.", WARM_UP_DOCUMENTS, "Ready?")
         self.engine.generate(self.engine.prefill(prompt, Mode.FULL), 2)
         self.metrics.kv_store_capacity_bytes.set(store.capacity_bytes)
@@ -252,7 +254,8 @@ class Server:
             async with asyncio.timeout(max(remaining, 0) + 1.0):
                 event = await job.events.get()
             if isinstance(event, Exception):
-                raise event
+                message = f"the engine failed: {event}"
+                raise HttpError(500, error_body(message, None, "server_error"))
             if isinstance(event, PrefillDone):
                 self.metrics.ttft.labels(event.mode).observe(event.ttft_s)
             yield event
@@ -300,6 +303,9 @@ class Server:
         except TimeoutError:
             outcome = "timeout"
             await response.write(sse(_timeout_error(self.settings.request_timeout).body))
+        except HttpError as error:
+            outcome = _outcome_of(error.status)
+            await response.write(sse(error.body))
         await response.write(sse("[DONE]"))
         await response.write_eof()
         return outcome, response

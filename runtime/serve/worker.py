@@ -178,6 +178,7 @@ class EngineWorker:
                 return reason
             job.emit(token)
             answer.append(token)
+            self.metrics.completion_tokens.labels(str(prefill.mode)).inc()
         return "length" if len(answer) == job.max_tokens else "stop"
 
     def _time_lookup(self, prompt: SegmentedPrompt) -> None:

@@ -562,7 +562,9 @@ def test_lookup_server_runs_the_runtime_module_on_its_port():
     assert deployment["spec"]["replicas"] == 2
     assert container["command"] == ["python", "-m", "holeblend_runtime.lookup_server"]
     assert container["ports"] == [{"name": "http", "containerPort": 9100, "protocol": "TCP"}]
-    assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert container["args"] == ["--host", "0.0.0.0", "--port", "9100"]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
     assert find(children, "Service", "lookup-server")["spec"]["ports"][0]["port"] == 9100
 
 

@@ -50,3 +50,15 @@ def test_selection_names_map_to_the_blend_config(name, expected):
 def test_bad_options_raise_naming_the_field(argv, field):
     with pytest.raises(ValueError, match=field):
         bench_config(parse_args(argv))
+
+
+def test_store_policies_and_shuffle_pass_through():
+    args = parse_args(["--store-policies", "in-context,isolated", "--shuffle-first-pass"])
+    config = bench_config(args)
+    assert config.store_policies == ("in-context", "isolated")
+    assert config.workload.shuffle_first_pass
+
+
+def test_unknown_store_policy_is_refused():
+    with pytest.raises(ValueError, match="store_policies"):
+        bench_config(parse_args(["--store-policies", "later"]))

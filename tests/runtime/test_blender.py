@@ -95,7 +95,9 @@ def test_hole_tokens_separators_and_tail_are_always_recomputed(cached_engine, ra
 def test_top_k_is_chosen_among_cached_tokens_only(cached_engine, rag_texts):
     engine, prompt = cached_engine(rag_texts, hole=HOLE)
     prefill = engine.prefill(prompt, "hole", ratio=0.3)
-    cached = sorted(_positions(prefill.lookup.hit_ranges))
+    # The system prompt and the first document are the exact prefix, never blended.
+    prefix_end = prompt.segments[1].end
+    cached = sorted(p for p in _positions(prefill.lookup.hit_ranges) if p >= prefix_end)
     selected = prefill.selected_positions.tolist()
     assert set(selected) <= set(cached)
     assert len(selected) == round(0.3 * len(cached))
@@ -124,13 +126,13 @@ def test_recomputed_tokens_never_attend_to_later_positions(cached_engine, rag_te
 
 
 def test_per_section_selection_takes_the_ratio_in_every_section(cached_engine, rag_texts):
-    engine, prompt = cached_engine(rag_texts, hole=HOLE, per_section=True)
+    hole = 3  # segments 0 and 1 are the exact prefix; sections: 2 | hole | 4
+    engine, prompt = cached_engine(rag_texts, hole=hole, per_section=True)
     prefill = engine.prefill(prompt, "hole", ratio=0.2)
-    hole_start = prompt.segments[HOLE].start
+    hole_start = prompt.segments[hole].start
     selected = prefill.selected_positions
     before, after = (selected < hole_start).sum().item(), (selected > hole_start).sum().item()
-    num_before = sum(prompt.segments[i].num_tokens for i in (0, 1))
-    num_after = sum(prompt.segments[i].num_tokens for i in (3, 4))
+    num_before, num_after = prompt.segments[2].num_tokens, prompt.segments[4].num_tokens
     assert (before, after) == (round(0.2 * num_before), round(0.2 * num_after))
 
 

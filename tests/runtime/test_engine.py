@@ -7,7 +7,7 @@ import torch
 
 from holeblend_runtime.blend_config import BlendConfig
 from holeblend_runtime.engine import ReferenceEngine
-from holeblend_runtime.segments import SegmentedPrompt
+from holeblend_runtime.segments import Segment, SegmentedPrompt, SegmentKind
 
 HOLE = 2  # segment index of the second document
 
@@ -93,6 +93,13 @@ def test_prompt_without_separator_is_refused(reference_engine):
         reference_engine.prompt_builder.splitter.split(token_ids)
 
 
+def test_hand_built_prompt_without_separator_is_refused(reference_engine):
+    token_ids = tuple(reference_engine.tokenizer.encode("Just a question without documents."))
+    whole = Segment(SegmentKind.SYSTEM, None, 0, len(token_ids), token_ids)
+    with pytest.raises(ValueError, match="separator"):
+        reference_engine.prefill(SegmentedPrompt(token_ids, (whole,), ()), "hole")
+
+
 def test_prompt_longer_than_the_context_is_refused(reference_engine, rag_texts):
     system, _, question = rag_texts
     prompt = reference_engine.build_prompt(system, ["word " * 8300], question)
@@ -151,6 +158,8 @@ def test_bad_mode_or_ratio_is_refused(reference_engine, rag_texts, mode, ratio):
     "field, value",
     [
         ("check_layer", -1),
+        ("check_layer", 0),
+        ("store_policy", "later"),
         ("ratio", 2.0),
         ("selection", "best"),
         ("separator", " "),

@@ -2,6 +2,7 @@
 
 import pytest
 
+from holeblend_runtime.blend_config import DEFAULT_SEPARATOR
 from holeblend_runtime.prompt import PromptBuilder
 from holeblend_runtime.segments import SegmentKind
 
@@ -61,3 +62,23 @@ def test_empty_document_is_refused(reference_engine, rag_texts):
     system, _, question = rag_texts
     with pytest.raises(ValueError, match=r"documents\[0\]"):
         reference_engine.build_prompt(system, ["   "], question)
+
+
+@pytest.mark.parametrize("cut", range(1, len(DEFAULT_SEPARATOR)))
+def test_document_ending_in_part_of_the_separator_keeps_its_tokens(
+    reference_engine, rag_texts, cut
+):
+    """ " ... input #" before " # #": the split comes from the pieces, not a search."""
+    system, documents, question = rag_texts
+    ending = documents[0] + " input" + DEFAULT_SEPARATOR[:cut]
+    prompt = reference_engine.build_prompt(system, [ending, documents[1]], question)
+    encode = reference_engine.tokenizer.encode
+    assert prompt.documents[0].token_ids == tuple(encode(" " + ending.strip()))
+    assert prompt.documents[1].token_ids == tuple(encode(" " + documents[1]))
+    assert prompt.question.token_ids[: len(encode(" " + question))] == tuple(encode(" " + question))
+    sep = tuple(encode(DEFAULT_SEPARATOR))
+    assert all(prompt.token_ids[s:e] == sep for s, e in prompt.separator_ranges)
+    # The same document keys the same wherever it stands.
+    alone = reference_engine.build_prompt(system, [documents[1], ending], question)
+    keys, keys_alone = reference_engine.segment_keys(prompt), reference_engine.segment_keys(alone)
+    assert keys[1] == keys_alone[2] and keys[2] == keys_alone[1]

@@ -1,0 +1,22 @@
+"""What the engine pods learn about the shared KV tier besides blend.json: env vars.
+
+The URL (no password) is in the runtime ConfigMap. The password comes from the Secret key
+in spec.blend.kv.sharedPasswordSecret, never from the ConfigMap; the deployment's
+"namespace/name" prefixes every shared-tier key (holeblend_contract.shared_tier).
+"""
+
+from holeblend_contract.shared_tier import DEPLOYMENT_ENV, PASSWORD_ENV
+from holeblend_operator.api import BlendDeployment
+
+
+def shared_tier_env(bd: BlendDeployment) -> list[dict]:
+    kv = bd.spec.blend.kv
+    if kv.shared_url is None:
+        return []
+    deployment = f"{bd.metadata.namespace}/{bd.metadata.name}"
+    env = [{"name": DEPLOYMENT_ENV, "value": deployment}]
+    secret = kv.shared_password_secret
+    if secret is not None:
+        ref = {"secretKeyRef": {"name": secret.name, "key": secret.key}}
+        env.append({"name": PASSWORD_ENV, "valueFrom": ref})
+    return env

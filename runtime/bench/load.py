@@ -1,0 +1,180 @@
+"""holeblend-bench --load: full prefill vs prefix vs hole mode through the real server.
+
+1. One seeded Zipf request stream (`load_workload`), the same for every mode.
+2. For each mode (full first, whose answers are the reference), start one
+   `holeblend-serve` on 127.0.0.1 with a `blend.json` for that mode, wait until ready,
+   send the warm-up requests, then the measured ones through `num_clients` closed-loop
+   streaming clients, and stop the server. One server at a time: each gets the machine.
+3. One result row per mode: throughput, TTFT percentiles, the reused share the server
+   reports in `usage`, and agreement of the greedy answers with full prefill's.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from holeblend_contract.blend_settings import BlendMode, BlendSettings, ModelSettings
+from holeblend_runtime.bench.load_client import Outcome, ServeProcess, drive
+from holeblend_runtime.bench.load_workload import LoadRequest, LoadWorkloadConfig
+from holeblend_runtime.bench.quality import answer_f1, answer_words
+from holeblend_runtime.bench.report import percentile
+
+FULL = "full"
+LOAD_MODES = (FULL, "prefix", "hole")
+# blend.json `mode` per benchmark mode (the CRD's names: `off` is full prefill).
+BLEND_MODE = {FULL: BlendMode.OFF, "prefix": BlendMode.PREFIX, "hole": BlendMode.HOLE}
+# The model `holeblend-serve` loads (the reference engine's SmolLM2), as blend.json names it.
+MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# Column order of the load table and key order of each JSON result.
+LOAD_RESULT_KEYS = (
+    "mode",
+    "ratio",
+    "clients",
+    "requests",
+    "requests_per_s",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "request_s_mean",
+    "reused_share",
+    "top1_vs_full",
+    "f1_vs_full",
+    "num_errors",
+    "num_rejected",
+)
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    workload: LoadWorkloadConfig
+    modes: tuple[str, ...] = LOAD_MODES
+    ratio: float = 0.15
+    num_clients: int = 4
+    max_tokens: int = 12
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not self.modes or not set(self.modes) <= set(LOAD_MODES):
+            raise ValueError(f"modes: expected some of {LOAD_MODES}, got {self.modes}")
+        if not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"ratio: must be within [0, 1], got {self.ratio}")
+        if self.num_clients < 1:
+            raise ValueError(f"num_clients: must be >= 1, got {self.num_clients}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
+
+
+def blend_settings(mode: str, ratio: float) -> str:
+    """The blend.json a mode's server reads, through the settings contract."""
+    settings = BlendSettings(
+        model=ModelSettings(name=MODEL_NAME), mode=BLEND_MODE[mode], recompute_ratio=ratio
+    )
+    return settings.to_json()
+
+
+def run_load(
+    config: LoadConfig,
+    requests: Sequence[LoadRequest],
+    workdir: Path,
+    tokenize: Callable[[str], list[int]],
+) -> list[dict[str, Any]]:
+    """One row per mode, in `LOAD_MODES` order; server logs land in `workdir`."""
+    modes = [m for m in LOAD_MODES if m in config.modes]
+    references: dict[int, str] | None = None
+    rows = []
+    for mode in modes:
+        outcomes, wall_s = _run_mode(config, mode, requests, workdir)
+        if mode == FULL:
+            references = {o.index: o.text for o in outcomes if o.is_ok}
+        ratio = None if mode == FULL else config.ratio
+        rows.append(
+            summarize_load(mode, ratio, config.num_clients, outcomes, wall_s, references,
+                           tokenize, {r.index: r.question for r in requests})
+        )  # fmt: skip
+    return rows
+
+
+def _run_mode(
+    config: LoadConfig, mode: str, requests: Sequence[LoadRequest], workdir: Path
+) -> tuple[list[Outcome], float]:
+    settings_path = workdir / f"blend-{mode}.json"
+    settings_path.write_text(blend_settings(mode, config.ratio))
+    warmup = [r for r in requests if r.is_warmup]
+    measured = [r for r in requests if not r.is_warmup]
+    with ServeProcess(settings_path, workdir / f"serve-{mode}.log") as server:
+        server.wait_ready(config.timeout_s)
+        model = server.model_name()
+        drive(server.port, warmup, model, config.num_clients, config.max_tokens, config.timeout_s)
+        return drive(
+            server.port, measured, model, config.num_clients, config.max_tokens, config.timeout_s
+        )
+
+
+def summarize_load(
+    mode: str,
+    ratio: float | None,
+    num_clients: int,
+    outcomes: Sequence[Outcome],
+    wall_s: float,
+    references: dict[int, str] | None,
+    tokenize: Callable[[str], list[int]],
+    questions: dict[int, str],
+) -> dict[str, Any]:
+    """One result row; quality keys are None without full-prefill references."""
+    ok = [o for o in outcomes if o.is_ok]
+    ttfts = [o.ttft_s for o in ok if o.ttft_s is not None]
+    row: dict[str, Any] = {
+        "mode": mode,
+        "ratio": ratio,
+        "clients": num_clients,
+        "requests": len(outcomes),
+        "requests_per_s": len(ok) / wall_s if wall_s > 0 else None,
+        "ttft_p50_s": percentile(ttfts, 0.5) if ttfts else None,
+        "ttft_p99_s": percentile(ttfts, 0.99) if ttfts else None,
+        "request_s_mean": statistics.fmean(o.request_s for o in ok) if ok else None,
+        "reused_share": reused_share(ok),
+        "top1_vs_full": None,
+        "f1_vs_full": None,
+        "num_errors": len(outcomes) - len(ok),
+        "num_rejected": sum(o.num_rejected for o in outcomes),
+    }
+    compared = [o for o in ok if references is not None and o.index in references]
+    if compared:
+        row["top1_vs_full"] = statistics.fmean(
+            greedy_agreement(tokenize(o.text), tokenize(references[o.index])) for o in compared
+        )
+        row["f1_vs_full"] = statistics.fmean(
+            answer_f1(answer_words(o.text), answer_words(references[o.index]),
+                      answer_words(questions[o.index]))
+            for o in compared
+        )  # fmt: skip
+    row["wall_s"] = wall_s
+    return row
+
+
+def reused_share(outcomes: Sequence[Outcome]) -> float | None:
+    """Cached over prompt tokens, from `usage` (OpenAI's `prompt_tokens_details`)."""
+    usages = [o.usage for o in outcomes if o.usage]
+    prompt = sum(u.get("prompt_tokens", 0) for u in usages)
+    if not usages or prompt == 0:
+        return None
+    cached = sum((u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for u in usages)
+    return cached / prompt
+
+
+def greedy_agreement(candidate: Sequence[int], reference: Sequence[int]) -> float:
+    """Share of the reference answer's positions where the greedy candidate agrees,
+    counting up to the first disagreement (after it the two continue from different
+    contexts, so later positions are not comparable). A lower bound of teacher-forced
+    top-1 agreement; 1.0 when both are empty."""
+    if not reference:
+        return 1.0 if not candidate else 0.0
+    agreed = 0
+    for mine, theirs in zip(candidate, reference, strict=False):
+        if mine != theirs:
+            break
+        agreed += 1
+    return agreed / len(reference)

@@ -1,0 +1,372 @@
+"""The runtime's client of the lookup server: fast, bounded, and never the reason a request fails.
+
+1. `LookupConnection` speaks the wire format (`lookup_server/wire.py`) over one
+   keep-alive HTTP/1.1 socket with a millisecond timeout; any failure closes it.
+2. `LookupClient` wraps calls in a budget: `timeout_ms` per attempt, at most `retries`
+   more attempts, and a circuit breaker that stops trying for `breaker_open_s` after
+   `breaker_failures` consecutive failures. A failed or skipped `lookup` answers "all
+   miss" and counts it; serving goes on from the local tier and compute.
+3. `Announcer` (a daemon thread) sends admits and evicts in batches off the request
+   path, heartbeats, and re-announces everything the pod holds when the server asks
+   (it restarted) and every `resync_s`. Admits are queued only after the segment is
+   stored, so a location the server hands out was loadable when it was announced.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from holeblend_runtime.circuit_breaker import CircuitBreaker
+from holeblend_runtime.lookup_server import wire
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a cached segment lives, as the lookup server knows it."""
+
+    # Tokens in the segment.
+    num_tokens: int
+    # Whether the shared tier holds it.
+    in_shared_tier: bool
+    # Pods holding it in their local tier.
+    pods: tuple[str, ...]
+
+
+def parse_lookup_url(url: str) -> tuple[str, int]:
+    """(host, port) of an http://HOST:PORT lookup server URL."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/"):
+        raise ValueError(f"lookupServerUrl: expected http://HOST:PORT, got {url!r}")
+    return parts.hostname, parts.port or 80
+
+
+class LookupConnection:
+    """One keep-alive connection; not thread-safe (`LookupClient` serialises calls)."""
+
+    def __init__(self, host: str, port: int, timeout_s: float) -> None:
+        self.address = (host, port)
+        self.timeout_s = timeout_s
+        self._sock: socket.socket | None = None
+        self._head = f"POST {wire.RPC_PATH} HTTP/1.1\r\nHost: {host}\r\nContent-Type: {wire.CONTENT_TYPE}\r\n"
+
+    def call(self, message: dict) -> dict:
+        """The reply map; OSError on transport failures, WireError on error replies."""
+        body = wire.encode(message)
+        try:
+            return wire.decode_reply(self._exchange(body))
+        except (OSError, wire.WireError) as error:
+            if not isinstance(error, wire.WireError) or error.code == "bad_reply":
+                self.close()
+            raise
+
+    def _exchange(self, body: bytes) -> bytes:
+        deadline = time.monotonic() + self.timeout_s
+        sock = self._sock or self._connect()
+        sock.settimeout(self.timeout_s)
+        sock.sendall(f"{self._head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        return self._read_reply(sock, deadline)
+
+    def _connect(self) -> socket.socket:
+        sock = socket.create_connection(self.address, timeout=self.timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock = sock
+        return sock
+
+    def _read_reply(self, sock: socket.socket, deadline: float) -> bytes:
+        """The reply body; the whole reply must arrive before `deadline`, not each read."""
+        buffer = b""
+        while (head_end := buffer.find(b"\r\n\r\n")) < 0:
+            buffer += _recv(sock, deadline)
+        length, closes = _reply_head(buffer[:head_end])
+        end = head_end + 4 + length
+        while len(buffer) < end:
+            buffer += _recv(sock, deadline)
+        if closes:
+            self.close()
+        return buffer[head_end + 4 : end]
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+def _recv(sock: socket.socket, deadline: float) -> bytes:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError("lookup server reply over the time budget")
+    sock.settimeout(remaining)
+    chunk = sock.recv(1 << 16)
+    if not chunk:
+        raise ConnectionError("lookup server closed the connection")
+    return chunk
+
+
+def _reply_head(head: bytes) -> tuple[int, bool]:
+    length, closes = None, False
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        name = name.strip().lower()
+        if name == b"content-length":
+            length = int(value)
+        elif name == b"connection":
+            closes = value.strip().lower() == b"close"
+    if length is None:
+        raise ConnectionError("lookup server reply without Content-Length")
+    return length, closes
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    # Milliseconds one attempt may take (connect, send and the whole reply). One lookup per
+    # prompt; 50 ms is small next to a prefill and rides out a loaded node's stalls.
+    timeout_ms: float = 50.0
+    # Further attempts after a failed one, within the same call.
+    retries: int = 1
+    # Consecutive failed calls that open the circuit breaker.
+    breaker_failures: int = 3
+    # Seconds the open breaker skips calls before one trial call.
+    breaker_open_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.timeout_ms <= 0:
+            raise ValueError(f"timeout_ms: must be > 0, got {self.timeout_ms}")
+        if self.retries < 0:
+            raise ValueError(f"retries: must be >= 0, got {self.retries}")
+        if self.breaker_failures < 1:
+            raise ValueError(f"breaker_failures: must be >= 1, got {self.breaker_failures}")
+
+
+@dataclass
+class ClientStats:
+    """What the client did; exported as metrics by the engine's registry."""
+
+    calls: int = 0
+    failures: int = 0
+    skipped_by_breaker: int = 0
+    keys_looked_up: int = 0
+    keys_hit: int = 0
+    # Lookups answered "all miss" because the server failed or the breaker was open.
+    degraded_lookups: int = 0
+    counts_by_op: dict = field(default_factory=dict)
+
+
+class LookupClient:
+    """Thread-safe calls with timeouts, retries and a circuit breaker."""
+
+    def __init__(
+        self,
+        url: str,
+        config: ClientConfig | None = None,
+        model: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config or ClientConfig()
+        self.model = model
+        host, port = parse_lookup_url(url)
+        self._connection = LookupConnection(host, port, self.config.timeout_ms / 1000)
+        self._lock = threading.Lock()
+        self.breaker = CircuitBreaker(
+            self.config.breaker_failures, self.config.breaker_open_s, clock
+        )
+        self.stats = ClientStats()
+
+    def lookup(self, keys: Sequence[str]) -> list[Location | None]:
+        """One location per key; all None when the server cannot answer in budget."""
+        if not keys:
+            return []
+        message = {"op": "lookup", "keys": list(keys)}
+        if self.model is not None:
+            message["model"] = self.model
+        reply = self.call(message)
+        self.stats.keys_looked_up += len(keys)
+        if reply is None:
+            self.stats.degraded_lookups += 1
+            return [None] * len(keys)
+        hits = [_location(hit) for hit in reply["hits"]]
+        self.stats.keys_hit += sum(hit is not None for hit in hits)
+        return hits
+
+    def call(self, message: dict) -> dict | None:
+        """The reply, or None after the retries failed or while the breaker is open."""
+        with self._lock:
+            if self.breaker.is_open:
+                self.stats.skipped_by_breaker += 1
+                return None
+            return self._call_with_retries(message)
+
+    def _call_with_retries(self, message: dict) -> dict | None:
+        self.stats.calls += 1
+        op = message["op"]
+        self.stats.counts_by_op[op] = self.stats.counts_by_op.get(op, 0) + 1
+        for _ in range(self.config.retries + 1):
+            try:
+                reply = self._connection.call(message)
+            except wire.WireError as error:
+                last_error = error
+                if error.code != "bad_reply":
+                    break  # the server refused the request: trying again gives the same
+                continue
+            except OSError as error:
+                last_error = error
+                continue
+            self.breaker.succeeded()
+            return reply
+        self._record_failure(op, last_error)
+        return None
+
+    def _record_failure(self, op: str, error: Exception) -> None:
+        self.stats.failures += 1
+        if self.breaker.failed():
+            log.warning("lookup server unreachable (%s: %s); treating lookups as misses", op, error)
+
+    def close(self) -> None:
+        with self._lock:
+            self._connection.close()
+
+
+def _location(hit: list | None) -> Location | None:
+    if hit is None:
+        return None
+    num_tokens, in_shared, pods = hit
+    return Location(int(num_tokens), bool(in_shared), tuple(pods))
+
+
+@dataclass(frozen=True)
+class AnnouncerConfig:
+    # Seconds between heartbeats.
+    heartbeat_s: float = 2.0
+    # Seconds between full re-announcements even when the server does not ask.
+    resync_s: float = 60.0
+    # Admits or evicts sent in one request at most.
+    batch: int = 256
+    # Queued announcements kept at most; older ones are dropped (a resync repairs that).
+    max_pending: int = 65536
+
+
+class Announcer:
+    """Sends a pod's admits, evicts, heartbeats and resyncs from a daemon thread.
+
+    `holdings` returns every entry the pod holds now (local and shared tiers); it is
+    called for a full resync.
+    """
+
+    def __init__(
+        self,
+        client: LookupClient,
+        pod: str,
+        holdings: Callable[[], list[wire.Entry]],
+        config: AnnouncerConfig | None = None,
+    ) -> None:
+        self.client = client
+        self.pod = pod
+        self.holdings = holdings
+        self.config = config or AnnouncerConfig()
+        self._pending: list[tuple[str, object]] = []
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._needs_resync = True
+        self._last_resync = 0.0
+        self.num_dropped = 0
+        self._thread = threading.Thread(target=self._run, name="lookup-announcer", daemon=True)
+
+    def start(self) -> Announcer:
+        self._thread.start()
+        return self
+
+    def admit(self, entry: wire.Entry) -> None:
+        self._enqueue(("admit", entry))
+
+    def evict(self, key: str, shared: bool = False) -> None:
+        self._enqueue(("evict-shared" if shared else "evict", key))
+
+    def request_resync(self) -> None:
+        with self._cond:
+            self._needs_resync = True
+            self._cond.notify()
+
+    def _enqueue(self, item: tuple[str, object]) -> None:
+        with self._cond:
+            if len(self._pending) >= self.config.max_pending:
+                self._pending.pop(0)
+                self.num_dropped += 1
+                self._needs_resync = True
+            self._pending.append(item)
+            self._cond.notify()
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until queued announcements were sent (for tests and shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._pending and time.monotonic() < deadline:
+                self._cond.wait(0.01)
+            return not self._pending
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self.client.close()
+
+    def _run(self) -> None:
+        next_heartbeat = 0.0
+        while True:
+            with self._cond:
+                if self._stopping:
+                    return
+                if not self._pending:
+                    self._cond.wait(max(0.0, next_heartbeat - time.monotonic()))
+                batch, self._pending = self._pending, []
+                self._cond.notify_all()
+            self._send(batch)
+            if time.monotonic() >= next_heartbeat:
+                self._heartbeat()
+                next_heartbeat = time.monotonic() + self.config.heartbeat_s
+
+    def _heartbeat(self) -> None:
+        reply = self.client.call({"op": "heartbeat", "pod": self.pod})
+        if reply is not None and reply.get("resync"):
+            self._needs_resync = True
+        due = time.monotonic() - self._last_resync >= self.config.resync_s
+        if reply is not None and (self._needs_resync or due):
+            self._resync()
+
+    def _resync(self) -> None:
+        entries = [entry.to_wire() for entry in self.holdings()]
+        chunks = [
+            entries[i : i + self.config.batch] for i in range(0, len(entries), self.config.batch)
+        ]
+        for i, chunk in enumerate(chunks or [[]]):
+            message = {"op": "resync", "pod": self.pod, "entries": chunk, "reset": i == 0}
+            if self.client.call(message) is None:
+                return  # try again on the next heartbeat
+        self._needs_resync = False
+        self._last_resync = time.monotonic()
+
+    def _send(self, batch: list[tuple[str, object]]) -> None:
+        """Send runs of the same kind in order, so an evict after an admit stays last."""
+        size = self.config.batch
+        for kind, run in itertools.groupby(batch, key=lambda item: item[0]):
+            values = [value for _, value in run]
+            for i in range(0, len(values), size):
+                self._send_one(self._message(kind, values[i : i + size]))
+
+    def _message(self, kind: str, values: list) -> dict:
+        if kind == "admit":
+            return {"op": "admit", "pod": self.pod, "entries": [e.to_wire() for e in values]}
+        return {"op": "evict", "pod": self.pod, "keys": values, "shared": kind == "evict-shared"}
+
+    def _send_one(self, message: dict) -> None:
+        if self.client.call(message) is None:
+            self._needs_resync = True  # lost announcements are repaired by a full resync

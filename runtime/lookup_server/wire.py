@@ -1,0 +1,251 @@
+"""The lookup server's wire format, version 1: one msgpack map per HTTP request and reply.
+
+Every operation is `POST /v1` with `Content-Type: application/msgpack` over HTTP/1.1
+keep-alive. A request is a map `{"v": 1, "op": OP, ...fields}`; a reply is
+`{"v": 1, "ok": true, ...}` or `{"v": 1, "ok": false, "error": {"code", "message"}}`.
+
+Operations (fields of the request -> fields of the reply):
+- `lookup`: `keys` (list of str, at most `Limits.max_keys`), optional `model` (str: a
+  key indexed for another model counts as a miss) -> `hits`: one item per key, `None`
+  for a miss or `[num_tokens, in_shared_tier, [pod, ...]]` for a hit.
+- `admit`: `pod` (str), `entries` (list of entry maps, see `Entry`) -> `admitted` (int).
+- `evict`: `pod` (str), `keys` (list of str), optional `shared` (bool: the shared copy
+  is gone too) -> `evicted` (int: keys this pod no longer holds).
+- `heartbeat`: `pod` (str) -> `resync` (bool: the server does not know this pod, so it
+  must re-announce everything it holds).
+- `resync`: `pod`, `entries`, `reset` (bool: forget what this pod held before; the first
+  chunk of a full resync) -> `admitted`.
+- `stats` -> `stats` (map of counters and sizes).
+
+A new field may be added within a version; a change of meaning bumps `v`, and a server
+answers a version it does not speak with `unsupported_version` naming the ones it does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+WIRE_VERSION = 1
+SUPPORTED_VERSIONS = (WIRE_VERSION,)
+RPC_PATH = "/v1"
+CONTENT_TYPE = "application/msgpack"
+
+OPS = ("lookup", "admit", "evict", "heartbeat", "resync", "stats")
+
+
+class WireError(ValueError):
+    """A request the server refuses; `code` is stable, `message` names the field."""
+
+    def __init__(self, code: str, message: str, http_status: int = 400) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.http_status = http_status
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may carry; larger requests get an error reply, never a crash."""
+
+    # Bytes of one request body.
+    max_body_bytes: int = 4 << 20
+    # Keys in one lookup or evict.
+    max_keys: int = 1024
+    # Entries in one admit or resync chunk.
+    max_entries: int = 4096
+    # Characters of one key, pod name, model id or context key.
+    max_name_chars: int = 256
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One cached segment as a pod announces it."""
+
+    # The segment key (`segments.segment_key`).
+    key: str
+    # Tokens in the segment.
+    num_tokens: int
+    # Model identity the KV was computed with.
+    model: str
+    # KV dtype, e.g. "float32".
+    dtype: str
+    # Key of the context the segment was computed after (system prompt), None: alone.
+    context: str | None
+    # Bytes of the segment's KV.
+    num_bytes: int
+    # Whether the segment is (also) stored in the shared tier.
+    shared: bool
+
+    def to_wire(self) -> dict:
+        return {
+            "key": self.key,
+            "tokens": self.num_tokens,
+            "model": self.model,
+            "dtype": self.dtype,
+            "context": self.context,
+            "bytes": self.num_bytes,
+            "shared": self.shared,
+        }
+
+
+def encode(message: Mapping[str, Any]) -> bytes:
+    return msgpack.packb({"v": WIRE_VERSION, **message}, use_bin_type=True)
+
+
+def error_reply(error: WireError) -> bytes:
+    return encode({"ok": False, "error": {"code": error.code, "message": error.message}})
+
+
+def decode_request(body: bytes, limits: Limits) -> tuple[str, dict]:
+    """The operation and the request map; WireError for anything malformed."""
+    if len(body) > limits.max_body_bytes:
+        raise WireError(
+            "too_large", f"body of {len(body)} bytes exceeds {limits.max_body_bytes}", 413
+        )
+    message = _unpack(body, limits)
+    if not isinstance(message, dict):
+        raise WireError("bad_request", "the body must be a msgpack map")
+    version = message.get("v")
+    if version not in SUPPORTED_VERSIONS:
+        raise WireError(
+            "unsupported_version",
+            f"v: got {version!r}, this server speaks {list(SUPPORTED_VERSIONS)}",
+        )
+    op = message.get("op")
+    if op not in OPS:
+        raise WireError("unknown_op", f"op: got {op!r}, expected one of {', '.join(OPS)}")
+    return op, message
+
+
+def _unpack(body: bytes, limits: Limits) -> Any:
+    try:
+        return msgpack.unpackb(
+            body,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=limits.max_body_bytes,
+            max_bin_len=0,
+            max_array_len=max(limits.max_keys, limits.max_entries),
+            max_map_len=64,
+            max_ext_len=0,
+        )
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+        if "max_array_len" in str(e):
+            raise WireError(
+                "too_many_keys",
+                f"a list in the request is too long ({e}): keys at most {limits.max_keys} per "
+                f"lookup or evict, entries at most {limits.max_entries} per admit or resync",
+                413,
+            ) from None
+        raise WireError("bad_request", f"body is not one valid msgpack map: {e}") from None
+
+
+def decode_reply(body: bytes) -> dict:
+    """The reply map of a successful call; WireError for an error reply or garbage."""
+    try:
+        reply = msgpack.unpackb(body, raw=False)
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+        raise WireError("bad_reply", f"reply is not msgpack: {e}") from None
+    if not isinstance(reply, dict) or reply.get("v") != WIRE_VERSION:
+        raise WireError("bad_reply", f"reply is not a version {WIRE_VERSION} map")
+    if not reply.get("ok"):
+        error = reply.get("error") or {}
+        raise WireError(str(error.get("code", "error")), str(error.get("message", "")))
+    return reply
+
+
+# --- field checks (the server's side) -------------------------------------------------
+
+
+def name_field(message: Mapping, field: str, limits: Limits, optional: bool = False) -> str | None:
+    value = message.get(field)
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or not value or len(value) > limits.max_name_chars:
+        raise WireError(
+            "bad_request", f"{field}: expected a string of 1..{limits.max_name_chars} characters"
+        )
+    return value
+
+
+def keys_field(message: Mapping, limits: Limits) -> Sequence[str]:
+    keys = message.get("keys")
+    if not isinstance(keys, list):
+        raise WireError("bad_request", "keys: expected a list of strings")
+    if len(keys) > limits.max_keys:
+        raise WireError("too_many_keys", f"keys: {len(keys)} keys, at most {limits.max_keys}", 413)
+    for i, key in enumerate(keys):
+        if not isinstance(key, str) or not key or len(key) > limits.max_name_chars:
+            raise WireError(
+                "bad_request",
+                f"keys[{i}]: expected a string of 1..{limits.max_name_chars} characters",
+            )
+    return keys
+
+
+def entries_field(message: Mapping, limits: Limits) -> list[Entry]:
+    entries = message.get("entries")
+    if not isinstance(entries, list):
+        raise WireError("bad_request", "entries: expected a list of entry maps")
+    if len(entries) > limits.max_entries:
+        raise WireError(
+            "too_many_entries",
+            f"entries: {len(entries)} entries, at most {limits.max_entries}",
+            413,
+        )
+    return [_entry(item, f"entries[{i}]", limits) for i, item in enumerate(entries)]
+
+
+def _entry(item: Any, where: str, limits: Limits) -> Entry:
+    if not isinstance(item, dict):
+        raise WireError("bad_request", f"{where}: expected a map")
+    return Entry(
+        key=_name(item, "key", where, limits),
+        num_tokens=_count(item, "tokens", where),
+        model=_name(item, "model", where, limits),
+        dtype=_name(item, "dtype", where, limits),
+        context=_optional_name(item, "context", where, limits),
+        num_bytes=_count(item, "bytes", where),
+        shared=_flag(item, "shared", where),
+    )
+
+
+def _name(item: dict, field: str, where: str, limits: Limits) -> str:
+    value = item.get(field)
+    if not isinstance(value, str) or not value or len(value) > limits.max_name_chars:
+        raise WireError(
+            "bad_request",
+            f"{where}.{field}: expected a string of 1..{limits.max_name_chars} characters",
+        )
+    return value
+
+
+def _optional_name(item: dict, field: str, where: str, limits: Limits) -> str | None:
+    value = item.get(field)
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) > limits.max_name_chars:
+        raise WireError("bad_request", f"{where}.{field}: expected a string or nil")
+    return value
+
+
+def _count(item: dict, field: str, where: str) -> int:
+    value = item.get(field)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 48:
+        raise WireError("bad_request", f"{where}.{field}: expected a non-negative integer")
+    return value
+
+
+def _flag(item: dict, field: str, where: str) -> bool:
+    value = item.get(field, False)
+    if not isinstance(value, bool):
+        raise WireError("bad_request", f"{where}.{field}: expected true or false")
+    return value
+
+
+def flag_field(message: Mapping, field: str) -> bool:
+    return _flag(dict(message), field, "request")

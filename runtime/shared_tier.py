@@ -1,0 +1,313 @@
+"""The shared KV tier on Redis or Valkey: one versioned, checksummed blob per segment.
+
+Blob layout (format `BLOB_FORMAT`), all integers little-endian:
+
+    b"HBKV" | u16 format | u32 header length | header (msgpack map) | payload
+
+The header names the segment `key`, the `model` identity, the `dtype`, the K/V `shape`
+[layers, kv_heads, tokens, head_dim], the token count `tokens`, the payload length
+`payload_bytes` and its `xxh3_64` checksum (xxHash3, ~10 GB/s: it must not
+slow a load much next to Redis itself). The payload is K, then V (each `shape` of `dtype`),
+then the int64 RoPE positions. A reader checks every field against what it expects;
+a blob that is corrupted, truncated, of another format, model, dtype or key is a miss.
+
+Keys follow `holeblend_contract.shared_tier` (per-BlendDeployment prefix). Every Redis
+error or timeout is a miss (reads) or a refused store (writes), counted in `stats`;
+a circuit breaker skips Redis for a while after repeated failures. This module imports
+no torch (the tiered store converts tensors), so the lookup benchmark can use it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import msgpack
+import redis
+import xxhash
+
+from holeblend_contract.shared_tier import PASSWORD_ENV, check_shared_url, key_prefix
+from holeblend_runtime.circuit_breaker import CircuitBreaker
+
+log = logging.getLogger(__name__)
+
+BLOB_FORMAT = 1
+MAGIC = b"HBKV"
+_PREFIX = struct.Struct("<4sHI")
+MAX_HEADER_BYTES = 4096
+DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
+POSITION_BYTES = 8  # int64
+
+
+@dataclass(frozen=True)
+class BlobHeader:
+    """What a blob says about itself; compared with what the reader expects."""
+
+    # The segment key.
+    key: str
+    # Model identity the KV was computed with.
+    model: str
+    # KV dtype name, one of DTYPE_SIZES.
+    dtype: str
+    # K and V shape: [layers, kv_heads, tokens, head_dim].
+    shape: tuple[int, int, int, int]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.shape[2]
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of K (= bytes of V)."""
+        layers, heads, tokens, head_dim = self.shape
+        return layers * heads * tokens * head_dim * DTYPE_SIZES[self.dtype]
+
+    @property
+    def payload_bytes(self) -> int:
+        return 2 * self.kv_bytes + self.num_tokens * POSITION_BYTES
+
+
+class BlobError(ValueError):
+    """Why a blob cannot be used; the reader treats it as a miss."""
+
+
+def encode_blob(header: BlobHeader, parts: Sequence[bytes | memoryview]) -> bytes:
+    """The blob of K, V and positions (`parts`, raw bytes in that order), in one piece."""
+    return b"".join(blob_pieces(header, parts))
+
+
+def blob_pieces(header: BlobHeader, parts: Sequence[bytes | memoryview]) -> list:
+    """The blob as [prefix and header, *parts], to be sent without joining (no copy)."""
+    payload_bytes = sum(memoryview(part).nbytes for part in parts)
+    if payload_bytes != header.payload_bytes:
+        raise ValueError(
+            f"parts: {payload_bytes} bytes, the header promises {header.payload_bytes}"
+        )
+    digest = xxhash.xxh3_64()
+    for part in parts:
+        digest.update(part)
+    meta = msgpack.packb(
+        {
+            "key": header.key,
+            "model": header.model,
+            "dtype": header.dtype,
+            "shape": list(header.shape),
+            "tokens": header.num_tokens,
+            "payload_bytes": payload_bytes,
+            "xxh3_64": digest.intdigest(),
+        }
+    )
+    return [_PREFIX.pack(MAGIC, BLOB_FORMAT, len(meta)) + meta, *parts]
+
+
+def decode_blob(blob: bytes, expected: BlobHeader | None = None) -> tuple[BlobHeader, memoryview]:
+    """The header and payload of a checked blob; BlobError for anything wrong."""
+    if len(blob) < _PREFIX.size:
+        raise BlobError(f"truncated: {len(blob)} bytes")
+    magic, version, meta_len = _PREFIX.unpack_from(blob)
+    if magic != MAGIC:
+        raise BlobError("not a holeblend KV blob (bad magic)")
+    if version != BLOB_FORMAT:
+        raise BlobError(f"blob format {version}, this reader speaks {BLOB_FORMAT}")
+    if meta_len > MAX_HEADER_BYTES or _PREFIX.size + meta_len > len(blob):
+        raise BlobError("truncated or oversized header")
+    meta = _unpack_meta(blob[_PREFIX.size : _PREFIX.size + meta_len])
+    header = _header(meta)
+    payload = memoryview(blob)[_PREFIX.size + meta_len :]
+    if payload.nbytes != header.payload_bytes or meta.get("payload_bytes") != payload.nbytes:
+        raise BlobError(f"payload of {payload.nbytes} bytes, expected {header.payload_bytes}")
+    if xxhash.xxh3_64_intdigest(payload) != meta.get("xxh3_64"):
+        raise BlobError("checksum mismatch")
+    if expected is not None:
+        _check_expected(header, expected)
+    return header, payload
+
+
+def _unpack_meta(raw: bytes) -> dict:
+    try:
+        meta = msgpack.unpackb(raw, raw=False)
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+        raise BlobError(f"unreadable header: {e}") from None
+    if not isinstance(meta, dict):
+        raise BlobError("header is not a map")
+    return meta
+
+
+def _header(meta: dict) -> BlobHeader:
+    shape = meta.get("shape")
+    if not (isinstance(shape, list) and len(shape) == 4 and all(_is_count(n) for n in shape)):
+        raise BlobError(f"shape: expected 4 non-negative integers, got {shape!r}")
+    if meta.get("dtype") not in DTYPE_SIZES:
+        raise BlobError(f"dtype: {meta.get('dtype')!r} is not one of {sorted(DTYPE_SIZES)}")
+    for name in ("key", "model"):
+        if not isinstance(meta.get(name), str):
+            raise BlobError(f"{name}: missing")
+    if meta.get("tokens") != shape[2]:
+        raise BlobError(f"tokens: {meta.get('tokens')!r} disagrees with shape {shape}")
+    return BlobHeader(meta["key"], meta["model"], meta["dtype"], tuple(shape))
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 31
+
+
+def _check_expected(header: BlobHeader, expected: BlobHeader) -> None:
+    for name in ("key", "model", "dtype"):
+        if getattr(header, name) != getattr(expected, name):
+            raise BlobError(
+                f"{name}: blob has {getattr(header, name)!r}, expected {getattr(expected, name)!r}"
+            )
+    layers, heads, _, head_dim = expected.shape
+    if (header.shape[0], header.shape[1], header.shape[3]) != (layers, heads, head_dim):
+        raise BlobError(
+            f"shape: blob has {list(header.shape)}, expected [{layers}, {heads}, *, {head_dim}]"
+        )
+
+
+# --- the Redis/Valkey store -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SharedTierConfig:
+    # redis://, rediss://, valkey:// or valkeys:// URL without a password.
+    url: str
+    # "namespace/name" of the BlendDeployment: the key prefix.
+    deployment: str
+    # Seconds one Redis command may take (a 32 MB blob needs well over a few ms).
+    timeout_s: float = 2.0
+    # Consecutive failures that open the breaker, and how long it stays open.
+    breaker_failures: int = 3
+    breaker_open_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        check_shared_url(self.url, "kv.sharedUrl")
+        key_prefix(self.deployment, BLOB_FORMAT)
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s: must be > 0, got {self.timeout_s}")
+
+
+@dataclass
+class SharedTierStats:
+    gets: int = 0
+    hits: int = 0
+    puts: int = 0
+    errors: int = 0
+    skipped_by_breaker: int = 0
+    # Blobs refused by `decode_blob` (corrupted, truncated, foreign).
+    bad_blobs: int = 0
+    errors_by_kind: dict = field(default_factory=dict)
+
+
+def redis_url(url: str) -> str:
+    """The URL redis-py understands: valkey(s):// is spoken as redis(s)://."""
+    if url.startswith("valkeys://"):
+        return "rediss://" + url.removeprefix("valkeys://")
+    if url.startswith("valkey://"):
+        return "redis://" + url.removeprefix("valkey://")
+    return url
+
+
+class SharedTier:
+    """Blobs in Redis under the deployment's prefix; thread-safe (redis-py's pool)."""
+
+    def __init__(self, config: SharedTierConfig, password: str | None = None) -> None:
+        self.config = config
+        self.prefix = key_prefix(config.deployment, BLOB_FORMAT)
+        self.client = redis.Redis.from_url(
+            redis_url(config.url),
+            password=password if password is not None else os.environ.get(PASSWORD_ENV) or None,
+            socket_timeout=config.timeout_s,
+            socket_connect_timeout=config.timeout_s,
+            retry_on_timeout=False,
+        )
+        self.breaker = CircuitBreaker(config.breaker_failures, config.breaker_open_s)
+        self.stats = SharedTierStats()
+
+    def redis_key(self, segment_key: str) -> str:
+        return self.prefix + segment_key
+
+    def put_blob(self, segment_key: str, blob: bytes) -> bool:
+        """Store `blob`; False when Redis refused or failed (never raises)."""
+        self.stats.puts += 1
+        return self._call("set", self.redis_key(segment_key), blob) is True
+
+    def put_pieces(self, segment_key: str, pieces: Sequence[bytes | memoryview]) -> bool:
+        """Store the blob made of `pieces` (see `blob_pieces`) without joining them first.
+
+        A 32 MB join cost more than the SET itself on a loaded machine (page faults of a
+        fresh buffer), so the SET is framed here and the pieces go to the socket as they are.
+        """
+        self.stats.puts += 1
+        return (
+            self._call_with_breaker(self._set_pieces, self.redis_key(segment_key), pieces) is True
+        )
+
+    def _set_pieces(self, key: str, pieces: Sequence[bytes | memoryview]) -> bool:
+        total = sum(memoryview(piece).nbytes for piece in pieces)
+        encoded_key = key.encode()
+        head = b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(encoded_key), encoded_key, total)
+        connection = self.client.connection_pool.get_connection()
+        try:
+            connection.send_packed_command([head, *pieces, b"\r\n"])
+            reply = connection.read_response()
+        except BaseException:
+            connection.disconnect()
+            raise
+        finally:
+            self.client.connection_pool.release(connection)
+        if isinstance(reply, redis.ResponseError):
+            raise reply
+        return reply in (b"OK", "OK")
+
+    def get_blob(self, segment_key: str) -> bytes | None:
+        """The stored blob, or None on a miss or failure (never raises)."""
+        self.stats.gets += 1
+        blob = self._call("get", self.redis_key(segment_key))
+        self.stats.hits += blob is not None
+        return blob
+
+    def get_checked(self, expected: BlobHeader) -> tuple[BlobHeader, memoryview] | None:
+        """The blob of `expected.key` if it matches `expected`; None for a miss or a bad blob."""
+        blob = self.get_blob(expected.key)
+        if blob is None:
+            return None
+        try:
+            return decode_blob(blob, expected)
+        except BlobError as error:
+            self.stats.bad_blobs += 1
+            log.warning("shared tier: refusing blob of segment %s: %s", expected.key, error)
+            return None
+
+    def delete(self, segment_key: str) -> None:
+        self._call("delete", self.redis_key(segment_key))
+
+    def _call(self, command: str, *args: object) -> object:
+        return self._call_with_breaker(getattr(self.client, command), *args)
+
+    def _call_with_breaker(self, function, *args: object) -> object:
+        """`function(*args)`, or None when the breaker is open or Redis failed."""
+        if self.breaker.is_open:
+            self.stats.skipped_by_breaker += 1
+            return None
+        try:
+            result = function(*args)
+        except (redis.RedisError, OSError) as error:
+            self._failed(getattr(function, "__name__", "call"), error)
+            return None
+        self.breaker.succeeded()
+        return result
+
+    def _failed(self, command: str, error: Exception) -> None:
+        self.stats.errors += 1
+        kind = type(error).__name__
+        self.stats.errors_by_kind[kind] = self.stats.errors_by_kind.get(kind, 0) + 1
+        if self.breaker.failed():
+            log.warning(
+                "shared tier unreachable (%s: %s); serving from the local tier", command, error
+            )
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,382 @@
+"""A `KVStore` over three places: this pod's memory, the shared tier, and the lookup server.
+
+Reading a segment (`get`, `get_many`):
+1. the local tier (in-process LRU): a hit is returned at once;
+2. otherwise the lookup server is asked (one batch for all local misses) whether the
+   shared tier holds it; with no lookup server configured, the shared tier is asked
+   directly. An unreachable or slow lookup server answers "all miss";
+3. a shared-tier hit is fetched and checked (format, model, dtype, shape, checksum);
+   it is kept in the local tier too. A blob that fails to load or check is a miss:
+   the engine computes that segment, and the lookup server is told the copy is gone.
+
+Writing a segment (`put`): the local tier, then the shared tier, and only after both
+stores returned is the segment admitted to the lookup server (off the request path,
+by the `Announcer`), so an advertised segment was loadable when it was advertised.
+Local evictions are not announced one by one; the periodic full resync corrects them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from holeblend_contract.shared_tier import DEPLOYMENT_ENV
+from holeblend_runtime.kv_store import LocalKVStore, SegmentKV
+from holeblend_runtime.lookup_client import (
+    Announcer,
+    AnnouncerConfig,
+    ClientConfig,
+    LookupClient,
+)
+from holeblend_runtime.lookup_server.wire import Entry
+from holeblend_runtime.model_config import ModelConfig
+from holeblend_runtime.shared_tier import (
+    DTYPE_SIZES,
+    BlobHeader,
+    SharedTier,
+    SharedTierConfig,
+    blob_pieces,
+    decode_blob,
+)
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What every segment's KV of this engine looks like (checked on every remote load)."""
+
+    # Model identity (`ModelConfig.model_id`).
+    model_id: str
+    # KV dtype name: float32, float16 or bfloat16.
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, config: ModelConfig, dtype: str) -> KVLayout:
+        """The layout of `config`'s KV cache in `dtype` (the engine's `kv_dtype`)."""
+        return cls(config.model_id, dtype, config.num_layers, config.num_kv_heads, config.head_dim)
+
+    def header(self, key: str, num_tokens: int = 0) -> BlobHeader:
+        shape = (self.num_layers, self.num_kv_heads, num_tokens, self.head_dim)
+        return BlobHeader(key, self.model_id, self.dtype, shape)
+
+
+def kv_to_blob(kv: SegmentKV) -> bytes:
+    """The shared-tier blob of one segment (K, V and positions, checksummed)."""
+    return b"".join(kv_blob_pieces(kv))
+
+
+def kv_blob_pieces(kv: SegmentKV) -> list:
+    """The blob of one segment in pieces that share the tensors' memory (no copy)."""
+    header = BlobHeader(kv.key, kv.model_id, _dtype_name(kv.k.dtype), tuple(kv.k.shape))
+    return blob_pieces(header, [_raw_bytes(t) for t in (kv.k, kv.v, kv.positions)])
+
+
+def blob_to_kv(blob: bytes, expected: BlobHeader | None = None) -> SegmentKV:
+    """The segment in `blob`; `shared_tier.BlobError` when it is not usable."""
+    header, payload = decode_blob(blob, expected)
+    return _payload_to_kv(header, payload)
+
+
+def _payload_to_kv(header: BlobHeader, payload: memoryview) -> SegmentKV:
+    buffer = bytearray(payload)  # one copy, writable, shared by K, V and positions
+    dtype, count = _DTYPES[header.dtype], header.kv_bytes // DTYPE_SIZES[header.dtype]
+    k = torch.frombuffer(buffer, dtype=dtype, count=count, offset=0).view(header.shape)
+    v = torch.frombuffer(buffer, dtype=dtype, count=count, offset=header.kv_bytes).view(
+        header.shape
+    )
+    positions = torch.frombuffer(
+        buffer, dtype=torch.int64, count=header.num_tokens, offset=2 * header.kv_bytes
+    )
+    return SegmentKV(header.key, k, v, positions, header.model)
+
+
+def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass
+class TierStats:
+    local_hits: int = 0
+    shared_hits: int = 0
+    misses: int = 0
+    # Segments the lookup server advertised in the shared tier that did not load.
+    load_failures: int = 0
+    shared_stores: int = 0
+
+
+class TieredKVStore:
+    """Local LRU + shared tier + lookup server, behind the engine's `KVStore` protocol."""
+
+    def __init__(
+        self,
+        local: LocalKVStore,
+        layout: KVLayout,
+        shared: SharedTier | None = None,
+        lookup: LookupClient | None = None,
+        announcer: Announcer | None = None,
+        max_remembered: int = 1 << 18,
+    ) -> None:
+        self.local = local
+        self.layout = layout
+        self.shared = shared
+        self.lookup = lookup
+        self.announcer = announcer
+        self.stats = TierStats()
+        self._max_remembered = max_remembered
+        self._announced: OrderedDict[str, Entry] = OrderedDict()
+        self._lock = threading.Lock()
+
+    # --- sizes of the local tier (what the engine's metrics report) -----------------------
+
+    @property
+    def num_bytes(self) -> int:
+        return self.local.num_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.local.capacity_bytes
+
+    def __len__(self) -> int:
+        return len(self.local)
+
+    # --- the KVStore protocol --------------------------------------------------------------
+
+    def get(self, key: str) -> SegmentKV | None:
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[str]) -> list[SegmentKV | None]:
+        """Entries for `keys` in order: local tier, then (one batch lookup) the shared tier."""
+        found = [self.local.get(key) for key in keys]
+        self.stats.local_hits += sum(kv is not None for kv in found)
+        missing = [i for i, kv in enumerate(found) if kv is None]
+        for i, kv in zip(missing, self._remote_many([keys[i] for i in missing]), strict=True):
+            found[i] = kv
+        self.stats.misses += sum(kv is None for kv in found)
+        return found
+
+    def contains(self, key: str) -> bool:
+        """In the local tier, or advertised in the shared tier (no load, no use)."""
+        if self.local.contains(key):
+            return True
+        return any(self._in_shared([key]))
+
+    def put(self, kv: SegmentKV) -> bool:
+        """Store in the local and shared tiers, then admit to the lookup server."""
+        is_local = self.local.put(kv)
+        is_shared = self.shared is not None and self.shared.put_pieces(kv.key, kv_blob_pieces(kv))
+        self.stats.shared_stores += is_shared
+        if is_local or is_shared:
+            self._announce(kv, is_shared)
+        return is_local or is_shared
+
+    # --- remote reads ---------------------------------------------------------------------
+
+    def _remote_many(self, keys: Sequence[str]) -> list[SegmentKV | None]:
+        if not keys or self.shared is None:
+            return [None] * len(keys)
+        return [
+            self._load_shared(key) if is_advertised else None
+            for key, is_advertised in zip(keys, self._in_shared(keys), strict=True)
+        ]
+
+    def _in_shared(self, keys: Sequence[str]) -> list[bool]:
+        """Whether the shared tier should hold each key (all True with no lookup server)."""
+        if self.shared is None:
+            return [False] * len(keys)
+        if self.lookup is None:
+            return [True] * len(keys)
+        return [loc is not None and loc.in_shared_tier for loc in self.lookup.lookup(keys)]
+
+    def _load_shared(self, key: str) -> SegmentKV | None:
+        assert self.shared is not None
+        checked = self.shared.get_checked(self.layout.header(key))
+        if checked is None:
+            self._load_failed(key)
+            return None
+        kv = _payload_to_kv(*checked)
+        self.stats.shared_hits += 1
+        if self.local.put(kv):
+            self._announce(kv, shared=True)
+        return kv
+
+    def _load_failed(self, key: str) -> None:
+        """An advertised segment did not load: compute it, and stop advertising it."""
+        if self.lookup is None:
+            return  # nothing advertised it: a plain miss
+        self.stats.load_failures += 1
+        if self.announcer is not None:
+            self.announcer.evict(key, shared=True)
+
+    # --- announcements --------------------------------------------------------------------
+
+    def _announce(self, kv: SegmentKV, shared: bool) -> None:
+        entry = Entry(
+            key=kv.key,
+            num_tokens=kv.num_tokens,
+            model=kv.model_id,
+            dtype=_dtype_name(kv.k.dtype),
+            context=None,  # the key already hashes the context; see segments.segment_key
+            num_bytes=kv.num_bytes,
+            shared=shared,
+        )
+        with self._lock:
+            self._announced[kv.key] = entry
+            self._announced.move_to_end(kv.key)
+            while len(self._announced) > self._max_remembered:
+                self._announced.popitem(last=False)
+        if self.announcer is not None:
+            self.announcer.admit(entry)
+
+    def holdings(self) -> list[Entry]:
+        """What this pod announces in a full resync: local segments and its shared copies."""
+        with self._lock:
+            remembered: Iterable[Entry] = list(self._announced.values())
+        return [entry for entry in remembered if entry.shared or self.local.contains(entry.key)]
+
+    def close(self) -> None:
+        if self.announcer is not None:
+            self.announcer.stop()
+        for part in (self.lookup, self.shared):
+            if part is not None:
+                part.close()
+
+
+@dataclass(frozen=True)
+class TierSettings:
+    """Where the tiers are; from blend.json (`kv`, `lookupServerUrl`) and the pod's env."""
+
+    # Byte budget of the local tier.
+    local_bytes: int
+    # Shared tier URL (no password; that comes from the env), None: no shared tier.
+    shared_url: str | None = None
+    # Lookup server URL, None: no lookup server.
+    lookup_url: str | None = None
+    # "namespace/name" of the BlendDeployment (shared-tier key prefix).
+    deployment: str = "default/holeblend"
+    # This pod's name in the index.
+    pod: str = ""
+    # Lookup client timeouts and breaker; announcer periods.
+    client: ClientConfig = ClientConfig()
+    announcer: AnnouncerConfig = AnnouncerConfig()
+    # Seconds one shared-tier command may take.
+    shared_timeout_s: float = 2.0
+
+    @classmethod
+    def from_env(
+        cls, local_bytes: int, shared_url: str | None, lookup_url: str | None, **more
+    ) -> TierSettings:
+        """Settings with the deployment and pod name the operator renders into the env."""
+        deployment = os.environ.get(DEPLOYMENT_ENV) or "default/holeblend"
+        pod = f"{socket.gethostname()}-{os.getpid()}"
+        return cls(local_bytes, shared_url, lookup_url, deployment, pod, **more)
+
+
+def open_tiered_store(
+    settings: TierSettings, layout: KVLayout, local: LocalKVStore | None = None
+) -> TieredKVStore:
+    """The store for these settings (over `local`, or a new local tier), its announcer
+    started when there is a lookup server."""
+    local = local if local is not None else LocalKVStore(settings.local_bytes)
+    shared = None
+    if settings.shared_url:
+        config = SharedTierConfig(
+            settings.shared_url, settings.deployment, settings.shared_timeout_s
+        )
+        shared = SharedTier(config)
+    if not settings.lookup_url:
+        return TieredKVStore(local, layout, shared)
+    pod = settings.pod or f"{socket.gethostname()}-{os.getpid()}"
+    # Two connections: announcements never hold up a request's lookup.
+    lookup = LookupClient(settings.lookup_url, settings.client, model=layout.model_id)
+    announcing = LookupClient(settings.lookup_url, settings.client)
+    store = TieredKVStore(local, layout, shared, lookup)
+    store.announcer = Announcer(announcing, pod, store.holdings, settings.announcer).start()
+    return store
+
+
+class TierMetrics:
+    """A Prometheus collector of a `TieredKVStore`'s counters, read at scrape time."""
+
+    def __init__(self, store: TieredKVStore) -> None:
+        self.store = store
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        store, stats = self.store, self.store.stats
+        hits = CounterMetricFamily(
+            "holeblend_kv_tier_hits", "Segments found, by tier.", labels=["tier"]
+        )
+        hits.add_metric(["local"], stats.local_hits)
+        hits.add_metric(["shared"], stats.shared_hits)
+        yield hits
+        shared = store.shared.stats if store.shared is not None else None
+        lookup = store.lookup.stats if store.lookup is not None else None
+        for name, help_text, value in (
+            ("kv_tier_misses", "Segments found in no tier (computed).", stats.misses),
+            (
+                "kv_load_failures",
+                "Advertised shared-tier segments that did not load.",
+                stats.load_failures,
+            ),
+            ("kv_shared_stores", "Segments written to the shared tier.", stats.shared_stores),
+            (
+                "kv_shared_errors",
+                "Shared-tier commands that failed or timed out.",
+                shared and shared.errors,
+            ),
+            (
+                "kv_shared_bad_blobs",
+                "Shared-tier blobs refused (corrupt, truncated, foreign).",
+                shared and shared.bad_blobs,
+            ),
+            (
+                "lookup_client_failures",
+                "Lookup server calls that failed after retries.",
+                lookup and lookup.failures,
+            ),
+            (
+                "lookup_client_degraded",
+                "Lookups answered all-miss (server failed or breaker open).",
+                lookup and lookup.degraded_lookups,
+            ),
+        ):
+            counter = CounterMetricFamily(f"holeblend_{name}", help_text)
+            counter.add_metric([], value or 0)
+            yield counter
+
+
+def with_remote_tiers(engine, settings, local: LocalKVStore, registry=None):
+    """`local`, or a `TieredKVStore` over it when blend.json names a shared tier or a lookup
+    server (`settings`: the runtime's `BlendSettings`); its counters go to `registry`."""
+    shared_url, lookup_url = settings.kv.shared_url, settings.lookup_server_url
+    if not shared_url and not lookup_url:
+        return local
+    tiers = TierSettings.from_env(local.capacity_bytes, shared_url, lookup_url)
+    store = open_tiered_store(tiers, KVLayout.of(engine.config, engine.kv_dtype), local)
+    if registry is not None:
+        registry.register(TierMetrics(store))
+    log.info(
+        "KV tiers: local %d bytes, shared %s, lookup server %s",
+        local.capacity_bytes,
+        shared_url,
+        lookup_url,
+    )
+    return store

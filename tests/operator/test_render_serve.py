@@ -1,0 +1,35 @@
+"""CPU engine pods run holeblend-serve with the mounted blend.json; device pods keep vLLM."""
+
+import pytest
+
+from holeblend_contract.blend_settings import CONFIG_PATH
+from tests.operator.test_render import engine_pod, make_bd
+
+
+def cpu_bd(**engine):
+    return make_bd(accelerator={"type": "cpu", "count": 0}, engine=engine)
+
+
+def test_cpu_pods_run_holeblend_serve_on_the_config_file():
+    container = engine_pod(cpu_bd(port=8080))["spec"]["containers"][0]
+    assert container["command"] == ["holeblend-serve"]
+    assert container["args"] == ["--config", CONFIG_PATH, "--host", "0.0.0.0", "--port", "8080"]
+    assert {"name": "HOLEBLEND_CONFIG", "value": CONFIG_PATH} in container["env"]
+
+
+def test_cpu_pods_probe_ready_and_healthz():
+    container = engine_pod(cpu_bd())["spec"]["containers"][0]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert container["startupProbe"]["httpGet"]["path"] == "/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+
+
+def test_extra_args_are_holeblend_serve_flags_on_cpu():
+    container = engine_pod(cpu_bd(extraArgs=["--queue-size", "16"]))["spec"]["containers"][0]
+    assert container["args"][-2:] == ["--queue-size", "16"]
+
+
+@pytest.mark.parametrize("accelerator", ["nvidia", "ascend"])
+def test_device_pods_keep_vllm(accelerator):
+    bd = make_bd(accelerator={"type": accelerator, "count": 1})
+    assert engine_pod(bd)["spec"]["containers"][0]["command"] == ["vllm"]

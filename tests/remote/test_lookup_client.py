@@ -1,0 +1,75 @@
+"""The runtime's lookup client: an unreachable or slow server costs milliseconds, never a request."""
+
+import socket
+import threading
+import time
+
+import pytest
+
+from holeblend_runtime.lookup_client import ClientConfig, LookupClient, parse_lookup_url
+from holeblend_runtime.lookup_server.processes import free_port
+
+
+class SilentServer:
+    """Accepts connections and never answers: the slowest possible lookup server."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.connections: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                self.connections.append(self.sock.accept()[0])
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self.sock.close()
+        for connection in self.connections:
+            connection.close()
+
+
+def test_an_unreachable_server_answers_all_miss_quickly_and_opens_the_breaker():
+    client = LookupClient(f"http://127.0.0.1:{free_port()}", ClientConfig(timeout_ms=20, retries=1))
+    started = time.perf_counter()
+    for _ in range(10):
+        assert client.lookup(["a", "b"]) == [None, None]
+    assert time.perf_counter() - started < 0.5
+    assert client.breaker.is_open
+    assert client.stats.degraded_lookups == 10 and client.stats.skipped_by_breaker >= 7
+
+
+def test_a_server_that_never_replies_costs_at_most_the_timeout_budget():
+    server = SilentServer()
+    try:
+        config = ClientConfig(timeout_ms=30, retries=1, breaker_failures=100)
+        client = LookupClient(f"http://127.0.0.1:{server.port}", config)
+        started = time.perf_counter()
+        assert client.lookup(["a"]) == [None]
+        elapsed = time.perf_counter() - started
+        assert 0.05 <= elapsed < 0.2  # two attempts of 30 ms, and nothing more
+        assert client.stats.failures == 1
+    finally:
+        server.close()
+
+
+def test_the_breaker_lets_a_trial_call_through_after_its_open_period():
+    now = [0.0]
+    dead = LookupClient(
+        f"http://127.0.0.1:{free_port()}",
+        ClientConfig(timeout_ms=20, retries=0, breaker_failures=1, breaker_open_s=5),
+        clock=lambda: now[0],
+    )
+    dead.lookup(["a"])
+    assert dead.breaker.is_open
+    now[0] = 6.0
+    assert not dead.breaker.is_open
+
+
+@pytest.mark.parametrize("url", ["https://x:1", "http://", "lookup:8100", "http://x:1/path"])
+def test_bad_lookup_urls_name_the_setting(url):
+    with pytest.raises(ValueError, match="lookupServerUrl"):
+        parse_lookup_url(url)

@@ -1,0 +1,136 @@
+"""The lookup server as a real process: operations, limits, probes, metrics, restarts."""
+
+import socket
+import time
+import urllib.error
+import urllib.request
+
+import msgpack
+import pytest
+
+from holeblend_runtime.lookup_client import Announcer, AnnouncerConfig, LookupClient
+from holeblend_runtime.lookup_server.wire import Entry
+
+
+def entry(key: str, shared: bool = True) -> Entry:
+    return Entry(key, 12, "model", "float32", None, 1000, shared)
+
+
+def raw_post(port: int, body: bytes, version: str = "HTTP/1.1") -> tuple[int, dict | bytes]:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        head = f"POST /v1 {version}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        sock.sendall(head.encode() + body)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    head, _, payload = reply.partition(b"\r\n\r\n")
+    status = int(head.split(b" ")[1])
+    try:
+        return status, msgpack.unpackb(payload)
+    except Exception:
+        return status, payload
+
+
+def test_batch_lookup_of_hundreds_of_keys_returns_flags_and_locations(lookup_server):
+    client = LookupClient(lookup_server.url)
+    admitted = [entry(f"key-{i}").to_wire() for i in range(300)]
+    assert client.call({"op": "admit", "pod": "pod-a", "entries": admitted})["admitted"] == 300
+    keys = [f"key-{i}" for i in range(0, 600, 2)]
+    hits = client.lookup(keys)
+    assert [hit is not None for hit in hits] == [i < 300 for i in range(0, 600, 2)]
+    assert hits[0].pods == ("pod-a",) and hits[0].in_shared_tier and hits[0].num_tokens == 12
+
+
+def test_evict_heartbeat_and_stats_round_trip(lookup_server):
+    client = LookupClient(lookup_server.url)
+    assert client.call({"op": "heartbeat", "pod": "p"})["resync"] is True
+    client.call({"op": "admit", "pod": "p", "entries": [entry("a", shared=False).to_wire()]})
+    assert client.call({"op": "evict", "pod": "p", "keys": ["a"]})["evicted"] == 1
+    stats = client.call({"op": "stats"})["stats"]
+    assert stats["entries"] == 0 and stats["pods"] == 1 and stats["admits"] == 1
+
+
+def test_probes_and_metrics_answer(lookup_server):
+    client = LookupClient(lookup_server.url)
+    client.call({"op": "admit", "pod": "p", "entries": [entry("a").to_wire()]})
+    client.lookup(["a", "b"])
+    for path in ("/healthz", "/ready"):
+        assert urllib.request.urlopen(lookup_server.url + path).status == 200
+    metrics = urllib.request.urlopen(lookup_server.url + "/metrics").read().decode()
+    assert "holeblend_lookup_index_entries 1.0" in metrics
+    assert "holeblend_lookup_lookups_total 2.0" in metrics
+    assert "holeblend_lookup_hits_total 1.0" in metrics
+    assert 'holeblend_lookup_request_seconds_count{op="lookup"} 1.0' in metrics
+
+
+def test_too_many_keys_get_a_clear_error_and_the_server_keeps_serving(lookup_server):
+    status, reply = raw_post(
+        lookup_server.port, msgpack.packb({"v": 1, "op": "lookup", "keys": ["k"] * 5000})
+    )
+    assert status in (400, 413)
+    assert reply["ok"] is False and reply["error"]["code"] in ("bad_request", "too_many_keys")
+    assert LookupClient(lookup_server.url).lookup(["k"]) == [None]
+
+
+def test_an_oversized_body_is_refused_before_it_is_read(lookup_server):
+    with socket.create_connection(("127.0.0.1", lookup_server.port), timeout=5) as sock:
+        sock.sendall(b"POST /v1 HTTP/1.1\r\nContent-Length: 999999999\r\n\r\n")
+        reply = sock.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 413")
+    assert LookupClient(lookup_server.url).lookup(["k"]) == [None]
+
+
+@pytest.mark.parametrize(
+    ("message", "code"),
+    [
+        ({"v": 2, "op": "lookup", "keys": []}, "unsupported_version"),
+        ({"op": "lookup", "keys": []}, "unsupported_version"),
+        ({"v": 1, "op": "drop-everything"}, "unknown_op"),
+        ({"v": 1, "op": "lookup", "keys": "abc"}, "bad_request"),
+        ({"v": 1, "op": "admit", "pod": "p", "entries": [{"key": "k"}]}, "bad_request"),
+    ],
+)
+def test_bad_requests_name_the_problem(lookup_server, message, code):
+    status, reply = raw_post(lookup_server.port, msgpack.packb(message))
+    assert status == 400
+    assert reply["error"]["code"] == code and reply["error"]["message"]
+
+
+def test_a_restarted_server_rebuilds_its_index_from_heartbeats(lookup_server):
+    held = [entry(f"seg-{i}") for i in range(50)]
+    config = AnnouncerConfig(heartbeat_s=0.2, resync_s=60)
+    announcer = Announcer(LookupClient(lookup_server.url), "pod-a", lambda: held, config).start()
+    client = LookupClient(lookup_server.url)
+    try:
+        _wait_for(lambda: client.lookup(["seg-0"])[0] is not None)
+        lookup_server.kill()
+        assert client.lookup(["seg-0"]) == [None]  # down: all miss, no exception
+        lookup_server.start()
+        started = time.monotonic()
+        _wait_for(lambda: all(client.lookup([e.key for e in held])))
+        assert time.monotonic() - started < 3  # within a few heartbeat periods
+    finally:
+        announcer.stop()
+
+
+def test_a_pod_that_stops_heartbeating_loses_its_locations(lookup_server):
+    client = LookupClient(lookup_server.url)
+    client.call({"op": "admit", "pod": "gone", "entries": [entry("x", shared=False).to_wire()]})
+    assert client.lookup(["x"])[0] is not None
+    _wait_for(lambda: client.lookup(["x"]) == [None], timeout_s=5)
+
+
+def _wait_for(check, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def test_http_errors_for_wrong_paths_and_methods(lookup_server):
+    with pytest.raises(urllib.error.HTTPError) as not_found:
+        urllib.request.urlopen(lookup_server.url + "/nope")
+    assert not_found.value.code == 404
+    with pytest.raises(urllib.error.HTTPError) as wrong_method:
+        urllib.request.urlopen(lookup_server.url + "/v1")
+    assert wrong_method.value.code == 405

@@ -1,0 +1,110 @@
+"""The shared KV tier on a real redis-server: blob format, key layout, bad blobs, outages."""
+
+import pytest
+import torch
+
+from holeblend_contract.shared_tier import check_shared_url
+from holeblend_runtime.kv_store import SegmentKV
+from holeblend_runtime.shared_tier import (
+    BlobError,
+    SharedTier,
+    SharedTierConfig,
+    decode_blob,
+    redis_url,
+)
+from holeblend_runtime.tiered_store import KVLayout, blob_to_kv, kv_to_blob
+
+LAYOUT = KVLayout("model-a", "float32", num_layers=3, num_kv_heads=2, head_dim=8)
+
+
+def segment(
+    key: str = "seg", num_tokens: int = 5, model: str = "model-a", seed: int = 0
+) -> SegmentKV:
+    generator = torch.Generator().manual_seed(seed)
+    shape = (LAYOUT.num_layers, LAYOUT.num_kv_heads, num_tokens, LAYOUT.head_dim)
+    k, v = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+    return SegmentKV(key, k, v, torch.arange(7, 7 + num_tokens), model)
+
+
+def tier(url: str, deployment: str = "ns/rag") -> SharedTier:
+    return SharedTier(SharedTierConfig(url, deployment, timeout_s=0.5, breaker_open_s=0.2))
+
+
+def assert_same(a: SegmentKV, b: SegmentKV) -> None:
+    assert a.key == b.key and a.model_id == b.model_id
+    assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and torch.equal(a.positions, b.positions)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_blob_round_trips_every_kv_dtype(dtype):
+    kv = segment()
+    kv = SegmentKV(kv.key, kv.k.to(dtype), kv.v.to(dtype), kv.positions, kv.model_id)
+    assert_same(blob_to_kv(kv_to_blob(kv)), kv)
+
+
+def test_flipped_truncated_and_foreign_blobs_are_refused():
+    blob = kv_to_blob(segment())
+    flipped = bytearray(blob)
+    flipped[len(blob) // 2] ^= 0xFF
+    expected = LAYOUT.header("seg")
+    with pytest.raises(BlobError, match="checksum"):
+        decode_blob(bytes(flipped), expected)
+    with pytest.raises(BlobError, match="payload"):
+        decode_blob(blob[:-1], expected)
+    with pytest.raises(BlobError, match="truncated"):
+        decode_blob(blob[:5], expected)
+    with pytest.raises(BlobError, match="model"):
+        decode_blob(kv_to_blob(segment(model="model-b")), expected)
+    with pytest.raises(BlobError, match="magic"):
+        decode_blob(b"GARBAGE" * 10, expected)
+    with pytest.raises(BlobError, match="format"):
+        decode_blob(blob[:4] + b"\x09\x00" + blob[6:], expected)
+
+
+def test_segments_round_trip_through_redis_under_the_deployment_prefix(redis_server):
+    shared = tier(redis_server.url)
+    kv = segment()
+    assert shared.put_blob(kv.key, kv_to_blob(kv))
+    assert shared.client.exists("holeblend:ns/rag:kv:v1:seg") == 1
+    header, _ = shared.get_checked(LAYOUT.header("seg"))
+    assert header.num_tokens == 5
+    assert_same(blob_to_kv(shared.get_blob("seg"), LAYOUT.header("seg")), kv)
+    # Another BlendDeployment on the same Redis sees none of it.
+    assert tier(redis_server.url, "ns/other").get_blob("seg") is None
+
+
+def test_a_corrupted_blob_in_redis_is_a_miss(redis_server):
+    shared = tier(redis_server.url)
+    blob = bytearray(kv_to_blob(segment()))
+    blob[-3] ^= 0x01
+    shared.client.set(shared.redis_key("seg"), bytes(blob))
+    assert shared.get_checked(LAYOUT.header("seg")) is None
+    assert shared.stats.bad_blobs == 1
+
+
+def test_redis_down_is_a_miss_and_a_refused_store_never_an_exception(redis_server):
+    shared = tier(redis_server.url)
+    redis_server.stop()
+    kv = segment()
+    assert shared.put_blob(kv.key, kv_to_blob(kv)) is False
+    assert shared.get_blob(kv.key) is None
+    assert shared.stats.errors >= 1
+
+
+@pytest.mark.parametrize(
+    "url", ["redis://kv:6379/0", "rediss://kv:6380", "valkey://user@kv:6379/2", "valkeys://kv"]
+)
+def test_supported_urls_are_accepted(url):
+    assert check_shared_url(url) == url
+    assert redis_url(url).startswith(("redis://", "rediss://"))
+
+
+def test_a_url_with_a_password_is_refused_naming_the_field_and_the_fix():
+    with pytest.raises(ValueError, match=r"spec.blend.kv.sharedUrl.*sharedPasswordSecret"):
+        check_shared_url("redis://:hunter2@kv:6379/0")
+
+
+@pytest.mark.parametrize("url", ["http://kv:6379", "memcached://kv", "redis://"])
+def test_unsupported_urls_are_refused(url):
+    with pytest.raises(ValueError, match="sharedUrl"):
+        check_shared_url(url)

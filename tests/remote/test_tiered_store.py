@@ -1,0 +1,179 @@
+"""Two pods' tiered stores sharing a real redis-server and a real lookup server process."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from holeblend_runtime.lookup_client import AnnouncerConfig, ClientConfig
+from holeblend_runtime.tiered_store import TieredKVStore, TierSettings, open_tiered_store
+
+from .test_shared_tier import LAYOUT, assert_same, segment
+
+FAST = dict(
+    client=ClientConfig(timeout_ms=50, retries=1, breaker_failures=2, breaker_open_s=0.2),
+    announcer=AnnouncerConfig(heartbeat_s=0.1, resync_s=30),
+    shared_timeout_s=0.5,
+)
+
+
+def pod(name: str, redis_url: str | None, lookup_url: str | None) -> TieredKVStore:
+    settings = TierSettings(1 << 24, redis_url, lookup_url, "ns/rag", name, **FAST)
+    store = open_tiered_store(settings, LAYOUT)
+    if store.shared is not None:
+        store.shared.breaker.open_s = 0.2
+    return store
+
+
+@pytest.fixture
+def pods(redis_server, lookup_server):
+    a = pod("pod-a", redis_server.url, lookup_server.url)
+    b = pod("pod-b", redis_server.url, lookup_server.url)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def wait_for(check, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def test_a_segment_stored_by_one_pod_is_loaded_by_another(pods):
+    a, b = pods
+    kv = segment("doc-1")
+    assert a.put(kv)
+    assert a.announcer.flush()
+    found = b.get("doc-1")
+    assert found is not None
+    assert_same(found, kv)
+    assert b.stats.shared_hits == 1 and b.local.contains("doc-1")
+
+
+def test_lookup_asks_the_server_once_per_batch_of_local_misses(pods):
+    a, b = pods
+    for i in range(5):
+        a.put(segment(f"doc-{i}", seed=i))
+    a.announcer.flush()
+    calls_before = b.lookup.stats.calls
+    found = b.get_many([f"doc-{i}" for i in range(7)])
+    assert [kv is not None for kv in found] == [True] * 5 + [False] * 2
+    assert b.lookup.stats.calls == calls_before + 1
+
+
+def test_lookup_server_killed_and_restarted_nothing_fails_and_reuse_recovers(pods, lookup_server):
+    a, b = pods
+    a.put(segment("doc-1"))
+    a.announcer.flush()
+    lookup_server.kill()
+    assert b.get("doc-1") is None  # remote reuse lost while it is down, and no exception
+    assert a.get("doc-1") is not None  # the local tier still serves
+    lookup_server.start()
+    # After the restart pod A is unknown to the server, is told to resync, re-announces.
+    wait_for(lambda: b.get("doc-1") is not None)
+
+
+def test_redis_restarted_empty_is_a_miss_and_the_index_stops_advertising(pods, redis_server):
+    a, b = pods
+    a.put(segment("doc-1"))
+    a.announcer.flush()
+    redis_server.stop()
+    redis_server.start()  # empty: nothing is persisted
+    assert b.get("doc-1") is None
+    assert b.stats.load_failures == 1
+    assert a.get("doc-1") is not None  # the pod that computed it still has it locally
+    b.announcer.flush()
+    wait_for(lambda: not b.lookup.lookup(["doc-1"])[0].in_shared_tier)
+
+
+def test_redis_down_leaves_the_local_tier_serving(pods, redis_server):
+    a, _ = pods
+    redis_server.stop()
+    assert a.put(segment("doc-1"))  # stored locally; the shared write fails quietly
+    assert a.get("doc-1") is not None
+    assert a.shared.stats.errors >= 1
+
+
+def test_a_corrupted_shared_copy_is_a_miss(pods):
+    a, b = pods
+    a.put(segment("doc-1"))
+    a.announcer.flush()
+    key = a.shared.redis_key("doc-1")
+    blob = bytearray(a.shared.client.get(key))
+    blob[100] ^= 0x10
+    a.shared.client.set(key, bytes(blob))
+    assert b.get("doc-1") is None
+    assert b.shared.stats.bad_blobs == 1
+
+
+def test_another_models_blob_under_the_key_is_a_miss(pods):
+    a, b = pods
+    a.put(segment("doc-1", model="model-b"))
+    a.announcer.flush()
+    assert b.get("doc-1") is None
+
+
+def test_without_a_lookup_server_the_shared_tier_is_asked_directly(redis_server):
+    a, b = pod("pod-a", redis_server.url, None), pod("pod-b", redis_server.url, None)
+    try:
+        kv = segment("doc-1")
+        a.put(kv)
+        assert_same(b.get("doc-1"), kv)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_pod_with_only_a_local_tier_behaves_like_the_local_store():
+    store = pod("solo", None, None)
+    kv = segment("doc-1")
+    assert store.put(kv) and store.get("doc-1") is kv and store.get("other") is None
+
+
+def test_holdings_are_what_a_resync_announces(pods):
+    a, _ = pods
+    a.put(segment("doc-1"))
+    assert [entry.key for entry in a.holdings()] == ["doc-1"]
+    assert a.holdings()[0].shared and a.holdings()[0].num_bytes == segment("doc-1").num_bytes
+    assert torch.equal(a.get("doc-1").k, segment("doc-1").k)
+
+
+def test_lookups_under_load_survive_a_lookup_server_restart(pods, lookup_server):
+    a, b = pods
+    keys = [f"doc-{i}" for i in range(8)]
+    for i, key in enumerate(keys):
+        a.put(segment(key, seed=i))
+    a.announcer.flush()
+    outcomes: list[int] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def hammer() -> None:
+        while not stop.is_set():
+            try:
+                found = b.get_many(keys)
+            except BaseException as error:  # the test fails on any
+                errors.append(error)
+                return
+            outcomes.append(sum(kv is not None for kv in found))
+            for key in keys:  # keep B's local tier empty: every round asks the remote tiers
+                b.local.remove(key)
+
+    worker = threading.Thread(target=hammer)
+    worker.start()
+    try:
+        wait_for(lambda: len(outcomes) > 5)
+        lookup_server.kill()
+        num_before_restart = len(outcomes)
+        wait_for(lambda: len(outcomes) > num_before_restart + 5)
+        lookup_server.start()
+        wait_for(lambda: outcomes[-1] == len(keys))
+    finally:
+        stop.set()
+        worker.join(10)
+    assert not errors
+    assert 0 in outcomes[num_before_restart:]  # all miss while it was down
+    assert outcomes[-1] == len(keys)  # and full reuse after the resync

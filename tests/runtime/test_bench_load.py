@@ -1,0 +1,167 @@
+"""The load benchmark's workload, wire format and result rows (no server, no model)."""
+
+import json
+import threading
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from holeblend_contract.blend_settings import parse_blend_settings
+from holeblend_runtime.bench.load import (
+    LOAD_RESULT_KEYS,
+    blend_settings,
+    greedy_agreement,
+    summarize_load,
+)
+from holeblend_runtime.bench.load_client import Outcome, completion_body, drive, parse_sse
+from holeblend_runtime.bench.load_workload import (
+    LoadWorkloadConfig,
+    generate_load_workload,
+    make_corpus,
+)
+
+CONFIG = LoadWorkloadConfig(num_corpus_documents=20, num_warmup=4, num_requests=60)
+
+
+@pytest.fixture(scope="module")
+def stream():
+    return generate_load_workload(CONFIG)
+
+
+def test_same_config_gives_the_same_stream(stream):
+    assert generate_load_workload(CONFIG) == stream
+    assert generate_load_workload(LoadWorkloadConfig(**{**vars(CONFIG), "seed": 1})) != stream
+
+
+def test_warmup_comes_first_and_every_request_is_counted(stream):
+    assert len(stream) == 64 and [r.index for r in stream] == list(range(64))
+    assert [r.is_warmup for r in stream] == [True] * 4 + [False] * 60
+
+
+def test_documents_are_distinct_within_a_request_and_come_from_the_corpus(stream):
+    corpus = [d.text for d in make_corpus(CONFIG)]
+    assert len(set(corpus)) == 20
+    for request in stream:
+        assert len(set(request.document_ranks)) == CONFIG.documents_per_request
+        assert list(request.documents) == [corpus[r] for r in request.document_ranks]
+
+
+def test_popular_documents_recur_and_the_tail_still_appears(stream):
+    counts = Counter(rank for r in stream for rank in r.document_ranks)
+    assert counts[0] > counts[10] and counts[0] > 0.7 * len(stream)
+    assert len(counts) >= 15  # the tail brings misses
+
+
+def test_popular_documents_move_between_prompt_positions(stream):
+    positions = {r.document_ranks.index(0) for r in stream if 0 in r.document_ranks}
+    assert len(positions) >= 3  # a hit in a new place, next to new neighbours
+
+
+def test_answer_is_in_exactly_one_document_of_its_request(stream):
+    for request in stream:
+        assert sum(request.gold_answer in text for text in request.documents) == 1
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"documents_per_request": 50}, "documents_per_request"),
+        ({"num_requests": 0}, "num_requests"),
+        ({"num_warmup": -1}, "num_warmup"),
+        ({"zipf_s": -1.0}, "zipf_s"),
+    ],
+)
+def test_bad_workload_config_names_the_field(changes, field):
+    with pytest.raises(ValueError, match=field):
+        LoadWorkloadConfig(**changes)
+
+
+def test_completion_body_is_openai_with_the_documents_extension(stream):
+    body = completion_body(stream[0], "m", 8)
+    assert body["prompt"] == stream[0].question and body["documents"] == list(stream[0].documents)
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["temperature"] == 0 and body["max_tokens"] == 8
+
+
+def test_blend_settings_pass_the_contract_with_the_crd_mode_names():
+    full = parse_blend_settings(blend_settings("full", 0.15))
+    assert full.mode == "off" and full.recompute_ratio == 0.15
+    assert parse_blend_settings(blend_settings("hole", 0.3)).mode == "hole"
+
+
+def test_sse_payloads_stop_at_done():
+    lines = [b": comment\n", b'data: {"a": 1}\n', b"\n", b'data: {"a": 2}\n', b"data: [DONE]\n",
+             b'data: {"a": 3}\n']  # fmt: skip
+    assert list(parse_sse(lines)) == [{"a": 1}, {"a": 2}]
+
+
+def test_greedy_agreement_counts_up_to_the_first_difference():
+    assert greedy_agreement([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
+    assert greedy_agreement([1, 2, 9, 4], [1, 2, 3, 4]) == 0.5
+    assert greedy_agreement([1, 2], [1, 2, 3, 4]) == 0.5
+    assert greedy_agreement([], []) == 1.0 and greedy_agreement([1], []) == 0.0
+
+
+def _outcome(index, ttft, cached, text="a b", status=200):
+    usage = {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": cached}}
+    return Outcome(index, status, ttft, ttft + 0.5, text, usage)
+
+
+def test_load_row_has_every_key_and_token_weighted_reuse():
+    outcomes = [
+        _outcome(0, 1.0, 80),
+        _outcome(1, 3.0, 20, text="a c"),
+        _outcome(2, 9.0, 0, status=500),
+    ]
+    row = summarize_load(
+        "hole", 0.15, 4, outcomes, 2.0, {0: "a b", 1: "a b"}, str.split, {0: "q", 1: "q"}
+    )
+    assert set(LOAD_RESULT_KEYS) <= set(row)
+    assert row["requests"] == 3 and row["num_errors"] == 1
+    assert row["requests_per_s"] == pytest.approx(1.0)
+    assert row["reused_share"] == pytest.approx(0.5)
+    assert row["ttft_p50_s"] == pytest.approx(2.0)
+    assert row["top1_vs_full"] == pytest.approx(0.75)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    num_busy = [1]  # the first request is told to come back
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.num_busy[0]:
+            self.num_busy[0] -= 1
+            self.send_response(429)
+            self.send_header("Retry-After", "0.05")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for word in ("Oskeby", " harbour"):
+            self.wfile.write(f"data: {json.dumps({'choices': [{'text': word}]})}\n\n".encode())
+        usage = {"prompt_tokens": 10 * len(body["documents"]),
+                 "prompt_tokens_details": {"cached_tokens": 5}}  # fmt: skip
+        self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def log_message(self, *_):
+        pass
+
+
+def test_clients_stream_time_the_first_chunk_and_retry_a_429(stream):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        outcomes, wall_s = drive(server.server_address[1], stream[:6], "m", 3, 4, timeout_s=10)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [o.index for o in outcomes] == list(range(6)) and wall_s > 0
+    assert all(o.is_ok and o.text == "Oskeby harbour" for o in outcomes)
+    assert all(0 < o.ttft_s <= o.request_s for o in outcomes)
+    assert outcomes[0].usage["prompt_tokens"] == 60
+    assert sum(o.num_rejected for o in outcomes) == 1

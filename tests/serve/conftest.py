@@ -1,0 +1,55 @@
+"""Servers for the serving tests: the installed `holeblend-serve` on the real SmolLM2 model,
+configured by the CPU example's blend.json as the operator renders it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from holeblend_devtools.serve_process import ServeProcess
+from holeblend_operator.api import BlendDeployment
+from holeblend_operator.render.runtime_config import blend_settings
+
+CPU_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "cpu.yaml"
+# One torch thread, tiny answers: the tests check behaviour, not speed.
+FAST = {"torch_threads": 1, "default_max_tokens": 2, "reload_interval": 0.2}
+
+
+def example_settings_json(**wire_overrides) -> str:
+    bd = BlendDeployment.model_validate(yaml.safe_load(CPU_EXAMPLE.read_text()))
+    settings = blend_settings(bd)
+    if wire_overrides:
+        settings = type(settings).model_validate(settings.to_wire() | wire_overrides)
+    return settings.to_json()
+
+
+def replace_file(path: Path, text: str) -> None:
+    """Write and rename, so the server never reads a half-written file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def start_server(folder: Path, config_text: str, **flags) -> ServeProcess:
+    folder.mkdir(parents=True, exist_ok=True)
+    config = folder / "blend.json"
+    config.write_text(config_text)
+    server = ServeProcess(config, folder / "serve.log", **(FAST | flags))
+    try:
+        server.wait_ready()
+    except BaseException:
+        server.stop()
+        raise
+    server.config = config
+    return server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[ServeProcess]:
+    server = start_server(tmp_path_factory.mktemp("serve"), example_settings_json())
+    yield server
+    assert server.stop() == 0, server.log()

@@ -1,0 +1,95 @@
+"""blend.json live reload: the kubelet's symlink swap is seen; bad files keep the last good."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from holeblend_contract.blend_settings import BlendSettingsError
+from holeblend_runtime.serve.live_config import LiveConfig
+
+
+def settings_text(**extra) -> str:
+    return json.dumps({"formatVersion": 1, "model": {"name": "m"}, **extra})
+
+
+class KubeletVolume:
+    """A ConfigMap volume as the kubelet writes it: ..data -> a timestamped dir."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.version = root, 0
+        (root / "blend.json").symlink_to("..data/blend.json")
+
+    @property
+    def path(self) -> Path:
+        return self.root / "blend.json"
+
+    def publish(self, text: str) -> None:
+        self.version += 1
+        folder = self.root / f"..2026_{self.version}"
+        folder.mkdir()
+        (folder / "blend.json").write_text(text)
+        (self.root / "..data_tmp").symlink_to(folder.name)
+        os.replace(self.root / "..data_tmp", self.root / "..data")  # the atomic swap
+
+
+@pytest.fixture
+def volume(tmp_path: Path) -> KubeletVolume:
+    volume = KubeletVolume(tmp_path)
+    volume.publish(settings_text(recomputeRatio=0.15))
+    return volume
+
+
+def test_a_symlink_swap_updates_the_live_ratio(volume):
+    live = LiveConfig(volume.path)
+    volume.publish(settings_text(recomputeRatio=0.4))
+    assert live.check() is True
+    assert live.recompute_ratio == 0.4
+
+
+def test_an_unchanged_file_is_not_reapplied(volume):
+    live = LiveConfig(volume.path)
+    assert live.check() is False
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "garbage{",
+        settings_text(recomputeRatio=7),
+        settings_text(formatVersion=9),
+        settings_text(x=1),
+    ],
+)
+def test_a_bad_file_keeps_the_last_good_settings_and_is_counted(volume, bad):
+    errors = []
+    live = LiveConfig(volume.path, on_error=lambda: errors.append(1))
+    volume.publish(settings_text(recomputeRatio=0.3))
+    live.check()
+    volume.publish(bad)
+    assert live.check() is False
+    assert live.recompute_ratio == 0.3 and errors == [1] and live.num_errors == 1
+    volume.publish(settings_text(recomputeRatio=0.5))
+    assert live.check() is True and live.recompute_ratio == 0.5
+
+
+def test_a_missing_file_is_an_error_not_a_crash(volume):
+    live = LiveConfig(volume.path)
+    os.remove(volume.root / "..data")
+    assert live.check() is False
+    assert live.num_errors == 1 and live.recompute_ratio == 0.15
+
+
+def test_keys_other_than_the_live_ones_wait_for_a_restart(volume):
+    live = LiveConfig(volume.path)
+    volume.publish(settings_text(recomputeRatio=0.2, separator=" ##", minSegmentTokens=4))
+    assert live.check() is True
+    assert live.recompute_ratio == 0.2
+    assert live.current.separator == " # #" and live.current.min_segment_tokens == 8
+
+
+def test_a_bad_file_at_start_is_refused(tmp_path):
+    (tmp_path / "blend.json").write_text("{}")
+    with pytest.raises(BlendSettingsError, match="model: Field required"):
+        LiveConfig(tmp_path / "blend.json")

@@ -1,0 +1,120 @@
+"""Request bodies in both RAG shapes -> system, documents, question; 400s name the field."""
+
+import pytest
+
+from holeblend_runtime.serve.requests import BadRequest, parse_chat, parse_completion
+
+SEP = " # #"
+
+
+def never_control(_: str) -> bool:
+    return False
+
+
+def completion(**body):
+    return parse_completion({"model": "m", **body}, SEP, never_control)
+
+
+def chat(**body):
+    return parse_chat({"model": "m", **body}, SEP, never_control)
+
+
+def test_lmcache_completion_prompt_splits_on_the_separator():
+    request = completion(prompt="Be brief. # # Doc one. # # Doc two. # # Why?")
+    assert request.system == "Be brief."
+    assert request.documents == ("Doc one.", "Doc two.")
+    assert request.question == "Why?"
+
+
+def test_lmcache_chat_user_message_splits_after_the_system_message():
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "D1 # # Q?"},
+    ]
+    request = chat(messages=messages)
+    assert (request.system, request.documents, request.question) == ("Be brief.", ("D1",), "Q?")
+
+
+def test_lmcache_chat_without_system_message_takes_the_first_piece_as_system():
+    request = chat(messages=[{"role": "user", "content": "Sys # # D1 # # Q?"}])
+    assert (request.system, request.documents, request.question) == ("Sys", ("D1",), "Q?")
+
+
+def test_structured_documents_extension():
+    request = chat(
+        messages=[{"role": "system", "content": "S"}, {"role": "user", "content": "Q?"}],
+        documents=["a", "b"],
+    )
+    assert (request.system, request.documents, request.question) == ("S", ("a", "b"), "Q?")
+    request = completion(prompt="Q?", documents=["a"], system="S")
+    assert (request.system, request.documents, request.question) == ("S", ("a",), "Q?")
+
+
+def test_text_without_separator_is_a_question_without_documents():
+    request = completion(prompt="Hello there")
+    assert (request.system, request.documents, request.question) == ("", (), "Hello there")
+
+
+def test_stream_options_and_max_tokens_are_read():
+    request = completion(
+        prompt="Q", stream=True, stream_options={"include_usage": True}, max_tokens=3
+    )
+    assert request.stream and request.include_usage and request.max_tokens == 3
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": 3}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": "q", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "q", "max_tokens": "10"}, "max_tokens"),
+        ({"prompt": "q", "max_tokens": True}, "max_tokens"),
+        ({"prompt": "q", "stream": "yes"}, "stream"),
+        ({"prompt": "q", "documents": "a"}, "documents"),
+        ({"prompt": "q", "documents": ["a", ""]}, "documents[1]"),
+        ({"prompt": "q", "documents": ["a"], "system": "x # # y"}, "system"),
+        ({"prompt": "S # # # # Q"}, "prompt"),
+        ({"prompt": "q", "n": 2}, "n"),
+    ],
+)
+def test_bad_completion_bodies_name_the_field(body, param):
+    with pytest.raises(BadRequest) as caught:
+        completion(**body)
+    assert caught.value.param == param
+
+
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        ([], "messages"),
+        ("hi", "messages"),
+        ([{"role": "user", "content": ""}], "messages"),
+        ([{"role": "robot", "content": "x"}], "messages[0].role"),
+        ([{"role": "user", "content": 5}], "messages[0].content"),
+        ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "messages[1]"),
+    ],
+)
+def test_bad_messages_name_the_field(messages, param):
+    with pytest.raises(BadRequest) as caught:
+        chat(messages=messages)
+    assert caught.value.param == param
+
+
+def test_control_tokens_are_refused_naming_the_field():
+    with pytest.raises(BadRequest) as caught:
+        parse_completion(
+            {"model": "m", "prompt": "S # # doc <|im_end|> # # Q"}, SEP, lambda t: t == "<|im_end|>"
+        )
+    assert caught.value.param == "documents[0]" and "<|im_end|>" in str(caught.value)
+
+
+def test_a_body_that_is_not_an_object_is_refused():
+    with pytest.raises(BadRequest, match="JSON object"):
+        parse_completion([1, 2], SEP, never_control)
+
+
+def test_missing_model_is_refused():
+    with pytest.raises(BadRequest) as caught:
+        parse_completion({"prompt": "q"}, SEP, never_control)
+    assert caught.value.param == "model"

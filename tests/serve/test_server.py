@@ -1,0 +1,181 @@
+"""holeblend-serve end to end: OpenAI routes, reuse reported in usage, SSE, errors, live
+ratio, and the series a real Prometheus scrapes."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+import pytest
+
+from holeblend_devtools.prometheus_process import PrometheusProcess
+from holeblend_devtools.serve_process import get, post_json
+from tests.serve.conftest import example_settings_json, replace_file
+
+pytestmark = pytest.mark.slow
+
+SYSTEM = "Answer from the documents."
+DOCS = [
+    "The Aral Sea was once the fourth largest lake in the world, fed by two great rivers.",
+    "Lichens are partnerships of a fungus with algae, and they grow on bare rock slowly.",
+    "The abacus is a counting frame with beads, used for arithmetic for many centuries.",
+]
+NEW_DOC = "Basalt is a dark volcanic rock that forms when lava cools quickly at the surface."
+
+
+def completion(server, documents, question="Which lake shrank?", **extra):
+    body = {"model": "smollm2", "system": SYSTEM, "documents": documents, "prompt": question}
+    return post_json(server.url + "/v1/completions", body | extra)
+
+
+def metric(server, name: str, **labels) -> float:
+    """Sum of the samples of `name` (with these labels) in /metrics."""
+    total = 0.0
+    for line in get(server.url + "/metrics")[1].splitlines():
+        is_sample = line.startswith(name + "{") or line.startswith(name + " ")
+        if is_sample and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_health_ready_and_models(server):
+    assert get(server.url + "/healthz")[0] == 200
+    assert get(server.url + "/ready")[0] == 200
+    status, body = get(server.url + "/v1/models")
+    assert status == 200 and [m["id"] for m in json.loads(body)["data"]] == ["smollm2"]
+
+
+def test_second_request_reuses_and_a_hole_is_reported(server):
+    status, first, _ = completion(server, DOCS)
+    assert status == 200, first
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert first["usage"]["holeblend"]["lookup_mode"] == "full-miss"
+    status, second, _ = completion(server, DOCS)
+    usage = second["usage"]
+    assert usage["holeblend"]["lookup_mode"] == "pure-hit"
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["holeblend"]["reused_tokens"]
+    assert usage["holeblend"]["reused_tokens"] > 0.6 * usage["prompt_tokens"]
+    status, third, _ = completion(server, [DOCS[0], NEW_DOC, DOCS[2]])
+    blend = third["usage"]["holeblend"]
+    assert blend["mode"] == "hole" and blend["lookup_mode"] == "hole"
+    assert blend["hole_tokens"] > 10 and blend["reused_tokens"] > 0
+    assert blend["recomputed_tokens"] >= blend["hole_tokens"]
+    assert third["choices"][0]["finish_reason"] in ("length", "stop")
+    assert usage["completion_tokens"] == 2 and usage["total_tokens"] == usage["prompt_tokens"] + 2
+
+
+def test_lmcache_shaped_chat_reuses_the_same_documents(server):
+    completion(server, DOCS)
+    user = " # # ".join(DOCS) + " # # Which lake shrank?"
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+    body = {"model": "smollm2", "messages": messages, "max_tokens": 3}
+    status, reply, _ = post_json(server.url + "/v1/chat/completions", body)
+    assert status == 200, reply
+    assert reply["object"] == "chat.completion"
+    assert reply["choices"][0]["message"]["role"] == "assistant"
+    assert reply["usage"]["holeblend"]["lookup_mode"] == "pure-hit"
+    assert reply["usage"]["completion_tokens"] <= 3
+
+
+def sse_events(url: str, body: dict) -> list:
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        lines = response.read().decode().split("\n\n")
+    payloads = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+    return [p if p == "[DONE]" else json.loads(p) for p in payloads]
+
+
+def test_chat_streams_sse_chunks_with_usage_and_done(server):
+    body = {
+        "model": "smollm2", "stream": True, "max_tokens": 4,
+        "stream_options": {"include_usage": True}, "documents": DOCS,
+        "messages": [{"role": "user", "content": "Which lake shrank?"}],
+    }  # fmt: skip
+    events = sse_events(server.url + "/v1/chat/completions", body)
+    assert events[-1] == "[DONE]"
+    chunks, usage_chunk = events[:-2], events[-2]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text.strip()
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] <= 4
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        (b"{not json", 400, None),
+        ({"model": "smollm2", "prompt": 5}, 400, "prompt"),
+        ({"model": "gpt-4", "prompt": "hi"}, 404, "model"),
+        ({"model": "smollm2", "prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens"),
+        ({"model": "smollm2", "prompt": "hi", "documents": ["a # # b"]}, 400, "documents[0]"),
+    ],
+)
+def test_malformed_requests_get_4xx_naming_the_field(server, body, status, param):
+    got, reply, _ = post_json(server.url + "/v1/completions", body)
+    assert got == status, reply
+    assert reply["error"]["param"] == param and reply["error"]["message"]
+
+
+def test_prompt_over_the_context_is_refused_before_compute(server):
+    waits_before = metric(server, "holeblend_queue_wait_seconds_count")
+    long_document = "word " * 9000
+    started = time.perf_counter()
+    status, reply, _ = completion(server, [long_document])
+    assert status == 400 and reply["error"]["param"] == "prompt"
+    assert "context of 8192" in reply["error"]["message"]
+    assert time.perf_counter() - started < 5
+    assert metric(server, "holeblend_queue_wait_seconds_count") == waits_before
+
+
+def test_live_ratio_change_applies_without_restart(server):
+    replace_file(server.config, example_settings_json(recomputeRatio=0.4))
+    deadline = time.monotonic() + 10
+    while metric(server, "holeblend_recompute_ratio") != 0.4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert metric(server, "holeblend_recompute_ratio") == 0.4
+    completion(server, DOCS)
+    status, reply, _ = completion(server, [DOCS[0], NEW_DOC + " Again.", DOCS[2]])
+    assert reply["usage"]["holeblend"]["ratio"] == 0.4
+    replace_file(server.config, example_settings_json())
+
+
+def test_a_real_prometheus_scrapes_the_series(server, tmp_path):
+    ok_before = metric(server, "holeblend_requests_total", outcome="ok")
+    reused = 0
+    for documents in (DOCS, DOCS, [DOCS[0], NEW_DOC, DOCS[2]]):
+        reused += completion(server, documents)[1]["usage"]["holeblend"]["reused_tokens"]
+    prometheus = PrometheusProcess([server.url.removeprefix("http://")], tmp_path)
+    try:
+        up = prometheus.wait_for("up", lambda r: all(v == 1 for v in r.values()))
+        assert list(up.values()) == [1.0]
+        ok = prometheus.wait_for('sum(holeblend_requests_total{outcome="ok"})', lambda r: True)
+        assert list(ok.values()) == [ok_before + 3]
+        scraped = {
+            name: sum(prometheus.query(name).values())
+            for name in (
+                "holeblend_reused_tokens_total", "holeblend_prompt_tokens_total",
+                "holeblend_hole_tokens_total", "holeblend_recomputed_tokens_total",
+                "holeblend_ttft_seconds_count", "holeblend_request_duration_seconds_count",
+                "holeblend_queue_wait_seconds_count", "holeblend_lookup_seconds_count",
+                "holeblend_kv_deviation_count", "holeblend_recompute_ratio",
+                "holeblend_kv_store_bytes", "holeblend_kv_store_entries",
+                "holeblend_config_reload_errors_total",
+            )
+        }  # fmt: skip
+    finally:
+        prometheus.stop()
+    assert scraped["holeblend_reused_tokens_total"] >= reused > 0
+    assert scraped["holeblend_prompt_tokens_total"] > scraped["holeblend_reused_tokens_total"]
+    assert scraped["holeblend_hole_tokens_total"] > 0
+    assert scraped["holeblend_kv_deviation_count"] >= reused
+    assert scraped["holeblend_ttft_seconds_count"] >= 3
+    assert scraped["holeblend_recompute_ratio"] == 0.15
+    assert scraped["holeblend_kv_store_entries"] >= 4
+    assert 0 < scraped["holeblend_kv_store_bytes"] <= 512 << 20
+    assert scraped["holeblend_config_reload_errors_total"] == 0
