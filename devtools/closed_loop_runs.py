@@ -72,7 +72,7 @@ class Tuning:
             "stepDown": self.step_down,
             "shadowSampleRate": 1.0,
         }
-        return spec | ({"prometheusURL": prometheus_url} if prometheus_url else {})
+        return spec | ({"prometheusUrl": prometheus_url} if prometheus_url else {})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +128,7 @@ def run_scenario(
         raise RuntimeError(f"{scenario.name}: the engine did not become ready")
     if prometheus.is_installed():
         url = stack.start_prometheus(NAME)
-        stack.patch(NAME, {"spec": {"tuning": {"prometheusURL": url}}})
+        stack.patch(NAME, {"spec": {"tuning": {"prometheusUrl": url}}})
     engine = stack.engine_url(NAME)
     stream = closed_loop.RagStream(engine, WORKLOAD, think_s=1.5)
     recorder = timeline.Recorder(lambda: stack.status(NAME), f"{engine}/metrics", every_s=1.0)

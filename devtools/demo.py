@@ -69,7 +69,7 @@ def loop_stage(stack: closed_loop.LiveStack, args) -> None:
     if prometheus.is_installed():
         url = stack.start_prometheus(name)
         step(f"a real Prometheus on {url} scrapes the engine pod; the tuner queries it")
-        patch = json.dumps({"spec": {"tuning": {"prometheusURL": url}}})
+        patch = json.dumps({"spec": {"tuning": {"prometheusUrl": url}}})
         kubectl(stack.env, "patch", "bd", name, "--type=merge", "-p", patch)
     else:
         step("no Prometheus here: the operator scrapes the engine pod's /metrics itself")

@@ -9,7 +9,7 @@ up; for each one:
 2. The BlendDeployment is read afresh (the watched copy may be a write behind). Tuning
    starts from the spec's ratio whenever status.tuning.baseRatio is not the spec's ratio
    (first run, or a person edited spec.blend.recomputeRatio).
-3. The metrics come from Prometheus (spec.tuning.prometheusURL) or, without one, from the
+3. The metrics come from Prometheus (spec.tuning.prometheusUrl) or, without one, from the
    ready engine pods' /metrics (`tuning_sources`); `tuner.decide` picks the ratio.
 4. The decision goes into status under the owner's lock: recomputeRatio, tuning.baseRatio,
    the bounded history (a run of holds with the same reason is one entry, its time and
