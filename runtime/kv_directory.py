@@ -1,0 +1,127 @@
+"""A KV tier in a directory: one safetensors file per segment key, shared by processes.
+
+vLLM runs its scheduler and its workers in different processes; both see the same
+directory (on a pod, a tmpfs such as /dev/shm), so the scheduler's lookup and the
+worker's load agree without a server. Implements `KVStore`:
+
+1. `put` writes to a temporary file and renames it, so readers never see half a file.
+2. `get` reads and checks the file; a file that cannot be parsed (a corrupt blob) is
+   removed and reported as a miss, so serving falls back to computing the segment.
+3. The byte budget is kept by removing the least recently used files (a hit refreshes
+   the file's modification time) after each `put`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from holeblend_runtime.kv_store import SegmentKV
+
+log = logging.getLogger(__name__)
+
+_SUFFIX = ".safetensors"
+
+
+class DirectoryKVStore:
+    """Byte-budgeted segment KV files under `root` (created if missing)."""
+
+    def __init__(self, root: Path | str, capacity_bytes: int) -> None:
+        if capacity_bytes < 1:
+            raise ValueError(f"capacity_bytes: must be >= 1, got {capacity_bytes}")
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.capacity_bytes = capacity_bytes
+        self.num_corrupt = 0
+
+    def path(self, key: str) -> Path:
+        if not key.isalnum():
+            raise ValueError(f"key: expected a hex digest, got {key!r}")
+        return self.root / f"{key}{_SUFFIX}"
+
+    def contains(self, key: str) -> bool:
+        return self.path(key).is_file()
+
+    def get(self, key: str) -> SegmentKV | None:
+        path = self.path(key)
+        try:
+            tensors, metadata = _read(path)
+            kv = SegmentKV(
+                metadata["key"], tensors["k"], tensors["v"], tensors["positions"],
+                metadata["model_id"],
+            )  # fmt: skip
+        except FileNotFoundError:
+            return None
+        except Exception as error:  # any parse failure means the blob is unusable
+            log.warning("removing corrupt KV file %s: %s", path, error)
+            self.num_corrupt += 1
+            path.unlink(missing_ok=True)
+            return None
+        os.utime(path)
+        return kv
+
+    def put(self, kv: SegmentKV) -> bool:
+        if kv.num_bytes > self.capacity_bytes:
+            return False
+        tensors = {"k": kv.k.contiguous(), "v": kv.v.contiguous(), "positions": kv.positions}
+        metadata = {"key": kv.key, "model_id": kv.model_id}
+        handle, temporary = tempfile.mkstemp(dir=self.root, suffix=".tmp")
+        os.close(handle)
+        try:
+            save_file({n: t.detach().cpu() for n, t in tensors.items()}, temporary, metadata)
+            os.replace(temporary, self.path(kv.key))
+        finally:
+            Path(temporary).unlink(missing_ok=True)
+        self._evict()
+        return True
+
+    def remove(self, key: str) -> None:
+        self.path(key).unlink(missing_ok=True)
+
+    def keys(self) -> list[str]:
+        """Stored keys, least recently used first."""
+        return [p.name.removesuffix(_SUFFIX) for p in self._files_by_age()]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(_size(p) for p in self.root.glob(f"*{_SUFFIX}"))
+
+    def _files_by_age(self) -> list[Path]:
+        files = [(p, _mtime(p)) for p in self.root.glob(f"*{_SUFFIX}")]
+        return [p for p, mtime in sorted(files, key=lambda f: f[1]) if mtime is not None]
+
+    def _evict(self) -> None:
+        files = self._files_by_age()
+        total = sum(_size(p) for p in files)
+        for path in files:
+            if total <= self.capacity_bytes:
+                break
+            total -= _size(path)
+            path.unlink(missing_ok=True)
+
+
+def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = dict(handle.metadata() or {})
+    return load_file(str(path)), metadata
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _mtime(path: Path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return None

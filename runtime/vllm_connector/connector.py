@@ -1,0 +1,415 @@
+"""`HoleBlendConnector`: the thin facade vLLM's V1 KV-connector API calls.
+
+vLLM cannot recompute scattered positions inside a matched prefix, so (like LMCache's
+CacheBlend) the connector blends the covered range itself and reports it as matched;
+vLLM then computes only the rest of the prompt.
+
+Scheduler side (engine-core process): `get_num_new_matched_tokens` plans the request once
+(hole-aware lookup, planning.py) and re-derives the load from the current
+`num_computed_tokens` on every call (accounting.py); `update_state_after_alloc` records
+the accepted load and the request's blocks; `build_connector_meta` sends the step's loads
+and the segments to store; `request_finished` returns the reuse figures as
+`kv_transfer_params["holeblend"]`, records metrics and forgets the request.
+Worker side: `start_load_kv` blends and writes each load synchronously before the forward
+(worker.py); stores run in a background thread; outcomes travel back as worker metadata
+and as vLLM connector stats. Without the model (plugin not installed) loads cannot run,
+so the scheduler offers nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from holeblend_runtime.engine import ReferenceEngine
+from holeblend_runtime.kv_directory import DirectoryKVStore
+from holeblend_runtime.lookup import ReusePolicy
+from holeblend_runtime.selection import num_to_select
+from holeblend_runtime.tokenizer import TextTokenizer
+from holeblend_runtime.vllm_connector import metrics, plugin
+from holeblend_runtime.vllm_connector.accounting import LoadLedger
+from holeblend_runtime.vllm_connector.metadata import (
+    LoadRequest,
+    ReusedSegment,
+    StepPlan,
+    StoreRequest,
+)
+from holeblend_runtime.vllm_connector.model_adapter import VllmModelAdapter
+from holeblend_runtime.vllm_connector.planning import ReusePlan, ReusePlanner, SegmentKeyer
+from holeblend_runtime.vllm_connector.settings import ConnectorSettings, RatioSource, load_settings
+from holeblend_runtime.vllm_connector.worker import (
+    BlendWorker,
+    LoadOutcome,
+    PagedKVWriter,
+    SegmentStorer,
+)
+
+log = logging.getLogger(__name__)
+
+TRANSFER_PARAMS_KEY = "holeblend"
+
+
+@dataclass
+class HoleBlendConnectorMetadata(KVConnectorMetadata):
+    plan: StepPlan = field(default_factory=StepPlan)
+
+
+@dataclass
+class HoleBlendWorkerMetadata(KVConnectorWorkerMetadata):
+    outcomes: tuple[LoadOutcome, ...] = ()
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, HoleBlendWorkerMetadata)
+        return HoleBlendWorkerMetadata(self.outcomes + other.outcomes)
+
+
+@dataclass
+class HoleBlendStats(KVConnectorStats):
+    """vLLM's connector stats: token counts summed over an interval."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+
+def model_identity(vllm_config: Any) -> tuple[str, str]:
+    """(model_id, kv_dtype) of segment keys, the same in the scheduler and the workers."""
+    config = vllm_config.model_config
+    revision = config.revision or "main"
+    return f"{config.model}@{revision}", str(config.dtype).removeprefix("torch.")
+
+
+def _block_size(kv_cache_config: Any, vllm_config: Any) -> int:
+    """Tokens per block of the (single) KV cache group: the backend may choose it (the CPU
+    backend uses 128 whatever --block-size says)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) != 1:
+        raise ValueError(
+            "kv_cache_config: hole-mode blending needs one KV cache group; "
+            "run vLLM with --disable-hybrid-kv-cache-manager"
+        )
+    return (
+        int(groups[0].kv_cache_spec.block_size) if groups else vllm_config.cache_config.block_size
+    )
+
+
+def _text_tokenizer(vllm_config: Any) -> Any:
+    from transformers import AutoTokenizer
+
+    config = vllm_config.model_config
+    return AutoTokenizer.from_pretrained(
+        config.tokenizer,
+        revision=config.tokenizer_revision,
+        trust_remote_code=config.trust_remote_code,
+    )
+
+
+class HoleBlendConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self.settings = load_settings(extra)
+        self.store = DirectoryKVStore(self.settings.kv_dir, self.settings.kv_bytes)
+        self._scheduler: _SchedulerSide | None = None
+        self._worker: _WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = _SchedulerSide(vllm_config, self.settings, self.store)
+        else:
+            self._worker = _WorkerSide(vllm_config, self.settings, self.store)
+            self._worker.block_size = _block_size(kv_cache_config, vllm_config)
+
+    # --- scheduler side ---------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        return self._scheduler.matched(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._scheduler.allocated(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return HoleBlendConnectorMetadata(self._scheduler.step_plan())
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, HoleBlendWorkerMetadata):
+            self._scheduler.record_outcomes(meta.outcomes)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        figures = self._scheduler.finished(request.request_id)
+        return False, None if figures is None else {TRANSFER_PARAMS_KEY: figures}
+
+    # --- worker side ------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.kv_caches = kv_caches
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, HoleBlendConnectorMetadata)
+        self._worker.run(meta.plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are synchronous: done before the forward starts
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # segments are stored in their canonical context, not from the paged cache
+
+    def wait_for_save(self) -> None:
+        return
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        outcomes = self._worker.take_outcomes()
+        return HoleBlendWorkerMetadata(outcomes) if outcomes else None
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return None if self._worker is None else self._worker.take_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return HoleBlendStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+
+class _SchedulerSide:
+    def __init__(
+        self, vllm_config: Any, settings: ConnectorSettings, store: DirectoryKVStore
+    ) -> None:
+        self.settings = settings
+        self.ratio = RatioSource(settings)
+        model_id, kv_dtype = model_identity(vllm_config)
+        separator_ids = _text_tokenizer(vllm_config).encode(
+            settings.blend.separator, add_special_tokens=False
+        )
+        policy = ReusePolicy.PREFIX if settings.mode == "prefix" else ReusePolicy.HOLE
+        keyer = SegmentKeyer(model_id, kv_dtype, settings.blend)
+        self.planner = ReusePlanner(separator_ids, keyer, store, policy)
+        self.ledger = LoadLedger()
+        self.plans: dict[str, ReusePlan | None] = {}
+        self.outcomes: dict[str, LoadOutcome] = {}
+        self.blocks: dict[str, tuple[int, ...]] = {}
+        self.stores: list[StoreRequest] = []
+        metrics.serve_metrics()
+
+    def matched(self, request: Any, num_computed_tokens: int) -> int:
+        if self.settings.mode == "off":
+            return 0
+        request_id = request.request_id
+        if not self.ledger.has_plan(request_id):
+            self._plan(request_id, request.prompt_token_ids)
+        return self.ledger.matched(request_id, num_computed_tokens)
+
+    def _plan(self, request_id: str, token_ids: Any) -> None:
+        plan = self.planner.plan(list(token_ids))
+        if plan is not None and self.ratio.ratio() >= 1.0:
+            # Recomputing every token is a plain prefill: vLLM's own is faster and exact.
+            plan = replace(plan, num_covered_tokens=0)
+        self.plans[request_id] = plan
+        self.ledger.set_plan(request_id, plan.num_covered_tokens if plan else 0)
+        if plan is not None and plan.is_lookup_failed:
+            metrics.LOOKUP_FAILURES.inc()
+        if plan is not None and plan.missing_segments:
+            self.stores.append(StoreRequest(request_id, plan.prompt, plan.missing_segments))
+
+    def allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if self.ledger.allocated(request.request_id, num_external_tokens) is not None:
+            self.blocks[request.request_id] = tuple(blocks.get_block_ids()[0])
+
+    def step_plan(self) -> StepPlan:
+        ratio = self.ratio.ratio()
+        metrics.RECOMPUTE_RATIO.set(ratio)
+        loads = tuple(
+            self._load_request(request_id, load, ratio)
+            for request_id, load in self.ledger.take_loads().items()
+        )
+        stores, self.stores = tuple(self.stores), []
+        return StepPlan(loads, stores)
+
+    def _load_request(self, request_id: str, load: Any, ratio: float) -> LoadRequest:
+        plan = self.plans[request_id]
+        assert plan is not None  # a load exists only for a planned request
+        end = load.end
+        reused = tuple(
+            ReusedSegment(start, end_, key)
+            for (start, end_), index in zip(
+                plan.lookup.hit_ranges, plan.lookup.reused_segments, strict=True
+            )
+            if start < end and (key := plan.keys[index]) is not None
+        )
+        holes = tuple((s, e) for s, e in plan.lookup.hole_ranges if e <= end)
+        return LoadRequest(
+            request_id,
+            plan.prompt.token_ids[:end],
+            load,
+            self.blocks.pop(request_id),
+            reused,
+            holes,
+            ratio,
+        )
+
+    def record_outcomes(self, outcomes: tuple[LoadOutcome, ...]) -> None:
+        for outcome in outcomes:
+            # A request that finished in its first step is gone already (its figures
+            # were the plan's); keep outcomes only for requests still running.
+            if outcome.request_id in self.plans:
+                self.outcomes[outcome.request_id] = outcome
+            metrics.BLEND_SECONDS.observe(outcome.blend_seconds)
+            metrics.REJECTED_SEGMENTS.inc(outcome.num_rejected_segments)
+
+    def finished(self, request_id: str) -> dict[str, Any] | None:
+        plan = self.plans.pop(request_id, None)
+        outcome = self.outcomes.pop(request_id, None)
+        self.blocks.pop(request_id, None)
+        self.ledger.finished(request_id)
+        if plan is None:
+            return None
+        figures = _figures(plan, outcome, self.ratio.ratio())
+        _record(figures)
+        return figures
+
+
+def _figures(plan: ReusePlan, outcome: LoadOutcome | None, ratio: float) -> dict[str, Any]:
+    """Reuse figures of a finished request: the worker's when its outcome arrived, else
+    the plan's (a request that finishes in its first step ends before its outcome)."""
+    lookup = plan.lookup
+    figures = {
+        "mode": str(lookup.mode) if plan.num_covered_tokens else "full-miss",
+        "num_prompt_tokens": plan.prompt.num_tokens,
+        "num_covered_tokens": plan.num_covered_tokens,
+        "num_reused_tokens": lookup.num_reused_tokens if plan.num_covered_tokens else 0,
+        "num_hole_tokens": lookup.num_hole_tokens if plan.num_covered_tokens else 0,
+        "num_recomputed_tokens": _planned_recompute(plan, ratio),
+        "num_rejected_segments": 0,
+        "is_lookup_failed": plan.is_lookup_failed,
+        "source": "plan",
+    }
+    if outcome is not None:
+        figures.update(
+            num_reused_tokens=outcome.num_reused_tokens,
+            num_hole_tokens=outcome.num_hole_tokens,
+            num_recomputed_tokens=outcome.num_recomputed_tokens,
+            num_rejected_segments=outcome.num_rejected_segments,
+            source="worker",
+        )
+    return figures
+
+
+def _planned_recompute(plan: ReusePlan, ratio: float) -> int:
+    """Tokens the blend computes in every layer: the selected share of the reused tokens
+    and everything uncached in the covered range (all prompt tokens without reuse)."""
+    if not plan.num_covered_tokens:
+        return plan.prompt.num_tokens
+    reused = min(plan.lookup.num_reused_tokens, plan.num_covered_tokens)
+    return num_to_select(reused, ratio) + plan.num_covered_tokens - reused
+
+
+def _record(figures: dict[str, Any]) -> None:
+    metrics.REQUESTS.labels(mode=figures["mode"]).inc()
+    metrics.PROMPT_TOKENS.inc(figures["num_prompt_tokens"])
+    metrics.REUSED_TOKENS.inc(figures["num_reused_tokens"])
+    metrics.HOLE_TOKENS.inc(figures["num_hole_tokens"])
+    metrics.RECOMPUTED_TOKENS.inc(figures["num_recomputed_tokens"])
+
+
+class _WorkerSide:
+    def __init__(
+        self, vllm_config: Any, settings: ConnectorSettings, store: DirectoryKVStore
+    ) -> None:
+        self.vllm_config = vllm_config
+        self.settings = settings
+        self.store = store
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        self.block_size = vllm_config.cache_config.block_size
+        self._worker: BlendWorker | None = None
+        self._storer: SegmentStorer | None = None
+        self._outcomes: list[LoadOutcome] = []
+        self._stats: dict[str, int] = {}
+
+    def run(self, plan: StepPlan) -> None:
+        if not plan.loads and not plan.stores:
+            return
+        worker = self._blend_worker()
+        for load in plan.loads:
+            outcome = worker.load(load)
+            self._outcomes.append(outcome)
+            self._count(outcome)
+        for store in plan.stores:
+            self._segment_storer().submit(store)
+
+    def _blend_worker(self) -> BlendWorker:
+        if self._worker is None:
+            self._worker = self._build_worker()
+        return self._worker
+
+    def _build_worker(self) -> BlendWorker:
+        model = plugin.loaded_model()
+        if model is None:
+            raise RuntimeError(
+                "holeblend: the model was not handed over; install holeblend in the vLLM "
+                "environment so its vllm.general_plugins entry point runs"
+            )
+        config = self.vllm_config
+        model_id, _ = model_identity(config)
+        adapter = VllmModelAdapter(model, model_id, config.model_config.max_model_len)
+        tokenizer = TextTokenizer(_text_tokenizer(config).backend_tokenizer, adapter.config)
+        engine = ReferenceEngine(adapter, tokenizer, self.settings.blend, self.store)
+        caches = [self.kv_caches[name] for name in adapter.attention_layer_names()]
+        writer = PagedKVWriter(adapter.attention_modules(), caches, self.block_size)
+        return BlendWorker(engine, writer)
+
+    def _segment_storer(self) -> SegmentStorer:
+        if self._storer is None:
+            engine = self._blend_worker().engine
+            self._storer = SegmentStorer(
+                lambda request: engine.cache_segments(request.prompt, request.segments)
+            )
+        return self._storer
+
+    def _count(self, outcome: LoadOutcome) -> None:
+        for name, value in asdict(outcome).items():
+            if name.startswith("num_"):
+                self._stats[name] = self._stats.get(name, 0) + value
+
+    def take_outcomes(self) -> tuple[LoadOutcome, ...]:
+        outcomes, self._outcomes = tuple(self._outcomes), []
+        return outcomes
+
+    def take_stats(self) -> KVConnectorStats | None:
+        if not self._stats:
+            return None
+        stats, self._stats = HoleBlendStats(data=self._stats), {}
+        return stats
+
+    def wait_for_stores(self) -> None:
+        if self._storer is not None:
+            self._storer.join()
+
+    def close(self) -> None:
+        if self._storer is not None:
+            self._storer.close()

@@ -1,0 +1,58 @@
+"""What the scheduler side sends the worker side each step (plain frozen dataclasses).
+
+vLLM carries the connector metadata from the scheduler process to the workers by
+pickling it; these types hold only ints, strings, tuples and a `SegmentedPrompt`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from holeblend_runtime.segments import SegmentedPrompt
+from holeblend_runtime.vllm_connector.accounting import LoadSpec
+
+
+@dataclass(frozen=True)
+class ReusedSegment:
+    """A cached segment of the prompt: where it sits and the key of its KV."""
+
+    start: int
+    end: int
+    key: str
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """Blend the covered range of one request and write `load`'s slots of it."""
+
+    request_id: str
+    # The prompt's tokens up to the end of the covered range.
+    token_ids: tuple[int, ...]
+    # Slots to write: vLLM holds [0, load.start) already and computes [load.end, ...).
+    load: LoadSpec
+    # vLLM's block ids of the request, in order (block i holds tokens i*B..(i+1)*B-1).
+    block_ids: tuple[int, ...]
+    # Reused segments inside the covered range, in prompt order.
+    reused: tuple[ReusedSegment, ...]
+    # Missing segments (computed fresh) inside the covered range.
+    hole_ranges: tuple[tuple[int, int], ...]
+    # The recompute ratio in force when the request was scheduled.
+    ratio: float
+
+
+@dataclass(frozen=True)
+class StoreRequest:
+    """Compute and store these missing segments of a prompt in their canonical context."""
+
+    request_id: str
+    prompt: SegmentedPrompt
+    # Indexes into prompt.segments.
+    segments: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The connector's work for one scheduler step."""
+
+    loads: tuple[LoadRequest, ...] = ()
+    stores: tuple[StoreRequest, ...] = ()

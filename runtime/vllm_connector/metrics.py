@@ -1,0 +1,65 @@
+"""Prometheus metrics of the connector (`holeblend_` prefix), in their own registry.
+
+The scheduler side records one observation per finished request (reuse figures planned
+by the lookup, completed by the worker's outcome) and the worker's blend time. vLLM runs
+the scheduler in its engine-core process, so `serve_metrics` exports this registry on
+its own port there (`$HOLEBLEND_METRICS_PORT`), next to vLLM's own /metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger(__name__)
+
+METRICS_PORT_ENV = "HOLEBLEND_METRICS_PORT"
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+REQUESTS = Counter("holeblend_requests", "Requests by reuse mode", ["mode"], registry=REGISTRY)
+PROMPT_TOKENS = Counter("holeblend_prompt_tokens", "Prompt tokens", registry=REGISTRY)
+REUSED_TOKENS = Counter(
+    "holeblend_reused_tokens", "Prompt tokens whose KV came from the cache", registry=REGISTRY
+)
+HOLE_TOKENS = Counter(
+    "holeblend_hole_tokens", "Tokens of missing segments between reused ones", registry=REGISTRY
+)
+RECOMPUTED_TOKENS = Counter(
+    "holeblend_recomputed_tokens",
+    "Tokens the blend computed in every layer (selected, holes, separators)",
+    registry=REGISTRY,
+)
+REJECTED_SEGMENTS = Counter(
+    "holeblend_rejected_segments",
+    "Planned segments whose KV was missing or unusable at load time (computed fresh)",
+    registry=REGISTRY,
+)
+LOOKUP_FAILURES = Counter(
+    "holeblend_lookup_failures", "Lookups that failed and ran as a full miss", registry=REGISTRY
+)
+BLEND_SECONDS = Histogram(
+    "holeblend_blend_seconds", "Worker time to blend and write one request's KV", registry=REGISTRY
+)
+RECOMPUTE_RATIO = Gauge(
+    "holeblend_recompute_ratio", "The recompute ratio in force", registry=REGISTRY
+)
+
+
+def serve_metrics() -> int | None:
+    """Export the registry on `$HOLEBLEND_METRICS_PORT` if set; the port or None."""
+    port = os.environ.get(METRICS_PORT_ENV)
+    if not port:
+        return None
+    try:
+        start_http_server(int(port), registry=REGISTRY)
+    except (OSError, ValueError) as error:
+        log.warning("cannot export holeblend metrics on port %s: %s", port, error)
+        return None
+    return int(port)
+
+
+def sample(name: str, labels: dict[str, str] | None = None) -> float:
+    """The current value of a counter or gauge sample (tests, the benchmark)."""
+    return REGISTRY.get_sample_value(name, labels or {}) or 0.0
