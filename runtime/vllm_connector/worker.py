@@ -1,5 +1,5 @@
 """Worker side of the connector (torch, no vLLM import): blend and write into the paged
-cache, store missing segments in the background.
+cache, store missing segments.
 
 Load, for one request (inside `start_load_kv`, before vLLM's forward of the step):
 1. Fetch each reused segment's KV from the tier; one that is missing, corrupt or does
@@ -9,17 +9,15 @@ Load, for one request (inside `start_load_kv`, before vLLM's forward of the step
 3. Write the blended K/V of `[load.start, load.end)` into vLLM's paged cache at the
    request's slots, layer by layer, with the attention backend's own cache-update op
    (or the kernels package's reference scatter for backends without one).
-Store: a bounded queue and one daemon thread compute each missing segment in its
-canonical context (`ReferenceEngine.cache_segments`) off the request's critical path.
+Store: each missing segment is computed in its canonical context
+(`ReferenceEngine.cache_segments`) after the step's forward, on the same thread.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,8 +29,6 @@ from holeblend_runtime.kv_store import SegmentKV
 from holeblend_runtime.vllm_connector.metadata import LoadRequest, ReusedSegment, StoreRequest
 
 log = logging.getLogger(__name__)
-
-STORE_QUEUE_SIZE = 64
 
 
 @dataclass(frozen=True)
@@ -69,6 +65,9 @@ class PagedKVWriter:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         module, cache = self.attention_modules[layer], self.kv_caches[layer]
+        capacity = cache.numel() // (2 * k.shape[1] * k.shape[2])
+        if int(slots.max()) >= capacity or int(slots.min()) < 0:
+            raise ValueError(f"slots: {int(slots.max())} outside the KV cache of {capacity} slots")
         slots = slots.to(cache.device)
         impl = getattr(module, "impl", None)
         if hasattr(impl, "do_kv_cache_update"):
@@ -83,6 +82,11 @@ class BlendWorker:
     def __init__(self, engine: ReferenceEngine, writer: PagedKVWriter) -> None:
         self.engine = engine
         self.writer = writer
+
+    @torch.inference_mode()
+    def store(self, request: StoreRequest) -> int:
+        """Compute the request's missing segments in canonical context; number stored."""
+        return self.engine.cache_segments(request.prompt, request.segments)
 
     @torch.inference_mode()
     def load(self, request: LoadRequest) -> LoadOutcome:
@@ -131,44 +135,6 @@ class BlendWorker:
         if reused.end > end:  # a full-prompt hit: vLLM computes the last token itself
             entry = _truncated(entry, end - reused.start)
         return CachedSpan(reused.start, min(reused.end, end), entry)
-
-
-class SegmentStorer:
-    """A bounded queue of store requests and one thread computing them, in order."""
-
-    def __init__(self, store_segments: Callable[[StoreRequest], int]) -> None:
-        self._store_segments = store_segments
-        self._queue: queue.Queue[StoreRequest | None] = queue.Queue(STORE_QUEUE_SIZE)
-        self.num_stored = 0
-        self.num_dropped = 0
-        self._thread = threading.Thread(target=self._run, name="holeblend-store", daemon=True)
-        self._thread.start()
-
-    def submit(self, request: StoreRequest) -> None:
-        try:
-            self._queue.put_nowait(request)
-        except queue.Full:
-            self.num_dropped += 1
-            log.warning("store queue full: not storing the segments of %s", request.request_id)
-
-    def join(self) -> None:
-        """Wait until every submitted request has been stored (tests, shutdown)."""
-        self._queue.join()
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=30)
-
-    def _run(self) -> None:
-        while (request := self._queue.get()) is not None:
-            try:
-                with torch.inference_mode():
-                    self.num_stored += self._store_segments(request)
-            except Exception:  # a failed store is a future miss, never a failed request
-                log.exception("storing the segments of %s failed", request.request_id)
-            finally:
-                self._queue.task_done()
-        self._queue.task_done()
 
 
 def _truncated(entry: SegmentKV, num_tokens: int) -> SegmentKV:

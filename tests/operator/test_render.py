@@ -487,7 +487,7 @@ def test_engine_serves_the_model_with_our_kv_connector():
     )
     args = engine_container(bd)["args"]
     assert args[:2] == ["serve", "/models/Qwen3-8B"]
-    flags = dict(zip(args[2:-1:2], args[3::2], strict=False))
+    flags = {name: args[i + 1] for i, name in enumerate(args[:-1]) if name.startswith("--")}
     assert flags["--served-model-name"] == "qwen" and flags["--dtype"] == "bfloat16"
     assert flags["--max-model-len"] == "8192" and flags["--tensor-parallel-size"] == "2"
     assert flags["--port"] == "9000"
@@ -685,3 +685,40 @@ def test_a_byte_budget_the_parser_cannot_read_is_an_invalid_spec():
     body["spec"]["blend"]["kv"]["localCpuBytes"] = "1e1.5"
     with pytest.raises(reconcile.InvalidSpec, match=r"spec\.blend\.kv\.localCpuBytes"):
         reconcile.prepare(body)
+
+
+@pytest.mark.parametrize(
+    ("accelerator", "block_size"),
+    [({"type": "ascend"}, "128"), ({"type": "nvidia"}, "16")],
+)
+def test_vllm_pods_get_the_flags_blending_needs(accelerator, block_size):
+    args = engine_container(make_bd(accelerator=accelerator))["args"]
+    for flag in (
+        "--enforce-eager",
+        "--no-enable-prefix-caching",
+        "--disable-hybrid-kv-cache-manager",
+    ):
+        assert flag in args
+    assert args[args.index("--block-size") + 1] == block_size
+    assert "--kv-transfer-config" in args
+
+
+def test_blend_mode_off_serves_plain_vllm():
+    args = engine_container(make_bd(accelerator={"type": "nvidia"}, blend={"mode": "off"}))["args"]
+    assert "--kv-transfer-config" not in args and "--enforce-eager" not in args
+
+
+def test_runtime_images_are_one_setting_read_from_the_charts_env():
+    from holeblend_operator.render.images import RuntimeImages
+
+    images = RuntimeImages.from_environ(
+        {
+            "HOLEBLEND_RUNTIME_IMAGE_REPOSITORY": "registry.example/rt",
+            "HOLEBLEND_RUNTIME_IMAGE_TAG": "9",
+        }
+    )
+    assert images.image("ascend-a3") == "registry.example/rt-ascend-a3:9"
+    assert (
+        RuntimeImages.from_environ({}).image("cuda")
+        == f"ghcr.io/holeblend/runtime-cuda:{HOLEBLEND_VERSION}"
+    )

