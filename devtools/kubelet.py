@@ -18,8 +18,8 @@ what a Deployment controller, a kubelet and kube-proxy would, on this machine:
    symlink), so a reader never sees half a file. Env values and args that start with a
    volume's mountPath are pointed at that directory (no mount namespaces here).
 4. **Readiness** comes from each container's readinessProbe (httpGet on the pod's address,
-   polled every `tick_s`, not every periodSeconds); a Deployment is available only when
-   all its pods are ready. A process that exits is restarted with a doubling backoff and
+   its timeoutSeconds and failureThreshold, polled every `tick_s`, not every periodSeconds);
+   a Deployment is available only when all its pods are ready. A process that exits is restarted with a doubling backoff and
    shows `CrashLoopBackOff` meanwhile.
 5. **Services** get a TCP proxy on 127.0.0.1 to their ready endpoints; its port is written
    to the Service as the annotation `LOCAL_PORT_ANNOTATION`. In-cluster service URLs
@@ -71,6 +71,7 @@ class Pod:
     restarts: int = 0
     next_start: float = 0.0
     is_ready: bool = False
+    num_failed_probes: int = 0  # in a row; not ready after the probe's failureThreshold
     log: Any = None
 
 
@@ -201,7 +202,7 @@ class ProcessKubelet:
         if pod.process is None and time.monotonic() >= pod.next_start:
             self._start(pod)
         if pod.process is not None:
-            pod.is_ready = probe(pod)
+            pod.is_ready = self._probe(pod)
         if pod.is_ready != was_ready or pod.process is None:
             self._write_pod_status(pod)
 
@@ -231,6 +232,15 @@ class ProcessKubelet:
             if mount["name"] in pod.volumes and (value == path or value.startswith(path + "/")):
                 return str(pod.volumes[mount["name"]]) + value[len(path) :]
         return self._local_urls(value)
+
+    def _probe(self, pod: Pod) -> bool:
+        """Ready once the probe passes; not ready after failureThreshold failures in a row."""
+        if probe(pod):
+            pod.num_failed_probes = 0
+            return True
+        pod.num_failed_probes += 1
+        threshold = (pod.container.get("readinessProbe") or {}).get("failureThreshold", 3)
+        return pod.is_ready and pod.num_failed_probes < threshold
 
     # --- volumes ----------------------------------------------------------------------
 
@@ -354,7 +364,7 @@ def probe(pod: Pod) -> bool:
     port = _container_port(pod.container, http.get("port", 80))
     url = f"http://{pod.ip}:{port}{http.get('path', '/')}"
     try:
-        with urllib.request.urlopen(url, timeout=1) as response:
+        with urllib.request.urlopen(url, timeout=check.get("timeoutSeconds", 1)) as response:
             return 200 <= response.status < 400
     except OSError:
         return False

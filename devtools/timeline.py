@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 @dataclasses.dataclass(frozen=True)
 class Sample:
     t_s: float  # seconds since the recorder started
+    t_wall: float  # time.time() of the sample
     ratio: float | None  # status.recomputeRatio
     f1_proxy: float | None  # status.metrics.f1Proxy (the tuner's last reading)
     hit_percent: float | None
@@ -58,6 +59,7 @@ class Recorder:
         self.history = list((status.get("tuning") or {}).get("history") or [])
         sample = Sample(
             time.monotonic() - self._started,
+            time.time(),
             status.get("recomputeRatio"),
             metrics.get("f1Proxy"),
             metrics.get("hitPercent"),
@@ -112,6 +114,36 @@ def plot(samples: list[Sample], path: str | Path, title: str, target: float | No
         axes[1].legend(loc="lower right")
     axes[-1].set_xlabel("seconds")
     axes[0].set_title(title)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_runs(runs: dict[str, list[Sample]], path: str | Path, target: float) -> None:
+    """Several runs: the ratio (top) and the F1 proxy (bottom) of each against time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ratio_axis, f1_axis) = plt.subplots(2, 1, sharex=True, figsize=(9, 6))
+    for name, samples in runs.items():
+        for axis, values in (
+            (ratio_axis, [s.ratio for s in samples]),
+            (f1_axis, [s.f1_proxy for s in samples]),
+        ):
+            points = [(s.t_s, v) for s, v in zip(samples, values, strict=True) if v is not None]
+            if points:
+                axis.plot(*zip(*points, strict=True), drawstyle="steps-post", label=name)
+    f1_axis.axhline(target, color="grey", linestyle="--", label="target")
+    ratio_axis.set_ylabel("recompute ratio")
+    f1_axis.set_ylabel("F1 proxy (tuner's reading)")
+    f1_axis.set_xlabel("seconds")
+    ratio_axis.legend(loc="upper right")
+    f1_axis.legend(loc="lower right")
+    for axis in (ratio_axis, f1_axis):
+        axis.grid(alpha=0.3)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

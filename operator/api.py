@@ -9,7 +9,16 @@ from enum import StrEnum
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+)
 from pydantic.alias_generators import to_camel
 
 from holeblend_contract import blend_settings as contract
@@ -21,8 +30,9 @@ from holeblend_contract.blend_settings import (
     StorePolicy,
 )
 from holeblend_contract.shared_tier import check_shared_url
+from holeblend_operator import host_paths, reserved
 from holeblend_operator.cel import CelRule, cel_schema_extra, cel_validator
-from holeblend_operator.quantity import quantity_bytes
+from holeblend_operator.quantity import quantity_bytes, quantity_value
 
 GROUP = "blend.holeblend.io"
 VERSION = "v1alpha1"
@@ -58,7 +68,9 @@ def _matching(pattern: str, what: str, max_length: int | None = None):
 
 DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 DNS_SUBDOMAIN = rf"{DNS_LABEL}(\.{DNS_LABEL})*"
-LABEL_NAME = r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]"
+# At most 63 characters: the name part of label keys, annotation keys and resource names.
+LABEL_NAME = r"([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9]"
+INT32_MAX = 2**31 - 1
 
 AbsolutePath = _matching(r"/.*", "an absolute path like /data/models", max_length=4096)
 StoreUrl = _matching(
@@ -73,28 +85,46 @@ ResourceName = _matching(
 LabelKey = _matching(
     rf"({DNS_SUBDOMAIN}/)?{LABEL_NAME}",
     "a label key ('name' or 'prefix.example.com/name', letters, digits, '-', '_', '.')",
-    max_length=316,
+    max_length=317,
 )
 LabelValue = _matching(
     rf"({LABEL_NAME})?",
     "a label value (at most 63 letters, digits, '-', '_', '.'; starting and ending alphanumeric)",
     max_length=63,
 )
-EnvName = _matching(r"[-._a-zA-Z][-._a-zA-Z0-9]*", "an environment variable name like 'HF_HOME'")
+EnvName = _matching(
+    r"[-._a-zA-Z][-._a-zA-Z0-9]*", "an environment variable name like 'HF_HOME'", max_length=128
+)
+AnnotationValue = Annotated[str, Field(max_length=4096)]
+NetworkInterface = _matching(
+    r"[A-Za-z0-9][-A-Za-z0-9_.:]{0,14}", "a network interface name like 'eth0'", max_length=15
+)
 DnsName = _matching(
     DNS_SUBDOMAIN, "a DNS-1123 name (lowercase letters, digits, '-', '.')", max_length=253
 )
-QUANTITY_PATTERN = r"(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?"
+# Kubernetes' own quantity pattern admits negative values and fractional exponents
+# ('1e0.5'), which its parser then rejects; this one admits only what parses and is >= 0.
+QUANTITY_PATTERN = (
+    r"\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?[0-9]{1,2}))?"
+)
+QUANTITY_MAX_LENGTH = 64
 # Kubernetes accepts `cpu: 2` as well as `cpu: "2"`: keep quantities as strings inside,
 # accept both on the wire.
 Quantity = Annotated[
-    _matching(QUANTITY_PATTERN, "a Kubernetes quantity like '500m', '2', '16Gi'"),
-    BeforeValidator(lambda v: str(v) if isinstance(v, int) and not isinstance(v, bool) else v),
+    _matching(
+        QUANTITY_PATTERN,
+        "a non-negative Kubernetes quantity like '500m', '2', '16Gi'",
+        max_length=QUANTITY_MAX_LENGTH,
+    ),
+    BeforeValidator(
+        lambda v: str(v) if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else v
+    ),
     WithJsonSchema(
         {
             "x-kubernetes-int-or-string": True,
-            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "anyOf": [{"type": "integer", "minimum": 0}, {"type": "string"}],
             "pattern": f"^{QUANTITY_PATTERN}$",
+            "maxLength": QUANTITY_MAX_LENGTH,
         }
     ),
 ]
@@ -103,7 +133,7 @@ ResourceKey = _matching(
     "a resource name: cpu, memory, ephemeral-storage or an extended resource like nvidia.com/gpu",
     max_length=253,
 )
-ResourceList = Annotated[dict[ResourceKey, Quantity], Field(max_length=32)]
+ResourceList = Annotated[dict[ResourceKey, Quantity], Field(max_length=16)]
 
 
 # A byte budget the runtime reads as a whole number of bytes: also checked by the parser the
@@ -126,11 +156,67 @@ class ApiModel(BaseModel):
         extra="forbid",
         frozen=True,
         use_attribute_docstrings=True,
+        # As typed as the CRD: "3" is not an integer and "yes" not a boolean, here as there.
+        # Enum fields opt out (`strict=False`) so they take their string values.
+        strict=True,
     )
+
+
+def _is_extended(name: str) -> bool:
+    # Extended resources (device plugins, HAMi's -memory/-core) and hugepages cannot be
+    # overcommitted: the API server wants them in limits, with requests equal to limits.
+    return "/" in name or name.startswith("hugepages-")
+
+
+def _requests_within_limits(r) -> bool:
+    return all(
+        quantity_value(value) <= quantity_value(r.limits[name])
+        for name, value in r.requests.items()
+        if name in r.limits
+    )
+
+
+def _extended_in_limits(r) -> bool:
+    return all(
+        name in r.limits and quantity_value(value) == quantity_value(r.limits[name])
+        for name, value in r.requests.items()
+        if _is_extended(name)
+    )
+
+
+# `quantity()` is Kubernetes' CEL quantity library (Kubernetes 1.29 and later).
+_QUANTITY_CEL = "quantity(string({}))"
+_REQUESTS_WITHIN_LIMITS = CelRule(
+    rule="!has(self.requests) || !has(self.limits) || self.requests.all(k, !(k in self.limits) || "
+    + _QUANTITY_CEL.format("self.requests[k]")
+    + ".compareTo("
+    + _QUANTITY_CEL.format("self.limits[k]")
+    + ") <= 0)",
+    message="every request must be at most its limit; lower the request or raise the limit",
+    check=_requests_within_limits,
+    field_path=".requests",
+)
+_EXTENDED_IN_LIMITS = CelRule(
+    rule="!has(self.requests) || self.requests.all(k, !(k.contains('/') || k.startsWith('hugepages-')) || "
+    "(has(self.limits) && k in self.limits && "
+    + _QUANTITY_CEL.format("self.requests[k]")
+    + ".compareTo("
+    + _QUANTITY_CEL.format("self.limits[k]")
+    + ") == 0))",
+    message="extended resources and hugepages must be in limits too, equal to the request; "
+    "add them to limits",
+    check=_extended_in_limits,
+    field_path=".limits",
+)
 
 
 class Resources(ApiModel):
     """CPU, memory and device requests and limits of a container."""
+
+    model_config = ConfigDict(
+        json_schema_extra=cel_schema_extra(_REQUESTS_WITHIN_LIMITS, _EXTENDED_IN_LIMITS)
+    )
+    check_rules = cel_validator(_REQUESTS_WITHIN_LIMITS, _EXTENDED_IN_LIMITS)
 
     requests: ResourceList = Field(default_factory=dict)
     """Minimum resources the scheduler reserves, e.g. {cpu: '4', memory: 32Gi}."""
@@ -138,28 +224,63 @@ class Resources(ApiModel):
     """Maximum resources; accelerator counts are added from `accelerator` automatically."""
 
 
+# A hub id must not read as a local path or a flag to `vllm serve`: no leading '/', '.' or '-'.
+HubId = _matching(
+    r"[A-Za-z0-9][-A-Za-z0-9_.]{0,95}(/[A-Za-z0-9][-A-Za-z0-9_.]{0,95})?",
+    "a hub repository id like 'Qwen/Qwen3-8B' (no '..', no leading '/')",
+    max_length=193,
+)
+HubRevision = _matching(
+    r"[A-Za-z0-9][-A-Za-z0-9_./]{0,254}", "a branch, tag or commit like 'main'", max_length=255
+)
+
+
 class PvcSource(ApiModel):
     """Model files on a PersistentVolumeClaim."""
 
     claim_name: DnsName
     """Name of the PersistentVolumeClaim in the BlendDeployment's namespace."""
-    path: str = Field(default="/", min_length=1)
-    """Directory of the model inside the volume."""
+    path: str = Field(
+        default="/",
+        min_length=1,
+        max_length=4096,
+        json_schema_extra=cel_schema_extra(
+            CelRule(
+                rule=r"!self.matches('(^|/)\\.\\.(/|$)')",
+                message="the path contains '..'; the model must stay inside its volume",
+                check=lambda path: True,  # checked with a better message by the validator
+            )
+        ),
+    )
+    """Directory of the model inside the volume; '/' is the volume's root, '..' is refused."""
+
+    @field_validator("path")
+    @classmethod
+    def _inside_the_volume(cls, path: str) -> str:
+        if host_paths.has_dot_dot(path):
+            raise ValueError(f"{path!r} contains '..'; the model must stay inside its volume")
+        return path
 
 
 class HostPathSource(ApiModel):
     """Model files in a directory on every node."""
 
     path: AbsolutePath
-    """Absolute directory on the node, e.g. /data/models/Qwen3-8B."""
+    """Absolute directory on the node, e.g. /data/models/Qwen3-8B; must lie under one of the
+    operator's allowed host-path prefixes (by default /data/models and /usr/local/Ascend)."""
+
+    @field_validator("path")
+    @classmethod
+    def _allowed(cls, path: str, info: ValidationInfo) -> str:
+        return host_paths.check_host_path(path, host_paths.prefixes_of(info.context))
 
 
 class HubSource(ApiModel):
     """Model downloaded from a model hub at start (clusters that can reach one)."""
 
-    id: str = Field(min_length=1)
+    id: HubId
     """Repository id on the hub, e.g. Qwen/Qwen3-8B."""
-    revision: str | None = None
+    revision: HubRevision | None = None
     """Branch, tag or commit; the hub's default branch when unset."""
 
 
@@ -193,7 +314,7 @@ class ModelSpec(ApiModel):
     """Name clients use in the OpenAI API; defaults to `name`."""
     source: ModelSource
     """Where the weights come from."""
-    dtype: Dtype = Dtype.AUTO
+    dtype: Dtype = Field(default=Dtype.AUTO, strict=False)
     """Weight and activation dtype; `auto` takes the checkpoint's."""
     max_model_len: int | None = Field(default=None, ge=128, le=1048576)
     """Longest prompt plus answer in tokens; the model's own limit when unset."""
@@ -204,29 +325,111 @@ class EnvVar(ApiModel):
 
     name: EnvName
     """Variable name."""
-    value: str = ""
+    value: str = Field(default="", max_length=4096)
     """Variable value."""
+
+
+_NO_OPERATOR_KEYS = {
+    "x-kubernetes-validations": [
+        {
+            "rule": "self.all(k, "
+            + " && ".join(f"!k.startsWith('{p}')" for p in reserved.RESERVED_METADATA_PREFIXES)
+            + ")",
+            "message": "keys under "
+            + " and ".join(reserved.RESERVED_METADATA_PREFIXES)
+            + " are set by the operator; use a key of your own",
+        }
+    ]
+}
 
 
 class EngineSpec(ApiModel):
     """The vLLM engine pods that run the hole-mode blending runtime."""
 
-    image: str | None = Field(default=None, min_length=1)
+    image: str | None = Field(default=None, min_length=1, max_length=512)
     """Container image; a holeblend runtime image for the accelerator type when unset."""
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     """When the kubelet pulls the image."""
     tensor_parallel_size: int = Field(default=1, ge=1, le=64)
     """Devices one engine shards the model over; at most `accelerator.count`."""
-    extra_args: list[str] = Field(default_factory=list, max_length=128)
-    """Extra `vllm serve` arguments, e.g. ['--enable-prefix-caching']."""
-    env: list[EnvVar] = Field(default_factory=list, max_length=128)
-    """Extra environment variables of the engine container."""
+    extra_args: list[Annotated[str, Field(max_length=1024)]] = Field(
+        default_factory=list,
+        max_length=64,
+        json_schema_extra=cel_schema_extra(
+            CelRule(
+                rule=reserved.RESERVED_FLAGS_RULE,
+                message="extraArgs must not set flags the operator sets ("
+                + ", ".join(reserved.RESERVED_FLAGS)
+                + "); use their spec fields",
+                check=lambda args: reserved.reserved_flag_problem(args) is None,
+            )
+        ),
+    )
+    """Extra `vllm serve` arguments, e.g. ['--enable-prefix-caching']; flags the operator
+    sets itself (--port, --tensor-parallel-size, ...) are refused with the field to use."""
+    env: list[EnvVar] = Field(
+        default_factory=list,
+        max_length=64,
+        json_schema_extra=cel_schema_extra(
+            CelRule(
+                rule=reserved.RESERVED_ENV_RULE,
+                message="env must not set variables the operator sets ("
+                + ", ".join(reserved.RESERVED_ENV)
+                + "); use their spec fields",
+                check=lambda env: True,
+            ),
+            CelRule(
+                rule=reserved.UNIQUE_ENV_RULE,
+                message="env names must be unique",
+                check=lambda env: True,
+            ),
+        ),
+    )
+    """Extra environment variables of the engine container; names must be unique, and those
+    the operator sets (HOLEBLEND_CONFIG, *_VISIBLE_DEVICES, ...) are refused."""
     resources: Resources = Field(default_factory=Resources)
     """CPU and memory; accelerator devices are added from `accelerator`."""
     port: int = Field(default=8000, ge=1, le=65535)
     """Port of the OpenAI-compatible API and /metrics."""
-    shm_size: Quantity = "8Gi"
+    shm_size: ByteCount = "8Gi"
     """Size of the in-memory /dev/shm volume (tensor-parallel workers share memory)."""
+    pod_labels: dict[LabelKey, LabelValue] = Field(
+        default_factory=dict, max_length=32, json_schema_extra=_NO_OPERATOR_KEYS
+    )
+    """Extra labels of the engine pods, e.g. {volcano.sh/queue-name: inference} (scheduler
+    metadata); the app.kubernetes.io/* labels are the operator's."""
+    pod_annotations: dict[LabelKey, AnnotationValue] = Field(
+        default_factory=dict, max_length=32, json_schema_extra=_NO_OPERATOR_KEYS
+    )
+    """Extra annotations of the engine pods, e.g. HAMi's {hami.io/vnpu-mode: hami-core} or
+    MindCluster's; keys under blend.holeblend.io/ are the operator's."""
+    termination_grace_period_seconds: int = Field(default=120, ge=30, le=3600)
+    """How long a stopping engine pod may take: a preStop pause lets the Service stop
+    routing to it, then in-flight requests finish before the pod is killed."""
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_reserved_flags(cls, args: list[str]) -> list[str]:
+        problem = reserved.reserved_flag_problem(args)
+        if problem:
+            raise ValueError(problem)
+        return args
+
+    @field_validator("env")
+    @classmethod
+    def _no_reserved_env(cls, env: list["EnvVar"]) -> list["EnvVar"]:
+        problem = reserved.reserved_env_problem([var.name for var in env])
+        if problem:
+            raise ValueError(problem)
+        return env
+
+    @field_validator("pod_labels", "pod_annotations")
+    @classmethod
+    def _no_operator_keys(cls, meta: dict[str, str]) -> dict[str, str]:
+        for key in meta:
+            if key.startswith(reserved.RESERVED_METADATA_PREFIXES):
+                raise ValueError(f"{key!r} is set by the operator; use a key of your own")
+        return meta
 
 
 class AcceleratorType(StrEnum):
@@ -247,13 +450,23 @@ _EXISTS_HAS_NO_VALUE = CelRule(
 )
 
 
+_SECONDS_NEED_NO_EXECUTE = CelRule(
+    rule="!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+    message="tolerationSeconds applies to effect NoExecute only; set effect: NoExecute or remove it",
+    check=lambda t: t.toleration_seconds is None or t.effect == "NoExecute",
+    field_path=".tolerationSeconds",
+)
+
+
 class Toleration(ApiModel):
     """A pod toleration, as in core/v1."""
 
     model_config = ConfigDict(
-        json_schema_extra=cel_schema_extra(_EQUAL_NEEDS_KEY, _EXISTS_HAS_NO_VALUE)
+        json_schema_extra=cel_schema_extra(
+            _EQUAL_NEEDS_KEY, _EXISTS_HAS_NO_VALUE, _SECONDS_NEED_NO_EXECUTE
+        )
     )
-    check_rules = cel_validator(_EQUAL_NEEDS_KEY, _EXISTS_HAS_NO_VALUE)
+    check_rules = cel_validator(_EQUAL_NEEDS_KEY, _EXISTS_HAS_NO_VALUE, _SECONDS_NEED_NO_EXECUTE)
 
     key: LabelKey | None = None
     """Taint key; empty with operator Exists tolerates every taint."""
@@ -263,8 +476,8 @@ class Toleration(ApiModel):
     """Taint value for operator Equal."""
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
     """Taint effect to tolerate; all effects when unset."""
-    toleration_seconds: int | None = Field(default=None, ge=0)
-    """How long a NoExecute taint is tolerated."""
+    toleration_seconds: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    """How long a NoExecute taint is tolerated; needs effect: NoExecute."""
 
 
 _DEVICES_NEED_COUNT = CelRule(
@@ -289,21 +502,36 @@ class AcceleratorSpec(ApiModel):
     )
     check_rules = cel_validator(_DEVICES_NEED_COUNT, _CPU_HAS_NO_RESOURCE)
 
-    type: AcceleratorType = AcceleratorType.ASCEND
+    type: AcceleratorType = Field(default=AcceleratorType.ASCEND, strict=False)
     """ascend (Huawei Ascend NPUs), nvidia (GPUs) or cpu."""
     count: int = Field(default=1, ge=0, le=64)
     """Devices per engine pod."""
     resource_name: ResourceName | None = None
     """Device plugin resource; huawei.com/Ascend910 (MindCluster) or nvidia.com/gpu by default.
     Set e.g. huawei.com/ascend-1980 for other Ascend device plugins."""
-    node_selector: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=64)
+    node_selector: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=32)
     """Node labels the engine pods require, e.g. {accelerator: huawei-Ascend910}."""
-    tolerations: list[Toleration] = Field(default_factory=list, max_length=64)
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
     """Taints of accelerator nodes the engine pods tolerate."""
     scheduler_name: DnsName | None = None
     """Scheduler of the engine pods, e.g. volcano; the default scheduler when unset."""
     driver_host_path: AbsolutePath = "/usr/local/Ascend/driver"
-    """Ascend only: the node's driver directory, mounted read-only into the engine."""
+    """Ascend only: the node's driver directory, mounted read-only where CANN looks for it
+    (/usr/local/Ascend/driver in the container) whatever its path on the node."""
+    hccn_conf_host_path: AbsolutePath | None = "/etc/hccn.conf"
+    """Ascend only: the node's NPU network settings, mounted read-only at /etc/hccn.conf when
+    engine.tensorParallelSize > 1 (HCCL reads it); null for nodes without one."""
+    network_interface: NetworkInterface | None = None
+    """Network interface for collective communication between the engine's device workers
+    (HCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, TP_SOCKET_IFNAME; NCCL_SOCKET_IFNAME on nvidia),
+    e.g. eth0; the libraries pick one when unset."""
+
+    @field_validator("driver_host_path", "hccn_conf_host_path")
+    @classmethod
+    def _allowed(cls, path: str | None, info: ValidationInfo) -> str | None:
+        if path is None:
+            return None
+        return host_paths.check_host_path(path, host_paths.prefixes_of(info.context))
 
     @property
     def effective_resource_name(self) -> str | None:
@@ -365,7 +593,7 @@ class KVTiers(ApiModel):
 class BlendSpec(ApiModel):
     """How prompts are split into segments and their cached KV blended."""
 
-    mode: BlendMode = BlendMode.HOLE
+    mode: BlendMode = Field(default=BlendMode.HOLE, strict=False)
     """hole: reuse every cached segment; prefix: stop at the first miss (CacheBlend); off."""
     separator: str = Field(default=contract.DEFAULT_SEPARATOR, min_length=1, max_length=64)
     """String between the system prompt, the documents and the question."""
@@ -374,16 +602,16 @@ class BlendSpec(ApiModel):
     K at layer 0 depends only on the token and its position)."""
     recompute_ratio: float = Field(default=contract.DEFAULT_RECOMPUTE_RATIO, gt=0, le=1)
     """Initial share of cached tokens recomputed, in (0, 1]; the tuner adjusts it."""
-    selection: Selection = Selection.K_DEVIATION
+    selection: Selection = Field(default=Selection.K_DEVIATION, strict=False)
     """How tokens to recompute are chosen: largest K deviation, or random (a baseline)."""
     chunk_size: int = Field(default=contract.DEFAULT_CHUNK_SIZE, ge=16, le=8192)
     """Tokens per KV storage chunk."""
     min_segment_tokens: int = Field(default=contract.DEFAULT_MIN_SEGMENT_TOKENS, ge=1, le=65536)
     """Segments shorter than this are recomputed, never cached."""
-    segment_context: SegmentContext = SegmentContext.AFTER_SYSTEM
+    segment_context: SegmentContext = Field(default=SegmentContext.AFTER_SYSTEM, strict=False)
     """afterSystem: cache a document's KV as computed right after the system prompt
     (about half the blending error at low ratios); alone: from position 0."""
-    store_policy: StorePolicy = StorePolicy.IN_CONTEXT
+    store_policy: StorePolicy = Field(default=StorePolicy.IN_CONTEXT, strict=False)
     """How a document the request computed gets cached: in-context keeps the KV the request
     computed (free); isolated recomputes it after the system prompt in a low-priority
     background worker (see docs/blending.md for the measured trade-off)."""
@@ -397,13 +625,19 @@ class LookupServerSpec(ApiModel):
     enabled: bool = True
     """Run the lookup server; without it each pod only knows its own cache."""
     replicas: int = Field(default=1, ge=1, le=16)
-    """Lookup server pods."""
-    image: str | None = Field(default=None, min_length=1)
+    """Lookup server pods. Each holds its own index, so more than one gives pods fewer
+    hits (never a wrong one); see docs/lookup-server.md."""
+    image: str | None = Field(default=None, min_length=1, max_length=512)
     """Container image; the holeblend runtime CPU image when unset."""
     port: int = Field(default=8100, ge=1, le=65535)
     """Port of the lookup API, /metrics and /healthz."""
-    resources: Resources = Field(default_factory=Resources)
-    """CPU and memory of a lookup server pod."""
+    resources: Resources = Field(
+        default_factory=lambda: Resources(
+            requests={"cpu": "250m", "memory": "256Mi"}, limits={"memory": "1Gi"}
+        )
+    )
+    """CPU and memory of a lookup server pod. The default fits the default index capacity
+    (1,000,000 segments took about 0.5 GiB when measured; one process uses one core)."""
 
 
 _BOUNDS_ORDERED = CelRule(
@@ -453,7 +687,7 @@ class ServiceMonitorSpec(ApiModel):
     """Create the ServiceMonitor (needs the monitoring.coreos.com CRDs)."""
     interval_seconds: int = Field(default=15, ge=1, le=3600)
     """Scrape interval."""
-    labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=64)
+    labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=32)
     """Extra labels, e.g. {release: prometheus} to match a Prometheus's selector."""
 
 
@@ -469,7 +703,7 @@ class DisruptionBudgetSpec(ApiModel):
 
     enabled: bool = True
     """Create the PodDisruptionBudget."""
-    max_unavailable: int = Field(default=1, ge=1)
+    max_unavailable: int = Field(default=1, ge=1, le=INT32_MAX)
     """Engine pods a voluntary disruption (drain) may take down at once."""
 
 
@@ -492,11 +726,25 @@ _RATIO_IN_BOUNDS = CelRule(
 )
 
 
+_NO_IDLE_DEVICES = CelRule(
+    rule="self.accelerator.type == 'cpu' || self.accelerator.count <= self.engine.tensorParallelSize",
+    message="accelerator.count exceeds engine.tensorParallelSize, so devices would sit idle; "
+    "set the count to the tensor-parallel size or raise the size",
+    check=lambda s: (
+        s.accelerator.type == AcceleratorType.CPU
+        or s.accelerator.count <= s.engine.tensor_parallel_size
+    ),
+    field_path=".accelerator.count",
+)
+
+
 class BlendDeploymentSpec(ApiModel):
     """Desired state of a BlendDeployment."""
 
-    model_config = ConfigDict(json_schema_extra=cel_schema_extra(_TP_FITS, _RATIO_IN_BOUNDS))
-    check_rules = cel_validator(_TP_FITS, _RATIO_IN_BOUNDS)
+    model_config = ConfigDict(
+        json_schema_extra=cel_schema_extra(_TP_FITS, _RATIO_IN_BOUNDS, _NO_IDLE_DEVICES)
+    )
+    check_rules = cel_validator(_TP_FITS, _RATIO_IN_BOUNDS, _NO_IDLE_DEVICES)
 
     model: ModelSpec
     """The served model."""
@@ -537,7 +785,7 @@ class Condition(ApiModel):
     """CamelCase reason code."""
     message: str = Field(default="", max_length=32768)
     """What happened and what to do, for a person."""
-    last_transition_time: str | None = None
+    last_transition_time: str | None = Field(default=None, max_length=64)
     """When status last changed (RFC 3339)."""
     observed_generation: int | None = Field(default=None, ge=0)
     """The spec generation the condition was computed from."""
@@ -553,7 +801,7 @@ class Phase(StrEnum):
 class TuningDecision(ApiModel):
     """One decision of the tuner."""
 
-    time: str
+    time: str = Field(max_length=64)
     """When it was taken (RFC 3339)."""
     direction: Literal["up", "down", "hold"]
     """What the tuner did to the ratio."""
@@ -561,7 +809,7 @@ class TuningDecision(ApiModel):
     """Ratio before."""
     to_ratio: float = Field(gt=0, le=1)
     """Ratio after."""
-    reason: str
+    reason: str = Field(max_length=1024)
     """Why, with the numbers it saw; starts with a reason code (e.g. `BelowTarget:`)."""
     inputs: "ObservedMetrics | None" = None
     """The windowed metrics the decision was taken on."""
@@ -594,7 +842,7 @@ class ObservedMetrics(ApiModel):
     """Mean time to first token."""
     num_samples: int | None = Field(default=None, ge=0)
     """F1-proxy samples in the window."""
-    observed_at: str | None = None
+    observed_at: str | None = Field(default=None, max_length=64)
     """When they were read (RFC 3339)."""
 
 
@@ -607,9 +855,9 @@ class BlendDeploymentStatus(ApiModel):
     """Engine pods that exist."""
     ready_replicas: int = 0
     """Engine pods that are ready."""
-    selector: str | None = None
+    selector: str | None = Field(default=None, max_length=1024)
     """Label selector of the engine pods (for the scale subresource and autoscalers)."""
-    phase: Phase = Phase.PENDING
+    phase: Phase = Field(default=Phase.PENDING, strict=False)
     """Pending, Progressing, Ready or Degraded."""
     conditions: list[Condition] = Field(default_factory=list, max_length=16)
     """Ready, Progressing, Degraded, LookupServerReady, Tuned."""

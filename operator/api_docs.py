@@ -72,4 +72,6 @@ def _constraints(node: dict[str, Any]) -> str:
 def _format(value: Any) -> str:
     if value is None:
         return ""
+    if isinstance(value, dict) and value:
+        return "its fields' defaults"  # the whole object repeats the table below it
     return f"`{json.dumps(value)}`"

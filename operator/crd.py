@@ -55,9 +55,14 @@ def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         elif key == "items":
             out[key] = structural(value, defs)
         elif key == "patternProperties":
-            out.update(_map_with_checked_keys(value, node.get("propertyNames", {}), defs))
+            checked = _map_with_checked_keys(value, node.get("propertyNames", {}), defs)
+            rules = checked.pop("x-kubernetes-validations")
+            out.update(checked)
+            out["x-kubernetes-validations"] = rules + out.get("x-kubernetes-validations", [])
         elif key == "const":
             out["enum"] = [value]
+        elif key == "x-kubernetes-validations":
+            out[key] = out.get(key, []) + copy.deepcopy(value)
         else:
             out[key] = copy.deepcopy(value)
     return _fix_bounds_and_defaults(out)
@@ -65,11 +70,26 @@ def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
 
 def _default_empty_object(node: dict[str, Any], is_required: bool) -> dict[str, Any]:
     # Sub-objects built by a default_factory carry no default in pydantic's schema; give
-    # them `{}` so the API server fills their own defaults in (as the models do).
+    # them the object an empty one becomes once defaulted (as the models do).
     is_object = node.get("type") == "object" and "properties" in node
     if is_object and not is_required and not node.get("nullable") and "default" not in node:
-        node["default"] = {}
+        node["default"] = complete_default(node)
     return node
+
+
+def complete_default(node: dict[str, Any]) -> dict[str, Any]:
+    """`{}` with every property default filled in: what the API server makes of `{}`.
+
+    The API server checks a default against its node's schema and CEL rules as written,
+    without filling in nested defaults (ValidateDefaults), so a rule like `self.count >= 1`
+    would fail on a bare `{}` and the CRD would be refused. Children are rewritten before
+    their parent, so their own defaults are already complete.
+    """
+    return {
+        name: copy.deepcopy(sub["default"])
+        for name, sub in node.get("properties", {}).items()
+        if "default" in sub
+    }
 
 
 def _resolve(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
@@ -114,10 +134,10 @@ def _fix_bounds_and_defaults(node: dict[str, Any]) -> dict[str, Any]:
         if isinstance(node.get(bound), int | float) and not isinstance(node[bound], bool):
             node[plain] = node[bound]
             node[bound] = True
-    # An object default of `{}` lets the API server fill in the nested defaults; a full
-    # dumped default would freeze today's nested defaults into the schema.
+    # An object default is what an empty object becomes (see complete_default); a dumped
+    # model instance would also carry fields that have no default of their own.
     if node.get("type") == "object" and isinstance(node.get("default"), dict):
-        node["default"] = {}
+        node["default"] = complete_default(node)
     return node
 
 

@@ -430,7 +430,8 @@ class Operator:
             if len(self._prepared) > 4096:
                 self._prepared.clear()
                 self._specs.clear()
-            result = reconcile.prepare(owner)  # InvalidSpec is not cached
+            # InvalidSpec is not cached
+            result = reconcile.prepare(owner, self.settings.host_path_prefixes)
             bd = result[0]
             self._specs[base] = bd.spec
             key = (*base, effective_recompute_ratio(bd))

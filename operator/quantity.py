@@ -1,4 +1,4 @@
-"""Kubernetes quantities ('4Gi', '512M', '1e9') as whole bytes, for the runtime's byte budgets."""
+"""Kubernetes quantities ('4Gi', '500m', '1e9'): exact values, and whole bytes for byte budgets."""
 
 import math
 import re
@@ -27,12 +27,18 @@ _QUANTITY = re.compile(
 )
 
 
-def quantity_bytes(quantity: str, field: str | None = None) -> int:
-    """Bytes in `quantity`, rounded up; ValueError (naming `field`, if given) when it is not a
-    quantity this parser reads (the API models check byte budgets with it)."""
-    match = _QUANTITY.fullmatch(quantity)
+def quantity_value(quantity: str, field: str | None = None) -> Decimal:
+    """The exact value of `quantity`; ValueError (naming `field`, if given) when it is not a
+    quantity this parser reads."""
+    match = _QUANTITY.fullmatch(str(quantity))
     if match is None:
         where = f"{field}: " if field else ""
         raise ValueError(f"{where}{quantity!r} is not a Kubernetes quantity like '4Gi'")
     number, suffix = match.groups()
-    return math.ceil(Decimal(number) * _SUFFIXES[suffix or ""])
+    return Decimal(number) * _SUFFIXES[suffix or ""]
+
+
+def quantity_bytes(quantity: str, field: str | None = None) -> int:
+    """Bytes in `quantity`, rounded up; ValueError (naming `field`, if given) when it is not a
+    quantity this parser reads (the API models check byte budgets with it)."""
+    return math.ceil(quantity_value(quantity, field))

@@ -19,6 +19,7 @@ import pydantic
 
 from holeblend_operator import kube, metrics
 from holeblend_operator.api import GROUP, BlendDeployment, format_validation_error
+from holeblend_operator.host_paths import DEFAULT_HOST_PATH_PREFIXES, validation_context
 from holeblend_operator.render import engine_name, lookup_name, render_children, selector_string
 from holeblend_operator.render.labels import MANAGED_BY, instance_label
 from holeblend_operator.status import (
@@ -51,16 +52,21 @@ class Options:
     prune: bool  # list owned children and delete those no longer rendered
 
 
-def parse(body: dict) -> BlendDeployment:
+def parse(
+    body: dict, host_path_prefixes: tuple[str, ...] = DEFAULT_HOST_PATH_PREFIXES
+) -> BlendDeployment:
+    context = validation_context(host_path_prefixes)
     try:
-        return BlendDeployment.model_validate(dict(body))
+        return BlendDeployment.model_validate(dict(body), context=context)
     except pydantic.ValidationError as exc:
         raise InvalidSpec(format_validation_error(exc)) from exc
 
 
-def prepare(body: dict) -> tuple[BlendDeployment, list[dict]]:
+def prepare(
+    body: dict, host_path_prefixes: tuple[str, ...] = DEFAULT_HOST_PATH_PREFIXES
+) -> tuple[BlendDeployment, list[dict]]:
     """The validated spec and the desired children (InvalidSpec if the spec is invalid)."""
-    bd = parse(body)
+    bd = parse(body, host_path_prefixes)
     return bd, desired_children(bd, body)
 
 

@@ -5,6 +5,8 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
+from holeblend_operator.host_paths import DEFAULT_HOST_PATH_PREFIXES
+
 ENV_PREFIX = "HOLEBLEND_OPERATOR_"
 
 
@@ -25,6 +27,8 @@ class OperatorSettings:
     api_concurrency: int = 16  # Kubernetes API requests in flight
     log_format: str = "json"  # json or plain
     log_level: str = "info"  # debug, info, warning
+    # node directories BlendDeployments may mount (hostPath); see holeblend_operator.host_paths
+    host_path_prefixes: tuple[str, ...] = DEFAULT_HOST_PATH_PREFIXES
 
     def __post_init__(self) -> None:
         for field in (
@@ -45,6 +49,11 @@ class OperatorSettings:
             raise ValueError(f"api_concurrency must be >= 1, got {self.api_concurrency}")
         if self.log_format not in ("json", "plain"):
             raise ValueError(f"log_format must be json or plain, got {self.log_format!r}")
+        for prefix in self.host_path_prefixes:
+            if not prefix.startswith("/") or ".." in prefix.split("/"):
+                raise ValueError(
+                    f"host_path_prefixes: {prefix!r} must be an absolute path without '..'"
+                )
         if self.log_level not in ("debug", "info", "warning"):
             raise ValueError(f"log_level must be debug, info or warning, got {self.log_level!r}")
 
@@ -60,6 +69,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 dest="namespaces",
                 action="append",
                 help=f"namespace to serve (repeatable; env {ENV_PREFIX}NAMESPACES, comma-separated)",
+            )
+        elif field.name == "host_path_prefixes":
+            parser.add_argument(
+                "--host-path-prefix",
+                dest="host_path_prefixes",
+                action="append",
+                help="node directory BlendDeployments may mount (repeatable; env "
+                f"{ENV_PREFIX}HOST_PATH_PREFIXES, comma-separated)",
             )
         else:
             parser.add_argument(
@@ -84,7 +101,7 @@ def from_sources(
 def _convert(field: dataclasses.Field, raw):
     default = field.default
     try:
-        if field.name == "namespaces":
+        if field.name in ("namespaces", "host_path_prefixes"):
             items = raw if isinstance(raw, list) else raw.split(",")
             return tuple(item.strip() for item in items if item.strip())
         if field.name == "peering":

@@ -9,7 +9,7 @@ up; for each one:
 2. The BlendDeployment is read afresh (the watched copy may be a write behind). Tuning
    starts from the spec's ratio whenever status.tuning.baseRatio is not the spec's ratio
    (first run, or a person edited spec.blend.recomputeRatio).
-3. The metrics come from Prometheus (spec.tuning.prometheusURL) or, without one, from the
+3. The metrics come from Prometheus (spec.tuning.prometheusUrl) or, without one, from the
    ready engine pods' /metrics (`tuning_sources`); `tuner.decide` picks the ratio.
 4. The decision goes into status under the owner's lock: recomputeRatio, tuning.baseRatio,
    the bounded history (a run of holds with the same reason is one entry, its time and
@@ -42,6 +42,7 @@ from holeblend_operator.tuning_sources import PrometheusSource, ScrapeSource, Ta
 
 LOG = logging.getLogger(__name__)
 TICK_S = 1.0
+WINDOW_INTERVALS = 10
 HISTORY_LENGTH = 20  # TuningStatus.history's bound
 TUNING_GAUGES = (
     metrics.TUNED_RATIO,
@@ -53,8 +54,10 @@ PEERING_KINDS = {k.kind: k for k in kube.FRAMEWORK_KINDS if k.group == "kopf.dev
 
 
 def window_seconds(spec: TuningSpec) -> float:
-    """How far back a reading looks: a cooldown, and at least two intervals."""
-    return float(max(spec.cooldown_seconds, 2 * spec.interval_seconds))
+    """How far back a reading looks: a cooldown, and at least ten intervals. Only samples
+    taken at the ratio in force count, so after a change the window fills from zero; a
+    long window lets a lightly loaded engine (few shadow samples) reach minSamples."""
+    return float(max(spec.cooldown_seconds, WINDOW_INTERVALS * spec.interval_seconds))
 
 
 def ratio_in_force(spec_ratio: float, status: dict) -> object:

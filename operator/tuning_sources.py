@@ -114,7 +114,7 @@ def _as_float(text: str) -> float:
 
 
 class PrometheusSource:
-    """PromQL against spec.tuning.prometheusURL; series are selected by namespace and the
+    """PromQL against spec.tuning.prometheusUrl; series are selected by namespace and the
     engine Service's name (the labels prometheus-operator's ServiceMonitor gives them)."""
 
     def __init__(self, url: str, session: aiohttp.ClientSession, timeout_s: float = TIMEOUT_S):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -64,6 +65,9 @@ class DirectoryKVStore:
             return None
         os.utime(path)
         return kv
+
+    def get_many(self, keys: Sequence[str]) -> list[SegmentKV | None]:
+        return [self.get(key) for key in keys]
 
     def put(self, kv: SegmentKV) -> bool:
         if kv.num_bytes > self.capacity_bytes:

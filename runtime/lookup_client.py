@@ -14,12 +14,14 @@
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import logging
 import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -56,6 +58,12 @@ class LookupConnection:
         self.address = (host, port)
         self.timeout_s = timeout_s
         self._sock: socket.socket | None = None
+        # Name resolution has no timeout of its own and a broken cluster DNS can hang for
+        # seconds: it runs on a helper thread, waited on only within the call's budget, and
+        # its answer is kept (a Service's ClusterIP does not change) until a connect fails.
+        self._resolver: ThreadPoolExecutor | None = None
+        self._resolving: Future | None = None
+        self._resolved: tuple | None = None
         self._head = f"POST {wire.RPC_PATH} HTTP/1.1\r\nHost: {host}\r\nContent-Type: {wire.CONTENT_TYPE}\r\n"
 
     def call(self, message: dict) -> dict:
@@ -76,10 +84,43 @@ class LookupConnection:
         return self._read_reply(sock, deadline)
 
     def _connect(self) -> socket.socket:
-        sock = socket.create_connection(self.address, timeout=self.timeout_s)
+        family, address = self._resolve()
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.timeout_s)
+            sock.connect(address)
+        except OSError:
+            sock.close()
+            self._resolved = None  # the Service may have moved: resolve again next time
+            raise
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = sock
         return sock
+
+    def _resolve(self) -> tuple:
+        """(family, sockaddr) of the server; TimeoutError when DNS is slower than the budget."""
+        if self._resolved is not None:
+            return self._resolved
+        host, port = self.address
+        if _is_ip_literal(host):
+            info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+            self._resolved = (info[0], info[4])
+            return self._resolved
+        if self._resolving is None:
+            self._resolver = self._resolver or ThreadPoolExecutor(1, "lookup-dns")
+            self._resolving = self._resolver.submit(
+                socket.getaddrinfo, host, port, type=socket.SOCK_STREAM
+            )
+        try:
+            infos = self._resolving.result(timeout=self.timeout_s)  # TimeoutError: an OSError
+        except TimeoutError:
+            raise  # still resolving: a later call picks the answer up
+        except OSError:
+            self._resolving = None  # failed: ask again next time
+            raise
+        self._resolving = None
+        self._resolved = (infos[0][0], infos[0][4])
+        return self._resolved
 
     def _read_reply(self, sock: socket.socket, deadline: float) -> bytes:
         """The reply body; the whole reply must arrive before `deadline`, not each read."""
@@ -98,6 +139,20 @@ class LookupConnection:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+    def shutdown(self) -> None:
+        """Close the socket and the resolver thread."""
+        self.close()
+        if self._resolver is not None:
+            self._resolver.shutdown(wait=False, cancel_futures=True)
+
+
+def _is_ip_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def _recv(sock: socket.socket, deadline: float) -> bytes:
@@ -231,7 +286,7 @@ class LookupClient:
 
     def close(self) -> None:
         with self._lock:
-            self._connection.close()
+            self._connection.shutdown()
 
 
 def _location(hit: list | None) -> Location | None:
@@ -272,6 +327,8 @@ class Announcer:
         self.holdings = holdings
         self.config = config or AnnouncerConfig()
         self._pending: list[tuple[str, object]] = []
+        # Announcements taken from `_pending` and not yet answered (for `flush`).
+        self._num_sending = 0
         self._cond = threading.Condition()
         self._stopping = False
         self._needs_resync = True
@@ -307,9 +364,9 @@ class Announcer:
         """Wait until queued announcements were sent (for tests and shutdown)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while self._pending and time.monotonic() < deadline:
+            while (self._pending or self._num_sending) and time.monotonic() < deadline:
                 self._cond.wait(0.01)
-            return not self._pending
+            return not (self._pending or self._num_sending)
 
     def stop(self) -> None:
         with self._cond:
@@ -328,8 +385,11 @@ class Announcer:
                 if not self._pending:
                     self._cond.wait(max(0.0, next_heartbeat - time.monotonic()))
                 batch, self._pending = self._pending, []
-                self._cond.notify_all()
+                self._num_sending = len(batch)
             self._send(batch)
+            with self._cond:
+                self._num_sending = 0
+                self._cond.notify_all()
             if time.monotonic() >= next_heartbeat:
                 self._heartbeat()
                 next_heartbeat = time.monotonic() + self.config.heartbeat_s

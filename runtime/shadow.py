@@ -5,7 +5,7 @@ prefill of the same prompt, in the background, and scores the blended request ag
 
 1. `offer` samples the request, and drops it at once (never queues it) when requests are
    waiting or the shadow slots are taken: serving never waits for a shadow.
-2. A worker thread at the lowest CPU priority runs full prefill in chunks of
+2. A worker thread at low CPU priority (nice 10) runs full prefill in chunks of
    `chunk_tokens`; between chunks and decode steps it pauses while the engine is busy, so a
    request waits at most one chunk for the CPU, and gives the sample up (`preempted`) if it
    stays paused longer than `max_pause_s`.
@@ -41,7 +41,10 @@ from holeblend_runtime.segments import SegmentedPrompt
 
 LOG = logging.getLogger(__name__)
 PROXY_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.99, 1.0)
-LOWEST_PRIORITY = 19  # nice value of the worker thread (Linux: per thread)
+# Nice value of the worker thread (Linux: per thread). Low, but not the lowest: pausing
+# while the engine serves is what keeps serving first; on a machine shared with other
+# busy processes, nice 19 starved the shadow of any CPU at all.
+SHADOW_NICE = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,4 +257,4 @@ class ShadowScorer:
 def _lower_own_priority() -> None:
     # Linux applies setpriority to one thread when given its id; elsewhere this is a no-op.
     with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOWEST_PRIORITY)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SHADOW_NICE)

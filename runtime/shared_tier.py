@@ -271,15 +271,21 @@ class SharedTier:
 
     def get_checked(self, expected: BlobHeader) -> tuple[BlobHeader, memoryview] | None:
         """The blob of `expected.key` if it matches `expected`; None for a miss or a bad blob."""
+        return self.load(expected)[0]
+
+    def load(self, expected: BlobHeader) -> tuple[tuple[BlobHeader, memoryview] | None, bool]:
+        """(`get_checked`'s answer, whether Redis answered): a None with False is a failed or
+        skipped call, so the blob may still be there; with True it is gone or unusable."""
+        num_failed = self.stats.errors + self.stats.skipped_by_breaker
         blob = self.get_blob(expected.key)
         if blob is None:
-            return None
+            return None, self.stats.errors + self.stats.skipped_by_breaker == num_failed
         try:
-            return decode_blob(blob, expected)
+            return decode_blob(blob, expected), True
         except BlobError as error:
             self.stats.bad_blobs += 1
             log.warning("shared tier: refusing blob of segment %s: %s", expected.key, error)
-            return None
+            return None, True
 
     def delete(self, segment_key: str) -> None:
         self._call("delete", self.redis_key(segment_key))

@@ -206,9 +206,9 @@ class TieredKVStore:
 
     def _load_shared(self, key: str) -> SegmentKV | None:
         assert self.shared is not None
-        checked = self.shared.get_checked(self.layout.header(key))
+        checked, is_answer = self.shared.load(self.layout.header(key))
         if checked is None:
-            self._load_failed(key)
+            self._load_failed(key, is_gone=is_answer)
             return None
         kv = _payload_to_kv(*checked)
         self.stats.shared_hits += 1
@@ -216,12 +216,14 @@ class TieredKVStore:
             self._announce(kv, shared=True)
         return kv
 
-    def _load_failed(self, key: str) -> None:
-        """An advertised segment did not load: compute it, and stop advertising it."""
+    def _load_failed(self, key: str, is_gone: bool) -> None:
+        """An advertised segment did not load: it is computed. When Redis said it is gone
+        (evicted, corrupt, foreign), the lookup server stops advertising it; after a failed
+        call it may still be there, and nothing is said."""
         if self.lookup is None:
             return  # nothing advertised it: a plain miss
         self.stats.load_failures += 1
-        if self.announcer is not None:
+        if is_gone and self.announcer is not None:
             self.announcer.evict(key, shared=True)
 
     # --- announcements --------------------------------------------------------------------

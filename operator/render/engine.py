@@ -9,7 +9,7 @@ from holeblend_operator.render import serve
 from holeblend_operator.render.images import engine_image
 from holeblend_operator.render.labels import ENGINE, engine_selector, object_meta, standard_labels
 from holeblend_operator.render.naming import engine_name, runtime_config_name
-from holeblend_operator.render.pods import POD_HARDENING, health_probe
+from holeblend_operator.render.pods import POD_HARDENING, health_probe, probe_budget_seconds
 from holeblend_operator.render.runtime_config import CONFIG_DIR, CONFIG_PATH, config_hash
 from holeblend_operator.render.shared_tier import shared_tier_env
 
@@ -19,6 +19,11 @@ CONFIG_HASH_ANNOTATION = "blend.holeblend.io/runtime-config-hash"
 CONNECTOR_CLASS = "HoleBlendConnector"
 CONNECTOR_MODULE = "holeblend_runtime.vllm_connector"
 HEALTH_PATH = "/health"
+# Stopping engine: wait this long (the pod still serves) so endpoints drop it before vLLM
+# gets SIGTERM; the rest of terminationGracePeriodSeconds lets in-flight requests finish.
+PRE_STOP_SLEEP_SECONDS = 15
+# Time for scheduling and pulling a multi-GiB image, on top of the startup probe's budget.
+ROLLOUT_MARGIN_SECONDS = 600
 
 
 def model_argument(source: ModelSource) -> str:
@@ -93,7 +98,11 @@ def vllm_args(bd: BlendDeployment) -> list[str]:
 
 def engine_env(bd: BlendDeployment) -> list[dict]:
     """Our variables first, then the user's; a user variable replaces ours of the same name."""
-    ours = [EnvVar(name="HOLEBLEND_CONFIG", value=CONFIG_PATH), *accel.accelerator_env(bd)]
+    ours = [
+        EnvVar(name="HOLEBLEND_CONFIG", value=CONFIG_PATH),
+        *accel.accelerator_env(bd),
+        *accel.scratch_env(bd.spec.accelerator),
+    ]
     user_names = {var.name for var in bd.spec.engine.env}
     kept = [var for var in ours if var.name not in user_names]
     plain = [{"name": var.name, "value": var.value} for var in kept]
@@ -125,6 +134,8 @@ def engine_container(bd: BlendDeployment) -> dict:
         "ports": [{"name": "http", "containerPort": engine.port, "protocol": "TCP"}],
         "resources": accel.container_resources(bd),
         "volumeMounts": engine_volume_mounts(bd),
+        "securityContext": accel.container_security(accelerator),
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SLEEP_SECONDS}}},
     }
     container |= probes()
     if serve.runs_holeblend_serve(bd):
@@ -139,7 +150,8 @@ def engine_volume_mounts(bd: BlendDeployment) -> list[dict]:
         {"name": "runtime-config", "mountPath": CONFIG_DIR, "readOnly": True},
         {"name": "shm", "mountPath": "/dev/shm"},
         *model_volume_mounts(bd.spec.model.source),
-        *accel.host_volume_mounts(bd.spec.accelerator),
+        *accel.host_volume_mounts(bd),
+        *accel.scratch_volume_mounts(bd.spec.accelerator),
     ]
 
 
@@ -150,7 +162,8 @@ def engine_volumes(bd: BlendDeployment) -> list[dict]:
         {"name": "runtime-config", "configMap": config},
         {"name": "shm", "emptyDir": shm},
         *model_volumes(bd.spec.model.source),
-        *accel.host_volumes(bd.spec.accelerator),
+        *accel.host_volumes(bd),
+        *accel.scratch_volumes(bd.spec.accelerator),
     ]
 
 
@@ -159,6 +172,8 @@ def pod_spec(bd: BlendDeployment) -> dict:
         "containers": [engine_container(bd)],
         "volumes": engine_volumes(bd),
         **POD_HARDENING,
+        "securityContext": accel.pod_security(bd.spec.accelerator),
+        "terminationGracePeriodSeconds": bd.spec.engine.termination_grace_period_seconds,
     }
     return spec | accel.scheduling(bd.spec.accelerator)
 
@@ -171,12 +186,26 @@ def rollout_strategy(bd: BlendDeployment) -> dict:
     return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
 
 
+def progress_deadline_seconds() -> int:
+    # A slow model load is not a failed rollout: the deadline covers the startup probe's
+    # whole budget plus scheduling and the image pull.
+    return probe_budget_seconds(probes()["startupProbe"]) + ROLLOUT_MARGIN_SECONDS
+
+
+def pod_template_metadata(bd: BlendDeployment) -> dict:
+    """The user's pod labels and annotations (scheduler metadata) plus ours; the API models
+    refuse user keys under our prefixes, so nothing is overwritten."""
+    engine = bd.spec.engine
+    annotations = {CONFIG_HASH_ANNOTATION: config_hash(bd)}
+    return {
+        "labels": dict(sorted(engine.pod_labels.items())) | standard_labels(bd, ENGINE),
+        "annotations": dict(sorted(engine.pod_annotations.items())) | annotations,
+    }
+
+
 def engine_deployment(bd: BlendDeployment) -> dict:
     name = engine_name(bd.metadata.name)
-    template_meta = {
-        "labels": standard_labels(bd, ENGINE),
-        "annotations": {CONFIG_HASH_ANNOTATION: config_hash(bd)},
-    }
+    template_meta = pod_template_metadata(bd)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -185,6 +214,7 @@ def engine_deployment(bd: BlendDeployment) -> dict:
             "replicas": bd.spec.replicas,
             "selector": {"matchLabels": engine_selector(bd)},
             "strategy": rollout_strategy(bd),
+            "progressDeadlineSeconds": progress_deadline_seconds(),
             "template": {"metadata": template_meta, "spec": pod_spec(bd)},
         },
     }

@@ -9,7 +9,13 @@ from holeblend_operator.render.labels import (
     standard_labels,
 )
 from holeblend_operator.render.naming import lookup_name
-from holeblend_operator.render.pods import POD_HARDENING, health_probe, resources
+from holeblend_operator.render.pods import (
+    POD_HARDENING,
+    RESTRICTED_CONTAINER_SECURITY,
+    RESTRICTED_POD_SECURITY,
+    health_probe,
+    resources,
+)
 
 # The runtime module that serves the index; the contract with holeblend_runtime.
 LOOKUP_SERVER_MODULE = "holeblend_runtime.lookup_server"
@@ -31,12 +37,17 @@ def lookup_container(bd: BlendDeployment) -> dict:
             HEALTH_PATH, periodSeconds=10, timeoutSeconds=3, failureThreshold=3
         ),
     }
+    container["securityContext"] = dict(RESTRICTED_CONTAINER_SECURITY)
     return container | {"resources": resources(server.resources.requests, server.resources.limits)}
 
 
 def lookup_deployment(bd: BlendDeployment) -> dict:
     name = lookup_name(bd.metadata.name)
-    pod_spec = {"containers": [lookup_container(bd)], **POD_HARDENING}
+    pod_spec = {
+        "containers": [lookup_container(bd)],
+        **POD_HARDENING,
+        "securityContext": dict(RESTRICTED_POD_SECURITY),
+    }
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

@@ -85,6 +85,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     load.add_argument("--clients", type=int, default=4, help="concurrent closed-loop clients")
     load.add_argument("--requests", type=int, default=32, help="measured requests per mode")
     load.add_argument("--warmup", type=int, default=8, help="unmeasured requests first")
+    load.add_argument("--blocks", type=int, default=4, help="rounds over the modes")
     load.add_argument("--corpus", type=int, default=40, help="documents in the corpus")
     load.add_argument("--request-documents", type=int, default=6, help="documents per request")
     load.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of popularity")
@@ -168,6 +169,7 @@ def load_config(args: argparse.Namespace) -> LoadConfig:
         ratio=args.load_ratio,
         num_clients=args.clients,
         max_tokens=args.max_new_tokens,
+        num_blocks=args.blocks,
     )
 
 

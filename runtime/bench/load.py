@@ -1,18 +1,22 @@
 """holeblend-bench --load: full prefill vs prefix vs hole mode through the real server.
 
 1. One seeded Zipf request stream (`load_workload`), the same for every mode.
-2. For each mode (full first, whose answers are the reference), start one
-   `holeblend-serve` on 127.0.0.1 with a `blend.json` for that mode, wait until ready,
-   send the warm-up requests, then the measured ones through `num_clients` closed-loop
-   streaming clients, and stop the server. One server at a time: each gets the machine.
-3. One result row per mode: throughput, TTFT percentiles, the reused share the server
-   reports in `usage`, and agreement of the greedy answers with full prefill's.
+2. Start one `holeblend-serve` per mode on 127.0.0.1, each with a `blend.json` for its
+   mode, and wait until all are ready; send each its warm-up requests.
+3. Cut the measured requests into `num_blocks` blocks in stream order and send block
+   after block, each block to every mode's server in turn through `num_clients`
+   closed-loop streaming clients. Only one server works at a time, and background load
+   on a shared machine falls on all modes alike (as the offline bench interleaves).
+4. One result row per mode: throughput over its blocks' wall time, TTFT percentiles, the
+   reused share the server reports in `usage`, and agreement of the greedy answers with
+   full prefill's (full's answers are the reference). Servers stop with SIGTERM.
 """
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +58,8 @@ class LoadConfig:
     ratio: float = 0.15
     num_clients: int = 4
     max_tokens: int = 12
+    # Measured requests are sent in this many rounds over the modes.
+    num_blocks: int = 4
     timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
@@ -63,6 +69,8 @@ class LoadConfig:
             raise ValueError(f"ratio: must be within [0, 1], got {self.ratio}")
         if self.num_clients < 1:
             raise ValueError(f"num_clients: must be >= 1, got {self.num_clients}")
+        if self.num_blocks < 1:
+            raise ValueError(f"num_blocks: must be >= 1, got {self.num_blocks}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
 
@@ -83,34 +91,39 @@ def run_load(
 ) -> list[dict[str, Any]]:
     """One row per mode, in `LOAD_MODES` order; server logs land in `workdir`."""
     modes = [m for m in LOAD_MODES if m in config.modes]
-    references: dict[int, str] | None = None
-    rows = []
-    for mode in modes:
-        outcomes, wall_s = _run_mode(config, mode, requests, workdir)
-        if mode == FULL:
-            references = {o.index: o.text for o in outcomes if o.is_ok}
-        ratio = None if mode == FULL else config.ratio
-        rows.append(
-            summarize_load(mode, ratio, config.num_clients, outcomes, wall_s, references,
-                           tokenize, {r.index: r.question for r in requests})
-        )  # fmt: skip
-    return rows
+    outcomes: dict[str, list[Outcome]] = {mode: [] for mode in modes}
+    wall_s = dict.fromkeys(modes, 0.0)
+    with ExitStack() as stack:
+        servers = {mode: stack.enter_context(_server(config, mode, workdir)) for mode in modes}
+        for server in servers.values():
+            server.wait_ready(config.timeout_s)
+        models = {mode: server.model_name() for mode, server in servers.items()}
+        for block in [[r for r in requests if r.is_warmup], *_blocks(requests, config)]:
+            for mode, server in servers.items():
+                done, seconds = drive(server.port, block, models[mode], config.num_clients,
+                                      config.max_tokens, config.timeout_s)  # fmt: skip
+                if not block[0].is_warmup:
+                    outcomes[mode] += done
+                    wall_s[mode] += seconds
+    references = {o.index: o.text for o in outcomes.get(FULL, ()) if o.is_ok} or None
+    questions = {r.index: r.question for r in requests}
+    return [
+        summarize_load(mode, None if mode == FULL else config.ratio, config.num_clients,
+                       outcomes[mode], wall_s[mode], references, tokenize, questions)
+        for mode in modes
+    ]  # fmt: skip
 
 
-def _run_mode(
-    config: LoadConfig, mode: str, requests: Sequence[LoadRequest], workdir: Path
-) -> tuple[list[Outcome], float]:
+def _server(config: LoadConfig, mode: str, workdir: Path) -> ServeProcess:
     settings_path = workdir / f"blend-{mode}.json"
     settings_path.write_text(blend_settings(mode, config.ratio))
-    warmup = [r for r in requests if r.is_warmup]
+    return ServeProcess(settings_path, workdir / f"serve-{mode}.log")
+
+
+def _blocks(requests: Sequence[LoadRequest], config: LoadConfig) -> list[list[LoadRequest]]:
     measured = [r for r in requests if not r.is_warmup]
-    with ServeProcess(settings_path, workdir / f"serve-{mode}.log") as server:
-        server.wait_ready(config.timeout_s)
-        model = server.model_name()
-        drive(server.port, warmup, model, config.num_clients, config.max_tokens, config.timeout_s)
-        return drive(
-            server.port, measured, model, config.num_clients, config.max_tokens, config.timeout_s
-        )
+    size = -(-len(measured) // config.num_blocks)
+    return [measured[i : i + size] for i in range(0, len(measured), size)]
 
 
 def summarize_load(

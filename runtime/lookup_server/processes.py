@@ -49,8 +49,11 @@ class LookupProcess:
     def start(self) -> LookupProcess:
         command = [sys.executable, "-I", "-m", "holeblend_runtime.lookup_server"]
         command += ["--host", "127.0.0.1", "--port", str(self.port), "--log-level", "WARNING"]
-        command += ["--drain-seconds", "0"]
-        self.process = subprocess.Popen([*command, *self.extra_args])
+        return self.start_command([*command, "--drain-seconds", "0", *self.extra_args])
+
+    def start_command(self, command: list[str]) -> LookupProcess:
+        """Start `command` (a lookup server listening on this port) and wait until it is ready."""
+        self.process = subprocess.Popen(command)
         _wait_until(self.is_ready, 30, "the lookup server", self.process)
         return self
 

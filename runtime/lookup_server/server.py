@@ -9,13 +9,15 @@
 3. Requests over the size limits, malformed frames, unknown operations and versions get
    a clear error reply; a connection whose framing is broken is answered and closed.
    Nothing a client sends stops the server from serving the others.
-4. A timer drops pods that stopped heartbeating.
+4. A timer drops pods that stopped heartbeating, and moves the (acyclic, long-lived)
+   index entries out of the cyclic garbage collector's reach (`gc.freeze`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import signal
@@ -106,6 +108,10 @@ class LookupServer:
             await asyncio.sleep(period)
             for pod in self.index.drop_silent_pods():
                 log.info("pod %s stopped heartbeating; its locations are dropped", pod)
+            # Index entries are long-lived and hold no reference cycles (refcounting frees
+            # them): keep them out of the cyclic collector, whose full passes over 300,000
+            # entries took 166 ms here, a stall of every lookup.
+            gc.freeze()
 
     # --- request handling (inline on the loop) ----------------------------------------
 

@@ -286,7 +286,7 @@ class Server:
         )
         await response.prepare(request)
         text = IncrementalText(self.engine.tokenizer.decode)
-        prefill, is_first, outcome = None, True, "ok"
+        prefill, finish, is_first, outcome = None, "stop", True, "ok"
         try:
             async for event in self._events(job):
                 if isinstance(event, PrefillDone):
@@ -296,7 +296,8 @@ class Server:
                     is_first = False
                 elif isinstance(event, Finished) and event.reason in ("timeout", "cancelled"):
                     raise TimeoutError
-            finish = "length" if len(text.token_ids) == job.max_tokens else "stop"
+                elif isinstance(event, Finished):
+                    finish = event.reason
             await response.write(sse(writer.chunk(text.rest(), finish, first=is_first)))
             if rag.include_usage:
                 await response.write(sse(writer.usage_chunk(usage(prefill, len(text.token_ids)))))

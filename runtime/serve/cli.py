@@ -17,6 +17,7 @@ from aiohttp import web
 from holeblend_contract.blend_settings import BlendSettingsError
 from holeblend_runtime.serve.app import Server
 from holeblend_runtime.serve.settings import ServeSettings, parse_settings
+from holeblend_runtime.tiered_store import TieredKVStore
 
 log = logging.getLogger("holeblend_runtime.serve")
 
@@ -54,6 +55,8 @@ async def serve(server: Server, settings: ServeSettings) -> int:
     await runner.cleanup()
     if server.worker is not None:
         server.worker.stop()
+    if server.engine is not None and isinstance(server.engine.store, TieredKVStore):
+        server.engine.store.close()  # its announcer thread must not outlive the interpreter
     log.info("stopped")
     return status
 

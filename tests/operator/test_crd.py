@@ -65,10 +65,13 @@ def test_exclusive_bounds_use_openapi_booleans():
     assert ratio["maximum"] == 1 and "exclusiveMaximum" not in ratio
 
 
-def test_object_defaults_are_empty_so_nested_defaults_apply():
+def test_object_defaults_are_complete_so_their_rules_can_read_them():
     spec = _schema()["properties"]["spec"]["properties"]
-    assert spec["blend"]["default"] == {}
     assert spec["blend"]["properties"]["mode"]["default"] == "hole"
+    assert spec["blend"]["default"]["mode"] == "hole"
+    assert spec["blend"]["default"]["kv"] == spec["blend"]["properties"]["kv"]["default"]
+    assert spec["accelerator"]["default"]["type"] == "ascend"
+    assert spec["accelerator"]["default"]["count"] == 1
 
 
 def test_scale_subresource_points_at_replicas_and_selector():

@@ -204,9 +204,9 @@ def configured_ratio(result) -> float:
 def test_renders_are_cached_per_effective_ratio(monkeypatch, ratio, statuses, renders, last_ratio):
     calls = []
 
-    def counting_prepare(body):
+    def counting_prepare(body, *args):
         calls.append(body)
-        return real_prepare(body)
+        return real_prepare(body, *args)
 
     real_prepare = reconcile.prepare
     monkeypatch.setattr(reconcile, "prepare", counting_prepare)

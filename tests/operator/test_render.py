@@ -290,7 +290,8 @@ def test_children_come_in_a_stable_order():
 
 def test_ascend_pods_request_the_configured_resource_name():
     bd = make_bd(
-        accelerator={"type": "ascend", "count": 2, "resourceName": "huawei.com/ascend-1980"}
+        accelerator={"type": "ascend", "count": 2, "resourceName": "huawei.com/ascend-1980"},
+        engine={"tensorParallelSize": 2},
     )
     resources = engine_container(bd)["resources"]
     assert resources["requests"]["huawei.com/ascend-1980"] == "2"
@@ -311,7 +312,10 @@ def test_device_count_wins_over_a_user_set_device_resource():
         accelerator={"type": "ascend", "count": 4},
         engine={
             "tensorParallelSize": 4,
-            "resources": {"requests": {"huawei.com/Ascend910": "1", "cpu": "8"}},
+            "resources": {
+                "requests": {"huawei.com/Ascend910": "1", "cpu": "8"},
+                "limits": {"huawei.com/Ascend910": "1"},
+            },
         },
     )
     resources = engine_container(bd)["resources"]
@@ -319,36 +323,95 @@ def test_device_count_wins_over_a_user_set_device_resource():
     assert resources["limits"] == {"huawei.com/Ascend910": "4"}
 
 
-def test_ascend_pods_mount_the_driver_from_the_node_read_only():
-    bd = make_bd(accelerator={"type": "ascend", "driverHostPath": "/opt/Ascend/driver"})
+def test_ascend_pods_mount_the_driver_from_the_node_read_only_where_cann_looks():
+    bd = make_bd(accelerator={"type": "ascend", "driverHostPath": "/usr/local/Ascend/drv-24"})
     pod = engine_pod(bd)["spec"]
     host_paths = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
     assert set(host_paths.values()) == {
-        "/opt/Ascend/driver",
+        "/usr/local/Ascend/drv-24",
         "/usr/local/dcmi",
         "/usr/local/bin/npu-smi",
         "/etc/ascend_install.info",
     }
     mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
     for name, path in host_paths.items():
-        assert mounts[name]["mountPath"] == path and mounts[name]["readOnly"] is True
+        expected = "/usr/local/Ascend/driver" if name == "ascend-driver" else path
+        assert mounts[name]["mountPath"] == expected and mounts[name]["readOnly"] is True
+
+
+def test_multi_npu_ascend_pods_get_hccn_conf_and_the_interface_env():
+    bd = make_bd(
+        accelerator={"type": "ascend", "count": 2, "networkInterface": "eth1"},
+        engine={"tensorParallelSize": 2},
+    )
+    pod = engine_pod(bd)["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["ascend-hccn-conf"]["hostPath"] == {"path": "/etc/hccn.conf", "type": "File"}
+    env = env_of(pod["containers"][0])
+    assert env["HCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "eth1"
+    assert env["TP_SOCKET_IFNAME"] == "eth1"
+
+
+def test_single_npu_pods_mount_no_hccn_conf():
+    pod = engine_pod(make_bd(accelerator={"type": "ascend"}))["spec"]
+    assert "ascend-hccn-conf" not in {v["name"] for v in pod["volumes"]}
+
+
+def test_pod_labels_and_annotations_pass_through_beside_ours():
+    bd = make_bd(
+        engine={
+            "podLabels": {"volcano.sh/queue-name": "inference"},
+            "podAnnotations": {"hami.io/vnpu-mode": "hami-core"},
+        }
+    )
+    meta = engine_pod(bd)["metadata"]
+    assert meta["labels"]["volcano.sh/queue-name"] == "inference"
+    assert meta["labels"]["app.kubernetes.io/component"] == "engine"
+    assert meta["annotations"]["hami.io/vnpu-mode"] == "hami-core"
+    assert CONFIG_HASH_ANNOTATION in meta["annotations"]
+
+
+def test_rollout_deadline_covers_the_startup_probe_budget():
+    deployment = find(render_children(make_bd()), "Deployment", "engine")
+    startup = deployment["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
+    budget = startup["periodSeconds"] * startup["failureThreshold"]
+    assert deployment["spec"]["progressDeadlineSeconds"] > budget
+
+
+def test_engine_pods_drain_before_they_stop():
+    pod = engine_pod(make_bd(engine={"terminationGracePeriodSeconds": 300}))["spec"]
+    sleep = pod["containers"][0]["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pod["terminationGracePeriodSeconds"] == 300 > sleep
+
+
+def test_cpu_and_nvidia_engines_and_lookup_pods_are_restricted():
+    for accelerator in ({"type": "cpu", "count": 0}, {"type": "nvidia"}):
+        children = render_children(make_bd(accelerator=accelerator))
+        for component in ("engine", "lookup-server"):
+            pod = find(children, "Deployment", component)["spec"]["template"]["spec"]
+            assert pod["securityContext"]["runAsNonRoot"] is True
+            assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+            container = pod["containers"][0]["securityContext"]
+            assert container["allowPrivilegeEscalation"] is False
+            assert container["capabilities"] == {"drop": ["ALL"]}
+            assert not [v for v in pod["volumes"] if "hostPath" in v] if "volumes" in pod else True
 
 
 def test_ascend_visible_devices_are_numbered_from_zero():
-    bd = make_bd(accelerator={"type": "ascend", "count": 4})
+    bd = make_bd(accelerator={"type": "ascend", "count": 4}, engine={"tensorParallelSize": 4})
     assert env_of(engine_container(bd))["ASCEND_RT_VISIBLE_DEVICES"] == "0,1,2,3"
 
 
-def test_user_set_visible_devices_replace_ours():
+def test_user_set_visible_devices_are_refused():
     env = [{"name": "ASCEND_RT_VISIBLE_DEVICES", "value": "1"}]
-    container = engine_container(make_bd(accelerator={"count": 2}, engine={"env": env}))
-    names = [var["name"] for var in container["env"]]
-    assert names.count("ASCEND_RT_VISIBLE_DEVICES") == 1
-    assert env_of(container)["ASCEND_RT_VISIBLE_DEVICES"] == "1"
+    with pytest.raises(ValueError, match="set accelerator.count instead"):
+        make_bd(engine={"env": env})
 
 
 def test_nvidia_pods_request_gpus_and_no_ascend_mounts():
-    container = engine_container(make_bd(accelerator={"type": "nvidia", "count": 2}))
+    container = engine_container(
+        make_bd(accelerator={"type": "nvidia", "count": 2}, engine={"tensorParallelSize": 2})
+    )
     assert container["resources"]["limits"] == {"nvidia.com/gpu": "2"}
     assert "ASCEND_RT_VISIBLE_DEVICES" not in env_of(container)
     assert not [m for m in container["volumeMounts"] if m["name"].startswith("ascend")]

@@ -73,3 +73,20 @@ def test_the_breaker_lets_a_trial_call_through_after_its_open_period():
 def test_bad_lookup_urls_name_the_setting(url):
     with pytest.raises(ValueError, match="lookupServerUrl"):
         parse_lookup_url(url)
+
+
+def test_a_hanging_dns_lookup_costs_at_most_the_budget(monkeypatch):
+    real_getaddrinfo = socket.getaddrinfo
+
+    def slow_getaddrinfo(host, *args, **kwargs):
+        if host == "lookup.example.svc":
+            time.sleep(1.0)
+        return real_getaddrinfo(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", slow_getaddrinfo)
+    client = LookupClient("http://lookup.example.svc:8100", ClientConfig(timeout_ms=30, retries=1))
+    started = time.perf_counter()
+    assert client.lookup(["a"]) == [None]
+    assert time.perf_counter() - started < 0.3
+    assert client.stats.degraded_lookups == 1
+    client.close()

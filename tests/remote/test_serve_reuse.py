@@ -8,6 +8,7 @@ answers are A's answers to the same prompts, which were full prefills (nothing w
 """
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -75,6 +76,10 @@ class ServeProcess:
         with urllib.request.urlopen(request, timeout=300) as reply:
             return json.load(reply)
 
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics") as reply:
+            return reply.read().decode()
+
     def stop(self) -> None:
         self.process.terminate()
         self.process.wait(60)
@@ -111,6 +116,7 @@ def test_process_b_reuses_what_process_a_computed(lookup_server, redis_server, t
             time.sleep(0.1)
         b.wait_ready()
         answers_b = [b.complete([DOCUMENTS[i] for i in docs]) for docs in REUSE_SETS]
+        metrics = b.metrics()
         # Both remote services gone: B still answers, from its local tier.
         lookup_server.kill()
         redis_server.stop()
@@ -127,6 +133,8 @@ def test_process_b_reuses_what_process_a_computed(lookup_server, redis_server, t
         usage = answer["usage"]
         assert usage["holeblend"]["hole_tokens"] == 0
         assert usage["prompt_tokens_details"]["cached_tokens"] / usage["prompt_tokens"] > 0.9
+    shared_hits = re.search(r'holeblend_kv_tier_hits_total\{tier="shared"\} (\S+)', metrics)
+    assert float(shared_hits.group(1)) >= len(DOCUMENTS)  # each loaded once, then local
     assert (
         alone["usage"]["prompt_tokens_details"]["cached_tokens"]
         == (answers_b[2]["usage"]["prompt_tokens_details"]["cached_tokens"])

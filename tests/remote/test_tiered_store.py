@@ -177,3 +177,14 @@ def test_lookups_under_load_survive_a_lookup_server_restart(pods, lookup_server)
     assert not errors
     assert 0 in outcomes[num_before_restart:]  # all miss while it was down
     assert outcomes[-1] == len(keys)  # and full reuse after the resync
+
+
+def test_redis_down_does_not_make_the_index_forget_the_shared_copy(pods, redis_server):
+    a, b = pods
+    a.put(segment("doc-1"))
+    a.announcer.flush()
+    redis_server.stop()
+    assert b.get("doc-1") is None  # a failed call: computed, but maybe still in Redis
+    assert b.stats.load_failures == 1
+    b.announcer.flush()
+    assert b.lookup.lookup(["doc-1"])[0].in_shared_tier

@@ -165,3 +165,25 @@ def test_clients_stream_time_the_first_chunk_and_retry_a_429(stream):
     assert all(0 < o.ttft_s <= o.request_s for o in outcomes)
     assert outcomes[0].usage["prompt_tokens"] == 60
     assert sum(o.num_rejected for o in outcomes) == 1
+
+
+@pytest.mark.slow
+def test_load_bench_through_real_servers_writes_one_row_per_mode(tmp_path):
+    """Two real holeblend-serve processes (full, hole) on a tiny stream; both stopped after."""
+    from holeblend_runtime.bench.cli import main
+
+    path = tmp_path / "load.json"
+    argv = ["--load", "--load-modes", "full,hole", "--requests", "2", "--warmup", "1",
+            "--blocks", "1", "--clients", "2", "--corpus", "6", "--request-documents", "2",
+            "--min-doc-tokens", "30", "--max-doc-tokens", "40", "--max-new-tokens", "3",
+            "--workdir", str(tmp_path), "--json", str(path)]  # fmt: skip
+    assert main(argv) == 0
+    rows = {row["mode"]: row for row in json.loads(path.read_text())["results"]}
+    assert set(rows) == {"full", "hole"}
+    for row in rows.values():
+        assert set(LOAD_RESULT_KEYS) <= set(row)
+        assert row["requests"] == 2 and row["num_errors"] == 0 and row["requests_per_s"] > 0
+    assert rows["full"]["reused_share"] == 0.0 and rows["full"]["top1_vs_full"] == 1.0
+    assert rows["hole"]["reused_share"] > 0.0
+    for mode in rows:  # SIGTERM drained and stopped each server
+        assert "stopped" in (tmp_path / f"serve-{mode}.log").read_text()

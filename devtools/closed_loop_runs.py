@@ -1,0 +1,215 @@
+"""`make closed-loop`: the tuner against the real engine, three scenarios, JSON and a PNG.
+
+`python -m holeblend_devtools.closed_loop_runs --json out/closed-loop.json --png out/closed-loop.png`
+
+1. Offline sweep (in this process, the same model and workload): for each ratio of a grid,
+   every prompt is first sent without its hole documents, then whole in hole mode; the
+   blended answer is scored against full prefill with the engine's own shadow scorer.
+   The smallest ratio whose mean F1 proxy reaches target - band is
+   `min_ratio_meeting_target`.
+2. Live runs (`closed_loop.LiveStack`: emulator, process kubelet, operator, Prometheus when
+   installed), each a fresh BlendDeployment under a RAG stream:
+   - `from-low`: start at 0.02;
+   - `from-high`: start at 0.8;
+   - `workload-change`: start at 0.02, then halfway the stream switches to more and
+     shorter documents.
+3. Per run, from the status as sampled and the tuning history: `intervals_to_converge`
+   (tuner intervals until the last ratio change), `direction_changes` (up after down or
+   down after up), `final_ratio`, `ever_out_of_bounds` (any ratio seen in status or decided
+   outside [minRatio, maxRatio]).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from holeblend_devtools import closed_loop, prometheus, timeline
+from holeblend_runtime.bench.workload import WorkloadConfig, generate_workload
+
+NAME = "smollm2-demo"
+WORKLOAD = WorkloadConfig(
+    seed=3, num_questions=6, num_documents=4, min_document_tokens=60, max_document_tokens=100
+)
+# The change: more and shorter documents.
+CHANGED = WorkloadConfig(
+    seed=4, num_questions=6, num_documents=8, min_document_tokens=25, max_document_tokens=45
+)
+GRID = (0.02, 0.05, 0.1, 0.2, 0.4, 0.8)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    target: float
+    band: float = 0.05
+    min_ratio: float = 0.02
+    max_ratio: float = 0.9
+    interval_s: int = 8
+    cooldown_s: int = 16
+    min_samples: int = 3
+    step_up: float = 1.6
+    step_down: float = 0.1
+
+    def spec(self, prometheus_url: str | None) -> dict:
+        spec = {
+            "targetF1Proxy": self.target,
+            "band": self.band,
+            "minRatio": self.min_ratio,
+            "maxRatio": self.max_ratio,
+            "intervalSeconds": self.interval_s,
+            "cooldownSeconds": self.cooldown_s,
+            "minSamples": self.min_samples,
+            "stepUpFactor": self.step_up,
+            "stepDown": self.step_down,
+            "shadowSampleRate": 1.0,
+        }
+        return spec | ({"prometheusUrl": prometheus_url} if prometheus_url else {})
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    name: str
+    start_ratio: float
+    intervals: int  # how long the stream runs, in tuner intervals
+    change_at: int | None = None  # interval at which the workload switches to CHANGED
+
+
+def offline_sweep(workload: WorkloadConfig, ratios=GRID, max_tokens: int = 8) -> dict[float, float]:
+    """Mean F1 proxy per ratio on the workload, scored as the engine scores it."""
+    from holeblend_runtime.engine import ReferenceEngine
+    from holeblend_runtime.kv_store import LocalKVStore
+    from holeblend_runtime.shadow import ShadowRequest, ShadowScorer
+
+    base = ReferenceEngine.load(num_threads=2)
+    scorer = ShadowScorer(base.model, base.tokenizer, 1.0)
+    means = {}
+    for ratio in ratios:
+        engine = ReferenceEngine(
+            base.model, base.tokenizer, base.blend_config, LocalKVStore(1 << 30)
+        )
+        scores = []
+        for qa in generate_workload(workload):
+            first = qa.document_texts(without_holes=True)
+            engine.prefill(engine.build_prompt(qa.system, first, qa.question), mode="hole")
+            prompt = engine.build_prompt(
+                qa.system, qa.document_texts(without_holes=False), qa.question
+            )
+            answer = engine.generate(engine.prefill(prompt, mode="hole", ratio=ratio), max_tokens)
+            scores.append(scorer.score(ShadowRequest(prompt, tuple(answer), ratio)).f1)
+        means[ratio] = statistics.fmean(scores)
+    scorer.close()
+    return means
+
+
+def smallest_meeting(sweep: dict[float, float], tuning: Tuning) -> float | None:
+    meeting = [r for r, f1 in sorted(sweep.items()) if f1 >= tuning.target - tuning.band]
+    return meeting[0] if meeting else None
+
+
+def run_scenario(
+    stack: closed_loop.LiveStack, scenario: Scenario, tuning: Tuning
+) -> tuple[dict, list[timeline.Sample]]:
+    """One live run on a fresh BlendDeployment; the summary and the timeline."""
+    body = closed_loop.example()
+    body["spec"]["blend"]["recomputeRatio"] = scenario.start_ratio
+    body["spec"]["tuning"] = tuning.spec(None)
+    body["spec"]["lookupServer"] = {"enabled": False}
+    stack.apply(body)
+    if not stack.wait_ready(NAME, 300):
+        raise RuntimeError(f"{scenario.name}: the engine did not become ready")
+    if prometheus.is_installed():
+        url = stack.start_prometheus(NAME)
+        stack.patch(NAME, {"spec": {"tuning": {"prometheusUrl": url}}})
+    engine = stack.engine_url(NAME)
+    stream = closed_loop.RagStream(engine, WORKLOAD, think_s=1.5)
+    recorder = timeline.Recorder(lambda: stack.status(NAME), f"{engine}/metrics", every_s=1.0)
+    with recorder:
+        stream.start()
+        for interval in range(scenario.intervals):
+            if interval == scenario.change_at:
+                stream.switch(CHANGED)
+            time.sleep(tuning.interval_s)
+        stream.stop()
+    stack.delete(NAME)
+    usage = closed_loop.summary_of_usage(stream.sent)
+    return summarize(scenario, tuning, recorder) | {"requests": usage}, recorder.samples
+
+
+def summarize(scenario: Scenario, tuning: Tuning, recorder: timeline.Recorder) -> dict:
+    changes = [h for h in recorder.history if h.get("direction") in ("up", "down")]
+    ratios = [s.ratio for s in recorder.samples if s.ratio is not None]
+    ratios += [h["toRatio"] for h in changes]
+    started = recorder.samples[0].t_wall if recorder.samples else time.time()
+    last_change = _epoch(changes[-1]["time"]) if changes else started
+    directions = [h["direction"] for h in changes]
+    flips = sum(1 for a, b in zip(directions, directions[1:], strict=False) if a != b)
+    return {
+        "name": scenario.name,
+        "start_ratio": scenario.start_ratio,
+        "target": tuning.target,
+        "intervals_to_converge": max(0, math.ceil((last_change - started) / tuning.interval_s)),
+        "direction_changes": flips,
+        "final_ratio": ratios[-1] if ratios else None,
+        "ever_out_of_bounds": any(not tuning.min_ratio <= r <= tuning.max_ratio for r in ratios),
+        "decisions": [f"{h['direction']} {h['fromRatio']}->{h['toRatio']}" for h in changes],
+    }
+
+
+def _epoch(text: str) -> float:
+    return datetime.datetime.fromisoformat(text).timestamp()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default="out/closed-loop.json")
+    parser.add_argument("--png", default="out/closed-loop.png")
+    parser.add_argument("--target", type=float, default=None, help="default: from the sweep")
+    parser.add_argument("--intervals", type=int, default=12)
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop every process
+    sweep = offline_sweep(WORKLOAD)
+    print("offline sweep (mean F1 proxy by ratio):", json.dumps(sweep), flush=True)
+    changed_sweep = offline_sweep(CHANGED)
+    print("offline sweep, changed workload:", json.dumps(changed_sweep), flush=True)
+    target = args.target or round(min(0.95, max(sweep.values())) - 0.05, 2)
+    tuning = Tuning(target=target)
+    scenarios = [
+        Scenario("from-low", 0.02, args.intervals),
+        Scenario("from-high", 0.8, args.intervals),
+        Scenario("workload-change", 0.02, 2 * args.intervals, change_at=args.intervals),
+    ]
+    runs, timelines = [], {}
+    with (
+        tempfile.TemporaryDirectory(prefix="holeblend-closed-loop-") as workdir,
+        closed_loop.LiveStack(workdir) as stack,
+    ):
+        for scenario in scenarios:
+            summary, samples = run_scenario(stack, scenario, tuning)
+            offline = changed_sweep if scenario.change_at is not None else sweep
+            summary["min_ratio_meeting_target"] = smallest_meeting(offline, tuning)
+            print(json.dumps(summary), flush=True)
+            runs.append(summary)
+            timelines[scenario.name] = samples
+    result = {
+        "runs": runs,
+        "offline_sweep": {str(r): f1 for r, f1 in sweep.items()},
+        "offline_sweep_changed": {str(r): f1 for r, f1 in changed_sweep.items()},
+        "tuning": dataclasses.asdict(tuning),
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    timeline.plot_runs(timelines, args.png, target)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

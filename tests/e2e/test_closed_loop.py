@@ -1,0 +1,98 @@
+"""The closed loop, shortened (`make closed-loop` runs the full scenarios): the real engine
+runs as a pod of the process kubelet under a RAG stream, its shadow proxies reach the
+tuner (through a real Prometheus when installed), the tuner decides on them, and a new
+ratio reaches the running engine live."""
+
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from holeblend_devtools import closed_loop, closed_loop_runs, prometheus
+from holeblend_operator.api import BlendDeployment
+from holeblend_operator.render import render_children
+
+
+def renders_holeblend_serve() -> bool:
+    bd = BlendDeployment.model_validate(closed_loop.example())
+    engine = next(c for c in render_children(bd) if c["kind"] == "Deployment")
+    return engine["spec"]["template"]["spec"]["containers"][0]["command"] == ["holeblend-serve"]
+
+
+def engine_ratio(url: str) -> float | None:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "holeblend_recompute_ratio":
+                return sample.value
+    return None
+
+
+QUALITY_CODES = ("BelowTarget", "PinnedAtMaxRatio", "InBand", "AboveTarget", "AtMinRatio")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not renders_holeblend_serve(), reason="CPU engine pods do not run holeblend-serve yet"
+)
+def test_the_tuner_decides_on_live_proxies_and_the_engine_takes_a_new_ratio_live(tmp_path):
+    tuning = closed_loop_runs.Tuning(target=0.9, interval_s=5, cooldown_s=10, min_samples=2)
+    name = closed_loop_runs.NAME
+    with closed_loop.LiveStack(tmp_path) as stack:
+        body = closed_loop.example()
+        body["spec"]["blend"]["recomputeRatio"] = 0.05
+        body["spec"]["tuning"] = tuning.spec(None)
+        body["spec"]["lookupServer"] = {"enabled": False}
+        stack.apply(body)
+        assert stack.wait_ready(name, 240), stack.status(name)
+        if prometheus.is_installed():
+            url = stack.start_prometheus(name)
+            stack.patch(name, {"spec": {"tuning": {"prometheusUrl": url}}})
+        engine = stack.engine_url(name)
+        (pod,) = stack.engine_pods(name)
+        pid = pod.process.pid
+        # Idle gaps between requests: the shadow prefill runs only there.
+        stream = closed_loop.RagStream(engine, closed_loop_runs.WORKLOAD, think_s=1.5).start()
+        try:
+            decision = wait_for(lambda: quality_decision(stack, tuning), 200)
+        finally:
+            stream.stop()
+        reasons = [h["reason"] for h in history(stack)]
+        assert decision is not None, reasons
+        assert decision["inputs"]["numSamples"] >= tuning.min_samples
+        assert 0 <= decision["inputs"]["f1Proxy"] <= 1
+        assert stack.status(name)["metrics"]["f1Proxy"] is not None
+        # A ratio patched into status outside the bounds: clamped, and the clamped ratio
+        # travels status -> ConfigMap -> mounted file -> the running engine (no restart).
+        stack.cluster.call(
+            stack.cluster.api.edit_object(
+                closed_loop.BD, "default", name, {"status": {"recomputeRatio": 0.95}}
+            )
+        )
+        assert wait_for(lambda: engine_ratio(engine) == tuning.max_ratio, 60), engine_ratio(engine)
+        assert pod.process is not None and pod.process.pid == pid
+        assert "ClampedToBounds" in " ".join(h["reason"] for h in history(stack))
+        assert all(tuning.min_ratio <= h["toRatio"] <= tuning.max_ratio for h in history(stack))
+
+
+def history(stack) -> list[dict]:
+    return (stack.status(closed_loop_runs.NAME).get("tuning") or {}).get("history") or []
+
+
+def quality_decision(stack, tuning) -> dict | None:
+    """The first decision taken on enough live proxy samples."""
+    for entry in history(stack):
+        if entry["reason"].startswith(QUALITY_CODES):
+            return entry
+    return None
+
+
+def wait_for(predicate, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if result := predicate():
+            return result
+        time.sleep(0.5)
+    return predicate()
