@@ -53,12 +53,22 @@ async def serve(server: Server, settings: ServeSettings) -> int:
     await server.drain()
     watcher.cancel()
     await runner.cleanup()
-    if server.worker is not None:
-        server.worker.stop()
-    if server.engine is not None and isinstance(server.engine.store, TieredKVStore):
-        server.engine.store.close()  # its announcer thread must not outlive the interpreter
+    _stop_threads(server)
     log.info("stopped")
     return status
+
+
+def _stop_threads(server: Server) -> None:
+    """Join every thread that may run torch or the network before the interpreter exits:
+    a thread still inside torch at interpreter shutdown aborts the process."""
+    if server.worker is not None:
+        server.worker.stop()
+    if server.shadow is not None:
+        server.shadow.close()
+    if server.engine is not None:
+        server.engine.close()  # the background store worker
+        if isinstance(server.engine.store, TieredKVStore):
+            server.engine.store.close()  # the announcer thread
 
 
 async def _load(server: Server, stop: asyncio.Event) -> int:
