@@ -123,6 +123,24 @@ def query(url: str, promql: str) -> list[dict]:
     return data["result"]
 
 
+def vector(url: str, promql: str) -> dict[tuple, float]:
+    """An instant query as `{sorted label items: value}`."""
+    return {tuple(sorted(r["metric"].items())): float(r["value"][1]) for r in query(url, promql)}
+
+
+def wait_for(url: str, promql: str, predicate, timeout_s: float = 60) -> dict[tuple, float]:
+    """Poll `promql` until its non-empty result satisfies `predicate`; the last result
+    otherwise (the caller's assertion then says what was seen)."""
+    deadline = time.monotonic() + timeout_s
+    result: dict[tuple, float] = {}
+    while time.monotonic() < deadline:
+        result = vector(url, promql)
+        if result and predicate(result):
+            return result
+        time.sleep(0.5)
+    return result
+
+
 def rules(url: str) -> list[dict]:
     """The loaded alerting and recording rules with their health (ok / err / unknown)."""
     with urllib.request.urlopen(f"{url}/api/v1/rules", timeout=10) as response:
