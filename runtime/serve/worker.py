@@ -93,10 +93,6 @@ class Job:
         return None
 
 
-# What `_waiting_job` returns when no request waits (None is the stop sentinel).
-_NONE_WAITING = object()
-
-
 class EngineWorker:
     """The queue and the one thread that runs the engine."""
 
@@ -141,36 +137,19 @@ class EngineWorker:
         self._jobs.put(job)
 
     def _run(self) -> None:
-        job = self._jobs.get()
-        while job is not None:
-            # The engine stays busy while requests wait, not only while one runs, so the
-            # background store (store policy isolated) never starts a layer between them.
-            with self.engine.busy():
-                while isinstance(job, Job):
-                    self._run_one(job)
-                    job = self._waiting_job()
-            if job is _NONE_WAITING:
-                job = self._jobs.get()
-
-    def _waiting_job(self) -> Job | None | object:
-        try:
-            return self._jobs.get_nowait()
-        except queue.Empty:
-            return _NONE_WAITING
-
-    def _run_one(self, job: Job) -> None:
-        with self._lock:
-            self._num_waiting -= 1
-            self._num_running += 1
-            self.metrics.queue_depth.set(self._num_waiting)
-        started = time.perf_counter()
-        try:
-            self._serve(job)
-        except Exception as error:  # reported to the request; the thread serves on
-            log.exception("request failed")
-            job.emit(error)
-        finally:
-            self._finish(started)
+        while (job := self._jobs.get()) is not None:
+            with self._lock:
+                self._num_waiting -= 1
+                self._num_running += 1
+                self.metrics.queue_depth.set(self._num_waiting)
+            started = time.perf_counter()
+            try:
+                self._serve(job)
+            except Exception as error:  # reported to the request; the thread serves on
+                log.exception("request failed")
+                job.emit(error)
+            finally:
+                self._finish(started)
 
     def _finish(self, started: float) -> None:
         with self._lock:
