@@ -66,15 +66,31 @@ def test_the_tuner_decides_on_live_proxies_and_the_engine_takes_a_new_ratio_live
         assert stack.status(name)["metrics"]["f1Proxy"] is not None
         # A ratio patched into status outside the bounds: clamped, and the clamped ratio
         # travels status -> ConfigMap -> mounted file -> the running engine (no restart).
-        stack.cluster.call(
-            stack.cluster.api.edit_object(
-                closed_loop.BD, "default", name, {"status": {"recomputeRatio": 0.95}}
-            )
-        )
-        assert wait_for(lambda: engine_ratio(engine) == tuning.max_ratio, 60), engine_ratio(engine)
+        clamped = patch_out_of_bounds_until_clamped(stack, engine, tuning.max_ratio, 120)
+        assert clamped, engine_ratio(engine)
         assert pod.process is not None and pod.process.pid == pid
         assert "ClampedToBounds" in " ".join(h["reason"] for h in history(stack))
         assert all(tuning.min_ratio <= h["toRatio"] <= tuning.max_ratio for h in history(stack))
+
+
+def patch_out_of_bounds_until_clamped(stack, engine, max_ratio: float, timeout_s: float) -> bool:
+    """Patch status.recomputeRatio to 0.95 (above the bounds) until the engine runs the
+    clamped ratio. A hand patch can race with a tuner write of the same field, and the
+    last writer wins (as on a real API server), so a patch the tuner overwrote is sent
+    again; the tuner must then clamp it, never keep it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stack.cluster.call(
+            stack.cluster.api.edit_object(
+                closed_loop.BD,
+                "default",
+                closed_loop_runs.NAME,
+                {"status": {"recomputeRatio": 0.95}},
+            )
+        )
+        if wait_for(lambda: engine_ratio(engine) == max_ratio, 20):
+            return True
+    return False
 
 
 def history(stack) -> list[dict]:
