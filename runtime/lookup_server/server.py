@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import json
 import logging
@@ -289,8 +288,7 @@ def run(config: ServerConfig) -> None:
     asyncio.set_event_loop(loop)
     server = LookupServer(config)
     for signum in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(signum, server.drain)
+        loop.add_signal_handler(signum, server.drain)  # Linux pods: always available
     try:
         loop.run_until_complete(server.start())
         print(f"holeblend-lookup: serving on {config.host}:{server.port}", flush=True)
