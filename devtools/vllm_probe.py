@@ -41,12 +41,16 @@ class ProbeConfig:
     max_model_len: int = 4096
     # Greedy answers of a run without the connector, to score against (prompt index -> ids).
     reference_answers: dict[int, list[int]] = field(default_factory=dict)
-    # Before pass 2: "corrupt" overwrites every stored KV file, "remove" deletes them.
+    # Before pass 2: "corrupt" overwrites every stored KV file, "remove" deletes them (the
+    # node tier only: a shared tier keeps its copies, as when another pod stored them).
     fault: str | None = None
     # Also abort a request after its load step and preempt one after its load.
     is_lifecycle: bool = False
     # vLLM's KV cache on CPU (it reserves most of the machine's memory unless told).
     kv_cache_bytes: int = 512 << 20
+    # blend.json's kv.sharedUrl and lookupServerUrl: the fleet's tiers behind the connector.
+    shared_url: str | None = None
+    lookup_url: str | None = None
 
 
 def build_prompts(config: ProbeConfig) -> list[tuple[list[int], list[int]]]:
@@ -70,12 +74,17 @@ def build_prompts(config: ProbeConfig) -> list[tuple[list[int], list[int]]]:
     return pairs
 
 
-def blend_settings(ratio: float) -> str:
+def blend_settings(
+    ratio: float, shared_url: str | None = None, lookup_url: str | None = None
+) -> str:
     """blend.json as the operator writes it (the shared contract's model)."""
-    from holeblend_contract.blend_settings import BlendSettings, ModelSettings
+    from holeblend_contract.blend_settings import BlendSettings, KVSettings, ModelSettings
 
     model = ModelSettings(name="SmolLM2-135M-Instruct", dtype="float32")
-    return BlendSettings(model=model, separator=SEPARATOR, recompute_ratio=ratio).to_json()
+    return BlendSettings(
+        model=model, separator=SEPARATOR, recompute_ratio=ratio,
+        kv=KVSettings(shared_url=shared_url), lookup_server_url=lookup_url,
+    ).to_json()  # fmt: skip
 
 
 class Probe:
@@ -106,7 +115,8 @@ class Probe:
     def _write_settings(self, ratio: float) -> None:
         self.settings_path.parent.mkdir(parents=True, exist_ok=True)
         temporary = self.settings_path.with_suffix(".tmp")
-        temporary.write_text(blend_settings(ratio))
+        config = self.config
+        temporary.write_text(blend_settings(ratio, config.shared_url, config.lookup_url))
         os.replace(temporary, self.settings_path)
 
     def generate(self, token_ids: list[int], max_tokens: int, **extra: Any) -> Any:
@@ -147,6 +157,8 @@ def run(config: ProbeConfig, model_dir: Path) -> dict[str, Any]:
     free_before = probe.free_blocks()
     for first, _ in pairs:
         probe.generate(first, 1)
+    if config.is_connector and config.lookup_url:
+        wait_announced(probe)
     apply_fault(config.fault, probe.kv_dir)
     pass1_files = probe.snapshot() if config.is_connector else {}
     results = []
@@ -165,6 +177,7 @@ def run(config: ProbeConfig, model_dir: Path) -> dict[str, Any]:
         "free_blocks_after": probe.free_blocks(),
         "leftovers": leftovers(probe),
         "metrics": connector_metrics() if config.is_connector else {},
+        "tiers": tier_figures(probe) if config.is_connector else {},
     }
 
 
@@ -173,7 +186,7 @@ def serve_second(
 ) -> dict[str, Any]:
     probe.restore(keep)
     started = time.perf_counter()
-    probe.generate(token_ids, 1)
+    first = probe.generate(token_ids, 1)
     ttft = time.perf_counter() - started
     probe.restore(keep)
     output = probe.generate(token_ids, probe.config.max_tokens)
@@ -183,6 +196,9 @@ def serve_second(
         "ttft_s": ttft,
         "answer": list(output.outputs[0].token_ids),
         "kv_transfer_params": output.kv_transfer_params,
+        # The first request of the pair: with a shared tier, the only one that sees the hole
+        # (it stores the missing document there, which the node directory reset keeps).
+        "ttft_kv_transfer_params": first.kv_transfer_params,
     }
     reference = probe.config.reference_answers.get(index)
     if reference:
@@ -260,6 +276,23 @@ def _is_top1(row: dict[int, Any] | None, token: int) -> bool:
     return row is not None and token in row and row[token].rank == 1
 
 
+def wait_announced(probe: Probe, timeout_s: float = 30.0) -> bool:
+    """Until the lookup server advertises every segment pass 1 stored in the shared tier
+    (workers announce off the request path); False at once when it does not answer."""
+    lookup = probe.connector("scheduler").store.lookup
+    keys = [path.name.removesuffix(".safetensors") for path in probe.kv_dir.glob("*.safetensors")]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        degraded = lookup.stats.degraded_lookups
+        locations = lookup.lookup(keys)
+        if lookup.stats.degraded_lookups > degraded:
+            return False  # the lookup server is down: nothing will be advertised
+        if all(location is not None and location.in_shared_tier for location in locations):
+            return True
+        time.sleep(0.1)
+    raise RuntimeError(f"the lookup server did not advertise {len(keys)} segments in {timeout_s} s")
+
+
 def apply_fault(fault: str | None, kv_dir: Path) -> None:
     if fault == "corrupt":
         for path in kv_dir.glob("*.safetensors"):
@@ -281,12 +314,21 @@ def leftovers(probe: Probe) -> dict[str, int]:
     }
 
 
+def tier_figures(probe: Probe) -> dict[str, dict[str, int]]:
+    """Shared-tier and lookup-server counters of the scheduler's and the worker's store."""
+    from holeblend_runtime.vllm_connector.store import tier_figures as figures
+
+    return {role: figures(probe.connector(role).store) for role in ("scheduler", "worker")}
+
+
 def connector_metrics() -> dict[str, float]:
     from holeblend_runtime.vllm_connector import metrics
 
     names = ("prompt_tokens", "reused_tokens", "hole_tokens", "recomputed_tokens")
     values = {name: metrics.sample(f"holeblend_{name}_total") for name in names}
     values["rejected_segments"] = metrics.sample("holeblend_rejected_segments_total")
+    values["shared_hits"] = metrics.sample("holeblend_kv_tier_hits_total", {"tier": "shared"})
+    values["lookup_degraded"] = metrics.sample("holeblend_lookup_client_degraded_total")
     values["hole_requests"] = metrics.sample("holeblend_requests_total", {"mode": "hole"})
     return values
 
@@ -304,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lifecycle", action="store_true", help="abort and preemption checks")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--kv-cache-mib", type=int, default=512)
+    parser.add_argument("--shared-url", help="blend.json kv.sharedUrl (redis://...)")
+    parser.add_argument("--lookup-url", help="blend.json lookupServerUrl")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args(argv)
     from holeblend_devtools.hf_export import export_smollm2
@@ -318,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         num_questions=args.num_questions, num_documents=args.num_documents,
         max_tokens=args.max_tokens, reference_answers=reference, fault=args.fault,
         is_lifecycle=args.lifecycle, max_model_len=args.max_model_len,
-        kv_cache_bytes=args.kv_cache_mib << 20,
+        kv_cache_bytes=args.kv_cache_mib << 20, shared_url=args.shared_url,
+        lookup_url=args.lookup_url,
     )  # fmt: skip
     report = run(config, export_smollm2())
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -827,6 +827,16 @@ class TuningStatus(ApiModel):
     above_target_since: str | None = None
     """Since when the F1 proxy has stayed above target + band (RFC 3339); the ratio is
     lowered once this is a cooldown ago."""
+    below_target_ratio: float | None = Field(default=None, gt=0, le=1)
+    """The highest ratio measured below target - band: the tuner does not lower the ratio
+    to it or below while it is remembered (20 cooldowns after `belowTargetAt`)."""
+    below_target_at: str | None = None
+    """When `belowTargetRatio` was measured (RFC 3339)."""
+    meets_target_ratio: float | None = Field(default=None, gt=0, le=1)
+    """The lowest ratio measured meeting the target: a raise from below goes straight back
+    to it while it is remembered (20 cooldowns after `meetsTargetAt`)."""
+    meets_target_at: str | None = None
+    """When `meetsTargetRatio` was measured (RFC 3339)."""
 
 
 class ObservedMetrics(ApiModel):

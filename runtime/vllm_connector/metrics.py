@@ -13,6 +13,8 @@ import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from holeblend_runtime.tiered_store import TierMetrics
+
 log = logging.getLogger(__name__)
 
 METRICS_PORT_ENV = "HOLEBLEND_METRICS_PORT"
@@ -45,6 +47,9 @@ BLEND_SECONDS = Histogram(
 RECOMPUTE_RATIO = Gauge(
     "holeblend_recompute_ratio", "The recompute ratio in force", registry=REGISTRY
 )
+# Shared tier and lookup server counters of this process's connectors (scheduler, worker).
+TIERS = TierMetrics()
+REGISTRY.register(TIERS)
 
 
 def serve_metrics() -> int | None:

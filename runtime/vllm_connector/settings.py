@@ -4,7 +4,9 @@ blend.json is parsed with the shared contract (`holeblend_contract.blend_setting
 path comes from `kv_connector_extra_config.holeblend_config` or `$HOLEBLEND_CONFIG`.
 `recomputeRatio` is live: `RatioSource` re-reads the file when it changes.
 `kv_connector_extra_config` may also name `kv_dir`, the directory of the segment KV tier
-shared by vLLM's scheduler and worker processes (default: under /dev/shm).
+shared by vLLM's scheduler and worker processes (default: under /dev/shm). When blend.json
+names a shared tier (`kv.sharedUrl`) or a lookup server (`lookupServerUrl`), that
+directory is the local tier of a `TieredKVStore` over them.
 Without a settings file the contract's defaults apply.
 """
 
@@ -41,6 +43,14 @@ class ConnectorSettings:
     kv_bytes: int = contract.DEFAULT_LOCAL_CPU_BYTES
     # The settings file, re-read for the live ratio; None: the ratio is fixed.
     config_path: Path | None = None
+    # The fleet's shared KV tier (blend.json's kv.sharedUrl); None: this node only.
+    shared_url: str | None = None
+    # The deployment's lookup server (blend.json's lookupServerUrl); None: none.
+    lookup_url: str | None = None
+
+    @property
+    def has_remote_tiers(self) -> bool:
+        return bool(self.shared_url or self.lookup_url)
 
     def __post_init__(self) -> None:
         if self.mode not in _MODES:
@@ -62,6 +72,8 @@ def load_settings(extra_config: Mapping[str, Any]) -> ConnectorSettings:
         kv_dir=kv_dir,
         kv_bytes=settings.kv.local_cpu_bytes or contract.DEFAULT_LOCAL_CPU_BYTES,
         config_path=Path(path),
+        shared_url=settings.kv.shared_url,
+        lookup_url=settings.lookup_server_url,
     )
 
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from holeblend_operator.api import TuningSpec
-from holeblend_operator.tuner import Reading, State, decide
+from holeblend_operator.tuner import MEMORY_COOLDOWNS, Reading, State, decide
 
 SPEC = TuningSpec.model_validate(
     {
@@ -79,6 +79,58 @@ def test_a_dip_into_the_band_restarts_the_cooldown():
     assert decide(SPEC, 0.3, reading(f1=0.97), state, now=40).direction == "hold"
 
 
+def test_readings_without_enough_samples_after_a_change_do_not_restart_the_cooldown():
+    down = decide(SPEC, 0.3, reading(f1=0.97), State(above_since=0), now=30)
+    assert (down.direction, down.to_ratio) == ("down", 0.28)
+    state = down.state
+    for now in (40, 50):  # samples at the new ratio are still coming in
+        state = decide(SPEC, 0.28, reading(f1=0.97, n=3), state, now).state
+    # Every sample at 0.28 was above the band, and a cooldown has passed since the change.
+    assert decide(SPEC, 0.28, reading(f1=0.97), state, now=60).direction == "down"
+
+
+def test_a_ratio_measured_below_target_is_a_floor_the_loop_does_not_step_back_onto():
+    up = decide(SPEC, 0.1, reading(f1=0.8), State(), now=0)
+    assert (up.direction, up.to_ratio, up.state.floor) == ("up", 0.15, 0.1)
+    state = up.state
+    for now in (10, 20, 30):
+        decision = decide(SPEC, 0.15, reading(f1=0.97), state, now)
+        state = decision.state
+    assert (decision.direction, decision.code) == ("hold", "AboveTargetCooling")
+    decision = decide(SPEC, 0.15, reading(f1=0.97), state, now=40)
+    assert (decision.direction, decision.to_ratio) == ("down", 0.13)
+    stepped = decide(SpecWith(stepDown=0.05), 0.13, reading(f1=0.97), decision.state, now=80)
+    assert (stepped.direction, stepped.code) == ("hold", "AtLearnedFloor")
+    assert "0.1" in stepped.reason and stepped.is_tuned
+
+
+def test_a_raise_goes_straight_back_to_the_lowest_ratio_measured_meeting_the_target():
+    state = decide(SPEC, 0.3, reading(f1=0.91), State(), now=0).state
+    assert state.good == 0.3
+    up = decide(SPEC, 0.1, reading(f1=0.8), state, now=10)
+    assert (up.direction, up.to_ratio) == ("up", 0.3)  # not x1.5 = 0.15: 0.3 is known good
+    # A ratio that met the target and now falls below it is no longer known good.
+    up = decide(SPEC, 0.3, reading(f1=0.8), up.state, now=20)
+    assert (up.to_ratio, up.state.good, up.state.floor) == (0.45, None, 0.3)
+
+
+def test_what_was_learned_is_forgotten_after_the_memory_so_an_easier_workload_is_found():
+    state = decide(SPEC, 0.1, reading(f1=0.8), State(), now=0).state
+    memory = MEMORY_COOLDOWNS * SPEC.cooldown_seconds
+    held = decide(SpecWith(stepDown=0.05), 0.15, reading(f1=0.97), replace(state, 0), memory)
+    assert held.code == "AtLearnedFloor"
+    later = decide(SpecWith(stepDown=0.05), 0.15, reading(f1=0.97), held.state, memory + 40)
+    assert (later.direction, later.to_ratio) == ("down", 0.1)
+
+
+def SpecWith(**changes) -> TuningSpec:
+    return TuningSpec.model_validate(SPEC.model_dump(by_alias=True) | changes)
+
+
+def replace(state: State, above_since: float) -> State:
+    return State(above_since, state.floor, state.floor_at, state.good, state.good_at)
+
+
 def test_lowering_stops_at_min_ratio():
     decision = decide(SPEC, 0.06, reading(f1=0.99), State(above_since=0), now=100)
     assert decision.to_ratio == 0.05
@@ -102,7 +154,7 @@ def test_lowering_stops_at_min_ratio():
 def test_no_action_on_an_untrustworthy_reading(changes, code):
     decision = decide(SPEC, 0.2, reading(**({"f1": 0.1} | changes)), State(above_since=0), now=500)
     assert (decision.direction, decision.to_ratio, decision.code) == ("hold", 0.2, code)
-    assert not decision.is_tuned and decision.state == State()
+    assert not decision.is_tuned and decision.state == State(above_since=0)  # nothing learned
 
 
 @pytest.mark.parametrize(("ratio", "to", "direction"), [(0.9, 0.6, "down"), (0.01, 0.05, "up")])
@@ -194,3 +246,43 @@ def test_from_a_high_ratio_the_loop_comes_down_to_within_one_step_of_the_knee(se
     assert plant.quality(ratios[-1]) >= 0.88
     assert direction_changes(ratios) <= 2, ratios
     assert all(fast.min_ratio <= r <= fast.max_ratio for r in ratios)
+
+
+class StepPlant(Plant):
+    """The closed-loop workload's shape: quality jumps from 0.83 to 1.0 at a threshold
+    ratio, so every ratio that meets the target is above the band too."""
+
+    def __init__(self, threshold: float, seed: int = 0):
+        super().__init__(knee=1.0, seed=seed, noise=0.0)
+        self.threshold = threshold
+
+    def quality(self, ratio: float) -> float:
+        return 1.0 if ratio >= self.threshold else 0.83
+
+
+STEP_SPEC = TuningSpec.model_validate(
+    {
+        "targetF1Proxy": 0.9,
+        "band": 0.05,
+        "minRatio": 0.02,
+        "maxRatio": 0.9,
+        "stepUpFactor": 1.6,
+        "stepDown": 0.15,
+        "intervalSeconds": 8,
+        "cooldownSeconds": 8,
+        "minSamples": 3,
+    }
+)
+
+
+@pytest.mark.parametrize("threshold", [0.07, 0.2, 0.33])
+@pytest.mark.parametrize("start", [0.02, 0.8])
+def test_a_step_shaped_quality_settles_without_oscillating(threshold, start):
+    plant = StepPlant(threshold)
+    ratios = run_loop(plant, start, spec=STEP_SPEC, intervals=19, samples_per_interval=3)
+    changes = [i for i, (a, b) in enumerate(zip(ratios, ratios[1:], strict=False)) if a != b]
+    assert changes[-1] < 12, ratios  # converged: no change after the first 12 intervals
+    assert direction_changes(ratios) <= 2, ratios
+    assert plant.quality(ratios[-1]) == 1.0, ratios
+    assert ratios[-1] - threshold <= max(STEP_SPEC.step_down, threshold * 0.6), ratios
+    assert all(STEP_SPEC.min_ratio <= r <= STEP_SPEC.max_ratio for r in ratios)

@@ -45,6 +45,24 @@ def test_the_cooldown_survives_a_failover_through_status():
     assert state_from(status, 0.2) == State()
 
 
+def test_what_the_law_learned_survives_a_failover_through_status():
+    learned = State(
+        above_since=None, floor=0.13, floor_at=1795428000.0, good=0.21, good_at=1795428010.0
+    )
+    hold = Decision("hold", 0.21, 0.21, "AtLearnedFloor", "F1 proxy 1.000", True, learned)
+    patch = status_patch(BD, {}, hold, SEEN, NOW)
+    assert patch["tuning"]["belowTargetRatio"] == 0.13
+    assert state_from(patch, BD.spec.blend.recompute_ratio) == learned
+    assert BlendDeployment.model_validate(
+        {"metadata": {"name": "r"}, "spec": SPEC, "status": patch}
+    )
+    # Patched by hand into something that is not a ratio, or half of a pair: forgotten.
+    patch["tuning"]["belowTargetRatio"] = "0.13"
+    del patch["tuning"]["meetsTargetAt"]
+    state = state_from(patch, BD.spec.blend.recompute_ratio)
+    assert (state.floor, state.good) == (None, None)
+
+
 def test_a_change_writes_ratio_base_history_metrics_and_a_tuned_condition():
     up = Decision("up", 0.15, 0.225, "BelowTarget", "F1 proxy 0.800", False, State())
     patch = status_patch(BD, {}, up, SEEN, NOW)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from holeblend_runtime.lookup_server.processes import LookupProcess, RedisProcess, free_port
+
 # vLLM lives in .venv-vllm only (`make test-vllm`); the main suite does not collect these.
 if importlib.util.find_spec("vllm") is None:
     collect_ignore_glob = ["test_*.py"]
@@ -68,6 +70,56 @@ def with_corrupt_blobs(baseline_file, tmp_path_factory) -> dict:
         "0.15",
         "--fault",
         "corrupt",
+        "--reference",
+        str(baseline_file),
+    )
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    with RedisProcess(maxmemory="256mb") as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def with_shared_tier(baseline_file, redis_server, tmp_path_factory) -> dict:
+    """Pass 1 stores in the node directory and the shared tier and announces to a lookup
+    server; then the node directory is emptied, as on another node: pass 2 finds the
+    documents through the lookup server and loads them from the shared tier."""
+    work = tmp_path_factory.mktemp("shared")
+    with LookupProcess() as lookup:
+        return run_probe(
+            work,
+            "--connector",
+            "--ratios",
+            "0.15",
+            "--fault",
+            "remove",
+            "--shared-url",
+            redis_server.url,
+            "--lookup-url",
+            lookup.url,
+            "--reference",
+            str(baseline_file),
+        )
+
+
+@pytest.fixture(scope="session")
+def with_lookup_down(baseline_file, redis_server, tmp_path_factory) -> dict:
+    """The lookup server named in blend.json never answers (nothing listens on its port)
+    and the node directory is emptied before pass 2: every request is planned as a miss."""
+    work = tmp_path_factory.mktemp("lookup-down")
+    return run_probe(
+        work,
+        "--connector",
+        "--ratios",
+        "0.15",
+        "--fault",
+        "remove",
+        "--shared-url",
+        redis_server.url,
+        "--lookup-url",
+        f"http://127.0.0.1:{free_port()}",
         "--reference",
         str(baseline_file),
     )

@@ -83,3 +83,37 @@ def test_corrupt_kv_blobs_are_computed_fresh_and_the_answer_holds(baseline, with
         assert result["top1_agreement"] >= 0.9
     assert with_corrupt_blobs["metrics"]["rejected_segments"] > 0
     assert set(with_corrupt_blobs["leftovers"].values()) == {0}
+
+
+def test_documents_another_node_stored_are_found_by_the_lookup_server_and_loaded_from_redis(
+    with_shared_tier,
+):
+    for result in with_shared_tier["results"]:
+        first = result["ttft_kv_transfer_params"]["holeblend"]  # the node directory is empty
+        assert first["mode"] == "hole"
+        assert first["num_reused_tokens"] > 0 and first["num_hole_tokens"] > 0
+        # The first request stored the hole's document in the shared tier: now all of it
+        # comes from there.
+        figures = result["kv_transfer_params"]["holeblend"]
+        assert figures["num_reused_tokens"] > first["num_reused_tokens"]
+        assert figures["num_rejected_segments"] == 0
+        assert result["top1_agreement"] >= 0.9
+    tiers = with_shared_tier["tiers"]
+    assert tiers["worker"]["shared_hits"] > 0 and tiers["worker"]["shared_stores"] > 0
+    assert tiers["scheduler"]["lookup_degraded"] == 0
+    assert with_shared_tier["metrics"]["shared_hits"] == tiers["worker"]["shared_hits"]
+
+
+def test_with_the_lookup_server_down_requests_run_as_full_misses_and_answer_as_without_it(
+    baseline, with_lookup_down
+):
+    answers = {r["prompt"]: r["answer"] for r in baseline["results"]}
+    for result in with_lookup_down["results"]:
+        figures = result["kv_transfer_params"]["holeblend"]
+        assert figures["mode"] == "full-miss" and figures["num_reused_tokens"] == 0
+        assert result["answer"] == answers[result["prompt"]]
+    tiers = with_lookup_down["tiers"]
+    assert tiers["scheduler"]["lookup_degraded"] > 0
+    assert tiers["worker"]["shared_hits"] == 0
+    assert with_lookup_down["metrics"]["lookup_degraded"] > 0
+    assert set(with_lookup_down["leftovers"].values()) == {0}
