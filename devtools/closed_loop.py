@@ -149,6 +149,7 @@ class RagStream:
         zipf_s: float = 1.1,
     ):
         self.url, self.think_s, self.max_tokens = url, think_s, max_tokens
+        self.zipf_s = zipf_s
         self.prompts: list[QAPrompt] = list(generate_workload(workload))
         self._rng = random.Random(seed)
         self._weights = [1 / (i + 1) ** zipf_s for i in range(len(self.prompts))]
@@ -168,7 +169,7 @@ class RagStream:
     def switch(self, workload: WorkloadConfig) -> None:
         """A different corpus from now on (the closed loop's workload change)."""
         self.prompts = list(generate_workload(workload))
-        self._weights = [1 / (i + 1) for i in range(len(self.prompts))]
+        self._weights = [1 / (i + 1) ** self.zipf_s for i in range(len(self.prompts))]
         self._seen = set()
 
     def _run(self) -> None:

@@ -343,8 +343,19 @@ _NO_OPERATOR_KEYS = {
 }
 
 
+_PORTS_DIFFER = CelRule(
+    rule="self.port != self.metricsPort",
+    message="engine.metricsPort must differ from engine.port; pick another port for either",
+    check=lambda e: e.port != e.metrics_port,
+    field_path=".metricsPort",
+)
+
+
 class EngineSpec(ApiModel):
     """The vLLM engine pods that run the hole-mode blending runtime."""
+
+    model_config = ConfigDict(json_schema_extra=cel_schema_extra(_PORTS_DIFFER))
+    check_rules = cel_validator(_PORTS_DIFFER)
 
     image: str | None = Field(default=None, min_length=1, max_length=512)
     """Container image; a holeblend runtime image for the accelerator type when unset."""
@@ -391,6 +402,9 @@ class EngineSpec(ApiModel):
     """CPU and memory; accelerator devices are added from `accelerator`."""
     port: int = Field(default=8000, ge=1, le=65535)
     """Port of the OpenAI-compatible API and /metrics."""
+    metrics_port: int = Field(default=9464, ge=1, le=65535)
+    """Port of the KV connector's holeblend_* metrics on vLLM pods (vLLM's own stay on
+    `port`); CPU pods (holeblend-serve) export everything on `port`."""
     shm_size: ByteCount = "8Gi"
     """Size of the in-memory /dev/shm volume (tensor-parallel workers share memory)."""
     pod_labels: dict[LabelKey, LabelValue] = Field(

@@ -24,6 +24,7 @@ RESERVED_FLAGS = {
 # variable -> the spec field that sets it
 RESERVED_ENV = {
     "HOLEBLEND_CONFIG": "blend (the operator mounts the blend settings file)",
+    "HOLEBLEND_METRICS_PORT": "engine.metricsPort",
     "ASCEND_RT_VISIBLE_DEVICES": "accelerator.count",
     "ASCEND_VISIBLE_DEVICES": "accelerator.count",
     "CUDA_VISIBLE_DEVICES": "accelerator.count",

@@ -18,6 +18,9 @@ CONFIG_HASH_ANNOTATION = "blend.holeblend.io/runtime-config-hash"
 # The KV-connector contract with the runtime: vLLM imports the class from this module.
 CONNECTOR_CLASS = "HoleBlendConnector"
 CONNECTOR_MODULE = "holeblend_runtime.vllm_connector"
+# The connector exports its holeblend_* series on this env's port (vLLM owns /metrics).
+METRICS_PORT_ENV = "HOLEBLEND_METRICS_PORT"
+METRICS_PORT_NAME = "blend-metrics"
 HEALTH_PATH = "/health"
 # Stopping engine: wait this long (the pod still serves) so endpoints drop it before vLLM
 # gets SIGTERM; the rest of terminationGracePeriodSeconds lets in-flight requests finish.
@@ -100,6 +103,11 @@ def engine_env(bd: BlendDeployment) -> list[dict]:
     """Our variables first, then the user's; a user variable replaces ours of the same name."""
     ours = [
         EnvVar(name="HOLEBLEND_CONFIG", value=CONFIG_PATH),
+        *(
+            [EnvVar(name=METRICS_PORT_ENV, value=str(bd.spec.engine.metrics_port))]
+            if exports_connector_metrics(bd)
+            else []
+        ),
         *accel.accelerator_env(bd),
         *accel.scratch_env(bd.spec.accelerator),
     ]
@@ -108,6 +116,21 @@ def engine_env(bd: BlendDeployment) -> list[dict]:
     plain = [{"name": var.name, "value": var.value} for var in kept]
     shared = [var for var in shared_tier_env(bd) if var["name"] not in user_names]
     return [*plain, *shared, *({"name": v.name, "value": v.value} for v in bd.spec.engine.env)]
+
+
+def exports_connector_metrics(bd: BlendDeployment) -> bool:
+    """vLLM pods with the connector export its metrics on their own port; holeblend-serve
+    (CPU pods) and plain vLLM (blending off) have none."""
+    return not serve.runs_holeblend_serve(bd) and str(bd.spec.blend.mode) != "off"
+
+
+def container_ports(bd: BlendDeployment) -> list[dict]:
+    engine = bd.spec.engine
+    ports = [{"name": "http", "containerPort": engine.port, "protocol": "TCP"}]
+    if exports_connector_metrics(bd):
+        metrics = {"name": METRICS_PORT_NAME, "containerPort": engine.metrics_port}
+        ports.append(metrics | {"protocol": "TCP"})
+    return ports
 
 
 def probes() -> dict:
@@ -131,7 +154,7 @@ def engine_container(bd: BlendDeployment) -> dict:
         "command": ["vllm"],
         "args": vllm_args(bd),
         "env": engine_env(bd),
-        "ports": [{"name": "http", "containerPort": engine.port, "protocol": "TCP"}],
+        "ports": container_ports(bd),
         "resources": accel.container_resources(bd),
         "volumeMounts": engine_volume_mounts(bd),
         "securityContext": accel.container_security(accelerator),

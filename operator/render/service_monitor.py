@@ -1,6 +1,7 @@
 """A prometheus-operator ServiceMonitor scraping the engine and lookup-server Services."""
 
 from holeblend_operator.api import BlendDeployment
+from holeblend_operator.render.engine import METRICS_PORT_NAME, exports_connector_metrics
 from holeblend_operator.render.labels import (
     ENGINE,
     LOOKUP_SERVER,
@@ -25,10 +26,13 @@ def service_monitor(bd: BlendDeployment) -> dict:
             {"key": "app.kubernetes.io/component", "operator": "In", "values": components}
         ],
     }
-    endpoint = {"port": "http", "path": "/metrics", "interval": f"{settings.interval_seconds}s"}
+    interval = f"{settings.interval_seconds}s"
+    endpoints = [{"port": "http", "path": "/metrics", "interval": interval}]
+    if exports_connector_metrics(bd):  # the connector's holeblend_* series on vLLM pods
+        endpoints.append({"port": METRICS_PORT_NAME, "path": "/metrics", "interval": interval})
     return {
         "apiVersion": SERVICE_MONITOR_API_VERSION,
         "kind": "ServiceMonitor",
         "metadata": metadata,
-        "spec": {"selector": selector, "endpoints": [endpoint]},
+        "spec": {"selector": selector, "endpoints": endpoints},
     }

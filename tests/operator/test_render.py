@@ -144,8 +144,38 @@ def test_service_monitor_has_the_prometheus_operator_shape():
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert set(monitor) == {"apiVersion", "kind", "metadata", "spec"}
     assert set(monitor["spec"]) == {"selector", "endpoints"}
-    assert monitor["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "30s"}]
+    assert monitor["spec"]["endpoints"] == [
+        {"port": "http", "path": "/metrics", "interval": "30s"},
+        {"port": "blend-metrics", "path": "/metrics", "interval": "30s"},
+    ]
     assert re.fullmatch(r"(\d+(ms|s|m|h))+", monitor["spec"]["endpoints"][0]["interval"])
+
+
+def test_vllm_pods_export_the_connectors_metrics_on_their_own_port_and_service_port():
+    bd = make_bd(engine={"metricsPort": 9500}, monitoring={"serviceMonitor": {"enabled": True}})
+    container = engine_container(bd)
+    assert env_of(container)["HOLEBLEND_METRICS_PORT"] == "9500"
+    assert {"name": "blend-metrics", "containerPort": 9500, "protocol": "TCP"} in container["ports"]
+    service = find(render_children(bd), "Service", "engine")
+    (metrics,) = [p for p in service["spec"]["ports"] if p["name"] == "blend-metrics"]
+    assert (metrics["port"], metrics["targetPort"]) == (9500, "blend-metrics")
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"accelerator": {"type": "cpu"}},  # holeblend-serve exports everything on `port`
+        {"blend": {"mode": "off"}},  # plain vLLM: no connector
+    ],
+)
+def test_pods_without_the_connector_have_no_connector_metrics_port(spec):
+    bd = make_bd(monitoring={"serviceMonitor": {"enabled": True}}, **spec)
+    children = render_children(bd)
+    container = find(children, "Deployment", "engine")["spec"]["template"]["spec"]["containers"][0]
+    assert "HOLEBLEND_METRICS_PORT" not in env_of(container)
+    assert [p["name"] for p in container["ports"]] == ["http"]
+    monitor = find(children, "ServiceMonitor", "metrics")
+    assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["http"]
 
 
 def test_service_monitor_selects_the_engine_and_lookup_services_by_their_labels():
@@ -634,9 +664,12 @@ def test_lookup_server_runs_the_runtime_module_on_its_port():
 def test_engine_service_exposes_the_engine_port_as_http():
     service = find(render_children(make_bd(engine={"port": 8080})), "Service", "engine")
     assert service["spec"]["type"] == "ClusterIP"
-    assert service["spec"]["ports"] == [
-        {"name": "http", "port": 8080, "targetPort": "http", "protocol": "TCP"}
-    ]
+    assert service["spec"]["ports"][0] == {
+        "name": "http",
+        "port": 8080,
+        "targetPort": "http",
+        "protocol": "TCP",
+    }
     assert service["spec"]["selector"] == engine_selector(make_bd())
 
 
