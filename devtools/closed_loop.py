@@ -147,9 +147,14 @@ class RagStream:
         max_tokens: int = 8,
         seed: int = 0,
         zipf_s: float = 1.1,
+        is_paired: bool = False,
     ):
         self.url, self.think_s, self.max_tokens = url, think_s, max_tokens
         self.zipf_s = zipf_s
+        # Paired: the questions in order, each sent twice (without its hole documents, then
+        # with them: a hole request); no question repeats until all were sent.
+        self.is_paired = is_paired
+        self._next = 0
         self.prompts: list[QAPrompt] = list(generate_workload(workload))
         self._rng = random.Random(seed)
         self._weights = [1 / (i + 1) ** zipf_s for i in range(len(self.prompts))]
@@ -171,10 +176,17 @@ class RagStream:
         self.prompts = list(generate_workload(workload))
         self._weights = [1 / (i + 1) ** self.zipf_s for i in range(len(self.prompts))]
         self._seen = set()
+        self._next = 0
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            index = self._rng.choices(range(len(self.prompts)), self._weights)[0]
+            if self.is_paired:
+                index = (self._next // 2) % len(self.prompts)
+                self._next += 1
+                if self._next % 2 == 1:
+                    self._seen.discard(index)
+            else:
+                index = self._rng.choices(range(len(self.prompts)), self._weights)[0]
             qa = self.prompts[index]
             # The first time without its hole documents: later requests have a hole there.
             documents = qa.document_texts(without_holes=index not in self._seen)

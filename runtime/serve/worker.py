@@ -107,7 +107,8 @@ class EngineWorker:
         self._num_running = 0
         self._mean_duration_s = 1.0
         self._thread = threading.Thread(target=self._run, name="holeblend-engine", daemon=True)
-        # Called after each answered request that reused cached KV (the shadow quality proxies).
+        # Called after each answered request that blended cached KV (the shadow quality
+        # proxies; see `is_blended`).
         self.on_answered: Callable[[SegmentedPrompt, tuple[int, ...], float], None] | None = None
 
     @property
@@ -168,7 +169,7 @@ class EngineWorker:
         job.emit(PrefillDone.of(prefill, time.perf_counter() - job.arrived))
         answer: list[int] = []
         job.emit(Finished(reason := self._decode(job, prefill, answer)))
-        if self.on_answered is not None and prefill.num_reused_tokens and reason != "cancelled":
+        if self.on_answered is not None and is_blended(prefill) and reason != "cancelled":
             self.on_answered(job.prompt, tuple(answer), prefill.ratio)
 
     def _decode(self, job: Job, prefill: Prefill, answer: list[int]) -> str:
@@ -191,3 +192,10 @@ class EngineWorker:
             if key is not None:
                 self.engine.store.contains(key)
         self.metrics.lookup.observe(time.perf_counter() - started)
+
+
+def is_blended(prefill: Prefill) -> bool:
+    """Whether the request reused KV beyond an exact cached prefix: only then can its answer
+    differ from full prefill's, so only then does a shadow sample measure the ratio (a full
+    miss or an exact prefix hit would score 1.0 at any ratio and dilute the proxies)."""
+    return prefill.num_reused_tokens > prefill.num_exact_prefix_tokens

@@ -11,7 +11,7 @@ import pytest
 
 from holeblend_devtools.prometheus import ScrapeTarget, running_prometheus, vector, wait_for
 from holeblend_devtools.serve_process import get, post_json
-from tests.serve.conftest import example_settings_json, replace_file
+from tests.serve.conftest import example_settings_json, replace_file, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -179,3 +179,27 @@ def test_a_real_prometheus_scrapes_the_series(server):
     assert scraped["holeblend_kv_store_entries"] >= 4
     assert 0 < scraped["holeblend_kv_store_bytes"] <= 512 << 20
     assert scraped["holeblend_config_reload_errors_total"] == 0
+
+
+def shadow_offers(server) -> float:
+    return metric(server, "holeblend_shadow_requests_total")
+
+
+def test_only_requests_that_blended_are_offered_to_the_shadow_proxies(tmp_path):
+    """A full miss or an exact cached prefix answers as full prefill would at any ratio:
+    scoring it would only pull the proxies towards 1.0."""
+    server = start_server(tmp_path, example_settings_json(shadowSampleRate=1.0))
+    try:
+        assert completion(server, DOCS)[0] == 200  # full miss
+        status, body, _ = completion(server, [NEW_DOC])  # only the system prompt: exact
+        assert status == 200 and body["usage"]["holeblend"]["reused_tokens"] > 0
+        status, body, _ = completion(server, DOCS)  # documents reused out of context: blended
+        assert status == 200 and body["usage"]["holeblend"]["lookup_mode"] == "pure-hit"
+        # An offer's outcome is counted when it is decided (scored: seconds later).
+        deadline = time.monotonic() + 120
+        while shadow_offers(server) < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)
+        assert shadow_offers(server) == 1  # the third request's, none of the first two
+    finally:
+        assert server.stop() == 0, server.log()
