@@ -141,7 +141,8 @@ def status_patch(
 def observed_metrics(seen: Reading, now: str) -> dict:
     """status.metrics (ObservedMetrics) from a reading; NaN and out-of-range values dropped."""
     values = {
-        "hitPercent": _within(seen.hit_percent, 0, 100),
+        # One decimal: the HIT% column of `kubectl get bd` shows it as written.
+        "hitPercent": _rounded(_within(seen.hit_percent, 0, 100), 1),
         "f1Proxy": _within(seen.f1_proxy, 0, 1),
         "top1Agreement": _within(seen.top1_agreement, 0, 1),
         "ttftSeconds": _within(seen.ttft_seconds, 0, math.inf),
@@ -351,6 +352,10 @@ def _parse_time(text: object) -> datetime.datetime | None:
 def _epoch(text: object) -> float | None:
     parsed = _parse_time(text)
     return parsed.timestamp() if parsed is not None else None
+
+
+def _rounded(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 def _rfc3339_or_none(epoch: float | None) -> str | None:

@@ -1,6 +1,7 @@
 """The tuner's driver, its pure parts: where tuning continues from, what a decision writes
 into status, and which replica is the active one."""
 
+import dataclasses
 import datetime
 
 from holeblend_operator.api import BlendDeployment
@@ -73,6 +74,8 @@ def test_a_change_writes_ratio_base_history_metrics_and_a_tuned_condition():
     (tuned,) = patch["conditions"]
     assert (tuned["type"], tuned["status"], tuned["reason"]) == ("Tuned", "False", "BelowTarget")
     assert patch["metrics"]["hitPercent"] == 75.0
+    seen = dataclasses.replace(SEEN, hit_percent=75.59640467662364)
+    assert status_patch(BD, {}, up, seen, NOW)["metrics"]["hitPercent"] == 75.6
     assert BlendDeployment.model_validate(
         {"metadata": {"name": "r"}, "spec": SPEC, "status": patch}
     )
