@@ -181,15 +181,15 @@ class RagStream:
     def _run(self) -> None:
         while not self._stop.is_set():
             if self.is_paired:
-                index = (self._next // 2) % len(self.prompts)
+                pair, second = divmod(self._next, 2)
+                index, is_first = pair % len(self.prompts), not second
                 self._next += 1
-                if self._next % 2 == 1:
-                    self._seen.discard(index)
             else:
                 index = self._rng.choices(range(len(self.prompts)), self._weights)[0]
+                is_first = index not in self._seen
             qa = self.prompts[index]
             # The first time without its hole documents: later requests have a hole there.
-            documents = qa.document_texts(without_holes=index not in self._seen)
+            documents = qa.document_texts(without_holes=is_first)
             self._seen.add(index)
             self.sent.append(self.send(qa.system, documents, qa.question))
             self._stop.wait(self.think_s)

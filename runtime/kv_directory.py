@@ -48,6 +48,9 @@ class DirectoryKVStore:
     def contains(self, key: str) -> bool:
         return self.path(key).is_file()
 
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        return [self.contains(key) for key in keys]
+
     def get(self, key: str) -> SegmentKV | None:
         path = self.path(key)
         try:

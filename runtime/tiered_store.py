@@ -192,9 +192,15 @@ class TieredKVStore:
 
     def contains(self, key: str) -> bool:
         """In the local tier, or advertised in the shared tier (no load, no use)."""
-        if self.local.contains(key):
-            return True
-        return any(self._in_shared([key]))
+        return self.contains_many([key])[0]
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """`contains` of each key: the local tier, then one lookup for the local misses."""
+        found = [self.local.contains(key) for key in keys]
+        missing = [i for i, is_local in enumerate(found) if not is_local]
+        for i, is_shared in zip(missing, self._in_shared([keys[i] for i in missing]), strict=True):
+            found[i] = is_shared
+        return found
 
     def put(self, kv: SegmentKV) -> bool:
         """Store in the local and shared tiers, then admit to the lookup server."""
@@ -264,6 +270,21 @@ class TieredKVStore:
                 self._announced.popitem(last=False)
         if self.announcer is not None:
             self.announcer.admit(entry)
+
+    def figures(self) -> dict[str, int]:
+        """Every counter of the tiers and the lookup client (metrics, tests, the probe)."""
+        stats, shared, lookup = self.stats, self.shared, self.lookup
+        return {
+            "local_hits": stats.local_hits,
+            "shared_hits": stats.shared_hits,
+            "misses": stats.misses,
+            "load_failures": stats.load_failures,
+            "shared_stores": stats.shared_stores,
+            "shared_errors": shared.stats.errors if shared is not None else 0,
+            "shared_bad_blobs": shared.stats.bad_blobs if shared is not None else 0,
+            "lookup_failures": lookup.stats.failures if lookup is not None else 0,
+            "lookup_degraded": lookup.stats.degraded_lookups if lookup is not None else 0,
+        }
 
     def holdings(self) -> list[Entry]:
         """What this pod announces in a full resync: local segments and its shared copies."""
@@ -351,54 +372,44 @@ class TierMetrics:
     def collect(self):
         from prometheus_client.core import CounterMetricFamily
 
-        def total(part) -> int:
-            return sum(part(store) or 0 for store in self.stores)
+        figures = [store.figures() for store in self.stores]
+
+        def total(name: str) -> int:
+            return sum(f[name] for f in figures)
 
         hits = CounterMetricFamily(
             "holeblend_kv_tier_hits", "Segments found, by tier.", labels=["tier"]
         )
-        hits.add_metric(["local"], total(lambda store: store.stats.local_hits))
-        hits.add_metric(["shared"], total(lambda store: store.stats.shared_hits))
+        hits.add_metric(["local"], total("local_hits"))
+        hits.add_metric(["shared"], total("shared_hits"))
         yield hits
-        for name, help_text, part in (
-            (
-                "kv_tier_misses",
-                "Segments found in no tier (computed).",
-                lambda store: store.stats.misses,
-            ),
+        for name, help_text, figure in (
+            ("kv_tier_misses", "Segments found in no tier (computed).", "misses"),
             (
                 "kv_load_failures",
                 "Advertised shared-tier segments that did not load.",
-                lambda store: store.stats.load_failures,
+                "load_failures",
             ),
-            (
-                "kv_shared_stores",
-                "Segments written to the shared tier.",
-                lambda store: store.stats.shared_stores,
-            ),
-            (
-                "kv_shared_errors",
-                "Shared-tier commands that failed or timed out.",
-                lambda store: store.shared and store.shared.stats.errors,
-            ),
+            ("kv_shared_stores", "Segments written to the shared tier.", "shared_stores"),
+            ("kv_shared_errors", "Shared-tier commands that failed or timed out.", "shared_errors"),
             (
                 "kv_shared_bad_blobs",
                 "Shared-tier blobs refused (corrupt, truncated, foreign).",
-                lambda store: store.shared and store.shared.stats.bad_blobs,
+                "shared_bad_blobs",
             ),
             (
                 "lookup_client_failures",
                 "Lookup server calls that failed after retries.",
-                lambda store: store.lookup and store.lookup.stats.failures,
+                "lookup_failures",
             ),
             (
                 "lookup_client_degraded",
                 "Lookups answered all-miss (server failed or breaker open).",
-                lambda store: store.lookup and store.lookup.stats.degraded_lookups,
+                "lookup_degraded",
             ),
         ):
             counter = CounterMetricFamily(f"holeblend_{name}", help_text)
-            counter.add_metric([], total(part))
+            counter.add_metric([], total(figure))
             yield counter
 
 

@@ -27,7 +27,9 @@ log = logging.getLogger(__name__)
 class SegmentIndex(Protocol):
     """Which segment keys are cached (a KV tier, or the fleet's lookup server)."""
 
-    def contains(self, key: str) -> bool: ...
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """One flag per key, in one round trip for a remote index."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,9 @@ class ReusePlanner:
 
     def _hit_flags(self, keys: Sequence[str | None]) -> tuple[list[bool], bool]:
         try:
-            return [key is not None and self.index.contains(key) for key in keys], False
+            known = [key for key in keys if key is not None]
+            found = iter(self.index.contains_many(known))
+            return [key is not None and next(found) for key in keys], False
         except Exception as error:  # an unreachable index is a miss, never a failure
             log.warning("segment lookup failed, computing the prompt in full: %s", error)
             return [False] * len(keys), True

@@ -35,19 +35,7 @@ def open_store(
 
 def tier_figures(store: KVStore) -> dict[str, int]:
     """Counters of the remote tiers (empty for the directory alone): tests, the probe."""
-    if not isinstance(store, TieredKVStore):
-        return {}
-    stats = store.stats
-    lookup = store.lookup.stats if store.lookup is not None else None
-    return {
-        "local_hits": stats.local_hits,
-        "shared_hits": stats.shared_hits,
-        "misses": stats.misses,
-        "load_failures": stats.load_failures,
-        "shared_stores": stats.shared_stores,
-        "lookup_failures": lookup.failures if lookup is not None else 0,
-        "lookup_degraded": lookup.degraded_lookups if lookup is not None else 0,
-    }
+    return store.figures() if isinstance(store, TieredKVStore) else {}
 
 
 def close_store(store: KVStore) -> None:

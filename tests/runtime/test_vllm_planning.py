@@ -24,10 +24,10 @@ class MemoryIndex:
     def __init__(self, keys=(), is_down=False):
         self.keys, self.is_down = set(keys), is_down
 
-    def contains(self, key: str) -> bool:
+    def contains_many(self, keys) -> list[bool]:
         if self.is_down:
             raise ConnectionError("lookup server unreachable")
-        return key in self.keys
+        return [key in self.keys for key in keys]
 
 
 def planner(index) -> ReusePlanner:

@@ -81,6 +81,25 @@ def redis_server():
         yield server
 
 
+def run_tiered_probe(work_dir: Path, baseline_file: Path, redis_url: str, lookup_url: str) -> dict:
+    """The connector at ratio 0.15 with blend.json naming a shared tier and a lookup server;
+    the node directory emptied before pass 2."""
+    return run_probe(
+        work_dir,
+        "--connector",
+        "--ratios",
+        "0.15",
+        "--fault",
+        "remove",
+        "--shared-url",
+        redis_url,
+        "--lookup-url",
+        lookup_url,
+        "--reference",
+        str(baseline_file),
+    )
+
+
 @pytest.fixture(scope="session")
 def with_shared_tier(baseline_file, redis_server, tmp_path_factory) -> dict:
     """Pass 1 stores in the node directory and the shared tier and announces to a lookup
@@ -88,20 +107,7 @@ def with_shared_tier(baseline_file, redis_server, tmp_path_factory) -> dict:
     documents through the lookup server and loads them from the shared tier."""
     work = tmp_path_factory.mktemp("shared")
     with LookupProcess() as lookup:
-        return run_probe(
-            work,
-            "--connector",
-            "--ratios",
-            "0.15",
-            "--fault",
-            "remove",
-            "--shared-url",
-            redis_server.url,
-            "--lookup-url",
-            lookup.url,
-            "--reference",
-            str(baseline_file),
-        )
+        return run_tiered_probe(work, baseline_file, redis_server.url, lookup.url)
 
 
 @pytest.fixture(scope="session")
@@ -109,17 +115,5 @@ def with_lookup_down(baseline_file, redis_server, tmp_path_factory) -> dict:
     """The lookup server named in blend.json never answers (nothing listens on its port)
     and the node directory is emptied before pass 2: every request is planned as a miss."""
     work = tmp_path_factory.mktemp("lookup-down")
-    return run_probe(
-        work,
-        "--connector",
-        "--ratios",
-        "0.15",
-        "--fault",
-        "remove",
-        "--shared-url",
-        redis_server.url,
-        "--lookup-url",
-        f"http://127.0.0.1:{free_port()}",
-        "--reference",
-        str(baseline_file),
-    )
+    nobody = f"http://127.0.0.1:{free_port()}"
+    return run_tiered_probe(work, baseline_file, redis_server.url, nobody)
