@@ -136,6 +136,16 @@ class Sent:
     usage: dict
 
 
+def first_pass_or_hole(workload: WorkloadConfig, qa: QAPrompt, is_first: bool) -> tuple[str, ...]:
+    """A question's documents: the first time without its hole documents (in a seeded
+    order when the workload shuffles pass 1, as retrieval order varies), later whole, so
+    they blend cached documents around a hole."""
+    shuffle = workload.shuffle_first_pass and is_first
+    return qa.document_texts(
+        without_holes=is_first, shuffle_seed=workload.seed if shuffle else None
+    )
+
+
 class RagStream:
     """One client thread: a request, a think time, the next; stops on `stop()`."""
 
@@ -155,6 +165,7 @@ class RagStream:
         # with them: a hole request); no question repeats until all were sent.
         self.is_paired = is_paired
         self._next = 0
+        self.workload = workload
         self.prompts: list[QAPrompt] = list(generate_workload(workload))
         self._rng = random.Random(seed)
         self._weights = [1 / (i + 1) ** zipf_s for i in range(len(self.prompts))]
@@ -173,6 +184,7 @@ class RagStream:
 
     def switch(self, workload: WorkloadConfig) -> None:
         """A different corpus from now on (the closed loop's workload change)."""
+        self.workload = workload
         self.prompts = list(generate_workload(workload))
         self._weights = [1 / (i + 1) ** self.zipf_s for i in range(len(self.prompts))]
         self._seen = set()
@@ -188,8 +200,7 @@ class RagStream:
                 index = self._rng.choices(range(len(self.prompts)), self._weights)[0]
                 is_first = index not in self._seen
             qa = self.prompts[index]
-            # The first time without its hole documents: later requests have a hole there.
-            documents = qa.document_texts(without_holes=is_first)
+            documents = first_pass_or_hole(self.workload, qa, is_first)
             self._seen.add(index)
             self.sent.append(self.send(qa.system, documents, qa.question))
             self._stop.wait(self.think_s)

@@ -2,13 +2,13 @@
 
 `python -m holeblend_devtools.closed_loop_runs --json out/closed-loop.json --png out/closed-loop.png`
 
-1. Offline sweep (in this process, the same model and workload): for each ratio of a grid,
-   each of the workload's first SWEEP_QUESTIONS prompts is first sent without its hole
-   documents, then whole in hole mode; the blended answer is scored against full prefill
-   with the engine's own shadow scorer. The live stream sends the same pairs, in order
-   (only hole requests blend, so only they are scored there too).
-   The smallest ratio whose mean F1 proxy reaches target - band is
-   `min_ratio_meeting_target`.
+1. Offline sweep (in this process, the same model and workload): each of the workload's
+   first SWEEP_QUESTIONS questions is sent as the live stream sends it, pass 1 without
+   its hole documents and in another order, then the whole prompt in hole mode at each
+   ratio of a grid (each finding the store as pass 1 left it); the blended answers are
+   scored against full prefill with the engine's own shadow scorer (pass 1 and the full
+   prefill run once per question). The smallest ratio whose mean F1 proxy reaches
+   target - band is `min_ratio_meeting_target`.
 2. Live runs (`closed_loop.LiveStack`: emulator, process kubelet, operator, Prometheus when
    installed), each a fresh BlendDeployment under a RAG stream:
    - `from-low`: start at 0.02;
@@ -42,20 +42,33 @@ NAME = "smollm2-demo"
 # Enough questions that a live run never repeats one: the stream sends each twice (its
 # documents without the hole, then a hole request), so every blended request has a hole,
 # as in the offline sweep.
+# Pass 1 sends a question's documents in another (seeded) order than the hole request, as
+# retrieval order varies: every cached document is then reused at a new position, which
+# is where the ratio matters (in prompt order SmolLM2's answers barely depend on it).
 WORKLOAD = WorkloadConfig(
-    seed=3, num_questions=32, num_documents=4, min_document_tokens=60, max_document_tokens=100
+    seed=3,
+    num_questions=48,
+    num_documents=4,
+    min_document_tokens=60,
+    max_document_tokens=100,
+    shuffle_first_pass=True,
 )
 # The change: more and shorter documents.
 CHANGED = WorkloadConfig(
-    seed=4, num_questions=32, num_documents=8, min_document_tokens=25, max_document_tokens=45
+    seed=4,
+    num_questions=48,
+    num_documents=8,
+    min_document_tokens=25,
+    max_document_tokens=45,
+    shuffle_first_pass=True,
 )
-GRID = (0.02, 0.05, 0.1, 0.2, 0.4)
-# Questions of each workload the offline sweep scores (the first ones; a live run sends
-# about 28 in 12 intervals).
-SWEEP_QUESTIONS = 12
+GRID = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.65, 0.8)
+# Questions of each workload the offline sweep scores (the first ones; a live run of 12
+# intervals sends about 40).
+SWEEP_QUESTIONS = 24
 # Client think time: the shadow full prefill runs in the engine's idle gaps, so the gaps
-# set how fast quality samples arrive (about one per request cycle at most).
-THINK_S = 3.0
+# set how fast quality samples arrive (one per question at most: its hole request).
+THINK_S = 1.5
 # The tuner's codes of a loop at rest: quality meets the target and no lower step is allowed.
 SETTLED = {"InBand", "AtLearnedFloor", "AtMinRatio"}
 
@@ -63,13 +76,13 @@ SETTLED = {"InBand", "AtLearnedFloor", "AtMinRatio"}
 @dataclasses.dataclass(frozen=True)
 class Tuning:
     target: float
-    band: float = 0.03
+    band: float = 0.05
     min_ratio: float = 0.02
     max_ratio: float = 0.9
     interval_s: int = 20
     cooldown_s: int = 20
     min_samples: int = 4
-    step_up: float = 1.6
+    step_up: float = 2.0
     step_down: float = 0.15
 
     def spec(self, prometheus_url: str | None) -> dict:
@@ -97,32 +110,42 @@ class Scenario:
 
 
 def offline_sweep(workload: WorkloadConfig, ratios=GRID, max_tokens: int = 8) -> dict[float, float]:
-    """Mean F1 proxy per ratio on the workload's first SWEEP_QUESTIONS pairs, scored as the
-    engine scores it: every request that blended (`serve.worker.is_blended`)."""
+    """Mean F1 proxy per ratio over the workload's first SWEEP_QUESTIONS questions, each
+    sent as the live stream sends it (pass 1, then the hole request) and scored as the
+    engine scores it (hole requests that blended: `serve.worker.is_blended`).
+
+    Pass 1 and the shadow's full prefill do not depend on the ratio, so each runs once per
+    question; every ratio's hole request finds the store as pass 1 left it."""
     from holeblend_runtime.engine import ReferenceEngine
     from holeblend_runtime.kv_store import LocalKVStore
     from holeblend_runtime.serve.worker import is_blended
     from holeblend_runtime.shadow import ShadowRequest, ShadowScorer
 
     base = ReferenceEngine.load(num_threads=2)
-    scorer = ShadowScorer(base.model, base.tokenizer, 1.0)
-    means = {}
-    for ratio in ratios:
-        engine = ReferenceEngine(
-            base.model, base.tokenizer, base.blend_config, LocalKVStore(1 << 30)
+    scorer = ShadowScorer(base.model, base.tokenizer, 1.0, cache_prompt=True)
+    store = LocalKVStore(1 << 30)
+    engine = ReferenceEngine(base.model, base.tokenizer, base.blend_config, store)
+    scores: dict[float, list[float]] = {ratio: [] for ratio in ratios}
+    for qa in generate_workload(workload)[:SWEEP_QUESTIONS]:
+        first = closed_loop.first_pass_or_hole(workload, qa, is_first=True)
+        engine.generate(
+            engine.prefill(engine.build_prompt(qa.system, first, qa.question)), max_tokens
         )
-        scores = []
-        for qa in list(generate_workload(workload))[:SWEEP_QUESTIONS]:
-            for without_holes in (True, False):  # the stream's pair: pass 1, then the hole
-                documents = qa.document_texts(without_holes=without_holes)
-                prompt = engine.build_prompt(qa.system, documents, qa.question)
-                prefill = engine.prefill(prompt, mode="hole", ratio=ratio)
-                answer = engine.generate(prefill, max_tokens)
-                if is_blended(prefill):
-                    scores.append(scorer.score(ShadowRequest(prompt, tuple(answer), ratio)).f1)
-        means[ratio] = statistics.fmean(scores) if scores else math.nan
-        print(f"  ratio {ratio}: F1 proxy {means[ratio]:.3f} over {len(scores)}", flush=True)
+        after_first_pass = set(store.keys())
+        whole = closed_loop.first_pass_or_hole(workload, qa, is_first=False)
+        prompt = engine.build_prompt(qa.system, whole, qa.question)
+        for ratio in ratios:
+            prefill = engine.prefill(prompt, mode="hole", ratio=ratio)
+            answer = engine.generate(prefill, max_tokens)
+            for key in set(store.keys()) - after_first_pass:  # the hole this request stored
+                store.remove(key)
+            if is_blended(prefill):
+                request = ShadowRequest(prompt, tuple(answer), ratio)
+                scores[ratio].append(scorer.score(request).f1)
     scorer.close()
+    means = {r: statistics.fmean(s) if s else math.nan for r, s in scores.items()}
+    for ratio, mean in means.items():
+        print(f"  ratio {ratio}: F1 proxy {mean:.3f} over {len(scores[ratio])}", flush=True)
     return means
 
 

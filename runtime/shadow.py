@@ -122,6 +122,7 @@ class ShadowScorer:
         chunk_tokens: int = 32,
         max_pause_s: float = 30.0,
         rng: random.Random | None = None,
+        cache_prompt: bool = False,
     ):
         if not 0 <= sample_rate <= 1:
             raise ValueError(f"sample_rate: must be within [0, 1], got {sample_rate}")
@@ -137,6 +138,13 @@ class ShadowScorer:
         self.chunk_tokens, self.max_pause_s = chunk_tokens, max_pause_s
         self._rng = rng or random.Random()
         self.slots = slots
+        # Keep the last prompt's full-prefill KV, so that several answers to one prompt (an
+        # offline sweep over ratios) cost one full prefill. Off in the engine: its prompts
+        # rarely repeat back to back, and the copy would hold memory between samples.
+        self.cache_prompt = cache_prompt
+        self._cached_prompt: (
+            tuple[tuple[int, ...], torch.Tensor, torch.Tensor, torch.Tensor] | None
+        ) = None
         self._jobs: queue.Queue[ShadowRequest | None] = queue.Queue()
         self._lock = threading.Lock()
         self._num_in_flight = 0
@@ -196,7 +204,9 @@ class ShadowScorer:
         answer = list(request.answer_ids)
         prompt_ids = list(request.prompt.token_ids)
         k, v = self.model.new_kv(len(prompt_ids) + max(len(answer), 1))
-        rows = self._forward_chunks(prompt_ids + answer[:-1], len(prompt_ids), k, v)
+        last = self._prefill_prompt(prompt_ids, k, v)
+        hidden = self._forward_chunks(answer[:-1], len(prompt_ids), k, v)
+        rows = self.model.logits(torch.cat([last, *hidden]))
         full_top1 = rows.argmax(dim=-1).tolist()  # full prefill's pick at each answer position
         if not answer:
             eos = self.model.config.eos_token_id
@@ -213,14 +223,27 @@ class ShadowScorer:
         top1 = sum(agree) / len(agree)
         return ShadowScore(f1, top1, request.ratio, time.monotonic() - started)
 
-    def _forward_chunks(self, token_ids: Sequence[int], num_prompt: int, k, v) -> torch.Tensor:
-        """Logits at the last prompt position and at every teacher-forced answer position."""
+    def _prefill_prompt(self, prompt_ids: list[int], k, v) -> torch.Tensor:
+        """Full prefill of the prompt into k, v; the last prompt token's hidden state [1, d]."""
+        n, key = len(prompt_ids), tuple(prompt_ids)
+        if self._cached_prompt is not None and self._cached_prompt[0] == key:
+            _, cached_k, cached_v, last = self._cached_prompt
+            k[:, :, :n], v[:, :, :n] = cached_k, cached_v
+            return last
+        last = self._forward_chunks(prompt_ids, 0, k, v)[-1][-1:]
+        if self.cache_prompt:
+            self._cached_prompt = (key, k[:, :, :n].clone(), v[:, :, :n].clone(), last)
+        return last
+
+    def _forward_chunks(self, token_ids: Sequence[int], start: int, k, v) -> list[torch.Tensor]:
+        """Hidden states of `token_ids` at positions start.., chunk by chunk, pausing
+        between chunks while the engine serves."""
         hidden = []
-        for start in range(0, len(token_ids), self.chunk_tokens):
+        for offset in range(0, len(token_ids), self.chunk_tokens):
             self._yield_to_serving()
-            chunk = torch.tensor(token_ids[start : start + self.chunk_tokens], dtype=torch.int64)
-            hidden.append(self.model.forward(chunk.to(self.model.device), k, v, start))
-        return self.model.logits(torch.cat(hidden)[num_prompt - 1 :])
+            chunk = torch.tensor(token_ids[offset : offset + self.chunk_tokens], dtype=torch.int64)
+            hidden.append(self.model.forward(chunk.to(self.model.device), k, v, start + offset))
+        return hidden
 
     def _full_answer(self, answer, full_top1, agree, num_prompt, k, v) -> list[int]:
         """Full prefill's own greedy answer within the blended answer's token budget."""

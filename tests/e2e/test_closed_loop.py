@@ -3,6 +3,7 @@ runs as a pod of the process kubelet under a RAG stream, its shadow proxies reac
 tuner (through a real Prometheus when installed), the tuner decides on them, and a new
 ratio reaches the running engine live."""
 
+import dataclasses
 import time
 import urllib.request
 
@@ -12,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from holeblend_devtools import closed_loop, closed_loop_runs, prometheus
 from holeblend_operator.api import BlendDeployment
 from holeblend_operator.render import render_children
+from holeblend_runtime.bench.workload import generate_workload
 
 
 def renders_holeblend_serve() -> bool:
@@ -28,6 +30,24 @@ def engine_ratio(url: str) -> float | None:
             if sample.name == "holeblend_recompute_ratio":
                 return sample.value
     return None
+
+
+def test_the_stream_sends_pass_1_without_holes_in_another_order_then_the_whole_prompt():
+    workload = closed_loop_runs.WORKLOAD
+    in_prompt_order = dataclasses.replace(workload, shuffle_first_pass=False)
+    reordered = 0
+    prompts = generate_workload(workload)
+    for qa in prompts:
+        holes = {qa.documents[i].text for i in qa.hole_documents}
+        whole = closed_loop.first_pass_or_hole(workload, qa, is_first=False)
+        assert whole == tuple(d.text for d in qa.documents) and holes
+        without_holes = tuple(text for text in whole if text not in holes)
+        first = closed_loop.first_pass_or_hole(workload, qa, is_first=True)
+        assert sorted(first) == sorted(without_holes)
+        reordered += first != without_holes
+        assert closed_loop.first_pass_or_hole(in_prompt_order, qa, True) == without_holes
+    # Seeded shuffles of 3 documents: one in 6 keeps its order.
+    assert reordered > len(prompts) // 2
 
 
 QUALITY_CODES = ("BelowTarget", "PinnedAtMaxRatio", "InBand", "AboveTarget", "AtMinRatio")

@@ -117,6 +117,38 @@ def test_scores_are_observed_by_the_ratio_the_request_ran_with(engine):
     assert registry.get_sample_value("holeblend_shadow_requests_total", {"outcome": "scored"}) == 1
 
 
+def test_a_cached_prompt_scores_as_a_fresh_prefill_and_is_prefilled_once(engine):
+    """cache_prompt (the offline sweep): several answers to one prompt, one full prefill."""
+    low, high = blended_request(engine, ratio=0.0), blended_request(engine, ratio=0.5)
+    assert low.prompt.token_ids == high.prompt.token_ids
+    fresh = [scorer(engine).score(r) for r in (low, high)]
+    cached = scorer(engine, cache_prompt=True, chunk_tokens=16)
+    forwarded: list[int] = []
+    cached.model = _CountingModel(cached.model, forwarded)
+    scores = [cached.score(low)]
+    num_first = len(forwarded)
+    scores.append(cached.score(high))
+    assert [(s.f1, s.top1) for s in scores] == [(s.f1, s.top1) for s in fresh]
+    num_prompt = len(low.prompt.token_ids)
+    # The first score prefills the prompt; the second runs only answer tokens.
+    assert sum(forwarded[:num_first]) >= num_prompt
+    assert 0 < sum(forwarded[num_first:]) < 2 * ANSWER_TOKENS
+
+
+class _CountingModel:
+    """The model, counting the tokens of each forward call."""
+
+    def __init__(self, model, counts: list[int]):
+        self._model, self._counts = model, counts
+
+    def forward(self, token_ids, *args, **kwargs):
+        self._counts.append(int(token_ids.shape[0]))
+        return self._model.forward(token_ids, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
 def test_bad_settings_are_refused_with_the_field_named(engine):
     with pytest.raises(ValueError, match="sample_rate"):
         scorer(engine, sample_rate=1.5)
