@@ -105,6 +105,15 @@ class LiveStack:
     def engine_url(self, name: str) -> str | None:
         return self.kubelet.local_url("default", f"{name}-engine") if self.kubelet else None
 
+    def engine_log_tail(self, name: str, num_bytes: int = 2000) -> str:
+        """The end of each engine pod's container log (for errors)."""
+        tails = []
+        for pod in self.engine_pods(name):
+            path = self.kubelet.workdir / pod.namespace / pod.name / "container.log"
+            text = path.read_bytes()[-num_bytes:].decode(errors="replace") if path.exists() else ""
+            tails.append(f"--- {pod.name}\n{text}")
+        return "\n".join(tails) or "(no engine pod)"
+
     def engine_pods(self, name: str) -> list:
         return [p for p in self.kubelet.pods.values() if p.deployment == f"{name}-engine"]
 
