@@ -69,6 +69,10 @@ class KVStore(Protocol):
         """Whether `key` is stored, without counting as a use."""
         ...
 
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """`contains` of each key, in order; one round trip for a remote store."""
+        ...
+
 
 class LocalKVStore:
     """In-process KV store with a byte budget and least-recently-used eviction.
@@ -111,6 +115,10 @@ class LocalKVStore:
     def contains(self, key: str) -> bool:
         with self._lock:
             return key in self._entries
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        with self._lock:
+            return [key in self._entries for key in keys]
 
     def put(self, kv: SegmentKV) -> bool:
         """Store `kv`, evicting least recently used entries; False if it exceeds the budget."""

@@ -87,6 +87,16 @@ def test_contains_does_not_touch_the_entry():
     assert not store.contains("a")
 
 
+def test_contains_many_answers_per_key_in_order_without_touching_entries():
+    store = LocalKVStore(2 * ENTRY_BYTES)
+    store.put(_kv("a"))
+    store.put(_kv("b"))
+    assert store.contains_many(["b", "x", "a"]) == [True, False, True]
+    assert store.contains_many([]) == []
+    store.put(_kv("c"))  # "a" is still the oldest: contains_many did not use it
+    assert store.contains_many(["a", "b", "c"]) == [False, True, True]
+
+
 def test_a_large_entry_evicts_as_many_as_needed():
     store = LocalKVStore(4 * ENTRY_BYTES)
     for key in "abcd":
