@@ -109,7 +109,7 @@ class LiveStack:
         """The end of each engine pod's container log (for errors)."""
         tails = []
         for pod in self.engine_pods(name):
-            path = self.kubelet.workdir / pod.namespace / pod.name / "container.log"
+            path = self.kubelet.log_path(pod)
             text = path.read_bytes()[-num_bytes:].decode(errors="replace") if path.exists() else ""
             tails.append(f"--- {pod.name}\n{text}")
         return "\n".join(tails) or "(no engine pod)"

@@ -16,9 +16,9 @@
    - `workload-change`: start at 0.02, then halfway the stream switches to more and
      shorter documents.
 3. Per run, from the status as sampled and the tuning history: `intervals_to_converge`
-   (tuner intervals until the last ratio change; from the change in `workload-change`), `direction_changes` (up after down or
-   down after up), `final_ratio`, `ever_out_of_bounds` (any ratio seen in status or decided
-   outside [minRatio, maxRatio]).
+   (tuner intervals until the last ratio change; from the change in `workload-change`),
+   `direction_changes` (up after down or down after up), `final_ratio`,
+   `ever_out_of_bounds` (any ratio seen in status or decided outside [minRatio, maxRatio]).
 """
 
 from __future__ import annotations
@@ -54,13 +54,8 @@ WORKLOAD = WorkloadConfig(
     shuffle_first_pass=True,
 )
 # The change: more and shorter documents.
-CHANGED = WorkloadConfig(
-    seed=4,
-    num_questions=48,
-    num_documents=8,
-    min_document_tokens=25,
-    max_document_tokens=45,
-    shuffle_first_pass=True,
+CHANGED = dataclasses.replace(
+    WORKLOAD, seed=4, num_documents=8, min_document_tokens=25, max_document_tokens=45
 )
 GRID = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.65, 0.8)
 # Questions of each workload the offline sweep scores (the first ones; a live run of 12
@@ -271,6 +266,13 @@ def main(argv: list[str] | None = None) -> int:
         if earlier.get("tuning", {}).get("target") == target:
             runs = [r for r in earlier["runs"] if r["name"] not in args.only]
     timelines = {}
+    result = {
+        "runs": runs,
+        "offline_sweep": {str(r): f1 for r, f1 in sweep.items()},
+        "offline_sweep_changed": {str(r): f1 for r, f1 in changed_sweep.items()},
+        "tuning": dataclasses.asdict(tuning),
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     with (
         tempfile.TemporaryDirectory(prefix="holeblend-closed-loop-") as workdir,
         closed_loop.LiveStack(workdir) as stack,
@@ -283,13 +285,6 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(summary)
             timelines[scenario.name] = samples
             # Written after every run: a later failure keeps what was measured.
-            result = {
-                "runs": runs,
-                "offline_sweep": {str(r): f1 for r, f1 in sweep.items()},
-                "offline_sweep_changed": {str(r): f1 for r, f1 in changed_sweep.items()},
-                "tuning": dataclasses.asdict(tuning),
-            }
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     timeline.plot_runs(timelines, args.png, target)
     return 0

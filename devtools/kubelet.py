@@ -219,12 +219,16 @@ class ProcessKubelet:
                 for e in container.get("env", [])
             }
         )
-        log_dir = self.workdir / pod.namespace / pod.name
-        log_dir.mkdir(parents=True, exist_ok=True)
-        pod.log = open(log_dir / "container.log", "ab")  # noqa: SIM115 - closed with the pod
+        path = self.log_path(pod)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pod.log = open(path, "ab")  # noqa: SIM115 - closed with the pod
         pod.process = subprocess.Popen(
             command, env=env, stdout=pod.log, stderr=subprocess.STDOUT, start_new_session=True
         )
+
+    def log_path(self, pod: Pod) -> Path:
+        """Where the pod's container output goes."""
+        return self.workdir / pod.namespace / pod.name / "container.log"
 
     def _local_value(self, pod: Pod, value: str) -> str:
         for mount in pod.container.get("volumeMounts", []):

@@ -69,6 +69,8 @@ class LocalTier(Protocol):
 
     def contains(self, key: str) -> bool: ...
 
+    def contains_many(self, keys: Sequence[str]) -> list[bool]: ...
+
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -196,7 +198,7 @@ class TieredKVStore:
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         """`contains` of each key: the local tier, then one lookup for the local misses."""
-        found = [self.local.contains(key) for key in keys]
+        found = self.local.contains_many(keys)
         missing = [i for i, is_local in enumerate(found) if not is_local]
         for i, is_shared in zip(missing, self._in_shared([keys[i] for i in missing]), strict=True):
             found[i] = is_shared
