@@ -84,7 +84,8 @@ class ProcessKubelet:
         self.tick_s = tick_s
         self.pods: dict[tuple[str, str], Pod] = {}  # (namespace, pod name) -> pod
         self._proxies: dict[tuple[str, str], ServiceProxy] = {}
-        self._configmaps: dict[tuple[str, str], str] = {}  # written content hash
+        # Content hash of each volume as written, by (namespace, pod, volume).
+        self._configmaps: dict[tuple[str, str, str], str] = {}
         self._next_ip = 2
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="process-kubelet", daemon=True)
@@ -192,6 +193,10 @@ class ProcessKubelet:
         with contextlib.suppress(Exception):  # gone already (garbage collected with its owner)
             self.cluster.call(self.cluster.api.delete_object(PODS, pod.namespace, pod.name))
         shutil.rmtree(self.workdir / pod.namespace / pod.name, ignore_errors=True)
+        # Its volumes are gone with the directory: a pod of the same name (the same template
+        # brought back, e.g. a BlendDeployment deleted and applied again) writes them anew.
+        for volume in pod.volumes:
+            self._configmaps.pop((pod.namespace, pod.name, volume), None)
 
     def _sync_process(self, pod: Pod) -> None:
         was_ready = pod.is_ready
@@ -253,9 +258,10 @@ class ProcessKubelet:
             source = configmaps.get((pod.namespace, pod.configmap_of[volume]))
             data = {k: self._local_urls(v) for k, v in ((source or {}).get("data") or {}).items()}
             digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
-            if self._configmaps.get((pod.name, volume)) != digest:
+            key = (pod.namespace, pod.name, volume)
+            if self._configmaps.get(key) != digest:
                 write_atomically(directory, data)
-                self._configmaps[(pod.name, volume)] = digest
+                self._configmaps[key] = digest
 
     def _local_urls(self, text: str) -> str:
         def local(match: re.Match) -> str:

@@ -136,6 +136,14 @@ def test_a_cpu_deployment_runs_as_a_process_and_becomes_available_when_ready(clu
         cluster.wait_for(lambda: not kubelet.pods and not cluster.list("v1/pods", "default"), 10)
         assert local.process is None
 
+        # Scaled back: a pod of the same name (same template) gets its volume written anew
+        # (its directory went with the old pod) and becomes ready again.
+        edit(cluster, "apps/v1/deployments", "echo", {"spec": {"replicas": 1}})
+        cluster.wait_for(lambda: [p.is_ready for p in kubelet.pods.values()] == [True], 30)
+        (again,) = kubelet.pods.values()
+        assert again.name == local.name
+        assert json.loads(fetch(url)) == {"value": 2}
+
 
 def test_an_update_swaps_the_data_link_in_one_step(tmp_path):
     write_atomically(tmp_path, {"a.json": "1"})
