@@ -103,6 +103,16 @@ def test_the_shadow_pauses_while_the_engine_serves_and_gives_up_after_a_while(en
         shadow.close()
 
 
+def test_the_shadow_checks_for_waiting_requests_before_every_layer(engine):
+    # A request waits for at most one layer's work, not for a whole chunk of the prompt.
+    request = blended_request(engine)
+    checks = []
+    shadow = scorer(engine, is_busy=lambda: checks.append(1) and False)
+    assert len(request.prompt.token_ids) <= shadow.chunk_tokens  # one chunk
+    shadow.score(request)
+    assert len(checks) >= engine.model.num_layers
+
+
 def test_scores_are_observed_by_the_ratio_the_request_ran_with(engine):
     registry = CollectorRegistry()
     shadow = scorer(engine, metrics=ShadowMetrics(registry))
