@@ -18,7 +18,10 @@
 3. Per run, from the status as sampled and the tuning history: `intervals_to_converge`
    (tuner intervals until the last ratio change; from the change in `workload-change`),
    `direction_changes` (up after down or down after up), `final_ratio`,
-   `ever_out_of_bounds` (any ratio seen in status or decided outside [minRatio, maxRatio]).
+   `ever_out_of_bounds` (any ratio seen in status or decided outside [minRatio, maxRatio]),
+   and `offline_f1_at_final`: the offline sweep's F1 proxy at the final ratio (linear
+   between grid ratios), which says whether the ratio the loop settled at really meets the
+   target or only read so from its last few samples.
 """
 
 from __future__ import annotations
@@ -159,6 +162,18 @@ def smallest_meeting(sweep: dict[float, float], tuning: Tuning) -> float | None:
     return meeting[0] if meeting else None
 
 
+def offline_f1_at(sweep: dict[float, float], ratio: float) -> float:
+    """The sweep's F1 proxy at `ratio`, linear between grid ratios (the end values outside
+    the grid): how good the ratio a run ended at is, by the offline measurement."""
+    grid = sorted(sweep.items())
+    if ratio <= grid[0][0]:
+        return grid[0][1]
+    for (r0, f0), (r1, f1) in zip(grid, grid[1:], strict=False):
+        if ratio <= r1:
+            return f0 + (f1 - f0) * (ratio - r0) / (r1 - r0)
+    return grid[-1][1]
+
+
 def run_scenario(
     stack: closed_loop.LiveStack, scenario: Scenario, tuning: Tuning
 ) -> tuple[dict, list[timeline.Sample]]:
@@ -283,6 +298,10 @@ def main(argv: list[str] | None = None) -> int:
             summary, samples = run_scenario(stack, scenario, tuning)
             offline = changed_sweep if scenario.change_at is not None else sweep
             summary["min_ratio_meeting_target"] = smallest_meeting(offline, tuning)
+            if summary["final_ratio"] is not None:
+                summary["offline_f1_at_final"] = round(
+                    offline_f1_at(offline, summary["final_ratio"]), 3
+                )
             print(json.dumps(summary), flush=True)
             runs.append(summary)
             timelines[scenario.name] = samples

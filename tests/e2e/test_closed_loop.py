@@ -57,6 +57,15 @@ QUALITY_CODES = ("BelowTarget", "PinnedAtMaxRatio", "InBand", "AboveTarget", "At
 @pytest.mark.skipif(
     not renders_holeblend_serve(), reason="CPU engine pods do not run holeblend-serve yet"
 )
+def test_the_offline_quality_at_a_final_ratio_is_read_off_the_sweep_between_grid_ratios():
+    sweep = {0.02: 0.4, 0.1: 0.6, 0.5: 0.8}
+    at = closed_loop_runs.offline_f1_at
+    assert at(sweep, 0.1) == 0.6
+    assert at(sweep, 0.3) == pytest.approx(0.7)
+    assert at(sweep, 0.06) == pytest.approx(0.5)
+    assert (at(sweep, 0.01), at(sweep, 0.9)) == (0.4, 0.8)  # the end values outside the grid
+
+
 def test_the_tuner_decides_on_live_proxies_and_the_engine_takes_a_new_ratio_live(tmp_path):
     tuning = closed_loop_runs.Tuning(target=0.9, interval_s=5, cooldown_s=10, min_samples=2)
     name = closed_loop_runs.NAME
