@@ -180,6 +180,7 @@ class RagStream:
         self._weights = [1 / (i + 1) ** zipf_s for i in range(len(self.prompts))]
         self._seen: set[int] = set()
         self.sent: list[Sent] = []
+        self.num_repeated = 0  # paired requests of questions already sent (the list wrapped)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rag-stream", daemon=True)
 
@@ -204,6 +205,7 @@ class RagStream:
             if self.is_paired:
                 pair, second = divmod(self._next, 2)
                 index, is_first = pair % len(self.prompts), not second
+                self.num_repeated += pair >= len(self.prompts)
                 self._next += 1
             else:
                 index = self._rng.choices(range(len(self.prompts)), self._weights)[0]

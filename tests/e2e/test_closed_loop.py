@@ -50,13 +50,6 @@ def test_the_stream_sends_pass_1_without_holes_in_another_order_then_the_whole_p
     assert reordered > len(prompts) // 2
 
 
-QUALITY_CODES = ("BelowTarget", "PinnedAtMaxRatio", "InBand", "AboveTarget", "AtMinRatio")
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(
-    not renders_holeblend_serve(), reason="CPU engine pods do not run holeblend-serve yet"
-)
 def test_the_offline_quality_at_a_final_ratio_is_read_off_the_sweep_between_grid_ratios():
     sweep = {0.02: 0.4, 0.1: 0.6, 0.5: 0.8}
     at = closed_loop_runs.offline_f1_at
@@ -66,6 +59,27 @@ def test_the_offline_quality_at_a_final_ratio_is_read_off_the_sweep_between_grid
     assert (at(sweep, 0.01), at(sweep, 0.9)) == (0.4, 0.8)  # the end values outside the grid
 
 
+def test_a_paired_stream_counts_the_questions_it_sends_again_after_wrapping():
+    workload = dataclasses.replace(closed_loop_runs.WORKLOAD, num_questions=2)
+
+    class Counted(closed_loop.RagStream):
+        def send(self, system, documents, question):
+            if len(self.sent) == 5:
+                self._stop.set()
+            return closed_loop.Sent(time.time(), 200, 0.0, {})
+
+    stream = Counted("http://unused", workload, think_s=0.0, is_paired=True)
+    stream._run()
+    assert len(stream.sent) == 6 and stream.num_repeated == 2  # pairs 0, 1, then 0 again
+
+
+QUALITY_CODES = ("BelowTarget", "PinnedAtMaxRatio", "InBand", "AboveTarget", "AtMinRatio")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not renders_holeblend_serve(), reason="CPU engine pods do not run holeblend-serve yet"
+)
 def test_the_tuner_decides_on_live_proxies_and_the_engine_takes_a_new_ratio_live(tmp_path):
     tuning = closed_loop_runs.Tuning(target=0.9, interval_s=5, cooldown_s=10, min_samples=2)
     name = closed_loop_runs.NAME
