@@ -5,9 +5,9 @@
 1. Offline sweep (in this process, the same model and workload): each of SWEEP_QUESTIONS
    questions, spread over those a live run sends, is sent as the live stream sends it,
    pass 1 without its hole documents and in another order, then the whole prompt in hole
-   mode at each ratio of a grid (each finding the store as pass 1 left it); the blended answers are
-   scored against full prefill with the engine's own shadow scorer (pass 1 and the full
-   prefill run once per question). The smallest ratio whose mean F1 proxy reaches
+   mode at each ratio of a grid (each finding the store as pass 1 left it); the blended
+   answers are scored against full prefill with the engine's own shadow scorer (pass 1 and
+   the full prefill run once per question). The smallest ratio whose mean F1 proxy reaches
    target - band is `min_ratio_meeting_target`.
 2. Live runs (`closed_loop.LiveStack`: emulator, process kubelet, operator, Prometheus when
    installed), each a fresh BlendDeployment under a RAG stream:
@@ -37,6 +37,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import numpy
 
 from holeblend_devtools import closed_loop, prometheus, timeline
 from holeblend_runtime.bench.workload import WorkloadConfig, generate_workload
@@ -172,13 +174,8 @@ def smallest_meeting(sweep: dict[float, float], tuning: Tuning) -> float | None:
 def offline_f1_at(sweep: dict[float, float], ratio: float) -> float:
     """The sweep's F1 proxy at `ratio`, linear between grid ratios (the end values outside
     the grid): how good the ratio a run ended at is, by the offline measurement."""
-    grid = sorted(sweep.items())
-    if ratio <= grid[0][0]:
-        return grid[0][1]
-    for (r0, f0), (r1, f1) in zip(grid, grid[1:], strict=False):
-        if ratio <= r1:
-            return f0 + (f1 - f0) * (ratio - r0) / (r1 - r0)
-    return grid[-1][1]
+    grid = sorted(sweep)
+    return float(numpy.interp(ratio, grid, [sweep[r] for r in grid]))
 
 
 def run_scenario(

@@ -73,6 +73,9 @@ class Pod:
     is_ready: bool = False
     num_failed_probes: int = 0  # in a row; not ready after the probe's failureThreshold
     log: Any = None
+    # Content hash of each volume as last written; goes with the pod (and its directory),
+    # so a later pod of the same name writes its volumes anew.
+    written: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 class ProcessKubelet:
@@ -84,8 +87,6 @@ class ProcessKubelet:
         self.tick_s = tick_s
         self.pods: dict[tuple[str, str], Pod] = {}  # (namespace, pod name) -> pod
         self._proxies: dict[tuple[str, str], ServiceProxy] = {}
-        # Content hash of each volume as written, by (namespace, pod, volume).
-        self._configmaps: dict[tuple[str, str, str], str] = {}
         self._next_ip = 2
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="process-kubelet", daemon=True)
@@ -193,10 +194,6 @@ class ProcessKubelet:
         with contextlib.suppress(Exception):  # gone already (garbage collected with its owner)
             self.cluster.call(self.cluster.api.delete_object(PODS, pod.namespace, pod.name))
         shutil.rmtree(self.workdir / pod.namespace / pod.name, ignore_errors=True)
-        # Its volumes are gone with the directory: a pod of the same name (the same template
-        # brought back, e.g. a BlendDeployment deleted and applied again) writes them anew.
-        for volume in pod.volumes:
-            self._configmaps.pop((pod.namespace, pod.name, volume), None)
 
     def _sync_process(self, pod: Pod) -> None:
         was_ready = pod.is_ready
@@ -258,10 +255,9 @@ class ProcessKubelet:
             source = configmaps.get((pod.namespace, pod.configmap_of[volume]))
             data = {k: self._local_urls(v) for k, v in ((source or {}).get("data") or {}).items()}
             digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
-            key = (pod.namespace, pod.name, volume)
-            if self._configmaps.get(key) != digest:
+            if pod.written.get(volume) != digest:
                 write_atomically(directory, data)
-                self._configmaps[key] = digest
+                pod.written[volume] = digest
 
     def _local_urls(self, text: str) -> str:
         def local(match: re.Match) -> str:
