@@ -106,8 +106,8 @@ demo: $(STAMP) $(TOOLS)/helm
 	$(VENV)/bin/holeblend-bench --quick --json out/demo-bench.json
 	$(PY) -m holeblend_devtools.serve_demo
 
-# The ratio tuner against the real engine: offline sweep (about 25 minutes on 2 cores), then
-# three live scenarios at 30 s intervals (about 26 minutes); writes out/closed-loop.json and
+# The ratio tuner against the real engine: offline sweeps (about 15 minutes on 2 cores), then
+# three live scenarios at 30 s intervals (about 25 minutes); writes out/closed-loop.json and
 # out/closed-loop.png.
 closed-loop: $(STAMP) $(TOOLS)/helm $(SYSDEPS)
 	$(PY) -m holeblend_devtools.closed_loop_runs --json out/closed-loop.json --png out/closed-loop.png

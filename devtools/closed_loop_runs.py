@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         "--sweep-from",
         type=Path,
         help="take the offline sweeps from this earlier output (same workloads) instead of "
-        "running them again (about 25 minutes)",
+        "running them again (about 15 minutes)",
     )
     parser.add_argument(
         "--only",
