@@ -14,8 +14,9 @@ Quality first. Each interval, in this order:
    when there is one above. Quality is restored fast, because a bad ratio costs answers.
 4. Proxy above target + band for a whole cooldown: lower it additively (- stepDown), not
    below minRatio, and start a new cooldown. Speed is won back slowly. A step that would
-   land on or below a ratio recently measured below target is not taken (`AtLearnedFloor`):
-   the loop settles instead of oscillating around the smallest ratio that meets the target.
+   land on or below a ratio recently measured below target is not taken (`AtLearnedFloor`,
+   reported at once, not after a cooldown that could only end in the same hold): the loop
+   settles instead of oscillating around the smallest ratio that meets the target.
 5. Otherwise (inside the band, or above it but still cooling down): hold.
 
 The cooldown counts from the last change (samples before it were taken at another ratio and
@@ -200,13 +201,15 @@ def _above(spec: TuningSpec, ratio: float, seen: str, state: State, now: float) 
     cooled = now - since
     if ratio <= spec.min_ratio + RATIO_TOLERANCE:
         return _hold(ratio, "AtMinRatio", f"{seen}; already at minRatio", True, learned)
-    if cooled < spec.cooldown_seconds:
-        text = f"{seen} for {cooled:.0f} s of a {spec.cooldown_seconds} s cooldown"
-        return _hold(ratio, "AboveTargetCooling", text, True, learned)
+    # A step the floor forbids is not taken however long the proxy stays above the band:
+    # say so at once rather than count down a cooldown that leads nowhere.
     to = round_ratio(max(ratio - spec.step_down, spec.min_ratio))
     if learned.floor is not None and to <= learned.floor + RATIO_TOLERANCE:
         text = f"{seen}, but {to} is not above {learned.floor}, measured below target"
         return _hold(ratio, "AtLearnedFloor", text, True, learned)
+    if cooled < spec.cooldown_seconds:
+        text = f"{seen} for {cooled:.0f} s of a {spec.cooldown_seconds} s cooldown"
+        return _hold(ratio, "AboveTargetCooling", text, True, learned)
     text = f"{seen} for {cooled:.0f} s (cooldown {spec.cooldown_seconds} s): lowered to {to}"
     return Decision("down", ratio, to, "AboveTarget", text, True, replace_since(learned, now))
 

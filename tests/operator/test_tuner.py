@@ -99,7 +99,11 @@ def test_a_ratio_measured_below_target_is_a_floor_the_loop_does_not_step_back_on
     assert (decision.direction, decision.code) == ("hold", "AboveTargetCooling")
     decision = decide(SPEC, 0.15, reading(f1=0.97), state, now=40)
     assert (decision.direction, decision.to_ratio) == ("down", 0.13)
-    stepped = decide(SpecWith(stepDown=0.05), 0.13, reading(f1=0.97), decision.state, now=80)
+    # 10 s into the cooldown: the step it would lead to (0.08) is below the floor, so the
+    # law says so at once instead of counting down a cooldown that ends in no step.
+    early = decide(SpecWith(stepDown=0.05), 0.13, reading(f1=0.97), decision.state, now=50)
+    assert (early.direction, early.code) == ("hold", "AtLearnedFloor")
+    stepped = decide(SpecWith(stepDown=0.05), 0.13, reading(f1=0.97), early.state, now=80)
     assert (stepped.direction, stepped.code) == ("hold", "AtLearnedFloor")
     assert "0.1" in stepped.reason and stepped.is_tuned
 
