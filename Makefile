@@ -19,7 +19,7 @@ SYSDEPS := .tools/.system-deps
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: help venv tools test lint layers pytest generate golden demo bench bench-quick bench-operator bench-lookup bench-shadow closed-loop rbac clean test-vllm bench-vllm hadolint
+.PHONY: help venv tools test lint layers pytest generate golden demo bench bench-quick bench-operator bench-lookup bench-shadow closed-loop closed-loop-sim rbac clean test-vllm bench-vllm hadolint
 
 help:
 	@echo "make demo     - run holeblend end to end on this machine (operator, bench, holeblend-serve)"
@@ -30,6 +30,7 @@ help:
 	@echo "make bench-lookup - lookup server lookups/s and p99; shared tier GB/s vs raw redis-py"
 	@echo "make bench-operator - operator convergence for 1/20/200 BlendDeployments vs the emulator floor"
 	@echo "make closed-loop - the ratio tuner against the real engine, three scenarios (out/closed-loop.json)"
+	@echo "make closed-loop-sim - how often the tuner's law meets the goals, simulated over 1000 question orders"
 	@echo "make bench-shadow - TTFT under load with the shadow quality proxies off vs on"
 	@echo "make generate - regenerate the CRD, the chart's copy and docs/api.md"
 	@echo "make rbac     - regenerate deploy/rbac.yaml and the chart's RBAC template"
@@ -111,6 +112,12 @@ demo: $(STAMP) $(TOOLS)/helm
 # out/closed-loop.png.
 closed-loop: $(STAMP) $(TOOLS)/helm $(SYSDEPS)
 	$(PY) -m holeblend_devtools.closed_loop_runs --json out/closed-loop.json --png out/closed-loop.png
+
+# The control law in simulated time, 1000 runs per scenario on the measured per-question
+# scores (seconds): how often it meets the goals over question orders the live runs never
+# send. Writes out/closed-loop-sim.json.
+closed-loop-sim: $(STAMP)
+	$(PY) -m holeblend_devtools.closed_loop_sim --json out/closed-loop-sim.json
 
 # TTFT under open-loop load with the shadow quality proxies off and on, side by side.
 bench-shadow: $(STAMP)

@@ -40,7 +40,8 @@ from pathlib import Path
 
 import numpy
 
-from holeblend_devtools import closed_loop, prometheus, timeline
+from holeblend_devtools import closed_loop, closed_loop_sim, prometheus, timeline
+from holeblend_devtools.closed_loop_sim import SETTLED, Scenario, Tuning, scenarios
 from holeblend_runtime.bench.workload import WorkloadConfig, generate_workload
 
 NAME = "smollm2-demo"
@@ -78,50 +79,24 @@ SWEEP_STRIDE = 3
 # cores, a standalone engine scored 12 hole requests in 60 s at 1.0 s, 10 at 1.5 s and 10
 # (3 more dropped: the shadow slot was taken) at 0.75 s.
 THINK_S = 1.0
-# The tuner's codes of a loop at rest: quality meets the target and no lower step is allowed.
-SETTLED = {"InBand", "AtLearnedFloor", "AtMinRatio"}
-
-
-@dataclasses.dataclass(frozen=True)
-class Tuning:
-    target: float
-    band: float = 0.05
-    min_ratio: float = 0.02
-    max_ratio: float = 0.9
-    interval_s: int = 30
-    cooldown_s: int = 30
-    min_samples: int = 4
-    step_up: float = 2.0
-    step_down: float = 0.2
-
-    def spec(self, prometheus_url: str | None) -> dict:
-        spec = {
-            "targetF1Proxy": self.target,
-            "band": self.band,
-            "minRatio": self.min_ratio,
-            "maxRatio": self.max_ratio,
-            "intervalSeconds": self.interval_s,
-            "cooldownSeconds": self.cooldown_s,
-            "minSamples": self.min_samples,
-            "stepUpFactor": self.step_up,
-            "stepDown": self.step_down,
-            "shadowSampleRate": 1.0,
-        }
-        return spec | ({"prometheusUrl": prometheus_url} if prometheus_url else {})
-
-
-@dataclasses.dataclass(frozen=True)
-class Scenario:
-    name: str
-    start_ratio: float
-    intervals: int  # how long the stream runs, in tuner intervals
-    change_at: int | None = None  # interval at which the workload switches to CHANGED
 
 
 def offline_sweep(workload: WorkloadConfig, ratios=GRID, max_tokens: int = 8) -> dict[float, float]:
-    """Mean F1 proxy per ratio over SWEEP_QUESTIONS of the workload's questions, each
-    sent as the live stream sends it (pass 1, then the hole request) and scored as the
-    engine scores it (hole requests that blended: `serve.worker.is_blended`).
+    """Mean F1 proxy per ratio over SWEEP_QUESTIONS of the workload's questions."""
+    return sweep_means(offline_scores(workload, ratios, max_tokens))
+
+
+def sweep_means(scores: dict[float, list[float]]) -> dict[float, float]:
+    return {r: statistics.fmean(s) if s else math.nan for r, s in scores.items()}
+
+
+def offline_scores(
+    workload: WorkloadConfig, ratios=GRID, max_tokens: int = 8
+) -> dict[float, list[float]]:
+    """Per ratio, the F1 proxy of each of SWEEP_QUESTIONS of the workload's questions
+    (in question order), each sent as the live stream sends it (pass 1, then the hole
+    request) and scored as the engine scores it (hole requests that blended:
+    `serve.worker.is_blended`; a question that did not blend has no score at any ratio).
 
     Pass 1 and the shadow's full prefill do not depend on the ratio, so each runs once per
     question; every ratio's hole request finds the store as pass 1 left it."""
@@ -143,19 +118,21 @@ def offline_sweep(workload: WorkloadConfig, ratios=GRID, max_tokens: int = 8) ->
         after_first_pass = set(store.keys())
         whole = closed_loop.first_pass_or_hole(workload, qa, is_first=False)
         prompt = engine.build_prompt(qa.system, whole, qa.question)
+        question: dict[float, float] = {}
         for ratio in ratios:
             prefill = engine.prefill(prompt, mode="hole", ratio=ratio)
             answer = engine.generate(prefill, max_tokens)
             for key in set(store.keys()) - after_first_pass:  # the hole this request stored
                 store.remove(key)
             if is_blended(prefill):
-                request = ShadowRequest(prompt, tuple(answer), ratio)
-                scores[ratio].append(scorer.score(request).f1)
+                question[ratio] = scorer.score(ShadowRequest(prompt, tuple(answer), ratio)).f1
+        if len(question) == len(ratios):  # scores line up across ratios, question by question
+            for ratio, f1 in question.items():
+                scores[ratio].append(f1)
     scorer.close()
-    means = {r: statistics.fmean(s) if s else math.nan for r, s in scores.items()}
-    for ratio, mean in means.items():
+    for ratio, mean in sweep_means(scores).items():
         print(f"  ratio {ratio}: F1 proxy {mean:.3f} over {len(scores[ratio])}", flush=True)
-    return means
+    return scores
 
 
 def target_of(sweep: dict[float, float]) -> float:
@@ -219,7 +196,7 @@ def summarize(scenario: Scenario, tuning: Tuning, recorder: timeline.Recorder) -
     started += (scenario.change_at or 0) * tuning.interval_s
     last_change = max(_epoch(changes[-1]["time"]), started) if changes else started
     directions = [h["direction"] for h in changes]
-    flips = sum(1 for a, b in zip(directions, directions[1:], strict=False) if a != b)
+    flips = closed_loop_sim.direction_changes(directions)
     last_code = recorder.history[-1]["reason"].split(":")[0] if recorder.history else None
     settled = last_code in SETTLED
     return {
@@ -237,6 +214,11 @@ def summarize(scenario: Scenario, tuning: Tuning, recorder: timeline.Recorder) -
         "ever_out_of_bounds": any(not tuning.min_ratio <= r <= tuning.max_ratio for r in ratios),
         "decisions": [f"{h['direction']} {h['fromRatio']}->{h['toRatio']}" for h in changes],
     }
+
+
+def _scores_in(earlier: dict, key: str) -> dict[float, list[float]] | None:
+    found = earlier.get(key)  # absent in outputs written before the sweep kept them
+    return {float(r): list(s) for r, s in found.items()} if found else None
 
 
 def _epoch(text: str) -> float:
@@ -266,23 +248,23 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop every process
     if args.sweep_from:
         earlier = json.loads(args.sweep_from.read_text())
+        scores = _scores_in(earlier, "offline_scores")
+        changed_scores = _scores_in(earlier, "offline_scores_changed")
         sweep = {float(r): f1 for r, f1 in earlier["offline_sweep"].items()}
         changed_sweep = {float(r): f1 for r, f1 in earlier["offline_sweep_changed"].items()}
     else:
-        sweep = offline_sweep(WORKLOAD)
+        scores = offline_scores(WORKLOAD)
+        sweep = sweep_means(scores)
         print("offline sweep (mean F1 proxy by ratio):", json.dumps(sweep), flush=True)
-        changed_sweep = offline_sweep(CHANGED)
+        changed_scores = offline_scores(CHANGED)
+        changed_sweep = sweep_means(changed_scores)
         print("offline sweep, changed workload:", json.dumps(changed_sweep), flush=True)
     target = args.target or target_of(sweep)
     tuning = Tuning(target=target)
-    scenarios = [
-        Scenario("from-low", 0.02, args.intervals),
-        Scenario("from-high", 0.8, args.intervals),
-        Scenario("workload-change", 0.02, 2 * args.intervals, change_at=args.intervals),
-    ]
     runs: list[dict] = []
+    chosen = scenarios(args.intervals)
     if args.only:  # keep the other scenarios' runs of an earlier output with the same target
-        scenarios = [s for s in scenarios if s.name in args.only]
+        chosen = [s for s in chosen if s.name in args.only]
         earlier = json.loads(Path(args.json).read_text()) if Path(args.json).exists() else {}
         if earlier.get("tuning", {}).get("target") == target:
             runs = [r for r in earlier["runs"] if r["name"] not in args.only]
@@ -293,12 +275,15 @@ def main(argv: list[str] | None = None) -> int:
         "offline_sweep_changed": {str(r): f1 for r, f1 in changed_sweep.items()},
         "tuning": dataclasses.asdict(tuning),
     }
+    if scores is not None and changed_scores is not None:  # per question: closed_loop_sim
+        result["offline_scores"] = {str(r): s for r, s in scores.items()}
+        result["offline_scores_changed"] = {str(r): s for r, s in changed_scores.items()}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     with (
         tempfile.TemporaryDirectory(prefix="holeblend-closed-loop-") as workdir,
         closed_loop.LiveStack(workdir) as stack,
     ):
-        for scenario in scenarios:
+        for scenario in chosen:
             summary, samples = run_scenario(stack, scenario, tuning)
             offline = changed_sweep if scenario.change_at is not None else sweep
             summary["min_ratio_meeting_target"] = smallest_meeting(offline, tuning)
@@ -311,6 +296,16 @@ def main(argv: list[str] | None = None) -> int:
             timelines[scenario.name] = samples
             # Written after every run: a later failure keeps what was measured.
             Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    if scores is not None and changed_scores is not None:
+        # How often the same law meets the goals over many question orders (the live runs
+        # above send one order): closed_loop_sim on the sweep's per-question scores.
+        result["simulated"] = closed_loop_sim.evaluate(
+            tuning,
+            closed_loop_sim.Workload.of(result["offline_scores"]),
+            closed_loop_sim.Workload.of(result["offline_scores_changed"]),
+            intervals=args.intervals,
+        )
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     timeline.plot_runs(timelines, args.png, target)
     return 0
 

@@ -25,7 +25,9 @@ do not count) or from the first reading above the band, and readings that cannot
 
 What was learned (the floor: the highest ratio measured below target; the lowest ratio
 measured meeting it) is forgotten MEMORY_COOLDOWNS cooldowns after it was measured, so a
-workload that becomes easier is found again by a probe one step below.
+workload that becomes easier is found again by a probe one step below. A reading inside
+the band teaches "meets the target" only with REMEMBER_IN_BAND_FACTOR x minSamples
+samples (a few samples read in band by luck).
 
 Every decision carries a reason code, a sentence with the numbers it saw, and the state
 for the next call.
@@ -49,6 +51,11 @@ RATIO_DECIMALS = 4
 RATIO_TOLERANCE = 5e-5
 # What the law learned about ratios is forgotten after this many cooldowns.
 MEMORY_COOLDOWNS = 20
+# A reading inside the band is remembered as "this ratio meets the target" only when it
+# holds this many times minSamples: the memory outlives the reading by MEMORY_COOLDOWNS,
+# and a few nearly binary samples put a ratio in the band by luck (a raise would then go
+# back to it, and its failure erases the memory of a higher ratio that did meet it).
+REMEMBER_IN_BAND_FACTOR = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +144,8 @@ def decide(spec: TuningSpec, ratio: object, reading: Reading, state: State, now:
         return _raise(spec, ratio, f"{seen} is below {low:.3f} (target - band)", state, now)
     if f1 <= high:
         text = f"{seen} is within {low:.3f}..{high:.3f}"
+        if reading.num_samples < REMEMBER_IN_BAND_FACTOR * spec.min_samples:
+            return _hold(ratio, "InBand", text, True, replace_since(state, None))
         return _hold(ratio, "InBand", text, True, state.meeting_at(ratio, now, None))
     return _above(spec, ratio, f"{seen} is above {high:.3f} (target + band)", state, now)
 

@@ -118,6 +118,17 @@ def test_a_raise_goes_straight_back_to_the_lowest_ratio_measured_meeting_the_tar
     assert (up.to_ratio, up.state.good, up.state.floor) == (0.45, None, 0.3)
 
 
+def test_an_in_band_reading_is_remembered_as_meeting_the_target_only_on_enough_samples():
+    known = decide(SPEC, 0.3, reading(f1=0.91), State(), now=0).state  # 50 samples: remembered
+    thin = decide(SPEC, 0.2, reading(f1=0.9, n=SPEC.min_samples), known, now=10)
+    assert (thin.code, thin.state.good) == ("InBand", 0.3)  # 20 samples: held, not learned
+    # Its failure then raises straight back to the ratio that did meet the target.
+    up = decide(SPEC, 0.2, reading(f1=0.8), thin.state, now=20)
+    assert (up.direction, up.to_ratio) == ("up", 0.3)
+    full = decide(SPEC, 0.2, reading(f1=0.9, n=2 * SPEC.min_samples), known, now=10)
+    assert full.state.good == 0.2
+
+
 def test_what_was_learned_is_forgotten_after_the_memory_so_an_easier_workload_is_found():
     state = decide(SPEC, 0.1, reading(f1=0.8), State(), now=0).state
     memory = MEMORY_COOLDOWNS * SPEC.cooldown_seconds
