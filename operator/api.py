@@ -851,6 +851,11 @@ class TuningStatus(ApiModel):
     to it while it is remembered (20 cooldowns after `meetsTargetAt`)."""
     meets_target_at: str | None = None
     """When `meetsTargetRatio` was measured (RFC 3339)."""
+    meets_target_above_ratio: float | None = Field(default=None, gt=0, le=1)
+    """The ratio that was `meetsTargetRatio` before a lower one met the target: if the lower
+    one then falls below target, a raise goes back to this one instead of a whole step up."""
+    meets_target_above_at: str | None = None
+    """When `meetsTargetAboveRatio` was measured (RFC 3339)."""
 
 
 class ObservedMetrics(ApiModel):

@@ -24,10 +24,12 @@ do not count) or from the first reading above the band, and readings that cannot
 (too few samples yet) do not restart it; a reading inside the band does.
 
 What was learned (the floor: the highest ratio measured below target; the lowest ratio
-measured meeting it) is forgotten MEMORY_COOLDOWNS cooldowns after it was measured, so a
-workload that becomes easier is found again by a probe one step below. A reading inside
-the band teaches "meets the target" only with REMEMBER_IN_BAND_FACTOR x minSamples
-samples (a few samples read in band by luck).
+measured meeting it, and the one above that it replaced) is forgotten MEMORY_COOLDOWNS
+cooldowns after it was measured, so a workload that becomes easier is found again by a
+probe one step below. A reading inside the band teaches "meets the target" only with
+REMEMBER_IN_BAND_FACTOR x minSamples samples (a few samples read in band by luck). When
+the lowest known-good ratio later falls below target, the one above it is the way back
+up, so the raise does not overshoot by a whole step.
 
 Every decision carries a reason code, a sentence with the numbers it saw, and the state
 for the next call.
@@ -84,6 +86,10 @@ class State:
     # The lowest ratio measured meeting the target (inside the band or above), and when.
     good: float | None = None
     good_at: float | None = None
+    # The ratio that was `good` before a lower one met the target: the way back up if the
+    # lower one fails later (one rung of the ladder, so the loop does not overshoot).
+    good_above: float | None = None
+    good_above_at: float | None = None
 
     def recalled(self, spec: TuningSpec, now: float) -> State:
         """This state without what was learned over MEMORY_COOLDOWNS cooldowns ago."""
@@ -93,23 +99,38 @@ class State:
             state = dataclasses.replace(state, floor=None, floor_at=None)
         if self.good_at is not None and now - self.good_at > memory:
             state = dataclasses.replace(state, good=None, good_at=None)
+        if self.good_above_at is not None and now - self.good_above_at > memory:
+            state = dataclasses.replace(state, good_above=None, good_above_at=None)
         return state
 
     def below_at(self, ratio: float, now: float) -> State:
         """Learned: `ratio` is below target (a higher ratio known good is kept only above)."""
         floor = ratio if self.floor is None or self.floor_at is None else max(self.floor, ratio)
         good, good_at = (self.good, self.good_at)
+        above, above_at = (self.good_above, self.good_above_at)
         if good is not None and good <= ratio + RATIO_TOLERANCE:
-            good, good_at = None, None  # the workload changed: that ratio is no longer good
-        return State(None, floor, now, good, good_at)
+            # That ratio is no longer good (the workload changed, or it read in band by
+            # luck): the one it replaced takes its place if it is above this one.
+            good, good_at = (above, above_at) if _higher(above, ratio) else (None, None)
+            above, above_at = None, None
+        return State(None, floor, now, good, good_at, above, above_at)
 
     def meeting_at(self, ratio: float, now: float, above_since: float | None) -> State:
         """Learned: `ratio` meets the target."""
-        good = ratio if self.good is None else min(self.good, ratio)
+        good, good_at = ratio, now
+        above, above_at = (self.good_above, self.good_above_at)
+        if _higher(self.good, ratio):  # a lower ratio meets it: the old one is the rung above
+            above, above_at = self.good, self.good_at
+        elif self.good is not None and _higher(ratio, self.good):
+            # A higher ratio: the lowest known good stays, and this one is the rung above
+            # it if it is closer than the one known.
+            good, good_at = self.good, self.good_at
+            if above is None or not _higher(ratio, above):
+                above, above_at = ratio, now
         floor, floor_at = (self.floor, self.floor_at)
         if floor is not None and floor >= ratio - RATIO_TOLERANCE:
             floor, floor_at = None, None  # the workload changed: that ratio is no longer low
-        return State(above_since, floor, floor_at, good, now)
+        return State(above_since, floor, floor_at, good, good_at, above, above_at)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +242,10 @@ def _above(spec: TuningSpec, ratio: float, seen: str, state: State, now: float) 
         return _hold(ratio, "AboveTargetCooling", text, True, learned)
     text = f"{seen} for {cooled:.0f} s (cooldown {spec.cooldown_seconds} s): lowered to {to}"
     return Decision("down", ratio, to, "AboveTarget", text, True, replace_since(learned, now))
+
+
+def _higher(ratio: float | None, other: float) -> bool:
+    return ratio is not None and ratio > other + RATIO_TOLERANCE
 
 
 def replace_since(state: State, above_since: float | None) -> State:

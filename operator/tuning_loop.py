@@ -76,7 +76,12 @@ def state_from(status: dict, spec_ratio: float) -> State:
         return State()
     floor, floor_at = _learned(tuning, "belowTarget")
     good, good_at = _learned(tuning, "meetsTarget")
-    return State(_epoch(tuning.get("aboveTargetSince")), floor, floor_at, good, good_at)
+    above, above_at = _learned(tuning, "meetsTargetAbove")
+    if good is None or above is None or above <= good:
+        above, above_at = None, None  # only meaningful above a known-good ratio
+    return State(
+        _epoch(tuning.get("aboveTargetSince")), floor, floor_at, good, good_at, above, above_at
+    )
 
 
 def _learned(tuning: dict, name: str) -> tuple[float | None, float | None]:
@@ -130,6 +135,8 @@ def status_patch(
             "belowTargetAt": _rfc3339_or_none(state.floor_at),
             "meetsTargetRatio": state.good,
             "meetsTargetAt": _rfc3339_or_none(state.good_at),
+            "meetsTargetAboveRatio": state.good_above,
+            "meetsTargetAboveAt": _rfc3339_or_none(state.good_above_at),
         },
         "metrics": observed_metrics(seen, now),
         "conditions": _with_tuned(

@@ -1,6 +1,7 @@
 """The control law in simulated time: each rule alone, then closed loops against a model
 of how quality depends on the ratio."""
 
+import dataclasses
 import math
 import random
 
@@ -127,6 +128,36 @@ def test_an_in_band_reading_is_remembered_as_meeting_the_target_only_on_enough_s
     assert (up.direction, up.to_ratio) == ("up", 0.3)
     full = decide(SPEC, 0.2, reading(f1=0.9, n=2 * SPEC.min_samples), known, now=10)
     assert full.state.good == 0.2
+
+
+def test_when_the_lowest_known_good_ratio_fails_a_raise_goes_back_to_the_one_it_replaced():
+    # 0.6 met the target, then 0.4 did too (so 0.6 is kept as the rung above it) ...
+    known = decide(SPEC, 0.6, reading(f1=0.91), State(), now=0).state
+    lower = decide(SPEC, 0.4, reading(f1=0.91), known, now=10).state
+    assert (lower.good, lower.good_above) == (0.4, 0.6)
+    # ... then 0.4 fell below target (the workload changed, or it read in band by luck):
+    # the raise goes back to 0.6, not a whole step (x2) past it.
+    wide = SpecWith(maxRatio=1.0, stepUpFactor=2.0)
+    up = decide(wide, 0.4, reading(f1=0.8), lower, now=20)
+    assert (up.direction, up.to_ratio) == ("up", 0.6)
+    assert (up.state.good, up.state.good_above, up.state.floor) == (0.6, None, 0.4)
+    # Without the rung (the old law) the raise would have gone a whole step, to 0.8.
+    bare = decide(wide, 0.4, reading(f1=0.8), replace_rung(lower), now=20)
+    assert bare.to_ratio == 0.8
+
+
+def test_a_higher_ratio_meeting_the_target_becomes_the_rung_if_it_is_closer():
+    state = decide(SPEC, 0.2, reading(f1=0.91), State(), now=0).state
+    state = decide(SPEC, 0.5, reading(f1=0.91), state, now=10).state
+    assert (state.good, state.good_above) == (0.2, 0.5)
+    state = decide(SPEC, 0.3, reading(f1=0.91), state, now=20).state
+    assert (state.good, state.good_above) == (0.2, 0.3)
+    state = decide(SPEC, 0.45, reading(f1=0.91), state, now=30).state
+    assert (state.good, state.good_above) == (0.2, 0.3)
+
+
+def replace_rung(state: State) -> State:
+    return dataclasses.replace(state, good_above=None, good_above_at=None)
 
 
 def test_what_was_learned_is_forgotten_after_the_memory_so_an_easier_workload_is_found():

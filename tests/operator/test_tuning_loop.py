@@ -48,11 +48,18 @@ def test_the_cooldown_survives_a_failover_through_status():
 
 def test_what_the_law_learned_survives_a_failover_through_status():
     learned = State(
-        above_since=None, floor=0.13, floor_at=1795428000.0, good=0.21, good_at=1795428010.0
+        above_since=None,
+        floor=0.13,
+        floor_at=1795428000.0,
+        good=0.21,
+        good_at=1795428010.0,
+        good_above=0.4,
+        good_above_at=1795427990.0,
     )
     hold = Decision("hold", 0.21, 0.21, "AtLearnedFloor", "F1 proxy 1.000", True, learned)
     patch = status_patch(BD, {}, hold, SEEN, NOW)
     assert patch["tuning"]["belowTargetRatio"] == 0.13
+    assert patch["tuning"]["meetsTargetAboveRatio"] == 0.4
     assert state_from(patch, BD.spec.blend.recompute_ratio) == learned
     assert BlendDeployment.model_validate(
         {"metadata": {"name": "r"}, "spec": SPEC, "status": patch}
@@ -62,6 +69,8 @@ def test_what_the_law_learned_survives_a_failover_through_status():
     del patch["tuning"]["meetsTargetAt"]
     state = state_from(patch, BD.spec.blend.recompute_ratio)
     assert (state.floor, state.good) == (None, None)
+    # A rung above a known-good ratio means nothing without one: forgotten too.
+    assert state.good_above is None
 
 
 def test_a_change_writes_ratio_base_history_metrics_and_a_tuned_condition():
