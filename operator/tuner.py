@@ -12,6 +12,9 @@ Quality first. Each interval, in this order:
 3. Proxy below target - band: raise the ratio multiplicatively (x stepUpFactor), capped at
    maxRatio, or straight back to the lowest ratio recently measured meeting the target
    when there is one above. Quality is restored fast, because a bad ratio costs answers.
+   One exception: just after a step down from a ratio known to meet the target, a reading
+   below the band by less than its noise waits for CONFIRM_FACTOR x minSamples samples
+   (`ConfirmingBelowTarget`) before the step is undone and remembered as a floor.
 4. Proxy above target + band for a whole cooldown: lower it additively (- stepDown), not
    below minRatio, and start a new cooldown. Speed is won back slowly. A step that would
    land on or below a ratio recently measured below target is not taken (`AtLearnedFloor`,
@@ -58,6 +61,13 @@ MEMORY_COOLDOWNS = 20
 # and a few nearly binary samples put a ratio in the band by luck (a raise would then go
 # back to it, and its failure erases the memory of a higher ratio that did meet it).
 REMEMBER_IN_BAND_FACTOR = 2
+# A step down that reads below the band is undone (and its ratio remembered as a floor)
+# at once when the reading is clearly below; when it is within CONFIRM_Z standard errors
+# of the band, the law first waits for CONFIRM_FACTOR x minSamples samples: a floor learned
+# from 4 or 5 nearly binary samples is wrong often, and it holds the ratio a step too high
+# for MEMORY_COOLDOWNS cooldowns.
+CONFIRM_FACTOR = 3
+CONFIRM_Z = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +172,14 @@ def decide(spec: TuningSpec, ratio: object, reading: Reading, state: State, now:
     low, high = spec.target_f1_proxy - spec.band, spec.target_f1_proxy + spec.band
     seen = f"F1 proxy {f1:.3f} over {reading.num_samples} samples"
     if f1 < low:
+        if _is_unconfirmed(spec, ratio, reading, state, low):
+            need = CONFIRM_FACTOR * spec.min_samples
+            text = (
+                f"{seen} is below {low:.3f} (target - band) by less than its noise, a step "
+                f"down from {state.good} (known to meet the target): waiting for {need} "
+                "samples before raising"
+            )
+            return _hold(ratio, "ConfirmingBelowTarget", text, False, state)
         return _raise(spec, ratio, f"{seen} is below {low:.3f} (target - band)", state, now)
     if f1 <= high:
         text = f"{seen} is within {low:.3f}..{high:.3f}"
@@ -209,6 +227,22 @@ def _untrusted(spec: TuningSpec, ratio: float, reading: Reading) -> tuple[str, s
             f"fewer than minSamples {spec.min_samples}"
         )
     return None
+
+
+def _is_unconfirmed(
+    spec: TuningSpec, ratio: float, reading: Reading, state: State, low: float
+) -> bool:
+    """A reading below the band that does not yet justify undoing a step down: a ratio
+    above is known to meet the target, the samples are fewer than CONFIRM_FACTOR x
+    minSamples, and the mean is within CONFIRM_Z standard errors of the band (the largest
+    standard error a proxy in [0, 1] with this mean can have: sqrt(m (1 - m) / n))."""
+    if not _higher(state.good, ratio) or reading.f1_proxy is None:
+        return False
+    if reading.num_samples >= CONFIRM_FACTOR * spec.min_samples:
+        return False
+    f1 = reading.f1_proxy
+    error = math.sqrt(max(f1 * (1 - f1), 0.0) / reading.num_samples)
+    return f1 + CONFIRM_Z * error >= low
 
 
 def _raise(spec: TuningSpec, ratio: float, seen: str, state: State, now: float) -> Decision:

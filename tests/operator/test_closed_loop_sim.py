@@ -82,13 +82,13 @@ def test_direction_changes_count_reversals_only():
 def test_on_the_measured_scores_the_law_meets_the_goals_at_least_as_often_as_it_did():
     """A floor under the share of runs that meet every goal with the closed-loop
     workload's measured per-question scores, 5 samples per interval (1000 runs per
-    scenario measured 0.74, 0.50 and 0.86 when the floor was set): a change to the law
+    scenario measured 0.74, 0.60 and 0.84 when the floor was set): a change to the law
     that makes it noticeably less reliable fails here."""
     base, changed, found = sim.load(sim.MEASURED)
     figures = sim.evaluate(Tuning(target=found["target"]), base, changed, runs=400, seed=7)
     assert figures["from-low"]["met_goals"] >= 0.65
-    assert figures["from-high"]["met_goals"] >= 0.4
-    assert figures["workload-change"]["met_goals"] >= 0.75
+    assert figures["from-high"]["met_goals"] >= 0.48
+    assert figures["workload-change"]["met_goals"] >= 0.74
     assert all(run["ever_out_of_bounds"] == 0.0 for run in figures.values())
 
 

@@ -156,6 +156,23 @@ def test_a_higher_ratio_meeting_the_target_becomes_the_rung_if_it_is_closer():
     assert (state.good, state.good_above) == (0.2, 0.3)
 
 
+def test_a_step_down_that_reads_below_by_less_than_its_noise_is_confirmed_before_undone():
+    spec = SpecWith(minSamples=4, band=0.05, targetF1Proxy=0.73)  # below the band: < 0.68
+    known = decide(spec, 0.6, reading(f1=0.9, n=30), State(), now=0).state  # 0.6 meets it
+    # Stepped down to 0.4: 0.6 over 5 samples is below 0.68, but 0.6 + 0.5 x 0.22 is not.
+    wait = decide(spec, 0.4, reading(f1=0.6, n=5), known, now=30)
+    assert (wait.direction, wait.code, wait.is_tuned) == ("hold", "ConfirmingBelowTarget", False)
+    assert wait.state.floor is None and "12 samples" in wait.reason
+    # Clearly below (0.2 + 0.5 x 0.18 < 0.68): undone at once, quality first.
+    assert decide(spec, 0.4, reading(f1=0.2, n=5), known, now=30).to_ratio == 0.6
+    # With 3 x minSamples the same mean is trusted: undone, and 0.4 becomes the floor.
+    up = decide(spec, 0.4, reading(f1=0.6, n=12), wait.state, now=60)
+    assert (up.direction, up.to_ratio, up.state.floor) == ("up", 0.6, 0.4)
+    # Without a known-good ratio above (climbing from below), nothing waits.
+    climb = decide(spec, 0.4, reading(f1=0.6, n=5), State(), now=30)
+    assert (climb.direction, climb.code) == ("up", "BelowTarget")
+
+
 def replace_rung(state: State) -> State:
     return dataclasses.replace(state, good_above=None, good_above_at=None)
 
