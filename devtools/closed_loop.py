@@ -167,12 +167,17 @@ class RagStream:
         seed: int = 0,
         zipf_s: float = 1.1,
         is_paired: bool = False,
+        warm_max_tokens: int | None = None,
     ):
         self.url, self.think_s, self.max_tokens = url, think_s, max_tokens
         self.zipf_s = zipf_s
         # Paired: the questions in order, each sent twice (without its hole documents, then
         # with them: a hole request); no question repeats until all were sent.
         self.is_paired = is_paired
+        # Paired, with warm_max_tokens set: the first request of a pair only puts its
+        # documents in the cache, as an earlier user's question on them did: it asks for
+        # that many tokens, and the hole request follows it without a think time.
+        self.warm_max_tokens = warm_max_tokens
         self._next = 0
         self.workload = workload
         self.prompts: list[QAPrompt] = list(generate_workload(workload))
@@ -213,10 +218,13 @@ class RagStream:
             qa = self.prompts[index]
             documents = first_pass_or_hole(self.workload, qa, is_first)
             self._seen.add(index)
-            self.sent.append(self.send(qa.system, documents, qa.question))
-            self._stop.wait(self.think_s)
+            is_warm = self.is_paired and is_first and self.warm_max_tokens is not None
+            max_tokens = self.warm_max_tokens if is_warm else self.max_tokens
+            self.sent.append(self.send(qa.system, documents, qa.question, max_tokens))
+            if not is_warm:
+                self._stop.wait(self.think_s)
 
-    def send(self, system: str, documents, question: str) -> Sent:
+    def send(self, system: str, documents, question: str, max_tokens: int | None = None) -> Sent:
         body = {
             "model": "smollm2",
             "messages": [
@@ -224,7 +232,7 @@ class RagStream:
                 {"role": "user", "content": question},
             ],
             "documents": list(documents),
-            "max_tokens": self.max_tokens,
+            "max_tokens": self.max_tokens if max_tokens is None else max_tokens,
         }
         request = urllib.request.Request(
             f"{self.url}/v1/chat/completions",
