@@ -195,6 +195,8 @@ def run_scenario(
         stream.stop()
     stack.delete(NAME)
     usage = closed_loop.summary_of_usage(stream.sent) | {"repeated": stream.num_repeated}
+    rate = timeline.quality_samples_per(recorder.samples, tuning.interval_s)
+    usage["quality_samples_per_interval"] = None if rate is None else round(rate, 2)
     return summarize(scenario, tuning, recorder) | {"requests": usage}, recorder.samples
 
 
@@ -309,11 +311,19 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     if scores is not None and changed_scores is not None:
         # How often the same law meets the goals over many question orders (the live runs
-        # above send one order): closed_loop_sim on the sweep's per-question scores.
-        result["simulated"] = closed_loop_sim.evaluate(
+        # above send one order): closed_loop_sim on the sweep's per-question scores, at the
+        # rate of quality samples the live runs measured.
+        rates = [
+            r["requests"]["quality_samples_per_interval"]
+            for r in runs
+            if (r.get("requests") or {}).get("quality_samples_per_interval")
+        ]
+        rate = statistics.fmean(rates) if rates else closed_loop_sim.SAMPLES_PER_INTERVAL
+        result["simulated"] = {"samples_per_interval": round(rate, 2)} | closed_loop_sim.evaluate(
             tuning,
             closed_loop_sim.Workload.of(result["offline_scores"]),
             closed_loop_sim.Workload.of(result["offline_scores_changed"]),
+            samples_per_interval=rate,
             intervals=args.intervals,
         )
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

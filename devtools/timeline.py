@@ -26,6 +26,9 @@ class Sample:
     f1_proxy: float | None  # status.metrics.f1Proxy (the tuner's last reading)
     hit_percent: float | None
     ttft_s: float | None  # mean TTFT of the requests finished since the last sample
+    # The engine's quality samples so far (holeblend_f1_proxy_count over all ratios): how
+    # fast the shadow feeds the tuner.
+    quality_samples: float | None = None
 
 
 class Recorder:
@@ -57,36 +60,50 @@ class Recorder:
         status = self.read_status() or {}
         metrics = status.get("metrics") or {}
         self.history = list((status.get("tuning") or {}).get("history") or [])
+        ttft_s, quality_samples = self._engine_metrics()
         sample = Sample(
             time.monotonic() - self._started,
             time.time(),
             status.get("recomputeRatio"),
             metrics.get("f1Proxy"),
             metrics.get("hitPercent"),
-            self._mean_ttft(),
+            ttft_s,
+            quality_samples,
         )
         self.samples.append(sample)
         return sample
 
-    def _mean_ttft(self) -> float | None:
+    def _engine_metrics(self) -> tuple[float | None, float | None]:
+        """(mean TTFT since the last sample, quality samples so far) from /metrics."""
         if self.metrics_url is None:
-            return None
+            return None, None
         try:
             with urllib.request.urlopen(self.metrics_url, timeout=5) as response:
                 text = response.read().decode()
         except OSError:
-            return None
-        total = [0.0, 0.0]
+            return None, None
+        total, quality = [0.0, 0.0], 0.0
         for family in text_string_to_metric_families(text):
             for s in family.samples:
                 if s.name == "holeblend_ttft_seconds_sum":
                     total[0] += s.value
                 elif s.name == "holeblend_ttft_seconds_count":
                     total[1] += s.value
+                elif s.name == "holeblend_f1_proxy_count":
+                    quality += s.value
         previous, self._ttft = self._ttft, (total[0], total[1])
         if previous is None or total[1] <= previous[1]:
-            return None
-        return (total[0] - previous[0]) / (total[1] - previous[1])
+            return None, quality
+        return (total[0] - previous[0]) / (total[1] - previous[1]), quality
+
+
+def quality_samples_per(samples: list[Sample], seconds: float) -> float | None:
+    """Quality samples the engine scored per `seconds`, over the recorded span."""
+    counted = [s for s in samples if s.quality_samples is not None]
+    if len(counted) < 2 or counted[-1].t_s <= counted[0].t_s:
+        return None
+    grown = counted[-1].quality_samples - counted[0].quality_samples
+    return grown / (counted[-1].t_s - counted[0].t_s) * seconds
 
 
 def plot(samples: list[Sample], path: str | Path, title: str, target: float | None = None) -> None:
