@@ -164,8 +164,17 @@ def offline_f1_at(sweep: dict[float, float], ratio: float) -> float:
     return float(numpy.interp(ratio, grid, [sweep[r] for r in grid]))
 
 
+def workloads_of(seeds: tuple[int, int]) -> tuple[WorkloadConfig, WorkloadConfig]:
+    """WORKLOAD and CHANGED with these generator seeds (held-out runs pick others)."""
+    base, changed = seeds
+    return dataclasses.replace(WORKLOAD, seed=base), dataclasses.replace(CHANGED, seed=changed)
+
+
 def run_scenario(
-    stack: closed_loop.LiveStack, scenario: Scenario, tuning: Tuning
+    stack: closed_loop.LiveStack,
+    scenario: Scenario,
+    tuning: Tuning,
+    workloads: tuple[WorkloadConfig, WorkloadConfig] = (WORKLOAD, CHANGED),
 ) -> tuple[dict, list[timeline.Sample]]:
     """One live run on a fresh BlendDeployment; the summary and the timeline."""
     body = closed_loop.example()
@@ -183,14 +192,14 @@ def run_scenario(
         stack.patch(NAME, {"spec": {"tuning": {"prometheusUrl": url}}})
     engine = stack.engine_url(NAME)
     stream = closed_loop.RagStream(
-        engine, WORKLOAD, think_s=THINK_S, is_paired=True, warm_max_tokens=WARM_MAX_TOKENS
+        engine, workloads[0], think_s=THINK_S, is_paired=True, warm_max_tokens=WARM_MAX_TOKENS
     )
     recorder = timeline.Recorder(lambda: stack.status(NAME), f"{engine}/metrics", every_s=1.0)
     with recorder:
         stream.start()
         for interval in range(scenario.intervals):
             if interval == scenario.change_at:
-                stream.switch(CHANGED)
+                stream.switch(workloads[1])
             time.sleep(tuning.interval_s)
         stream.stop()
     stack.delete(NAME)
@@ -257,19 +266,36 @@ def main(argv: list[str] | None = None) -> int:
         help="run only these scenarios; the others' runs in an earlier --json output with the "
         "same target are kept",
     )
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs=2,
+        default=(WORKLOAD.seed, CHANGED.seed),
+        metavar=("BASE", "CHANGED"),
+        help="workload generator seeds before and after the change (default: %(default)s; "
+        "others give held-out workloads)",
+    )
     args = parser.parse_args(argv)
+    seeds = tuple(args.seeds)
+    workloads = workloads_of(seeds)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop every process
     if args.sweep_from:
         earlier = json.loads(args.sweep_from.read_text())
+        earlier_seeds = tuple(earlier.get("workload_seeds", (WORKLOAD.seed, CHANGED.seed)))
+        if earlier_seeds != seeds:
+            raise SystemExit(
+                f"--sweep-from {args.sweep_from} swept workload seeds {list(earlier_seeds)}, "
+                f"not {list(seeds)}: pass the same --seeds, or leave out --sweep-from"
+            )
         scores = _scores_in(earlier, "offline_scores")
         changed_scores = _scores_in(earlier, "offline_scores_changed")
         sweep = {float(r): f1 for r, f1 in earlier["offline_sweep"].items()}
         changed_sweep = {float(r): f1 for r, f1 in earlier["offline_sweep_changed"].items()}
     else:
-        scores = offline_scores(WORKLOAD)
+        scores = offline_scores(workloads[0])
         sweep = sweep_means(scores)
         print("offline sweep (mean F1 proxy by ratio):", json.dumps(sweep), flush=True)
-        changed_scores = offline_scores(CHANGED)
+        changed_scores = offline_scores(workloads[1])
         changed_sweep = sweep_means(changed_scores)
         print("offline sweep, changed workload:", json.dumps(changed_sweep), flush=True)
     target = args.target or target_of(sweep)
@@ -287,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         "offline_sweep": {str(r): f1 for r, f1 in sweep.items()},
         "offline_sweep_changed": {str(r): f1 for r, f1 in changed_sweep.items()},
         "tuning": dataclasses.asdict(tuning),
+        "workload_seeds": list(seeds),
     }
     if scores is not None and changed_scores is not None:  # per question: closed_loop_sim
         result["offline_scores"] = {str(r): s for r, s in scores.items()}
@@ -297,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         closed_loop.LiveStack(workdir) as stack,
     ):
         for scenario in chosen:
-            summary, samples = run_scenario(stack, scenario, tuning)
+            summary, samples = run_scenario(stack, scenario, tuning, workloads)
             offline = changed_sweep if scenario.change_at is not None else sweep
             summary["min_ratio_meeting_target"] = smallest_meeting(offline, tuning)
             if summary["final_ratio"] is not None:
