@@ -63,14 +63,18 @@ def test_a_paired_stream_counts_the_questions_it_sends_again_after_wrapping():
     workload = dataclasses.replace(closed_loop_runs.WORKLOAD, num_questions=2)
 
     class Counted(closed_loop.RagStream):
-        def send(self, system, documents, question):
+        asked: list = []
+
+        def send(self, system, documents, question, max_tokens=None):
+            self.asked.append(max_tokens)
             if len(self.sent) == 5:
                 self._stop.set()
             return closed_loop.Sent(time.time(), 200, 0.0, {})
 
-    stream = Counted("http://unused", workload, think_s=0.0, is_paired=True)
+    stream = Counted("http://unused", workload, think_s=0.0, is_paired=True, warm_max_tokens=1)
     stream._run()
     assert len(stream.sent) == 6 and stream.num_repeated == 2  # pairs 0, 1, then 0 again
+    assert stream.asked == [1, stream.max_tokens] * 3  # each pair's first request only warms the cache
 
 
 QUALITY_CODES = ("BelowTarget", "PinnedAtMaxRatio", "InBand", "AboveTarget", "AtMinRatio")
