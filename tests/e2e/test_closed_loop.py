@@ -74,7 +74,8 @@ def test_a_paired_stream_counts_the_questions_it_sends_again_after_wrapping():
     stream = Counted("http://unused", workload, think_s=0.0, is_paired=True, warm_max_tokens=1)
     stream._run()
     assert len(stream.sent) == 6 and stream.num_repeated == 2  # pairs 0, 1, then 0 again
-    assert stream.asked == [1, stream.max_tokens] * 3  # each pair's first request only warms the cache
+    # each pair's first request only warms the cache
+    assert stream.asked == [1, stream.max_tokens] * 3
 
 
 QUALITY_CODES = ("BelowTarget", "PinnedAtMaxRatio", "InBand", "AboveTarget", "AtMinRatio")
