@@ -37,7 +37,7 @@ from holeblend_operator import kube, metrics
 from holeblend_operator.api import BlendDeployment, ConditionType, TuningSpec
 from holeblend_operator.render import engine_name, selector_string
 from holeblend_operator.status import stamp_transitions
-from holeblend_operator.tuner import Decision, Reading, State, decide
+from holeblend_operator.tuner import RECENT_INTERVALS, Decision, Reading, State, decide
 from holeblend_operator.tuning_sources import PrometheusSource, ScrapeSource, Target, failed
 
 LOG = logging.getLogger(__name__)
@@ -58,6 +58,12 @@ def window_seconds(spec: TuningSpec) -> float:
     taken at the ratio in force count, so after a change the window fills from zero; a
     long window lets a lightly loaded engine (few shadow samples) reach minSamples."""
     return float(max(spec.cooldown_seconds, WINDOW_INTERVALS * spec.interval_seconds))
+
+
+def recent_seconds(spec: TuningSpec) -> float:
+    """The recent part of the window (its last tuner.RECENT_INTERVALS intervals; the window
+    is at least WINDOW_INTERVALS long) that the law compares with the older part."""
+    return float(RECENT_INTERVALS * spec.interval_seconds)
 
 
 def ratio_in_force(spec_ratio: float, status: dict) -> object:
@@ -256,13 +262,14 @@ class TuningLoop:
             return failed("no ratio in force")
         session = self._get_session()
         target = await self.target(bd)
-        window = window_seconds(bd.spec.tuning)
+        window, recent = window_seconds(bd.spec.tuning), recent_seconds(bd.spec.tuning)
         url = bd.spec.tuning.prometheus_url
         if url is not None:
-            return await PrometheusSource(str(url), session).read(target, float(ratio), window)
+            source = PrometheusSource(str(url), session)
+            return await source.read(target, float(ratio), window, recent)
         if self._scrape is None:
             self._scrape = ScrapeSource(session)
-        return await self._scrape.read(target, float(ratio), window)
+        return await self._scrape.read(target, float(ratio), window, recent)
 
     async def target(self, bd: BlendDeployment) -> Target:
         namespace = bd.metadata.namespace

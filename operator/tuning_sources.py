@@ -10,6 +10,8 @@ and then summed, and hand it to `reading`, which turns it into the tuner's `Read
    sample with the ratio in force), over everything for tokens and TTFT.
 3. The proxies count only the samples taken at the ratio the tuner set: samples from before
    a change say nothing about the new ratio.
+4. The F1 proxy is also read over the last part of the window (`recent_s`), so the law can
+   tell a workload that changed under a held ratio (`tuner.recent_if_changed`).
 
 Failures never raise out of `read`: a Prometheus that is down, slow, or answers garbage or
 HTML, and pods that vanish mid-scrape, give a `Reading` with `error` set (nothing usable)
@@ -38,6 +40,7 @@ REUSED_TOKENS = "holeblend_reused_tokens_total"
 RATIO_GAUGE = "holeblend_recompute_ratio"
 RATIO_LABEL = "ratio"
 # Counters the window is taken over, and whether they are split by the ratio label.
+RECENT = (f"{F1}_sum", f"{F1}_count")  # also taken over the recent part of the window
 WINDOWED = {
     f"{F1}_sum": True,
     f"{F1}_count": True,
@@ -68,9 +71,17 @@ class SourceError(Exception):
 
 
 def reading(
-    increases: Increases, ratio: float, ratios_in_force: Iterable[float], age_s: float | None
+    increases: Increases,
+    ratio: float,
+    ratios_in_force: Iterable[float],
+    age_s: float | None,
+    recent: Increases | None = None,
 ) -> Reading:
-    """The tuner's view of one window: proxies at `ratio`, hit rate and TTFT over all."""
+    """The tuner's view of one window: proxies at `ratio`, hit rate and TTFT over all, and
+    the F1 proxy at `ratio` over the recent part of the window (`recent`, if read)."""
+    recent = recent or {}
+    recent_sum = _at_ratio(recent, f"{F1}_sum", ratio)
+    recent_num = _at_ratio(recent, f"{F1}_count", ratio)
     f1_sum, num = (
         _at_ratio(increases, f"{F1}_sum", ratio),
         _at_ratio(increases, f"{F1}_count", ratio),
@@ -87,6 +98,8 @@ def reading(
         ttft_seconds=ttft_sum / ttft_num if ttft_num > 0 else None,
         age_s=age_s,
         ratios_in_force=tuple(sorted(set(ratios_in_force))),
+        recent_f1_proxy=recent_sum / recent_num if recent_num > 0 else None,
+        recent_num_samples=int(round(recent_num)) if math.isfinite(recent_num) else 0,
     )
 
 
@@ -122,12 +135,17 @@ class PrometheusSource:
         self._session = session
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
 
-    async def read(self, target: Target, ratio: float, window_s: float) -> Reading:
+    async def read(
+        self, target: Target, ratio: float, window_s: float, recent_s: float | None = None
+    ) -> Reading:
         selector = f'namespace="{target.namespace}",service="{target.service}"'
         queries = {
             name: _increase_query(name, selector, window_s, split)
             for name, split in WINDOWED.items()
         }
+        if recent_s is not None:
+            for name in RECENT:
+                queries[f"recent:{name}"] = _increase_query(name, selector, recent_s, True)
         queries["ratio"] = f"{RATIO_GAUGE}{{{selector}}}"
         queries["age"] = f"time() - max(timestamp({RATIO_GAUGE}{{{selector}}}))"
         try:
@@ -136,10 +154,12 @@ class PrometheusSource:
             return failed(str(exc))
         found = dict(zip(queries, answers, strict=True))
         increases = {name: _by_ratio(found[name]) for name in WINDOWED}
+        recent = {n: _by_ratio(found[f"recent:{n}"]) for n in RECENT if f"recent:{n}" in found}
         if not found["ratio"]:
             return failed(f"Prometheus has no {RATIO_GAUGE} series for {selector}")
         ages = [value for _, value in found["age"]]
-        return reading(increases, ratio, (v for _, v in found["ratio"]), ages[0] if ages else None)
+        age = ages[0] if ages else None
+        return reading(increases, ratio, (v for _, v in found["ratio"]), age, recent)
 
     async def query(self, promql: str) -> list[tuple[dict, float]]:
         """An instant query's vector as (labels, value) pairs; SourceError on anything else."""
@@ -211,7 +231,9 @@ class ScrapeSource:
             tuple[str, str], list[Snapshot]
         ] = {}  # (namespace, pod) -> oldest first
 
-    async def read(self, target: Target, ratio: float, window_s: float) -> Reading:
+    async def read(
+        self, target: Target, ratio: float, window_s: float, recent_s: float | None = None
+    ) -> Reading:
         if not target.pod_urls:
             return failed("no ready engine pods to scrape")
         names = list(target.pod_urls)
@@ -225,12 +247,15 @@ class ScrapeSource:
         if not answered:
             return failed(f"no engine pod answered on /metrics ({scraped[0]})")
         increases: Increases = {}
+        recent: Increases = {}
         for name, snapshot in answered.items():
-            baseline = self._remember(target.namespace, name, snapshot, now, window_s)
-            _add_increases(increases, snapshot, baseline)
+            history = self._remember(target.namespace, name, snapshot, now, window_s)
+            _add_increases(increases, snapshot, _baseline(history, now, window_s))
+            if recent_s is not None:
+                _add_increases(recent, snapshot, _baseline(history, now, recent_s))
         self._forget_gone(target.namespace, names)
         ratios = [s.ratio for s in answered.values() if s.ratio is not None]
-        return reading(increases, ratio, ratios, age_s=None)
+        return reading(increases, ratio, ratios, None, recent if recent_s is not None else None)
 
     async def scrape(self, url: str) -> "Snapshot | str":
         """The pod's counters now, or why not (a pod may vanish mid-scrape)."""
@@ -248,17 +273,25 @@ class ScrapeSource:
 
     def _remember(
         self, namespace: str, pod: str, snapshot: Snapshot, now: float, window_s: float
-    ) -> Snapshot | None:
-        """Store the snapshot; return the oldest one inside the window (None: a new pod)."""
+    ) -> list[Snapshot]:
+        """Store the snapshot; return the pod's snapshots back to the window's start."""
         history = self._history.setdefault((namespace, pod), [])
         history.append(snapshot)
         while len(history) > 1 and history[1].at <= now - window_s:
             history.pop(0)
-        return history[0] if history[0] is not snapshot else None
+        return history
 
     def _forget_gone(self, namespace: str, pods: list[str]) -> None:
         for key in [k for k in self._history if k[0] == namespace and k[1] not in pods]:
             del self._history[key]
+
+
+def _baseline(history: list[Snapshot], now: float, span_s: float) -> Snapshot | None:
+    """The newest snapshot at least `span_s` old, or the oldest kept; None when that is the
+    latest (a new pod: its first scrape is its baseline)."""
+    older = [s for s in history if s.at <= now - span_s]
+    then = older[-1] if older else history[0]
+    return then if then is not history[-1] else None
 
 
 def parse_metrics(text: str, at: float) -> Snapshot:

@@ -39,7 +39,9 @@ def test_every_question_comes_once_before_any_comes_again():
 def test_on_a_noiseless_step_the_law_meets_every_goal_in_every_run():
     # Quality 0 below 0.3, 1 from it; after the change the step is at 0.8.
     base, changed = step_workload(2), step_workload(3)
-    figures = sim.evaluate(Tuning(target=0.73), base, changed, runs=20)
+    # Doubling: x3 (the runs' default) overshoots this step (0.54, then 0.9 after the change,
+    # where quality ramps from 0.3 to 0.8) and changes direction 3 times in workload-change.
+    figures = sim.evaluate(Tuning(target=0.73, step_up=2.0), base, changed, runs=20)
     for name, run in figures.items():
         assert run["met_goals"] == 1.0, (name, run)
     assert figures["from-high"]["min_ratio_meeting_target"] == 0.3
@@ -81,15 +83,16 @@ def test_direction_changes_count_reversals_only():
 
 def test_on_the_measured_scores_the_law_meets_the_goals_at_least_as_often_as_it_did():
     """A floor under the share of runs that meet every goal with the closed-loop
-    workload's measured per-question scores, 5 samples per interval (1000 runs per
-    scenario measured 0.74, 0.60 and 0.84 when the floor was set): a change to the law
-    that makes it noticeably less reliable fails here."""
+    workload's measured per-question scores, at 5 samples per interval (half the live rate:
+    1000 runs per scenario measured 0.82, 0.62 and 0.85 when the floor was set, and this
+    test's 400 runs 0.80, 0.61 and 0.85): a change to the law that makes it noticeably less
+    reliable fails here."""
     base, changed, found = sim.load(sim.MEASURED)
     tuning = Tuning(target=found["target"])
     figures = sim.evaluate(tuning, base, changed, runs=400, seed=7, samples_per_interval=5.0)
-    assert figures["from-low"]["met_goals"] >= 0.65
-    assert figures["from-high"]["met_goals"] >= 0.48
-    assert figures["workload-change"]["met_goals"] >= 0.74
+    assert figures["from-low"]["met_goals"] >= 0.74
+    assert figures["from-high"]["met_goals"] >= 0.55
+    assert figures["workload-change"]["met_goals"] >= 0.79
     assert all(run["ever_out_of_bounds"] == 0.0 for run in figures.values())
 
 

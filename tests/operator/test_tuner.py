@@ -159,18 +159,44 @@ def test_a_higher_ratio_meeting_the_target_becomes_the_rung_if_it_is_closer():
 def test_a_step_down_that_reads_below_by_less_than_its_noise_is_confirmed_before_undone():
     spec = SpecWith(minSamples=4, band=0.05, targetF1Proxy=0.73)  # below the band: < 0.68
     known = decide(spec, 0.6, reading(f1=0.9, n=30), State(), now=0).state  # 0.6 meets it
-    # Stepped down to 0.4: 0.6 over 5 samples is below 0.68, but 0.6 + 0.5 x 0.22 is not.
+    # Stepped down to 0.4: 0.6 over 5 samples is below 0.68, but 0.6 + 0.22 (one standard
+    # error) is not.
     wait = decide(spec, 0.4, reading(f1=0.6, n=5), known, now=30)
     assert (wait.direction, wait.code, wait.is_tuned) == ("hold", "ConfirmingBelowTarget", False)
-    assert wait.state.floor is None and "12 samples" in wait.reason
-    # Clearly below (0.2 + 0.5 x 0.18 < 0.68): undone at once, quality first.
+    assert wait.state.floor is None and "16 samples" in wait.reason
+    # 0.5 over 7 is within one standard error (0.19) of the band too.
+    assert decide(spec, 0.4, reading(f1=0.5, n=7), known, now=30).code == "ConfirmingBelowTarget"
+    # Clearly below (0.2 + 0.18 < 0.68): undone at once, quality first.
     assert decide(spec, 0.4, reading(f1=0.2, n=5), known, now=30).to_ratio == 0.6
-    # With 3 x minSamples the same mean is trusted: undone, and 0.4 becomes the floor.
-    up = decide(spec, 0.4, reading(f1=0.6, n=12), wait.state, now=60)
+    # With 4 x minSamples the same mean is trusted: undone, and 0.4 becomes the floor.
+    up = decide(spec, 0.4, reading(f1=0.6, n=16), wait.state, now=60)
     assert (up.direction, up.to_ratio, up.state.floor) == ("up", 0.6, 0.4)
     # Without a known-good ratio above (climbing from below), nothing waits.
     climb = decide(spec, 0.4, reading(f1=0.6, n=5), State(), now=30)
     assert (climb.direction, climb.code) == ("up", "BelowTarget")
+
+
+def test_a_workload_that_changed_under_a_held_ratio_is_read_from_the_recent_samples():
+    spec = SpecWith(minSamples=4, band=0.05, targetF1Proxy=0.73)  # band 0.68..0.78
+    # 100 samples over the window read 0.74, in band; the last 30 of them read 0.45: the
+    # older 70 read 0.864, 0.41 apart, over 2 standard errors (2 x 0.097): raise.
+    changed = decide(
+        spec, 0.3, reading(0.74, 100, recent_f1_proxy=0.45, recent_num_samples=30), State(), now=0
+    )
+    assert (changed.direction, changed.code, changed.to_ratio) == ("up", "BelowTarget", 0.45)
+    assert "the workload changed" in changed.reason and "0.450 over 30" in changed.reason
+    # The same window whose recent part reads within noise of the rest: held in band.
+    same = reading(0.74, 100, recent_f1_proxy=0.70, recent_num_samples=30)
+    assert decide(spec, 0.3, same, State(), now=0).code == "InBand"
+    # A recent part under minSamples says nothing yet, nor does an older part that thin.
+    thin = reading(0.74, 100, recent_f1_proxy=0.0, recent_num_samples=3)
+    assert decide(spec, 0.3, thin, State(), now=0).code == "InBand"
+    young = reading(0.74, 33, recent_f1_proxy=0.70, recent_num_samples=30)
+    assert decide(spec, 0.3, young, State(), now=0).code == "InBand"
+    # A workload that became easier reads high at once too (a cooldown starts).
+    easier = reading(0.76, 100, recent_f1_proxy=0.99, recent_num_samples=30)
+    assert decide(spec, 0.3, easier, State(), now=0).code == "AboveTargetCooling"
+    assert decide(spec, 0.3, reading(0.76, 100), State(), now=0).code == "InBand"
 
 
 def replace_rung(state: State) -> State:

@@ -4,14 +4,16 @@ into status, and which replica is the active one."""
 import dataclasses
 import datetime
 
-from holeblend_operator.api import BlendDeployment
+from holeblend_operator.api import BlendDeployment, TuningSpec
 from holeblend_operator.tuner import Decision, Reading, State
 from holeblend_operator.tuning_loop import (
     HISTORY_LENGTH,
     is_active,
     ratio_in_force,
+    recent_seconds,
     state_from,
     status_patch,
+    window_seconds,
 )
 
 SPEC = {
@@ -22,6 +24,13 @@ SPEC = {
 BD = BlendDeployment.model_validate({"metadata": {"name": "r", "generation": 3}, "spec": SPEC})
 SEEN = Reading(0.8, 0.9, 40, 75.0, 0.4, 2.0, (0.15,))
 NOW = "2026-11-23T10:00:00Z"
+
+
+def test_the_recent_part_is_the_last_three_intervals_of_a_longer_window():
+    spec = TuningSpec(intervalSeconds=45, cooldownSeconds=45)
+    assert (window_seconds(spec), recent_seconds(spec)) == (450.0, 135.0)
+    # A window of a long cooldown: still the last three intervals.
+    assert recent_seconds(TuningSpec(intervalSeconds=60, cooldownSeconds=3600)) == 180.0
 
 
 def hold(code="InBand", ratio=0.15):

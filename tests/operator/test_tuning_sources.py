@@ -1,6 +1,6 @@
 """The tuner's metrics sources against real HTTP servers on 127.0.0.1: engine pods that
 answer, vanish or send garbage, and Prometheus stand-ins that are down, slow or wrong.
-(The same PromQL against a real Prometheus: tests/chart/test_monitoring_prometheus.py.)"""
+(The same PromQL against a real Prometheus: tests/e2e/test_closed_loop.py.)"""
 
 import asyncio
 import contextlib
@@ -47,12 +47,15 @@ class Server:
 
     def __init__(self):
         self.answer = (200, "", "text/plain")
+        self.respond = None  # or an aiohttp handler that answers by the request
         self.delay_s = 0.0
         self.runner = None
         self.port = None
 
     async def handle(self, request):
         await asyncio.sleep(self.delay_s)
+        if self.respond is not None:
+            return await self.respond(request)
         status, text, content_type = self.answer
         return aiohttp.web.Response(status=status, text=text, content_type=content_type)
 
@@ -135,6 +138,50 @@ async def test_the_scrape_window_is_the_increase_since_the_oldest_snapshot_in_it
         assert second.num_samples == 15 and second.f1_proxy == pytest.approx(13 / 15)
         assert second.hit_percent == pytest.approx(100 * 500 / 700)
         assert second.ratios_in_force == (0.15,)
+
+
+async def test_the_recent_part_of_the_scrape_window_counts_from_the_snapshot_that_old():
+    async with servers(1) as ((a,), session):
+        clock = Clock()
+        source = ScrapeSource(session, clock=clock)
+        pages = [(10, 10), (19, 20), (27, 30), (28, 40)]  # F1 sum, count every 10 s
+        for f1_sum, count in pages:
+            a.answer = (200, metrics_page(f1_sum, count), "text/plain")
+            seen = await source.read(target(a.url), 0.15, window_s=60, recent_s=20)
+            clock.now += 10
+        # The window: since the first snapshot; the recent part: since the one 20 s old.
+        assert (seen.num_samples, seen.f1_proxy) == (30, pytest.approx(18 / 30))
+        assert (seen.recent_num_samples, seen.recent_f1_proxy) == (20, pytest.approx(9 / 20))
+        # Not asked for: not read.
+        a.answer = (200, metrics_page(29, 50), "text/plain")
+        plain = await source.read(target(a.url), 0.15, window_s=60)
+        assert (plain.recent_f1_proxy, plain.recent_num_samples) == (None, 0)
+
+
+async def test_prometheus_is_asked_for_the_recent_part_of_the_window_too():
+    async with servers(1) as ((prometheus,), session):
+        asked = []
+        sample = {"ratio": "0.15", "pod": "e-0"}
+
+        async def handle(request):
+            query = request.query["query"]
+            asked.append(query)
+            if "holeblend_f1_proxy_count" in query:
+                value = 8 if "offset 90s" in query else 40
+            elif "holeblend_f1_proxy_sum" in query:
+                value = 2 if "offset 90s" in query else 30
+            elif "timestamp" in query:
+                return aiohttp.web.json_response(json.loads(vector(({}, 4.0))))
+            else:
+                value = 0.15
+            return aiohttp.web.json_response(json.loads(vector((sample, value))))
+
+        prometheus.respond = handle
+        seen = await PrometheusSource(prometheus.url, session).read(target(), 0.15, 300, 90)
+        assert (seen.error, seen.num_samples, seen.f1_proxy) == (None, 40, 0.75)
+        assert (seen.recent_num_samples, seen.recent_f1_proxy) == (8, 0.25)
+        recent = [q for q in asked if "offset 90s" in q]
+        assert len(recent) == 2 and all("holeblend_f1_proxy_" in q for q in recent)
 
 
 async def test_a_series_that_appears_after_a_ratio_change_counts_from_zero():
