@@ -71,9 +71,9 @@ GRID = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.65, 0.8)
 # Questions of each workload the offline sweep scores: every SWEEP_STRIDE-th of the first
 # SWEEP_QUESTIONS * SWEEP_STRIDE, spread over the first 72 questions a live run sends (a
 # 12-interval run at 45 s sends about 200; each question is drawn from the same
-# distribution, so these are a sample of it), not its first ones only. The first 24 alone read lower at small ratios than
-# the live runs did (F1 0.44 at 0.02-0.05 offline; 0.60-0.72 live at 0.02-0.08 over 23-35
-# samples, in runs that did not repeat a question).
+# distribution, so these are a sample of it), not its first ones only. The first 24 alone
+# read lower at small ratios than the live runs did (F1 0.44 at 0.02-0.05 offline;
+# 0.60-0.72 live at 0.02-0.08 over 23-35 samples, in runs that did not repeat a question).
 SWEEP_QUESTIONS = 24
 SWEEP_STRIDE = 3
 # The first request of a pair only warms the cache (one token, no think time after it):
