@@ -3,7 +3,7 @@
 `make closed-loop-sim`, or `python -m holeblend_devtools.closed_loop_sim --scores
 out/closed-loop.json --json out/closed-loop-sim.json` on a fresh `make closed-loop` output.
 
-A live `make closed-loop` trio takes 25 minutes and sends the same questions in the same
+A live `make closed-loop` trio takes 36 minutes and sends the same questions in the same
 order every time, so it says little about how often the law meets its goals. This runs
 the real law (`tuner.decide`, with the window of `tuning_loop.window_seconds`) through the
 same three scenarios thousands of times in seconds, each run with its own question order
@@ -100,7 +100,8 @@ MEASURED = Path(__file__).with_name("closed_loop_scores.json")
 GOAL_INTERVALS = 10
 GOAL_DIRECTION_CHANGES = 2
 # About 7 per 30 s interval were measured in live runs on two cores (docs/tuning.md), so
-# about 10.5 per 45 s interval; `make closed-loop` measures its own.
+# about 10.5 per 45 s interval (the later 45 s runs measured about 17, so this is the
+# cautious side); `make closed-loop` measures its own.
 SAMPLES_PER_INTERVAL = 10.5
 
 
