@@ -82,10 +82,8 @@ QUALITY_CODES = ("BelowTarget", "PinnedAtMaxRatio", "InBand", "AboveTarget", "At
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not renders_holeblend_serve(), reason="CPU engine pods do not run holeblend-serve yet"
-)
 def test_the_tuner_decides_on_live_proxies_and_the_engine_takes_a_new_ratio_live(tmp_path):
+    assert renders_holeblend_serve(), "the CPU example's engine pod must run holeblend-serve"
     tuning = closed_loop_runs.Tuning(target=0.9, interval_s=5, cooldown_s=10, min_samples=2)
     name = closed_loop_runs.NAME
     with closed_loop.LiveStack(tmp_path) as stack:
