@@ -107,8 +107,8 @@ demo: $(STAMP) $(TOOLS)/helm
 	$(VENV)/bin/holeblend-bench --quick --json out/demo-bench.json
 	$(PY) -m holeblend_devtools.serve_demo
 
-# The ratio tuner against the real engine: offline sweeps (about 15 minutes on 2 cores), then
-# three live scenarios at 45 s intervals (48 intervals in all, about 40 minutes); writes
+# The ratio tuner against the real engine: offline sweeps (about 14 minutes on 2 cores), then
+# three live scenarios at 45 s intervals (48 intervals in all, about 36 minutes); writes
 # out/closed-loop.json and out/closed-loop.png.
 closed-loop: $(STAMP) $(TOOLS)/helm $(SYSDEPS)
 	$(PY) -m holeblend_devtools.closed_loop_runs --json out/closed-loop.json --png out/closed-loop.png
