@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy
+
 # Column order of the table and key order of each JSON result; scripts read these names.
 RESULT_KEYS = (
     "mode",
@@ -96,14 +98,10 @@ def summarize(
 
 
 def percentile(values: Sequence[float], share: float) -> float:
-    """Linear interpolation between the closest ranks (numpy's default)."""
+    """Linear interpolation between the closest ranks (numpy's default method)."""
     if not values:
         raise ValueError("values: need at least one value")
-    ordered = sorted(values)
-    rank = share * (len(ordered) - 1)
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+    return float(numpy.percentile(values, 100 * share))
 
 
 def format_table(results: Sequence[dict[str, Any]], keys: Sequence[str] = RESULT_KEYS) -> str:

@@ -111,7 +111,7 @@ def _lookup_run(
 
 
 def _lookup_row(clients: int, duration: float, outcomes: list[tuple[list[float], int]]) -> dict:
-    latencies = sorted(ms for client_latencies, _ in outcomes for ms in client_latencies)
+    latencies = [ms for client_latencies, _ in outcomes for ms in client_latencies]
     num_batches = len(latencies)
     return {
         "clients": clients,
@@ -125,10 +125,12 @@ def _lookup_row(clients: int, duration: float, outcomes: list[tuple[list[float],
     }
 
 
-def _percentile(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return float("nan")
-    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+def _percentile(values: list[float], q: float) -> float:
+    """Interpolated between the closest ranks, as numpy's default (the lookup pod has no
+    numpy); NaN when no batch came back."""
+    if len(values) < 2:
+        return values[0] if values else float("nan")
+    return statistics.quantiles(values, n=100, method="inclusive")[round(100 * q) - 1]
 
 
 # --- shared tier ----------------------------------------------------------------------------
