@@ -10,7 +10,9 @@ up; for each one:
    starts from the spec's ratio whenever status.tuning.baseRatio is not the spec's ratio
    (first run, or a person edited spec.blend.recomputeRatio).
 3. The metrics come from Prometheus (spec.tuning.prometheusUrl) or, without one, from the
-   ready engine pods' /metrics (`tuning_sources`); `tuner.decide` picks the ratio.
+   ready engine pods' /metrics (`tuning_sources`; on vLLM pods, the connector's metrics
+   port); `tuner.decide` picks the ratio. vLLM pods score no quality proxies, so for them
+   the law holds with `NoQualityProxies` (hit rate and TTFT still reach status).
 4. The decision goes into status under the owner's lock: recomputeRatio, tuning.baseRatio,
    the bounded history (a run of holds with the same reason is one entry, its time and
    numbers the latest), tuning.aboveTargetSince, the metrics, and the Tuned condition.
@@ -26,6 +28,7 @@ Switching tuning off needs nothing here: render and status fall back to the spec
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import logging
 import math
@@ -36,6 +39,8 @@ import aiohttp
 from holeblend_operator import kube, metrics
 from holeblend_operator.api import BlendDeployment, ConditionType, TuningSpec
 from holeblend_operator.render import engine_name, selector_string
+from holeblend_operator.render.engine import exports_connector_metrics
+from holeblend_operator.render.serve import runs_holeblend_serve
 from holeblend_operator.status import stamp_transitions
 from holeblend_operator.tuner import RECENT_INTERVALS, Decision, Reading, State, decide
 from holeblend_operator.tuning_sources import PrometheusSource, ScrapeSource, Target, failed
@@ -51,6 +56,20 @@ TUNING_GAUGES = (
     metrics.TUNING_TARGET,
 )
 PEERING_KINDS = {k.kind: k for k in kube.FRAMEWORK_KINDS if k.group == "kopf.dev"}
+# Only holeblend-serve (accelerator.type cpu) runs the shadow prefill that scores the
+# quality proxies; vLLM pods report reuse and TTFT but no proxies, so the law holds.
+NO_PROXIES = (
+    "the engine pods run vLLM (accelerator.type {bd.spec.accelerator.type.value}), which "
+    "does not score the quality proxies (holeblend_f1_proxy); only holeblend-serve "
+    "(accelerator.type cpu) does"
+)
+
+
+def metrics_port(bd: BlendDeployment) -> int:
+    """Where an engine pod serves the holeblend_* series: holeblend-serve on its HTTP port,
+    vLLM with the connector on the connector's metrics port (vLLM's own /metrics has none)."""
+    engine = bd.spec.engine
+    return engine.metrics_port if exports_connector_metrics(bd) else engine.port
 
 
 def window_seconds(spec: TuningSpec) -> float:
@@ -238,6 +257,8 @@ class TuningLoop:
         spec, spec_ratio = bd.spec.tuning, bd.spec.blend.recompute_ratio
         ratio = ratio_in_force(spec_ratio, status)
         seen = await self.read(bd, ratio)
+        if not runs_holeblend_serve(bd):
+            seen = dataclasses.replace(seen, no_proxies=NO_PROXIES.format(bd=bd))
         decision = decide(spec, ratio, seen, state_from(status, spec_ratio), time.time())
         async with self.operator.lock(key):
             patched = await client.patch_status(
@@ -276,7 +297,7 @@ class TuningLoop:
         urls = {}
         if bd.spec.tuning.prometheus_url is None:
             pods = await self.operator.client.list(kube.PODS, namespace, selector_string(bd))
-            port = bd.spec.engine.port
+            port = metrics_port(bd)
             urls = {
                 pod["metadata"]["name"]: f"http://{ip}:{port}/metrics"
                 for pod in pods

@@ -15,6 +15,7 @@ import pytest
 from holeblend_operator import metrics
 from tests.e2e.conftest import (
     BD,
+    DEPLOYMENTS,
     FAST,
     NAME,
     condition,
@@ -87,8 +88,8 @@ class EnginePod:
         self.server.server_close()
 
 
-def add_ready_pod(cluster, labels: dict) -> None:
-    pod = {"metadata": {"name": f"{NAME}-engine-0", "namespace": "default", "labels": labels}}
+def add_ready_pod(cluster, labels: dict, name: str = NAME) -> None:
+    pod = {"metadata": {"name": f"{name}-engine-0", "namespace": "default", "labels": labels}}
     cluster.call(cluster.api.put_object(PODS, pod))
     ready = {"type": "Ready", "status": "True"}
     status = {"phase": "Running", "podIP": "127.0.0.1", "conditions": [ready]}
@@ -111,8 +112,8 @@ def tuned_example(port: int) -> dict:
     return body
 
 
-def history(cluster) -> list[dict]:
-    return (status_of(cluster, NAME).get("tuning") or {}).get("history") or []
+def history(cluster, name: str = NAME) -> list[dict]:
+    return (status_of(cluster, name).get("tuning") or {}).get("history") or []
 
 
 def configmap_ratio(cluster) -> float:
@@ -160,3 +161,55 @@ def test_the_tuner_raises_the_ratio_through_the_configmap_clamps_and_lets_go(clu
         cluster.wait_for(lambda: configmap_ratio(cluster) == 0.05, timeout=10)
         cluster.wait_for(lambda: status_of(cluster, NAME)["recomputeRatio"] == 0.05, 10)
         assert condition(cluster, NAME, "Tuned")["reason"] == "Disabled"
+
+
+class ConnectorPod(EnginePod):
+    """A vLLM pod's connector metrics port: reuse and the ratio in force, no proxies."""
+
+    def __init__(self, cluster, name: str):
+        super().__init__(cluster)
+        self.name, self.prompt_tokens = name, 0
+
+    def ratio(self) -> float:
+        configmap = self.cluster.get(CONFIGMAPS, "default", f"{self.name}-runtime")
+        return json.loads(configmap["data"]["blend.json"])["recomputeRatio"]
+
+    def page(self) -> str:
+        self.prompt_tokens += 1000
+        return (
+            "# TYPE holeblend_prompt_tokens_total counter\n"
+            f"holeblend_prompt_tokens_total {self.prompt_tokens}\n"
+            "# TYPE holeblend_reused_tokens_total counter\n"
+            f"holeblend_reused_tokens_total {0.75 * self.prompt_tokens}\n"
+            f"# TYPE holeblend_recompute_ratio gauge\nholeblend_recompute_ratio {self.ratio()}\n"
+        )
+
+
+@pytest.mark.slow
+def test_vllm_pods_score_no_proxies_so_the_tuner_holds_and_says_so(cluster):
+    """The tuner reads a vLLM pod on the connector's metrics port (vLLM's own /metrics, on
+    the HTTP port, has no holeblend series), fills in the hit rate, and holds the spec's
+    ratio with NoQualityProxies: vLLM pods run no shadow prefill."""
+    name = "llama-8b"
+    with ConnectorPod(cluster, name) as pod, running_operator(FAST):
+        body = example("nvidia.yaml")
+        body["metadata"]["namespace"] = "default"
+        del body["spec"]["accelerator"]["nodeSelector"]  # the emulated node fits it as is
+        body["spec"]["engine"]["metricsPort"] = pod.port
+        body["spec"]["tuning"] = {"intervalSeconds": 5, "minSamples": 5}
+        create(cluster, body)
+        cluster.wait_for(lambda: cluster.get(DEPLOYMENTS, "default", f"{name}-engine"), 20)
+        engine = cluster.get(DEPLOYMENTS, "default", f"{name}-engine")
+        add_ready_pod(cluster, engine["spec"]["selector"]["matchLabels"], name)
+
+        cluster.wait_for(
+            lambda: "hitPercent" in (status_of(cluster, name).get("metrics") or {}), 30
+        )
+        tuned = condition(cluster, name, "Tuned")
+        assert (tuned["status"], tuned["reason"]) == ("False", "NoQualityProxies")
+        assert "run vLLM (accelerator.type nvidia)" in tuned["message"]
+        assert "spec.tuning.enabled: false" in tuned["message"]
+        status = status_of(cluster, name)
+        assert status["metrics"]["hitPercent"] == 75.0
+        assert status["recomputeRatio"] == 0.15 == pod.ratio()  # the spec's, untouched
+        assert {h["direction"] for h in history(cluster, name)} == {"hold"}
