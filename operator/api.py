@@ -669,9 +669,7 @@ class TuningSpec(ApiModel):
     check_rules = cel_validator(_BOUNDS_ORDERED)
 
     enabled: bool = True
-    """Let the operator adjust blend.recomputeRatio within [minRatio, maxRatio]. It acts on
-    quality proxies, which only holeblend-serve (accelerator.type cpu) scores today; on vLLM
-    pods it holds the ratio (Tuned reason NoQualityProxies)."""
+    """Let the operator adjust blend.recomputeRatio within [minRatio, maxRatio]."""
     target_f1_proxy: float = Field(default=0.9, gt=0, le=1)
     """F1 of blended vs full-prefill answers the tuner keeps the ratio at."""
     band: float = Field(default=0.03, ge=0, le=0.5)

@@ -7,7 +7,7 @@ Quality first. Each interval, in this order:
 1. A ratio outside [minRatio, maxRatio] (or not a ratio at all, e.g. patched by hand) is
    clamped into the bounds at once, whatever the metrics say.
 2. No action without a trustworthy reading: the engine cannot score the proxies at all
-   (vLLM pods), the source failed, the data is stale, the pods do not run the ratio yet, the proxy is NaN or absent, or there are fewer than minSamples
+   (blend.mode off), the source failed, the data is stale, the pods do not run the ratio yet, the proxy is NaN or absent, or there are fewer than minSamples
    samples taken at the ratio in force. The reading is the window's, or its last
    RECENT_INTERVALS intervals' alone when they differ from the older part by more than
    noise (the workload changed under a held ratio).
@@ -98,8 +98,8 @@ class Reading:
     # when it differs from the older part by more than noise, the workload changed.
     recent_f1_proxy: float | None = None
     recent_num_samples: int = 0
-    # Why the engine cannot score the quality proxies at all (its pods run vLLM, which has
-    # no shadow prefill yet); None when it can. Hit rate and TTFT are still read.
+    # Why the engine cannot score the quality proxies at all (blend.mode off: nothing is
+    # blended); None when it can. Hit rate and TTFT are still read.
     no_proxies: str | None = None
 
 

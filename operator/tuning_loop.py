@@ -11,8 +11,8 @@ up; for each one:
    (first run, or a person edited spec.blend.recomputeRatio).
 3. The metrics come from Prometheus (spec.tuning.prometheusUrl) or, without one, from the
    ready engine pods' /metrics (`tuning_sources`; on vLLM pods, the connector's metrics
-   port); `tuner.decide` picks the ratio. vLLM pods score no quality proxies, so for them
-   the law holds with `NoQualityProxies` (hit rate and TTFT still reach status).
+   port); `tuner.decide` picks the ratio. With blend.mode off nothing is blended, so no
+   proxies are scored and the law holds with `NoQualityProxies`.
 4. The decision goes into status under the owner's lock: recomputeRatio, tuning.baseRatio,
    the bounded history (a run of holds with the same reason is one entry, its time and
    numbers the latest), tuning.aboveTargetSince, the metrics, and the Tuned condition.
@@ -40,7 +40,6 @@ from holeblend_operator import kube, metrics
 from holeblend_operator.api import BlendDeployment, ConditionType, TuningSpec
 from holeblend_operator.render import engine_name, selector_string
 from holeblend_operator.render.engine import exports_connector_metrics
-from holeblend_operator.render.serve import runs_holeblend_serve
 from holeblend_operator.status import stamp_transitions
 from holeblend_operator.tuner import RECENT_INTERVALS, Decision, Reading, State, decide
 from holeblend_operator.tuning_sources import PrometheusSource, ScrapeSource, Target, failed
@@ -56,13 +55,15 @@ TUNING_GAUGES = (
     metrics.TUNING_TARGET,
 )
 PEERING_KINDS = {k.kind: k for k in kube.FRAMEWORK_KINDS if k.group == "kopf.dev"}
-# Only holeblend-serve (accelerator.type cpu) runs the shadow prefill that scores the
-# quality proxies; vLLM pods report reuse and TTFT but no proxies, so the law holds.
-NO_PROXIES = (
-    "the engine pods run vLLM (accelerator.type {bd.spec.accelerator.type.value}), which "
-    "does not score the quality proxies (holeblend_f1_proxy); only holeblend-serve "
-    "(accelerator.type cpu) does"
-)
+
+
+def no_proxies(bd: BlendDeployment) -> str | None:
+    """Why the engine pods cannot score the quality proxies at all, or None. holeblend-serve
+    scores them in-process and vLLM's connector through the pod's API server, but only for
+    requests that blended cached KV."""
+    if str(bd.spec.blend.mode) == "off":
+        return "blend.mode is off: the engine blends nothing, so it scores no quality proxies"
+    return None
 
 
 def metrics_port(bd: BlendDeployment) -> int:
@@ -257,8 +258,8 @@ class TuningLoop:
         spec, spec_ratio = bd.spec.tuning, bd.spec.blend.recompute_ratio
         ratio = ratio_in_force(spec_ratio, status)
         seen = await self.read(bd, ratio)
-        if not runs_holeblend_serve(bd):
-            seen = dataclasses.replace(seen, no_proxies=NO_PROXIES.format(bd=bd))
+        if (why := no_proxies(bd)) is not None:
+            seen = dataclasses.replace(seen, no_proxies=why)
         decision = decide(spec, ratio, seen, state_from(status, spec_ratio), time.time())
         async with self.operator.lock(key):
             patched = await client.patch_status(

@@ -108,46 +108,35 @@ def ratio_label(ratio: float) -> str:
     return repr(round(float(ratio), 4))
 
 
-class ShadowScorer:
-    """Samples requests and scores them against full prefill on one background thread."""
+class ShadowSampler:
+    """Samples offered requests and scores them on one background thread (step 1 of the
+    module doc); subclasses say how a request is scored (`score`)."""
 
     def __init__(
         self,
-        model,
-        tokenizer,
         sample_rate: float,
         *,
         is_busy: Callable[[], bool] = lambda: False,
         is_backlogged: Callable[[], bool] | None = None,
         metrics: ShadowMetrics | None = None,
         slots: int = 1,
-        chunk_tokens: int = 256,
         max_pause_s: float = 30.0,
         rng: random.Random | None = None,
-        cache_prompt: bool = False,
     ):
         if not 0 <= sample_rate <= 1:
             raise ValueError(f"sample_rate: must be within [0, 1], got {sample_rate}")
-        if slots < 1 or chunk_tokens < 1:
-            raise ValueError(f"slots and chunk_tokens: must be >= 1, got {slots}, {chunk_tokens}")
-        self.model, self.tokenizer = model, tokenizer
+        if slots < 1:
+            raise ValueError(f"slots: must be >= 1, got {slots}")
         self.sample_rate = sample_rate
         self.is_busy = is_busy  # a request is running or waiting: the worker pauses
         # Requests are waiting (default: is_busy): an offer is dropped. A server that offers
         # from its compute thread, while its own request still counts, passes this apart.
         self.is_backlogged = is_backlogged or is_busy
         self.metrics = metrics
-        self.chunk_tokens, self.max_pause_s = chunk_tokens, max_pause_s
+        self.max_pause_s = max_pause_s
         self._rng = rng or random.Random()
         self.slots = slots
-        # Keep the last prompt's full-prefill KV, so that several answers to one prompt (an
-        # offline sweep over ratios) cost one full prefill. Off in the engine: its prompts
-        # rarely repeat back to back, and the copy would hold memory between samples.
-        self.cache_prompt = cache_prompt
-        self._cached_prompt: (
-            tuple[tuple[int, ...], torch.Tensor, torch.Tensor, torch.Tensor] | None
-        ) = None
-        self._jobs: queue.Queue[ShadowRequest | None] = queue.Queue()
+        self._jobs: queue.Queue[object | None] = queue.Queue()
         self._lock = threading.Lock()
         self._num_in_flight = 0
         self._idle = threading.Event()
@@ -157,7 +146,10 @@ class ShadowScorer:
         self._thread = threading.Thread(target=self._work, name="shadow-prefill", daemon=True)
         self._thread.start()
 
-    def offer(self, request: ShadowRequest) -> str:
+    def score(self, request) -> ShadowScore:
+        raise NotImplementedError
+
+    def offer(self, request) -> str:
         """Take the request for scoring or drop it; returns the outcome (never blocks)."""
         if self._rng.random() >= self.sample_rate:
             return self._count("not_sampled")
@@ -198,6 +190,47 @@ class ShadowScorer:
                     self._num_in_flight -= 1
                     if self._num_in_flight == 0:
                         self._idle.set()
+
+    def _yield_to_serving(self) -> None:
+        """Pause while the engine serves; give up after max_pause_s."""
+        paused_at = time.monotonic()
+        while self.is_busy():
+            if time.monotonic() - paused_at > self.max_pause_s:
+                raise Preempted
+            time.sleep(0.005)
+
+    def _count(self, outcome: str) -> str:
+        self.outcomes[outcome] += 1
+        if self.metrics is not None:
+            self.metrics.offers.labels(outcome=outcome).inc()
+        return outcome
+
+
+class ShadowScorer(ShadowSampler):
+    """Scores sampled requests against full prefill of the engine's own model (steps 2-4)."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        sample_rate: float,
+        *,
+        chunk_tokens: int = 256,
+        cache_prompt: bool = False,
+        **options,
+    ):
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens: must be >= 1, got {chunk_tokens}")
+        self.model, self.tokenizer = model, tokenizer
+        self.chunk_tokens = chunk_tokens
+        # Keep the last prompt's full-prefill KV, so that several answers to one prompt (an
+        # offline sweep over ratios) cost one full prefill. Off in the engine: its prompts
+        # rarely repeat back to back, and the copy would hold memory between samples.
+        self.cache_prompt = cache_prompt
+        self._cached_prompt: (
+            tuple[tuple[int, ...], torch.Tensor, torch.Tensor, torch.Tensor] | None
+        ) = None
+        super().__init__(sample_rate, **options)
 
     @torch.inference_mode()
     def score(self, request: ShadowRequest) -> ShadowScore:
@@ -270,20 +303,6 @@ class ShadowScorer:
             h = self.model.forward(torch.tensor([token], device=self.model.device), k, v, position)
             token, position = int(self.model.logits(h)[0].argmax()), position + 1
         return full
-
-    def _yield_to_serving(self) -> None:
-        """Pause while the engine serves; give up after max_pause_s."""
-        paused_at = time.monotonic()
-        while self.is_busy():
-            if time.monotonic() - paused_at > self.max_pause_s:
-                raise Preempted
-            time.sleep(0.005)
-
-    def _count(self, outcome: str) -> str:
-        self.outcomes[outcome] += 1
-        if self.metrics is not None:
-            self.metrics.offers.labels(outcome=outcome).inc()
-        return outcome
 
 
 def _lower_own_priority() -> None:

@@ -50,6 +50,11 @@ from holeblend_runtime.vllm_connector.metadata import (
 from holeblend_runtime.vllm_connector.model_adapter import VllmModelAdapter
 from holeblend_runtime.vllm_connector.planning import ReusePlan, ReusePlanner, SegmentKeyer
 from holeblend_runtime.vllm_connector.settings import ConnectorSettings, RatioSource, load_settings
+from holeblend_runtime.vllm_connector.shadow import (
+    VllmShadow,
+    VllmShadowRequest,
+    is_shadow_request,
+)
 from holeblend_runtime.vllm_connector.store import close_store, open_store
 from holeblend_runtime.vllm_connector.worker import (
     BlendWorker,
@@ -176,7 +181,7 @@ class HoleBlendConnector(KVConnectorBase_V1):
             self._scheduler.record_outcomes(meta.outcomes)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
-        figures = self._scheduler.finished(request.request_id)
+        figures = self._scheduler.finished(request.request_id, request)
         return False, None if figures is None else {TRANSFER_PARAMS_KEY: figures}
 
     # --- worker side ------------------------------------------------------------------
@@ -233,13 +238,19 @@ class _SchedulerSide:
         self.outcomes: dict[str, LoadOutcome] = {}
         self.blocks: dict[str, tuple[int, ...]] = {}
         self.stores: list[StoreRequest] = []
+        # User requests planned and not finished yet (shadow requests are not among them).
+        self.in_flight: set[str] = set()
+        self.shadow = _shadow(vllm_config, settings, self.in_flight)
         metrics.serve_metrics()
 
     def matched(self, request: Any, num_computed_tokens: int) -> int:
         if self.settings.mode == "off":
             return 0
+        if is_shadow_request(getattr(request, "kv_transfer_params", None), TRANSFER_PARAMS_KEY):
+            return 0  # a shadow full prefill: nothing reused, stored or counted
         request_id = request.request_id
         if not self.ledger.has_plan(request_id):
+            self.in_flight.add(request_id)
             self._plan(request_id, request.prompt_token_ids)
         return self.ledger.matched(request_id, num_computed_tokens)
 
@@ -300,16 +311,63 @@ class _SchedulerSide:
             metrics.BLEND_SECONDS.observe(outcome.blend_seconds)
             metrics.REJECTED_SEGMENTS.inc(outcome.num_rejected_segments)
 
-    def finished(self, request_id: str) -> dict[str, Any] | None:
+    def finished(self, request_id: str, request: Any = None) -> dict[str, Any] | None:
+        """Forget the request; its reuse figures (None if it was not planned). With the
+        finished `request` itself, a request that blended is offered to the shadow."""
         plan = self.plans.pop(request_id, None)
         outcome = self.outcomes.pop(request_id, None)
         self.blocks.pop(request_id, None)
         self.ledger.finished(request_id)
+        self.in_flight.discard(request_id)
         if plan is None:
             return None
-        figures = _figures(plan, outcome, self.ratio.ratio())
+        ratio = self.ratio.ratio()
+        figures = _figures(plan, outcome, ratio)
         _record(figures)
+        if self.shadow is not None and request is not None and _is_blended(plan, figures):
+            self._offer(plan, request, ratio)
         return figures
+
+    def _offer(self, plan: ReusePlan, request: Any, ratio: float) -> None:
+        answer = list(getattr(request, "output_token_ids", None) or [])
+        if answer and answer[-1] == self.shadow.eos_token_id:
+            answer.pop()
+        if not answer or str(request.get_finished_reason()) not in _SCORED_FINISH_REASONS:
+            return  # aborted, or nothing answered: nothing to compare
+        question = self.shadow.decode(plan.prompt.question.token_ids)
+        self.shadow.offer(
+            VllmShadowRequest(tuple(plan.prompt.token_ids), tuple(answer), question, ratio)
+        )
+
+
+# vLLM's FinishReason of a request that ran to its end (not aborted, not an error).
+_SCORED_FINISH_REASONS = {"stop", "length"}
+
+
+def _is_blended(plan: ReusePlan, figures: dict[str, Any]) -> bool:
+    """Whether a reused document's KV was blended in: only then can the answer differ from
+    full prefill's (a full miss, or the system prompt alone at position 0, is exact)."""
+    if not plan.num_covered_tokens or not figures["num_reused_tokens"]:
+        return False
+    segments = plan.prompt.segments
+    return any(segments[i].index is not None for i in plan.lookup.reused_segments)
+
+
+def _shadow(vllm_config: Any, settings: ConnectorSettings, in_flight: set) -> VllmShadow | None:
+    """The quality proxies' shadow (shadow.py), when the pod names its API server."""
+    if settings.mode == "off":
+        return None
+    tokenizer = _text_tokenizer(vllm_config)
+    served = vllm_config.model_config.served_model_name
+    served = served[0] if isinstance(served, list | tuple) else served
+    return VllmShadow.from_env(
+        served or vllm_config.model_config.model,
+        settings.shadow_sample_rate,
+        lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True),
+        is_busy=lambda: bool(in_flight),
+        eos_token_id=tokenizer.eos_token_id,
+        metrics=metrics.SHADOW,
+    )
 
 
 def _figures(plan: ReusePlan, outcome: LoadOutcome | None, ratio: float) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from holeblend_runtime.shadow import ShadowMetrics
 from holeblend_runtime.tiered_store import TierMetrics
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,8 @@ BLEND_SECONDS = Histogram(
 RECOMPUTE_RATIO = Gauge(
     "holeblend_recompute_ratio", "The recompute ratio in force", registry=REGISTRY
 )
+# The quality proxies of the shadow full prefill (shadow.py), as holeblend-serve exports them.
+SHADOW = ShadowMetrics(REGISTRY)
 # Shared tier and lookup server counters of this process's connectors (scheduler, worker).
 TIERS = TierMetrics()
 REGISTRY.register(TIERS)

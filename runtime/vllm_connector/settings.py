@@ -47,6 +47,8 @@ class ConnectorSettings:
     shared_url: str | None = None
     # The deployment's lookup server (blend.json's lookupServerUrl); None: none.
     lookup_url: str | None = None
+    # Share of blended requests scored by the shadow full prefill (shadow.py).
+    shadow_sample_rate: float = contract.DEFAULT_SHADOW_SAMPLE_RATE
 
     @property
     def has_remote_tiers(self) -> bool:
@@ -74,6 +76,7 @@ def load_settings(extra_config: Mapping[str, Any]) -> ConnectorSettings:
         config_path=Path(path),
         shared_url=settings.kv.shared_url,
         lookup_url=settings.lookup_server_url,
+        shadow_sample_rate=settings.shadow_sample_rate,
     )
 
 

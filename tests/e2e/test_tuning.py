@@ -13,6 +13,8 @@ import threading
 import pytest
 
 from holeblend_operator import metrics
+from holeblend_operator.api import BlendDeployment
+from holeblend_operator.tuning_loop import no_proxies
 from tests.e2e.conftest import (
     BD,
     DEPLOYMENTS,
@@ -164,7 +166,7 @@ def test_the_tuner_raises_the_ratio_through_the_configmap_clamps_and_lets_go(clu
 
 
 class ConnectorPod(EnginePod):
-    """A vLLM pod's connector metrics port: reuse and the ratio in force, no proxies."""
+    """A vLLM pod's connector metrics port: the proxies and the reuse counters."""
 
     def __init__(self, cluster, name: str):
         super().__init__(cluster)
@@ -176,40 +178,42 @@ class ConnectorPod(EnginePod):
 
     def page(self) -> str:
         self.prompt_tokens += 1000
-        return (
+        return super().page() + (
             "# TYPE holeblend_prompt_tokens_total counter\n"
             f"holeblend_prompt_tokens_total {self.prompt_tokens}\n"
             "# TYPE holeblend_reused_tokens_total counter\n"
             f"holeblend_reused_tokens_total {0.75 * self.prompt_tokens}\n"
-            f"# TYPE holeblend_recompute_ratio gauge\nholeblend_recompute_ratio {self.ratio()}\n"
         )
 
 
 @pytest.mark.slow
-def test_vllm_pods_score_no_proxies_so_the_tuner_holds_and_says_so(cluster):
-    """The tuner reads a vLLM pod on the connector's metrics port (vLLM's own /metrics, on
-    the HTTP port, has no holeblend series), fills in the hit rate, and holds the spec's
-    ratio with NoQualityProxies: vLLM pods run no shadow prefill."""
+def test_the_tuner_reads_vllm_pods_on_the_connectors_metrics_port(cluster):
+    """vLLM's own /metrics, on the HTTP port, has no holeblend series: the tuner scrapes
+    the connector's metricsPort, fills in the hit rate and acts on the proxies there."""
     name = "llama-8b"
     with ConnectorPod(cluster, name) as pod, running_operator(FAST):
         body = example("nvidia.yaml")
         body["metadata"]["namespace"] = "default"
         del body["spec"]["accelerator"]["nodeSelector"]  # the emulated node fits it as is
         body["spec"]["engine"]["metricsPort"] = pod.port
-        body["spec"]["tuning"] = {"intervalSeconds": 5, "minSamples": 5}
+        body["spec"]["tuning"] = {"intervalSeconds": 5, "minSamples": 5, "targetF1Proxy": 0.99}
         create(cluster, body)
         cluster.wait_for(lambda: cluster.get(DEPLOYMENTS, "default", f"{name}-engine"), 20)
         engine = cluster.get(DEPLOYMENTS, "default", f"{name}-engine")
         add_ready_pod(cluster, engine["spec"]["selector"]["matchLabels"], name)
 
-        cluster.wait_for(
-            lambda: "hitPercent" in (status_of(cluster, name).get("metrics") or {}), 30
-        )
-        tuned = condition(cluster, name, "Tuned")
-        assert (tuned["status"], tuned["reason"]) == ("False", "NoQualityProxies")
-        assert "run vLLM (accelerator.type nvidia)" in tuned["message"]
-        assert "spec.tuning.enabled: false" in tuned["message"]
-        status = status_of(cluster, name)
-        assert status["metrics"]["hitPercent"] == 75.0
-        assert status["recomputeRatio"] == 0.15 == pod.ratio()  # the spec's, untouched
-        assert {h["direction"] for h in history(cluster, name)} == {"hold"}
+        # quality(0.15) = 0.946 is below 0.99 - 0.03: raised x1.5 to 0.225.
+        cluster.wait_for(lambda: any(h["direction"] == "up" for h in history(cluster, name)), 30)
+        up = next(h for h in history(cluster, name) if h["direction"] == "up")
+        assert (up["fromRatio"], up["toRatio"]) == (0.15, 0.225)
+        assert up["inputs"]["f1Proxy"] == pytest.approx(quality(0.15))
+        assert up["inputs"]["hitPercent"] == 75.0
+        cluster.wait_for(lambda: pod.ratio() == 0.225, timeout=10)
+
+
+def test_nothing_to_tune_when_nothing_is_blended():
+    """blend.mode off: the pods score no proxies, and the law is told why."""
+    body = example("nvidia.yaml")
+    assert no_proxies(BlendDeployment.model_validate(body)) is None
+    body["spec"]["blend"]["mode"] = "off"
+    assert "blend.mode is off" in no_proxies(BlendDeployment.model_validate(body))

@@ -238,8 +238,8 @@ def test_lowering_stops_at_min_ratio():
         ({"age_s": math.nan}, "StaleMetrics"),
         ({"error": "Prometheus answered HTML"}, "MetricsUnavailable"),
         ({"ratios_in_force": (0.2, 0.3)}, "RatioNotApplied"),
-        ({"no_proxies": "the engine pods run vLLM"}, "NoQualityProxies"),
-        ({"no_proxies": "vLLM", "f1": 0.99, "error": "down"}, "NoQualityProxies"),
+        ({"no_proxies": "blend.mode is off"}, "NoQualityProxies"),
+        ({"no_proxies": "blend.mode is off", "f1": 0.99, "error": "down"}, "NoQualityProxies"),
     ],
 )
 def test_no_action_on_an_untrustworthy_reading(changes, code):
@@ -249,11 +249,12 @@ def test_no_action_on_an_untrustworthy_reading(changes, code):
 
 
 def test_an_engine_without_proxies_holds_and_says_how_to_stop_tuning():
-    decision = decide(SPEC, 0.2, reading(no_proxies="the engine pods run vLLM"), State(), 500)
-    assert decision.reason.startswith("the engine pods run vLLM; the ratio stays at 0.2")
+    decision = decide(SPEC, 0.2, reading(no_proxies="blend.mode is off"), State(), 500)
+    assert decision.reason.startswith("blend.mode is off; the ratio stays at 0.2")
     assert "spec.tuning.enabled: false" in decision.reason
     # A ratio out of bounds is still clamped first.
-    assert decide(SPEC, 0.9, reading(no_proxies="vLLM"), State(), 500).code == "ClampedToBounds"
+    off = reading(no_proxies="blend.mode is off")
+    assert decide(SPEC, 0.9, off, State(), 500).code == "ClampedToBounds"
 
 
 @pytest.mark.parametrize(("ratio", "to", "direction"), [(0.9, 0.6, "down"), (0.01, 0.05, "up")])

@@ -164,3 +164,5 @@ def test_bad_settings_are_refused_with_the_field_named(engine):
         scorer(engine, sample_rate=1.5)
     with pytest.raises(ValueError, match="chunk_tokens"):
         scorer(engine, chunk_tokens=0)
+    with pytest.raises(ValueError, match="slots"):
+        scorer(engine, slots=0)
