@@ -11,8 +11,9 @@ up; for each one:
    (first run, or a person edited spec.blend.recomputeRatio).
 3. The metrics come from Prometheus (spec.tuning.prometheusUrl) or, without one, from the
    ready engine pods' /metrics (`tuning_sources`; on vLLM pods, the connector's metrics
-   port); `tuner.decide` picks the ratio. With blend.mode off nothing is blended, so no
-   proxies are scored and the law holds with `NoQualityProxies`.
+   port); `tuner.decide` picks the ratio. With blend.mode off nothing is blended, and vLLM
+   pods score the proxies only once engine.env sets HOLEBLEND_ENGINE_URL (opt-in): without
+   proxies the law holds with `NoQualityProxies`.
 4. The decision goes into status under the owner's lock: recomputeRatio, tuning.baseRatio,
    the bounded history (a run of holds with the same reason is one entry, its time and
    numbers the latest), tuning.aboveTargetSince, the metrics, and the Tuned condition.
@@ -39,7 +40,7 @@ import aiohttp
 from holeblend_operator import kube, metrics
 from holeblend_operator.api import BlendDeployment, ConditionType, TuningSpec
 from holeblend_operator.render import engine_name, selector_string
-from holeblend_operator.render.engine import exports_connector_metrics
+from holeblend_operator.render.engine import ENGINE_URL_ENV, exports_connector_metrics
 from holeblend_operator.status import stamp_transitions
 from holeblend_operator.tuner import RECENT_INTERVALS, Decision, Reading, State, decide
 from holeblend_operator.tuning_sources import PrometheusSource, ScrapeSource, Target, failed
@@ -59,10 +60,17 @@ PEERING_KINDS = {k.kind: k for k in kube.FRAMEWORK_KINDS if k.group == "kopf.dev
 
 def no_proxies(bd: BlendDeployment) -> str | None:
     """Why the engine pods cannot score the quality proxies at all, or None. holeblend-serve
-    scores them in-process and vLLM's connector through the pod's API server, but only for
-    requests that blended cached KV."""
+    scores them in-process; vLLM's connector through the pod's API server, once engine.env
+    names it (off by default: it delays requests that arrive meanwhile)."""
     if str(bd.spec.blend.mode) == "off":
         return "blend.mode is off: the engine blends nothing, so it scores no quality proxies"
+    names = {var.name for var in bd.spec.engine.env}
+    if exports_connector_metrics(bd) and ENGINE_URL_ENV not in names:
+        return (
+            f"the vLLM pods score no quality proxies until engine.env sets {ENGINE_URL_ENV} "
+            f"(http://127.0.0.1:{bd.spec.engine.port}); off by default because each sample "
+            "delays requests that arrive meanwhile (docs/tuning.md)"
+        )
     return None
 
 

