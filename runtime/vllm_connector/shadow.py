@@ -39,7 +39,9 @@ from typing import Any
 from holeblend_runtime.bench.quality import answer_f1, answer_words
 from holeblend_runtime.shadow import ShadowSampler, ShadowScore
 
-ENGINE_URL_ENV = "HOLEBLEND_ENGINE_URL"  # the pod's own API server, e.g. http://127.0.0.1:8000
+# The pod's own API server, e.g. http://127.0.0.1:8000; set in engine.env, it turns the
+# shadow on (off by default: a sent shadow delays requests that arrive meanwhile).
+ENGINE_URL_ENV = "HOLEBLEND_ENGINE_URL"
 API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own: set when the server requires a key
 SHADOW_KEY = "shadow"  # kv_transfer_params["holeblend"]["shadow"]: a shadow request
 
@@ -115,8 +117,8 @@ class VllmShadow(ShadowSampler):
 
     @classmethod
     def from_env(cls, model: str, sample_rate: float, decode, **options) -> VllmShadow | None:
-        """The shadow of a pod whose operator named its API server; None without one (an
-        offline `LLM`) or at sample rate 0."""
+        """The shadow of a pod whose env names its API server (the opt-in); None without
+        one (the default, or an offline `LLM`) or at sample rate 0."""
         url = os.environ.get(ENGINE_URL_ENV)
         if not url or sample_rate <= 0:
             return None

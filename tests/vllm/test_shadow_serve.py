@@ -1,5 +1,6 @@
 """The quality proxies on a vLLM pod: vLLM's OpenAI server with the connector, as the
-operator renders it (blend.json, $HOLEBLEND_ENGINE_URL, $HOLEBLEND_METRICS_PORT).
+operator renders it (blend.json, $HOLEBLEND_METRICS_PORT) plus the shadow's opt-in
+($HOLEBLEND_ENGINE_URL in engine.env).
 
 A hole request that blended cached documents is scored by shadow requests the connector
 sends back to the server; the scores match the reference engine's own shadow scorer on
