@@ -29,7 +29,7 @@ import urllib.request
 from pathlib import Path
 
 from holeblend_devtools.vllm_probe import ProbeConfig, build_prompts
-from holeblend_devtools.vllm_server import MODEL, Server, serve
+from holeblend_devtools.vllm_server import Server, serve
 from holeblend_runtime.bench.report import percentile
 
 TTFT_P99_GOAL = 1.10
@@ -100,14 +100,10 @@ def drive(server: Server, prompts: list, gaps: list[float], max_tokens: int) -> 
 
 
 def stream(server: Server, prompt: list[int], max_tokens: int, timing: dict) -> None:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
-    call = urllib.request.Request(
-        f"{server.url}/v1/completions",
-        json.dumps(body | {"stream": True}).encode(),
-        {"Content-Type": "application/json"},
-    )
     sent = time.monotonic()
-    with urllib.request.urlopen(call, timeout=300) as response:
+    with urllib.request.urlopen(
+        server.request(prompt, max_tokens, stream=True), timeout=300
+    ) as response:
         for line in response:
             if line.startswith(b"data: ") and b"[DONE]" not in line and "ttft_s" not in timing:
                 timing["ttft_s"] = time.monotonic() - sent

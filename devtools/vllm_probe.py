@@ -311,7 +311,6 @@ def leftovers(probe: Probe) -> dict[str, int]:
         "plans": len(scheduler.plans),
         "outcomes": len(scheduler.outcomes),
         "blocks": len(scheduler.blocks),
-        "in_flight": len(scheduler.in_flight),
         "ratios": len(scheduler.ratios),
     }
 

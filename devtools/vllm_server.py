@@ -33,14 +33,18 @@ class Server:
     url: str  # the OpenAI API
     metrics_url: str  # the connector's holeblend_* series
 
-    def complete(self, prompt: list[int], max_tokens: int, **extra) -> dict:
-        """A greedy completion of token ids; the whole answer."""
+    def request(self, prompt: list[int], max_tokens: int, **extra) -> urllib.request.Request:
+        """A greedy completion request of token ids (`extra`: more body fields)."""
         body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
-        call = urllib.request.Request(
+        return urllib.request.Request(
             f"{self.url}/v1/completions",
-            json.dumps(body | {"return_token_ids": True} | extra).encode(),
+            json.dumps(body | extra).encode(),
             {"Content-Type": "application/json"},
         )
+
+    def complete(self, prompt: list[int], max_tokens: int, **extra) -> dict:
+        """A greedy completion of token ids; the whole answer, with its token ids."""
+        call = self.request(prompt, max_tokens, return_token_ids=True, **extra)
         with urllib.request.urlopen(call, timeout=300) as response:
             return json.loads(response.read())
 

@@ -24,6 +24,7 @@ prefill of the same prompt, in the background, and scores the blended request ag
 
 from __future__ import annotations
 
+import abc
 import collections
 import contextlib
 import dataclasses
@@ -108,7 +109,7 @@ def ratio_label(ratio: float) -> str:
     return repr(round(float(ratio), 4))
 
 
-class ShadowSampler:
+class ShadowSampler(abc.ABC):
     """Samples offered requests and scores them on one background thread (step 1 of the
     module doc); subclasses say how a request is scored (`score`)."""
 
@@ -146,8 +147,9 @@ class ShadowSampler:
         self._thread = threading.Thread(target=self._work, name="shadow-prefill", daemon=True)
         self._thread.start()
 
+    @abc.abstractmethod
     def score(self, request) -> ShadowScore:
-        raise NotImplementedError
+        """Both proxies of one sampled request (on the worker thread)."""
 
     def offer(self, request) -> str:
         """Take the request for scoring or drop it; returns the outcome (never blocks)."""

@@ -238,10 +238,8 @@ class _SchedulerSide:
         self.outcomes: dict[str, LoadOutcome] = {}
         self.blocks: dict[str, tuple[int, ...]] = {}
         self.stores: list[StoreRequest] = []
-        # User requests planned and not finished yet (shadow requests are not among them).
-        self.in_flight: set[str] = set()
-        self.ratios: dict[str, float] = {}
-        self.shadow = _shadow(vllm_config, settings, self.in_flight)
+        self.ratios: dict[str, float] = {}  # request -> the ratio its blend ran with
+        self.shadow = _shadow(vllm_config, settings, self.ledger)
         metrics.serve_metrics()
 
     def matched(self, request: Any, num_computed_tokens: int) -> int:
@@ -251,7 +249,6 @@ class _SchedulerSide:
             return 0  # a shadow full prefill: nothing reused, stored or counted
         request_id = request.request_id
         if not self.ledger.has_plan(request_id):
-            self.in_flight.add(request_id)
             self._plan(request_id, request.prompt_token_ids)
         return self.ledger.matched(request_id, num_computed_tokens)
 
@@ -282,7 +279,7 @@ class _SchedulerSide:
         return StepPlan(loads, stores)
 
     def _load_request(self, request_id: str, load: Any, ratio: float) -> LoadRequest:
-        self.ratios[request_id] = ratio  # the ratio its blend runs with (shadow label)
+        self.ratios[request_id] = ratio
         plan = self.plans[request_id]
         assert plan is not None  # a load exists only for a planned request
         end = load.end
@@ -320,17 +317,18 @@ class _SchedulerSide:
         outcome = self.outcomes.pop(request_id, None)
         self.blocks.pop(request_id, None)
         self.ledger.finished(request_id)
-        self.in_flight.discard(request_id)
-        blended_at = self.ratios.pop(request_id, None)
+        blended_at = self.ratios.pop(request_id, None)  # None: it never loaded
         if plan is None:
             return None
         figures = _figures(plan, outcome, self.ratio.ratio())
         _record(figures)
-        if self.shadow is not None and request is not None and _is_blended(plan, figures):
-            self._offer(plan, request, blended_at if blended_at is not None else self.ratio.ratio())
+        if self.shadow is not None and request is not None and blended_at is not None:
+            self._offer(plan, figures, request, blended_at)
         return figures
 
-    def _offer(self, plan: ReusePlan, request: Any, ratio: float) -> None:
+    def _offer(self, plan: ReusePlan, figures: dict, request: Any, ratio: float) -> None:
+        if not _is_blended(plan, figures):
+            return  # exact KV: the answer is full prefill's, nothing to measure
         answer = list(getattr(request, "output_token_ids", None) or [])
         if answer and answer[-1] == self.shadow.eos_token_id:
             answer.pop()
@@ -355,8 +353,9 @@ def _is_blended(plan: ReusePlan, figures: dict[str, Any]) -> bool:
     return any(segments[i].index is not None for i in plan.lookup.reused_segments)
 
 
-def _shadow(vllm_config: Any, settings: ConnectorSettings, in_flight: set) -> VllmShadow | None:
-    """The quality proxies' shadow (shadow.py), when the pod names its API server."""
+def _shadow(vllm_config: Any, settings: ConnectorSettings, ledger: LoadLedger) -> VllmShadow | None:
+    """The quality proxies' shadow (shadow.py), when the pod names its API server; busy
+    while the ledger tracks a user request (shadow requests never enter it)."""
     if settings.mode == "off":
         return None
     tokenizer = _text_tokenizer(vllm_config)
@@ -366,7 +365,7 @@ def _shadow(vllm_config: Any, settings: ConnectorSettings, in_flight: set) -> Vl
         served or vllm_config.model_config.model,
         settings.shadow_sample_rate,
         lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True),
-        is_busy=lambda: bool(in_flight),
+        is_busy=lambda: ledger.num_tracked > 0,
         eos_token_id=tokenizer.eos_token_id,
         metrics=metrics.SHADOW,
     )
