@@ -1,21 +1,49 @@
-"""Causal attention for any sorted subset of query positions over a KV cache.
+"""Causal attention for any set of query positions over a KV cache: the one dispatch point.
 
 A query at position p sees cache slots 0..p: its true position, whatever other
-positions are computed with it. (Aligning a causal mask to the bottom-right corner, as
-varlen kernels do, is right only for a contiguous tail of queries, not for the sparse
-recompute set of a blend.) Queries are cut into chunks; each chunk reads keys only up
-to its last query's position, so sparse queries spread over a long prompt cost about
-half of what one chunk over every key would.
+positions are computed with it. Every part of the runtime that runs attention on part
+of a prompt (full prefill, layers below the check layer, the check layer, the sparse
+layers, the continuation after an exact prefix, the vLLM connector's blend) plans once
+per request and then calls `attend` once per layer:
+
+1. `plan_attention(positions, num_keys)` picks the backend for the device and does the
+   per-request work (a mask, chunk bounds) once, so no layer reads device values on
+   the host.
+2. `attend(q, k, v, plan)` is one kernel launch per layer on an accelerator:
+   - `triton` (CUDA): `holeblend_kernels.sparse_attention.triton_attention`, which reads
+     the positions from a tensor and never recompiles for a new prompt length.
+   - `sdpa` (Ascend through torch_npu, `meta`, any other device, and CUDA without
+     Triton): one SDPA call with the visibility mask built once per request.
+   - `chunked` (CPU): queries cut into chunks that each read keys only up to their last
+     query, SDPA per chunk. On the CPU a call costs microseconds, and reading about half
+     the keys of one masked call over the whole prompt is what counts (measured in
+     docs/accelerators.md).
+   Plain causal prefill from position 0 (every query, every key) uses SDPA's own causal
+   path; on CUDA restricted to FlashAttention / memory-efficient kernels (cuDNN's
+   would build a plan, ~1 s, for every new prompt length).
+
+`HOLEBLEND_ATTENTION=triton|sdpa|chunked` forces a backend (tests, benchmarks).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-# Queries per chunk: fewer SDPA calls vs. fewer masked-out keys read.
+from holeblend_kernels.sparse_attention import is_triton_supported, triton_attention
+
+TRITON = "triton"
+SDPA = "sdpa"
+CHUNKED = "chunked"
+BACKENDS = (TRITON, SDPA, CHUNKED)
+BACKEND_ENV = "HOLEBLEND_ATTENTION"
+_CUDA_CAUSAL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+# Queries per chunk of the CPU backend: fewer SDPA calls vs. fewer masked-out keys read.
 DEFAULT_CHUNK_SIZE = 64
 
 
@@ -31,10 +59,80 @@ class QueryChunk:
 
 
 @dataclass(frozen=True, eq=False)
-class CausalPlan:
+class AttentionPlan:
     """How the queries of one request attend; built once, used by every layer."""
 
-    chunks: tuple[QueryChunk, ...]
+    backend: str
+    # [queries] int64 on the model's device: each query row's position.
+    positions: torch.Tensor
+    # Cache slots any query reads (the last position + 1).
+    num_keys: int
+    # The queries are exactly positions 0..num_keys-1 (plain causal attention).
+    is_causal: bool
+    # `sdpa`: additive mask [queries, num_keys] (None when is_causal).
+    mask: torch.Tensor | None = None
+    # `chunked`: the chunks (empty when is_causal).
+    chunks: tuple[QueryChunk, ...] = ()
+
+
+def plan_attention(
+    positions: torch.Tensor,
+    num_keys: int,
+    dtype: torch.dtype = torch.float32,
+    *,
+    backend: str | None = None,
+    head_dim: int | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> AttentionPlan:
+    """Plan for sorted, distinct `positions` < num_keys (on the model's device).
+
+    `num_keys` is a host number the caller knows (the prompt length so far): the plan
+    never reads `positions` on the host except on the CPU, where that costs nothing.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size: must be >= 1, got {chunk_size}")
+    backend = backend or select_backend(positions.device, dtype, head_dim)
+    is_causal = positions.shape[0] == num_keys
+    if positions.shape[0] == 1 and backend != TRITON:
+        # One query at the last position (a decode step) sees every key: no mask.
+        return AttentionPlan(SDPA, positions, num_keys, is_causal)
+    plan = AttentionPlan(backend, positions, num_keys, is_causal)
+    if is_causal or backend == TRITON:
+        return plan
+    if backend == CHUNKED:
+        return _replace(plan, chunks=_chunks(positions, chunk_size, dtype))
+    return _replace(plan, mask=causal_mask(positions, num_keys, dtype))
+
+
+def select_backend(
+    device: torch.device, dtype: torch.dtype = torch.float32, head_dim: int | None = None
+) -> str:
+    forced = os.environ.get(BACKEND_ENV)
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(f"{BACKEND_ENV}: expected one of {BACKENDS}, got {forced!r}")
+        return forced
+    if device.type == "cpu":
+        return CHUNKED
+    if device.type == "cuda" and _has_triton() and _triton_takes(dtype, head_dim):
+        return TRITON
+    return SDPA
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+    """q [heads, n, d]; k and v [kv_heads, slots >= plan.num_keys, d] -> [heads, n, d]."""
+    k, v = k[:, : plan.num_keys], v[:, : plan.num_keys]
+    if plan.is_causal and q.device.type == "cuda":
+        # FlashAttention's causal kernel: faster than ours on every query, and unlike
+        # cuDNN's (torch's first pick for bf16) it builds no plan per new prompt length.
+        with sdpa_kernel(_CUDA_CAUSAL_BACKENDS):
+            return _sdpa(q, k, v, None, is_causal=True)
+    if plan.backend == TRITON:
+        return triton_attention(q, k, v, plan.positions)
+    if plan.chunks:
+        return _attend_chunks(q, k, v, plan.chunks)
+    # Plain causal, one query that sees every key, or the mask built once per request.
+    return _sdpa(q, k, v, plan.mask, is_causal=plan.is_causal)
 
 
 def causal_mask(
@@ -50,45 +148,31 @@ def causal_mask(
     return mask.masked_fill_(~is_visible, float("-inf"))
 
 
-def plan_causal(
-    query_positions: torch.Tensor,
-    num_keys: int,
-    dtype: torch.dtype = torch.float32,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-) -> CausalPlan | None:
-    """Plan for sorted, distinct `query_positions` < num_keys; None means plain causal
-    attention (the queries are exactly positions 0..num_keys-1)."""
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size: must be >= 1, got {chunk_size}")
-    num_queries = query_positions.shape[0]
-    if num_queries == num_keys:
-        return None
+def _replace(plan: AttentionPlan, **changes: object) -> AttentionPlan:
+    fields = {name: getattr(plan, name) for name in plan.__dataclass_fields__}
+    return AttentionPlan(**{**fields, **changes})
+
+
+def _chunks(positions: torch.Tensor, chunk_size: int, dtype: torch.dtype) -> tuple[QueryChunk, ...]:
+    # CPU only: the positions are host memory, reading them is free.
+    host = positions.tolist()
     chunks = []
-    for start in range(0, num_queries, chunk_size):
-        end = min(start + chunk_size, num_queries)
-        chunks.append(_chunk(query_positions, start, end, dtype))
-    return CausalPlan(tuple(chunks))
+    for start in range(0, len(host), chunk_size):
+        end = min(start + chunk_size, len(host))
+        num_keys = host[end - 1] + 1
+        # A chunk whose first query already sees every key it reads needs no mask.
+        is_unmasked = host[start] + 1 >= num_keys
+        mask = None if is_unmasked else causal_mask(positions[start:end], num_keys, dtype)
+        chunks.append(QueryChunk(start, end, num_keys, mask))
+    return tuple(chunks)
 
 
-def _chunk(positions: torch.Tensor, start: int, end: int, dtype: torch.dtype) -> QueryChunk:
-    chunk_positions = positions[start:end]
-    num_keys = int(chunk_positions[-1]) + 1
-    first_key_hidden = int(chunk_positions[0]) + 1
-    # A chunk whose first query already sees every key it reads needs no mask.
-    is_unmasked = first_key_hidden >= num_keys
-    mask = None if is_unmasked else causal_mask(chunk_positions, num_keys, dtype)
-    return QueryChunk(start, end, num_keys, mask)
-
-
-def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CausalPlan | None
+def _attend_chunks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: tuple[QueryChunk, ...]
 ) -> torch.Tensor:
-    """q [heads, n, d], k and v [kv_heads, slots, d] -> [heads, n, d]."""
-    if plan is None:
-        return _sdpa(q, k, v, None, is_causal=True)
     outputs = [
         _sdpa(q[:, c.query_start : c.query_end], k[:, : c.num_keys], v[:, : c.num_keys], c.mask)
-        for c in plan.chunks
+        for c in chunks
     ]
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
@@ -100,3 +184,17 @@ def _sdpa(
     return F.scaled_dot_product_attention(
         q[None], k[None], v[None], attn_mask=mask, is_causal=is_causal, enable_gqa=True
     )[0]
+
+
+@cache
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _triton_takes(dtype: torch.dtype, head_dim: int | None) -> bool:
+    probe = torch.empty(0, 0, head_dim or 64, dtype=dtype, device="meta")
+    return is_triton_supported(probe)

@@ -13,7 +13,14 @@
 An exact prefix (`PrefixKV`: e.g. the system prompt, cached alone from position 0, whose
 KV is what full prefill would compute) is taken as it is, like a prefix cache: its
 tokens are never computed, compared or selected; every step above runs on the tokens
-after it, which attend to it.
+after it, which attend to it. Positions inside the prefix without KV (the separator
+between the system prompt and a first document cached after it) are computed with the
+tokens after it, in every layer, at their true positions.
+
+Device-clean: which positions are cached, the sections and how many tokens each picks
+are host numbers known before the first layer; the deviation, the picks and the
+recompute set stay on the model's device, and no layer reads a device value on the host
+(a test runs the whole blend on the `meta` device, where such a read raises).
 """
 
 from __future__ import annotations
@@ -23,11 +30,12 @@ from dataclasses import dataclass
 
 import torch
 
-from holeblend_runtime.attention import CausalPlan, plan_causal
+from holeblend_runtime.attention import AttentionPlan, plan_attention
 from holeblend_runtime.blend_config import BlendConfig, check_ratio
+from holeblend_runtime.devices import to_device
 from holeblend_runtime.kv_store import SegmentKV
 from holeblend_runtime.llama import Llama
-from holeblend_runtime.rope import RopeTable, rerotate
+from holeblend_runtime.rope import RopeTable, apply_rope, rope_table
 from holeblend_runtime.selection import SelectionStrategy, make_strategy, num_to_select
 
 
@@ -47,7 +55,7 @@ class BlendResult:
     # [layers, kv_heads, tokens, head_dim]: the prompt's blended KV cache.
     k: torch.Tensor
     v: torch.Tensor
-    # Sorted positions computed in the layers after the check layer.
+    # Sorted positions computed in the layers after the check layer (on the device).
     recomputed: torch.Tensor
     # Sorted positions of the cached tokens the strategy chose (a subset of `recomputed`).
     selected: torch.Tensor
@@ -57,7 +65,8 @@ class BlendResult:
 
 @dataclass(frozen=True, eq=False)
 class PrefixKV:
-    """K/V buffers of the whole prompt whose first `num_tokens` slots hold exact KV.
+    """K/V buffers of the whole prompt whose first `num_tokens` slots hold exact KV,
+    except `fresh_positions` (inside the prefix, without KV: computed by the blend).
 
     The blender fills the other slots in place and returns these buffers.
     """
@@ -66,6 +75,7 @@ class PrefixKV:
     k: torch.Tensor
     v: torch.Tensor
     num_tokens: int
+    fresh_positions: tuple[int, ...] = ()
 
 
 class Blender:
@@ -90,9 +100,10 @@ class Blender:
         """Prefill `token_ids` reusing `spans` (and an exact `prefix`, whose tokens are
         never computed); `hole_ranges` bound per-section selection."""
         check_ratio(ratio)
-        cache = self._cache(token_ids.shape[0], spans, prefix)
-        h = self._full_layers(token_ids[cache.start :], cache)
-        check = self._check_layer(h, cache, _Selection(ratio, tuple(hole_ranges), strategy))
+        layout = self._layout(token_ids.shape[0], spans, prefix, ratio, tuple(hole_ranges))
+        cache = self._cache(layout, spans, prefix)
+        h = self._full_layers(token_ids.to(self.model.device)[cache.on_device.active], cache)
+        check = self._check_layer(h, cache, strategy)
         h = check.hidden
         rope = RopeTable(cache.rope.cos[check.recomputed], cache.rope.sin[check.recomputed])
         for layer in range(self.config.check_layer + 1, self.model.num_layers):
@@ -107,36 +118,84 @@ class Blender:
         spans: Sequence[CachedSpan],
         num_tokens: int,
         buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
+        first_layer: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """K/V buffers holding every span's KV, K re-rotated to the span's positions, and
-        which positions are cached (the other slots are left as they were: uninitialized
-        in new buffers). `buffers` None: new ones."""
-        device = self.model.device
+        which positions are cached (a host bool tensor; the other slots are left as they
+        were: uninitialized in new buffers). `buffers` None: new ones. Layers below
+        `first_layer` are left out (the blend recomputes them for every token).
+
+        One copy per span, then one re-rotation of every moved token at once (not one
+        per span: a prompt of 50 documents would launch 50 times the kernels)."""
         k_cache, v_cache = buffers if buffers is not None else self.model.new_kv(num_tokens)
-        is_cached = torch.zeros(num_tokens, dtype=torch.bool, device=device)
+        is_cached = torch.zeros(num_tokens, dtype=torch.bool)
+        stored_at = torch.arange(num_tokens)
         for span in spans:
             self._check_span(span, num_tokens)
-            to_positions = torch.arange(span.start, span.end, device=device)
-            from_positions = span.kv.positions.to(device)
-            k = span.kv.k.to(device)
-            theta = self.model.config.rope_theta
-            k_cache[:, :, span.start : span.end] = rerotate(
-                k, from_positions, to_positions, theta=theta
+            k_cache[first_layer:, :, span.start : span.end].copy_(
+                span.kv.k[first_layer:], non_blocking=True
             )
-            v_cache[:, :, span.start : span.end] = span.kv.v.to(device)
+            v_cache[first_layer:, :, span.start : span.end].copy_(
+                span.kv.v[first_layer:], non_blocking=True
+            )
             is_cached[span.start : span.end] = True
+            stored_at[span.start : span.end] = span.kv.positions.cpu()
+        self._rerotate(k_cache[first_layer:], stored_at)
         return k_cache, v_cache, is_cached
 
-    def _cache(
-        self, num_tokens: int, spans: Sequence[CachedSpan], prefix: PrefixKV | None
-    ) -> _BlendCache:
+    def _rerotate(self, k: torch.Tensor, stored_at: torch.Tensor) -> None:
+        """K [layers, heads, tokens, dim] rotated at host positions `stored_at` -> rotated
+        at its slot positions, in place (host arithmetic, then one pass on the device)."""
+        delta = torch.arange(stored_at.shape[0]) - stored_at
+        moved = delta.nonzero().squeeze(1)
+        if moved.shape[0] == 0:
+            return
+        device = k.device
+        slots = to_device(moved, device)
+        c = self.model.config
+        table = rope_table(
+            to_device(delta[moved], device), head_dim=c.head_dim, theta=c.rope_theta,
+            dtype=k.dtype,
+        )  # fmt: skip
+        k.index_copy_(2, slots, apply_rope(k.index_select(2, slots), table))
+
+    def _layout(
+        self,
+        num_tokens: int,
+        spans: Sequence[CachedSpan],
+        prefix: PrefixKV | None,
+        ratio: float,
+        hole_ranges: tuple[tuple[int, int], ...],
+    ) -> _Layout:
         start = 0 if prefix is None else prefix.num_tokens
         if any(span.start < start for span in spans):
             raise ValueError(f"spans: a span starts inside the exact prefix of {start} tokens")
+        is_cached = torch.zeros(num_tokens, dtype=torch.bool)
+        for span in spans:
+            self._check_span(span, num_tokens)
+            is_cached[span.start : span.end] = True
+        # The last token's hidden state gives the logits: it is always computed.
+        is_cached[-1] = False
+        fresh = () if prefix is None else prefix.fresh_positions
+        active = torch.cat(
+            [torch.tensor(fresh, dtype=torch.int64), torch.arange(start, num_tokens)]
+        )
+        cached = is_cached.nonzero().squeeze(1)
+        sections = self._sections(cached, hole_ranges)
+        picks = tuple(num_to_select(members.shape[0], ratio) for members in sections)
+        return _Layout(num_tokens, start, active, is_cached[active], cached, sections, picks)
+
+    def _cache(
+        self, layout: _Layout, spans: Sequence[CachedSpan], prefix: PrefixKV | None
+    ) -> _BlendCache:
         buffers = None if prefix is None else (prefix.k, prefix.v)
-        k, v, is_cached = self.assemble_cached_kv(spans, num_tokens, buffers)
-        rope = self.model.rope(torch.arange(num_tokens, device=self.model.device))
-        return _BlendCache(rope, k, v, is_cached, start)
+        # Below the check layer every computed token's K/V is written fresh.
+        k, v, _ = self.assemble_cached_kv(
+            spans, layout.num_tokens, buffers, first_layer=self.config.check_layer
+        )
+        device = self.model.device
+        rope = self.model.rope(torch.arange(layout.num_tokens, device=device))
+        return _BlendCache(rope, k, v, layout, _to_device(layout, device))
 
     def _check_span(self, span: CachedSpan, num_tokens: int) -> None:
         if not 0 <= span.start < span.end <= num_tokens:
@@ -147,62 +206,72 @@ class Blender:
             )
 
     def _full_layers(self, token_ids: torch.Tensor, cache: _BlendCache) -> torch.Tensor:
-        """Layers below the check layer, every token after the exact prefix, causal."""
+        """Layers below the check layer: every computed token (after the exact prefix and
+        the prefix's fresh positions), at its true position."""
         h = self.model.embed(token_ids)
-        rope, plan = cache.rope_after_prefix(), cache.plan_after_prefix(h.dtype)
+        active = cache.on_device.active
+        rope = cache.rope_at(active)
+        plan = self._plan(active, cache, h.dtype)
         for layer in range(self.config.check_layer):
             q, k, v = self.model.qkv(layer, h, rope)
-            cache.k[layer, :, cache.start :], cache.v[layer, :, cache.start :] = k, v
+            cache.k[layer].index_copy_(1, active, k)
+            cache.v[layer].index_copy_(1, active, v)
             h = self.model.attend_and_mlp(layer, h, q, cache.k[layer], cache.v[layer], plan)
         return h
 
     def _check_layer(
-        self, h: torch.Tensor, cache: _BlendCache, selection: _Selection
+        self, h: torch.Tensor, cache: _BlendCache, strategy: SelectionStrategy | None
     ) -> _CheckOutcome:
-        """Fresh QKV for every token; choose the recompute set; attention for it only."""
-        layer, start = self.config.check_layer, cache.start
-        q, k, v = self.model.qkv(layer, h, cache.rope_after_prefix())
-        is_cached = cache.is_cached[start:]
-        cached_positions = is_cached.nonzero().squeeze(1) + start
-        fresh, stored = k[:, cached_positions - start], cache.k[layer, :, cached_positions]
+        """Fresh QKV for every computed token; choose the recompute set; attention for it."""
+        layer, on_device = self.config.check_layer, cache.on_device
+        q, k, v = self.model.qkv(layer, h, cache.rope_at(on_device.active))
+        fresh = k[:, on_device.cached_rows]
+        stored = cache.k[layer].index_select(1, on_device.cached)
         deviation = (fresh - stored).pow(2).sum((0, 2))
-        selected = self._select(deviation, cached_positions, selection)
-        uncached = (~is_cached).nonzero().squeeze(1) + start
-        recomputed = torch.cat([selected, uncached]).sort().values
-        # The check layer's K/V stay fresh for every token: computing them was the price
-        # of the deviation, and they are exact.
-        cache.k[layer, :, start:], cache.v[layer, :, start:] = k, v
-        plan = plan_causal(recomputed, cache.num_tokens, h.dtype)
-        rows = recomputed - start
+        selected = self._select(deviation, cache, strategy)
+        recomputed = torch.cat([selected, on_device.uncached]).sort().values
+        # The check layer's K/V stay fresh for every computed token: computing them was
+        # the price of the deviation, and they are exact.
+        cache.k[layer].index_copy_(1, on_device.active, k)
+        cache.v[layer].index_copy_(1, on_device.active, v)
+        plan = self._plan(recomputed, cache, h.dtype)
+        # Rows of h (indexes into the active positions) of the recompute set.
+        rows = torch.searchsorted(on_device.active, recomputed)
         hidden = self.model.attend_and_mlp(
             layer, h[rows], q[:, rows], cache.k[layer], cache.v[layer], plan
         )
         return _CheckOutcome(hidden, recomputed, selected, deviation, plan)
 
+    def _plan(self, positions: torch.Tensor, cache: _BlendCache, dtype: torch.dtype):
+        # The last prompt token is always computed: the plan's last position.
+        return plan_attention(
+            positions, cache.layout.num_tokens, dtype, head_dim=self.model.config.head_dim
+        )
+
     def _select(
-        self, deviation: torch.Tensor, cached_positions: torch.Tensor, selection: _Selection
+        self, deviation: torch.Tensor, cache: _BlendCache, strategy: SelectionStrategy | None
     ) -> torch.Tensor:
         """Sorted positions of the chosen cached tokens (per section if configured)."""
-        strategy = selection.strategy or make_strategy(self.config)
-        sections = self._sections(cached_positions, selection.hole_ranges)
-        picks = []
-        for members in sections:
-            k = num_to_select(members.shape[0], selection.ratio)
-            picks.append(cached_positions[members[strategy.select(deviation[members], k)]])
+        strategy = strategy or make_strategy(self.config)
+        cached = cache.on_device.cached
+        picks = [
+            cached[members[strategy.select(deviation[members], k)]]
+            for members, k in zip(cache.on_device.sections, cache.layout.picks, strict=True)
+        ]
+        if not picks:
+            return cached[:0]
         return torch.cat(picks).sort().values
 
     def _sections(
         self, cached_positions: torch.Tensor, hole_ranges: tuple[tuple[int, int], ...]
-    ) -> list[torch.Tensor]:
-        """Indexes into cached_positions per section: all of them, or split at each hole."""
-        everything = torch.arange(cached_positions.shape[0], device=cached_positions.device)
+    ) -> tuple[torch.Tensor, ...]:
+        """Host indexes into cached_positions per section: all, or split at each hole."""
+        everything = torch.arange(cached_positions.shape[0])
         if not self.config.per_section or not hole_ranges:
-            return [everything]
-        hole_starts = torch.tensor(
-            sorted(s for s, _ in hole_ranges), device=cached_positions.device
-        )
+            return (everything,)
+        hole_starts = torch.tensor(sorted(s for s, _ in hole_ranges))
         section_of = torch.searchsorted(hole_starts, cached_positions)
-        return [everything[section_of == section] for section in section_of.unique()]
+        return tuple(everything[section_of == section] for section in section_of.unique())
 
     def _sparse_layer(
         self, layer: int, h: torch.Tensor, rope: RopeTable, cache: _BlendCache, check: _CheckOutcome
@@ -210,8 +279,51 @@ class Blender:
         """One layer for the recompute set only; reused K/V stay in the cache."""
         q, k, v = self.model.qkv(layer, h, rope)
         keys, values = cache.k[layer], cache.v[layer]
-        keys[:, check.recomputed], values[:, check.recomputed] = k, v
+        keys.index_copy_(1, check.recomputed, k)
+        values.index_copy_(1, check.recomputed, v)
         return self.model.attend_and_mlp(layer, h, q, keys, values, check.plan)
+
+
+@dataclass(frozen=True, eq=False)
+class _Layout:
+    """Host numbers of one blend, known before the first layer."""
+
+    num_tokens: int
+    # Tokens of the exact prefix: never computed, compared or selected.
+    start: int
+    # Sorted positions the layers up to the check layer compute (fresh prefix positions,
+    # then every position from `start`), and which of them hold reused KV.
+    active: torch.Tensor
+    is_active_cached: torch.Tensor
+    # Sorted positions holding reused KV (after the prefix; the last token excluded).
+    cached: torch.Tensor
+    # Per section: indexes into `cached`, and how many of them to recompute.
+    sections: tuple[torch.Tensor, ...]
+    picks: tuple[int, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class _OnDevice:
+    """The layout's index tensors on the model's device (moved once, non-blocking)."""
+
+    active: torch.Tensor
+    cached: torch.Tensor
+    # Rows of the active positions holding reused KV, and the positions without.
+    cached_rows: torch.Tensor
+    uncached: torch.Tensor
+    sections: tuple[torch.Tensor, ...]
+
+
+def _to_device(layout: _Layout, device: torch.device) -> _OnDevice:
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return to_device(t, device)
+
+    cached_rows = layout.is_active_cached.nonzero().squeeze(1)
+    uncached = layout.active[~layout.is_active_cached]
+    return _OnDevice(
+        move(layout.active), move(layout.cached), move(cached_rows), move(uncached),
+        tuple(move(members) for members in layout.sections),
+    )  # fmt: skip
 
 
 @dataclass(frozen=True, eq=False)
@@ -221,29 +333,11 @@ class _BlendCache:
     rope: RopeTable
     k: torch.Tensor
     v: torch.Tensor
-    # [tokens] bool: the slot holds reused KV.
-    is_cached: torch.Tensor
-    # Tokens of the exact prefix: never computed, compared or selected.
-    start: int
+    layout: _Layout
+    on_device: _OnDevice
 
-    @property
-    def num_tokens(self) -> int:
-        return self.is_cached.shape[0]
-
-    def rope_after_prefix(self) -> RopeTable:
-        return RopeTable(self.rope.cos[self.start :], self.rope.sin[self.start :])
-
-    def plan_after_prefix(self, dtype: torch.dtype) -> CausalPlan | None:
-        positions = torch.arange(self.start, self.num_tokens, device=self.is_cached.device)
-        return plan_causal(positions, self.num_tokens, dtype)
-
-
-@dataclass(frozen=True)
-class _Selection:
-    ratio: float
-    hole_ranges: tuple[tuple[int, int], ...]
-    # None: the strategy the config names.
-    strategy: SelectionStrategy | None
+    def rope_at(self, positions: torch.Tensor) -> RopeTable:
+        return RopeTable(self.rope.cos[positions], self.rope.sin[positions])
 
 
 @dataclass(frozen=True, eq=False)
@@ -254,5 +348,5 @@ class _CheckOutcome:
     recomputed: torch.Tensor
     selected: torch.Tensor
     deviation: torch.Tensor
-    # Attention of the recompute set; None when every token is recomputed.
-    plan: CausalPlan | None
+    # Attention of the recompute set.
+    plan: AttentionPlan

@@ -32,6 +32,7 @@ import torch
 
 from holeblend_runtime.blend_config import ISOLATED, BlendConfig, check_ratio
 from holeblend_runtime.blender import Blender, CachedSpan, PrefixKV
+from holeblend_runtime.devices import synchronize, to_device
 from holeblend_runtime.gguf_model import load_model_files
 from holeblend_runtime.kv_store import KVStore, LocalKVStore, SegmentKV
 from holeblend_runtime.llama import Llama
@@ -238,6 +239,7 @@ class ReferenceEngine:
         started = time.perf_counter()
         with self.activity.foreground(), torch.inference_mode():
             result = self._prefill(prompt, _parse_mode(mode), ratio, started)
+            synchronize(self.model.device)
         return replace(result, request_s=time.perf_counter() - started)
 
     def _prefill(
@@ -276,7 +278,8 @@ class ReferenceEngine:
         lookup: LookupResult | None = None,
         num_rejected: int = 0,
     ) -> Prefill:
-        token_ids = torch.tensor(prompt.token_ids, device=self.model.device)
+        device = self.model.device
+        token_ids = torch.tensor(prompt.token_ids, device=device)
         k, v = self.model.new_kv(prompt.num_tokens)
         h = self.model.forward(token_ids, k, v, start=0)
         logits = self.model.logits(h[-1:])[0]
@@ -284,10 +287,16 @@ class ReferenceEngine:
         return Prefill(
             prompt, mode, 1.0, lookup, logits, k, v,
             num_rejected_segments=num_rejected, num_stored_segments=0,
-            deviation=torch.empty(0), recomputed_positions=torch.arange(prompt.num_tokens),
-            selected_positions=torch.empty(0, dtype=torch.int64),
-            ttft_s=time.perf_counter() - started,
+            deviation=torch.empty(0, device=device),
+            recomputed_positions=torch.arange(prompt.num_tokens, device=device),
+            selected_positions=torch.empty(0, dtype=torch.int64, device=device),
+            ttft_s=self._elapsed(started),
         )  # fmt: skip
+
+    def _elapsed(self, started: float) -> float:
+        """Seconds since `started` once the device has finished the work queued so far."""
+        synchronize(self.model.device)
+        return time.perf_counter() - started
 
     def _reuse_prefill(
         self,
@@ -299,8 +308,9 @@ class ReferenceEngine:
         started: float,
         num_rejected: int,
     ) -> Prefill:
-        prefix, fresh_in_prefix = self._exact_prefix(prompt, lookup, entries)
+        prefix = self._exact_prefix(prompt, lookup, entries)
         start = 0 if prefix is None else prefix.num_tokens
+        num_fresh_in_prefix = 0 if prefix is None else len(prefix.fresh_positions)
         spans = [
             CachedSpan(prompt.segments[i].start, prompt.segments[i].end, entries[i])
             for i in lookup.reused_segments
@@ -315,55 +325,60 @@ class ReferenceEngine:
             deviation, recomputed = blended.deviation, blended.recomputed
             selected = blended.selected
         else:
-            logits, k, v = self._continue_causal(token_ids, prefix)
-            deviation, selected = torch.empty(0), torch.empty(0, dtype=torch.int64)
-            recomputed = torch.arange(start, prompt.num_tokens)
+            logits, recomputed = self._continue_causal(token_ids, prefix)
+            k, v = prefix.k, prefix.v
+            deviation = torch.empty(0, device=token_ids.device)
+            selected = torch.empty(0, dtype=torch.int64, device=token_ids.device)
         return Prefill(
             prompt, mode, ratio, lookup, logits, k, v,
             num_rejected_segments=num_rejected, num_stored_segments=0,
-            deviation=deviation, recomputed_positions=torch.cat([fresh_in_prefix, recomputed]),
-            selected_positions=selected, ttft_s=time.perf_counter() - started,
-            num_exact_prefix_tokens=start - int(fresh_in_prefix.shape[0]),
+            deviation=deviation, recomputed_positions=recomputed,
+            selected_positions=selected, ttft_s=self._elapsed(started),
+            num_exact_prefix_tokens=start - num_fresh_in_prefix,
         )  # fmt: skip
 
     def _continue_causal(
         self, token_ids: torch.Tensor, prefix: PrefixKV
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Plain causal prefill of the tokens after an exact prefix (a prefix cache hit)."""
-        h = self.model.forward(
-            token_ids[prefix.num_tokens :], prefix.k, prefix.v, prefix.num_tokens
-        )
-        return self.model.logits(h[-1:])[0], prefix.k, prefix.v
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Causal prefill of the tokens after an exact prefix (a prefix cache hit) and
+        of the prefix's fresh positions; the logits and the computed positions."""
+        num_tokens = token_ids.shape[0]
+        positions = to_device(
+            torch.cat(
+                [torch.tensor(prefix.fresh_positions, dtype=torch.int64),
+                 torch.arange(prefix.num_tokens, num_tokens)]
+            ),
+            token_ids.device,
+        )  # fmt: skip
+        h = self.model.forward_at(token_ids[positions], positions, num_tokens, prefix.k, prefix.v)
+        return self.model.logits(h[-1:])[0], positions
 
     def _exact_prefix(
         self,
         prompt: SegmentedPrompt,
         lookup: LookupResult,
         entries: Sequence[SegmentKV | None],
-    ) -> tuple[PrefixKV | None, torch.Tensor]:
+    ) -> PrefixKV | None:
         """The reused tokens at the start whose cached KV is exactly full prefill's, loaded
-        into new prompt-sized buffers, and the positions computed fresh on the way (the
-        separator before the first document).
+        into new prompt-sized buffers; the separator before the first document has no KV:
+        it is computed with the tokens after the prefix (`PrefixKV.fresh_positions`).
 
         The system prompt qualifies when reused (cached alone from position 0). The first
         document qualifies when reused with KV computed right after this system prompt
         and separator: its key names that context, and its positions start where it
         starts here.
         """
-        none = torch.empty(0, dtype=torch.int64)
         system = prompt.system
         if 0 not in lookup.reused_segments or not _is_at(entries[0], system.start):
-            return None, none
+            return None
         k, v = self.model.new_kv(prompt.num_tokens)
         _load(k, v, entries[0], system)
         if not self._is_exact_first_document(prompt, lookup, entries):
-            return PrefixKV(k, v, system.end), none
+            return PrefixKV(k, v, system.end)
         sep_start, sep_end = prompt.separator_ranges[0]
-        separator = torch.tensor(prompt.token_ids[sep_start:sep_end], device=self.model.device)
-        self.model.forward(separator, k, v, start=sep_start)
         document = prompt.segments[1]
         _load(k, v, entries[1], document)
-        return PrefixKV(k, v, document.end), torch.arange(sep_start, sep_end)
+        return PrefixKV(k, v, document.end, tuple(range(sep_start, sep_end)))
 
     def _is_exact_first_document(
         self,
@@ -389,8 +404,12 @@ class ReferenceEngine:
         entries: list[SegmentKV | None] = []
         num_rejected = 0
         stored = self._get_many(keys)
-        for segment, key, entry in zip(prompt.segments, keys, stored, strict=True):
-            problem = None if entry is None else self.kv_problem(entry, key, segment.num_tokens)
+        problems = [
+            None if entry is None else self._shape_problem(entry, key, segment.num_tokens)
+            for segment, key, entry in zip(prompt.segments, keys, stored, strict=True)
+        ]
+        problems = _finite_problems(stored, problems)
+        for key, entry, problem in zip(keys, stored, problems, strict=True):
             if problem is not None:
                 log.warning(
                     "refusing cached KV for segment %s: %s; computing it fresh", key, problem
@@ -409,6 +428,11 @@ class ReferenceEngine:
 
     def kv_problem(self, entry: SegmentKV, key: str, num_tokens: int) -> str | None:
         """Why a cached entry cannot be used for a segment of `num_tokens`, or None."""
+        problem = self._shape_problem(entry, key, num_tokens)
+        return _finite_problems([entry], [problem])[0]
+
+    def _shape_problem(self, entry: SegmentKV, key: str, num_tokens: int) -> str | None:
+        """`kv_problem` short of the values' finiteness (host metadata only)."""
         c = self.config
         expected = (c.num_layers, c.num_kv_heads, num_tokens, c.head_dim)
         if entry.key != key:
@@ -422,8 +446,6 @@ class ReferenceEngine:
         positions = entry.positions
         if bool((positions < 0).any() or (positions >= c.context_length).any()):
             return "positions outside the model context"
-        if not bool(torch.isfinite(entry.k).all() and torch.isfinite(entry.v).all()):
-            return "non-finite values"
         return None
 
     def _store_missing(
@@ -575,6 +597,35 @@ class ReferenceEngine:
             )
 
 
+def _finite_problems(
+    entries: Sequence[SegmentKV | None], problems: Sequence[str | None]
+) -> list[str | None]:
+    """`problems` plus "non-finite values" for entries whose K or V is not finite.
+
+    The check runs where the KV is (a store on the GPU: on the GPU), for all entries of a
+    device at once, and reads one flag tensor per device: one wait per request, not
+    one per entry.
+    """
+    checked = [
+        i
+        for i, (e, p) in enumerate(zip(entries, problems, strict=True))
+        if e is not None and p is None
+    ]
+    by_device: dict[torch.device, list[int]] = {}
+    for i in checked:
+        by_device.setdefault(entries[i].k.device, []).append(i)
+    result = list(problems)
+    for indexes in by_device.values():
+        flags = torch.stack([_is_finite(entries[i]) for i in indexes]).tolist()
+        for i, is_finite in zip(indexes, flags, strict=True):
+            result[i] = None if is_finite else "non-finite values"
+    return result
+
+
+def _is_finite(entry: SegmentKV) -> torch.Tensor:
+    return torch.isfinite(entry.k).all() & torch.isfinite(entry.v).all()
+
+
 def _parse_mode(mode: Mode | str) -> Mode:
     try:
         return Mode(mode)
@@ -591,5 +642,6 @@ def _is_at(entry: SegmentKV | None, start: int) -> bool:
 
 
 def _load(k: torch.Tensor, v: torch.Tensor, entry: SegmentKV, segment: Segment) -> None:
-    k[:, :, segment.start : segment.end] = entry.k.to(k.device)
-    v[:, :, segment.start : segment.end] = entry.v.to(v.device)
+    # Non-blocking: from pinned host memory the copy overlaps the host's next steps.
+    k[:, :, segment.start : segment.end] = entry.k.to(k.device, non_blocking=True)
+    v[:, :, segment.start : segment.end] = entry.v.to(v.device, non_blocking=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from holeblend_runtime.attention import CausalPlan, attend, plan_causal
+from holeblend_runtime.attention import AttentionPlan, attend, plan_attention
 from holeblend_runtime.model_config import ModelConfig
 from holeblend_runtime.rope import RopeTable, apply_rope, rope_table
 
@@ -95,11 +95,12 @@ class Llama:
         """Q [heads, n, d], K and V [kv_heads, n, d] of hidden states h [n, hidden]; Q, K rotated."""
         c, w = self.config, self.layers[layer]
         x = self._rms_norm(h, w.attn_norm) @ w.qkv.T
-        q, k, v = x.split([c.hidden_size, c.kv_width, c.kv_width], dim=-1)
-        q = q.view(-1, c.num_heads, c.head_dim).transpose(0, 1)
-        k = k.view(-1, c.num_kv_heads, c.head_dim).transpose(0, 1)
+        qk, v = x.split([c.hidden_size + c.kv_width, c.kv_width], dim=-1)
+        # Q and K heads rotated together: one set of RoPE kernels per layer, not two.
+        qk = qk.view(-1, c.num_heads + c.num_kv_heads, c.head_dim).transpose(0, 1)
+        qk = apply_rope(qk, rope)
         v = v.view(-1, c.num_kv_heads, c.head_dim).transpose(0, 1)
-        return apply_rope(q, rope), apply_rope(k, rope), v
+        return qk[: c.num_heads], qk[c.num_heads :], v
 
     def attend_and_mlp(
         self,
@@ -108,14 +109,14 @@ class Llama:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        plan: CausalPlan | None,
+        plan: AttentionPlan,
     ) -> torch.Tensor:
-        """The rest of the layer for the queries' rows of h: attention over (k, v), MLP.
+        """The rest of the layer for the queries' rows of h: attention over (k, v), MLP."""
+        return self.finish_layer(layer, h, attend(q, k, v, plan))
 
-        `plan` None: the queries are positions 0..n-1 of (k, v), plain causal attention.
-        """
+    def finish_layer(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Output projection, residual and MLP of attention output attn [heads, n, d]."""
         w = self.layers[layer]
-        attn = attend(q, k, v, plan)
         h = h + attn.transpose(0, 1).reshape(h.shape[0], -1) @ w.out.T
         gate, up = (self._rms_norm(h, w.ffn_norm) @ w.gate_up.T).chunk(2, dim=-1)
         return h + (F.silu(gate) * up) @ w.down.T
@@ -139,21 +140,35 @@ class Llama:
         the machine is busy).
         """
         end = start + token_ids.shape[0]
-        if end > k_cache.shape[2]:
-            raise ValueError(f"k_cache: holds {k_cache.shape[2]} slots, need {end}")
         positions = torch.arange(start, end, device=self.device)
+        return self.forward_at(token_ids, positions, end, k_cache, v_cache, before_layer)
+
+    def forward_at(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        num_keys: int,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        before_layer: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """`forward` of tokens at sorted `positions` (on the model's device), the last
+        of them `num_keys - 1`; every other slot below `num_keys` holds KV already."""
+        if num_keys > k_cache.shape[2]:
+            raise ValueError(f"k_cache: holds {k_cache.shape[2]} slots, need {num_keys}")
         rope = self.rope(positions)
-        plan = plan_causal(positions, end, self.dtype)
+        plan = plan_attention(positions, num_keys, self.dtype, head_dim=self.config.head_dim)
         h = self.embed(token_ids)
         for layer in range(self.num_layers):
             if before_layer is not None:
                 before_layer(layer)
             q, k, v = self.qkv(layer, h, rope)
-            k_cache[layer, :, start:end], v_cache[layer, :, start:end] = k, v
-            keys, values = k_cache[layer, :, :end], v_cache[layer, :, :end]
+            keys, values = k_cache[layer], v_cache[layer]
+            keys.index_copy_(1, positions, k)
+            values.index_copy_(1, positions, v)
             h = self.attend_and_mlp(layer, h, q, keys, values, plan)
         return h
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        variance = x.pow(2).mean(-1, keepdim=True)
-        return x * torch.rsqrt(variance + self.config.rms_norm_eps) * weight
+        # x * rsqrt(mean(x^2) + eps) * weight, fused on accelerators.
+        return F.rms_norm(x, weight.shape, weight, self.config.rms_norm_eps)

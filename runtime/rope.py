@@ -44,12 +44,14 @@ def rerotate(
     """K rotated at `from_positions` -> K rotated at `to_positions`.
 
     Rotations compose, so rotating by the difference is exact up to rounding; K of
-    shape [..., num_tokens, head_dim].
+    shape [..., num_tokens, head_dim] on any device, the positions in host memory (the
+    no-op check reads them there: no device sync).
     """
     if from_positions.shape != to_positions.shape:
         raise ValueError("to_positions: must have the shape of from_positions")
     delta = to_positions - from_positions
     if not bool(delta.any()):
         return k
+    delta = delta.to(k.device, non_blocking=True)
     table = rope_table(delta, head_dim=k.shape[-1], theta=theta, dtype=k.dtype)
     return apply_rope(k, table)

@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from holeblend_runtime.blend_config import K_DEVIATION, RANDOM, BlendConfig
+from holeblend_runtime.devices import to_device
 
 
 class SelectionStrategy(Protocol):
@@ -41,7 +42,7 @@ class RandomSelection:
 
     def select(self, deviation: torch.Tensor, k: int) -> torch.Tensor:
         order = torch.randperm(deviation.shape[0], generator=self._generator)
-        return order[:k].to(deviation.device)
+        return to_device(order[:k], deviation.device)
 
 
 def make_strategy(config: BlendConfig) -> SelectionStrategy:

@@ -1,8 +1,11 @@
-"""holeblend-bench: full prefill vs standard CacheBlend (prefix) vs hole mode, on SmolLM2.
+"""holeblend-bench: full prefill vs standard CacheBlend (prefix) vs hole mode.
 
-Prints one table row per (mode, ratio, store policy, pass) and optionally writes them as
-JSON. With --load: one `holeblend-serve` per mode driven by concurrent clients with a
-Zipf RAG stream; one row per mode.
+On SmolLM2 (real weights) or a named model shape with random weights (`--model
+llama-3-8b`), on any device (`--device cuda --dtype bfloat16`); clocks wait for the
+device. Prints one table row per (mode, ratio, store policy, pass) and optionally writes
+them as JSON; every row names the device, dtype and model shape, so a GPU run writes the
+same JSON as a CPU run. With --load: one `holeblend-serve` per mode driven by concurrent
+clients with a Zipf RAG stream; one row per mode.
 """
 
 from __future__ import annotations
@@ -16,14 +19,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+from tokenizers import Tokenizer
+
+from holeblend_runtime.bench.device_timing import busy_share, sdpa_reference_s
 from holeblend_runtime.bench.load import LOAD_MODES, LOAD_RESULT_KEYS, LoadConfig, run_load
 from holeblend_runtime.bench.load_workload import LoadWorkloadConfig, generate_load_workload
 from holeblend_runtime.bench.report import RESULT_KEYS, format_table, write_json
 from holeblend_runtime.bench.runner import BLEND_MODES, BenchConfig, BenchRunner
-from holeblend_runtime.bench.workload import WorkloadConfig, generate_workload
+from holeblend_runtime.bench.workload import QAPrompt, WorkloadConfig, generate_workload
 from holeblend_runtime.blend_config import K_DEVIATION, RANDOM, STORE_POLICIES, BlendConfig
 from holeblend_runtime.engine import ReferenceEngine
 from holeblend_runtime.gguf_model import load_model_files
+from holeblend_runtime.kv_store import LocalKVStore
+from holeblend_runtime.llama import Llama
+from holeblend_runtime.model_presets import PRESETS, preset_config, random_weights
 from holeblend_runtime.tokenizer import TextTokenizer
 
 # Settings a run uses unless the command line says otherwise; --quick swaps in the second.
@@ -44,6 +54,14 @@ QUICK: dict[str, Any] = {
     "max_new_tokens": 16,
 }
 SELECTIONS = {"kdev": K_DEVIATION, K_DEVIATION: K_DEVIATION, "random": RANDOM}
+SMOLLM2 = "smollm2"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Keys every result row gets besides RESULT_KEYS: what ran where.
+ROW_CONTEXT_KEYS = ("device", "dtype", "model", "model_shape")
+# Tokens of a prompt besides its documents (system prompt, question, chat template), and
+# per document (separator): to aim --prompt-tokens.
+_PROMPT_OVERHEAD_TOKENS = 60
+_SEPARATOR_TOKENS = 4
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -77,6 +95,32 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--seed", type=int, default=0, help="workload (and random selection) seed")
     add("--max-new-tokens", type=int, help=f"answer length (default {DEFAULTS['max_new_tokens']})")
     add("--threads", type=int, default=2, help="torch CPU threads")
+    add(
+        "--model",
+        default=SMOLLM2,
+        choices=[SMOLLM2, *sorted(PRESETS)],
+        help="smollm2: SmolLM2-135M-Instruct's weights; else that shape with random weights",
+    )
+    add("--tokenizer", type=Path, help="tokenizer.json for prompts (default: SmolLM2's)")
+    add("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, npu, ...")
+    add("--dtype", choices=sorted(DTYPES), default="float32", help="weights and KV dtype")
+    add(
+        "--prompt-tokens",
+        type=int,
+        help="aim every prompt at about this many tokens (adds distractor documents)",
+    )
+    add(
+        "--repeat",
+        action="store_true",
+        help="pass 3: pass 2's prompts again on the same cache state (shapes seen)",
+    )
+    add(
+        "--sdpa-reference",
+        action="store_true",
+        help="also time a plain SDPA forward of the same weights on pass 2's prompts",
+    )
+    add("--profile", action="store_true", help="device busy share of one prefill per mode")
+    add("--store-gib", type=float, default=2.0, help="KV store size per engine, GiB")
     add("--json", type=Path, help="write the results to this JSON file")
     load = parser.add_argument_group("load benchmark (--load)")
     load.add_argument("--load", action="store_true", help="drive holeblend-serve per mode")
@@ -104,7 +148,7 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         seed=args.seed,
         num_questions=args.questions,
         num_documents=args.documents,
-        num_inflate=args.inflate,
+        num_inflate=_num_inflate(args),
         min_document_tokens=args.min_doc_tokens,
         max_document_tokens=args.max_doc_tokens,
         holes=args.holes,
@@ -116,7 +160,52 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         modes=_names(args.modes),
         store_policies=_names(args.store_policies),
         max_new_tokens=args.max_new_tokens,
+        repeat=args.repeat,
     )
+
+
+def _num_inflate(args: argparse.Namespace) -> int:
+    """Distractor documents: --inflate, or as many as --prompt-tokens needs."""
+    if args.prompt_tokens is None:
+        return args.inflate
+    if args.prompt_tokens < 1:
+        raise ValueError(f"prompt_tokens: must be >= 1, got {args.prompt_tokens}")
+    per_document = (args.min_doc_tokens + args.max_doc_tokens) / 2 + _SEPARATOR_TOKENS
+    wanted = round((args.prompt_tokens - _PROMPT_OVERHEAD_TOKENS) / per_document)
+    return max(0, wanted - args.documents)
+
+
+def load_model(args: argparse.Namespace) -> tuple[Llama, TextTokenizer]:
+    """The model on --device in --dtype, and the tokenizer prompts are built with."""
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    torch.set_num_threads(args.threads)
+    if args.model == SMOLLM2:
+        files = load_model_files()
+        model = Llama(files.config, files.weights, device=device, dtype=dtype)
+        return model, TextTokenizer(_tokenizer(args, files.tokenizer), files.config)
+    config = preset_config(args.model)
+    weights = random_weights(config, device, dtype, seed=args.seed)
+    model = Llama(config, weights, device=device, dtype=dtype)
+    del weights  # Llama keeps stacked copies; the loose ones would double the memory
+    return model, TextTokenizer(_tokenizer(args), config)
+
+
+def _tokenizer(args: argparse.Namespace, default: Tokenizer | None = None) -> Tokenizer:
+    if args.tokenizer is not None:
+        return Tokenizer.from_file(str(args.tokenizer))
+    return default if default is not None else load_model_files().tokenizer
+
+
+def row_context(args: argparse.Namespace, model: Llama) -> dict[str, Any]:
+    """What every result row says about where it ran."""
+    c = model.config
+    shape = {
+        name: getattr(c, name)
+        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size", "vocab_size")
+    }  # fmt: skip
+    return {"device": str(model.device), "dtype": args.dtype, "model": args.model,
+            "model_shape": shape}  # fmt: skip
 
 
 def blend_config(args: argparse.Namespace) -> BlendConfig:
@@ -129,23 +218,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the bench; returns the JSON document (also written when --json is given)."""
     config, blend = bench_config(args), blend_config(args)
     started = time.perf_counter()
-    loaded = ReferenceEngine.load(blend=blend, num_threads=args.threads)
-    tokenizer = loaded.tokenizer
+    model, tokenizer = load_model(args)
+    loaded = ReferenceEngine(model, tokenizer, blend)
+    store_bytes = int(args.store_gib * (1 << 30))
 
     def new_engine(store_policy: str) -> ReferenceEngine:
         # Same weights, empty KV store: every sweep point starts cold. One activity for
         # all: a background store waits while any engine works.
         point_blend = dataclasses.replace(blend, store_policy=store_policy)
-        return ReferenceEngine(loaded.model, tokenizer, point_blend, activity=loaded.activity)
+        store = LocalKVStore(store_bytes)
+        return ReferenceEngine(model, tokenizer, point_blend, store, activity=loaded.activity)
 
-    workload = generate_workload(config.workload, lambda text: len(tokenizer.encode(text)))
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text))
+
+    workload = generate_workload(config.workload, count)
+    # Warm-up on a prompt of the same size outside the workload: pass 2 then meets only
+    # prompts whose shapes the machine has never seen.
+    warm_up = generate_workload(dataclasses.replace(config.workload, seed=-1 - args.seed), count)
     runner = BenchRunner(new_engine, tokenizer, config)
-    results = runner.run(workload, show_progress=not args.no_progress)
-    document = {
-        "model": loaded.config.model_id,
-        "config": _config_record(config, blend, workload, runner, args),
-        "results": results,
-    }
+    results = runner.run(workload, show_progress=not args.no_progress, warm_up=warm_up[0])
+    context = row_context(args, model)
+    results = [{**row, **context} for row in results]
+    record = _config_record(config, blend, workload, runner, args)
+    if args.sdpa_reference:
+        prompts = [runner.request(qa, pass_number=2).prompt for qa in workload]
+        record["sdpa_reference"] = sdpa_reference_s(model, prompts)
+    if args.profile:
+        record["profile"] = _profile(new_engine, config, runner, workload[0])
+    document = {"model": model.config.model_id, "config": record, "results": results}
     document["config"]["wall_s"] = time.perf_counter() - started
     if args.json is not None:
         write_json(args.json, document["model"], document["config"], results)
@@ -220,6 +321,33 @@ def _config_record(
         "threads": args.threads,
         "num_prompt_tokens_full": prompt_lengths,
     }
+
+
+def _profile(
+    new_engine: Any, config: BenchConfig, runner: BenchRunner, qa: QAPrompt
+) -> dict[str, Any]:
+    """Device busy share of one pass-2 prefill per mode (after its pass 1), warm."""
+    ratio = config.ratios[0]
+    first, second = (runner.request(qa, pass_number=p).prompt for p in (1, 2))
+    shares: dict[str, Any] = {"ratio": ratio}
+    engine = new_engine(config.store_policies[0])
+    shares["full"] = busy_share(lambda: engine.prefill(second, "full", 1.0))
+    for mode in config.modes:
+        engine = new_engine(config.store_policies[0])
+        engine.prefill(first, mode, ratio)
+        engine.wait_for_stores()
+        snapshot = set(engine.store.keys())
+
+        def send(
+            engine: ReferenceEngine = engine, mode: str = mode, snapshot: set = snapshot
+        ) -> None:
+            engine.prefill(second, mode, ratio)
+            for key in set(engine.store.keys()) - snapshot:
+                engine.store.remove(key)
+
+        shares[mode] = busy_share(send)
+        engine.close()
+    return shares
 
 
 def _names(text: str) -> tuple[str, ...]:

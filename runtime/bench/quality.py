@@ -79,7 +79,7 @@ def mean_nll(logits: torch.Tensor, target_ids: Sequence[int]) -> float:
         )
     if not target_ids:
         raise ValueError("target_ids: need at least one token")
-    targets = torch.tensor(list(target_ids), dtype=torch.long)
+    targets = torch.tensor(list(target_ids), dtype=torch.long, device=logits.device)
     return F.cross_entropy(logits.double(), targets).item()
 
 

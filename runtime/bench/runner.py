@@ -6,7 +6,11 @@ store policy says. Before pass 2 every engine's background store is drained (the
 time a server has between bursts; its compute is reported per row). Pass 2 sends the
 full prompts: every document but the holes is a hit. Each (mode, ratio, store policy)
 sweep point has its own engine with its own store, empty at the start, so its two
-passes see the same cache state as every other point's. Full prefill of every prompt in
+passes see the same cache state as every other point's. With `repeat`, pass 3 sends pass
+2's prompts again, each right after its pass-2 send, with the segments that send stored
+removed again: the same cache state, on shapes the machine has now seen (pass 2 is what a
+prompt with a new document set pays, pass 3 what a seen one pays). Pass 3 times the
+prefill only; its quality columns are pass 2's (the same computation). Full prefill of every prompt in
 both passes runs once; its answers are the reference for the blended ones.
 
 Requests are interleaved: each prompt goes to full prefill and then to every sweep
@@ -20,7 +24,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -41,6 +45,8 @@ from holeblend_runtime.segments import SegmentedPrompt
 FULL = "full"
 BLEND_MODES = ("prefix", "hole")
 PASSES = (1, 2)
+# Pass 2 sent again on the same cache state (BenchConfig.repeat).
+REPEAT_PASS = 3
 
 
 class Prefill(Protocol):
@@ -72,6 +78,9 @@ class Engine(Protocol):
 
     def close(self) -> None: ...
 
+    # The engine's own KV store (keys() and remove(key): pass 3 resets it).
+    store: Any
+
 
 class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
@@ -89,6 +98,8 @@ class BenchConfig:
     # Store policies swept for each blend mode and ratio (see BlendConfig.store_policy).
     store_policies: tuple[str, ...] = (IN_CONTEXT,)
     max_new_tokens: int = 20
+    # Pass 3: pass 2's prompts again on the same cache state (shapes seen).
+    repeat: bool = False
 
     def __post_init__(self) -> None:
         if not self.ratios:
@@ -152,15 +163,26 @@ class BenchRunner:
         self.config = config
         self.engine = new_engine(config.store_policies[0])
 
+    @property
+    def passes(self) -> tuple[int, ...]:
+        return (*PASSES, REPEAT_PASS) if self.config.repeat else PASSES
+
     def num_requests(self, num_prompts: int) -> int:
         """Prefills the run makes: references plus every (mode, ratio, pass)."""
-        return num_prompts * len(PASSES) * (1 + len(self.sweep_points()))
+        return num_prompts * len(self.passes) * (1 + len(self.sweep_points()))
 
     def sweep_points(self) -> list[SweepPoint]:
         c = self.config
         return [(m, r, s) for m in c.modes for r in c.ratios for s in c.store_policies]
 
-    def run(self, workload: Sequence[QAPrompt], show_progress: bool = True) -> list[dict[str, Any]]:
+    def run(
+        self,
+        workload: Sequence[QAPrompt],
+        show_progress: bool = True,
+        warm_up: QAPrompt | None = None,
+    ) -> list[dict[str, Any]]:
+        """`warm_up`: a prompt outside the workload to warm up on (default: the first
+        prompt's pass 2, which pass 2 then sends to a warm machine)."""
         requests = {p: [self.request(qa, pass_number=p) for qa in workload] for p in PASSES}
         # Each sweep point's engine shares the loaded model and owns an empty store.
         engines = {point: self.new_engine(point[2]) for point in self.sweep_points()}
@@ -170,17 +192,29 @@ class BenchRunner:
         with tqdm(
             total=total, desc="holeblend-bench", unit="req", disable=not show_progress
         ) as bar:
-            self._warm_up(requests[2][0])
+            self._warm_up(
+                requests[2][0] if warm_up is None else self.request(warm_up, pass_number=2)
+            )
             for pass_number in PASSES:
                 computed = {point: e.store_stats().compute_s for point, e in engines.items()}
                 for request in requests[pass_number]:
                     reference = self._reference(request)
                     measures[(FULL, None, None, pass_number)].append(reference.measure)
-                    bar.update()
+                    is_repeated = pass_number == PASSES[-1] and self.config.repeat
+                    if is_repeated:
+                        again = self._again(self.engine, (FULL, 1.0), request, reference.measure)
+                        measures[(FULL, None, None, REPEAT_PASS)].append(again)
+                    bar.update(1 + is_repeated)
                     for point, engine in engines.items():
+                        stored = set(engine.store.keys()) if is_repeated else set()
                         measure = self._measure(engine, point, request, reference)
                         measures[(*point, pass_number)].append(measure)
-                        bar.update()
+                        if is_repeated:
+                            _forget_stored_since(engine, stored)
+                            again = self._again(engine, point[:2], request, measure)
+                            measures[(*point, REPEAT_PASS)].append(again)
+                            _forget_stored_since(engine, stored)
+                        bar.update(1 + is_repeated)
                 for point, engine in engines.items():
                     engine.wait_for_stores()
                     # Background compute of this pass: in the gaps between requests and
@@ -240,7 +274,7 @@ class BenchRunner:
         measures: dict[MeasureKey, list[RequestMeasure]],
         background_s: dict[MeasureKey, float],
     ) -> list[dict[str, Any]]:
-        full = {p: measures[(FULL, None, None, p)] for p in PASSES}
+        full = {p: measures[(FULL, None, None, p)] for p in self.passes}
         points: list[SweepPoint] = [(FULL, None, None), *self.sweep_points()]
         return [
             summarize(
@@ -254,8 +288,20 @@ class BenchRunner:
                 background_store_s=background_s.get((mode, ratio, policy, p), 0.0),
             )  # fmt: skip
             for mode, ratio, policy in points
-            for p in PASSES
+            for p in self.passes
         ]
+
+    def _again(
+        self,
+        engine: Engine,
+        mode_ratio: tuple[str, float | None],
+        request: Request,
+        first: RequestMeasure,
+    ) -> RequestMeasure:
+        """The prefill of `request` once more, timed; the rest of `first` (same state)."""
+        mode, ratio = mode_ratio
+        prefill = engine.prefill(request.prompt, mode, 1.0 if ratio is None else ratio)
+        return replace(first, ttft_s=prefill.ttft_s, request_s=prefill.request_s)
 
     def _measure(
         self, engine: Engine, point: SweepPoint, request: Request, reference: Reference
@@ -280,6 +326,14 @@ class BenchRunner:
             gold_loss=gold_loss,
             f1_vs_gold=answer_f1(words, request.gold_words, request.question_words),
         )
+
+
+def _forget_stored_since(engine: Engine, before: set[str]) -> None:
+    """Remove what the engine stored since its store held `before` (background stores
+    drained first), so a prompt can be sent again on the same cache state."""
+    engine.wait_for_stores()
+    for key in set(engine.store.keys()) - before:
+        engine.store.remove(key)
 
 
 def _span_logits(engine: Engine, prefill: Prefill, token_ids: Sequence[int]) -> torch.Tensor:

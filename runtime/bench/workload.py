@@ -262,8 +262,12 @@ def _generate_document(
     entity = _unique(rng, _entity_name, used_entities)
     target = rng.randint(config.min_document_tokens, config.max_document_tokens)
     facts: list[Fact] = []
+    # Distractors only need values fresh within themselves (no question is asked about
+    # them, and the asked fact's answer is checked unique across the prompt): prompts of
+    # thousands of tokens would exhaust the small value pools otherwise.
+    values = set() if is_distractor else used_values
     for template in rng.sample(_FACT_TEMPLATES, len(_FACT_TEMPLATES)):
-        fact = _make_fact(rng, template, entity, used_values)
+        fact = _make_fact(rng, template, entity, values)
         num_tokens = count_tokens(_join([*facts, fact]))
         if num_tokens > config.max_document_tokens:
             break

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from holeblend_runtime.attention import CausalPlan, attend
+from holeblend_runtime.attention import AttentionPlan, attend
 from holeblend_runtime.llama import Llama
 from holeblend_runtime.model_config import ModelConfig
 from holeblend_runtime.rope import RopeTable, apply_rope
@@ -32,6 +32,7 @@ class VllmModelAdapter:
     # The same code as the reference model: these only use the methods below.
     new_kv = Llama.new_kv
     forward = Llama.forward
+    forward_at = Llama.forward_at
 
     def __init__(self, model: torch.nn.Module, model_id: str, context_length: int) -> None:
         self.model = model
@@ -85,7 +86,7 @@ class VllmModelAdapter:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        plan: CausalPlan | None,
+        plan: AttentionPlan,
     ) -> torch.Tensor:
         decoder = self.layers[layer]
         attn = attend(q, k, v, plan).transpose(0, 1).reshape(h.shape[0], -1)

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+
+import torch
+
+# Triton kernels run under Triton's interpreter on a machine without a GPU; the variable is
+# read when a kernel module is first imported (lazily, on first use).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 

@@ -1,37 +1,138 @@
-"""Causal attention over a sparse, sorted set of query positions."""
+"""Causal attention over any set of query positions: every backend against the reference.
+
+The Triton kernel runs under Triton's interpreter here (TRITON_INTERPRET=1, set in
+tests/conftest.py before anything imports Triton); on a GPU the same tests run it
+compiled.
+"""
 
 import pytest
 import torch
 
-from holeblend_runtime.attention import attend, causal_mask, plan_causal
+from holeblend_kernels.sparse_attention import reference_attention, triton_attention
+from holeblend_runtime.attention import (
+    BACKEND_ENV,
+    BACKENDS,
+    CHUNKED,
+    SDPA,
+    TRITON,
+    attend,
+    causal_mask,
+    plan_attention,
+    select_backend,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _reference(q, k, v, positions):
+def _written_out(q, k, v, positions):
     """Softmax attention written out: query i sees keys 0..positions[i]."""
     k = k.repeat_interleave(q.shape[0] // k.shape[0], dim=0)
     v = v.repeat_interleave(q.shape[0] // v.shape[0], dim=0)
-    scores = q @ k.transpose(1, 2) / q.shape[-1] ** 0.5
-    hidden = torch.arange(k.shape[1])[None, :] > positions[:, None]
-    return scores.masked_fill(hidden, float("-inf")).softmax(-1) @ v
+    scores = q.double() @ k.double().transpose(1, 2) / q.shape[-1] ** 0.5
+    hidden = torch.arange(k.shape[1], device=q.device)[None, :] > positions[:, None]
+    return (scores.masked_fill(hidden, float("-inf")).softmax(-1) @ v.double()).to(q.dtype)
 
 
-@pytest.mark.parametrize("chunk_size", [1, 7, 64, 1000])
-def test_chunked_sparse_attention_equals_the_written_out_reference(chunk_size):
-    generator = torch.Generator().manual_seed(0)
-    q, k, v = (
-        torch.randn(shape, generator=generator) for shape in [(6, 40, 16), (2, 90, 16), (2, 90, 16)]
+def _position_sets(num_keys, generator):
+    """Named query position sets against `num_keys` keys (sorted, distinct, the last
+    one num_keys - 1, as the runtime always computes the last token)."""
+    last = torch.tensor([num_keys - 1])
+    scattered = torch.randperm(num_keys - 1, generator=generator)[: num_keys // 3].sort().values
+    prefix = num_keys // 2
+    return {
+        "empty": torch.empty(0, dtype=torch.int64),
+        "one token": last,
+        "all tokens": torch.arange(num_keys),
+        "scattered": torch.cat([scattered, last]),
+        "from mid-prompt": torch.cat(
+            [
+                torch.randperm(num_keys - 1 - prefix, generator=generator)[:9].sort().values
+                + prefix,
+                last,
+            ]
+        ),  # fmt: skip
+        "after a prefix": torch.arange(prefix, num_keys),
+    }
+
+
+def _inputs(heads, kv_heads, num_queries, num_keys, head_dim, dtype, generator):
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator).to(DEVICE, dtype)
+
+    return (
+        randn(heads, num_queries, head_dim),
+        randn(kv_heads, num_keys, head_dim),
+        randn(kv_heads, num_keys, head_dim),
     )
-    positions = torch.randperm(90, generator=generator)[:40].sort().values
-    plan = plan_causal(positions, 90, chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("num_keys", [1, 67, 131])
+def test_triton_kernel_equals_the_dense_mask_reference(group, num_keys):
+    generator = torch.Generator().manual_seed(group * 1000 + num_keys)
+    for name, positions in _position_sets(num_keys, generator).items():
+        q, k, v = _inputs(2 * group, 2, positions.shape[0], num_keys, 16, torch.float32, generator)
+        positions = positions.to(DEVICE)
+        expected = reference_attention(q, k, v, positions)
+        torch.testing.assert_close(
+            triton_attention(q, k, v, positions), expected, atol=1e-5, rtol=1e-5, msg=name
+        )
+        torch.testing.assert_close(expected, _written_out(q, k, v, positions), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_kernel_in_half_precision_is_within_its_rounding(dtype):
+    generator = torch.Generator().manual_seed(3)
+    positions = _position_sets(100, generator)["scattered"].to(DEVICE)
+    q, k, v = _inputs(8, 2, positions.shape[0], 100, 64, dtype, generator)
+    expected = _written_out(q.float(), k.float(), v.float(), positions)
+    got = triton_attention(q, k, v, positions)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_triton_kernel_takes_no_queries():
+    q, k, v = torch.empty(4, 0, 16), torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+    assert triton_attention(q, k, v, torch.empty(0, dtype=torch.int64)).shape == (4, 0, 16)
+
+
+def test_triton_kernel_reads_strided_queries_as_the_model_lays_them_out():
+    """Q comes from a [tokens, heads, dim] projection, transposed: not contiguous."""
+    generator = torch.Generator().manual_seed(5)
+    projected = torch.randn(30, 4, 32, generator=generator).to(DEVICE)
+    q = projected.transpose(0, 1)
+    k, v = (torch.randn(2, 50, 32, generator=generator).to(DEVICE) for _ in range(2))
+    positions = torch.arange(20, 50, device=DEVICE)
     torch.testing.assert_close(
-        attend(q, k, v, plan), _reference(q, k, v, positions), atol=1e-5, rtol=1e-5
+        triton_attention(q, k, v, positions), reference_attention(q, k, v, positions), atol=1e-5,
+        rtol=1e-5,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("group", [1, 3])
+def test_every_backend_equals_the_reference_through_a_plan(backend, group):
+    generator = torch.Generator().manual_seed(group)
+    num_keys = 90
+    for name, positions in _position_sets(num_keys, generator).items():
+        q, k, v = _inputs(2 * group, 2, positions.shape[0], num_keys, 16, torch.float32, generator)
+        positions = positions.to(DEVICE)
+        # The plan may read keys only up to its num_keys: slots after it hold garbage.
+        padded = [torch.cat([t, torch.full_like(t[:, :7], float("nan"))], 1) for t in (k, v)]
+        plan = plan_attention(positions, num_keys, backend=backend, chunk_size=7)
+        torch.testing.assert_close(
+            attend(q, *padded, plan), _written_out(q, k, v, positions), atol=1e-5, rtol=1e-5,
+            msg=f"{backend}: {name}",
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_query_never_reads_a_later_key(backend):
+    q, k, v = (
+        torch.randn(shape, device=DEVICE) for shape in [(3, 4, 16), (3, 50, 16), (3, 50, 16)]
     )
-
-
-def test_a_query_never_reads_a_later_key():
-    q, k, v = torch.randn(3, 4, 8), torch.randn(3, 50, 8), torch.randn(3, 50, 8)
-    positions = torch.tensor([3, 10, 11, 30])
-    plan = plan_causal(positions, 50, chunk_size=2)
+    positions = torch.tensor([3, 10, 11, 49], device=DEVICE)
+    plan = plan_attention(positions, 50, backend=backend, chunk_size=2)
     before = attend(q, k, v, plan)
     k[:, 12:], v[:, 12:] = 1e3, 1e3
     after = attend(q, k, v, plan)
@@ -39,13 +140,25 @@ def test_a_query_never_reads_a_later_key():
     assert not torch.allclose(after[:, 3], before[:, 3])
 
 
-def test_all_positions_use_plain_causal_attention():
-    assert plan_causal(torch.arange(12), 12) is None
+def test_the_cpu_uses_chunks_and_plans_no_mask_for_plain_causal_attention(monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert select_backend(torch.device("cpu")) == CHUNKED
+    assert select_backend(torch.device("meta")) == SDPA
+    plan = plan_attention(torch.arange(12), 12)
+    assert plan.is_causal and plan.mask is None and not plan.chunks
 
 
-def test_single_last_query_needs_no_mask():
-    [chunk] = plan_causal(torch.tensor([19]), 20).chunks
-    assert chunk.mask is None and chunk.num_keys == 20
+def test_a_forced_backend_is_used_and_a_misspelled_one_refused(monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV, TRITON)
+    assert select_backend(torch.device("cpu")) == TRITON
+    monkeypatch.setenv(BACKEND_ENV, "flash")
+    with pytest.raises(ValueError, match=BACKEND_ENV):
+        select_backend(torch.device("cpu"))
+
+
+def test_a_single_query_reads_every_key_without_a_mask():
+    plan = plan_attention(torch.tensor([19]), 20, backend=CHUNKED)
+    assert plan.backend == SDPA and plan.mask is None and not plan.is_causal
 
 
 def test_causal_mask_follows_true_positions():
@@ -55,3 +168,11 @@ def test_causal_mask_follows_true_positions():
         [True, True, True, True, True, False, False],
         [True, True, True, True, True, True, False],
     ]
+
+
+def test_the_kernel_refuses_shapes_it_cannot_take():
+    q, k = torch.randn(4, 3, 24), torch.randn(2, 5, 24)
+    with pytest.raises(ValueError, match="head_dim"):
+        triton_attention(q, k, k, torch.arange(2, 5))
+    with pytest.raises(ValueError, match="positions"):
+        reference_attention(q, k, k, torch.arange(2))

@@ -1,0 +1,94 @@
+"""Device-side figures for the benchmark: a plain SDPA forward as the floor of full
+prefill, and how busy the device is while a prefill runs.
+
+Both wait for the device before reading a clock (a GPU runs behind the host: a clock read
+right after the launches times the launches).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from holeblend_runtime.devices import synchronize
+from holeblend_runtime.llama import Llama
+from holeblend_runtime.segments import SegmentedPrompt
+
+
+def plain_forward(model: Llama, token_ids: torch.Tensor) -> torch.Tensor:
+    """Next-token logits of a prompt by the textbook forward: the same weights and layer
+    functions, torch's own causal SDPA, no KV cache written, no attention dispatch."""
+    n = token_ids.shape[0]
+    rope = model.rope(torch.arange(n, device=model.device))
+    h = model.embed(token_ids)
+    for layer in range(model.num_layers):
+        q, k, v = model.qkv(layer, h, rope)
+        attn = F.scaled_dot_product_attention(
+            q[None], k[None], v[None], is_causal=True, enable_gqa=True
+        )[0]
+        h = model.finish_layer(layer, h, attn)
+    return model.logits(h[-1:])[0]
+
+
+def sdpa_reference_s(model: Llama, prompts: Sequence[SegmentedPrompt]) -> dict[str, Any]:
+    """Seconds of `plain_forward` per prompt: the first call on its shape, and again."""
+    first, again = [], []
+    with torch.inference_mode():
+        for prompt in prompts:
+            token_ids = torch.tensor(prompt.token_ids, device=model.device)
+            for times in (first, again):
+                times.append(_timed(model.device, lambda ids=token_ids: plain_forward(model, ids)))
+    return {
+        "num_prompts": len(prompts),
+        "ttft_mean_s": statistics.fmean(first),
+        "ttft_seen_mean_s": statistics.fmean(again),
+    }
+
+
+def busy_share(run: Callable[[], Any], device: torch.device | None = None) -> dict[str, Any]:
+    """Share of one call's wall time during which the device runs a kernel (the union of
+    kernel intervals from torch's profiler over the call's synchronized wall time; the
+    profiler's own host overhead makes it a lower bound). Called once unprofiled first.
+
+    None on a machine without CUDA: the CPU has no separate device to keep busy."""
+    if not torch.cuda.is_available():
+        return {"busy_share": None, "wall_s": None, "num_kernels": 0}
+    device = device or torch.device("cuda")
+    run()
+    synchronize(device)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
+        started = time.perf_counter()
+        run()
+        synchronize(device)
+        wall_s = time.perf_counter() - started
+    intervals = [
+        (event.time_range.start, event.time_range.end)
+        for event in profiler.events()
+        if event.device_type == torch.autograd.DeviceType.CUDA
+    ]
+    busy_us = _union_length(intervals)
+    return {"busy_share": busy_us / 1e6 / wall_s, "wall_s": wall_s, "num_kernels": len(intervals)}
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total
+
+
+def _timed(device: torch.device, run: Callable[[], Any]) -> float:
+    synchronize(device)
+    started = time.perf_counter()
+    run()
+    synchronize(device)
+    return time.perf_counter() - started

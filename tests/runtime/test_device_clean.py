@@ -1,0 +1,103 @@
+"""The blend loop is device-clean: every tensor on the model's device, no host read of
+device data once the per-request numbers are known.
+
+The loop runs on the `meta` device, which has shapes but no data: reading a value on the
+host (`int()`, `bool()`, `.tolist()`, `.item()`, `nonzero()`) raises there, and so does
+mixing a host tensor into a device op. A change that adds either fails these tests on a
+CPU-only machine, where a GPU would only have become slower.
+"""
+
+import pytest
+import torch
+
+from holeblend_runtime.blend_config import RANDOM, BlendConfig
+from holeblend_runtime.blender import Blender, CachedSpan, PrefixKV
+from holeblend_runtime.kv_store import SegmentKV
+from holeblend_runtime.llama import Llama
+from holeblend_runtime.model_config import ModelConfig
+from holeblend_runtime.model_presets import random_weights
+from holeblend_runtime.selection import num_to_select
+
+CONFIG = ModelConfig(
+    model_id="tiny", num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+    intermediate_size=96, rope_theta=10000.0, rms_norm_eps=1e-5, vocab_size=100,
+    context_length=512, bos_token_id=1, eos_token_id=2, add_bos_token=False,
+    tie_word_embeddings=True,
+)  # fmt: skip
+NUM_TOKENS = 120
+# An exact prefix of 20 tokens whose slots 8..10 (a separator) have no KV; cached
+# documents at 20..50 (stored at other positions), 60..90 and 95..110; holes between.
+PREFIX_END, FRESH_IN_PREFIX = 20, (8, 9, 10)
+SPANS = ((20, 50, 3), (60, 90, 60), (95, 110, 0))
+HOLES = ((50, 60), (90, 95))
+
+
+def _host_kv(start: int, end: int, stored_at: int) -> SegmentKV:
+    shape = (CONFIG.num_layers, CONFIG.num_kv_heads, end - start, CONFIG.head_dim)
+    positions = torch.arange(stored_at, stored_at + end - start)
+    return SegmentKV("k", torch.randn(shape), torch.randn(shape), positions, "tiny")
+
+
+def _meta_blend(blend_config: BlendConfig, ratio: float, model: Llama | None = None):
+    model = model or Llama(CONFIG, random_weights(CONFIG), device="meta")
+    blender = Blender(model, blend_config)
+    spans = [CachedSpan(start, end, _host_kv(start, end, at)) for start, end, at in SPANS]
+    k, v = model.new_kv(NUM_TOKENS)
+    prefix = PrefixKV(k, v, PREFIX_END, FRESH_IN_PREFIX)
+    token_ids = torch.randint(0, CONFIG.vocab_size, (NUM_TOKENS,)).to("meta")
+    return blender.blend(token_ids, spans, ratio, HOLES, prefix=prefix)
+
+
+def _num_cached() -> int:
+    # The KV store's spans, every token but the prompt's last one (always computed).
+    return sum(end - start for start, end, _ in SPANS) - (SPANS[-1][1] == NUM_TOKENS)
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.15, 1.0])
+def test_the_blend_loop_runs_on_the_meta_device(ratio):
+    result = _meta_blend(BlendConfig(check_layer=1), ratio)
+    num_selected = num_to_select(_num_cached(), ratio)
+    num_uncached = NUM_TOKENS - PREFIX_END - _num_cached() + len(FRESH_IN_PREFIX)
+    assert result.logits.device.type == "meta"
+    assert result.recomputed.device.type == "meta"
+    assert result.recomputed.shape == (num_selected + num_uncached,)
+    assert result.deviation.shape == (_num_cached(),)
+
+
+def test_per_section_random_selection_runs_on_the_meta_device():
+    config = BlendConfig(check_layer=2, per_section=True, selection=RANDOM, seed=3)
+    result = _meta_blend(config, 0.3)
+    sections = [30, 30, 15]
+    assert result.selected.shape == (sum(num_to_select(n, 0.3) for n in sections),)
+
+
+def test_a_host_read_in_the_layer_loop_is_caught():
+    """The check can fail: a layer that reads a device value on the host raises."""
+    model = Llama(CONFIG, random_weights(CONFIG), device="meta")
+    finish = model.finish_layer
+
+    def finish_and_read(layer, h, attn):
+        if float(h.abs().max()) > 1e4:  # a host read, as a debug check might add
+            raise AssertionError("unreachable")
+        return finish(layer, h, attn)
+
+    model.finish_layer = finish_and_read
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        _meta_blend(BlendConfig(check_layer=1), 0.15, model)
+
+
+def test_a_host_tensor_mixed_into_the_layer_loop_is_caught():
+    model = Llama(CONFIG, random_weights(CONFIG), device="meta")
+    finish = model.finish_layer
+    model.finish_layer = lambda layer, h, attn: finish(layer, h, attn) + torch.zeros(h.shape)
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        _meta_blend(BlendConfig(check_layer=1), 0.15, model)
+
+
+def test_a_causal_continuation_at_explicit_positions_runs_on_the_meta_device():
+    model = Llama(CONFIG, random_weights(CONFIG), device="meta")
+    k, v = model.new_kv(NUM_TOKENS)
+    positions = torch.cat([torch.tensor(FRESH_IN_PREFIX), torch.arange(PREFIX_END, NUM_TOKENS)])
+    token_ids = torch.zeros(positions.shape[0], dtype=torch.int64, device="meta")
+    h = model.forward_at(token_ids, positions.to("meta"), NUM_TOKENS, k, v)
+    assert h.shape == (positions.shape[0], CONFIG.hidden_size) and h.device.type == "meta"
