@@ -125,7 +125,10 @@ def _payload_to_kv(header: BlobHeader, payload: memoryview) -> SegmentKV:
 
 
 def _raw_bytes(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    """The tensor's bytes in host memory (a KV computed on an accelerator is copied
+    down first: the wire format is host bytes)."""
+    host = tensor.detach().to("cpu").contiguous()
+    return memoryview(host.reshape(-1).view(torch.uint8).numpy())
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -51,29 +51,33 @@ def sdpa_reference_s(model: Llama, prompts: Sequence[SegmentedPrompt]) -> dict[s
 
 
 def busy_share(run: Callable[[], Any], device: torch.device | None = None) -> dict[str, Any]:
-    """Share of one call's wall time during which the device runs a kernel (the union of
-    kernel intervals from torch's profiler over the call's synchronized wall time; the
-    profiler's own host overhead makes it a lower bound). Called once unprofiled first.
+    """Share of a call's wall time during which the device runs a kernel: the union of
+    kernel intervals of one profiled call (torch's profiler) over the median
+    synchronized wall time of three unprofiled calls (the profiler's own host overhead
+    would stretch the wall time of the profiled one). Called once first, untimed.
 
     None on a machine without CUDA: the CPU has no separate device to keep busy."""
     if not torch.cuda.is_available():
-        return {"busy_share": None, "wall_s": None, "num_kernels": 0}
+        return {"busy_share": None, "wall_s": None, "kernel_s": None, "num_kernels": 0}
     device = device or torch.device("cuda")
     run()
-    synchronize(device)
+    wall_s = statistics.median(_timed(device, run) for _ in range(3))
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profiler:
-        started = time.perf_counter()
         run()
         synchronize(device)
-        wall_s = time.perf_counter() - started
     intervals = [
         (event.time_range.start, event.time_range.end)
         for event in profiler.events()
         if event.device_type == torch.autograd.DeviceType.CUDA
     ]
-    busy_us = _union_length(intervals)
-    return {"busy_share": busy_us / 1e6 / wall_s, "wall_s": wall_s, "num_kernels": len(intervals)}
+    kernel_s = _union_length(intervals) / 1e6
+    return {
+        "busy_share": kernel_s / wall_s,
+        "wall_s": wall_s,
+        "kernel_s": kernel_s,
+        "num_kernels": len(intervals),
+    }
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:
