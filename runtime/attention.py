@@ -43,7 +43,11 @@ CHUNKED = "chunked"
 BACKENDS = (TRITON, SDPA, CHUNKED)
 BACKEND_ENV = "HOLEBLEND_ATTENTION"
 # Math last: for what neither fused kernel takes (float32 with GQA).
-_CUDA_CAUSAL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+_CUDA_CAUSAL_BACKENDS = [
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
 # Queries per chunk of the CPU backend: fewer SDPA calls vs. fewer masked-out keys read.
 DEFAULT_CHUNK_SIZE = 64
 
