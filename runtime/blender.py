@@ -123,41 +123,48 @@ class Blender:
         """K/V buffers holding every span's KV, K re-rotated to the span's positions, and
         which positions are cached (a host bool tensor; the other slots are left as they
         were: uninitialized in new buffers). `buffers` None: new ones. Layers below
-        `first_layer` are left out (the blend recomputes them for every token).
+        `first_layer` are left out (the blend recomputes them for every token)."""
+        k, v, is_cached, load = self._start_load(spans, num_tokens, buffers, first_layer)
+        for layer in range(first_layer, self.model.num_layers):
+            load.wait(layer)
+        return k, v, is_cached
 
-        One copy per span, then one re-rotation of every moved token at once (not one
-        per span: a prompt of 50 documents would launch 50 times the kernels)."""
+    def _start_load(
+        self,
+        spans: Sequence[CachedSpan],
+        num_tokens: int,
+        buffers: tuple[torch.Tensor, torch.Tensor] | None,
+        first_layer: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, SpanLoad]:
+        """Start copying the spans' KV into the buffers; `SpanLoad.wait(layer)` before a
+        layer reads it. Device-resident KV: one copy per span and one re-rotation of
+        every moved token at once. Host-resident KV on a GPU: copies on a side stream,
+        layer by layer, so the first layers compute while later ones still arrive."""
         k_cache, v_cache = buffers if buffers is not None else self.model.new_kv(num_tokens)
         is_cached = torch.zeros(num_tokens, dtype=torch.bool)
         stored_at = torch.arange(num_tokens)
         for span in spans:
             self._check_span(span, num_tokens)
-            k_cache[first_layer:, :, span.start : span.end].copy_(
-                span.kv.k[first_layer:], non_blocking=True
-            )
-            v_cache[first_layer:, :, span.start : span.end].copy_(
-                span.kv.v[first_layer:], non_blocking=True
-            )
             is_cached[span.start : span.end] = True
             stored_at[span.start : span.end] = span.kv.positions.cpu()
-        self._rerotate(k_cache[first_layer:], stored_at)
-        return k_cache, v_cache, is_cached
+        rotation = self._rotation(stored_at, k_cache.dtype, k_cache.device)
+        load = SpanLoad(k_cache, v_cache, spans, first_layer, rotation)
+        return k_cache, v_cache, is_cached, load
 
-    def _rerotate(self, k: torch.Tensor, stored_at: torch.Tensor) -> None:
-        """K [layers, heads, tokens, dim] rotated at host positions `stored_at` -> rotated
-        at its slot positions, in place (host arithmetic, then one pass on the device)."""
+    def _rotation(
+        self, stored_at: torch.Tensor, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, RopeTable] | None:
+        """Slots whose K moves (host arithmetic) and the RoPE table that moves them."""
         delta = torch.arange(stored_at.shape[0]) - stored_at
         moved = delta.nonzero().squeeze(1)
         if moved.shape[0] == 0:
-            return
-        device = k.device
-        slots = to_device(moved, device)
+            return None
         c = self.model.config
         table = rope_table(
             to_device(delta[moved], device), head_dim=c.head_dim, theta=c.rope_theta,
-            dtype=k.dtype,
+            dtype=dtype,
         )  # fmt: skip
-        k.index_copy_(2, slots, apply_rope(k.index_select(2, slots), table))
+        return to_device(moved, device), table
 
     def _layout(
         self,
@@ -190,12 +197,12 @@ class Blender:
     ) -> _BlendCache:
         buffers = None if prefix is None else (prefix.k, prefix.v)
         # Below the check layer every computed token's K/V is written fresh.
-        k, v, _ = self.assemble_cached_kv(
+        k, v, _, load = self._start_load(
             spans, layout.num_tokens, buffers, first_layer=self.config.check_layer
         )
         device = self.model.device
         rope = self.model.rope(torch.arange(layout.num_tokens, device=device))
-        return _BlendCache(rope, k, v, layout, _to_device(layout, device))
+        return _BlendCache(rope, k, v, layout, _to_device(layout, device), load)
 
     def _check_span(self, span: CachedSpan, num_tokens: int) -> None:
         if not 0 <= span.start < span.end <= num_tokens:
@@ -225,6 +232,7 @@ class Blender:
         """Fresh QKV for every computed token; choose the recompute set; attention for it."""
         layer, on_device = self.config.check_layer, cache.on_device
         q, k, v = self.model.qkv(layer, h, cache.rope_at(on_device.active))
+        cache.load.wait(layer)
         fresh = k[:, on_device.cached_rows]
         stored = cache.k[layer].index_select(1, on_device.cached)
         deviation = (fresh - stored).pow(2).sum((0, 2))
@@ -278,10 +286,74 @@ class Blender:
     ) -> torch.Tensor:
         """One layer for the recompute set only; reused K/V stay in the cache."""
         q, k, v = self.model.qkv(layer, h, rope)
+        cache.load.wait(layer)
         keys, values = cache.k[layer], cache.v[layer]
         keys.index_copy_(1, check.recomputed, k)
         values.index_copy_(1, check.recomputed, v)
         return self.model.attend_and_mlp(layer, h, q, keys, values, check.plan)
+
+
+class SpanLoad:
+    """Reused KV of the spans on its way into the buffers; `wait(layer)` returns once
+    that layer's K/V are in place and re-rotated (on the compute stream: no host wait)."""
+
+    def __init__(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        spans: Sequence[CachedSpan],
+        first_layer: int,
+        rotation: tuple[torch.Tensor, RopeTable] | None,
+    ) -> None:
+        self.k_cache, self.rotation = k_cache, rotation
+        device = k_cache.device
+        is_from_host = any(span.kv.k.device != device for span in spans)
+        self.events: dict[int, torch.cuda.Event] = {}
+        self.pending = set(range(first_layer, k_cache.shape[0]))
+        if device.type == "cuda" and is_from_host:
+            self._copy_layerwise(v_cache, spans, first_layer)
+            return
+        layers = slice(first_layer, None)
+        for span in spans:
+            _copy_span(k_cache, v_cache, span, layers)
+        if rotation is not None and self.pending:
+            _rotate(k_cache[layers], *rotation)
+        self.pending.clear()
+
+    def _copy_layerwise(
+        self, v_cache: torch.Tensor, spans: Sequence[CachedSpan], first_layer: int
+    ) -> None:
+        compute = torch.cuda.current_stream(self.k_cache.device)
+        stream = torch.cuda.Stream(self.k_cache.device)
+        # The buffers were allocated (and the prefix written) on the compute stream.
+        stream.wait_stream(compute)
+        with torch.cuda.stream(stream):
+            for layer in range(first_layer, self.k_cache.shape[0]):
+                for span in spans:
+                    _copy_span(self.k_cache, v_cache, span, layer)
+                self.events[layer] = torch.cuda.Event()
+                self.events[layer].record(stream)
+
+    def wait(self, layer: int) -> None:
+        if layer not in self.pending:
+            return
+        self.pending.discard(layer)
+        torch.cuda.current_stream(self.k_cache.device).wait_event(self.events.pop(layer))
+        if self.rotation is not None:
+            _rotate(self.k_cache[layer : layer + 1], *self.rotation)
+
+
+def _copy_span(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, span: CachedSpan, layers: int | slice
+) -> None:
+    # Non-blocking: from pinned host memory the copy does not hold the host.
+    k_cache[layers, :, span.start : span.end].copy_(span.kv.k[layers], non_blocking=True)
+    v_cache[layers, :, span.start : span.end].copy_(span.kv.v[layers], non_blocking=True)
+
+
+def _rotate(k: torch.Tensor, slots: torch.Tensor, table: RopeTable) -> None:
+    """K [layers, heads, tokens, dim]: the moved slots re-rotated in place."""
+    k.index_copy_(2, slots, apply_rope(k.index_select(2, slots), table))
 
 
 @dataclass(frozen=True, eq=False)
@@ -335,6 +407,8 @@ class _BlendCache:
     v: torch.Tensor
     layout: _Layout
     on_device: _OnDevice
+    # The reused KV still arriving, layer by layer.
+    load: SpanLoad
 
     def rope_at(self, positions: torch.Tensor) -> RopeTable:
         return RopeTable(self.rope.cos[positions], self.rope.sin[positions])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -82,10 +82,14 @@ class LocalKVStore:
     segments off the request path.
     """
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, host_memory: bool = False) -> None:
+        """`host_memory`: keep entries in host memory (pinned when a CUDA device is
+        present, so loads copy asynchronously) instead of wherever they were computed
+        (an accelerator's memory, where loading them back costs almost nothing)."""
         if capacity_bytes < 1:
             raise ValueError(f"capacity_bytes: must be >= 1, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
+        self.host_memory = host_memory
         self._entries: OrderedDict[str, SegmentKV] = OrderedDict()
         self._num_bytes = 0
         self._num_evictions = 0
@@ -124,6 +128,8 @@ class LocalKVStore:
         """Store `kv`, evicting least recently used entries; False if it exceeds the budget."""
         if kv.num_bytes > self.capacity_bytes:
             return False
+        if self.host_memory:
+            kv = replace(kv, k=_in_host_memory(kv.k), v=_in_host_memory(kv.v))
         with self._lock:
             self._remove(kv.key)
             while self._num_bytes + kv.num_bytes > self.capacity_bytes:
@@ -153,3 +159,10 @@ class LocalKVStore:
         _, kv = self._entries.popitem(last=False)
         self._num_bytes -= kv.num_bytes
         self._num_evictions += 1
+
+
+def _in_host_memory(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.device.type == "cpu" and (tensor.is_pinned() or not torch.cuda.is_available()):
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available())
+    return host.copy_(tensor)

@@ -121,6 +121,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     add("--profile", action="store_true", help="device busy share of one prefill per mode")
     add("--store-gib", type=float, default=2.0, help="KV store size per engine, GiB")
+    add(
+        "--kv-store",
+        choices=["device", "host"],
+        default="device",
+        help="keep stored KV where it was computed, or in (pinned) host memory",
+    )
     add("--json", type=Path, help="write the results to this JSON file")
     load = parser.add_argument_group("load benchmark (--load)")
     load.add_argument("--load", action="store_true", help="drive holeblend-serve per mode")
@@ -226,7 +232,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # Same weights, empty KV store: every sweep point starts cold. One activity for
         # all: a background store waits while any engine works.
         point_blend = dataclasses.replace(blend, store_policy=store_policy)
-        store = LocalKVStore(store_bytes)
+        store = LocalKVStore(store_bytes, host_memory=args.kv_store == "host")
         return ReferenceEngine(model, tokenizer, point_blend, store, activity=loaded.activity)
 
     def count(text: str) -> int:

@@ -101,3 +101,37 @@ def test_a_causal_continuation_at_explicit_positions_runs_on_the_meta_device():
     token_ids = torch.zeros(positions.shape[0], dtype=torch.int64, device="meta")
     h = model.forward_at(token_ids, positions.to("meta"), NUM_TOKENS, k, v)
     assert h.shape == (positions.shape[0], CONFIG.hidden_size) and h.device.type == "meta"
+
+
+def test_reused_kv_from_host_memory_blends_as_kv_on_the_device():
+    """On a GPU, host-resident KV arrives layer by layer on a side stream; the result
+    must not differ from KV that was already on the device (on the CPU both are the
+    same path, and the test checks the host store's copy)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = Llama(CONFIG, random_weights(CONFIG), device=device)
+    blender = Blender(model, BlendConfig(check_layer=1))
+    host = [CachedSpan(start, end, _host_kv(start, end, at)) for start, end, at in SPANS]
+    on_device = [
+        CachedSpan(s.start, s.end, SegmentKV("k", s.kv.k.to(device), s.kv.v.to(device),
+                                             s.kv.positions, "tiny"))
+        for s in host
+    ]  # fmt: skip
+    token_ids = torch.randint(0, CONFIG.vocab_size, (NUM_TOKENS,)).to(device)
+    a = blender.blend(token_ids, host, 0.2, HOLES)
+    b = blender.blend(token_ids, on_device, 0.2, HOLES)
+    torch.testing.assert_close(a.logits, b.logits, atol=0, rtol=0)
+    torch.testing.assert_close(a.k, b.k, atol=0, rtol=0)
+
+
+def test_a_host_memory_store_keeps_entries_on_the_host():
+    from holeblend_runtime.kv_store import LocalKVStore
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kv = _host_kv(0, 5, 0)
+    computed = SegmentKV("k", kv.k.to(device), kv.v.to(device), kv.positions, "tiny")
+    store = LocalKVStore(1 << 20, host_memory=True)
+    assert store.put(computed)
+    stored = store.get("k")
+    assert stored.k.device.type == "cpu" and stored.v.device.type == "cpu"
+    assert stored.k.is_pinned() == torch.cuda.is_available()
+    torch.testing.assert_close(stored.k, kv.k, atol=0, rtol=0)
