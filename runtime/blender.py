@@ -125,8 +125,7 @@ class Blender:
         were: uninitialized in new buffers). `buffers` None: new ones. Layers below
         `first_layer` are left out (the blend recomputes them for every token)."""
         k, v, is_cached, load = self._start_load(spans, num_tokens, buffers, first_layer)
-        for layer in range(first_layer, self.model.num_layers):
-            load.wait(layer)
+        load.wait(first_layer)
         return k, v, is_cached
 
     def _start_load(
@@ -295,7 +294,13 @@ class Blender:
 
 class SpanLoad:
     """Reused KV of the spans on its way into the buffers; `wait(layer)` returns once
-    that layer's K/V are in place and re-rotated (on the compute stream: no host wait)."""
+    that layer's K/V are in place and re-rotated (on the compute stream: no host wait).
+
+    Device-resident KV: one copy per span and one re-rotation of every moved token, in
+    order on the compute stream. Host-resident KV on a GPU: one asynchronous copy per
+    span (the whole span at once: per-layer copies of a span-major host layout would
+    cost a launch per span and layer) on a side stream, which the layers below the
+    check layer overlap; the first layer that reads reused KV waits for all of it."""
 
     def __init__(
         self,
@@ -305,50 +310,55 @@ class SpanLoad:
         first_layer: int,
         rotation: tuple[torch.Tensor, RopeTable] | None,
     ) -> None:
-        self.k_cache, self.rotation = k_cache, rotation
-        device = k_cache.device
-        is_from_host = any(span.kv.k.device != device for span in spans)
-        self.events: dict[int, torch.cuda.Event] = {}
-        self.pending = set(range(first_layer, k_cache.shape[0]))
-        if device.type == "cuda" and is_from_host:
-            self._copy_layerwise(v_cache, spans, first_layer)
-            return
+        self.device = k_cache.device
+        self.event: torch.cuda.Event | None = None
         layers = slice(first_layer, None)
+        is_from_host = any(span.kv.k.device != self.device for span in spans)
+        if self.device.type == "cuda" and is_from_host:
+            self.event = _copy_on_side_stream(k_cache, v_cache, spans, layers, rotation)
+            return
         for span in spans:
             _copy_span(k_cache, v_cache, span, layers)
-        if rotation is not None and self.pending:
+        if rotation is not None and first_layer < k_cache.shape[0]:
             _rotate(k_cache[layers], *rotation)
-        self.pending.clear()
-
-    def _copy_layerwise(
-        self, v_cache: torch.Tensor, spans: Sequence[CachedSpan], first_layer: int
-    ) -> None:
-        compute = torch.cuda.current_stream(self.k_cache.device)
-        stream = torch.cuda.Stream(self.k_cache.device)
-        # The buffers were allocated (and the prefix written) on the compute stream.
-        stream.wait_stream(compute)
-        with torch.cuda.stream(stream):
-            for layer in range(first_layer, self.k_cache.shape[0]):
-                for span in spans:
-                    _copy_span(self.k_cache, v_cache, span, layer)
-                self.events[layer] = torch.cuda.Event()
-                self.events[layer].record(stream)
 
     def wait(self, layer: int) -> None:
-        if layer not in self.pending:
-            return
-        self.pending.discard(layer)
-        torch.cuda.current_stream(self.k_cache.device).wait_event(self.events.pop(layer))
-        if self.rotation is not None:
-            _rotate(self.k_cache[layer : layer + 1], *self.rotation)
+        if self.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.event)
+            self.event = None
 
 
-def _copy_span(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, span: CachedSpan, layers: int | slice
-) -> None:
-    # Non-blocking: from pinned host memory the copy does not hold the host.
-    k_cache[layers, :, span.start : span.end].copy_(span.kv.k[layers], non_blocking=True)
-    v_cache[layers, :, span.start : span.end].copy_(span.kv.v[layers], non_blocking=True)
+def _copy_on_side_stream(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    spans: Sequence[CachedSpan],
+    layers: slice,
+    rotation: tuple[torch.Tensor, RopeTable] | None,
+) -> torch.cuda.Event:
+    compute = torch.cuda.current_stream(k_cache.device)
+    stream = torch.cuda.Stream(k_cache.device)
+    # The buffers were allocated (the prefix written, the RoPE table built) on the
+    # compute stream.
+    stream.wait_stream(compute)
+    with torch.cuda.stream(stream):
+        for span in spans:
+            _copy_span(k_cache, v_cache, span, layers)
+        if rotation is not None:
+            _rotate(k_cache[layers], *rotation)
+    event = torch.cuda.Event()
+    event.record(stream)
+    # The compute stream frees these buffers later: keep the side stream's use known.
+    k_cache.record_stream(stream)
+    v_cache.record_stream(stream)
+    return event
+
+
+def _copy_span(k_cache: torch.Tensor, v_cache: torch.Tensor, span: CachedSpan, layers: slice):
+    """The span's KV into its slots. From host memory in one contiguous copy to the
+    device first (pinned: asynchronous DMA), then into the strided slots."""
+    for cache, stored in ((k_cache, span.kv.k), (v_cache, span.kv.v)):
+        staged = stored[layers].to(cache.device, non_blocking=True)
+        cache[layers, :, span.start : span.end].copy_(staged)
 
 
 def _rotate(k: torch.Tensor, slots: torch.Tensor, table: RopeTable) -> None:

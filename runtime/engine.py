@@ -34,7 +34,7 @@ from holeblend_runtime.blend_config import ISOLATED, BlendConfig, check_ratio
 from holeblend_runtime.blender import Blender, CachedSpan, PrefixKV
 from holeblend_runtime.devices import synchronize, to_device
 from holeblend_runtime.gguf_model import load_model_files
-from holeblend_runtime.kv_store import KVStore, LocalKVStore, SegmentKV
+from holeblend_runtime.kv_store import KVStore, LocalKVStore, SegmentKV, finite_flags
 from holeblend_runtime.llama import Llama
 from holeblend_runtime.lookup import LookupMode, LookupResult, ReusePolicy, plan_reuse
 from holeblend_runtime.model_config import ModelConfig
@@ -600,29 +600,21 @@ class ReferenceEngine:
 def _finite_problems(
     entries: Sequence[SegmentKV | None], problems: Sequence[str | None]
 ) -> list[str | None]:
-    """`problems` plus "non-finite values" for entries whose K or V is not finite.
-
-    The check runs where the KV is (a store on the GPU: on the GPU), for all entries of a
-    device at once, and reads one flag tensor per device: one wait per request, not
-    one per entry.
-    """
-    checked = [
-        i
-        for i, (e, p) in enumerate(zip(entries, problems, strict=True))
-        if e is not None and p is None
-    ]
-    by_device: dict[torch.device, list[int]] = {}
-    for i in checked:
-        by_device.setdefault(entries[i].k.device, []).append(i)
+    """`problems` plus "non-finite values" for entries whose K or V is not finite: the
+    store's verdict where it checked (on put), else checked now, all entries of a
+    device at once, where the KV is: one wait per request, not one per entry."""
     result = list(problems)
-    for indexes in by_device.values():
-        # The largest magnitude of each K and V (NaN or inf if any value is): one
-        # multi-tensor kernel for all of them instead of a few per entry.
-        tensors = [t for i in indexes for t in (entries[i].k, entries[i].v)]
-        peaks = torch.stack(torch._foreach_norm(tensors, float("inf")))
-        flags = torch.isfinite(peaks).view(-1, 2).all(dim=1).tolist()
-        for i, is_finite in zip(indexes, flags, strict=True):
-            result[i] = None if is_finite else "non-finite values"
+    unchecked = []
+    for i, (entry, problem) in enumerate(zip(entries, problems, strict=True)):
+        if entry is None or problem is not None:
+            continue
+        if entry.is_finite is None:
+            unchecked.append(i)
+        elif not entry.is_finite:
+            result[i] = "non-finite values"
+    flags = finite_flags([entries[i] for i in unchecked])
+    for i, is_finite in zip(unchecked, flags, strict=True):
+        result[i] = None if is_finite else "non-finite values"
     return result
 
 

@@ -25,6 +25,10 @@ class SegmentKV:
     positions: torch.Tensor
     # The model the KV was computed with; a reader checks it before trusting the tensors.
     model_id: str
+    # Whether every K and V value is finite, once a store has checked (LocalKVStore does
+    # on every put, where the KV was computed: on an accelerator that is cheap, on the
+    # host a reader would pay it per reuse); None: unchecked, the reader checks.
+    is_finite: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.key:
@@ -128,6 +132,9 @@ class LocalKVStore:
         """Store `kv`, evicting least recently used entries; False if it exceeds the budget."""
         if kv.num_bytes > self.capacity_bytes:
             return False
+        # The verdict is always taken afresh: an entry copied with new tensors
+        # (dataclasses.replace) would carry its original's.
+        kv = replace(kv, is_finite=finite_flags([kv])[0])
         if self.host_memory:
             kv = replace(kv, k=_in_host_memory(kv.k), v=_in_host_memory(kv.v))
         with self._lock:
@@ -166,3 +173,20 @@ def _in_host_memory(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available())
     return host.copy_(tensor)
+
+
+def finite_flags(entries: Sequence[SegmentKV]) -> list[bool]:
+    """Whether each entry's K and V are all finite. Entries on one device are checked
+    together, where they are: the largest magnitude of every K and V in one
+    multi-tensor kernel (NaN or inf if any value is), and one read per device."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, entry in enumerate(entries):
+        by_device.setdefault(entry.k.device, []).append(i)
+    flags = [True] * len(entries)
+    for indexes in by_device.values():
+        tensors = [t for i in indexes for t in (entries[i].k, entries[i].v)]
+        peaks = torch.stack(torch._foreach_norm(tensors, float("inf")))
+        checked = torch.isfinite(peaks).view(-1, 2).all(dim=1).tolist()
+        for i, is_finite in zip(indexes, checked, strict=True):
+            flags[i] = is_finite
+    return flags

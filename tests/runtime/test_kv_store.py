@@ -44,11 +44,20 @@ def test_entry_rejects_mismatched_tensors():
         SegmentKV("", k, k, positions, "m")
 
 
+def test_put_marks_entries_with_non_finite_values():
+    store = LocalKVStore(10 * ENTRY_BYTES)
+    kv = _kv("a")
+    kv.v[0, 0, 0, 0] = float("inf")
+    assert store.put(kv) and store.get("a").is_finite is False
+
+
 def test_put_then_get_returns_the_entry():
     store = LocalKVStore(10 * ENTRY_BYTES)
     kv = _kv("a")
     assert store.put(kv)
-    assert store.get("a") is kv
+    # The same tensors, no copy; the store adds its finiteness verdict.
+    got = store.get("a")
+    assert got.k is kv.k and got.v is kv.v and got.key == "a" and got.is_finite
     assert store.contains("a")
     assert store.get("b") is None and not store.contains("b")
     assert store.num_bytes == ENTRY_BYTES and len(store) == 1
@@ -124,7 +133,7 @@ def test_putting_an_existing_key_replaces_it_without_double_counting():
     replacement = _kv("a")
     store.put(replacement)
     assert store.keys() == ("b", "a")
-    assert store.get("a") is replacement
+    assert store.get("a").k is replacement.k
     assert store.num_bytes == 2 * ENTRY_BYTES
 
 
