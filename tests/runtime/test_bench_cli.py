@@ -62,3 +62,21 @@ def test_store_policies_and_shuffle_pass_through():
 def test_unknown_store_policy_is_refused():
     with pytest.raises(ValueError, match="store_policies"):
         bench_config(parse_args(["--store-policies", "later"]))
+
+
+def test_prompt_tokens_adds_distractor_documents_to_reach_the_length():
+    short = bench_config(parse_args(["--prompt-tokens", "1000"])).workload
+    long = bench_config(parse_args(["--prompt-tokens", "8192"])).workload
+    assert short.num_documents == long.num_documents == 10
+    assert short.num_inflate == 0
+    # About 8,100 document tokens at ~156 tokens per document and separator.
+    assert 40 <= long.num_documents_per_prompt <= 60
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        bench_config(parse_args(["--prompt-tokens", "0"]))
+
+
+def test_unknown_model_presets_and_dtypes_are_refused(capsys):
+    for argv in (["--model", "llama-9b"], ["--dtype", "int8"]):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+    assert "invalid choice" in capsys.readouterr().err

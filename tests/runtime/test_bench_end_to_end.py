@@ -98,3 +98,35 @@ def test_shares_are_shares(bench):
         assert row["ttft_mean_s"] > 0.0
         assert row["request_s_mean"] >= row["ttft_mean_s"]
         assert row["speedup_request_vs_full"] > 0.0
+
+
+def test_every_row_names_the_device_dtype_and_model_shape(bench):
+    for row in bench["results"]:
+        assert row["device"] == "cpu" and row["dtype"] == "float32" and row["model"] == "smollm2"
+        assert row["model_shape"]["num_layers"] == 30 and row["model_shape"]["head_dim"] == 64
+
+
+def test_a_preset_shape_with_pass_three_profile_and_sdpa_reference(tmp_path):
+    """Random weights of a named shape write the same JSON, plus the timing extras."""
+    path = tmp_path / "preset.json"
+    argv = [*ARGS, "--model", "smollm2-135m", "--dtype", "bfloat16", "--ratios", "0.5",
+            "--repeat", "--profile", "--sdpa-reference", "--json", str(path)]  # fmt: skip
+    assert main(argv) == 0
+    document = json.loads(path.read_text())
+    assert document["model"] == "random:smollm2-135m"
+    points = {(r["mode"], r["pass"]) for r in document["results"]}
+    assert points == {(m, p) for m in ("full", "prefix", "hole") for p in (1, 2, 3)}
+    for row in document["results"]:
+        assert set(RESULT_KEYS) <= set(row)
+        assert (row["device"], row["dtype"], row["model"]) == ("cpu", "bfloat16", "smollm2-135m")
+        assert row["model_shape"]["num_kv_heads"] == 3
+    repeated = {r["mode"]: r for r in document["results"] if r["pass"] == 3}
+    second = {r["mode"]: r for r in document["results"] if r["pass"] == 2}
+    for mode in ("prefix", "hole"):
+        # The same cache state again: the same tokens reused and recomputed.
+        assert repeated[mode]["reused_share"] == second[mode]["reused_share"] > 0
+        assert repeated[mode]["recomputed_share"] == second[mode]["recomputed_share"]
+    reference = document["config"]["sdpa_reference"]
+    assert reference["num_prompts"] == 1 and reference["ttft_mean_s"] > 0
+    # A CPU has no separate device to keep busy.
+    assert document["config"]["profile"]["hole"]["busy_share"] is None

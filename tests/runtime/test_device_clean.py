@@ -135,3 +135,14 @@ def test_a_host_memory_store_keeps_entries_on_the_host():
     assert stored.k.device.type == "cpu" and stored.v.device.type == "cpu"
     assert stored.k.is_pinned() == torch.cuda.is_available()
     torch.testing.assert_close(stored.k, kv.k, atol=0, rtol=0)
+
+
+def test_the_plain_sdpa_reference_forward_equals_full_prefill():
+    """The benchmark's floor for full prefill computes the same logits."""
+    from holeblend_runtime.bench.device_timing import plain_forward
+
+    model = Llama(CONFIG, random_weights(CONFIG, seed=1))
+    token_ids = torch.randint(0, CONFIG.vocab_size, (NUM_TOKENS,))
+    k, v = model.new_kv(NUM_TOKENS)
+    expected = model.logits(model.forward(token_ids, k, v, start=0)[-1:])[0]
+    torch.testing.assert_close(plain_forward(model, token_ids), expected, atol=1e-5, rtol=0)
