@@ -38,6 +38,13 @@ from holeblend_runtime.llama import Llama
 from holeblend_runtime.rope import RopeTable, apply_rope, rope_table
 from holeblend_runtime.selection import SelectionStrategy, make_strategy, num_to_select
 
+# On accelerators the recompute set is rounded up to a multiple of this many tokens by
+# picking the next cached tokens in the strategy's order: the sparse layers' matrix
+# products then meet a few dozen shapes over all traffic instead of a new one per prompt
+# (each new shape costs host time in the BLAS library on its first calls). Costs at most
+# 63 more recomputed tokens; their quality can only gain.
+RECOMPUTE_BUCKET = 64
+
 
 @dataclass(frozen=True)
 class CachedSpan:
@@ -189,7 +196,13 @@ class Blender:
         cached = is_cached.nonzero().squeeze(1)
         sections = self._sections(cached, hole_ranges)
         picks = tuple(num_to_select(members.shape[0], ratio) for members in sections)
+        num_uncached = int(active.shape[0]) - int(is_cached[active].sum())
+        picks = _round_up_picks(picks, sections, num_uncached, self._bucket())
         return _Layout(num_tokens, start, active, is_cached[active], cached, sections, picks)
+
+    def _bucket(self) -> int:
+        """Recompute-set sizes are rounded up to a multiple of this (more tokens picked)."""
+        return RECOMPUTE_BUCKET if self.model.device.type in ("cuda", "npu") else 1
 
     def _cache(
         self, layout: _Layout, spans: Sequence[CachedSpan], prefix: PrefixKV | None
@@ -290,6 +303,20 @@ class Blender:
         keys.index_copy_(1, check.recomputed, k)
         values.index_copy_(1, check.recomputed, v)
         return self.model.attend_and_mlp(layer, h, q, keys, values, check.plan)
+
+
+def _round_up_picks(
+    picks: tuple[int, ...], sections: tuple[torch.Tensor, ...], num_uncached: int, bucket: int
+) -> tuple[int, ...]:
+    """Picks raised (section by section, within each section's cached tokens) until the
+    recompute set is a multiple of `bucket`, or every cached token is picked."""
+    missing = -(sum(picks) + num_uncached) % bucket
+    raised = []
+    for k, members in zip(picks, sections, strict=True):
+        extra = min(missing, members.shape[0] - k)
+        raised.append(k + extra)
+        missing -= extra
+    return tuple(raised)
 
 
 class SpanLoad:

@@ -146,3 +146,14 @@ def test_the_plain_sdpa_reference_forward_equals_full_prefill():
     k, v = model.new_kv(NUM_TOKENS)
     expected = model.logits(model.forward(token_ids, k, v, start=0)[-1:])[0]
     torch.testing.assert_close(plain_forward(model, token_ids), expected, atol=1e-5, rtol=0)
+
+
+def test_on_accelerators_the_recompute_set_is_rounded_up_to_the_bucket():
+    from holeblend_runtime.blender import RECOMPUTE_BUCKET, _round_up_picks
+
+    sections = (torch.arange(30), torch.arange(30, 40))
+    picks = _round_up_picks((3, 1), sections, num_uncached=50, bucket=RECOMPUTE_BUCKET)
+    assert sum(picks) + 50 == 64 and picks == (13, 1)
+    # Not enough cached tokens: every one is picked.
+    assert _round_up_picks((3, 1), sections, 20, 64) == (30, 10)
+    assert _round_up_picks((3, 1), sections, 50, 1) == (3, 1)
