@@ -31,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from holeblend_operator.tuner import RATIO_TOLERANCE, Reading
 
-# The engine's metric names (DESIGN.md "Metrics") the tuner reads.
+# The engine's metric names (docs/serving.md, "Metrics") the tuner reads.
 F1 = "holeblend_f1_proxy"
 TOP1 = "holeblend_top1_agreement"
 TTFT = "holeblend_ttft_seconds"

@@ -1,4 +1,4 @@
-"""The engine's Prometheus series (names as in DESIGN.md, `holeblend_` prefix).
+"""The engine's Prometheus series (listed in docs/serving.md, "Metrics"; `holeblend_` prefix).
 
 One registry per server, so two servers in one process (tests) never share series.
 Labels: `mode` is the engine mode a request ran in (`full`, `prefix`, `hole`); `outcome` is
