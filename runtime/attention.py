@@ -28,7 +28,7 @@ per request and then calls `attend` once per layer:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 import torch
@@ -105,8 +105,8 @@ def plan_attention(
     if is_causal or backend == TRITON:
         return plan
     if backend == CHUNKED:
-        return _replace(plan, chunks=_chunks(positions, chunk_size, dtype))
-    return _replace(plan, mask=causal_mask(positions, num_keys, dtype))
+        return replace(plan, chunks=_chunks(positions, chunk_size, dtype))
+    return replace(plan, mask=causal_mask(positions, num_keys, dtype))
 
 
 def select_backend(
@@ -151,11 +151,6 @@ def causal_mask(
     is_visible = keys[None, :] <= query_positions[:, None]
     mask = torch.zeros(is_visible.shape, dtype=dtype, device=query_positions.device)
     return mask.masked_fill_(~is_visible, float("-inf"))
-
-
-def _replace(plan: AttentionPlan, **changes: object) -> AttentionPlan:
-    fields = {name: getattr(plan, name) for name in plan.__dataclass_fields__}
-    return AttentionPlan(**{**fields, **changes})
 
 
 def _chunks(positions: torch.Tensor, chunk_size: int, dtype: torch.dtype) -> tuple[QueryChunk, ...]:

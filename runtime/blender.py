@@ -107,8 +107,9 @@ class Blender:
         """Prefill `token_ids` reusing `spans` (and an exact `prefix`, whose tokens are
         never computed); `hole_ranges` bound per-section selection."""
         check_ratio(ratio)
-        layout = self._layout(token_ids.shape[0], spans, prefix, ratio, tuple(hole_ranges))
-        cache = self._cache(layout, spans, prefix)
+        is_cached, stored_at = self._slots(spans, token_ids.shape[0])
+        layout = self._layout(is_cached, spans, prefix, ratio, tuple(hole_ranges))
+        cache = self._cache(layout, spans, stored_at, prefix)
         h = self._full_layers(token_ids.to(self.model.device)[cache.on_device.active], cache)
         check = self._check_layer(h, cache, strategy)
         h = check.hidden
@@ -131,31 +132,37 @@ class Blender:
         which positions are cached (a host bool tensor; the other slots are left as they
         were: uninitialized in new buffers). `buffers` None: new ones. Layers below
         `first_layer` are left out (the blend recomputes them for every token)."""
-        k, v, is_cached, load = self._start_load(spans, num_tokens, buffers, first_layer)
-        load.wait(first_layer)
-        return k, v, is_cached
-
-    def _start_load(
-        self,
-        spans: Sequence[CachedSpan],
-        num_tokens: int,
-        buffers: tuple[torch.Tensor, torch.Tensor] | None,
-        first_layer: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, SpanLoad]:
-        """Start copying the spans' KV into the buffers; `SpanLoad.wait(layer)` before a
-        layer reads it. Device-resident KV: one copy per span and one re-rotation of
-        every moved token at once. Host-resident KV on a GPU: copies on a side stream,
-        layer by layer, so the first layers compute while later ones still arrive."""
+        is_cached, stored_at = self._slots(spans, num_tokens)
         k_cache, v_cache = buffers if buffers is not None else self.model.new_kv(num_tokens)
+        load = self._start_load(k_cache, v_cache, spans, stored_at, first_layer)
+        load.wait(first_layer)
+        return k_cache, v_cache, is_cached
+
+    def _slots(
+        self, spans: Sequence[CachedSpan], num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host tensors over the prompt: which slots the spans cover, and the position
+        each slot's K was rotated at (its own where no span moved it)."""
         is_cached = torch.zeros(num_tokens, dtype=torch.bool)
         stored_at = torch.arange(num_tokens)
         for span in spans:
             self._check_span(span, num_tokens)
             is_cached[span.start : span.end] = True
             stored_at[span.start : span.end] = span.kv.positions.cpu()
+        return is_cached, stored_at
+
+    def _start_load(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        spans: Sequence[CachedSpan],
+        stored_at: torch.Tensor,
+        first_layer: int,
+    ) -> SpanLoad:
+        """Start copying the spans' KV into the buffers and re-rotating it;
+        `SpanLoad.wait(layer)` before a layer reads it."""
         rotation = self._rotation(stored_at, k_cache.dtype, k_cache.device)
-        load = SpanLoad(k_cache, v_cache, spans, first_layer, rotation)
-        return k_cache, v_cache, is_cached, load
+        return SpanLoad(k_cache, v_cache, spans, first_layer, rotation)
 
     def _rotation(
         self, stored_at: torch.Tensor, dtype: torch.dtype, device: torch.device
@@ -174,20 +181,18 @@ class Blender:
 
     def _layout(
         self,
-        num_tokens: int,
+        is_cached: torch.Tensor,
         spans: Sequence[CachedSpan],
         prefix: PrefixKV | None,
         ratio: float,
         hole_ranges: tuple[tuple[int, int], ...],
     ) -> _Layout:
+        num_tokens = is_cached.shape[0]
         start = 0 if prefix is None else prefix.num_tokens
         if any(span.start < start for span in spans):
             raise ValueError(f"spans: a span starts inside the exact prefix of {start} tokens")
-        is_cached = torch.zeros(num_tokens, dtype=torch.bool)
-        for span in spans:
-            self._check_span(span, num_tokens)
-            is_cached[span.start : span.end] = True
         # The last token's hidden state gives the logits: it is always computed.
+        is_cached = is_cached.clone()
         is_cached[-1] = False
         fresh = () if prefix is None else prefix.fresh_positions
         active = torch.cat(
@@ -205,13 +210,15 @@ class Blender:
         return RECOMPUTE_BUCKET if self.model.device.type in ("cuda", "npu") else 1
 
     def _cache(
-        self, layout: _Layout, spans: Sequence[CachedSpan], prefix: PrefixKV | None
+        self,
+        layout: _Layout,
+        spans: Sequence[CachedSpan],
+        stored_at: torch.Tensor,
+        prefix: PrefixKV | None,
     ) -> _BlendCache:
-        buffers = None if prefix is None else (prefix.k, prefix.v)
+        k, v = (prefix.k, prefix.v) if prefix is not None else self.model.new_kv(layout.num_tokens)
         # Below the check layer every computed token's K/V is written fresh.
-        k, v, _, load = self._start_load(
-            spans, layout.num_tokens, buffers, first_layer=self.config.check_layer
-        )
+        load = self._start_load(k, v, spans, stored_at, first_layer=self.config.check_layer)
         device = self.model.device
         rope = self.model.rope(torch.arange(layout.num_tokens, device=device))
         return _BlendCache(rope, k, v, layout, _to_device(layout, device), load)
@@ -345,7 +352,7 @@ class SpanLoad:
             self.event = _copy_on_side_stream(k_cache, v_cache, spans, layers, rotation)
             return
         for span in spans:
-            _copy_span(k_cache, v_cache, span, layers)
+            copy_span(k_cache, v_cache, span, layers)
         if rotation is not None and first_layer < k_cache.shape[0]:
             _rotate(k_cache[layers], *rotation)
 
@@ -369,7 +376,7 @@ def _copy_on_side_stream(
     stream.wait_stream(compute)
     with torch.cuda.stream(stream):
         for span in spans:
-            _copy_span(k_cache, v_cache, span, layers)
+            copy_span(k_cache, v_cache, span, layers)
         if rotation is not None:
             _rotate(k_cache[layers], *rotation)
     event = torch.cuda.Event()
@@ -380,8 +387,10 @@ def _copy_on_side_stream(
     return event
 
 
-def _copy_span(k_cache: torch.Tensor, v_cache: torch.Tensor, span: CachedSpan, layers: slice):
-    """The span's KV into its slots. From host memory in one contiguous copy to the
+def copy_span(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, span: CachedSpan, layers: slice = slice(None)
+) -> None:
+    """The span's KV into its slots (of `layers`). From host memory in one contiguous copy to the
     device first (pinned: asynchronous DMA), then into the strided slots."""
     for cache, stored in ((k_cache, span.kv.k), (v_cache, span.kv.v)):
         staged = stored[layers].to(cache.device, non_blocking=True)
@@ -444,7 +453,7 @@ class _BlendCache:
     v: torch.Tensor
     layout: _Layout
     on_device: _OnDevice
-    # The reused KV still arriving, layer by layer.
+    # The reused KV on its way (waited for before the first layer that reads it).
     load: SpanLoad
 
     def rope_at(self, positions: torch.Tensor) -> RopeTable:

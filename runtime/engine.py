@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import torch
 
 from holeblend_runtime.blend_config import ISOLATED, BlendConfig, check_ratio
-from holeblend_runtime.blender import Blender, CachedSpan, PrefixKV
+from holeblend_runtime.blender import Blender, CachedSpan, PrefixKV, copy_span
 from holeblend_runtime.devices import synchronize, to_device
 from holeblend_runtime.gguf_model import load_model_files
 from holeblend_runtime.kv_store import KVStore, LocalKVStore, SegmentKV, finite_flags
@@ -636,6 +636,4 @@ def _is_at(entry: SegmentKV | None, start: int) -> bool:
 
 
 def _load(k: torch.Tensor, v: torch.Tensor, entry: SegmentKV, segment: Segment) -> None:
-    # Non-blocking: from pinned host memory the copy overlaps the host's next steps.
-    k[:, :, segment.start : segment.end] = entry.k.to(k.device, non_blocking=True)
-    v[:, :, segment.start : segment.end] = entry.v.to(v.device, non_blocking=True)
+    copy_span(k, v, CachedSpan(segment.start, segment.end, entry))

@@ -19,19 +19,24 @@ from holeblend_runtime.model_config import ModelConfig
 # trained length: the context is 32k, so that "8k" prompts of varying length and their
 # answers fit.
 _CONTEXT = 32768
+
+
+def _random_llama(name: str, **shape: object) -> ModelConfig:
+    return ModelConfig(
+        model_id=f"random:{name}", rms_norm_eps=1e-5, context_length=_CONTEXT,
+        bos_token_id=1, eos_token_id=2, add_bos_token=False, **shape,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
 PRESETS: dict[str, ModelConfig] = {
-    "smollm2-135m": ModelConfig(
-        model_id="random:smollm2-135m",
-        num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64,
-        intermediate_size=1536, rope_theta=100000.0, rms_norm_eps=1e-5, vocab_size=49152,
-        context_length=_CONTEXT, bos_token_id=1, eos_token_id=2, add_bos_token=False,
+    "smollm2-135m": _random_llama(
+        "smollm2-135m", num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=3,
+        head_dim=64, intermediate_size=1536, rope_theta=100000.0, vocab_size=49152,
         tie_word_embeddings=True,
     ),
-    "llama-3-8b": ModelConfig(
-        model_id="random:llama-3-8b",
-        num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
-        intermediate_size=14336, rope_theta=500000.0, rms_norm_eps=1e-5, vocab_size=128256,
-        context_length=_CONTEXT, bos_token_id=1, eos_token_id=2, add_bos_token=False,
+    "llama-3-8b": _random_llama(
+        "llama-3-8b", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
+        head_dim=128, intermediate_size=14336, rope_theta=500000.0, vocab_size=128256,
         tie_word_embeddings=False,
     ),
 }  # fmt: skip
