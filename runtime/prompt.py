@@ -70,9 +70,8 @@ class PromptBuilder:
 
     def _encode_pieces(self, pieces: list[str]) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids of the pieces and the token range of every separator piece."""
-        encoded = [self.tokenizer.encode(piece) for piece in pieces]
+        *encoded, whole = self.tokenizer.encode_batch([*pieces, "".join(pieces)])
         joined = [token for piece_ids in encoded for token in piece_ids]
-        whole = self.tokenizer.encode("".join(pieces))
         if joined != whole:
             raise ValueError(
                 f"separator: {self.separator!r} tokenizes differently inside the prompt than "

@@ -6,18 +6,25 @@ completion routes take requests. On SIGTERM (or SIGINT) `/ready` turns 503, new 
 get 503, and the server waits up to `drain_timeout` for queued and running requests to
 finish before it closes.
 
-A completion request is checked fully before it is queued: body shape (400 naming the
-field), model name (404), prompt build and length against the context (400), queue room
-(429 with Retry-After). A client that disconnects cancels its job (aiohttp cancels the
-handler; the compute thread sees the flag between tokens or drops the job unstarted).
+A completion request is checked fully before it is queued: body size (413) and arrival
+within `body_timeout` (408), body shape (400 naming the field), model name (404), prompt
+build and length against the context (400), queue room (429 with Retry-After). Parsing and
+tokenizing run on a small thread pool, never on the event loop, so a huge prompt cannot
+stall `/healthz` or other streams; a prompt whose character count alone proves it longer
+than the context is refused without tokenizing. A client that disconnects cancels its job
+(aiohttp cancels the handler; the compute thread sees the flag between tokens or drops the
+job unstarted). Every error, the router's 404 and 405 included, is an OpenAI-style JSON
+body (`error_middleware`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -26,6 +33,7 @@ from holeblend_contract.blend_settings import Dtype
 from holeblend_runtime.blend_config import from_settings
 from holeblend_runtime.engine import Mode, ReferenceEngine
 from holeblend_runtime.kv_store import LocalKVStore
+from holeblend_runtime.segments import SegmentedPrompt
 from holeblend_runtime.serve import requests as parsing
 from holeblend_runtime.serve.live_config import LiveConfig
 from holeblend_runtime.serve.metrics import ServeMetrics
@@ -45,12 +53,50 @@ from holeblend_runtime.tiered_store import with_remote_tiers
 log = logging.getLogger(__name__)
 
 WARM_UP_DOCUMENTS = ("Warm-up document one, a few words long.", "And a second one.")
+# Bytes of one request body at most (413 beyond).
+MAX_BODY_BYTES = 16 << 20
+# Threads that parse and tokenize request bodies.
+PARSE_THREADS = 2
+_ERROR_TYPES = {404: "not_found_error", 429: "rate_limit_error", 503: "unavailable"}
 
 
 class HttpError(Exception):
-    def __init__(self, status: int, body: dict, headers: dict | None = None) -> None:
+    def __init__(
+        self, status: int, body: dict, headers: dict | None = None, close: bool = False
+    ) -> None:
         super().__init__(body["error"]["message"])
         self.status, self.body, self.headers = status, body, headers or {}
+        # Close the connection after the answer (the rest of the body was not read).
+        self.close = close
+
+    def response(self) -> web.Response:
+        response = web.json_response(self.body, status=self.status, headers=self.headers)
+        if self.close:
+            response.force_close()
+        return response
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """The router's and aiohttp's HTTP errors (404, 405, 413, ...) and any unexpected
+    exception as OpenAI-style JSON bodies, never plain text."""
+    try:
+        return await handler(request)
+    except web.HTTPException as error:
+        if error.status < 400:
+            raise
+        message = f"{error.reason}: {request.method} {request.path}"
+        if error.status == 405:
+            message += f" (allowed: {error.headers.get('Allow', '')})"
+        kind = _ERROR_TYPES.get(error.status, "invalid_request_error")
+        headers = {k: v for k, v in error.headers.items() if k in ("Allow", "Retry-After")}
+        return HttpError(error.status, error_body(message, None, kind), headers).response()
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("unexpected error on %s %s", request.method, ascii(request.path))
+        body = error_body("internal error; the server logged it", None, "server_error")
+        return web.json_response(body, status=500)
 
 
 class Server:
@@ -72,7 +118,9 @@ class Server:
         self.shadow: ShadowScorer | None = None
         self.is_ready = False
         self.is_draining = False
+        # Requests with a parsed body, not yet answered (what a drain waits for).
         self.num_active = 0
+        self._parse_pool = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="holeblend-parse")
 
     def _on_reload(self) -> None:
         self.metrics.config_reloads.inc()
@@ -81,7 +129,7 @@ class Server:
     # --- life cycle -------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=16 << 20)
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[error_middleware])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -102,6 +150,7 @@ class Server:
         prompt = self.engine.build_prompt("Warm-up.", WARM_UP_DOCUMENTS, "Ready?")
         self.engine.generate(self.engine.prefill(prompt, Mode.FULL), 2)
         self.metrics.kv_store_capacity_bytes.set(store.capacity_bytes)
+        self.engine.tokenizer.max_token_bytes  # noqa: B018 (computed once, here, off the loop)
         self.worker = EngineWorker(self.engine, self.live, self.metrics, self.settings.queue_size)
         self._start_shadow(settings.shadow_sample_rate)
         self.worker.start()
@@ -133,6 +182,10 @@ class Server:
 
     def _num_pending(self) -> int:
         return self.num_active + (self.worker.num_pending if self.worker else 0)
+
+    def close(self) -> None:
+        """Stop the parse threads (after the listener closed)."""
+        self._parse_pool.shutdown(wait=True, cancel_futures=True)
 
     # --- plain routes -----------------------------------------------------------------
 
@@ -167,20 +220,27 @@ class Server:
 
     async def _complete(self, request: web.Request, parse: Callable) -> web.StreamResponse:
         arrived = time.perf_counter()
-        self.num_active += 1
-        outcome = "error"
+        outcome, active = "error", False
         try:
-            job, rag = await self._admit(request, parse, arrived)
+            self._check_open()
+            body = await self._read_body(request)
+            rag, prompt, max_tokens = await asyncio.get_running_loop().run_in_executor(
+                self._parse_pool, self._parse, body, parse
+            )
+            self._check_open()  # the drain may have begun while the body arrived
+            self.num_active += 1
+            active = True
+            job, rag = self._submit(rag, prompt, max_tokens, arrived)
             outcome, response = await self._respond(request, job, rag)
             return response
         except HttpError as error:
             outcome = _outcome_of(error.status)
-            return web.json_response(error.body, status=error.status, headers=error.headers)
+            return error.response()
         except (asyncio.CancelledError, ConnectionResetError):
             outcome = "cancelled"
             raise
         finally:
-            self.num_active -= 1
+            self.num_active -= active
             self._count(outcome, arrived)
 
     def _count(self, outcome: str, arrived: float) -> None:
@@ -189,21 +249,41 @@ class Server:
         if outcome == "ok":
             self.metrics.request_duration.labels(mode).observe(time.perf_counter() - arrived)
 
-    async def _admit(self, request: web.Request, parse, arrived: float) -> tuple[Job, RagRequest]:
+    def _check_open(self) -> None:
         if self.is_draining or not self.is_ready:
             message = "shutting down" if self.is_draining else "the model is still loading"
             raise HttpError(503, error_body(message, None, "unavailable"), {"Retry-After": "5"})
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The whole body within `body_timeout` (408) and `MAX_BODY_BYTES` (413)."""
+        timeout = self.settings.body_timeout
         try:
-            rag = parse(await _json(request), self.engine.blend_config.separator, self._is_control)
+            async with asyncio.timeout(timeout):
+                return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            message = f"the body is over the server's limit of {MAX_BODY_BYTES} bytes"
+            raise HttpError(413, error_body(message, None), close=True) from None
+        except TimeoutError:
+            message = f"the body did not arrive within the server's body timeout of {timeout} s"
+            raise HttpError(408, error_body(message, None), close=True) from None
+
+    def _parse(self, body: bytes, parse: Callable) -> tuple[RagRequest, SegmentedPrompt, int]:
+        """Body -> request, tokenized prompt and max_tokens (on a parse thread)."""
+        try:
+            rag = parse(_json(body), self.engine.blend_config.separator, self._is_control)
             if rag.model != self.model_name:
                 message = (
                     f"the model {rag.model!r} does not exist; this server has {self.model_name!r}"
                 )
                 raise BadRequest("model", message, status=404)
-            job = self._job(rag, arrived)
+            return rag, *self._prompt(rag)
         except BadRequest as error:
             kind = "not_found_error" if error.status == 404 else "invalid_request_error"
             raise HttpError(error.status, error_body(str(error), error.param, kind)) from None
+
+    def _submit(self, rag: RagRequest, prompt, max_tokens: int, arrived: float):
+        deadline = arrived + self.settings.request_timeout
+        job = Job(prompt, max_tokens, arrived, deadline, asyncio.get_running_loop())
         try:
             self.worker.submit(job)
         except QueueFull as full:
@@ -214,8 +294,18 @@ class Server:
     def _is_control(self, text: str) -> bool:
         return self.engine.tokenizer.token_to_id(text) is not None
 
-    def _job(self, rag: RagRequest, arrived: float) -> Job:
+    def _prompt(self, rag: RagRequest) -> tuple[SegmentedPrompt, int]:
         field = "prompt" if rag.kind == "completion" else "messages"
+        context = self.engine.config.context_length
+        num_chars = len(rag.system) + len(rag.question) + sum(map(len, rag.documents))
+        # Each token covers at most max_token_bytes bytes, each character at least one.
+        at_least = -(-num_chars // self.engine.tokenizer.max_token_bytes)
+        if at_least >= context:
+            message = (
+                f"{num_chars} characters of text are at least {at_least} tokens, over the "
+                f"model context of {context} tokens"
+            )
+            raise BadRequest(field, message)
         try:
             prompt = self.engine.build_prompt(rag.system, rag.documents, rag.question)
         except ValueError as error:
@@ -224,7 +314,6 @@ class Server:
                 param if param.startswith("documents") else field, str(error)
             ) from None
         max_tokens = rag.max_tokens or self.settings.default_max_tokens
-        context = self.engine.config.context_length
         if prompt.num_tokens >= context:
             message = f"{prompt.num_tokens} prompt tokens reach the model context of {context}"
             raise BadRequest(field, message)
@@ -234,16 +323,14 @@ class Server:
                 f"of {context}; ask for at most {context - prompt.num_tokens}"
             )
             raise BadRequest("max_tokens", message)
-        max_tokens = min(max_tokens, context - prompt.num_tokens)
-        deadline = arrived + self.settings.request_timeout
-        return Job(prompt, max_tokens, arrived, deadline, asyncio.get_running_loop())
+        return prompt, min(max_tokens, context - prompt.num_tokens)
 
     async def _respond(self, request: web.Request, job: Job, rag: RagRequest):
         writer = ResponseWriter(rag, self.model_name)
         try:
             if rag.stream:
                 return await self._stream(request, job, rag, writer)
-            return await self._whole(job, writer)
+            return await self._whole(job, rag, writer)
         finally:
             job.cancelled.set()  # no effect once finished; stops a job whose client left
 
@@ -262,8 +349,8 @@ class Server:
             if isinstance(event, Finished):
                 return
 
-    async def _whole(self, job: Job, writer: ResponseWriter):
-        text = IncrementalText(self.engine.tokenizer.decode)
+    async def _whole(self, job: Job, rag: RagRequest, writer: ResponseWriter):
+        text = IncrementalText(self.engine.tokenizer.decode, rag.stop)
         prefill = finished = None
         try:
             async for event in self._events(job):
@@ -271,10 +358,14 @@ class Server:
                     prefill = event
                 elif isinstance(event, int):
                     text.add(event)
+                    if text.stopped:
+                        job.stopped.set()
                 else:
                     finished = event
         except TimeoutError:
             finished = Finished("timeout")
+        if text.stopped:
+            finished = Finished("stop")
         if finished.reason in ("timeout", "cancelled"):
             raise _timeout_error(self.settings.request_timeout)
         body = writer.whole(text.text, finished.reason, usage(prefill, len(text.token_ids)))
@@ -285,15 +376,20 @@ class Server:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(request)
-        text = IncrementalText(self.engine.tokenizer.decode)
+        text = IncrementalText(self.engine.tokenizer.decode, rag.stop)
         prefill, finish, is_first, outcome = None, "stop", True, "ok"
         try:
             async for event in self._events(job):
                 if isinstance(event, PrefillDone):
                     prefill = event
-                elif isinstance(event, int) and (delta := text.add(event)):
-                    await response.write(sse(writer.chunk(delta, first=is_first)))
-                    is_first = False
+                elif isinstance(event, int):
+                    if delta := text.add(event):
+                        await response.write(sse(writer.chunk(delta, first=is_first)))
+                        is_first = False
+                    if text.stopped:
+                        job.stopped.set()
+                elif text.stopped:
+                    finish = "stop"
                 elif isinstance(event, Finished) and event.reason in ("timeout", "cancelled"):
                     raise TimeoutError
                 elif isinstance(event, Finished):
@@ -312,11 +408,14 @@ class Server:
         return outcome, response
 
 
-async def _json(request: web.Request):
+def _json(body: bytes):
+    """The parsed body; BadRequest for anything the JSON parser refuses (invalid UTF-8,
+    nesting deeper than the parser's recursion limit, ...)."""
     try:
-        return await request.json()
-    except ValueError as error:
-        raise BadRequest(None, f"the body is not valid JSON ({error})") from None
+        return json.loads(body)
+    except (ValueError, RecursionError) as error:
+        message = str(error) if isinstance(error, ValueError) else "nested too deeply"
+        raise BadRequest(None, f"the body is not valid JSON ({message})") from None
 
 
 def _timeout_error(timeout: float) -> HttpError:

@@ -41,7 +41,16 @@ async def serve(server: Server, settings: ServeSettings) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(
+        server.app(),
+        handler_cancellation=True,
+        access_log=None,
+        # A connection gets this long to send a request head (and may idle this long).
+        keepalive_timeout=settings.idle_timeout,
+        shutdown_timeout=settings.shutdown_timeout,
+        # aiohttp's default keeps reading an unread body for 10 s after the answer.
+        lingering_time=min(settings.body_timeout, 2.0),
+    )
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port)
     await site.start()
@@ -53,6 +62,7 @@ async def serve(server: Server, settings: ServeSettings) -> int:
     await server.drain()
     watcher.cancel()
     await runner.cleanup()
+    server.close()
     _stop_threads(server)
     log.info("stopped")
     return status

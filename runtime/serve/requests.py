@@ -11,12 +11,19 @@ Both endpoints give a system prompt, documents and a question, in one of two sha
   with the system message as the system prompt).
 
 The reference engine applies the model's chat template on both endpoints, decodes greedily
-(`temperature`, `top_p` and the like are accepted and ignored) and supports one user turn.
-Text may not contain the template's control tokens (`<|im_end|>` ...).
+and supports one user turn. Text may not contain the template's control tokens
+(`<|im_end|>` ...) or lone surrogates (text that is not Unicode).
+
+Every top-level field is one of `FIELDS`: those the server implements, sampling fields
+that are checked for type and range and then ignored (greedy decoding is what temperature
+0 gives), and fields the reference engine does not implement, accepted only at their
+default value (`logprobs: 5`, `echo: true`, `tools: [...]`, ... are a 400 naming the
+field). Any other field is a 400 naming it, as OpenAI's API does.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -49,6 +56,8 @@ class RagRequest:
     stream: bool
     # Streaming only: send a last chunk with the usage (OpenAI's stream_options).
     include_usage: bool
+    # Stop sequences: the answer ends before the first one (not included in the text).
+    stop: tuple[str, ...] = ()
 
 
 def parse_completion(body: Any, separator: str, is_control_token: Callable[[str], bool]):
@@ -84,12 +93,14 @@ def _object(body: Any) -> Mapping[str, Any]:
 
 
 def _request(kind: str, body: Mapping[str, Any], system, documents, question) -> RagRequest:
-    stream = _bool(body.get("stream", False), "stream")
+    _check_fields(body, kind)
+    stream = _bool(_or_default(body, "stream", False), "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, Mapping):
         raise BadRequest("stream_options", "must be an object")
-    if body.get("n", 1) != 1:
-        raise BadRequest("n", "only n=1 is supported")
+    n = _or_default(body, "n", 1)
+    if type(n) is not int or n != 1:
+        raise BadRequest("n", f"only n=1 is supported, got {n!r}")
     return RagRequest(
         kind=kind,
         model=_string(body.get("model"), "model", required=True),
@@ -98,8 +109,154 @@ def _request(kind: str, body: Mapping[str, Any], system, documents, question) ->
         question=question,
         max_tokens=_max_tokens(body),
         stream=stream,
-        include_usage=_bool(options.get("include_usage", False), "stream_options.include_usage"),
+        include_usage=_bool(
+            _or_default(options, "include_usage", False), "stream_options.include_usage"
+        ),
+        stop=_stop(body.get("stop")),
     )
+
+
+# At most this many stop sequences, each at most this many characters (OpenAI allows 4).
+MAX_STOP_SEQUENCES = 4
+MAX_STOP_CHARS = 256
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not 1 <= len(stops) <= MAX_STOP_SEQUENCES:
+        raise BadRequest("stop", f"must be a string or a list of 1 to {MAX_STOP_SEQUENCES} strings")
+    for i, stop in enumerate(stops):
+        name = "stop" if isinstance(value, str) else f"stop[{i}]"
+        if not isinstance(stop, str) or not 1 <= len(stop) <= MAX_STOP_CHARS:
+            raise BadRequest(name, f"must be a string of 1 to {MAX_STOP_CHARS} characters")
+        _unicode(stop, name)
+    return tuple(stops)
+
+
+# --- the fields a body may carry ----------------------------------------------------------
+
+
+def _number(low: float, high: float, *, low_open: bool = False):
+    def check(value: Any) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return f"must be a number, got {value!r}"
+        if not (low < value if low_open else low <= value) or not value <= high:
+            bracket = "(" if low_open else "["
+            return f"must be in {bracket}{low}, {high}], got {value!r}"
+        return None
+
+    return check
+
+
+def _integer(low: int, high: int):
+    def check(value: Any) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            return f"must be an integer in [{low}, {high}], got {value!r}"
+        return None
+
+    return check
+
+
+def _of_type(kind: type, name: str):
+    def check(value: Any) -> str | None:
+        return None if isinstance(value, kind) else f"must be {name}, got {value!r}"
+
+    return check
+
+
+def _only(*defaults: Any):
+    """An unimplemented field: accepted only at one of its default values."""
+
+    def check(value: Any) -> str | None:
+        if any(type(value) is type(d) and value == d for d in defaults):
+            return None
+        shown = " or ".join(json_text(d) for d in defaults)
+        return f"is not supported by the reference engine; leave it out or send {shown}"
+
+    return check
+
+
+def json_text(value: Any) -> str:
+    return json.dumps(value)
+
+
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+# Sampling fields: checked, then ignored (decoding is greedy).
+SAMPLING = {
+    "temperature": _number(0, 2),
+    "top_p": _number(0, 1),
+    "frequency_penalty": _number(-2, 2),
+    "presence_penalty": _number(-2, 2),
+    "repetition_penalty": _number(0, 2, low_open=True),
+    "top_k": _integer(-1, 1 << 31),
+    "min_p": _number(0, 1),
+    "seed": _integer(*_INT64),
+}
+# Bookkeeping fields: checked, then ignored.
+BOOKKEEPING = {
+    "user": _of_type(str, "a string"),
+    "metadata": _of_type(dict, "an object"),
+    "store": _of_type(bool, "true or false"),
+    "service_tier": _of_type(str, "a string"),
+    "prompt_cache_key": _of_type(str, "a string"),
+    "safety_identifier": _of_type(str, "a string"),
+}
+# Not implemented by the reference engine: refused unless at their default.
+UNSUPPORTED = {
+    "logprobs": _only(False, 0),
+    "top_logprobs": _only(0),
+    "prompt_logprobs": _only(0),
+    "echo": _only(False),
+    "best_of": _only(1),
+    "suffix": _only(""),
+    "logit_bias": _only({}),
+    "tools": _only([]),
+    "tool_choice": _only("none"),
+    "parallel_tool_calls": _only(True, False),
+    "functions": _only([]),
+    "function_call": _only("none"),
+    "response_format": _only({"type": "text"}),
+    "ignore_eos": _only(False),
+    "min_tokens": _only(0),
+    "stop_token_ids": _only([]),
+    "include_stop_str_in_output": _only(False),
+    "skip_special_tokens": _only(True),
+    "modalities": _only(["text"]),
+    "audio": _only(None),
+    "prediction": _only(None),
+    "reasoning_effort": _only(None),
+    "web_search_options": _only(None),
+}
+# Implemented, and parsed where they are used.
+IMPLEMENTED = {
+    "completion": ("model", "prompt", "system", "documents"),
+    "chat": ("model", "messages", "documents"),
+}
+COMMON = ("max_tokens", "max_completion_tokens", "stream", "stream_options", "n", "stop")
+
+
+def known_fields(kind: str) -> tuple[str, ...]:
+    return (*IMPLEMENTED[kind], *COMMON, *SAMPLING, *BOOKKEEPING, *UNSUPPORTED)
+
+
+def _check_fields(body: Mapping[str, Any], kind: str) -> None:
+    known = known_fields(kind)
+    for name, value in body.items():
+        if name not in known:
+            raise BadRequest(
+                str(name)[:64], f"unknown field; this endpoint takes {', '.join(known)}"
+            )
+        check = SAMPLING.get(name) or BOOKKEEPING.get(name) or UNSUPPORTED.get(name)
+        if check is not None and value is not None and (problem := check(value)):
+            raise BadRequest(name, problem)
+
+
+def _or_default(body: Mapping[str, Any], name: str, default: Any) -> Any:
+    """The field's value; its default when absent or null (JSON null means unset)."""
+    value = body.get(name)
+    return default if value is None else value
 
 
 def _max_tokens(body: Mapping[str, Any]) -> int | None:
@@ -192,10 +349,21 @@ def _checked(request: RagRequest, name: str, separator: str, is_control_token) -
             raise BadRequest(field, f"contains the separator {separator!r} outside the documents")
     texts += [(f"documents[{i}]", d) for i, d in enumerate(request.documents)]
     for field, text in texts:
+        _unicode(text, field)
         for match in CONTROL_TOKEN.finditer(text):
             if is_control_token(match.group()):
                 raise BadRequest(field, f"contains the control token {match.group()!r}; remove it")
     return request
+
+
+def _unicode(text: str, name: str) -> None:
+    """Refuse lone surrogates: JSON can carry them (`"\\ud800"`), UTF-8 cannot."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise BadRequest(
+            name, f"contains a lone surrogate at character {error.start}; send valid Unicode"
+        ) from None
 
 
 def _string(value: Any, name: str, required: bool = False) -> str:

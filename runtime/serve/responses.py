@@ -1,7 +1,11 @@
 """OpenAI response bodies, SSE chunks and error bodies.
 
 `usage.prompt_tokens_details.cached_tokens` is the number of prompt tokens whose cached KV
-was reused (OpenAI's convention, which vLLM follows). `usage.holeblend` adds what the
+was loaded instead of computed from scratch (OpenAI's convention, which vLLM follows):
+`holeblend.reused_tokens`. A blend then recomputes a share of them (the recompute ratio), so
+`recomputed_tokens` (hole tokens, the recomputed share and the question) include
+`recomputed_cached_tokens` of the `cached_tokens`; `prompt_tokens - cached_tokens` were not
+cached. `usage.holeblend` adds what the
 blend did: `mode` (the engine mode: full, prefix, hole), `lookup_mode` (full-miss,
 pure-hit, hole), `ratio`, `reused_tokens`, `hole_tokens`, `recomputed_tokens`, `ttft_s`.
 """
@@ -11,6 +15,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Sequence
 
 from holeblend_runtime.serve.requests import RagRequest
 from holeblend_runtime.serve.worker import PrefillDone
@@ -29,6 +34,7 @@ def usage(prefill: PrefillDone, num_completion_tokens: int) -> dict:
             "reused_tokens": prefill.num_reused_tokens,
             "hole_tokens": prefill.num_hole_tokens,
             "recomputed_tokens": prefill.num_recomputed_tokens,
+            "recomputed_cached_tokens": prefill.num_recomputed_cached_tokens,
             "ttft_s": round(prefill.ttft_s, 6),
         },
     }
@@ -85,24 +91,60 @@ def sse(data: dict | str) -> bytes:
 
 
 class IncrementalText:
-    """Token ids -> text deltas that never split a multi-byte character."""
+    """Token ids -> text deltas that never split a multi-byte character, cut at the first
+    stop sequence (OpenAI's `stop`: the answer ends before it, and it is not sent).
 
-    def __init__(self, decode) -> None:
+    While the text ends with the start of a stop sequence, that tail is held back: sent
+    once the text moves past it, dropped when the stop sequence completes.
+    """
+
+    def __init__(self, decode, stop: Sequence[str] = ()) -> None:
         self._decode = decode
+        self._stop = tuple(stop)
         self.token_ids: list[int] = []
         self._sent = 0
+        # The final text once a stop sequence was seen (later tokens are ignored).
+        self._final: str | None = None
+
+    @property
+    def stopped(self) -> bool:
+        return self._final is not None
 
     def add(self, token_id: int) -> str:
+        if self.stopped:
+            return ""
         self.token_ids.append(token_id)
         text = self._decode(self.token_ids)
         if text.endswith("\ufffd"):
             return ""
-        delta, self._sent = text[self._sent :], len(text)
+        cut = self._first_stop(text)
+        if cut is not None:
+            self._final = text = text[:cut]
+        end = len(text) if self.stopped else len(text) - self._held_back(text)
+        if end <= self._sent:
+            return ""
+        delta, self._sent = text[self._sent : end], end
         return delta
+
+    def _first_stop(self, text: str) -> int | None:
+        found = [i for stop in self._stop if (i := text.find(stop)) >= 0]
+        return min(found) if found else None
+
+    def _held_back(self, text: str) -> int:
+        """Length of the longest tail of `text` that begins some stop sequence."""
+        return max(
+            (
+                k
+                for stop in self._stop
+                for k in range(len(stop) - 1, 0, -1)
+                if text.endswith(stop[:k])
+            ),
+            default=0,
+        )
 
     @property
     def text(self) -> str:
-        return self._decode(self.token_ids)
+        return self._final if self._final is not None else self._decode(self.token_ids)
 
     def rest(self) -> str:
         text = self.text

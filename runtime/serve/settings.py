@@ -32,6 +32,12 @@ class ServeSettings:
     default_max_tokens: int = 64
     # Seconds SIGTERM waits for queued and running requests before closing.
     drain_timeout: float = 30.0
+    # Seconds a request body may take to arrive once its head did; then 408.
+    body_timeout: float = 30.0
+    # Seconds a connection may stay idle, or take to send a request head; then it is closed.
+    idle_timeout: float = 15.0
+    # Seconds the listener's close waits for connections after the drain; then they are cut.
+    shutdown_timeout: float = 3.0
     # Seconds between checks of the config directory for a new blend.json.
     reload_interval: float = 1.0
     # Threads torch uses on the compute thread.
@@ -45,7 +51,10 @@ class ServeSettings:
         _at_least("queue_size", self.queue_size, 1)
         _at_least("default_max_tokens", self.default_max_tokens, 1)
         _at_least("torch_threads", self.torch_threads, 1)
-        for name in ("request_timeout", "drain_timeout", "reload_interval"):
+        for name in (
+            "request_timeout", "drain_timeout", "reload_interval", "body_timeout",
+            "idle_timeout", "shutdown_timeout",
+        ):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
 
@@ -98,6 +107,9 @@ _TYPES = {
     "log_level": str,
     "request_timeout": float,
     "drain_timeout": float,
+    "body_timeout": float,
+    "idle_timeout": float,
+    "shutdown_timeout": float,
     "reload_interval": float,
 }
 

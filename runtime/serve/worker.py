@@ -4,12 +4,13 @@ The model runs on a single thread (torch itself uses `torch_threads` for each op
 fed by a bounded queue:
 
 1. `submit` admits a job while fewer than `queue_size` wait, else raises `QueueFull` (the
-   route answers 429 with Retry-After).
+   route answers 429 with Retry-After: when the running job is expected to end, see
+   `SlotEstimate`).
 2. The thread takes jobs in arrival order. A job cancelled (its client went away) or past
    its deadline before it starts is dropped without compute.
 3. It looks the segments up (timed), prefills in the configured mode at the live ratio,
-   then decodes greedily, one token at a time, checking cancellation and the deadline
-   after each token.
+   then decodes greedily, one token at a time, checking cancellation, a reached stop
+   sequence and the deadline after each token.
 4. Events go back to the job's asyncio queue on the server's loop: `Started`,
    `PrefillDone`, token ids, then one `Finished` (or an exception).
 """
@@ -18,9 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -43,6 +46,30 @@ class QueueFull(Exception):
         self.retry_after_s = retry_after_s
 
 
+class SlotEstimate:
+    """When the full queue frees a place: when the compute thread takes its next job, i.e.
+    when the running job ends. Expected from the durations of the recently finished jobs
+    (their mean, the last `window` jobs) minus what the running one has already taken."""
+
+    def __init__(self, window: int = 8, initial_s: float = 1.0) -> None:
+        self._durations: deque[float] = deque([initial_s], maxlen=window)
+        self._running_since: float | None = None
+
+    def started(self, now: float) -> None:
+        self._running_since = now
+
+    def finished(self, now: float) -> None:
+        if self._running_since is not None:
+            self._durations.append(now - self._running_since)
+        self._running_since = None
+
+    def retry_after_s(self, now: float) -> int:
+        """Whole seconds (at least 1, as Retry-After takes) until a place is expected."""
+        expected = sum(self._durations) / len(self._durations)
+        elapsed = 0.0 if self._running_since is None else now - self._running_since
+        return max(1, math.ceil(expected - elapsed))
+
+
 @dataclass(frozen=True)
 class PrefillDone:
     """What a response reports about the prefill (the usage extension)."""
@@ -54,6 +81,8 @@ class PrefillDone:
     num_reused_tokens: int
     num_hole_tokens: int
     num_recomputed_tokens: int
+    # Reused tokens the blend recomputed (part of both reused and recomputed tokens).
+    num_recomputed_cached_tokens: int
     ttft_s: float
 
     @classmethod
@@ -62,13 +91,13 @@ class PrefillDone:
         return cls(
             str(prefill.mode), str(lookup), prefill.ratio, prefill.num_prompt_tokens,
             prefill.num_reused_tokens, prefill.num_hole_tokens, prefill.num_recomputed_tokens,
-            ttft_s,
+            int(prefill.selected_positions.shape[0]), ttft_s,
         )  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Finished:
-    # "stop" (EOS), "length" (max_tokens), "timeout" or "cancelled".
+    # "stop" (EOS or a stop sequence), "length" (max_tokens), "timeout" or "cancelled".
     reason: str
 
 
@@ -81,11 +110,15 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # Set when the answer reached a stop sequence: decoding ends, the answer stands.
+    stopped: threading.Event = field(default_factory=threading.Event)
 
     def emit(self, event: object) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
     def stop_reason(self) -> str | None:
+        if self.stopped.is_set():
+            return "stop"
         if self.cancelled.is_set():
             return "cancelled"
         if time.perf_counter() > self.deadline:
@@ -105,7 +138,7 @@ class EngineWorker:
         self._lock = threading.Lock()
         self._num_waiting = 0
         self._num_running = 0
-        self._mean_duration_s = 1.0
+        self._slot = SlotEstimate()
         self._thread = threading.Thread(target=self._run, name="holeblend-engine", daemon=True)
         # Called after each answered request that blended cached KV (the shadow quality
         # proxies; see `is_blended`).
@@ -131,8 +164,7 @@ class EngineWorker:
     def submit(self, job: Job) -> None:
         with self._lock:
             if self._num_waiting >= self.queue_size:
-                wait = (self._num_waiting + self._num_running) * self._mean_duration_s
-                raise QueueFull(max(1, round(wait)))
+                raise QueueFull(self._slot.retry_after_s(time.perf_counter()))
             self._num_waiting += 1
             self.metrics.queue_depth.set(self._num_waiting)
         self._jobs.put(job)
@@ -143,20 +175,19 @@ class EngineWorker:
                 self._num_waiting -= 1
                 self._num_running += 1
                 self.metrics.queue_depth.set(self._num_waiting)
-            started = time.perf_counter()
+                self._slot.started(time.perf_counter())
             try:
                 self._serve(job)
             except Exception as error:  # reported to the request; the thread serves on
                 log.exception("request failed")
                 job.emit(error)
             finally:
-                self._finish(started)
+                self._finish()
 
-    def _finish(self, started: float) -> None:
+    def _finish(self) -> None:
         with self._lock:
             self._num_running -= 1
-            duration = time.perf_counter() - started
-            self._mean_duration_s = 0.8 * self._mean_duration_s + 0.2 * duration
+            self._slot.finished(time.perf_counter())
 
     def _serve(self, job: Job) -> None:
         if (reason := job.stop_reason()) is not None:
