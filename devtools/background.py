@@ -13,12 +13,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import kmock
 import yaml
 
-from holeblend_devtools.emulator import ClusterEmulator, write_kubeconfig
+if TYPE_CHECKING:
+    from holeblend_devtools.emulator import ClusterEmulator
 
 
 class EmulatorThread:
@@ -92,6 +92,11 @@ class EmulatorThread:
             raise
 
     async def _serve_until_stopped(self, started: asyncio.Future) -> None:
+        # Here, not at the top: `stop_process` serves venvs without the emulator (kmock).
+        import kmock
+
+        from holeblend_devtools.emulator import ClusterEmulator, write_kubeconfig
+
         async with (
             ClusterEmulator(**self._options) as api,
             kmock.Server(api, host="127.0.0.1", port=self._port) as server,

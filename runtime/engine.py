@@ -562,14 +562,20 @@ class ReferenceEngine:
         """Greedy continuation; stops after `max_new_tokens` or at EOS (not returned)."""
         return list(self.generate_stream(prefill, max_new_tokens))
 
-    def generate_stream(self, prefill: Prefill, max_new_tokens: int) -> Iterator[int]:
+    def generate_stream(
+        self, prefill: Prefill, max_new_tokens: int, ignore_eos: bool = False
+    ) -> Iterator[int]:
         """`generate`, one token at a time: a caller that stops iterating stops decoding.
+        With `ignore_eos` the end-of-sequence token is yielded and decoding goes on (to
+        `max_new_tokens`, as load generators ask).
 
         The engine counts as busy (background stores wait) until the iteration ends."""
         with self.activity.foreground(), torch.inference_mode():
-            yield from self._generate(prefill, max_new_tokens)
+            yield from self._generate(prefill, max_new_tokens, ignore_eos)
 
-    def _generate(self, prefill: Prefill, max_new_tokens: int) -> Iterator[int]:
+    def _generate(
+        self, prefill: Prefill, max_new_tokens: int, ignore_eos: bool = False
+    ) -> Iterator[int]:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
         position = prefill.num_prompt_tokens
@@ -578,7 +584,7 @@ class ReferenceEngine:
         logits = prefill.logits
         for _ in range(max_new_tokens):
             token = int(logits.argmax())
-            if token == self.config.eos_token_id:
+            if token == self.config.eos_token_id and not ignore_eos:
                 return
             yield token
             h = self.model.forward(torch.tensor([token], device=self.model.device), k, v, position)

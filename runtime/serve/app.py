@@ -283,7 +283,8 @@ class Server:
 
     def _submit(self, rag: RagRequest, prompt, max_tokens: int, arrived: float):
         deadline = arrived + self.settings.request_timeout
-        job = Job(prompt, max_tokens, arrived, deadline, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        job = Job(prompt, max_tokens, arrived, deadline, loop, ignore_eos=rag.ignore_eos)
         try:
             self.worker.submit(job)
         except QueueFull as full:

@@ -58,6 +58,8 @@ class RagRequest:
     include_usage: bool
     # Stop sequences: the answer ends before the first one (not included in the text).
     stop: tuple[str, ...] = ()
+    # Decode past the end-of-sequence token, to max_tokens (vLLM's extension).
+    ignore_eos: bool = False
 
 
 def parse_completion(body: Any, separator: str, is_control_token: Callable[[str], bool]):
@@ -113,6 +115,7 @@ def _request(kind: str, body: Mapping[str, Any], system, documents, question) ->
             _or_default(options, "include_usage", False), "stream_options.include_usage"
         ),
         stop=_stop(body.get("stop")),
+        ignore_eos=_bool(_or_default(body, "ignore_eos", False), "ignore_eos"),
     )
 
 
@@ -218,7 +221,6 @@ UNSUPPORTED = {
     "functions": _only([]),
     "function_call": _only("none"),
     "response_format": _only({"type": "text"}),
-    "ignore_eos": _only(False),
     "min_tokens": _only(0),
     "stop_token_ids": _only([]),
     "include_stop_str_in_output": _only(False),
@@ -234,7 +236,9 @@ IMPLEMENTED = {
     "completion": ("model", "prompt", "system", "documents"),
     "chat": ("model", "messages", "documents"),
 }
-COMMON = ("max_tokens", "max_completion_tokens", "stream", "stream_options", "n", "stop")
+COMMON = (
+    "max_tokens", "max_completion_tokens", "stream", "stream_options", "n", "stop", "ignore_eos",
+)  # fmt: skip
 
 
 def known_fields(kind: str) -> tuple[str, ...]:

@@ -108,6 +108,8 @@ class Job:
     arrived: float
     deadline: float
     loop: asyncio.AbstractEventLoop
+    # Decode past the end-of-sequence token (the request's ignore_eos).
+    ignore_eos: bool = False
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     # Set when the answer reached a stop sequence: decoding ends, the answer stands.
@@ -205,7 +207,7 @@ class EngineWorker:
 
     def _decode(self, job: Job, prefill: Prefill, answer: list[int]) -> str:
         limit = min(job.max_tokens, self.engine.config.context_length - prefill.num_prompt_tokens)
-        for token in self.engine.generate_stream(prefill, limit):
+        for token in self.engine.generate_stream(prefill, limit, job.ignore_eos):
             if (reason := job.stop_reason()) is not None:
                 return reason
             job.emit(token)

@@ -301,3 +301,14 @@ def test_retry_after_is_when_the_running_request_should_end(tmp_path):
     # A place frees when the running request ends: at most one request's time, not the
     # queue's length times the mean request time.
     assert max(refused) <= math.ceil(one) + 1, (refused, durations)
+
+
+def test_ignore_eos_decodes_to_max_tokens(server):
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    body = {"model": "smollm2", "messages": messages, "max_tokens": 40}
+    status, short, _ = post_json(server.url + "/v1/chat/completions", body)
+    assert status == 200 and short["usage"]["completion_tokens"] < 40, short  # it ended at EOS
+    status, long, _ = post_json(server.url + "/v1/chat/completions", body | {"ignore_eos": True})
+    assert status == 200, long
+    assert long["usage"]["completion_tokens"] == 40
+    assert long["choices"][0]["finish_reason"] == "length"

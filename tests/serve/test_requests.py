@@ -118,3 +118,49 @@ def test_missing_model_is_refused():
     with pytest.raises(BadRequest) as caught:
         parse_completion({"prompt": "q"}, SEP, never_control)
     assert caught.value.param == "model"
+
+
+@pytest.mark.parametrize(
+    ("stop", "expected"),
+    [(None, ()), ("END", ("END",)), (["a", "bc"], ("a", "bc"))],
+)
+def test_stop_is_a_string_or_a_list_of_strings(stop, expected):
+    assert completion(prompt="Q?", stop=stop).stop == expected
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"stop": 5}, "stop"),
+        ({"stop": []}, "stop"),
+        ({"stop": ["ok", 3]}, "stop[1]"),
+        ({"stop": "x" * 257}, "stop"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"top_p": -0.1}, "top_p"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"echo": True}, "echo"),
+        ({"logprobs": 1}, "logprobs"),
+        ({"best_of": 3}, "best_of"),
+        ({"suffix": "tail"}, "suffix"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+        ({"user": 7}, "user"),
+        ({"promt": "typo"}, "promt"),
+        ({"messages": []}, "messages"),  # a chat field on the completions endpoint
+    ],
+)
+def test_fields_are_checked_by_type_range_and_support(body, param):
+    with pytest.raises(BadRequest) as error:
+        completion(prompt="Q?", **body)
+    assert error.value.param == param
+
+
+def test_null_means_the_default_for_every_optional_field():
+    nulls = dict.fromkeys(("stream", "n", "stop", "temperature", "logprobs", "tools", "seed"))
+    request = completion(prompt="Q?", **nulls)
+    assert request.stream is False and request.stop == ()
+
+
+def test_a_lone_surrogate_is_refused_naming_the_field():
+    with pytest.raises(BadRequest) as error:
+        completion(prompt="Q?", documents=["fine", "bad \udc80"])
+    assert error.value.param == "documents[1]"
