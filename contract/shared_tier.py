@@ -6,6 +6,10 @@
 - Keys: `holeblend:{namespace}/{name}:kv:v{format}:{segment key}`, one per segment, so
   several BlendDeployments can share one Redis and a new blob format never reads an
   old blob. The runtime learns `{namespace}/{name}` from `DEPLOYMENT_ENV`.
+- Identity: each BlendDeployment connects as its own ACL user, `acl_user(deployment)`
+  (from `USER_ENV`), whose rules (`acl_rules`) allow only the commands the runtime sends
+  and only the keys under its deployment's prefix. So one deployment's pods can neither
+  read nor overwrite another's KV, even with the store's address in hand.
 """
 
 from __future__ import annotations
@@ -17,7 +21,13 @@ SCHEMES = ("redis", "rediss", "valkey", "valkeys")
 PASSWORD_ENV = "HOLEBLEND_SHARED_TIER_PASSWORD"
 # Env var with the BlendDeployment's "namespace/name", the prefix of its keys.
 DEPLOYMENT_ENV = "HOLEBLEND_DEPLOYMENT"
+# Env var with the ACL user the engine pods connect as (`acl_user`).
+USER_ENV = "HOLEBLEND_SHARED_TIER_USER"
 KEY_ROOT = "holeblend"
+# What the runtime sends: AUTH/HELLO (always allowed), SELECT (a database other than 0),
+# PING, GET, SET, DEL, UNLINK, EXISTS. (redis-py's CLIENT SETINFO on connect may be
+# refused: it ignores the error, and Redis before 7.2 has no such command to allow.)
+ACL_COMMANDS = ("select", "ping", "get", "set", "del", "unlink", "exists")
 
 
 def check_shared_url(url: str, field: str = "spec.blend.kv.sharedUrl") -> str:
@@ -49,3 +59,34 @@ def key_prefix(deployment: str, blob_format: int) -> str:
     if not deployment:
         raise ValueError("deployment: must not be empty (namespace/name of the BlendDeployment)")
     return f"{KEY_ROOT}:{deployment}:kv:v{blob_format}:"
+
+
+def acl_user(deployment: str) -> str:
+    """The ACL user name of one BlendDeployment ("namespace/name")."""
+    _check_deployment(deployment)
+    return f"{KEY_ROOT}:{deployment}"
+
+
+def acl_key_pattern(deployment: str) -> str:
+    """Every key the deployment may touch, any blob format (a Redis ACL glob)."""
+    _check_deployment(deployment)
+    return f"{KEY_ROOT}:{deployment}:kv:*"
+
+
+def acl_rules(deployment: str) -> list[str]:
+    """The rules of the deployment's ACL user, after `reset` and before its password:
+    `ACL SETUSER <acl_user> reset on ><password> <rules...>`, or a line of an ACL file,
+    `user <acl_user> on #<sha256 of the password> <rules...>`."""
+    return [
+        f"~{acl_key_pattern(deployment)}",
+        "resetchannels",
+        "-@all",
+        *(f"+{command}" for command in ACL_COMMANDS),
+    ]
+
+
+def _check_deployment(deployment: str) -> None:
+    namespace, _, name = deployment.partition("/")
+    # DNS-1123 labels and subdomains: no space (ACL syntax) and no glob character.
+    if not namespace or not name or any(c in deployment for c in " *?[]\\\n") or "/" in name:
+        raise ValueError(f"deployment: expected 'namespace/name', got {deployment!r}")

@@ -1,4 +1,4 @@
-"""Command line of the operator: `holeblend-operator {crd,render,run}`.
+"""Command line of the operator: `holeblend-operator {crd,render,run,rbac,shared-tier-acl}`.
 
 Each subcommand lives in its own module with `add_parser(subparsers)` and a `run(args)`
 returning the exit code; this module only wires them together.
@@ -7,9 +7,15 @@ returning the exit code; this module only wires them together.
 import argparse
 import sys
 
-from holeblend_operator import crd_command, rbac_command, render_command, run_command
+from holeblend_operator import (
+    crd_command,
+    rbac_command,
+    render_command,
+    run_command,
+    shared_acl_command,
+)
 
-COMMANDS = [crd_command, render_command, run_command, rbac_command]
+COMMANDS = [crd_command, render_command, run_command, rbac_command, shared_acl_command]
 
 
 def build_parser() -> argparse.ArgumentParser:

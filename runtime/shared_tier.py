@@ -5,9 +5,12 @@ Blob layout (format `BLOB_FORMAT`), all integers little-endian:
     b"HBKV" | u16 format | u32 header length | header (msgpack map) | payload
 
 The header names the segment `key`, the `model` identity, the `dtype`, the K/V `shape`
-[layers, kv_heads, tokens, head_dim], the token count `tokens`, the payload length
-`payload_bytes` and its `xxh3_64` checksum (xxHash3, ~10 GB/s: it must not
-slow a load much next to Redis itself). The payload is K, then V (each `shape` of `dtype`),
+[layers, kv_heads, tokens, head_dim], the token count `tokens`, the `deployment` that wrote
+it ("namespace/name"), the payload length `payload_bytes` and the `xxh3_64` checksum
+(xxHash3, ~10 GB/s: it must not slow a load much next to Redis itself) of the deployment's
+name, a NUL byte and the payload: a blob carries its deployment's identity, so a blob
+written by (or copied from) another deployment fails the check even where the store's
+ACLs would let it through. The payload is K, then V (each `shape` of `dtype`),
 then the int64 RoPE positions. A reader checks every field against what it expects;
 a blob that is corrupted, truncated, of another format, model, dtype or key is a miss.
 
@@ -29,12 +32,13 @@ import msgpack
 import redis
 import xxhash
 
-from holeblend_contract.shared_tier import PASSWORD_ENV, check_shared_url, key_prefix
+from holeblend_contract.shared_tier import PASSWORD_ENV, USER_ENV, check_shared_url, key_prefix
 from holeblend_runtime.circuit_breaker import CircuitBreaker
 
 log = logging.getLogger(__name__)
 
-BLOB_FORMAT = 1
+# 2: the deployment's identity in the header and the checksum.
+BLOB_FORMAT = 2
 MAGIC = b"HBKV"
 _PREFIX = struct.Struct("<4sHI")
 MAX_HEADER_BYTES = 4096
@@ -74,19 +78,31 @@ class BlobError(ValueError):
     """Why a blob cannot be used; the reader treats it as a miss."""
 
 
-def encode_blob(header: BlobHeader, parts: Sequence[bytes | memoryview]) -> bytes:
+def encode_blob(
+    header: BlobHeader, parts: Sequence[bytes | memoryview], deployment: str = ""
+) -> bytes:
     """The blob of K, V and positions (`parts`, raw bytes in that order), in one piece."""
-    return b"".join(blob_pieces(header, parts))
+    return b"".join(blob_pieces(header, parts, deployment))
 
 
-def blob_pieces(header: BlobHeader, parts: Sequence[bytes | memoryview]) -> list:
-    """The blob as [prefix and header, *parts], to be sent without joining (no copy)."""
+def _digest(deployment: str) -> xxhash.xxh3_64:
+    """The checksum's state after the deployment's identity, before the payload."""
+    digest = xxhash.xxh3_64()
+    digest.update(deployment.encode() + b"\0")
+    return digest
+
+
+def blob_pieces(
+    header: BlobHeader, parts: Sequence[bytes | memoryview], deployment: str = ""
+) -> list:
+    """The blob as [prefix and header, *parts], to be sent without joining (no copy);
+    `deployment` ("namespace/name") is the writer's identity."""
     payload_bytes = sum(memoryview(part).nbytes for part in parts)
     if payload_bytes != header.payload_bytes:
         raise ValueError(
             f"parts: {payload_bytes} bytes, the header promises {header.payload_bytes}"
         )
-    digest = xxhash.xxh3_64()
+    digest = _digest(deployment)
     for part in parts:
         digest.update(part)
     meta = msgpack.packb(
@@ -96,6 +112,7 @@ def blob_pieces(header: BlobHeader, parts: Sequence[bytes | memoryview]) -> list
             "dtype": header.dtype,
             "shape": list(header.shape),
             "tokens": header.num_tokens,
+            "deployment": deployment,
             "payload_bytes": payload_bytes,
             "xxh3_64": digest.intdigest(),
         }
@@ -103,8 +120,11 @@ def blob_pieces(header: BlobHeader, parts: Sequence[bytes | memoryview]) -> list
     return [_PREFIX.pack(MAGIC, BLOB_FORMAT, len(meta)) + meta, *parts]
 
 
-def decode_blob(blob: bytes, expected: BlobHeader | None = None) -> tuple[BlobHeader, memoryview]:
-    """The header and payload of a checked blob; BlobError for anything wrong."""
+def decode_blob(
+    blob: bytes, expected: BlobHeader | None = None, deployment: str = ""
+) -> tuple[BlobHeader, memoryview]:
+    """The header and payload of a checked blob written by `deployment`; BlobError for
+    anything wrong."""
     if len(blob) < _PREFIX.size:
         raise BlobError(f"truncated: {len(blob)} bytes")
     magic, version, meta_len = _PREFIX.unpack_from(blob)
@@ -119,7 +139,13 @@ def decode_blob(blob: bytes, expected: BlobHeader | None = None) -> tuple[BlobHe
     payload = memoryview(blob)[_PREFIX.size + meta_len :]
     if payload.nbytes != header.payload_bytes or meta.get("payload_bytes") != payload.nbytes:
         raise BlobError(f"payload of {payload.nbytes} bytes, expected {header.payload_bytes}")
-    if xxhash.xxh3_64_intdigest(payload) != meta.get("xxh3_64"):
+    if meta.get("deployment") != deployment:
+        raise BlobError(
+            f"deployment: blob written by {meta.get('deployment')!r}, expected {deployment!r}"
+        )
+    digest = _digest(deployment)
+    digest.update(payload)
+    if digest.intdigest() != meta.get("xxh3_64"):
         raise BlobError("checksum mismatch")
     if expected is not None:
         _check_expected(header, expected)
@@ -211,13 +237,22 @@ def redis_url(url: str) -> str:
 
 
 class SharedTier:
-    """Blobs in Redis under the deployment's prefix; thread-safe (redis-py's pool)."""
+    """Blobs in Redis under the deployment's prefix; thread-safe (redis-py's pool).
 
-    def __init__(self, config: SharedTierConfig, password: str | None = None) -> None:
+    Connects as `username` (default: $HOLEBLEND_SHARED_TIER_USER, the deployment's ACL
+    user the operator names; a user in the URL wins) with `password` (default:
+    $HOLEBLEND_SHARED_TIER_PASSWORD)."""
+
+    def __init__(
+        self, config: SharedTierConfig, password: str | None = None, username: str | None = None
+    ) -> None:
         self.config = config
+        # The writer identity every blob of this tier carries (`blob_pieces`).
+        self.deployment = config.deployment
         self.prefix = key_prefix(config.deployment, BLOB_FORMAT)
         self.client = redis.Redis.from_url(
             redis_url(config.url),
+            username=username if username is not None else os.environ.get(USER_ENV) or None,
             password=password if password is not None else os.environ.get(PASSWORD_ENV) or None,
             socket_timeout=config.timeout_s,
             socket_connect_timeout=config.timeout_s,
@@ -281,7 +316,7 @@ class SharedTier:
         if blob is None:
             return None, self.stats.errors + self.stats.skipped_by_breaker == num_failed
         try:
-            return decode_blob(blob, expected), True
+            return decode_blob(blob, expected, self.deployment), True
         except BlobError as error:
             self.stats.bad_blobs += 1
             log.warning("shared tier: refusing blob of segment %s: %s", expected.key, error)

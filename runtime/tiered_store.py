@@ -94,20 +94,22 @@ class KVLayout:
         return BlobHeader(key, self.model_id, self.dtype, shape)
 
 
-def kv_to_blob(kv: SegmentKV) -> bytes:
-    """The shared-tier blob of one segment (K, V and positions, checksummed)."""
-    return b"".join(kv_blob_pieces(kv))
+def kv_to_blob(kv: SegmentKV, deployment: str = "") -> bytes:
+    """The shared-tier blob of one segment (K, V and positions, checksummed with the
+    writing deployment's identity)."""
+    return b"".join(kv_blob_pieces(kv, deployment))
 
 
-def kv_blob_pieces(kv: SegmentKV) -> list:
+def kv_blob_pieces(kv: SegmentKV, deployment: str = "") -> list:
     """The blob of one segment in pieces that share the tensors' memory (no copy)."""
     header = BlobHeader(kv.key, kv.model_id, _dtype_name(kv.k.dtype), tuple(kv.k.shape))
-    return blob_pieces(header, [_raw_bytes(t) for t in (kv.k, kv.v, kv.positions)])
+    parts = [_raw_bytes(t) for t in (kv.k, kv.v, kv.positions)]
+    return blob_pieces(header, parts, deployment)
 
 
-def blob_to_kv(blob: bytes, expected: BlobHeader | None = None) -> SegmentKV:
+def blob_to_kv(blob: bytes, expected: BlobHeader | None = None, deployment: str = "") -> SegmentKV:
     """The segment in `blob`; `shared_tier.BlobError` when it is not usable."""
-    header, payload = decode_blob(blob, expected)
+    header, payload = decode_blob(blob, expected, deployment)
     return _payload_to_kv(header, payload)
 
 
@@ -210,7 +212,9 @@ class TieredKVStore:
     def put(self, kv: SegmentKV) -> bool:
         """Store in the local and shared tiers, then admit to the lookup server."""
         is_local = self.local.put(kv)
-        is_shared = self.shared is not None and self.shared.put_pieces(kv.key, kv_blob_pieces(kv))
+        is_shared = self.shared is not None and self.shared.put_pieces(
+            kv.key, kv_blob_pieces(kv, self.shared.deployment)
+        )
         self.stats.shared_stores += is_shared
         if is_local or is_shared:
             self._announce(kv, is_shared)

@@ -181,7 +181,7 @@ def _tier_round(tier: SharedTier, header: BlobHeader, parts, raw_value, times: d
 
 
 def _tier_put(tier: SharedTier, header: BlobHeader, parts: list[bytes]) -> None:
-    if not tier.put_pieces(header.key, blob_pieces(header, parts)):
+    if not tier.put_pieces(header.key, blob_pieces(header, parts, tier.deployment)):
         raise RuntimeError("the shared tier refused the benchmark blob")
 
 

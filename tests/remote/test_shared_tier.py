@@ -61,21 +61,33 @@ def test_flipped_truncated_and_foreign_blobs_are_refused():
         decode_blob(blob[:4] + b"\x09\x00" + blob[6:], expected)
 
 
+def test_a_blob_carries_its_deployment_in_header_and_checksum():
+    blob = kv_to_blob(segment(), "ns/a")
+    expected = LAYOUT.header("seg")
+    assert decode_blob(blob, expected, "ns/a")[0].num_tokens == 5
+    with pytest.raises(BlobError, match="deployment"):
+        decode_blob(blob, expected, "ns/b")
+    # Rewriting the header's name is not enough: the checksum covers the identity.
+    forged = blob.replace(b"ns/a", b"ns/b", 1)
+    with pytest.raises(BlobError, match="checksum"):
+        decode_blob(forged, expected, "ns/b")
+
+
 def test_segments_round_trip_through_redis_under_the_deployment_prefix(redis_server):
     shared = tier(redis_server.url)
     kv = segment()
-    assert shared.put_blob(kv.key, kv_to_blob(kv))
-    assert shared.client.exists("holeblend:ns/rag:kv:v1:seg") == 1
+    assert shared.put_blob(kv.key, kv_to_blob(kv, "ns/rag"))
+    assert shared.client.exists("holeblend:ns/rag:kv:v2:seg") == 1
     header, _ = shared.get_checked(LAYOUT.header("seg"))
     assert header.num_tokens == 5
-    assert_same(blob_to_kv(shared.get_blob("seg"), LAYOUT.header("seg")), kv)
+    assert_same(blob_to_kv(shared.get_blob("seg"), LAYOUT.header("seg"), "ns/rag"), kv)
     # Another BlendDeployment on the same Redis sees none of it.
     assert tier(redis_server.url, "ns/other").get_blob("seg") is None
 
 
 def test_a_corrupted_blob_in_redis_is_a_miss(redis_server):
     shared = tier(redis_server.url)
-    blob = bytearray(kv_to_blob(segment()))
+    blob = bytearray(kv_to_blob(segment(), "ns/rag"))
     blob[-3] ^= 0x01
     shared.client.set(shared.redis_key("seg"), bytes(blob))
     assert shared.get_checked(LAYOUT.header("seg")) is None
