@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import secrets
 import shlex
+import subprocess
 
 import pytest
 import redis
@@ -30,14 +31,21 @@ def printed(*args: str, capsys) -> list[str]:
 @pytest.fixture
 def store(tmp_path, capsys):
     """A redis-server whose default user is disabled, and users A and B created with what
-    `holeblend-operator shared-tier-acl` prints: A's as an ACL SETUSER command, B's as an
-    ACL file line (run as ACL SETUSER, which takes the same rules and the #hash)."""
+    `holeblend-operator shared-tier-acl` prints: A's as an ACL SETUSER command piped into
+    redis-cli, B's as an ACL file line (run as ACL SETUSER, which takes the same rules and
+    the #hash)."""
     server = RedisProcess().start()
     admin = redis.Redis.from_url(server.url)
     passwords = {deployment: secrets.token_hex(16) for deployment in (A, B)}
     (tmp_path / "a").write_text(passwords[A] + "\n")
     (tmp_path / "b").write_text(passwords[B] + "\n")
-    admin.execute_command(*printed(A, "--password-file", str(tmp_path / "a"), capsys=capsys))
+    # As docs/shared-tier.md says: the printed command piped into redis-cli.
+    command = shlex.join(printed(A, "--password-file", str(tmp_path / "a"), capsys=capsys))
+    piped = subprocess.run(
+        ["redis-cli", "-p", str(server.port)], input=command + "\n", capture_output=True,
+        text=True, timeout=30, check=True,
+    )  # fmt: skip
+    assert piped.stdout.strip() == "OK", piped
     line = printed(B, "--aclfile", "--password-file", str(tmp_path / "b"), capsys=capsys)
     assert line[:2] == ["user", acl_user(B)] and passwords[B] not in line
     admin.execute_command("ACL", "SETUSER", *line[1:])
