@@ -1,5 +1,31 @@
+{{- /*
+The name of one of this release's objects: "<release>-operator", or "<release>-operator-<suffix>"
+given a suffix (call with a list: `include "holeblend.name" (list . "metrics")`).
+
+Every name is cut to 63 characters, the strictest limit of the kinds the chart renders: a
+Service's name is a DNS-1035 label, and the Deployment's name ends up in its pods' names and
+hostnames. The release name's part is what gets cut, so the suffix survives and two names of
+one release never collide; a name never ends with "-". Dots (allowed in release names) become
+"-", and a name starting with a digit gets an "hb-" prefix: a DNS-1035 label starts with a
+letter.
+*/ -}}
+{{- define "holeblend.name" -}}
+{{- $ctx := index . 0 -}}
+{{- $suffix := index . 1 -}}
+{{- $base := printf "%s-operator" ($ctx.Release.Name | replace "." "-") -}}
+{{- if not (regexMatch "^[a-z]" $base) -}}
+{{- $base = printf "hb-%s" $base -}}
+{{- end -}}
+{{- if $suffix -}}
+{{- printf "%s-%s" ($base | trunc (int (sub 62 (len $suffix))) | trimSuffix "-") $suffix -}}
+{{- else -}}
+{{- $base | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- /* The operator's name: its Deployment, ServiceAccount, RBAC objects and kopf peering. */ -}}
 {{- define "holeblend.fullname" -}}
-{{- printf "%s-operator" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- include "holeblend.name" (list . "") -}}
 {{- end -}}
 
 {{- define "holeblend.labels" -}}
@@ -7,8 +33,8 @@ app.kubernetes.io/name: holeblend
 app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: operator
 app.kubernetes.io/managed-by: {{ .Release.Service }}
-app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
-helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | replace "+" "_" | trunc 63 | trimSuffix "-" | quote }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
 {{- end -}}
 
 {{- define "holeblend.selectorLabels" -}}
@@ -22,5 +48,14 @@ app.kubernetes.io/component: operator
 {{- default (include "holeblend.fullname" .) .Values.serviceAccount.name -}}
 {{- else -}}
 {{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- /* An image reference: repository@digest when a digest is set, else repository:tag. */ -}}
+{{- define "holeblend.image" -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
 {{- end -}}
 {{- end -}}
