@@ -78,6 +78,8 @@ class LookupConnection:
 
     def _exchange(self, body: bytes) -> bytes:
         deadline = time.monotonic() + self.timeout_s
+        if self._sock is not None and _is_stale(self._sock):
+            self.close()  # the server closed it (idle timeout, restart): connect anew
         sock = self._sock or self._connect()
         sock.settimeout(self.timeout_s)
         sock.sendall(f"{self._head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
@@ -145,6 +147,20 @@ class LookupConnection:
         self.close()
         if self._resolver is not None:
             self._resolver.shutdown(wait=False, cancel_futures=True)
+
+
+def _is_stale(sock: socket.socket) -> bool:
+    """Whether a kept-alive socket between calls can no longer carry a request: it is
+    readable (the server closed it, or sent bytes nobody asked for). One non-blocking
+    peek, a few microseconds: cheaper than a failed attempt and its retry."""
+    sock.settimeout(0)  # a socket with a timeout would wait for readability first
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return False  # nothing to read: still open
+    except OSError:
+        return True
+    return True
 
 
 def _is_ip_literal(host: str) -> bool:

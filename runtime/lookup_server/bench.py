@@ -42,7 +42,7 @@ KV_SHAPE = (30, 3, 64)
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="holeblend-lookup bench", description=__doc__.split("\n")[0]
+        prog="holeblend-lookup bench", description=__doc__.split("\n")[0], allow_abbrev=False
     )
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--duration", type=float, default=3.0, help="seconds per client count")

@@ -28,9 +28,10 @@ def _env_default(flag: str, default: object) -> object:
 def serve_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="holeblend-lookup",
+        allow_abbrev=False,
         description="Serve the segment index of one BlendDeployment (subcommand `bench`: benchmark it).",
     )
-    defaults_index, defaults_limits = IndexLimits(), Limits()
+    defaults_index, defaults_limits, defaults = IndexLimits(), Limits(), ServerConfig()
     for flag, kind, default, help_text in (
         ("host", str, "127.0.0.1", "address to listen on"),
         ("port", int, 8100, "port of the API, /metrics, /healthz and /ready"),
@@ -49,7 +50,42 @@ def serve_parser() -> argparse.ArgumentParser:
             defaults_limits.max_body_bytes,
             "bytes of one request body at most",
         ),
-        ("drain-seconds", float, 3.0, "seconds between SIGTERM (failing /ready) and exit"),
+        (
+            "drain-seconds",
+            float,
+            defaults.drain_s,
+            "seconds between SIGTERM (failing /ready) and exit",
+        ),
+        (
+            "header-timeout",
+            float,
+            defaults.header_timeout_s,
+            "seconds from a request's first byte until its head must be complete (else 408, close)",
+        ),
+        (
+            "body-timeout",
+            float,
+            defaults.body_timeout_s,
+            "seconds from the end of a request's head until its body must be complete (else 408)",
+        ),
+        (
+            "idle-timeout",
+            float,
+            defaults.idle_timeout_s,
+            "seconds a kept-alive connection with no request in progress stays open",
+        ),
+        (
+            "write-timeout",
+            float,
+            defaults.write_timeout_s,
+            "seconds a client may leave its replies unread before it is disconnected",
+        ),
+        (
+            "max-buffer-bytes",
+            int,
+            defaults.max_buffer_bytes,
+            "request bytes buffered across all connections at most (else 503)",
+        ),
         ("log-level", str, "INFO", "logging level"),
     ):
         parser.add_argument(
@@ -64,7 +100,21 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     except ValueError as error:
         raise SystemExit(f"holeblend-lookup: {error}") from None
     limits = Limits(max_body_bytes=args.max_body_bytes, max_keys=args.max_keys)
-    return ServerConfig(args.host, args.port, index, limits, drain_s=args.drain_seconds)
+    try:
+        return ServerConfig(
+            args.host,
+            args.port,
+            index,
+            limits,
+            drain_s=args.drain_seconds,
+            header_timeout_s=args.header_timeout,
+            body_timeout_s=args.body_timeout,
+            idle_timeout_s=args.idle_timeout,
+            write_timeout_s=args.write_timeout,
+            max_buffer_bytes=args.max_buffer_bytes,
+        )
+    except ValueError as error:
+        raise SystemExit(f"holeblend-lookup: {error}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -80,6 +80,9 @@ class SegmentIndex:
         self._pod_keys: dict[str, set[str]] = {}
         self._pod_seen: dict[str, float] = {}
         self.num_bytes = 0
+        # Entries in the shared tier, kept up to date on every change so `stats` (the
+        # /stats endpoint, every /metrics scrape) costs the same at any index size.
+        self.num_shared = 0
         self.counters = dict.fromkeys(
             ("lookups", "hits", "admits", "evicts", "capacity_evictions", "pods_dropped"), 0
         )
@@ -142,7 +145,9 @@ class SegmentIndex:
             num += key in pod_keys
             pod_keys.discard(key)
             entry.pods.discard(pod)
-            entry.shared = entry.shared and not shared
+            if shared and entry.shared:
+                entry.shared = False
+                self.num_shared -= 1
             self._drop_if_unheld(key, entry)
         self.counters["evicts"] += num
         return num
@@ -186,7 +191,7 @@ class SegmentIndex:
             "entries": len(self._entries),
             "bytes": self.num_bytes,
             "pods": len(self._pod_seen),
-            "shared_entries": sum(entry.shared for entry in self._entries.values()),
+            "shared_entries": self.num_shared,
             "max_entries": self.limits.max_entries,
             "max_bytes": self.limits.max_bytes,
             **self.counters,
@@ -200,8 +205,11 @@ class SegmentIndex:
             entry = IndexEntry(item, now)
             self._entries[item.key] = entry
             self.num_bytes += entry.num_bytes
+            self.num_shared += entry.shared
             return entry
-        entry.shared = entry.shared or item.shared
+        if item.shared and not entry.shared:
+            entry.shared = True
+            self.num_shared += 1
         entry.last_use = now
         self._entries.move_to_end(item.key)
         return entry
@@ -213,6 +221,7 @@ class SegmentIndex:
     def _remove(self, key: str) -> None:
         entry = self._entries.pop(key)
         self.num_bytes -= entry.num_bytes
+        self.num_shared -= entry.shared
         for pod in entry.pods:
             self._pod_keys.get(pod, set()).discard(key)
 

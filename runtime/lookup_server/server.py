@@ -8,9 +8,21 @@
    (the same as the `stats` operation, as JSON) are for probes and people.
 3. Requests over the size limits, malformed frames, unknown operations and versions get
    a clear error reply; a connection whose framing is broken is answered and closed.
-   Nothing a client sends stops the server from serving the others.
+   Nothing a client sends stops the server from serving the others:
+   - per connection, a request head must be complete `header_timeout_s` after its first
+     byte, its body `body_timeout_s` after the head, a kept-alive connection with no
+     request in progress is closed after `idle_timeout_s`, and one that does not read its
+     replies is dropped after `write_timeout_s` (one `call_later` timer per connection);
+   - request bytes buffered across all connections stay within `max_buffer_bytes`: a
+     request's announced body is reserved when its head arrives, and one that does not
+     fit is answered 503 and its connection closed;
+   - one connection gets at most `requests_per_turn` answers per event-loop turn, and
+     none while its replies pile up unread (asyncio write flow control), so a client
+     pipelining thousands of requests cannot delay the others' lookups.
 4. A timer drops pods that stopped heartbeating, and moves the (acyclic, long-lived)
    index entries out of the cyclic garbage collector's reach (`gc.freeze`).
+5. Client-controlled text (pod names, request paths) is logged escaped (`log_text`), so a
+   newline in it cannot forge a log line.
 """
 
 from __future__ import annotations
@@ -21,6 +33,7 @@ import json
 import logging
 import signal
 import time
+import traceback
 from dataclasses import dataclass, field
 
 from holeblend_runtime.lookup_server import wire
@@ -29,13 +42,26 @@ from holeblend_runtime.lookup_server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
+# Bytes of one request head at most, its final blank line included.
 MAX_HEADER_BYTES = 8192
+# Replies queued for one client (beyond what the kernel holds) before the server stops
+# answering it until it reads (asyncio write flow control).
+WRITE_HIGH_WATER = 64 << 10
+WRITE_LOW_WATER = 16 << 10
+# Requests with bodies larger than this may not take the last eighth of the memory budget,
+# so a flood of large half-sent admits cannot refuse the small lookups and heartbeats.
+SMALL_BODY_BYTES = 64 << 10
+# Seconds a connection closed after an error reply is still read (and the bytes dropped),
+# so the client sees the reply rather than a reset; then it is aborted.
+LINGER_S = 2.0
 _REASONS = {
     200: "OK",
     400: "Bad Request",
     404: "Not Found",
     405: "Method Not Allowed",
+    408: "Request Timeout",
     413: "Payload Too Large",
+    500: "Internal Server Error",
     503: "Service Unavailable",
 }
 
@@ -53,12 +79,47 @@ class ServerConfig:
     # Seconds between SIGTERM and exit, with /ready failing, so the Service stops routing
     # to this pod before it goes.
     drain_s: float = 3.0
+    # Seconds from a request's first byte until its head (request line and headers) must
+    # be complete; then the client gets 408 and the connection is closed.
+    header_timeout_s: float = 10.0
+    # Seconds from the end of a request's head until its announced body must be complete.
+    body_timeout_s: float = 30.0
+    # Seconds a kept-alive connection with no request in progress stays open. Engines send
+    # a heartbeat every 2 s on one connection and reconnect transparently on the other.
+    idle_timeout_s: float = 60.0
+    # Seconds a client may leave its replies unread (over the write high-water mark).
+    write_timeout_s: float = 30.0
+    # Request bytes buffered across all connections at most (announced bodies included).
+    max_buffer_bytes: int = 64 << 20
+    # Requests answered on one connection per event-loop turn before others get theirs.
+    requests_per_turn: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("header_timeout_s", "body_timeout_s", "idle_timeout_s", "write_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.drain_s < 0:
+            raise ValueError(f"drain_s: must be >= 0, got {self.drain_s}")
+        largest = self.limits.max_body_bytes + MAX_HEADER_BYTES
+        if self.max_buffer_bytes - self.max_buffer_bytes // 8 < largest:
+            raise ValueError(
+                f"max_buffer_bytes: must hold one largest request ({largest} bytes) in its "
+                f"first seven eighths, got {self.max_buffer_bytes}"
+            )
+        if self.requests_per_turn < 1:
+            raise ValueError(f"requests_per_turn: must be >= 1, got {self.requests_per_turn}")
+
+
+def log_text(value: object) -> str:
+    """`value` quoted, with newlines and other control characters escaped: safe in a log line."""
+    return ascii(str(value))
 
 
 class _HttpError(Exception):
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, code: str = "bad_http") -> None:
         super().__init__(message)
         self.status = status
+        self.code = code
 
 
 class LookupServer:
@@ -72,6 +133,9 @@ class LookupServer:
         self._stopped = asyncio.Event()
         self._sweeper: asyncio.Task | None = None
         self.is_draining = False
+        # Open connections (closed at shutdown) and the request bytes they hold.
+        self.connections: set[_Connection] = set()
+        self.buffered_bytes = 0
 
     @property
     def port(self) -> int:
@@ -81,7 +145,7 @@ class LookupServer:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            lambda: _Connection(self), self.config.host, self.config.port, reuse_address=True
+            lambda: _Connection(self, loop), self.config.host, self.config.port, reuse_address=True
         )
         self._sweeper = asyncio.create_task(self._sweep_silent_pods())
         log.info("lookup server listening on %s:%d", self.config.host, self.port)
@@ -92,12 +156,17 @@ class LookupServer:
         self._server.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
+        # Stalled clients (half-sent requests, unread replies) must not hold up the exit.
+        for connection in list(self.connections):
+            connection.abort()
 
     def stop(self) -> None:
         self._stopped.set()
 
     def drain(self) -> None:
         """Fail /ready now and stop after `drain_s`, still answering in between."""
+        if self.is_draining:
+            return
         self.is_draining = True
         asyncio.get_running_loop().call_later(self.config.drain_s, self.stop)
 
@@ -105,12 +174,15 @@ class LookupServer:
         period = max(self.config.index.pod_timeout_s / 4, 0.05)
         while True:
             await asyncio.sleep(period)
-            for pod in self.index.drop_silent_pods():
-                log.info("pod %s stopped heartbeating; its locations are dropped", pod)
-            # Index entries are long-lived and hold no reference cycles (refcounting frees
-            # them): keep them out of the cyclic collector, whose full passes over 300,000
-            # entries took 166 ms here, a stall of every lookup.
-            gc.freeze()
+            self.sweep_silent_pods()
+
+    def sweep_silent_pods(self) -> None:
+        for pod in self.index.drop_silent_pods():
+            log.info("pod %s stopped heartbeating; its locations are dropped", log_text(pod))
+        # Index entries are long-lived and hold no reference cycles (refcounting frees
+        # them): keep them out of the cyclic collector, whose full passes over 300,000
+        # entries took 166 ms here, a stall of every lookup.
+        gc.freeze()
 
     # --- request handling (inline on the loop) ----------------------------------------
 
@@ -132,7 +204,7 @@ class LookupServer:
             return 200, self.metrics.content_type, self.metrics.render()
         if path == "/stats":
             return 200, "application/json", json.dumps(self.index.stats()).encode()
-        raise _HttpError(404, f"no such path {path}; the API is POST {wire.RPC_PATH}")
+        raise _HttpError(404, f"no such path {path!a}; the API is POST {wire.RPC_PATH}")
 
     def _rpc(self, body: bytes) -> tuple[int, str, bytes]:
         started = time.perf_counter()
@@ -177,44 +249,186 @@ class LookupServer:
 
 
 class _Connection(asyncio.Protocol):
-    """HTTP/1.1 framing for one client connection: Content-Length bodies, keep-alive."""
+    """HTTP/1.1 framing for one client connection: Content-Length bodies, keep-alive.
 
-    def __init__(self, server: LookupServer) -> None:
+    One timer per connection enforces whichever deadline applies now (idle, head, body,
+    unread replies, lingering close). Moving a deadline later only records it; the timer,
+    when it fires early, re-arms itself for the recorded deadline. So the common request,
+    complete in one read, costs no timer call.
+    """
+
+    def __init__(self, server: LookupServer, loop: asyncio.AbstractEventLoop) -> None:
         self.server = server
+        self.config = server.config
+        self.loop = loop
         self.buffer = bytearray()
         self.transport: asyncio.Transport | None = None
+        # The parsed head of the request whose body is arriving:
+        # (method, path, keep-alive, body start, frame end).
+        self.head: tuple[str, str, bool, int, int] | None = None
+        # Bytes of the server's memory budget this connection holds (requests, replies).
+        self.charged = 0
+        self.write_charged = 0
+        self.reading_paused = False
+        self.writing_paused = False
+        self.turn_scheduled = False
+        self.saw_eof = False
+        # After an error reply: the bytes still arriving are dropped until the client closes.
+        self.discarding = False
+        # Closing (or closed, or discarding): no more requests are answered.
+        self.closing = False
+        # Deadlines (loop time) of the request in progress, set once per request.
+        self.head_deadline: float | None = None
+        self.body_deadline: float | None = None
+        self.deadline = 0.0
+        self.deadline_reason = "idle"
+        self.timer: asyncio.TimerHandle | None = None
+        self.timer_at = 0.0
+
+    # --- asyncio callbacks --------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.transport.set_write_buffer_limits(WRITE_HIGH_WATER, WRITE_LOW_WATER)
+        self.server.connections.add(self)
+        self._arm(self.loop.time() + self.config.idle_timeout_s, "idle")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.connections.discard(self)
+        self._set_charge(0)
+        self._set_write_charge(0)
+        self.buffer = bytearray()
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.transport = None
+        self.closing = True
 
     def data_received(self, data: bytes) -> None:
-        self.buffer += data
-        while self.transport is not None and not self.transport.is_closing():
+        if self.discarding:
+            return
+        buffer = self.buffer
+        buffer += data
+        # The charge covers the buffer, or the whole frame once its head is parsed.
+        if len(buffer) > self.charged and not self._charge(
+            len(buffer), self.config.max_buffer_bytes
+        ):
+            return
+        self._serve_turn()
+
+    def eof_received(self) -> bool:
+        self.saw_eof = True
+        if self.closing or not self.buffer:
+            self.closing = True
+            return False  # close
+        # Half-closed after pipelining: answer what is buffered, then close.
+        self._schedule_turn()
+        return True
+
+    def pause_writing(self) -> None:
+        self.writing_paused = True
+        self._pause_reading()
+        assert self.transport is not None
+        self._set_write_charge(self.transport.get_write_buffer_size())
+        self._arm(self.loop.time() + self.config.write_timeout_s, "write")
+
+    def resume_writing(self) -> None:
+        self.writing_paused = False
+        self._set_write_charge(0)
+        if not self.discarding:
+            self._schedule_turn()
+
+    # --- serving ------------------------------------------------------------------------
+
+    def _serve_turn(self) -> None:
+        """Answer up to `requests_per_turn` buffered requests, then let others have a turn."""
+        for _ in range(self.config.requests_per_turn):
+            if self.closing or self.writing_paused:
+                return  # resume_writing schedules the next turn
             if not self._answer_one():
-                return
+                break
+        else:
+            # More may be buffered: answer it after the other connections had their turn.
+            self._schedule_turn()
+            self._arm(self.loop.time() + self.config.idle_timeout_s, "idle")
+            return
+        if self.closing:
+            return
+        head = self.head
+        # Release what the answered requests held (inline: this runs once per request).
+        charge = head[4] if head is not None else len(self.buffer)
+        self.server.buffered_bytes += charge - self.charged
+        self.charged = charge
+        if self.saw_eof:
+            self._close()  # the client is done sending and no complete request is left
+            return
+        if self.reading_paused and not self.writing_paused:
+            self.reading_paused = False
+            self.transport.resume_reading()  # type: ignore[union-attr]
+        now = self.loop.time()
+        if head is not None:
+            if self.body_deadline is None:
+                self.body_deadline = now + self.config.body_timeout_s
+            self._arm(self.body_deadline, "body")
+        elif self.buffer:
+            if self.head_deadline is None:
+                self.head_deadline = now + self.config.header_timeout_s
+            self._arm(self.head_deadline, "header")
+        else:
+            deadline = now + self.config.idle_timeout_s
+            if self.timer is not None and deadline >= self.timer_at:
+                self.deadline, self.deadline_reason = deadline, "idle"  # _arm's common case
+            else:
+                self._arm(deadline, "idle")
+
+    def _schedule_turn(self) -> None:
+        self._pause_reading()
+        if not self.turn_scheduled:
+            self.turn_scheduled = True
+            self.loop.call_soon(self._next_turn)
+
+    def _next_turn(self) -> None:
+        self.turn_scheduled = False
+        self._serve_turn()
+
+    def _pause_reading(self) -> None:
+        if not self.reading_paused and self.transport is not None:
+            if not self.closing:
+                self.transport.pause_reading()
+            self.reading_paused = True
 
     def _answer_one(self) -> bool:
         """Answer one complete request from the buffer; False when more bytes are needed."""
-        head_end = self.buffer.find(b"\r\n\r\n")
-        if head_end < 0:
-            if len(self.buffer) > MAX_HEADER_BYTES:
-                self._fail(_HttpError(413, f"request head over {MAX_HEADER_BYTES} bytes"))
+        buffer = self.buffer
+        head = self.head
+        if head is None:
+            head_end = buffer.find(b"\r\n\r\n", 0, MAX_HEADER_BYTES)
+            try:
+                if head_end < 0:
+                    _check_partial_head(buffer)
+                    return False
+                method, path, length, keep_alive = _parse_head(bytes(buffer[:head_end]))
+                limit = self.config.limits.max_body_bytes
+                if length > limit:
+                    raise _HttpError(413, f"body of {length} bytes exceeds {limit}")
+            except _HttpError as error:
+                self._fail(error)
+                return False
+            end = head_end + 4 + length
+            if end > self.charged:
+                budget = self.config.max_buffer_bytes
+                if length > SMALL_BODY_BYTES:
+                    budget -= budget // 8
+                if not self._charge(max(end, len(buffer)), budget):
+                    return False
+            head = self.head = (method, path, keep_alive, head_end + 4, end)
+        method, path, keep_alive, start, end = head
+        if len(buffer) < end:
             return False
-        try:
-            method, path, length, keep_alive = _parse_head(bytes(self.buffer[:head_end]))
-            if length > self.server.config.limits.max_body_bytes:
-                raise _HttpError(
-                    413,
-                    f"body of {length} bytes exceeds {self.server.config.limits.max_body_bytes}",
-                )
-        except _HttpError as error:
-            self._fail(error)
-            return False
-        end = head_end + 4 + length
-        if len(self.buffer) < end:
-            return False
-        body = bytes(self.buffer[head_end + 4 : end])
-        del self.buffer[:end]
+        body = bytes(buffer[start:end]) if end - start < 4096 else _copy(buffer, start, end)
+        del buffer[:end]
+        self.head = None
+        self.head_deadline = self.body_deadline = None
         self._respond(method, path, body, keep_alive)
         return True
 
@@ -223,47 +437,192 @@ class _Connection(asyncio.Protocol):
             status, content_type, payload = self.server.handle(method, path, body)
         except _HttpError as error:
             status, content_type, payload = error.status, "text/plain", f"{error}\n".encode()
-        except Exception:  # a bug must cost one reply, never the server
-            log.exception("lookup server: internal error on %s %s", method, path)
+        except Exception as error:  # a bug must cost one reply, never the server
+            # The request line and the error text are the client's: escaped, one line each.
+            log.error(
+                "lookup server: internal error on %s %s: %s\n%s",
+                log_text(method),
+                log_text(path),
+                log_text(repr(error)),
+                "".join(traceback.format_tb(error.__traceback__)).rstrip(),
+            )
             status, content_type, payload = 500, "text/plain", b"internal error\n"
         self._write(status, content_type, payload, keep_alive)
+        if not keep_alive:
+            self._close()
 
-    def _fail(self, error: _HttpError) -> None:
-        """Broken framing: answer, then close, since the stream cannot be resynchronised."""
-        self.server.metrics.count_error("bad_http")
-        self._write(error.status, "text/plain", f"{error}\n".encode(), keep_alive=False)
+    def _fail(self, error: _HttpError, extra_headers: str = "") -> None:
+        """Broken framing, a timeout or no memory: answer, then close (after a linger)."""
+        self.server.metrics.count_error(error.code)
+        self._write(error.status, "text/plain", f"{error}\n".encode(), False, extra_headers)
+        self._close_after_reply()
 
-    def _write(self, status: int, content_type: str, payload: bytes, keep_alive: bool) -> None:
+    def _write(
+        self,
+        status: int,
+        content_type: str,
+        payload: bytes,
+        keep_alive: bool,
+        extra_headers: str = "",
+    ) -> None:
         assert self.transport is not None
         close = "" if keep_alive else "Connection: close\r\n"
         head = (
             f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\n"
-            f"Content-Type: {content_type}\r\nContent-Length: {len(payload)}\r\n{close}\r\n"
+            f"Content-Type: {content_type}\r\nContent-Length: {len(payload)}\r\n"
+            f"{close}{extra_headers}\r\n"
         )
         self.transport.write(head.encode() + payload)
-        if not keep_alive:
-            self.transport.close()
+
+    # --- memory budget ------------------------------------------------------------------
+
+    def _charge(self, needed: int, budget: int) -> bool:
+        """Hold `needed` bytes of the budget; False (503 sent) when that would exceed `budget`."""
+        server = self.server
+        in_use = server.buffered_bytes - self.charged
+        if in_use + needed <= budget:
+            server.buffered_bytes = in_use + needed
+            self.charged = needed
+            return True
+        limit = self.config.max_buffer_bytes
+        self._fail(
+            _HttpError(
+                503,
+                f"server busy: this request needs {needed} bytes of buffer and {in_use} of the "
+                f"server's {limit}-byte request memory budget (--max-buffer-bytes) are in use; "
+                "retry shortly",
+                code="memory_budget",
+            ),
+            "Retry-After: 1\r\n",
+        )
+        return False
+
+    def _set_charge(self, num_bytes: int) -> None:
+        self.server.buffered_bytes += num_bytes - self.charged
+        self.charged = num_bytes
+
+    def _set_write_charge(self, num_bytes: int) -> None:
+        """Unread replies count against the budget while the client is over the high-water mark."""
+        self.server.buffered_bytes += num_bytes - self.write_charged
+        self.write_charged = num_bytes
+
+    # --- deadlines and closing ------------------------------------------------------------
+
+    def _arm(self, deadline: float, reason: str) -> None:
+        self.deadline, self.deadline_reason = deadline, reason
+        if self.timer is None or deadline < self.timer_at:
+            if self.timer is not None:
+                self.timer.cancel()
+            self.timer = self.loop.call_at(deadline, self._on_timer)
+            self.timer_at = deadline
+
+    def _on_timer(self) -> None:
+        self.timer = None
+        if self.transport is None:
+            return
+        if self.loop.time() < self.deadline:
+            self._arm(self.deadline, self.deadline_reason)  # moved later meanwhile
+            return
+        reason = self.deadline_reason
+        if reason == "idle":
+            self._close()
+        elif reason in ("header", "body"):
+            what, seconds = (
+                ("request head", self.config.header_timeout_s)
+                if reason == "header"
+                else ("request body", self.config.body_timeout_s)
+            )
+            self._fail(
+                _HttpError(408, f"{what} not complete within {seconds:g} s", f"{reason}_timeout")
+            )
+        else:  # "write": replies unread for write_timeout_s; "linger": closing took too long
+            if reason == "write":
+                self.server.metrics.count_error("write_timeout")
+            self.abort()
+
+    def _close(self) -> None:
+        """Close once the replies are written; abort if that takes longer than LINGER_S."""
+        assert self.transport is not None
+        self._release()
+        self.closing = True
+        self.transport.close()
+        self._arm(self.loop.time() + LINGER_S, "linger")
+
+    def _close_after_reply(self) -> None:
+        """After an error reply: stop sending, drop what still arrives, then close.
+
+        Closing at once with unread bytes in the socket would send the client a reset,
+        which can destroy the reply before the client reads it.
+        """
+        assert self.transport is not None
+        self._release()
+        self.discarding = self.closing = True
+        if not self.transport.can_write_eof():
+            self._close()
+            return
+        self.transport.write_eof()
+        if self.reading_paused:
+            self.reading_paused = False
+            self.transport.resume_reading()
+        self._arm(self.loop.time() + LINGER_S, "linger")
+
+    def _release(self) -> None:
+        self.buffer = bytearray()
+        self.head = None
+        self._set_charge(0)
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self._release()
+            self.closing = True
+            self.transport.abort()
+
+
+def _copy(buffer: bytearray, start: int, end: int) -> bytes:
+    """buffer[start:end] as bytes in one copy (slicing the bytearray first copies twice)."""
+    with memoryview(buffer) as view:
+        return bytes(view[start:end])
+
+
+def _check_partial_head(buffer: bytearray) -> None:
+    """Errors an incomplete head already shows: too long, or bare CR/LF line endings."""
+    if len(buffer) >= MAX_HEADER_BYTES:
+        raise _HttpError(413, f"request head over {MAX_HEADER_BYTES} bytes", "bad_http")
+    # A CR at the very end may be the start of a CRLF still on its way.
+    _check_line_endings(bytes(buffer[:-1] if buffer.endswith(b"\r") else buffer))
+
+
+def _check_line_endings(head: bytes, num_crlf: int | None = None) -> None:
+    if num_crlf is None:
+        num_crlf = head.count(b"\r\n")
+    if head.count(b"\n") != num_crlf or head.count(b"\r") != num_crlf:
+        raise _HttpError(400, "request head lines must end with CRLF (\\r\\n), not a bare LF or CR")
 
 
 def _parse_head(head: bytes) -> tuple[str, str, int, bool]:
     """(method, path, content length, keep-alive) of a request head."""
     lines = head.split(b"\r\n")
+    _check_line_endings(head, len(lines) - 1)
     parts = lines[0].split(b" ")
     if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
         raise _HttpError(400, "expected a request line 'METHOD PATH HTTP/1.1'")
-    length, keep_alive = 0, parts[2] == b"HTTP/1.1"
+    length, keep_alive = None, parts[2] == b"HTTP/1.1"
     for line in lines[1:]:
         name, sep, value = line.partition(b":")
         if not sep:
             raise _HttpError(400, "malformed header line")
         name = name.strip().lower()
         if name == b"content-length":
-            length = _content_length(value)
+            value_length = _content_length(value)
+            if length is not None and value_length != length:
+                raise _HttpError(400, "Content-Length: repeated with different values")
+            length = value_length
         elif name == b"connection":
             keep_alive = value.strip().lower() != b"close"
         elif name == b"transfer-encoding":
             raise _HttpError(400, "chunked bodies are not supported; send Content-Length")
-    return parts[0].decode("latin-1"), parts[1].decode("latin-1").split("?")[0], length, keep_alive
+    method, path = parts[0].decode("latin-1"), parts[1].decode("latin-1").split("?")[0]
+    return method, path, length or 0, keep_alive
 
 
 def _content_length(value: bytes) -> int:

@@ -169,6 +169,12 @@ def name_field(message: Mapping, field: str, limits: Limits, optional: bool = Fa
         raise WireError(
             "bad_request", f"{field}: expected a string of 1..{limits.max_name_chars} characters"
         )
+    if not value.isprintable():
+        # Pod names and model ids reach log lines: no newline or other control character.
+        raise WireError(
+            "bad_request",
+            f"{field}: control characters (newline, tab, ...) are not allowed, got {value!a}",
+        )
     return value
 
 

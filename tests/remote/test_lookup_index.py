@@ -1,5 +1,8 @@
 """The segment index alone: capacity, LRU, pods' locations, heartbeats and resync."""
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from holeblend_runtime.lookup_server.index import IndexLimits, SegmentIndex
 from holeblend_runtime.lookup_server.wire import Entry
 
@@ -83,3 +86,61 @@ def test_silent_pods_are_dropped_and_shared_copies_outlive_them():
         [5, False, ["alive"]],
     ]
     assert index.num_pods == 1
+
+
+_keys = st.sampled_from([f"k{i}" for i in range(8)])
+_pods = st.sampled_from(["p0", "p1", "p2"])
+_operations = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("admit"),
+            _pods,
+            st.lists(st.tuples(_keys, st.booleans(), st.integers(1, 20)), max_size=5),
+        ),
+        st.tuples(st.just("evict"), _pods, st.lists(_keys, max_size=4), st.booleans()),
+        st.tuples(
+            st.just("resync"),
+            _pods,
+            st.lists(st.tuples(_keys, st.booleans(), st.integers(1, 20)), max_size=5),
+            st.booleans(),
+        ),
+        st.tuples(st.just("forget"), _pods),
+        st.tuples(st.just("heartbeat"), _pods),
+        st.tuples(st.just("tick"), st.floats(0, 6)),
+        st.tuples(st.just("lookup"), st.lists(_keys, max_size=4)),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(operations=_operations, max_entries=st.integers(1, 10), max_bytes=st.integers(1, 100))
+def test_the_maintained_counts_match_a_full_count_after_any_operations(
+    operations, max_entries, max_bytes
+):
+    clock = Clock()
+    index = SegmentIndex(IndexLimits(max_entries, max_bytes, pod_timeout_s=5), clock=clock)
+    for operation in operations:
+        kind, *args = operation
+        if kind in ("admit", "resync"):
+            entries = [entry(key, num_bytes, shared) for key, shared, num_bytes in args[1]]
+            if kind == "admit":
+                index.admit(args[0], entries)
+            else:
+                index.resync(args[0], entries, args[2])
+        elif kind == "evict":
+            index.evict(args[0], args[1], args[2])
+        elif kind == "forget":
+            index.forget_pod(args[0])
+        elif kind == "heartbeat":
+            index.heartbeat(args[0])
+        elif kind == "tick":
+            clock.now += args[0]
+            index.drop_silent_pods()
+        else:
+            index.lookup(args[0])
+        stats = index.stats()
+        values = list(index._entries.values())
+        assert stats["shared_entries"] == sum(value.shared for value in values)
+        assert stats["bytes"] == sum(value.num_bytes for value in values)
+        assert stats["entries"] == len(values) <= max_entries
