@@ -1,8 +1,9 @@
 """The shared KV tier's names, agreed by the operator (renders) and the runtime (connects).
 
 - URL: `redis://`, `rediss://` (TLS), `valkey://` or `valkeys://` (TLS), host, port and
-  database, optionally a user name; never a password, because the URL sits in a
-  ConfigMap. The password comes from a Secret, as the env var `PASSWORD_ENV`.
+  database, optionally a user name; never a password, a credential in the query
+  (`?password=`) or a fragment, because the URL sits in a ConfigMap. The password comes
+  from a Secret, as the env var `PASSWORD_ENV`.
 - Keys: `holeblend:{namespace}/{name}:kv:v{format}:{segment key}`, one per segment, so
   several BlendDeployments can share one Redis and a new blob format never reads an
   old blob. The runtime learns `{namespace}/{name}` from `DEPLOYMENT_ENV`.
@@ -14,6 +15,7 @@
 
 from __future__ import annotations
 
+import re
 from urllib.parse import urlsplit
 
 SCHEMES = ("redis", "rediss", "valkey", "valkeys")
@@ -24,6 +26,11 @@ DEPLOYMENT_ENV = "HOLEBLEND_DEPLOYMENT"
 # Env var with the ACL user the engine pods connect as (`acl_user`).
 USER_ENV = "HOLEBLEND_SHARED_TIER_USER"
 KEY_ROOT = "holeblend"
+# redis-py's from_url passes every query parameter to the connection, over the password the
+# runtime gives it (?password=, ?username=, ?ssl_password=): a parameter whose name holds
+# one of these words (any case), or is percent-encoded (names are decoded), is refused. The
+# CRD's CEL rule uses the same pattern (RE2 and Python's re read it alike).
+CREDENTIAL_QUERY_PATTERN = r"[?&][^=&]*(?i:pass|user|auth|token|secret|cred|%)"
 # What the runtime sends: AUTH/HELLO (always allowed), SELECT (a database other than 0),
 # PING, GET, SET, DEL, UNLINK, EXISTS. (redis-py's CLIENT SETINFO on connect may be
 # refused: it ignores the error, and Redis before 7.2 has no such command to allow.)
@@ -48,6 +55,19 @@ def check_shared_url(url: str, field: str = "spec.blend.kv.sharedUrl") -> str:
         raise ValueError(
             f"{field}: the URL carries a password, which would be stored in a ConfigMap; "
             "remove it from the URL and reference a Secret key in "
+            "spec.blend.kv.sharedPasswordSecret instead"
+        )
+    if "#" in url:
+        raise ValueError(
+            f"{field}: the URL has a '#' fragment, which a store URL never uses and which "
+            "would be stored in a ConfigMap; remove it (a password belongs in a Secret key "
+            "referenced by spec.blend.kv.sharedPasswordSecret)"
+        )
+    if re.search(CREDENTIAL_QUERY_PATTERN, url):
+        raise ValueError(
+            f"{field}: the URL's query carries a credential (a parameter named like password, "
+            "username or token), which would be stored in a ConfigMap and win over the "
+            "Secret; remove it from the URL and reference a Secret key in "
             "spec.blend.kv.sharedPasswordSecret instead"
         )
     del port  # parsed only to reject a malformed port

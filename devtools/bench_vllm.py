@@ -48,7 +48,7 @@ def summarize(baseline: dict, connector: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--num-questions", type=int, default=3)
     parser.add_argument("--num-documents", type=int, default=12)
     parser.add_argument("--ratio", default="0.15")

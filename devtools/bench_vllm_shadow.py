@@ -37,7 +37,7 @@ ORDER = ("off", "on", "on", "off")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--requests", type=int, default=30, help="per run (two runs per arm)")
     parser.add_argument("--load", type=float, default=0.6, help="arrival rate / service rate")

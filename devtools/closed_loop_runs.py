@@ -249,7 +249,7 @@ def _epoch(text: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--json", default="out/closed-loop.json")
     parser.add_argument("--png", default="out/closed-loop.png")
     parser.add_argument("--target", type=float, default=None, help="default: from the sweep")

@@ -290,7 +290,7 @@ def load(path: Path) -> tuple[Workload, Workload, dict]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument(
         "--scores",
         type=Path,

@@ -35,7 +35,7 @@ KUBECTL = shutil.which("kubectl") or "/usr/bin/kubectl"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds to wait for Ready")
     parser.add_argument("--stream-seconds", type=float, default=90.0, help="RAG stream length")
     parser.add_argument("--png", default="out/demo-closed-loop.png")

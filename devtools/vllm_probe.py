@@ -335,7 +335,7 @@ def connector_metrics() -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--connector", action="store_true")
     parser.add_argument("--work-dir", type=Path, required=True)
     parser.add_argument("--ratios", default="1.0")

@@ -4,9 +4,10 @@ The CRD (`holeblend-operator crd`), the chart's CRD and docs/api.md are generate
 models. Field names are camelCase on the wire (aliases) and snake_case in Python.
 """
 
+import math
 import re
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, NamedTuple, get_args
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -18,6 +19,7 @@ from pydantic import (
     ValidationInfo,
     WithJsonSchema,
     field_validator,
+    model_validator,
 )
 from pydantic.alias_generators import to_camel
 
@@ -29,7 +31,7 @@ from holeblend_contract.blend_settings import (
     Selection,
     StorePolicy,
 )
-from holeblend_contract.shared_tier import check_shared_url
+from holeblend_contract.shared_tier import CREDENTIAL_QUERY_PATTERN, check_shared_url
 from holeblend_operator import host_paths, reserved
 from holeblend_operator.cel import CelRule, cel_schema_extra, cel_validator
 from holeblend_operator.quantity import quantity_bytes, quantity_value
@@ -49,8 +51,20 @@ DEFAULT_RESOURCE_NAMES = {"ascend": "huawei.com/Ascend910", "nvidia": "nvidia.co
 PATTERN_MEANINGS: dict[str, str] = {}
 
 
-def _matching(pattern: str, what: str, max_length: int | None = None):
-    """A string type checked against `pattern`, with a message that says what is expected."""
+class StringRule(NamedTuple):
+    """A rule a regular expression cannot say, on one string: CEL over `self` for the CRD
+    (on map keys the generator rewrites it over each key), the same check in Python."""
+
+    cel: str
+    check: Any  # Callable[[str], bool]
+    message: str
+
+
+def _matching(
+    pattern: str, what: str, max_length: int | None = None, rules: tuple[StringRule, ...] = ()
+):
+    """A string type checked against `pattern` (and `rules`), with a message that says what
+    is expected."""
     regex = re.compile(pattern)
     PATTERN_MEANINGS[f"^{pattern}$"] = what
 
@@ -59,10 +73,15 @@ def _matching(pattern: str, what: str, max_length: int | None = None):
             raise ValueError(f"{value!r} is longer than {max_length} characters; shorten it")
         if not regex.fullmatch(value):
             raise ValueError(f"{value!r} is not {what}")
+        for rule in rules:
+            if not rule.check(value):
+                raise ValueError(f"{value!r}: {rule.message}")
         return value
 
     # Anchored: the API server's `pattern` is a search, pydantic's check a full match.
     schema = {"pattern": f"^{pattern}$"} | ({"maxLength": max_length} if max_length else {})
+    if rules:
+        schema["x-kubernetes-validations"] = [{"rule": r.cel, "message": r.message} for r in rules]
     return Annotated[str, AfterValidator(check), Field(json_schema_extra=schema)]
 
 
@@ -71,29 +90,94 @@ DNS_SUBDOMAIN = rf"{DNS_LABEL}(\.{DNS_LABEL})*"
 # At most 63 characters: the name part of label keys, annotation keys and resource names.
 LABEL_NAME = r"([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9]"
 INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+# Annotation keys are qualified names once lower-cased (ValidateAnnotations in
+# k8s.io/apimachinery/pkg/api/validation/objectmeta.go): their prefix may have upper case.
+DNS_LABEL_ANY_CASE = r"[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?"
+DNS_SUBDOMAIN_ANY_CASE = rf"{DNS_LABEL_ANY_CASE}(\.{DNS_LABEL_ANY_CASE})*"
+
+# IsQualifiedName (k8s.io/apimachinery/pkg/api/validate/content/kube.go, IsLabelKey): the
+# prefix is a DNS-1123 subdomain, so at most 253 characters; a pattern cannot count it.
+_PREFIX_AT_MOST_253 = StringRule(
+    cel="!self.contains('/') || self.matches('^[^/]{1,253}/')",
+    check=lambda key: "/" not in key or len(key.split("/", 1)[0]) <= 253,
+    message="the prefix before '/' must be at most 253 characters (a DNS subdomain)",
+)
+# hasChDirPrefix in k8s.io/apimachinery/pkg/util/validation/validation.go, applied by
+# IsEnvVarName (env names) and IsConfigMapKey (Secret and ConfigMap keys).
+_NOT_DOT_OR_DOT_DOT = StringRule(
+    cel="self != '.' && !self.startsWith('..')",
+    check=lambda name: name != "." and not name.startswith(".."),
+    message="must not be '.' or '..' or start with '..'",
+)
 
 AbsolutePath = _matching(r"/.*", "an absolute path like /data/models", max_length=4096)
 StoreUrl = _matching(
     r"[a-z][a-z0-9+.-]*://.+", "a URL like redis://kv-cache:6379/0", max_length=2048
 )
 HttpUrl = _matching(r"https?://.+", "an http(s) URL like http://prometheus:9090", max_length=2048)
+# IsExtendedResourceName (pkg/apis/core/helper/helpers.go) wants "requests." + the name to
+# be a qualified name: the prefix of an extended resource is at most 253 - 9 characters.
+_EXTENDED_PREFIX_AT_MOST_244 = StringRule(
+    cel="!self.contains('/') || self.matches('^[^/]{1,244}/')",
+    check=lambda name: "/" not in name or len(name.split("/", 1)[0]) <= 244,
+    message="the prefix before '/' must be at most 244 characters (an extended resource name)",
+)
 ResourceName = _matching(
     rf"{DNS_SUBDOMAIN}/{LABEL_NAME}",
     "an extended resource name like 'huawei.com/Ascend910' or 'nvidia.com/gpu'",
     max_length=253,
+    rules=(_EXTENDED_PREFIX_AT_MOST_244,),
 )
 LabelKey = _matching(
     rf"({DNS_SUBDOMAIN}/)?{LABEL_NAME}",
     "a label key ('name' or 'prefix.example.com/name', letters, digits, '-', '_', '.')",
     max_length=317,
+    rules=(_PREFIX_AT_MOST_253,),
+)
+AnnotationKey = _matching(
+    rf"({DNS_SUBDOMAIN_ANY_CASE}/)?{LABEL_NAME}",
+    "an annotation key ('name' or 'prefix.example.com/name', letters, digits, '-', '_', '.')",
+    max_length=317,
+    rules=(_PREFIX_AT_MOST_253,),
+)
+# A toleration's key may be empty (with operator Exists: every taint), ValidateTolerations in
+# pkg/apis/core/validation/validation.go; otherwise a qualified name.
+TolerationKey = _matching(
+    rf"(({DNS_SUBDOMAIN}/)?{LABEL_NAME})?",
+    "a taint key ('name' or 'prefix.example.com/name'), or '' with operator Exists",
+    max_length=317,
+    rules=(_PREFIX_AT_MOST_253,),
 )
 LabelValue = _matching(
     rf"({LABEL_NAME})?",
     "a label value (at most 63 letters, digits, '-', '_', '.'; starting and ending alphanumeric)",
     max_length=63,
 )
+# IsEnvVarName (k8s.io/apimachinery/pkg/util/validation/validation.go), as the API server
+# applies it without the RelaxedEnvironmentVariableValidation gate: the names every
+# supported version accepts.
 EnvName = _matching(
-    r"[-._a-zA-Z][-._a-zA-Z0-9]*", "an environment variable name like 'HF_HOME'", max_length=128
+    r"[-._a-zA-Z][-._a-zA-Z0-9]*",
+    "an environment variable name like 'HF_HOME'",
+    max_length=128,
+    rules=(_NOT_DOT_OR_DOT_DOT,),
+)
+# IsConfigMapKey (same file): the key of a Secret or ConfigMap a pod references.
+ConfigMapKey = _matching(
+    r"[-._a-zA-Z0-9]+",
+    "a Secret key (letters, digits, '-', '_', '.')",
+    max_length=253,
+    rules=(_NOT_DOT_OR_DOT_DOT,),
+)
+# What Go's strings.TrimSpace trims (unicode.IsSpace): the API server refuses an image with
+# any of it at either end (validateContainerCommon in pkg/apis/core/validation/validation.go:
+# "must not have leading or trailing whitespace").
+_GO_SPACE = "\t\n\v\f\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+Image = _matching(
+    rf"[^{_GO_SPACE}]([\s\S]*[^{_GO_SPACE}])?",
+    "a container image like 'registry.example.com/vllm:0.9' without leading or trailing whitespace",
+    max_length=512,
 )
 AnnotationValue = Annotated[str, Field(max_length=4096)]
 NetworkInterface = _matching(
@@ -108,6 +192,19 @@ QUANTITY_PATTERN = (
     r"\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?[0-9]{1,2}))?"
 )
 QUANTITY_MAX_LENGTH = 64
+
+
+def _wire_quantity(value: Any) -> Any:
+    # A JSON integer within int64, or an integral float (`2.0`, an integer to the API server:
+    # kube-openapi pkg/validation/validate/type.go, isFloatInt): a larger integer is read as a
+    # float that is no integer, so no int-or-string (see tests/operator/crd_validation.py).
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= INT64_MAX:
+        return str(value)
+    if _is_json_float_integer(value) and value >= 0:
+        return str(int(value))
+    return value
+
+
 # Kubernetes accepts `cpu: 2` as well as `cpu: "2"`: keep quantities as strings inside,
 # accept both on the wire.
 Quantity = Annotated[
@@ -116,9 +213,7 @@ Quantity = Annotated[
         "a non-negative Kubernetes quantity like '500m', '2', '16Gi'",
         max_length=QUANTITY_MAX_LENGTH,
     ),
-    BeforeValidator(
-        lambda v: str(v) if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else v
-    ),
+    BeforeValidator(lambda v: _wire_quantity(v)),
     WithJsonSchema(
         {
             "x-kubernetes-int-or-string": True,
@@ -132,6 +227,7 @@ ResourceKey = _matching(
     rf"(cpu|memory|ephemeral-storage|hugepages-[-A-Za-z0-9]+|{DNS_SUBDOMAIN}/{LABEL_NAME})",
     "a resource name: cpu, memory, ephemeral-storage or an extended resource like nvidia.com/gpu",
     max_length=253,
+    rules=(_EXTENDED_PREFIX_AT_MOST_244,),
 )
 ResourceList = Annotated[dict[ResourceKey, Quantity], Field(max_length=16)]
 
@@ -159,6 +255,58 @@ class ApiModel(BaseModel):
         # As typed as the CRD: "3" is not an integer and "yes" not a boolean, here as there.
         # Enum fields opt out (`strict=False`) so they take their string values.
         strict=True,
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _as_the_api_server_reads_it(cls, data: Any) -> Any:
+        """Nulls and integral floats as the API server takes them, before strict typing.
+
+        A null in a field that is not nullable (not `X | None`) is pruned and the field
+        defaulted (apiextensions-apiserver pkg/apiserver/schema/defaulting/prunenulls.go);
+        `2.0` in an integer field is the integer 2 (kube-openapi
+        pkg/validation/validate/type.go, isFloatInt: integral and at most 2**53).
+        """
+        if not isinstance(data, dict):
+            return data
+        fields = _wire_fields(cls)
+        out = {}
+        for key, value in data.items():
+            annotation = fields.get(key)
+            if annotation is not None and value is None and not _admits_none(annotation):
+                continue
+            if annotation is not None and _is_json_float_integer(value) and _is_int(annotation):
+                value = int(value)
+            out[key] = value
+        return out
+
+
+def _wire_fields(model: type[BaseModel]) -> dict[str, Any]:
+    if model not in _WIRE_FIELDS:
+        fields = {}
+        for name, info in model.model_fields.items():
+            fields[name] = fields[info.alias or name] = info.annotation
+        _WIRE_FIELDS[model] = fields
+    return _WIRE_FIELDS[model]
+
+
+_WIRE_FIELDS: dict[type, dict[str, Any]] = {}
+
+
+def _admits_none(annotation: Any) -> bool:
+    return annotation is None or type(None) in get_args(annotation)
+
+
+def _is_int(annotation: Any) -> bool:
+    return annotation is int or (int in get_args(annotation) and bool not in get_args(annotation))
+
+
+def _is_json_float_integer(value: Any) -> bool:
+    return (
+        isinstance(value, float)
+        and math.isfinite(value)
+        and value.is_integer()
+        and abs(value) <= 2**53
     )
 
 
@@ -210,13 +358,95 @@ _EXTENDED_IN_LIMITS = CelRule(
 )
 
 
+# What ValidateResourceRequirements (pkg/apis/core/validation/validation.go) checks beyond
+# the above, for both requests and limits:
+# - extended resources (a '/' in the name, not under kubernetes.io/: IsExtendedResourceName
+#   in pkg/apis/core/helper/helpers.go) are whole numbers (ValidateResourceQuantityValue,
+#   "must be an integer"); CEL's `isInteger()` also wants them within int64;
+# - hugepages-<size> quantities are whole multiples of the page size, which must be a
+#   positive whole quantity (validateResourceQuantityHugePageValue and
+#   IsHugePageResourceValueDivisible in pkg/apis/core/helper/helpers.go);
+# - hugepages need cpu or memory in requests or limits ("HugePages require cpu or memory").
+def _is_extended_name(name: str) -> bool:
+    return "/" in name and "kubernetes.io/" not in name
+
+
+def _is_whole(quantity: str) -> bool:
+    value = quantity_value(quantity)
+    return value == int(value) and abs(value) <= INT64_MAX
+
+
+def _hugepage_multiple(name: str, quantity: str) -> bool:
+    try:
+        page = quantity_value(name.removeprefix("hugepages-"))
+    except ValueError:
+        return False
+    if not (_is_whole(str(page)) and page > 0 and _is_whole(quantity)):
+        return False
+    return int(quantity_value(quantity)) % int(page) == 0
+
+
+def _all_sections(r, check) -> bool:
+    return all(
+        check(name, value) for section in (r.requests, r.limits) for name, value in section.items()
+    )
+
+
+_WHOLE_CEL = _QUANTITY_CEL + ".isInteger()"
+_PAGE_CEL = "quantity(k.substring(10))"
+_EXTENDED_WHOLE = CelRule(
+    rule=" && ".join(
+        f"(!has(self.{section}) || self.{section}.all(k, !k.contains('/') || "
+        f"k.contains('kubernetes.io/') || {_WHOLE_CEL.format(f'self.{section}[k]')}))"
+        for section in ("requests", "limits")
+    ),
+    message="extended resources (like nvidia.com/gpu) are whole numbers; use e.g. '1', not '0.5'",
+    check=lambda r: _all_sections(
+        r, lambda name, value: not _is_extended_name(name) or _is_whole(value)
+    ),
+    field_path=".limits",
+)
+_HUGEPAGES_WHOLE_PAGES = CelRule(
+    rule=" && ".join(
+        f"(!has(self.{section}) || self.{section}.all(k, !k.startsWith('hugepages-') || "
+        f"(isQuantity(k.substring(10)) && {_PAGE_CEL}.isInteger() && "
+        f"{_PAGE_CEL}.asInteger() > 0 && {_WHOLE_CEL.format(f'self.{section}[k]')} && "
+        f"{_QUANTITY_CEL.format(f'self.{section}[k]')}.asInteger() % {_PAGE_CEL}.asInteger() == 0)))"
+        for section in ("requests", "limits")
+    ),
+    message="hugepages-<size> must be a whole multiple of its page size (e.g. hugepages-2Mi: "
+    "4Mi, not 3Mi), with a page size like 2Mi or 1Gi",
+    check=lambda r: _all_sections(
+        r,
+        lambda name, value: not name.startswith("hugepages-") or _hugepage_multiple(name, value),
+    ),
+    field_path=".limits",
+)
+_HUGEPAGES_NEED_CPU_OR_MEMORY = CelRule(
+    rule="!((has(self.requests) && self.requests.exists(k, k.startsWith('hugepages-'))) || "
+    "(has(self.limits) && self.limits.exists(k, k.startsWith('hugepages-')))) || "
+    "(has(self.requests) && ('cpu' in self.requests || 'memory' in self.requests)) || "
+    "(has(self.limits) && ('cpu' in self.limits || 'memory' in self.limits))",
+    message="hugepages need a cpu or memory request or limit too; add e.g. memory to limits",
+    check=lambda r: (
+        not any(n.startswith("hugepages-") for n in [*r.requests, *r.limits])
+        or any(n in ("cpu", "memory") for n in [*r.requests, *r.limits])
+    ),
+)
+_RESOURCE_RULES = (
+    _REQUESTS_WITHIN_LIMITS,
+    _EXTENDED_IN_LIMITS,
+    _EXTENDED_WHOLE,
+    _HUGEPAGES_WHOLE_PAGES,
+    _HUGEPAGES_NEED_CPU_OR_MEMORY,
+)
+
+
 class Resources(ApiModel):
     """CPU, memory and device requests and limits of a container."""
 
-    model_config = ConfigDict(
-        json_schema_extra=cel_schema_extra(_REQUESTS_WITHIN_LIMITS, _EXTENDED_IN_LIMITS)
-    )
-    check_rules = cel_validator(_REQUESTS_WITHIN_LIMITS, _EXTENDED_IN_LIMITS)
+    model_config = ConfigDict(json_schema_extra=cel_schema_extra(*_RESOURCE_RULES))
+    check_rules = cel_validator(*_RESOURCE_RULES)
 
     requests: ResourceList = Field(default_factory=dict)
     """Minimum resources the scheduler reserves, e.g. {cpu: '4', memory: 32Gi}."""
@@ -341,6 +571,12 @@ _NO_OPERATOR_KEYS = {
         }
     ]
 }
+_NO_OPERATOR_OR_SECURITY_KEYS = {
+    "x-kubernetes-validations": [
+        *_NO_OPERATOR_KEYS["x-kubernetes-validations"],
+        {"rule": reserved.DENIED_ANNOTATIONS_RULE, "message": reserved.DENIED_ANNOTATIONS_MESSAGE},
+    ]
+}
 
 
 _PORTS_DIFFER = CelRule(
@@ -351,13 +587,131 @@ _PORTS_DIFFER = CelRule(
 )
 
 
+# Well-known annotations the API server checks on a pod template
+# (ValidatePodSpecificAnnotations in pkg/apis/core/validation/validation.go) and on the pods
+# the Deployment creates (ValidatePodCreate, validateSeccompAnnotationsAndFields).
+MIRROR_POD_ANNOTATION = "kubernetes.io/config.mirror"
+TOLERATIONS_ANNOTATION = "scheduler.alpha.kubernetes.io/tolerations"
+DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
+SECCOMP_POD_ANNOTATION = "seccomp.security.alpha.kubernetes.io/pod"
+SECCOMP_CONTAINER_PREFIX = "container.seccomp.security.alpha.kubernetes.io/"
+APPARMOR_CONTAINER_PREFIX = "container.apparmor.security.beta.kubernetes.io/"
+# The engine pod's only container (render/engine.py names it).
+ENGINE_CONTAINER = "engine"
+
+
+def _annotation(key: str, cel: str) -> str:
+    """CEL: `cel` (over VALUE, the annotation's value) holds when podAnnotations has `key`."""
+    value = f"self.podAnnotations['{key}']"
+    return f"!has(self.podAnnotations) || !('{key}' in self.podAnnotations) || ({cel.replace('VALUE', value)})"
+
+
+def is_deletion_cost(value: str) -> bool:
+    """GetDeletionCostFromPodAnnotations (pkg/apis/core/helper/helpers.go): no '+', no
+    leading zero (but '-0..' is read), then strconv.ParseInt(value, 10, 32)."""
+    if not re.fullmatch(r"0|[1-9][0-9]*|-[0-9]+", value):
+        return False
+    return -(2**31) <= int(value) <= INT32_MAX
+
+
+def is_seccomp_profile(value: str) -> bool:
+    """ValidateSeccompProfile (pkg/apis/core/validation/validation.go): runtime/default,
+    docker/default, unconfined or localhost/<relative path without '..' elements>."""
+    if value in ("runtime/default", "docker/default", "unconfined"):
+        return True
+    path = value.removeprefix("localhost/")
+    return value != path and not path.startswith("/") and ".." not in path.split("/")
+
+
+def is_apparmor_profile(value: str) -> bool:
+    """ValidateProfileFormat (pkg/apis/core/validation/validation.go)."""
+    return value in ("", "runtime/default", "unconfined") or value.startswith("localhost/")
+
+
+_CEL_DELETION_COST = "VALUE.matches('^(0|[1-9][0-9]{0,9}|-0*[0-9]{1,10})$') && int(VALUE) >= -2147483648 && int(VALUE) <= 2147483647"
+_CEL_SECCOMP = (
+    "VALUE == 'runtime/default' || VALUE == 'docker/default' || VALUE == 'unconfined' || "
+    "(VALUE.startsWith('localhost/') && !VALUE.startsWith('localhost//') && "
+    "!VALUE.matches('(^|/)[.][.](/|$)'))"
+)
+_WELL_KNOWN_ANNOTATION_RULES = (
+    CelRule(
+        rule=f"!has(self.podAnnotations) || !('{MIRROR_POD_ANNOTATION}' in self.podAnnotations)",
+        message=f"engine.podAnnotations: {MIRROR_POD_ANNOTATION} marks static pods and needs "
+        "spec.nodeName, which Deployment pods never have; remove it",
+        check=lambda e: MIRROR_POD_ANNOTATION not in e.pod_annotations,
+        field_path=".podAnnotations",
+    ),
+    CelRule(
+        rule=_annotation(TOLERATIONS_ANNOTATION, "VALUE == ''"),
+        message=f"engine.podAnnotations: {TOLERATIONS_ANNOTATION} is the old form of "
+        "tolerations; set accelerator.tolerations instead",
+        check=lambda e: not e.pod_annotations.get(TOLERATIONS_ANNOTATION),
+        field_path=".podAnnotations",
+    ),
+    CelRule(
+        rule=_annotation(DELETION_COST_ANNOTATION, _CEL_DELETION_COST),
+        message=f"engine.podAnnotations: {DELETION_COST_ANNOTATION} must be a 32-bit integer "
+        "like '100' or '-5' (no '+', no leading zeros)",
+        check=lambda e: (
+            DELETION_COST_ANNOTATION not in e.pod_annotations
+            or is_deletion_cost(e.pod_annotations[DELETION_COST_ANNOTATION])
+        ),
+        field_path=".podAnnotations",
+    ),
+    CelRule(
+        rule=_annotation(
+            SECCOMP_POD_ANNOTATION, "VALUE == 'runtime/default' || VALUE == 'docker/default'"
+        ),
+        message=f"engine.podAnnotations: the engine pod's seccompProfile is RuntimeDefault and "
+        f"{SECCOMP_POD_ANNOTATION} must match it; use runtime/default or remove it",
+        check=lambda e: (
+            e.pod_annotations.get(SECCOMP_POD_ANNOTATION, "runtime/default")
+            in ("runtime/default", "docker/default")
+        ),
+        field_path=".podAnnotations",
+    ),
+    CelRule(
+        rule=f"!has(self.podAnnotations) || self.podAnnotations.all(k, "
+        f"!k.startsWith('{SECCOMP_CONTAINER_PREFIX}') || "
+        f"({_CEL_SECCOMP.replace('VALUE', 'self.podAnnotations[k]')}))",
+        message=f"engine.podAnnotations: {SECCOMP_CONTAINER_PREFIX}* must be runtime/default, "
+        "unconfined or localhost/<relative path without '..'>",
+        check=lambda e: all(
+            is_seccomp_profile(v)
+            for k, v in e.pod_annotations.items()
+            if k.startswith(SECCOMP_CONTAINER_PREFIX)
+        ),
+        field_path=".podAnnotations",
+    ),
+    CelRule(
+        rule=f"!has(self.podAnnotations) || self.podAnnotations.all(k, "
+        f"!k.startsWith('{APPARMOR_CONTAINER_PREFIX}') || "
+        f"(k == '{APPARMOR_CONTAINER_PREFIX}{ENGINE_CONTAINER}' && "
+        "(self.podAnnotations[k] in ['', 'runtime/default', 'unconfined'] || "
+        "self.podAnnotations[k].startsWith('localhost/'))))",
+        message=f"engine.podAnnotations: the engine pod's container is '{ENGINE_CONTAINER}', so "
+        f"the only AppArmor annotation is {APPARMOR_CONTAINER_PREFIX}{ENGINE_CONTAINER}, with "
+        "runtime/default, unconfined or localhost/<profile>",
+        check=lambda e: all(
+            k == APPARMOR_CONTAINER_PREFIX + ENGINE_CONTAINER and is_apparmor_profile(v)
+            for k, v in e.pod_annotations.items()
+            if k.startswith(APPARMOR_CONTAINER_PREFIX)
+        ),
+        field_path=".podAnnotations",
+    ),
+)
+
+
 class EngineSpec(ApiModel):
     """The vLLM engine pods that run the hole-mode blending runtime."""
 
-    model_config = ConfigDict(json_schema_extra=cel_schema_extra(_PORTS_DIFFER))
-    check_rules = cel_validator(_PORTS_DIFFER)
+    model_config = ConfigDict(
+        json_schema_extra=cel_schema_extra(_PORTS_DIFFER, *_WELL_KNOWN_ANNOTATION_RULES)
+    )
+    check_rules = cel_validator(_PORTS_DIFFER, *_WELL_KNOWN_ANNOTATION_RULES)
 
-    image: str | None = Field(default=None, min_length=1, max_length=512)
+    image: Image | None = None
     """Container image; a holeblend runtime image for the accelerator type when unset."""
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     """When the kubelet pulls the image."""
@@ -369,24 +723,24 @@ class EngineSpec(ApiModel):
         json_schema_extra=cel_schema_extra(
             CelRule(
                 rule=reserved.RESERVED_FLAGS_RULE,
-                message="extraArgs must not set flags the operator sets ("
-                + ", ".join(reserved.RESERVED_FLAGS)
-                + "); use their spec fields",
+                message=reserved.RESERVED_FLAGS_MESSAGE,
                 check=lambda args: reserved.reserved_flag_problem(args) is None,
             )
         ),
     )
-    """Extra `vllm serve` arguments, e.g. ['--enable-prefix-caching']; flags the operator
-    sets itself (--port, --tensor-parallel-size, ...) are refused with the field to use."""
+    """Extra `vllm serve` arguments (holeblend-serve flags on `accelerator.type: cpu`), e.g.
+    ['--max-num-seqs', '8', '--gpu-memory-utilization=0.85']. Flags the operator sets or the
+    blend needs (--port, --tensor-parallel-size, --enforce-eager, --enable-prefix-caching, ...)
+    are refused in every spelling vLLM reads: abbreviated (--por), with '_', with '=',
+    negated (--no-...) or as a dotted key (--kv-transfer-config.kv_role); the list is under
+    "Reserved flags" in docs/api.md."""
     env: list[EnvVar] = Field(
         default_factory=list,
         max_length=64,
         json_schema_extra=cel_schema_extra(
             CelRule(
                 rule=reserved.RESERVED_ENV_RULE,
-                message="env must not set variables the operator sets ("
-                + ", ".join(reserved.RESERVED_ENV)
-                + "); use their spec fields",
+                message=reserved.RESERVED_ENV_MESSAGE,
                 check=lambda env: True,
             ),
             CelRule(
@@ -396,8 +750,10 @@ class EngineSpec(ApiModel):
             ),
         ),
     )
-    """Extra environment variables of the engine container; names must be unique, and those
-    the operator sets (HOLEBLEND_CONFIG, *_VISIBLE_DEVICES, ...) are refused."""
+    """Extra environment variables of the engine container; names must be unique. Those the
+    operator sets (*_VISIBLE_DEVICES, HOME, ...) and every HOLEBLEND_* variable except
+    HOLEBLEND_ENGINE_URL, HOLEBLEND_ATTENTION, HOLEBLEND_CACHE_DIR and HOLEBLEND_SERVE_* are
+    refused."""
     resources: Resources = Field(default_factory=Resources)
     """CPU and memory; accelerator devices are added from `accelerator`."""
     port: int = Field(default=8000, ge=1, le=65535)
@@ -412,11 +768,12 @@ class EngineSpec(ApiModel):
     )
     """Extra labels of the engine pods, e.g. {volcano.sh/queue-name: inference} (scheduler
     metadata); the app.kubernetes.io/* labels are the operator's."""
-    pod_annotations: dict[LabelKey, AnnotationValue] = Field(
-        default_factory=dict, max_length=32, json_schema_extra=_NO_OPERATOR_KEYS
+    pod_annotations: dict[AnnotationKey, AnnotationValue] = Field(
+        default_factory=dict, max_length=32, json_schema_extra=_NO_OPERATOR_OR_SECURITY_KEYS
     )
     """Extra annotations of the engine pods, e.g. HAMi's {hami.io/vnpu-mode: hami-core} or
-    MindCluster's; keys under blend.holeblend.io/ are the operator's."""
+    MindCluster's; keys under blend.holeblend.io/ are the operator's, and security profiles
+    (AppArmor, seccomp) and container-runtime settings (CRI-O, Kata, gVisor) are refused."""
     termination_grace_period_seconds: int = Field(default=120, ge=30, le=3600)
     """How long a stopping engine pod may take: a preStop pause lets the Service stop
     routing to it, then in-flight requests finish before the pod is killed."""
@@ -445,6 +802,14 @@ class EngineSpec(ApiModel):
                 raise ValueError(f"{key!r} is set by the operator; use a key of your own")
         return meta
 
+    @field_validator("pod_annotations")
+    @classmethod
+    def _no_security_keys(cls, annotations: dict[str, str]) -> dict[str, str]:
+        problem = reserved.denied_annotation_problem(annotations)
+        if problem:
+            raise ValueError(problem)
+        return annotations
+
 
 class AcceleratorType(StrEnum):
     ASCEND = "ascend"
@@ -452,15 +817,17 @@ class AcceleratorType(StrEnum):
     CPU = "cpu"
 
 
+# ValidateTolerations (pkg/apis/core/validation/validation.go): an empty key needs operator
+# Exists; with Exists the value must be empty ('' or unset).
 _EQUAL_NEEDS_KEY = CelRule(
-    rule="self.operator == 'Exists' || has(self.key)",
+    rule="self.operator == 'Exists' || (has(self.key) && self.key != '')",
     message="a toleration with operator Equal needs a key; set key, or use operator: Exists",
-    check=lambda t: t.operator == "Exists" or t.key is not None,
+    check=lambda t: t.operator == "Exists" or bool(t.key),
 )
 _EXISTS_HAS_NO_VALUE = CelRule(
-    rule="self.operator != 'Exists' || !has(self.value)",
+    rule="self.operator != 'Exists' || !has(self.value) || self.value == ''",
     message="a toleration with operator Exists matches any value; remove value",
-    check=lambda t: t.operator != "Exists" or t.value is None,
+    check=lambda t: t.operator != "Exists" or not t.value,
 )
 
 
@@ -482,7 +849,7 @@ class Toleration(ApiModel):
     )
     check_rules = cel_validator(_EQUAL_NEEDS_KEY, _EXISTS_HAS_NO_VALUE, _SECONDS_NEED_NO_EXECUTE)
 
-    key: LabelKey | None = None
+    key: TolerationKey | None = None
     """Taint key; empty with operator Exists tolerates every taint."""
     operator: Literal["Exists", "Equal"] = "Equal"
     """Exists matches any value; Equal matches `value`."""
@@ -557,7 +924,7 @@ class SecretKeyRef(ApiModel):
 
     name: DnsName
     """Secret name."""
-    key: str = Field(pattern=r"^[-._a-zA-Z0-9]+$", min_length=1, max_length=253)
+    key: ConfigMapKey
     """Key within the Secret."""
 
 
@@ -571,10 +938,23 @@ SharedStoreUrl = Annotated[
     ),
     AfterValidator(lambda url: check_shared_url(url, "spec.blend.kv.sharedUrl")),
 ]
-_SHARED_URL_NO_PASSWORD = CelRule(
-    rule="!has(self.sharedUrl) || !self.sharedUrl.matches('^[a-z]+://[^/@]*:[^/@]*@')",
-    message="kv.sharedUrl must not carry a password (it is stored in a ConfigMap); remove it and reference a Secret key in kv.sharedPasswordSecret",
-    check=lambda kv: kv.shared_url is None or urlsplit(kv.shared_url).password is None,
+
+
+def _no_credentials(url: str) -> bool:
+    try:
+        check_shared_url(url)
+    except ValueError:
+        return False
+    return True
+
+
+_SHARED_URL_NO_CREDENTIALS = CelRule(
+    rule="!has(self.sharedUrl) || !(self.sharedUrl.matches('^[a-z]+://[^/@]*:[^/@]*@') || "
+    f"self.sharedUrl.contains('#') || self.sharedUrl.matches('{CREDENTIAL_QUERY_PATTERN}'))",
+    message="kv.sharedUrl must not carry credentials (it is stored in a ConfigMap): no password "
+    "in user:password@, no query parameter named like password, username or token, no "
+    "#fragment; remove them and reference a Secret key in kv.sharedPasswordSecret",
+    check=lambda kv: kv.shared_url is None or _no_credentials(kv.shared_url),
     field_path=".sharedUrl",
 )
 _SECRET_NEEDS_URL = CelRule(
@@ -585,23 +965,68 @@ _SECRET_NEEDS_URL = CelRule(
 )
 
 
+class SharedIdentity(StrEnum):
+    # The deployment's own ACL user, limited to its keys (docs/shared-tier.md).
+    DEPLOYMENT = "deployment"
+    # The URL's user (or none) and the password, shared with whoever else holds them.
+    SHARED = "shared"
+
+
+def _is_shared_identity(kv: "KVTiers") -> bool:
+    return kv.shared_identity == SharedIdentity.SHARED
+
+
+_IDENTITY_NEEDS_SECRET = CelRule(
+    rule=(
+        "!has(self.sharedUrl) || has(self.sharedPasswordSecret) || "
+        "(has(self.sharedIdentity) && self.sharedIdentity == 'shared')"
+    ),
+    message="kv.sharedIdentity deployment (the default) needs kv.sharedPasswordSecret, the password of the deployment's own ACL user (`holeblend-operator shared-tier-acl NAMESPACE/NAME` prints the command that creates it); or set kv.sharedIdentity: shared",
+    check=lambda kv: (
+        kv.shared_url is None or kv.shared_password_secret is not None or _is_shared_identity(kv)
+    ),
+    field_path=".sharedPasswordSecret",
+)
+_IDENTITY_URL_WITHOUT_USER = CelRule(
+    rule=(
+        "!has(self.sharedUrl) || !self.sharedUrl.matches('^[a-z]+://[^/@]*@') || "
+        "(has(self.sharedIdentity) && self.sharedIdentity == 'shared')"
+    ),
+    message="kv.sharedUrl names a user, which would replace the deployment's own ACL user (kv.sharedIdentity: deployment); remove the user from the URL, or set kv.sharedIdentity: shared",
+    check=lambda kv: (
+        kv.shared_url is None or urlsplit(kv.shared_url).username is None or _is_shared_identity(kv)
+    ),
+    field_path=".sharedUrl",
+)
+_KV_RULES = (
+    _SHARED_URL_NO_CREDENTIALS, _SECRET_NEEDS_URL, _IDENTITY_NEEDS_SECRET, _IDENTITY_URL_WITHOUT_USER,
+)  # fmt: skip
+
+
 class KVTiers(ApiModel):
     """Where segment KV caches live."""
 
-    model_config = ConfigDict(
-        json_schema_extra=cel_schema_extra(_SHARED_URL_NO_PASSWORD, _SECRET_NEEDS_URL)
-    )
-    check_rules = cel_validator(_SHARED_URL_NO_PASSWORD, _SECRET_NEEDS_URL)
+    model_config = ConfigDict(json_schema_extra=cel_schema_extra(*_KV_RULES))
+    check_rules = cel_validator(*_KV_RULES)
 
     local_cpu_bytes: ByteCount = f"{contract.DEFAULT_LOCAL_CPU_BYTES >> 30}Gi"
     """Byte budget of the in-process LRU tier of each engine pod."""
     shared_url: SharedStoreUrl | None = None
-    """Shared tier on Redis or Valkey, e.g. redis://kv-cache:6379/0 (no password; see
-    sharedPasswordSecret); none when unset. Configure the store with
+    """Shared tier on Redis or Valkey, e.g. redis://kv-cache:6379/0; none when unset. No
+    credentials: a password (user:password@ or ?password=), a credential query parameter or a
+    #fragment is refused; see sharedPasswordSecret. Configure the store with
     `maxmemory-policy allkeys-lru` (docs/shared-tier.md)."""
     shared_password_secret: SecretKeyRef | None = None
     """Secret key holding the shared tier's password, given to the engine pods as the env
-    var HOLEBLEND_SHARED_TIER_PASSWORD; none when the store needs no password."""
+    var HOLEBLEND_SHARED_TIER_PASSWORD: the password of the deployment's own ACL user
+    (sharedIdentity deployment: required), or of the store (sharedIdentity shared; none
+    when the store needs no password)."""
+    shared_identity: SharedIdentity = Field(default=SharedIdentity.DEPLOYMENT, strict=False)
+    """Who the engine pods are to the shared tier. deployment: the ACL user
+    holeblend:NAMESPACE/NAME, limited to this deployment's keys, so no other tenant of the
+    store can read or overwrite its KV (create it with `holeblend-operator shared-tier-acl`;
+    docs/shared-tier.md). shared: the URL's user (or none) and the password, shared with
+    whoever else holds them."""
 
 
 class BlendSpec(ApiModel):
@@ -641,7 +1066,7 @@ class LookupServerSpec(ApiModel):
     replicas: int = Field(default=1, ge=1, le=16)
     """Lookup server pods. Each holds its own index, so more than one gives pods fewer
     hits (never a wrong one); see docs/lookup-server.md."""
-    image: str | None = Field(default=None, min_length=1, max_length=512)
+    image: Image | None = None
     """Container image; the holeblend runtime CPU image when unset."""
     port: int = Field(default=8100, ge=1, le=65535)
     """Port of the lookup API, /metrics and /healthz."""

@@ -18,12 +18,20 @@ from holeblend_operator import (
 COMMANDS = [crd_command, render_command, run_command, rbac_command, shared_acl_command]
 
 
+def _no_abbreviations(**kwargs) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(**{"allow_abbrev": False, **kwargs})
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="holeblend-operator",
+        allow_abbrev=False,
         description="Kubernetes operator for hole-mode KV blending (BlendDeployment).",
     )
-    subparsers = parser.add_subparsers(dest="command", required=True)
+    # Subcommands do not inherit allow_abbrev: their parsers get it here.
+    subparsers = parser.add_subparsers(
+        dest="command", required=True, parser_class=_no_abbreviations
+    )
     for command in COMMANDS:
         command.add_parser(subparsers)
     return parser

@@ -6,6 +6,7 @@ pydantic emits JSON Schema 2020-12; Kubernetes wants a structural OpenAPI v3 sch
 """
 
 import copy
+import re
 from typing import Any
 
 import yaml
@@ -125,8 +126,17 @@ def _map_with_checked_keys(
     if "maxLength" in names:
         check = f"k.size() <= {names['maxLength']} && {check}"
     what = api.PATTERN_MEANINGS.get(pattern, f"a string matching {pattern}")
-    rule = {"rule": f"self.all(k, {check})", "message": f"every key must be {what}"}
-    return {"additionalProperties": structural(values, defs), "x-kubernetes-validations": [rule]}
+    rules = [{"rule": f"self.all(k, {check})", "message": f"every key must be {what}"}]
+    # The key type's own rules are written over `self`, the string: here over each key.
+    rules += [
+        {"rule": f"self.all(k, {_over_key(r['rule'])})", "message": f"every key: {r['message']}"}
+        for r in names.get("x-kubernetes-validations", [])
+    ]
+    return {"additionalProperties": structural(values, defs), "x-kubernetes-validations": rules}
+
+
+def _over_key(rule: str) -> str:
+    return re.sub(r"\bself\b", "k", rule)
 
 
 def _fix_bounds_and_defaults(node: dict[str, Any]) -> dict[str, Any]:

@@ -24,12 +24,25 @@ def bounded_name(name: str, max_length: int = MAX_NAME_LENGTH) -> str:
     return f"{stem}-{digest}" if stem else f"x-{digest}"
 
 
+# A shortened label value carries 64 bits of the full name's hash, after a '_': no DNS
+# subdomain (a BlendDeployment's name) contains '_', so a shortened value can never equal the
+# value of a BlendDeployment whose name fits as it is.
+LABEL_HASH_LENGTH = 16
+LABEL_HASH_SEPARATOR = "_"
+
+
 def bounded_label_value(value: str, max_length: int = MAX_NAME_LENGTH) -> str:
-    """A DNS subdomain as a label value: itself when short enough, else truncated and hashed."""
+    """A DNS subdomain as a label value: itself when short enough, else truncated and hashed.
+
+    The instance label is in every selector, so distinct names must give distinct values:
+    the hash is of the full name, and the '_' before it keeps a shortened value apart from
+    every name short enough to be its own value.
+    """
     if len(value) <= max_length:
         return value
-    digest = hashlib.sha256(value.encode()).hexdigest()[:HASH_LENGTH]
-    return f"{value[: max_length - HASH_LENGTH - 1].rstrip('-.')}-{digest}"
+    digest = hashlib.sha256(value.encode()).hexdigest()[:LABEL_HASH_LENGTH]
+    stem = value[: max_length - LABEL_HASH_LENGTH - 1].rstrip("-.")
+    return f"{stem}{LABEL_HASH_SEPARATOR}{digest}"
 
 
 def _clean(name: str) -> str:

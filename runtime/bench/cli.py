@@ -65,7 +65,9 @@ _SEPARATOR_TOKENS = 4
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="holeblend-bench", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="holeblend-bench", description=__doc__, allow_abbrev=False
+    )
     add = parser.add_argument
     add("--quick", action="store_true", help="small run (under 3 minutes on 2 CPU cores)")
     add(

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--json", help="write the result here")
     parser.add_argument("--requests-per-block", type=int, default=10)
     parser.add_argument("--blocks", type=int, default=4, help="blocks per arm")

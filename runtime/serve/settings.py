@@ -77,7 +77,11 @@ def parse_settings(
 ) -> ServeSettings:
     """Flags over HOLEBLEND_SERVE_* variables over defaults; SystemExit(2) on bad input."""
     environ = os.environ if environ is None else environ
-    parser = argparse.ArgumentParser(prog="holeblend-serve", description=__doc__.split("\n")[0])
+    # No abbreviations: `--por=9000` must not read as `--port` (engine.extraArgs follow the
+    # operator's flags on CPU pods, and the operator refuses only the flags it knows).
+    parser = argparse.ArgumentParser(
+        prog="holeblend-serve", description=__doc__.split("\n")[0], allow_abbrev=False
+    )
     for field in fields(ServeSettings):
         kind = _value_type(field.name)
         help_text = f"(env {env_name(field.name)})"

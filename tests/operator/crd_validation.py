@@ -15,9 +15,33 @@ No API server runs here, so this module reproduces the parts of it the CRD depen
 CEL values are typed the way the API server types them (`to_cel`): an integer in a
 `type: number` field is a double, and a null in a `nullable` field is not validated at all
 (rules run on non-null values only; the schema accepts the null).
+
+Nulls and numbers as the API server reads them:
+
+- A null in a field that is not `nullable` is pruned before defaulting (then defaulted if
+  the field has a default): apiextensions-apiserver's
+  `pkg/apiserver/schema/defaulting/prunenulls.go` (PruneNonNullableNullsWithoutDefaults) and
+  `pkg/apiserver/schema/defaulting/algorithm.go`. A null in a `nullable` field stays, and CEL
+  sees it as absent: `has(self.x)` is false ("null valued nullable fields are treated the
+  same as absent optional fields", unstructuredMap.Find in
+  `pkg/apiserver/schema/cel/values.go`, now `k8s.io/apiserver/pkg/cel/common/values.go`);
+  `to_cel` leaves it out of the object.
+- Integers are int64: the JSON decoder (`k8s.io/apimachinery/pkg/util/json`, convertNumber)
+  reads a larger integer as a float64, which is no JSON integer any more
+  (`k8s.io/kube-openapi/pkg/validation/validate/type.go`: `isFloatInt` needs
+  `swag.IsFloat64AJSONInteger`, at most 2**53), so `type: integer` refuses it with a message
+  instead of this module crashing on it. An integral float such as `2.0` IS an integer there
+  (`isFloatInt`). CEL reads it as the integer kubectl sends: sigs.k8s.io/yaml turns YAML
+  `2.0` into JSON `2` (a float64, which encoding/json writes without the fraction). (A raw
+  JSON `2.0` sent past kubectl reaches CEL as a float64, which values.go refuses in a rule
+  that reads the field: "invalid data, expected int, got float64".)
+- `pattern` and CEL `matches()` are Go RE2 searches: `$` is the end of the text, never the
+  position before a final newline as in Python's `re`.
 """
 
 import copy
+import math
+import re
 from typing import Any
 
 import celpy
@@ -45,27 +69,135 @@ def _compare_to(a: _Quantity, b: _Quantity) -> celpy.celtypes.IntType:
     return celpy.celtypes.IntType((x > y) - (x < y))
 
 
-# The parts of the Kubernetes CEL libraries our rules use.
-_KUBERNETES_FUNCTIONS = {"quantity": _quantity, "compareTo": _compare_to}
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# The largest integer a float64 holds exactly: kube-openapi's IsFloat64AJSONInteger bound.
+JSON_FLOAT_INT_MAX = 2**53
+
+
+def _is_quantity(text) -> celpy.celtypes.BoolType:
+    try:
+        quantity_value(str(text))
+    except ValueError:
+        return celpy.celtypes.BoolType(False)
+    return celpy.celtypes.BoolType(True)
+
+
+def _is_integer(q: _Quantity) -> celpy.celtypes.BoolType:
+    # Kubernetes' library: `isInteger()` is true when AsInt64 succeeds (whole and in int64).
+    value = quantity_value(str(q))
+    return celpy.celtypes.BoolType(value == int(value) and INT64_MIN <= value <= INT64_MAX)
+
+
+def _as_integer(q: _Quantity) -> celpy.celtypes.IntType:
+    if not _is_integer(q):
+        raise ValueError(f"cannot convert quantity {q} to an int64")
+    return celpy.celtypes.IntType(int(quantity_value(str(q))))
+
+
+def _substring(text, start, end=None) -> celpy.celtypes.StringType:
+    # cel-go's ext.Strings (Kubernetes enables it for CRD rules): code points, not bytes.
+    end = len(text) if end is None else int(end)
+    if not 0 <= int(start) <= end <= len(text):
+        raise ValueError(f"substring: index out of range [{start}, {end}) of {len(text)}")
+    return celpy.celtypes.StringType(str(text)[int(start) : end])
+
+
+def _matches(text, pattern) -> celpy.celtypes.BoolType:
+    return celpy.celtypes.BoolType(go_search(str(pattern), str(text)))
+
+
+def go_search(pattern: str, text: str) -> bool:
+    """RE2's unanchored search, where `$` matches at the very end only (not before a final
+    newline as Python's `$` does)."""
+    if pattern not in _GO_PATTERNS:
+        _GO_PATTERNS[pattern] = re.compile(_end_anchors(pattern))
+    return _GO_PATTERNS[pattern].search(text) is not None
+
+
+_GO_PATTERNS: dict[str, re.Pattern] = {}
+
+
+def _end_anchors(pattern: str) -> str:
+    # Every `$` outside a character class and not escaped becomes Python's `\Z`.
+    out, escaped, in_class = [], False, False
+    for char in pattern:
+        if escaped:
+            out.append(char)
+            escaped = False
+        elif char == "\\":
+            out.append(char)
+            escaped = True
+        elif char == "[":
+            in_class = True
+            out.append(char)
+        elif char == "]":
+            in_class = False
+            out.append(char)
+        else:
+            out.append(r"\Z" if char == "$" and not in_class else char)
+    return "".join(out)
+
+
+# The parts of the Kubernetes CEL libraries our rules use (the quantity library, Kubernetes
+# 1.29 and later: k8s.io/apiserver/pkg/cel/library/quantity.go; `substring` from ext.Strings).
+_KUBERNETES_FUNCTIONS = {
+    "quantity": _quantity,
+    "isQuantity": _is_quantity,
+    "compareTo": _compare_to,
+    "isInteger": _is_integer,
+    "asInteger": _as_integer,
+    "substring": _substring,
+    "matches": _matches,
+}
 
 
 def _is_type(validator, types, instance, schema):
     # OpenAPI's `nullable: true` admits null next to the declared type.
     if instance is None and schema.get("nullable"):
         return
+    names = [types] if isinstance(types, str) else list(types)
+    is_int = isinstance(instance, int) and not isinstance(instance, bool)
+    if "integer" in names and is_int and not INT64_MIN <= instance <= INT64_MAX:
+        yield jsonschema.ValidationError(
+            f"{instance} is not of type 'integer': beyond int64, the API server reads it as "
+            "a float that is no JSON integer"
+        )
+        return
+    if "integer" in names and _is_json_float_integer(instance):
+        return  # kube-openapi's isFloatInt
     yield from jsonschema.Draft4Validator.VALIDATORS["type"](validator, types, instance, schema)
 
 
-_Validator = jsonschema.validators.extend(jsonschema.Draft4Validator, {"type": _is_type})
+def _is_json_float_integer(value) -> bool:
+    return (
+        isinstance(value, float)
+        and math.isfinite(value)
+        and value.is_integer()
+        and abs(value) <= JSON_FLOAT_INT_MAX
+    )
+
+
+def _pattern(validator, pattern, instance, schema):
+    if isinstance(instance, str) and not go_search(pattern, instance):
+        yield jsonschema.ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+_Validator = jsonschema.validators.extend(
+    jsonschema.Draft4Validator, {"type": _is_type, "pattern": _pattern}
+)
 
 
 def to_cel(value: Any, schema: dict[str, Any]) -> Any:
     """`value` as the API server hands it to CEL under `schema`."""
     if isinstance(value, dict):
+        # A null (kept only in a nullable field) of an object with properties is absent for
+        # CEL: has() is false (unstructuredMap.Find in values.go); a map keeps its nulls.
+        is_object = "properties" in schema
         return celpy.celtypes.MapType(
             {
                 celpy.celtypes.StringType(key): to_cel(item, _property_schema(schema, key))
                 for key, item in value.items()
+                if item is not None or not is_object
             }
         )
     if isinstance(value, list):
@@ -73,6 +205,8 @@ def to_cel(value: Any, schema: dict[str, Any]) -> Any:
     is_plain_int = isinstance(value, int) and not isinstance(value, bool)
     if is_plain_int and schema.get("type") == "number":
         return celpy.celtypes.DoubleType(value)
+    if _is_json_float_integer(value) and schema.get("type") == "integer":
+        return celpy.celtypes.IntType(int(value))
     return celpy.json_to_cel(value)
 
 
@@ -123,10 +257,15 @@ def schema_errors(schema: dict[str, Any], value: Any, path: str = "") -> list[st
 
 
 def pruned(value: Any, schema: dict[str, Any]) -> Any:
-    """`value` without the fields `schema` does not know, as the API server stores it."""
+    """`value` without the fields `schema` does not know, and without nulls in fields that
+    are not nullable (defaulting then fills in their defaults), as the API server stores it."""
     if isinstance(value, dict) and "properties" in schema:
         props = schema["properties"]
-        return {k: pruned(v, props[k]) for k, v in value.items() if k in props}
+        return {
+            k: pruned(v, props[k])
+            for k, v in value.items()
+            if k in props and (v is not None or props[k].get("nullable"))
+        }
     if isinstance(value, dict) and isinstance(schema.get("additionalProperties"), dict):
         return {k: pruned(v, schema["additionalProperties"]) for k, v in value.items()}
     if isinstance(value, list) and "items" in schema:
@@ -135,8 +274,22 @@ def pruned(value: Any, schema: dict[str, Any]) -> Any:
 
 
 def api_server_errors(manifest: dict[str, Any]) -> list[str]:
-    """Schema errors, or (when the schema passes) CEL errors, like the API server reports."""
-    return object_errors(manifest, open_api_schema())
+    """Schema errors, or (when the schema passes) CEL errors, like the API server reports;
+    and the name check every custom resource gets."""
+    return name_errors(manifest) + object_errors(manifest, open_api_schema())
+
+
+_DNS_1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def name_errors(manifest: dict[str, Any]) -> list[str]:
+    """metadata.name of a custom resource is a DNS-1123 subdomain (apiextensions-apiserver
+    pkg/registry/customresource/validator.go: ValidateObjectMetaAccessor with
+    NameIsDNSSubdomain)."""
+    name = (manifest.get("metadata") or {}).get("name")
+    if isinstance(name, str) and (len(name) > 253 or not _DNS_1123_SUBDOMAIN.fullmatch(name)):
+        return [f"metadata.name: {name!r} must be a lowercase RFC 1123 subdomain (<= 253)"]
+    return []
 
 
 def object_errors(manifest: dict[str, Any], schema: dict[str, Any]) -> list[str]:

@@ -7,7 +7,16 @@ and the API models, which must agree. Every accepted spec is rendered, and each 
 pass kubernetes-validate (strict) plus the API server's checks that schema cannot express:
 DNS-1035 Service names, label and annotation syntax and lengths, quantities that parse and
 are >= 0, requests <= limits, extended resources in limits, int32 ranges, objects under
-1 MiB and annotations under 256 KiB (the operator's last-applied copy included).
+1 MiB and annotations under 256 KiB (the operator's last-applied copy included), and every
+rule of tests/operator/kube_rules.py (qualified names, env names, Secret keys, whole extended
+resources, hugepages, images, tolerations, well-known annotations).
+
+Draws also carry what the API server reads in its own way: explicit nulls, integral floats,
+integers beyond int64; and the edges the rules are about: long and upper-case key prefixes,
+toleration variants, env names like '.' and '..x', fractional extended resources, hugepages
+quantities, images with whitespace, and reserved vLLM flags in several spellings. A refused
+spec is refused with a message that names the field; an accepted one never passes a reserved
+flag to vLLM (operator/reserved.py decides what is reserved).
 """
 
 import json
@@ -16,15 +25,16 @@ import re
 import kubernetes_validate
 import pydantic
 import pytest
-from hypothesis import HealthCheck, Phase, assume, given, settings
+from hypothesis import HealthCheck, Phase, assume, event, given, settings
 from hypothesis import strategies as st
 
-from holeblend_operator import reconcile
-from holeblend_operator.api import BlendDeployment
+from holeblend_operator import reconcile, reserved
+from holeblend_operator.api import BlendDeployment, format_validation_error
 from holeblend_operator.crd import open_api_schema
 from holeblend_operator.quantity import quantity_value
 from holeblend_operator.render import render_children
 from tests.operator.crd_validation import api_server_errors
+from tests.operator.kube_rules import child_rule_problems
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +59,84 @@ RESOURCE_KEYS = [
 ]
 HOST_PATHS = ["/", "/etc/kubernetes", "/data/models/qwen", "/usr/local/Ascend/driver"]
 # How many specs one run draws: enough to find the edges, within about a minute on 2 cores.
-MAX_EXAMPLES = 60
+MAX_EXAMPLES = 100
+INT64_EDGES = [2**63 - 1, 2**63, -(2**63) - 1, 2**64, 10**30]
+LONG_PREFIX = "a" * 250 + ".io"  # 253 characters
+KEYS = [
+    "team",
+    "example.com/team",
+    "Example.COM/team",
+    f"{LONG_PREFIX}/x",
+    f"a{LONG_PREFIX}/x",
+    "example.com/",
+    "-x",
+    "a/b/c",
+]
+WELL_KNOWN_ANNOTATIONS = [
+    ("kubernetes.io/config.mirror", "x"),
+    ("scheduler.alpha.kubernetes.io/tolerations", ""),
+    ("scheduler.alpha.kubernetes.io/tolerations", "[]"),
+    ("controller.kubernetes.io/pod-deletion-cost", "-5"),
+    ("controller.kubernetes.io/pod-deletion-cost", "01"),
+    ("controller.kubernetes.io/pod-deletion-cost", "2147483648"),
+    ("seccomp.security.alpha.kubernetes.io/pod", "unconfined"),
+    ("seccomp.security.alpha.kubernetes.io/pod", "runtime/default"),
+    ("container.seccomp.security.alpha.kubernetes.io/engine", "localhost/../x"),
+    ("container.apparmor.security.beta.kubernetes.io/engine", "runtime/default"),
+    ("container.apparmor.security.beta.kubernetes.io/sidecar", "runtime/default"),
+]
+TOLERATIONS = [
+    {"key": "", "operator": "Exists"},
+    {"key": "", "operator": "Equal"},
+    {"operator": "Exists", "value": ""},
+    {"operator": "Exists", "value": "x"},
+    {"key": "example.com/npu", "value": ""},
+    {"key": "Example.com/npu", "operator": "Exists"},
+    {"key": f"a{LONG_PREFIX}/npu", "operator": "Exists"},
+    {"key": "npu", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 2**63},
+    {"key": None, "operator": "Exists", "value": None, "effect": None},
+]
+ENV_NAMES = [".", "..", "..x", ".x", "x..", "A_B", "1A", "x=y", ""]
+SECRET_KEYS = [".", "..", "..pw", ".pw", "pass.word", "a/b"]
+IMAGES = [
+    " vllm:1",
+    "vllm:1 ",
+    "vllm:1\n",
+    "\tvllm:1",
+    "vllm:1\xa0",
+    "vllm\u3000",
+    "vl lm:1",
+    "vllm:1",
+]
+RESOURCE_VARIANTS = [
+    {"example.com/foo": "500m"},
+    {"example.com/foo": "0.5"},
+    {"example.com/foo": "1000m"},
+    {"example.com/foo": 2},
+    {"hugepages-2Mi": "3Mi", "memory": "1Gi"},
+    {"hugepages-2Mi": "4Mi", "memory": "1Gi"},
+    {"hugepages-2Mi": "4Mi"},
+    {"hugepages-1Gi": "1", "cpu": "1"},
+    {"hugepages-foo": "2", "memory": "1Gi"},
+    {"a" * 242 + ".io/x": "1"},
+    {"memory": 2.0**31},
+]
+# Reserved flags in the spellings vLLM reads (operator/reserved.py decides which it refuses).
+EXTRA_ARGS = [
+    "--port=1",
+    "--port",
+    "1",
+    "--kv-transfer-config.kv_connector=x",
+    "--kv_transfer_config={}",
+    "--tensor-parallel",
+    "2",
+    "--tensor_parallel_size=2",
+    "-tp",
+    "--served-model-name=x",
+    "--enable-lora",
+    "--max-num-seqs",
+    "8",
+]
 
 
 def _key_pattern(node: dict) -> str | None:
@@ -74,6 +161,8 @@ def _string(node: dict) -> st.SearchStrategy:
 def _number(node: dict, is_integer: bool) -> st.SearchStrategy:
     low, high = node.get("minimum", -(2**40)), node.get("maximum", 2**40)
     edges = [low, high, low - 1, high + 1, 0, INT32_MAX, INT32_MAX + 1]
+    if is_integer:  # integral floats are integers to the API server; int64 bounds them
+        edges += [float(low), float(high), low + 0.5, *INT64_EDGES]
     drawn = st.integers(low, high) if is_integer else st.floats(low, high, allow_nan=False)
     return st.one_of(st.sampled_from(edges), drawn)
 
@@ -91,10 +180,14 @@ def _map(node: dict) -> st.SearchStrategy:
 def _object(node: dict) -> st.SearchStrategy:
     properties = node.get("properties", {})
     required = set(node.get("required", []))
+    # An optional field is sometimes an explicit null: pruned and defaulted by the API
+    # server unless nullable.
     return st.fixed_dictionaries(
         {name: from_schema(sub) for name, sub in properties.items() if name in required},
         optional={
-            name: from_schema(sub) for name, sub in properties.items() if name not in required
+            name: st.one_of(st.none(), *[from_schema(sub)] * 4)
+            for name, sub in properties.items()
+            if name not in required
         },
     )
 
@@ -134,10 +227,51 @@ def _source() -> st.SearchStrategy:
     )
 
 
+def _set(spec: dict, path: str, value) -> None:
+    *parents, last = path.split(".")
+    for part in parents:
+        if not isinstance(spec.get(part), dict):
+            spec[part] = {}
+        spec = spec[part]
+    spec[last] = value
+
+
+def _resources(values: dict) -> dict:
+    return {"requests": dict(values), "limits": dict(values)}
+
+
+# Each edit puts one edge case where the rules apply.
+EDITS = [
+    ("engine.podLabels", st.sampled_from(KEYS).map(lambda k: {k: "v"})),
+    ("engine.podAnnotations", st.sampled_from(KEYS).map(lambda k: {k: "v"})),
+    ("engine.podAnnotations", st.sampled_from(WELL_KNOWN_ANNOTATIONS).map(lambda kv: dict([kv]))),
+    ("accelerator.nodeSelector", st.sampled_from(KEYS).map(lambda k: {k: "v"})),
+    ("accelerator.tolerations", st.lists(st.sampled_from(TOLERATIONS), min_size=1, max_size=2)),
+    ("engine.env", st.sampled_from(ENV_NAMES).map(lambda n: [{"name": n, "value": "1"}])),
+    (
+        "blend.kv",
+        st.sampled_from(SECRET_KEYS).map(
+            lambda k: {
+                "sharedUrl": "redis://kv:6379/0",
+                "sharedPasswordSecret": {"name": "kv", "key": k},
+            }
+        ),
+    ),
+    ("engine.resources", st.sampled_from(RESOURCE_VARIANTS).map(_resources)),
+    ("lookupServer.resources", st.sampled_from(RESOURCE_VARIANTS).map(_resources)),
+    ("engine.image", st.sampled_from(IMAGES)),
+    ("lookupServer.image", st.sampled_from(IMAGES)),
+    ("engine.extraArgs", st.lists(st.sampled_from(EXTRA_ARGS), min_size=1, max_size=3)),
+    ("replicas", st.sampled_from([2.0, 2.5, None, *INT64_EDGES])),
+]
+
+
 @st.composite
 def manifests(draw) -> dict:
     spec = draw(from_schema(SCHEMA["properties"]["spec"]))
     spec["model"] = {**spec["model"], "source": draw(_source())}
+    for path, values in draw(st.lists(st.sampled_from(EDITS), max_size=3)):
+        _set(spec, path, draw(values))
     name = draw(st.one_of(st.just("rag"), st.from_regex(r"[a-z][a-z0-9.-]{0,252}", fullmatch=True)))
     return {
         "apiVersion": "blend.holeblend.io/v1alpha1",
@@ -151,8 +285,13 @@ def _model_problem(manifest: dict) -> str | None:
     try:
         BlendDeployment.model_validate(manifest)
     except pydantic.ValidationError as exc:
-        return str(exc)
+        return format_validation_error(exc)
     return None
+
+
+def _names_a_field(message: str) -> bool:
+    # `spec.engine.env.0.name: ...` from the models; `.spec.engine: ...` from the server.
+    return re.match(r"\.?(spec|metadata)\b[^:]*: ", message) is not None
 
 
 @settings(
@@ -172,6 +311,9 @@ def test_specs_the_api_server_accepts_render_children_it_accepts(manifest):
         assert model_problem is not None, (
             f"the models accept what the server refuses: {server_errors}"
         )
+        assert all(_names_a_field(error) for error in server_errors), server_errors
+        assert _names_a_field(model_problem), model_problem
+        event("refused by the API server")
         return
     # Host-path prefixes are the operator's policy, which the API server cannot know.
     is_policy = model_problem is not None and "host paths this operator allows" in model_problem
@@ -179,16 +321,29 @@ def test_specs_the_api_server_accepts_render_children_it_accepts(manifest):
         f"the models refuse what the server accepts: {model_problem}"
     )
     assume(model_problem is None)
-    children = render_children(BlendDeployment.model_validate(manifest))
+    event("accepted and rendered")
+    bd = BlendDeployment.model_validate(manifest)
+    children = render_children(bd)
     for child in children:
         assert child_problems(child) == [], child["kind"]
+    _assert_no_reserved_flag_passed(bd, children[0])
     for child in reconcile.desired_children(BlendDeployment.model_validate(manifest), manifest):
         assert _annotation_bytes(child["metadata"]) <= 256 * 1024, child["kind"]
 
 
+def _assert_no_reserved_flag_passed(bd: BlendDeployment, engine: dict) -> None:
+    args = engine["spec"]["template"]["spec"]["containers"][0]["args"]
+    user = list(bd.spec.engine.extra_args)
+    # The user's arguments come last (render/engine.py: vllm_args).
+    passed = args[len(args) - len(user) :] if user else []
+    assert passed == user
+    assert reserved.reserved_flag_problem(passed) is None, passed
+    assert not [a for a in passed if reserved.flag_name(a) in reserved.RESERVED_FLAGS], passed
+
+
 def child_problems(child: dict) -> list[str]:
     """What the API server would refuse in a rendered child."""
-    problems = []
+    problems = child_rule_problems(child)
     if child["kind"] != "ServiceMonitor":  # a custom resource: its CRD is not ours
         try:
             kubernetes_validate.validate(child, KUBERNETES_VERSION, strict=True)
@@ -208,7 +363,9 @@ def child_problems(child: dict) -> list[str]:
 def _metadata_problems(obj: dict) -> list[str]:
     meta = obj.get("metadata", {})
     problems = [f"label {k}={v}" for k, v in meta.get("labels", {}).items() if not _is_label(k, v)]
-    problems += [f"annotation key {k}" for k in meta.get("annotations", {}) if not _is_key(k)]
+    # Annotation keys are checked lower-cased (ValidateAnnotations): 'Example.COM/x' is valid.
+    annotations = meta.get("annotations", {})
+    problems += [f"annotation key {k}" for k in annotations if not _is_key(k.lower())]
     if _annotation_bytes(meta) > 256 * 1024:
         problems.append("annotations over 256 KiB")
     return problems

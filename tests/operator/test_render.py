@@ -513,7 +513,7 @@ def test_engine_serves_the_model_with_our_kv_connector():
             "source": {"pvc": {"claimName": "models", "path": "/Qwen3-8B"}},
         },
         accelerator={"count": 2},
-        engine={"tensorParallelSize": 2, "port": 9000, "extraArgs": ["--enforce-eager"]},
+        engine={"tensorParallelSize": 2, "port": 9000, "extraArgs": ["--max-num-seqs", "8"]},
     )
     args = engine_container(bd)["args"]
     assert args[:2] == ["serve", "/models/Qwen3-8B"]
@@ -526,7 +526,7 @@ def test_engine_serves_the_model_with_our_kv_connector():
     assert connector["kv_connector_extra_config"] == {
         "holeblend_config": "/etc/holeblend/blend.json"
     }
-    assert args[-1] == "--enforce-eager"
+    assert args[-2:] == ["--max-num-seqs", "8"]
 
 
 def test_engine_finds_its_settings_through_holeblend_config():
@@ -575,7 +575,11 @@ def test_runtime_config_carries_the_blend_settings():
             "mode": "prefix",
             "checkLayer": 2,
             "recomputeRatio": 0.2,
-            "kv": {"localCpuBytes": "1Gi", "sharedUrl": "redis://kv:6379/0"},
+            "kv": {
+                "localCpuBytes": "1Gi",
+                "sharedUrl": "redis://kv:6379/0",
+                "sharedPasswordSecret": {"name": "rag-kv", "key": "password"},
+            },
         },
     )
     config = blend_json(bd)

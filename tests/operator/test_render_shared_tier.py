@@ -1,5 +1,8 @@
 """The shared KV tier and the lookup server as the operator renders and reports them."""
 
+import pydantic
+import pytest
+
 from holeblend_operator.render import render_children
 from holeblend_operator.status import Observed, build_status
 from tests.operator.test_render import blend_json, engine_container, find, make_bd
@@ -26,15 +29,16 @@ def test_without_a_shared_tier_no_shared_tier_env_is_rendered():
     assert not names & {"HOLEBLEND_SHARED_TIER_PASSWORD", "HOLEBLEND_DEPLOYMENT"}
 
 
-def test_a_user_env_var_of_the_same_name_wins():
-    bd = make_bd(
-        blend={"kv": {"sharedUrl": "redis://kv:6379/0"}},
-        engine={"env": [{"name": "HOLEBLEND_DEPLOYMENT", "value": "shared/prefix"}]},
-    )
-    values = [
-        v.get("value") for v in engine_container(bd)["env"] if v["name"] == "HOLEBLEND_DEPLOYMENT"
-    ]
-    assert values == ["shared/prefix"]
+def test_a_user_env_var_cannot_replace_the_deployments_key_prefix():
+    # HOLEBLEND_DEPLOYMENT prefixes every shared-tier key: another deployment's name there
+    # would read and overwrite that deployment's KV.
+    with pytest.raises(
+        pydantic.ValidationError, match="HOLEBLEND_DEPLOYMENT is set by the operator"
+    ):
+        make_bd(
+            blend={"kv": {"sharedUrl": "redis://kv:6379/0", "sharedPasswordSecret": SECRET}},
+            engine={"env": [{"name": "HOLEBLEND_DEPLOYMENT", "value": "shared/prefix"}]},
+        )
 
 
 def test_engine_pods_get_the_lookup_server_address():

@@ -45,3 +45,12 @@ def test_bad_settings_exit_2_naming_the_setting(argv, environ, message, capsys):
         parse_settings(argv, environ)
     assert caught.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--por=9000", "--hos=0.0.0.0", "--conf=/x.json", "--queue=3"])
+def test_abbreviated_flags_are_refused(flag):
+    # argparse would read a unique prefix as the flag; engine.extraArgs must not reach
+    # --port, --host or --config that way (the operator refuses only the flags it knows).
+    with pytest.raises(SystemExit) as exit_:
+        parse_settings(["--config", "/c.json", flag], {})
+    assert exit_.value.code == 2
