@@ -30,7 +30,7 @@ help:
 	@echo "make bench    - hole mode vs standard CacheBlend vs full prefill (bench-quick: 1-3 min)"
 	@echo "make bench-gpu - the same on an NVIDIA GPU: Llama-3-8B shape, bf16, 2k/4k/8k tokens"
 	@echo "make bench-lookup - lookup server lookups/s and p99; shared tier GB/s vs raw redis-py"
-	@echo "make bench-operator - operator convergence for 1/20/200 BlendDeployments vs the emulator floor"
+	@echo "make bench-operator - operator convergence and RSS for 200/1000/5000 BlendDeployments vs the emulator floor"
 	@echo "make closed-loop - the ratio tuner against the real engine, three scenarios (out/closed-loop.json)"
 	@echo "make closed-loop-sim - how often the tuner's law meets the goals, simulated over 1000 question orders"
 	@echo "make bench-shadow - TTFT under load with the shadow quality proxies off vs on"

@@ -5,7 +5,12 @@ BlendDeployments at once (from a client process, as the replay sends its request
 until every one has status Ready for its generation (all children created and settled). Then replay the same API requests (recorded by the emulator:
 the N creates, the operator's reads and writes, and its watch streams) without the operator,
 from another process, against a fresh emulator, 16 in flight as the operator sends them:
-that is the emulator's floor. Operator peak RSS and CPU come from /proc.
+that is the emulator's floor. Operator RSS and CPU come from /proc.
+
+Memory: the operator's RSS once it watches with no objects (baseline), its peak (VmHWM),
+its RSS at convergence, and then sampled every second for `--settle` seconds with nothing
+changing (the tuner's own periodic writes aside). rss_per_object_mb = (RSS at the end of
+that - baseline) / N; rss_flat says whether RSS still grew over the second half of it.
 """
 
 import argparse
@@ -36,15 +41,21 @@ CRD = str(ROOT / "crds" / "blenddeployments.blend.holeblend.io.yaml")
 BD = "blend.holeblend.io/v1alpha1/blenddeployments"
 BD_PATH = "/apis/blend.holeblend.io/v1alpha1/namespaces/default/blenddeployments"
 REPLAY_CONCURRENCY = 16  # the operator's own API concurrency (OperatorSettings.api_concurrency)
+FLAT_MB = 2.0  # RSS growth over the second half of the settle time that still counts as flat
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--counts", default="1,20,200", help="numbers of BlendDeployments")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--counts", default="200,1000,5000", help="numbers of BlendDeployments")
     parser.add_argument("--json", dest="json_path", help="write the results here")
-    parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument(
+        "--timeout", type=float, default=900.0, help="seconds to converge, per count"
+    )
+    parser.add_argument(
+        "--settle", type=float, default=20.0, help="seconds RSS is sampled after convergence"
+    )
     args = parser.parse_args(argv)
-    results = [measure(int(n), args.timeout) for n in args.counts.split(",")]
+    results = [measure(int(n), args.timeout, args.settle) for n in args.counts.split(",")]
     text = json.dumps({"results": results}, indent=2)
     print(text)
     if args.json_path:
@@ -53,14 +64,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def measure(num_objects: int, timeout: float) -> dict:
+def measure(num_objects: int, timeout: float, settle_s: float = 20.0) -> dict:
     with tempfile.TemporaryDirectory(prefix="holeblend-bench-") as workdir:
         kubeconfig = os.path.join(workdir, "kubeconfig")
         node = workloads.Node({}, {})
         with EmulatorThread(kubeconfig, crds=(CRD,), node=node, max_history=1) as cluster:
             operator = start_operator(environment_for(kubeconfig))
             try:
-                result = converge(cluster, operator, num_objects, timeout)
+                result = converge(cluster, operator, num_objects, timeout, settle_s)
             finally:
                 stop_process(operator)
         result["floor_s"] = replay(result.pop("requests"), result.pop("watches"), workdir)
@@ -70,16 +81,45 @@ def measure(num_objects: int, timeout: float) -> dict:
         "floor_s": round(result["floor_s"], 3),
         "ratio_to_floor": round(result["converge_s"] / result["floor_s"], 2),
         "num_requests": result["num_requests"],
-        "rss_mb": round(result["rss_mb"], 1),
+        "rss_mb": round(result["rss_mb"], 1),  # peak, until convergence
         "cpu_s_per_object": round(result["cpu_s"] / num_objects, 4),
+        **memory(
+            result["rss_baseline_mb"],
+            result["rss_converged_mb"],
+            result["rss_samples_mb"],
+            num_objects,
+        ),
+    }
+
+
+def memory(baseline: float, converged: float, samples: list[float], num_objects: int) -> dict:
+    """RSS figures after convergence (see the module doc)."""
+    settled = samples[-1] if samples else converged
+    half = samples[len(samples) // 2 :] or [settled]
+    growth = settled - min(half)
+    return {
+        "rss_baseline_mb": round(baseline, 1),
+        "rss_converged_mb": round(converged, 1),
+        "rss_settled_mb": round(settled, 1),
+        "rss_per_object_mb": round((settled - baseline) / num_objects, 4),
+        "rss_samples_mb": [round(sample, 1) for sample in samples],
+        "rss_growth_after_settle_mb": round(growth, 1),
+        "rss_flat": growth <= FLAT_MB,
     }
 
 
 def converge(
-    cluster: EmulatorThread, operator: subprocess.Popen, num_objects: int, timeout: float
+    cluster: EmulatorThread,
+    operator: subprocess.Popen,
+    num_objects: int,
+    timeout: float,
+    settle_s: float = 20.0,
 ) -> dict:
-    """Create the objects at once; time until all are Ready; what the operator sent meanwhile."""
+    """Create the objects at once; time until all are Ready; what the operator sent meanwhile;
+    its RSS before, at and after convergence."""
     cluster.wait_for(lambda: operator_watching(cluster), timeout=30)
+    time.sleep(1.0)  # start-up done: the watches are open and their initial lists handled
+    baseline_mb = current_rss(operator.pid)
     startup = cluster.run(cluster.api.take_requests)
     watches = sorted({r.url.path for r in startup if r.params.get("watch")})
     # The creates come from another process, as in the replay: sent from the emulator's own
@@ -95,10 +135,18 @@ def converge(
         converge_s = time.monotonic() - started
         created.get(timeout=timeout)
     rss_mb, cpu_s = usage(operator.pid)
+    converged_mb = current_rss(operator.pid)
     requests = recorded(cluster.run(cluster.api.take_requests))
+    samples = []
+    for _ in range(round(settle_s)):
+        time.sleep(1.0)
+        samples.append(current_rss(operator.pid))
     return {
         "converge_s": converge_s,
         "rss_mb": rss_mb,
+        "rss_baseline_mb": baseline_mb,
+        "rss_converged_mb": converged_mb,
+        "rss_samples_mb": samples,
         "cpu_s": cpu_s,
         "requests": requests,
         "watches": watches,
@@ -219,6 +267,12 @@ async def _replay(url: str, requests: list, watches: list[str]) -> float:
             stream.cancel()
         await asyncio.gather(*streams, return_exceptions=True)
         return elapsed
+
+
+def current_rss(pid: int) -> float:
+    """The process's resident set now (MB)."""
+    with open(f"/proc/{pid}/status") as file:
+        return next(int(line.split()[1]) for line in file if line.startswith("VmRSS:")) / 1024
 
 
 def usage(pid: int) -> tuple[float, float]:

@@ -17,12 +17,20 @@ keep two deep copies of every object for their diffs. No timer and no finalizer 
 add one): owner references let the garbage collector delete the children, and nothing
 outside the cluster needs cleaning up. The ratio tuner runs as a plain task
 (`tuning_loop`) and asks for a reconcile when it changes the ratio.
+
+Memory: what is kept per BlendDeployment is bounded and small (docs/operator.md, "Memory
+and scale"): the owner as watched minus what nothing reads (managedFields, kubectl's
+last-applied copy), its Deployments reduced to the fields the status
+reads, and its last render as compact JSON text rather than dicts and a validated model.
+All of it is dropped when the owner (or child) is deleted.
 """
 
 import asyncio
 import contextlib
 import dataclasses
 import datetime
+import hashlib
+import json
 import logging
 import random
 import time
@@ -32,12 +40,7 @@ import kopf
 
 from holeblend_operator import kube, metrics, reconcile, tuning_loop
 from holeblend_operator.api import GROUP, KIND, PLURAL, VERSION
-from holeblend_operator.render import (
-    effective_ratio,
-    effective_recompute_ratio,
-    engine_name,
-    lookup_name,
-)
+from holeblend_operator.render import effective_recompute_ratio, engine_name, lookup_name
 from holeblend_operator.render.labels import MANAGED_BY
 from holeblend_operator.settings import OperatorSettings
 from holeblend_operator.status import is_available
@@ -48,8 +51,12 @@ DRIFT = reconcile.Options(create_first=False, prune=False)
 # The finalizer name kopf would use, under our own group (kopf adds none here).
 ANNOTATION_PREFIX = f"operator.{GROUP}"
 LOG = logging.getLogger(__name__)
+WORKER_LIMIT = 64  # kopf's per-object event workers at once (its default: no limit)
+WORKER_IDLE_S = 1.0  # how long an idle one waits for its object's next event (kopf's: 5 s)
 
 Key = tuple[str, str]  # (namespace, name) of a BlendDeployment
+# kubectl's copy of the applied manifest: nothing here reads it, so kept owners leave it out.
+KUBECTL_LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
 
 
 class NoDiffBase(kopf.AnnotationsDiffBaseStorage):
@@ -61,6 +68,38 @@ class NoDiffBase(kopf.AnnotationsDiffBaseStorage):
 
     def fetch(self, *, body):
         return None
+
+
+@dataclasses.dataclass(slots=True)
+class Rendered:
+    """An owner's last render, kept compact: about 8 KB of text instead of about 45 KB of
+    dicts and a validated model. The children are materialized again when needed."""
+
+    inputs: tuple  # _inputs(owner) it was rendered from
+    raw_ratio: tuple  # the status fields the effective ratio derives from, as last seen
+    ratio: float  # the effective ratio it was rendered with
+    children: tuple[tuple[str, str, str], ...]  # (kind, name, applied JSON) per child
+
+    @classmethod
+    def of(cls, inputs: tuple, raw_ratio: tuple, ratio: float, children: list[dict]) -> "Rendered":
+        return cls(
+            inputs,
+            raw_ratio,
+            ratio,
+            tuple(
+                (c["kind"], c["metadata"]["name"], c["metadata"]["annotations"][APPLIED])
+                for c in children
+            ),
+        )
+
+    def materialize(self, kind: str | None = None, name: str | None = None) -> list[dict]:
+        """The children as reconcile.desired_children returned them (those of `kind`, or
+        the one of `kind` and `name`)."""
+        return [
+            _child(applied)
+            for k, n, applied in self.children
+            if (kind is None or k == kind) and (name is None or n == name)
+        ]
 
 
 @dataclasses.dataclass
@@ -95,8 +134,11 @@ class Operator:
         self._pending: dict[Key, Job] = {}
         self._retries: dict[Key, int] = {}  # failed reconciles in a row
         self._locks: dict[Key, asyncio.Lock] = {}
-        self._prepared: dict[tuple, tuple] = {}  # render inputs -> (model, children)
-        self._specs: dict[tuple, object] = {}  # (uid, generation, labels) -> validated spec
+        # Reconciles and refreshes under way at once: twice the API concurrency keeps every
+        # connection busy, and a burst (thousands created at once, a relist after a restart)
+        # holds that many renders and API answers in memory, not one per object.
+        self._slots = asyncio.Semaphore(2 * settings.api_concurrency)
+        self._rendered: dict[Key, Rendered] = {}  # each owner's last render, compact
         # child (kind, namespace, name) -> (resourceVersion, generation) known to be current
         self._current: dict[tuple, tuple] = {}
         self._deployments: dict[Key, dict] = {}  # our Deployments as last watched
@@ -120,6 +162,11 @@ class Operator:
         # Kubernetes Events on the BlendDeployment for retries and failures only: a success
         # event per reconcile would cost an API write each.
         settings.posting.level = logging.WARNING
+        # kopf runs a worker task (and queue) per object with events pending, kept for
+        # idle_timeout after its last event: unbounded, a burst of N objects means N workers
+        # at once. The handlers only schedule jobs, so a few workers keep up.
+        settings.batching.worker_limit = WORKER_LIMIT
+        settings.batching.idle_timeout = WORKER_IDLE_S
         self._configure_peering(settings.peering)
         self.client = kube.Client.from_configuration(
             self.configuration(), self.settings.request_timeout_s, self.settings.api_concurrency
@@ -166,7 +213,7 @@ class Operator:
             # takes the children; creating or fixing any now would only race it.
             self._forget(key)
             return
-        self._owners[key] = body
+        self._owners[key] = body = _slim_owner(body)
         inputs = _inputs(body)
         previous = self._inputs.get(key)
         if previous == inputs:
@@ -187,7 +234,7 @@ class Operator:
         job = self._pending.pop(key, None)
         if job is not None:
             job.task.cancel()
-        for table in (self._owners, self._inputs, self._retries, self._locks):
+        for table in (self._owners, self._inputs, self._retries, self._locks, self._rendered):
             table.pop(key, None)
         self.tuning.forget(key)
 
@@ -195,6 +242,11 @@ class Operator:
     def owners(self) -> dict[Key, dict]:
         """The BlendDeployments as last watched (the tuner reads and refreshes them)."""
         return self._owners
+
+    def keep_owner(self, key: Key, body: dict) -> None:
+        """Keep a newer copy of a known BlendDeployment (the tuner's status write returns one)."""
+        if key in self._owners:
+            self._owners[key] = _slim_owner(body)
 
     def lock(self, key: Key) -> asyncio.Lock:
         """The owner's lock: one reconcile, status refresh or tuning write at a time."""
@@ -258,7 +310,7 @@ class Operator:
         if body is None or body.get("metadata", {}).get("deletionTimestamp"):
             self._forget(key)
             return None
-        self._owners[key] = body
+        self._owners[key] = body = _slim_owner(body)
         previous, self._inputs[key] = self._inputs.get(key), _inputs(body)
         return previous != self._inputs[key]
 
@@ -270,7 +322,9 @@ class Operator:
         started = time.monotonic()
         result = "error"
         try:
-            async with self._lock(key):  # one reconcile or refresh per owner at a time
+            # one reconcile or refresh per owner at a time (the lock first: a lock holder never
+            # waits for a slot while others wait for its lock)
+            async with self._lock(key), self._slots:
                 live = await reconcile.reconcile(self.client, body, options, _now(), self.prepared)
             self._remember_current(key[0], live)
             self._retries.pop(key, None)
@@ -294,6 +348,7 @@ class Operator:
             LOG.exception("reconcile of %s/%s failed", *key)
             self._retry(key, self.settings.backoff_cap_s, exc)
         finally:
+            self._drop_if_forgotten(key)
             metrics.RECONCILES.labels(trigger=trigger, result=result).inc()
             metrics.RECONCILE_SECONDS.labels(trigger=trigger).observe(time.monotonic() - started)
 
@@ -314,13 +369,21 @@ class Operator:
         later = {"delay": self.settings.requeue_s, "refetch": True}
         try:
             known = self._known(*key) if from_watch else {}  # else the Deployments are read
-            async with self._lock(key):
+            async with self._lock(key), self._slots:
                 ready = await reconcile.refresh(self.client, body, _now(), known, self.prepared)
             if not ready:  # look again later: pods may report why (e.g. Unschedulable)
                 self.request(key, None, "child-status", **later)
         except Exception as exc:  # API trouble or a bug: say so and look again later
             LOG.warning("status refresh of %s/%s failed: %s", *key, exc)
             self.request(key, None, "child-status", **later)
+        finally:
+            self._drop_if_forgotten(key)
+
+    def _drop_if_forgotten(self, key: Key) -> None:
+        """An owner deleted while its reconcile or refresh ran: drop what that re-created
+        (its lock, its render), or it would stay for the life of the process."""
+        if key not in self._owners:
+            self._forget(key)
 
     def _warn(self, key: Key, reason: str, message: str) -> None:
         """Log, and post a Warning event on the BlendDeployment (`kubectl describe bd`)."""
@@ -335,17 +398,21 @@ class Operator:
         return self._locks.setdefault(key, asyncio.Lock())
 
     def remember(self, child: dict, event_type: str | None) -> None:
-        """Keep the latest state of our Deployments (an informer cache)."""
+        """Keep the latest state of our Deployments (an informer cache), as far as the
+        status reads them."""
         if child.get("kind") == "Deployment":
             key = (child["metadata"].get("namespace"), child["metadata"].get("name"))
             if event_type == "DELETED":
                 self._deployments.pop(key, None)
             else:
-                self._deployments[key] = child
+                self._deployments[key] = _slim_deployment(child)
 
     def child_event(self, child: dict, event_type: str | None) -> None:
         """Reconcile the owner of a drifted child; refresh its status on Deployment events."""
         self.remember(child, event_type)
+        if event_type == "DELETED":  # also when its owner is gone: nothing else would drop it
+            meta = child.get("metadata", {})
+            self._current.pop((child.get("kind"), meta.get("namespace"), meta.get("name")), None)
         owner_name = _owner_name(child)
         key = (child.get("metadata", {}).get("namespace"), owner_name)
         owner = self._owners.get(key) if owner_name else None
@@ -361,7 +428,7 @@ class Operator:
 
     def _settled(self, namespace: str, owner: dict) -> bool:
         """Every Deployment the owner renders is, as last watched, available as rendered."""
-        desired = self._desired(owner)
+        desired = self._desired(owner, "Deployment")
         return desired is not None and all(
             is_available(
                 self._deployments.get((namespace, c["metadata"]["name"])), c["spec"].get("replicas")
@@ -391,8 +458,8 @@ class Operator:
         seen_version, seen_generation = self._current.get(key, (None, None))
         if seen_version is not None and seen_version == meta.get("resourceVersion"):
             return False
-        desired = self._desired(owner) or []
-        wanted = next((c for c in desired if (c["kind"], c["metadata"]["name"]) == key[::2]), None)
+        desired = self._desired(owner, *key[::2]) or []
+        wanted = desired[0] if desired else None
         if wanted is None:
             return False  # invalid spec (status says so), or pruned on the next full reconcile
         same_spec = seen_generation is not None and seen_generation == meta.get("generation")
@@ -412,31 +479,44 @@ class Operator:
                 meta.get("generation"),
             )
 
-    def _desired(self, owner: dict) -> list[dict] | None:
-        """The children the owner renders; None if its spec is invalid (status says so)."""
+    def _desired(
+        self, owner: dict, kind: str | None = None, name: str | None = None
+    ) -> list[dict] | None:
+        """The children the owner renders (those of `kind`, or the one of `kind` and `name`);
+        None if its spec is invalid (status says so)."""
         try:
-            return self.prepared(owner)[1]
+            rendered = self._render(owner)
         except reconcile.InvalidSpec:
             return None
+        return rendered.materialize(kind, name)
 
     def prepared(self, owner: dict) -> tuple:
-        """reconcile.prepare, cached per render input: uid, generation, labels and the ratio
-        the pods run with (the one input render takes from the status). So the first status
-        write, which records the ratio, costs no second render."""
-        base = _inputs(owner)
-        spec = self._specs.get(base)
-        key = None if spec is None else (*base, _effective_ratio(spec, owner))
-        if key is None or key not in self._prepared:
-            if len(self._prepared) > 4096:
-                self._prepared.clear()
-                self._specs.clear()
-            # InvalidSpec is not cached
-            result = reconcile.prepare(owner, self.settings.host_path_prefixes)
-            bd = result[0]
-            self._specs[base] = bd.spec
-            key = (*base, effective_recompute_ratio(bd))
-            self._prepared[key] = result
-        return self._prepared[key]
+        """reconcile.prepare, with the render cached per owner on its render inputs: uid,
+        generation, labels and the ratio the pods run with (the one input render takes from
+        the status). So the first status write, which records the ratio, costs no second
+        render. The spec is validated again on each call (a fraction of a render)."""
+        rendered = self._render(owner)
+        return reconcile.parse(owner, self.settings.host_path_prefixes), rendered.materialize()
+
+    def _render(self, owner: dict) -> Rendered:
+        """The owner's cached render if its inputs still hold, else a new one (InvalidSpec is
+        raised, not cached)."""
+        key = _key(owner)
+        inputs, raw_ratio = _inputs(owner), _raw_ratio(owner)
+        rendered = self._rendered.get(key)
+        if rendered is not None and rendered.inputs == inputs:
+            if rendered.raw_ratio == raw_ratio:
+                return rendered
+            # The ratio fields in status moved (a status write, the tuner): a new render only
+            # if the ratio the pods run with moved too.
+            bd = reconcile.parse(owner, self.settings.host_path_prefixes)
+            if effective_recompute_ratio(bd) == rendered.ratio:
+                rendered.raw_ratio = raw_ratio
+                return rendered
+        bd, children = reconcile.prepare(owner, self.settings.host_path_prefixes)
+        rendered = Rendered.of(inputs, raw_ratio, effective_recompute_ratio(bd), children)
+        self._rendered[key] = rendered
+        return rendered
 
 
 def register(settings: OperatorSettings, registry: kopf.OperatorRegistry | None = None) -> Operator:
@@ -468,14 +548,60 @@ def register(settings: OperatorSettings, registry: kopf.OperatorRegistry | None 
     return operator
 
 
-def _effective_ratio(spec, owner: dict) -> float | tuple:
-    """The ratio render would use for this owner's status; the raw values if not numbers
-    (then a cache miss validates them)."""
+APPLIED = reconcile.LAST_APPLIED_ANNOTATION
+
+
+def _child(applied: str) -> dict:
+    """A child as reconcile.desired_children rendered it, from its applied JSON."""
+    child = json.loads(applied)
+    annotations = child["metadata"].setdefault("annotations", {})
+    annotations[reconcile.HASH_ANNOTATION] = hashlib.sha256(applied.encode()).hexdigest()[:16]
+    annotations[APPLIED] = applied
+    return child
+
+
+def _key(owner: dict) -> Key:
+    meta = owner.get("metadata", {})
+    return (meta.get("namespace"), meta.get("name"))
+
+
+def _raw_ratio(owner: dict) -> tuple:
+    """The status fields the effective ratio derives from, exactly as written."""
     status = owner.get("status") or {}
     tuned, base = status.get("recomputeRatio"), (status.get("tuning") or {}).get("baseRatio")
-    if not all(value is None or isinstance(value, int | float) for value in (tuned, base)):
-        return ("raw", repr(tuned), repr(base))
-    return effective_ratio(spec, tuned, base)
+    return (repr(tuned), repr(base))
+
+
+def _slim_owner(body: dict) -> dict:
+    """The BlendDeployment minus what nothing here reads (a shallow copy where it differs):
+    managedFields and kubectl's last-applied copy of the manifest, each often larger than
+    the rest of the object. (The status stays whole: the API models validate all of it.)"""
+    meta = body.get("metadata") or {}
+    annotations = meta.get("annotations") or {}
+    if "managedFields" not in meta and KUBECTL_LAST_APPLIED not in annotations:
+        return body
+    meta = {k: v for k, v in meta.items() if k != "managedFields"}
+    if KUBECTL_LAST_APPLIED in annotations:
+        meta["annotations"] = {k: v for k, v in annotations.items() if k != KUBECTL_LAST_APPLIED}
+    return {**body, "metadata": meta}
+
+
+def _slim_deployment(child: dict) -> dict:
+    """What the status and the readiness checks read of a Deployment (status.is_available,
+    status.build_status): kind, identity and generation, spec.replicas, the status."""
+    meta = child.get("metadata") or {}
+    slim = {
+        "kind": child.get("kind"),
+        "metadata": {
+            k: meta[k]
+            for k in ("name", "namespace", "uid", "generation", "resourceVersion")
+            if k in meta
+        },
+        "spec": {k: v for k, v in (child.get("spec") or {}).items() if k == "replicas"},
+    }
+    if "status" in child:
+        slim["status"] = child["status"]
+    return slim
 
 
 def _inputs(owner: dict) -> tuple:

@@ -7,6 +7,9 @@ handlers in flight, then the health server closes.
 
 import argparse
 import asyncio
+import contextlib
+import ctypes
+import ctypes.util
 import gc
 import logging
 import sys
@@ -17,6 +20,7 @@ from holeblend_operator import handlers, settings
 from holeblend_operator.health import HealthServer
 
 GC_THRESHOLD = 20_000  # allocations between gen-0 collections (CPython's default: 700)
+TRIM_INTERVAL_S = 10.0  # how often freed heap memory is handed back to the OS
 
 
 def add_parser(subparsers) -> None:
@@ -98,7 +102,35 @@ async def serve(config: settings.OperatorSettings, stop: asyncio.Event | None = 
     health = HealthServer(task, ready)
     await health.start(config.health_host, config.health_port)
     logging.getLogger(__name__).info("health and metrics on port %s", health.port)
+    trimming = asyncio.create_task(trim_heap_periodically(TRIM_INTERVAL_S))
     try:
         await task
     finally:
+        trimming.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await trimming
         await health.stop()
+
+
+async def trim_heap_periodically(interval_s: float) -> None:
+    """Hand the heap's free pages back to the OS every `interval_s` (glibc only).
+
+    A burst (thousands of objects created at once, or a relist after a restart) allocates
+    far more than the operator keeps afterwards; glibc's malloc keeps what was freed in the
+    middle of its heap, so without this RSS stays at the burst's peak for good
+    (docs/operator.md, "Memory and scale"). A trim takes about a millisecond."""
+    trim = _malloc_trim()
+    if trim is None:
+        return
+    while True:
+        await asyncio.sleep(interval_s)
+        trim(0)
+
+
+def _malloc_trim():
+    """glibc's malloc_trim, or None where the C library has none (musl, macOS)."""
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return None

@@ -275,7 +275,7 @@ class TuningLoop:
             )
         self._record(key, spec, decision)
         if patched is not None:
-            self.operator.owners[key] = patched
+            self.operator.keep_owner(key, patched)
         if decision.is_change:
             LOG.info(
                 "%s/%s tuned %s -> %s: %s",
