@@ -97,10 +97,7 @@ def serve_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     try:
         index = IndexLimits(args.max_entries, args.max_bytes, args.pod_timeout)
-    except ValueError as error:
-        raise SystemExit(f"holeblend-lookup: {error}") from None
-    limits = Limits(max_body_bytes=args.max_body_bytes, max_keys=args.max_keys)
-    try:
+        limits = Limits(max_body_bytes=args.max_body_bytes, max_keys=args.max_keys)
         return ServerConfig(
             args.host,
             args.port,

@@ -101,13 +101,19 @@ class ServerConfig:
         if self.drain_s < 0:
             raise ValueError(f"drain_s: must be >= 0, got {self.drain_s}")
         largest = self.limits.max_body_bytes + MAX_HEADER_BYTES
-        if self.max_buffer_bytes - self.max_buffer_bytes // 8 < largest:
+        if self.large_body_budget < largest:
             raise ValueError(
                 f"max_buffer_bytes: must hold one largest request ({largest} bytes) in its "
                 f"first seven eighths, got {self.max_buffer_bytes}"
             )
         if self.requests_per_turn < 1:
             raise ValueError(f"requests_per_turn: must be >= 1, got {self.requests_per_turn}")
+
+    @property
+    def large_body_budget(self) -> int:
+        """The share of `max_buffer_bytes` requests with large bodies may hold: seven
+        eighths, so lookups and heartbeats always find room."""
+        return self.max_buffer_bytes - self.max_buffer_bytes // 8
 
 
 def log_text(value: object) -> str:
@@ -355,10 +361,8 @@ class _Connection(asyncio.Protocol):
         if self.closing:
             return
         head = self.head
-        # Release what the answered requests held (inline: this runs once per request).
-        charge = head[4] if head is not None else len(self.buffer)
-        self.server.buffered_bytes += charge - self.charged
-        self.charged = charge
+        # Release what the answered requests held.
+        self._set_charge(head[4] if head is not None else len(self.buffer))
         if self.saw_eof:
             self._close()  # the client is done sending and no complete request is left
             return
@@ -416,9 +420,9 @@ class _Connection(asyncio.Protocol):
                 return False
             end = head_end + 4 + length
             if end > self.charged:
-                budget = self.config.max_buffer_bytes
-                if length > SMALL_BODY_BYTES:
-                    budget -= budget // 8
+                config = self.config
+                large = length > SMALL_BODY_BYTES
+                budget = config.large_body_budget if large else config.max_buffer_bytes
                 if not self._charge(max(end, len(buffer)), budget):
                     return False
             head = self.head = (method, path, keep_alive, head_end + 4, end)

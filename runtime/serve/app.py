@@ -278,7 +278,7 @@ class Server:
                 raise BadRequest("model", message, status=404)
             return rag, *self._prompt(rag)
         except BadRequest as error:
-            kind = "not_found_error" if error.status == 404 else "invalid_request_error"
+            kind = _ERROR_TYPES.get(error.status, "invalid_request_error")
             raise HttpError(error.status, error_body(str(error), error.param, kind)) from None
 
     def _submit(self, rag: RagRequest, prompt, max_tokens: int, arrived: float):

@@ -175,14 +175,10 @@ def _only(*defaults: Any):
     def check(value: Any) -> str | None:
         if any(type(value) is type(d) and value == d for d in defaults):
             return None
-        shown = " or ".join(json_text(d) for d in defaults)
+        shown = " or ".join(json.dumps(d) for d in defaults)
         return f"is not supported by the reference engine; leave it out or send {shown}"
 
     return check
-
-
-def json_text(value: Any) -> str:
-    return json.dumps(value)
 
 
 _INT64 = (-(1 << 63), (1 << 63) - 1)
