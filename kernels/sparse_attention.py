@@ -88,7 +88,8 @@ def triton_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
 ) -> torch.Tensor:
     """The Triton kernel: one launch for all heads and queries (CUDA, or the CPU under
-    TRITON_INTERPRET=1). Returns [heads, n, d] in q's dtype."""
+    TRITON_INTERPRET=1). Returns [heads, n, d] in q's dtype (a view of a token-major
+    buffer)."""
     check_inputs(q, k, v, positions)
     if not is_triton_supported(q):
         raise ValueError(
@@ -97,7 +98,10 @@ def triton_attention(
         )
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     num_heads, num_queries, head_dim = q.shape
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    # Token-major [n, heads, d] seen as [heads, n, d]: the output projection reads it as
+    # [n, heads * d] without a copy.
+    out = torch.empty(num_queries, num_heads, head_dim, device=q.device, dtype=q.dtype)
+    out = out.transpose(0, 1)
     if num_queries == 0:
         return out
     block_m = _BLOCK_M[head_dim]

@@ -119,7 +119,7 @@ def select_backend(
         return forced
     if device.type == "cpu":
         return CHUNKED
-    if device.type == "cuda" and _has_triton() and _triton_takes(dtype, head_dim):
+    if device.type == "cuda" and has_triton() and _triton_takes(dtype, head_dim):
         return TRITON
     return SDPA
 
@@ -187,7 +187,8 @@ def _sdpa(
 
 
 @cache
-def _has_triton() -> bool:
+def has_triton() -> bool:
+    """Whether Triton imports (its kernels then run on CUDA)."""
     try:
         import triton  # noqa: F401
     except ImportError:

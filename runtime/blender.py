@@ -239,9 +239,7 @@ class Blender:
         rope = cache.rope_at(active)
         plan = self._plan(active, cache, h.dtype)
         for layer in range(self.config.check_layer):
-            q, k, v = self.model.qkv(layer, h, rope)
-            cache.k[layer].index_copy_(1, active, k)
-            cache.v[layer].index_copy_(1, active, v)
+            q = self.model.qkv_into(layer, h, rope, cache.k[layer], cache.v[layer], active)
             h = self.model.attend_and_mlp(layer, h, q, cache.k[layer], cache.v[layer], plan)
         return h
 
@@ -304,11 +302,10 @@ class Blender:
         self, layer: int, h: torch.Tensor, rope: RopeTable, cache: _BlendCache, check: _CheckOutcome
     ) -> torch.Tensor:
         """One layer for the recompute set only; reused K/V stay in the cache."""
-        q, k, v = self.model.qkv(layer, h, rope)
+        # Reused KV of this layer in place before the recomputed slots are written over it.
         cache.load.wait(layer)
         keys, values = cache.k[layer], cache.v[layer]
-        keys.index_copy_(1, check.recomputed, k)
-        values.index_copy_(1, check.recomputed, v)
+        q = self.model.qkv_into(layer, h, rope, keys, values, check.recomputed)
         return self.model.attend_and_mlp(layer, h, q, keys, values, check.plan)
 
 

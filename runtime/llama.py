@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from holeblend_runtime.attention import AttentionPlan, attend, plan_attention
+from holeblend_kernels import rope_qkv
+from holeblend_runtime.attention import AttentionPlan, attend, has_triton, plan_attention
 from holeblend_runtime.model_config import ModelConfig
-from holeblend_runtime.rope import RopeTable, apply_rope, rope_table
+from holeblend_runtime.rope import RopeTable, rope_table
 
 
 @dataclass(frozen=True, eq=False)
@@ -93,14 +94,46 @@ class Llama:
         self, layer: int, h: torch.Tensor, rope: RopeTable
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Q [heads, n, d], K and V [kv_heads, n, d] of hidden states h [n, hidden]; Q, K rotated."""
-        c, w = self.config, self.layers[layer]
-        x = self._rms_norm(h, w.attn_norm) @ w.qkv.T
-        qk, v = x.split([c.hidden_size + c.kv_width, c.kv_width], dim=-1)
-        # Q and K heads rotated together: one set of RoPE kernels per layer, not two.
-        qk = qk.view(-1, c.num_heads + c.num_kv_heads, c.head_dim).transpose(0, 1)
-        qk = apply_rope(qk, rope)
-        v = v.view(-1, c.num_kv_heads, c.head_dim).transpose(0, 1)
-        return qk[: c.num_heads], qk[c.num_heads :], v
+        return self._rotate(self._project_qkv(layer, h), rope)
+
+    def qkv_into(
+        self,
+        layer: int,
+        h: torch.Tensor,
+        rope: RopeTable,
+        k_out: torch.Tensor,
+        v_out: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """`qkv`, with K and V written into `k_out`/`v_out` [kv_heads, slots, d] at `slots`
+        (on the model's device); returns Q."""
+        q, _, _ = self._rotate(self._project_qkv(layer, h), rope, k_out, v_out, slots)
+        return q
+
+    def _project_qkv(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        w = self.layers[layer]
+        return self._rms_norm(h, w.attn_norm) @ w.qkv.T
+
+    def _rotate(
+        self,
+        x: torch.Tensor,
+        rope: RopeTable,
+        k_out: torch.Tensor | None = None,
+        v_out: torch.Tensor | None = None,
+        slots: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """RoPE (and the cache writes) of the packed projection: one fused kernel on CUDA
+        (seven launches in torch; at a few thousand tokens the GPU waits for the host)."""
+        c = self.config
+        rotate = rope_qkv.triton_rope_qkv if self._fuses_rope(x) else rope_qkv.reference_rope_qkv
+        return rotate(x, rope.cos, rope.sin, c.num_heads, c.num_kv_heads, k_out, v_out, slots)
+
+    def _fuses_rope(self, x: torch.Tensor) -> bool:
+        return (
+            x.device.type == "cuda"
+            and has_triton()
+            and rope_qkv.is_triton_supported(x, self.config.head_dim)
+        )
 
     def attend_and_mlp(
         self,
@@ -162,10 +195,8 @@ class Llama:
         for layer in range(self.num_layers):
             if before_layer is not None:
                 before_layer(layer)
-            q, k, v = self.qkv(layer, h, rope)
             keys, values = k_cache[layer], v_cache[layer]
-            keys.index_copy_(1, positions, k)
-            values.index_copy_(1, positions, v)
+            q = self.qkv_into(layer, h, rope, keys, values, positions)
             h = self.attend_and_mlp(layer, h, q, keys, values, plan)
         return h
 

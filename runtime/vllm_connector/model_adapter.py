@@ -27,7 +27,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCaus
 
 
 class VllmModelAdapter:
-    """`Llama`'s interface (new_kv, rope, embed, qkv, attend_and_mlp, logits, forward)."""
+    """`Llama`'s interface (new_kv, rope, embed, qkv, qkv_into, attend_and_mlp, logits,
+    forward)."""
 
     # The same code as the reference model: these only use the methods below.
     new_kv = Llama.new_kv
@@ -78,6 +79,21 @@ class VllmModelAdapter:
         q, k = q.transpose(0, 1), k.transpose(0, 1)
         v = v.reshape(-1, c.num_kv_heads, c.head_dim).transpose(0, 1)
         return apply_rope(q, rope), apply_rope(k, rope), v
+
+    def qkv_into(
+        self,
+        layer: int,
+        h: torch.Tensor,
+        rope: RopeTable,
+        k_out: torch.Tensor,
+        v_out: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """`qkv`, K and V written into `k_out`/`v_out` at `slots`; returns Q."""
+        q, k, v = self.qkv(layer, h, rope)
+        k_out.index_copy_(1, slots, k)
+        v_out.index_copy_(1, slots, v)
+        return q
 
     def attend_and_mlp(
         self,
