@@ -88,17 +88,21 @@ def plan_attention(
     backend: str | None = None,
     head_dim: int | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    ends_at_last_key: bool = True,
 ) -> AttentionPlan:
     """Plan for sorted, distinct `positions` < num_keys (on the model's device).
 
     `num_keys` is a host number the caller knows (the prompt length so far): the plan
     never reads `positions` on the host except on the CPU, where that costs nothing.
+    `ends_at_last_key` says the last position is num_keys - 1 (a caller that cannot
+    promise it, e.g. a blend without logits, passes False: a single query then gets a
+    mask instead of every key).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size: must be >= 1, got {chunk_size}")
     backend = backend or select_backend(positions.device, dtype, head_dim)
     is_causal = positions.shape[0] == num_keys
-    if positions.shape[0] == 1 and backend != TRITON:
+    if positions.shape[0] == 1 and backend != TRITON and ends_at_last_key:
         # One query at the last position (a decode step) sees every key: no mask.
         return AttentionPlan(SDPA, positions, num_keys, is_causal)
     plan = AttentionPlan(backend, positions, num_keys, is_causal)

@@ -57,8 +57,8 @@ class CachedSpan:
 
 @dataclass(frozen=True, eq=False)
 class BlendResult:
-    # [vocab] next-token logits at the last prompt position.
-    logits: torch.Tensor
+    # [vocab] next-token logits at the last prompt position (None: not asked for).
+    logits: torch.Tensor | None
     # [layers, kv_heads, tokens, head_dim]: the prompt's blended KV cache.
     k: torch.Tensor
     v: torch.Tensor
@@ -103,12 +103,18 @@ class Blender:
         hole_ranges: Sequence[tuple[int, int]] = (),
         strategy: SelectionStrategy | None = None,
         prefix: PrefixKV | None = None,
+        needs_logits: bool = True,
     ) -> BlendResult:
         """Prefill `token_ids` reusing `spans` (and an exact `prefix`, whose tokens are
-        never computed); `hole_ranges` bound per-section selection."""
+        never computed); `hole_ranges` bound per-section selection.
+
+        `needs_logits` False (the caller computes the next token itself, as vLLM does
+        after the connector's range): the last token is not forced into the recompute
+        set, so the cached tokens and the picks are those of the same prompt blended
+        with its tail; `BlendResult.logits` is then None."""
         check_ratio(ratio)
         is_cached, stored_at = self._slots(spans, token_ids.shape[0])
-        layout = self._layout(is_cached, spans, prefix, ratio, tuple(hole_ranges))
+        layout = self._layout(is_cached, spans, prefix, ratio, tuple(hole_ranges), needs_logits)
         cache = self._cache(layout, spans, stored_at, prefix)
         h = self._full_layers(token_ids.to(self.model.device)[cache.on_device.active], cache)
         check = self._check_layer(h, cache, strategy)
@@ -116,7 +122,7 @@ class Blender:
         rope = RopeTable(cache.rope.cos[check.recomputed], cache.rope.sin[check.recomputed])
         for layer in range(self.config.check_layer + 1, self.model.num_layers):
             h = self._sparse_layer(layer, h, rope, cache, check)
-        logits = self.model.logits(h[-1:])[0]
+        logits = self.model.logits(h[-1:])[0] if needs_logits else None
         return BlendResult(
             logits, cache.k, cache.v, check.recomputed, check.selected, check.deviation
         )
@@ -186,6 +192,7 @@ class Blender:
         prefix: PrefixKV | None,
         ratio: float,
         hole_ranges: tuple[tuple[int, int], ...],
+        needs_logits: bool = True,
     ) -> _Layout:
         num_tokens = is_cached.shape[0]
         start = 0 if prefix is None else prefix.num_tokens
@@ -193,7 +200,8 @@ class Blender:
             raise ValueError(f"spans: a span starts inside the exact prefix of {start} tokens")
         # The last token's hidden state gives the logits: it is always computed.
         is_cached = is_cached.clone()
-        is_cached[-1] = False
+        if needs_logits:
+            is_cached[-1] = False
         fresh = () if prefix is None else prefix.fresh_positions
         active = torch.cat(
             [torch.tensor(fresh, dtype=torch.int64), torch.arange(start, num_tokens)]
@@ -203,7 +211,9 @@ class Blender:
         picks = tuple(num_to_select(members.shape[0], ratio) for members in sections)
         num_uncached = int(active.shape[0]) - int(is_cached[active].sum())
         picks = _round_up_picks(picks, sections, num_uncached, self._bucket())
-        return _Layout(num_tokens, start, active, is_cached[active], cached, sections, picks)
+        return _Layout(
+            num_tokens, start, active, is_cached[active], cached, sections, picks, needs_logits
+        )
 
     def _bucket(self) -> int:
         """Recompute-set sizes are rounded up to a multiple of this (more tokens picked)."""
@@ -268,10 +278,11 @@ class Blender:
         return _CheckOutcome(hidden, recomputed, selected, deviation, plan)
 
     def _plan(self, positions: torch.Tensor, cache: _BlendCache, dtype: torch.dtype):
-        # The last prompt token is always computed: the plan's last position.
+        # With logits the last prompt token is always computed: the plan's last position.
         return plan_attention(
-            positions, cache.layout.num_tokens, dtype, head_dim=self.model.config.head_dim
-        )
+            positions, cache.layout.num_tokens, dtype, head_dim=self.model.config.head_dim,
+            ends_at_last_key=cache.layout.needs_logits,
+        )  # fmt: skip
 
     def _select(
         self, deviation: torch.Tensor, cache: _BlendCache, strategy: SelectionStrategy | None
@@ -410,11 +421,14 @@ class _Layout:
     # then every position from `start`), and which of them hold reused KV.
     active: torch.Tensor
     is_active_cached: torch.Tensor
-    # Sorted positions holding reused KV (after the prefix; the last token excluded).
+    # Sorted positions holding reused KV (after the prefix; the last token excluded
+    # when the blend needs its logits).
     cached: torch.Tensor
     # Per section: indexes into `cached`, and how many of them to recompute.
     sections: tuple[torch.Tensor, ...]
     picks: tuple[int, ...]
+    # The last token is computed for its logits (else it may stay cached).
+    needs_logits: bool = True
 
 
 @dataclass(frozen=True, eq=False)

@@ -30,16 +30,19 @@ from typing import Any, TypeVar
 
 import torch
 
+from holeblend_runtime import batch_decode
+from holeblend_runtime.batch_decode import DecodeSequence
 from holeblend_runtime.blend_config import ISOLATED, BlendConfig, check_ratio
 from holeblend_runtime.blender import Blender, CachedSpan, PrefixKV, copy_span
 from holeblend_runtime.devices import synchronize, to_device
 from holeblend_runtime.gguf_model import load_model_files
+from holeblend_runtime.keys import SegmentKeyer
 from holeblend_runtime.kv_store import KVStore, LocalKVStore, SegmentKV, finite_flags
 from holeblend_runtime.llama import Llama
 from holeblend_runtime.lookup import LookupMode, LookupResult, ReusePolicy, plan_reuse
 from holeblend_runtime.model_config import ModelConfig
 from holeblend_runtime.prompt import PromptBuilder
-from holeblend_runtime.segments import Segment, SegmentedPrompt, SegmentKind, segment_key
+from holeblend_runtime.segments import Segment, SegmentedPrompt, SegmentKind
 from holeblend_runtime.selection import SelectionStrategy
 from holeblend_runtime.store_worker import (
     DEFAULT_MAX_PENDING,
@@ -124,6 +127,25 @@ def _in_foreground(method: Callable[..., _T]) -> Callable[..., _T]:
     return wrapper
 
 
+@dataclass(frozen=True, eq=False)
+class Blended:
+    """The reuse path's result for a prompt's first tokens (`ReferenceEngine.blend_reused`)."""
+
+    # [vocab] next-token logits after the range; None when the range ends before the
+    # prompt does (the caller computes the next token).
+    logits: torch.Tensor | None
+    # [layers, kv_heads, tokens, head_dim]: the range's KV.
+    k: torch.Tensor
+    v: torch.Tensor
+    # Check-layer K deviation of each blended cached token (empty without a blend).
+    deviation: torch.Tensor
+    # Sorted positions computed in every layer, and the reused ones among them.
+    recomputed: torch.Tensor
+    selected: torch.Tensor
+    # Reused tokens at the start whose KV is exact (never blended).
+    num_exact_prefix_tokens: int
+
+
 class ReferenceEngine:
     """Prefill, score and greedy generation on one sequence at a time."""
 
@@ -203,34 +225,15 @@ class ReferenceEngine:
 
     def segment_keys(self, prompt: SegmentedPrompt) -> list[str | None]:
         """One key per segment; None for segments that are never cached."""
-        context_key = self._document_context_key(prompt)
-        return [self._key(prompt, segment, context_key) for segment in prompt.segments]
+        return self.keyer.keys(prompt)
 
-    def _key(
-        self, prompt: SegmentedPrompt, segment: Segment, context_key: str | None
-    ) -> str | None:
-        if not segment.is_cacheable(self.blend_config.min_segment_tokens):
-            return None
-        context = None if segment is prompt.system else context_key
-        return segment_key(
-            segment.token_ids,
-            model_id=self.config.model_id,
-            kv_dtype=self.kv_dtype,
-            context_key=context,
-        )
-
-    def _document_context_key(self, prompt: SegmentedPrompt) -> str | None:
-        """Documents cached after the system prompt are keyed by system + separator tokens."""
-        if not self.blend_config.cache_after_system:
-            return None
-        context = prompt.token_ids[: self._document_offset(prompt)]
-        return segment_key(context, model_id=self.config.model_id, kv_dtype=self.kv_dtype)
+    @property
+    def keyer(self) -> SegmentKeyer:
+        """How this engine names segments' KV (the vLLM connector keys the same way)."""
+        return SegmentKeyer(self.config.model_id, self.kv_dtype, self.blend_config)
 
     def _document_offset(self, prompt: SegmentedPrompt) -> int:
-        """Where a document starts when cached after the system prompt (0: alone)."""
-        if not self.blend_config.cache_after_system:
-            return 0
-        return prompt.separator_ranges[0][1]
+        return self.keyer.document_offset(prompt)
 
     # --- prefill ----------------------------------------------------------------------
 
@@ -252,7 +255,7 @@ class ReferenceEngine:
         if mode is Mode.FULL:
             return self._full_prefill(prompt, started)
         keys = self.segment_keys(prompt)
-        entries, num_rejected = self._fetch(prompt, keys)
+        entries, num_rejected = self.fetch(prompt, keys)
         policy = ReusePolicy.PREFIX if mode is Mode.PREFIX else ReusePolicy.HOLE
         lookup = plan_reuse(prompt, [entry is not None for entry in entries], policy)
         if lookup.mode is LookupMode.FULL_MISS:
@@ -310,38 +313,69 @@ class ReferenceEngine:
         started: float,
         num_rejected: int,
     ) -> Prefill:
-        prefix = self._exact_prefix(prompt, lookup, entries)
+        blended = self.blend_reused(prompt, lookup, entries, ratio)
+        assert blended.logits is not None  # asked for: the whole prompt was blended
+        return Prefill(
+            prompt, mode, ratio, lookup, blended.logits, blended.k, blended.v,
+            num_rejected_segments=num_rejected, num_stored_segments=0,
+            deviation=blended.deviation, recomputed_positions=blended.recomputed,
+            selected_positions=blended.selected, ttft_s=self._elapsed(started),
+            num_exact_prefix_tokens=blended.num_exact_prefix_tokens,
+        )  # fmt: skip
+
+    def blend_reused(
+        self,
+        prompt: SegmentedPrompt,
+        lookup: LookupResult,
+        entries: Sequence[SegmentKV | None],
+        ratio: float,
+        num_tokens: int | None = None,
+    ) -> Blended:
+        """The KV of the prompt's first `num_tokens` tokens (default: all, with the next
+        token's logits) from the reused segments' cached `entries` (one per segment, None
+        where not reused): the exact prefix loaded as it is, the rest blended. The one
+        reuse path of both engines: holeblend-serve's prefill blends the whole prompt,
+        the vLLM connector the range it offers vLLM (vLLM computes the tokens after it,
+        so no logits: `Blended.logits` is None and the last token may stay cached)."""
+        check_ratio(ratio)
+        end = prompt.num_tokens if num_tokens is None else num_tokens
+        if not 0 < end <= prompt.num_tokens:
+            raise ValueError(f"num_tokens: must be in 1..{prompt.num_tokens}, got {end}")
+        needs_logits = end == prompt.num_tokens
+        prefix = self._exact_prefix(prompt, lookup, entries, end)
         start = 0 if prefix is None else prefix.num_tokens
         num_fresh_in_prefix = 0 if prefix is None else len(prefix.fresh_positions)
         spans = [
-            CachedSpan(prompt.segments[i].start, prompt.segments[i].end, entries[i])
+            _span_within(prompt.segments[i], entries[i], end)
             for i in lookup.reused_segments
-            if prompt.segments[i].start >= start
+            if start <= prompt.segments[i].start < end
         ]
-        token_ids = torch.tensor(prompt.token_ids, device=self.model.device)
+        token_ids = torch.tensor(prompt.token_ids[:end], device=self.model.device)
+        empty = torch.empty(0, dtype=torch.int64, device=token_ids.device)
         if spans:
-            blended = self.blender.blend(
-                token_ids, spans, ratio, lookup.hole_ranges, self.strategy, prefix
+            holes = [(s, min(e, end)) for s, e in lookup.hole_ranges if s < end]
+            result = self.blender.blend(
+                token_ids, spans, ratio, holes, self.strategy, prefix, needs_logits
             )
-            logits, k, v = blended.logits, blended.k, blended.v
-            deviation, recomputed = blended.deviation, blended.recomputed
-            selected = blended.selected
-        else:
-            logits, recomputed = self._continue_causal(token_ids, prefix)
-            k, v = prefix.k, prefix.v
-            deviation = torch.empty(0, device=token_ids.device)
-            selected = torch.empty(0, dtype=torch.int64, device=token_ids.device)
-        return Prefill(
-            prompt, mode, ratio, lookup, logits, k, v,
-            num_rejected_segments=num_rejected, num_stored_segments=0,
-            deviation=deviation, recomputed_positions=recomputed,
-            selected_positions=selected, ttft_s=self._elapsed(started),
-            num_exact_prefix_tokens=start - num_fresh_in_prefix,
+            return Blended(
+                result.logits, result.k, result.v, result.deviation, result.recomputed,
+                result.selected, start - num_fresh_in_prefix,
+            )  # fmt: skip
+        if prefix is None:  # nothing reusable in the range: computed in full
+            k, v = self.model.new_kv(end)
+            h = self.model.forward(token_ids, k, v, start=0)
+            logits = self.model.logits(h[-1:])[0] if needs_logits else None
+            recomputed = torch.arange(end, device=token_ids.device)
+            return Blended(logits, k, v, empty.float(), recomputed, empty, 0)
+        logits, recomputed = self._continue_causal(token_ids, prefix, needs_logits)
+        return Blended(
+            logits, prefix.k, prefix.v, empty.float(), recomputed, empty,
+            start - num_fresh_in_prefix,
         )  # fmt: skip
 
     def _continue_causal(
-        self, token_ids: torch.Tensor, prefix: PrefixKV
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, token_ids: torch.Tensor, prefix: PrefixKV, needs_logits: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Causal prefill of the tokens after an exact prefix (a prefix cache hit) and
         of the prefix's fresh positions; the logits and the computed positions."""
         num_tokens = token_ids.shape[0]
@@ -352,18 +386,22 @@ class ReferenceEngine:
             ),
             token_ids.device,
         )  # fmt: skip
+        if positions.shape[0] == 0:  # the range is the prefix: its KV is all there is
+            return None, positions
         h = self.model.forward_at(token_ids[positions], positions, num_tokens, prefix.k, prefix.v)
-        return self.model.logits(h[-1:])[0], positions
+        return (self.model.logits(h[-1:])[0] if needs_logits else None), positions
 
     def _exact_prefix(
         self,
         prompt: SegmentedPrompt,
         lookup: LookupResult,
         entries: Sequence[SegmentKV | None],
+        num_tokens: int | None = None,
     ) -> PrefixKV | None:
         """The reused tokens at the start whose cached KV is exactly full prefill's, loaded
-        into new prompt-sized buffers; the separator before the first document has no KV:
-        it is computed with the tokens after the prefix (`PrefixKV.fresh_positions`).
+        into new buffers for the first `num_tokens` (default: all); the separator before
+        the first document has no KV: it is computed with the tokens after the prefix
+        (`PrefixKV.fresh_positions`).
 
         The system prompt qualifies when reused (cached alone from position 0). The first
         document qualifies when reused with KV computed right after this system prompt
@@ -371,11 +409,16 @@ class ReferenceEngine:
         starts here.
         """
         system = prompt.system
+        end = prompt.num_tokens if num_tokens is None else num_tokens
         if 0 not in lookup.reused_segments or not _is_at(entries[0], system.start):
             return None
-        k, v = self.model.new_kv(prompt.num_tokens)
+        if system.end > end:
+            return None
+        k, v = self.model.new_kv(end)
         _load(k, v, entries[0], system)
-        if not self._is_exact_first_document(prompt, lookup, entries):
+        if not self._is_exact_first_document(prompt, lookup, entries) or (
+            prompt.segments[1].end > end
+        ):
             return PrefixKV(k, v, system.end)
         sep_start, sep_end = prompt.separator_ranges[0]
         document = prompt.segments[1]
@@ -399,10 +442,12 @@ class ReferenceEngine:
 
     # --- the KV store -----------------------------------------------------------------
 
-    def _fetch(
+    def fetch(
         self, prompt: SegmentedPrompt, keys: Sequence[str | None]
     ) -> tuple[list[SegmentKV | None], int]:
-        """Usable cached entries per segment, and how many stored ones were refused."""
+        """Usable cached entries per segment (one batched get; None for a None key, a
+        miss or an entry refused), and how many stored ones were refused (wrong model,
+        shape, dtype, non-finite values)."""
         entries: list[SegmentKV | None] = []
         num_rejected = 0
         stored = self._get_many(keys)
@@ -590,6 +635,64 @@ class ReferenceEngine:
             h = self.model.forward(torch.tensor([token], device=self.model.device), k, v, position)
             logits, position = self.model.logits(h)[0], position + 1
 
+    # --- batched greedy decoding (runtime/batch_decode.py) -----------------------------
+
+    def start_decode(self, prefill: Prefill, max_new_tokens: int) -> DecodeSequence:
+        """A sequence to decode greedily with others (`decode_step`): the prefill's KV in
+        buffers with room for the answer, at most `max_new_tokens` tokens (fewer where
+        the context ends). Its first token is `next_token()` of the prefill's logits."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
+        position = prefill.num_prompt_tokens
+        max_new_tokens = min(max_new_tokens, self.config.context_length - position)
+        if max_new_tokens <= 1:  # nothing is ever fed: the prefill's buffers are read only
+            k, v = prefill.k, prefill.v
+        else:
+            with torch.inference_mode():
+                # Every produced token but the last is fed back.
+                k, v = self._grow_kv(prefill, max_new_tokens - 1)
+        return DecodeSequence(k, v, position, prefill.logits, max_new_tokens)
+
+    def decode_step(self, sequences: Sequence[DecodeSequence], tokens: Sequence[int]) -> None:
+        """Feed `tokens[i]` to `sequences[i]`, all in one batched forward pass; each
+        sequence's `logits` then give its next token. Results equal `generate_stream`'s
+        one sequence at a time (up to float rounding of the batched matmuls)."""
+        with self.activity.foreground(), torch.inference_mode():
+            batch_decode.decode_step(self.model, sequences, tokens)
+
+    def generate_batch(
+        self,
+        prefills: Sequence[Prefill],
+        max_new_tokens: int | Sequence[int],
+        ignore_eos: bool = False,
+    ) -> list[list[int]]:
+        """`generate` of several prefills, their decode steps batched: one forward pass
+        per step for every sequence still going (each stops at its own EOS or limit)."""
+        limits = (
+            [max_new_tokens] * len(prefills)
+            if isinstance(max_new_tokens, int)
+            else list(max_new_tokens)
+        )
+        if len(limits) != len(prefills):
+            raise ValueError(f"max_new_tokens: {len(limits)} limits for {len(prefills)} prefills")
+        sequences = [self.start_decode(p, n) for p, n in zip(prefills, limits, strict=True)]
+        answers: list[list[int]] = [[] for _ in prefills]
+        going = list(range(len(prefills)))
+        while going:
+            fed: list[int] = []
+            for i in going:
+                sequence = sequences[i]
+                token = sequence.next_token()
+                if token == self.config.eos_token_id and not ignore_eos:
+                    continue
+                answers[i].append(token)
+                sequence.produced()
+                if not sequence.is_at_limit:
+                    fed.append(i)
+            self.decode_step([sequences[i] for i in fed], [answers[i][-1] for i in fed])
+            going = fed
+        return answers
+
     def _grow_kv(self, prefill: Prefill, num_more: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.model.new_kv(prefill.num_prompt_tokens + num_more)
         k[:, :, : prefill.num_prompt_tokens], v[:, :, : prefill.num_prompt_tokens] = (
@@ -639,6 +742,19 @@ def _is_at(entry: SegmentKV | None, start: int) -> bool:
         return False
     expected = torch.arange(start, start + entry.num_tokens, dtype=torch.int64)
     return torch.equal(entry.positions.cpu(), expected)
+
+
+def _span_within(segment: Segment, entry: SegmentKV | None, end: int) -> CachedSpan:
+    """A reused segment as a span of the range [0, end), its KV cut where the range ends."""
+    if entry is None:
+        raise ValueError(f"entries: no KV for the reused segment at {segment.start}")
+    stop = min(segment.end, end)
+    if stop < segment.end:
+        num = stop - segment.start
+        entry = replace(
+            entry, k=entry.k[:, :, :num], v=entry.v[:, :, :num], positions=entry.positions[:num]
+        )
+    return CachedSpan(segment.start, stop, entry)
 
 
 def _load(k: torch.Tensor, v: torch.Tensor, entry: SegmentKV, segment: Segment) -> None:

@@ -34,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from holeblend_runtime.engine import ReferenceEngine
+from holeblend_runtime.keys import SegmentKeyer
 from holeblend_runtime.kv_store import KVStore
 from holeblend_runtime.lookup import ReusePolicy
 from holeblend_runtime.selection import num_to_select
@@ -43,12 +44,11 @@ from holeblend_runtime.vllm_connector import metrics, plugin
 from holeblend_runtime.vllm_connector.accounting import LoadLedger
 from holeblend_runtime.vllm_connector.metadata import (
     LoadRequest,
-    ReusedSegment,
     StepPlan,
     StoreRequest,
 )
 from holeblend_runtime.vllm_connector.model_adapter import VllmModelAdapter
-from holeblend_runtime.vllm_connector.planning import ReusePlan, ReusePlanner, SegmentKeyer
+from holeblend_runtime.vllm_connector.planning import ReusePlan, ReusePlanner
 from holeblend_runtime.vllm_connector.settings import ConnectorSettings, RatioSource, load_settings
 from holeblend_runtime.vllm_connector.shadow import (
     VllmShadow,
@@ -282,22 +282,13 @@ class _SchedulerSide:
         self.ratios[request_id] = ratio
         plan = self.plans[request_id]
         assert plan is not None  # a load exists only for a planned request
-        end = load.end
-        reused = tuple(
-            ReusedSegment(start, end_, key)
-            for (start, end_), index in zip(
-                plan.lookup.hit_ranges, plan.lookup.reused_segments, strict=True
-            )
-            if start < end and (key := plan.keys[index]) is not None
-        )
-        holes = tuple((s, e) for s, e in plan.lookup.hole_ranges if e <= end)
         return LoadRequest(
             request_id,
-            plan.prompt.token_ids[:end],
+            plan.prompt,
+            plan.keys,
+            plan.lookup.reused_segments,
             load,
             self.blocks.pop(request_id),
-            reused,
-            holes,
             ratio,
         )
 

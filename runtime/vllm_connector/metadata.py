@@ -13,29 +13,19 @@ from holeblend_runtime.vllm_connector.accounting import LoadSpec
 
 
 @dataclass(frozen=True)
-class ReusedSegment:
-    """A cached segment of the prompt: where it sits and the key of its KV."""
-
-    start: int
-    end: int
-    key: str
-
-
-@dataclass(frozen=True)
 class LoadRequest:
     """Blend the covered range of one request and write `load`'s slots of it."""
 
     request_id: str
-    # The prompt's tokens up to the end of the covered range.
-    token_ids: tuple[int, ...]
+    # The whole prompt, and one key per segment (None: never cached).
+    prompt: SegmentedPrompt
+    keys: tuple[str | None, ...]
+    # Indexes into prompt.segments of the segments the scheduler planned to reuse.
+    reused_segments: tuple[int, ...]
     # Slots to write: vLLM holds [0, load.start) already and computes [load.end, ...).
     load: LoadSpec
     # vLLM's block ids of the request, in order (block i holds tokens i*B..(i+1)*B-1).
     block_ids: tuple[int, ...]
-    # Reused segments inside the covered range, in prompt order.
-    reused: tuple[ReusedSegment, ...]
-    # Missing segments (computed fresh) inside the covered range.
-    hole_ranges: tuple[tuple[int, int], ...]
     # The recompute ratio in force when the request was scheduled.
     ratio: float
 

@@ -1,7 +1,7 @@
 """Scheduler side of the connector, without vLLM: hole-aware lookup of a prompt.
 
 1. Split the prompt's token ids on the separator's ids (`SegmentSplitter`).
-2. Key every cacheable segment the way the reference engine does (`SegmentKeyer`).
+2. Key every cacheable segment (`keys.SegmentKeyer`, the engine's own keyer).
 3. Ask the segment index which keys are cached; an index that fails counts as all-miss,
    so serving never fails because of it.
 4. `plan_reuse` turns the hit flags into hit and hole ranges; the connector offers the
@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from holeblend_runtime.blend_config import BlendConfig
+from holeblend_runtime.keys import SegmentKeyer
 from holeblend_runtime.lookup import LookupMode, LookupResult, ReusePolicy, plan_reuse
-from holeblend_runtime.segments import SegmentedPrompt, SegmentSplitter, segment_key
+from holeblend_runtime.segments import SegmentedPrompt, SegmentSplitter
 from holeblend_runtime.vllm_connector.accounting import covered_tokens
 
 log = logging.getLogger(__name__)
@@ -30,35 +30,6 @@ class SegmentIndex(Protocol):
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         """One flag per key, in one round trip for a remote index."""
         ...
-
-
-@dataclass(frozen=True)
-class SegmentKeyer:
-    """Segment keys as `ReferenceEngine.segment_keys` computes them (a test checks this)."""
-
-    model_id: str
-    kv_dtype: str
-    blend: BlendConfig
-
-    def keys(self, prompt: SegmentedPrompt) -> list[str | None]:
-        context_key = self._context_key(prompt)
-        return [
-            None
-            if not segment.is_cacheable(self.blend.min_segment_tokens)
-            else segment_key(
-                segment.token_ids,
-                model_id=self.model_id,
-                kv_dtype=self.kv_dtype,
-                context_key=None if segment is prompt.system else context_key,
-            )
-            for segment in prompt.segments
-        ]
-
-    def _context_key(self, prompt: SegmentedPrompt) -> str | None:
-        if not self.blend.cache_after_system:
-            return None
-        context = prompt.token_ids[: prompt.separator_ranges[0][1]]
-        return segment_key(context, model_id=self.model_id, kv_dtype=self.kv_dtype)
 
 
 @dataclass(frozen=True)

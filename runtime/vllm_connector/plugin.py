@@ -54,6 +54,7 @@ def _wrap_load_model(runner_class: type) -> None:
 
 
 def loaded_model() -> Any | None:
-    """The model this process's runner loaded, or None before loading (or without the
-    plugin installed: then the connector serves without reuse and says so)."""
+    """The model this process's runner loaded, or None before loading (or when the plugin
+    is not installed in vLLM's environment: the connector's worker then refuses its first
+    load with a RuntimeError saying to install holeblend there)."""
     return _loaded.get("model")

@@ -2,10 +2,11 @@
 cache, store missing segments.
 
 Load, for one request (inside `start_load_kv`, before vLLM's forward of the step):
-1. Fetch each reused segment's KV from the tier; one that is missing, corrupt or does
-   not fit the model (`ReferenceEngine.kv_problem`) becomes a hole: the blend computes it.
-2. Run our blender over the covered range `[0, load.end)` with the model adapter (the
-   check layer, the selected tokens and the holes are computed; the rest is reused).
+1. Fetch the planned segments' KV from the tier in one batch; one that is missing,
+   corrupt or does not fit the model (`ReferenceEngine.fetch`) becomes a hole.
+2. Run the engine's reuse path (`ReferenceEngine.blend_reused`, the same as
+   holeblend-serve's prefill: exact prefix, blend, selection) over the covered range
+   `[0, load.end)` with the model adapter; vLLM computes the tokens after it.
 3. Write the blended K/V of `[load.start, load.end)` into vLLM's paged cache at the
    request's slots, layer by layer, with the attention backend's own cache-update op
    (or the kernels package's reference scatter for backends without one).
@@ -23,10 +24,11 @@ from dataclasses import dataclass
 import torch
 
 from holeblend_kernels.paged import scatter_kv_nhd
-from holeblend_runtime.blender import CachedSpan
 from holeblend_runtime.engine import ReferenceEngine
 from holeblend_runtime.kv_store import SegmentKV
-from holeblend_runtime.vllm_connector.metadata import LoadRequest, ReusedSegment, StoreRequest
+from holeblend_runtime.lookup import LookupResult, ReusePolicy, plan_reuse
+from holeblend_runtime.segments import SegmentedPrompt
+from holeblend_runtime.vllm_connector.metadata import LoadRequest, StoreRequest
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +79,8 @@ class PagedKVWriter:
 
 
 class BlendWorker:
-    """Loads (blend + write) for one worker; `engine` wraps the model adapter."""
+    """Loads (blend + write) for one worker; `engine` wraps the model adapter and runs the
+    same reuse path as holeblend-serve's prefill (`ReferenceEngine.blend_reused`)."""
 
     def __init__(self, engine: ReferenceEngine, writer: PagedKVWriter) -> None:
         self.engine = engine
@@ -91,69 +94,47 @@ class BlendWorker:
     @torch.inference_mode()
     def load(self, request: LoadRequest) -> LoadOutcome:
         started = time.perf_counter()
-        end = request.load.end
-        spans = [s for s in map(lambda r: self._span(r, end), request.reused) if s is not None]
-        num_rejected = len(request.reused) - len(spans)
-        token_ids = torch.tensor(request.token_ids[:end], device=self.engine.model.device)
-        k, v, num_recomputed = self._blend(token_ids, spans, request)
+        prompt, end = request.prompt, request.load.end
+        lookup, entries, num_unusable = self._fetch(request)
+        blended = self.engine.blend_reused(prompt, lookup, entries, request.ratio, end)
         slots = self.writer.slots(request.block_ids, request.load.start, end)
-        for layer in range(k.shape[0]):
-            layer_k = k[layer, :, request.load.start : end].transpose(0, 1)
-            layer_v = v[layer, :, request.load.start : end].transpose(0, 1)
+        for layer in range(blended.k.shape[0]):
+            layer_k = blended.k[layer, :, request.load.start : end].transpose(0, 1)
+            layer_v = blended.v[layer, :, request.load.start : end].transpose(0, 1)
             self.writer.write(layer, layer_k, layer_v, slots)
-        num_reused = sum(span.end - span.start for span in spans)
         return LoadOutcome(
             request.request_id,
-            num_reused_tokens=num_reused,
-            num_hole_tokens=_count(request.hole_ranges) + _count_rejected(request, spans, end),
-            num_recomputed_tokens=num_recomputed,
-            num_rejected_segments=num_rejected,
+            num_reused_tokens=_count(lookup.hit_ranges, end),
+            num_hole_tokens=_count(_hole_ranges(prompt, lookup, end), end),
+            num_recomputed_tokens=int(blended.recomputed.shape[0]),
+            num_rejected_segments=num_unusable,
             blend_seconds=time.perf_counter() - started,
         )
 
-    def _blend(
-        self, token_ids: torch.Tensor, spans: list[CachedSpan], request: LoadRequest
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        model = self.engine.model
-        if not spans:  # every planned segment was unusable: compute the range in full
-            k, v = model.new_kv(token_ids.shape[0])
-            model.forward(token_ids, k, v, start=0)
-            return k, v, token_ids.shape[0]
-        holes = [*request.hole_ranges, *_rejected_ranges(request, spans, token_ids.shape[0])]
-        result = self.engine.blender.blend(token_ids, spans, request.ratio, sorted(holes))
-        return result.k, result.v, int(result.recomputed.shape[0])
-
-    def _span(self, reused: ReusedSegment, end: int) -> CachedSpan | None:
-        entry = self.engine.store.get(reused.key)
-        num_tokens = reused.end - reused.start
-        problem = (
-            "missing" if entry is None else self.engine.kv_problem(entry, reused.key, num_tokens)
-        )
-        if problem is not None:
-            log.warning("segment %s: %s; computing it fresh", reused.key, problem)
-            return None
-        if reused.end > end:  # a full-prompt hit: vLLM computes the last token itself
-            entry = _truncated(entry, end - reused.start)
-        return CachedSpan(reused.start, min(reused.end, end), entry)
+    def _fetch(self, request: LoadRequest) -> tuple[LookupResult, list[SegmentKV | None], int]:
+        """The planned segments' KV in one batched get, checked as the engine checks its
+        own (`ReferenceEngine.fetch`); one that is missing or unusable becomes a hole.
+        Returns the lookup of what is actually reused, the entries and how many planned
+        segments were not usable."""
+        planned = set(request.reused_segments)
+        keys = [key if i in planned else None for i, key in enumerate(request.keys)]
+        entries, _ = self.engine.fetch(request.prompt, keys)
+        unusable = [i for i in sorted(planned) if entries[i] is None]
+        for i in unusable:
+            log.warning("segment %s: not usable; computing it fresh", request.keys[i])
+        flags = [entry is not None for entry in entries]
+        return plan_reuse(request.prompt, flags, ReusePolicy.HOLE), entries, len(unusable)
 
 
-def _truncated(entry: SegmentKV, num_tokens: int) -> SegmentKV:
-    return SegmentKV(
-        entry.key, entry.k[:, :, :num_tokens], entry.v[:, :, :num_tokens],
-        entry.positions[:num_tokens], entry.model_id,
-    )  # fmt: skip
+def _hole_ranges(prompt: SegmentedPrompt, lookup: LookupResult, end: int) -> list[tuple[int, int]]:
+    """Segments inside [0, end) that are computed fresh: planned holes and unusable ones."""
+    reused = set(lookup.reused_segments)
+    return [
+        (segment.start, segment.end)
+        for i, segment in enumerate(prompt.segments)
+        if i not in reused and segment.num_tokens > 0 and segment.start < end
+    ]
 
 
-def _rejected_ranges(
-    request: LoadRequest, spans: list[CachedSpan], end: int
-) -> list[tuple[int, int]]:
-    used = {span.start for span in spans}
-    return [(r.start, min(r.end, end)) for r in request.reused if r.start not in used]
-
-
-def _count_rejected(request: LoadRequest, spans: list[CachedSpan], end: int) -> int:
-    return _count(_rejected_ranges(request, spans, end))
-
-
-def _count(ranges: Sequence[tuple[int, int]]) -> int:
-    return sum(end - start for start, end in ranges)
+def _count(ranges: Sequence[tuple[int, int]], end: int) -> int:
+    return sum(max(0, min(stop, end) - start) for start, stop in ranges)

@@ -8,10 +8,11 @@ import time
 import pytest
 
 from holeblend_runtime.blend_config import BlendConfig
+from holeblend_runtime.keys import SegmentKeyer
 from holeblend_runtime.kv_directory import DirectoryKVStore
 from holeblend_runtime.lookup import LookupMode
 from holeblend_runtime.tiered_store import TieredKVStore
-from holeblend_runtime.vllm_connector.planning import ReusePlanner, SegmentKeyer
+from holeblend_runtime.vllm_connector.planning import ReusePlanner
 from holeblend_runtime.vllm_connector.settings import ConnectorSettings
 from holeblend_runtime.vllm_connector.store import close_store, open_store, tier_figures
 

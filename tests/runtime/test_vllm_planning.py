@@ -7,9 +7,10 @@ import pytest
 from holeblend_contract.blend_settings import BlendSettings, ModelSettings
 from holeblend_runtime.blend_config import BlendConfig
 from holeblend_runtime.engine import ReferenceEngine
+from holeblend_runtime.keys import SegmentKeyer
 from holeblend_runtime.kv_directory import DirectoryKVStore
 from holeblend_runtime.lookup import LookupMode
-from holeblend_runtime.vllm_connector.planning import ReusePlanner, SegmentKeyer
+from holeblend_runtime.vllm_connector.planning import ReusePlanner
 from holeblend_runtime.vllm_connector.settings import RatioSource, load_settings
 
 SEP = 9

@@ -17,7 +17,6 @@ from holeblend_runtime.vllm_connector.connector import (
 )
 from holeblend_runtime.vllm_connector.metadata import (
     LoadRequest,
-    ReusedSegment,
     StepPlan,
     StoreRequest,
 )
@@ -54,8 +53,7 @@ def test_step_metadata_round_trips_through_pickle():
     plan = StepPlan(
         loads=(
             LoadRequest(
-                "r1", (1, 2, 9, 3, 4), LoadSpec(0, 5), (3, 7), (ReusedSegment(0, 2, "ab12"),),
-                ((3, 5),), 0.15,
+                "r1", prompt, ("ab12", None, None), (0,), LoadSpec(0, 5), (3, 7), 0.15
             ),
         ),
         stores=(StoreRequest("r1", prompt, (1,)),),

@@ -1,0 +1,115 @@
+"""One reuse path for both engines: holeblend-serve's prefill and the vLLM connector's worker.
+
+The connector's scheduler side plans with `ReusePlanner` (the engine's own keyer, the
+store as the index); its worker blends the covered range with `BlendWorker`. Here the
+worker runs over the reference model, with a plain tensor in vLLM's paged layout
+(`[2, blocks, block_size, kv_heads, head_dim]`) as the KV cache: nothing of vLLM is
+needed, and the comparison is with the same weights.
+"""
+
+import pytest
+import torch
+
+from holeblend_runtime.lookup import ReusePolicy
+from holeblend_runtime.vllm_connector.accounting import LoadSpec
+from holeblend_runtime.vllm_connector.metadata import LoadRequest
+from holeblend_runtime.vllm_connector.planning import ReusePlanner
+from holeblend_runtime.vllm_connector.worker import BlendWorker, PagedKVWriter
+
+HOLE = 2  # segment index of the second document
+BLOCK = 16
+
+
+class _Attention:
+    """An attention module without a cache-update op: the writer scatters with torch."""
+
+
+def _worker(engine, num_tokens):
+    c = engine.config
+    num_blocks = -(-num_tokens // BLOCK)
+    caches = [
+        torch.zeros(2, num_blocks, BLOCK, c.num_kv_heads, c.head_dim) for _ in range(c.num_layers)
+    ]
+    writer = PagedKVWriter([_Attention() for _ in caches], caches, BLOCK)
+    return BlendWorker(engine, writer), caches, tuple(range(num_blocks))
+
+
+def _load(engine, prompt, ratio, policy=ReusePolicy.HOLE, start=0):
+    """The scheduler's plan for the prompt and the worker's load of its covered range."""
+    planner = ReusePlanner(engine.prompt_builder.separator_ids, engine.keyer, engine.store, policy)
+    plan = planner.plan(prompt.token_ids)
+    worker, caches, blocks = _worker(engine, prompt.num_tokens)
+    load = LoadSpec(start, plan.num_covered_tokens)
+    request = LoadRequest(
+        "r", plan.prompt, plan.keys, plan.lookup.reused_segments, load, blocks, ratio
+    )
+    return plan, worker, request, caches
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.15, 0.5])
+def test_the_same_ratio_recomputes_the_same_tokens_on_both_engines(cached_engine, rag_texts, ratio):
+    engine, prompt = cached_engine(rag_texts, hole=HOLE)
+    plan, worker, request, _ = _load(engine, prompt, ratio)
+    lookup, entries, num_unusable = worker._fetch(request)
+    covered = engine.blend_reused(prompt, lookup, entries, ratio, plan.num_covered_tokens)
+    served = engine.prefill(prompt, "hole", ratio)  # stores the hole afterwards
+    assert num_unusable == 0 and covered.logits is None
+    assert lookup.reused_segments == served.lookup.reused_segments
+    assert torch.equal(covered.selected, served.selected_positions)
+    assert covered.num_exact_prefix_tokens == served.num_exact_prefix_tokens > 0
+    # Everything the serve engine recomputed inside the covered range, the worker did.
+    inside = served.recomputed_positions[served.recomputed_positions < plan.num_covered_tokens]
+    assert torch.equal(covered.recomputed, inside)
+    # ... and the KV of the range is the same.
+    end = plan.num_covered_tokens
+    torch.testing.assert_close(covered.k, served.k[:, :, :end], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(covered.v, served.v[:, :, :end], atol=1e-5, rtol=1e-5)
+
+
+def test_the_worker_writes_the_blended_range_into_the_paged_cache(cached_engine, rag_texts):
+    engine, prompt = cached_engine(rag_texts, hole=HOLE)
+    plan, worker, request, caches = _load(engine, prompt, 0.15, start=BLOCK)
+    outcome = worker.load(request)
+    end = plan.num_covered_tokens
+    served = engine.prefill(prompt, "hole", 0.15)
+    for layer, cache in enumerate(caches):
+        flat = cache.view(2, -1, *cache.shape[3:])
+        torch.testing.assert_close(
+            flat[0, BLOCK:end], served.k[layer, :, BLOCK:end].transpose(0, 1), atol=1e-5, rtol=1e-5
+        )
+        torch.testing.assert_close(
+            flat[1, BLOCK:end], served.v[layer, :, BLOCK:end].transpose(0, 1), atol=1e-5, rtol=1e-5
+        )
+        # vLLM holds [0, start) already: untouched.
+        assert not bool(flat[:, :BLOCK].any())
+    hole = prompt.segments[HOLE]
+    assert outcome.num_reused_tokens == plan.lookup.num_reused_tokens
+    assert outcome.num_hole_tokens == hole.num_tokens
+    assert outcome.num_rejected_segments == 0
+    in_range = int((served.recomputed_positions < end).sum())
+    assert outcome.num_recomputed_tokens == in_range
+
+
+def test_a_planned_segment_gone_at_load_time_becomes_a_hole(cached_engine, rag_texts):
+    engine, prompt = cached_engine(rag_texts, hole=HOLE)
+    plan, worker, request, _ = _load(engine, prompt, 0.15)
+    gone = 3  # the third document, planned as reused
+    assert gone in plan.lookup.reused_segments
+    engine.store.remove(plan.keys[gone])
+    outcome = worker.load(request)
+    assert outcome.num_rejected_segments == 1
+    expected_holes = prompt.segments[HOLE].num_tokens + prompt.segments[gone].num_tokens
+    assert outcome.num_hole_tokens == expected_holes
+    assert outcome.num_reused_tokens == plan.lookup.num_reused_tokens - prompt.segments[
+        gone
+    ].num_tokens
+
+
+def test_in_prefix_mode_the_worker_blends_what_the_prefix_plan_covers(cached_engine, rag_texts):
+    engine, prompt = cached_engine(rag_texts, hole=HOLE)
+    plan, worker, request, _ = _load(engine, prompt, 0.15, ReusePolicy.PREFIX)
+    assert plan.lookup.reused_segments == (0, 1)
+    outcome = worker.load(request)
+    served = engine.prefill(prompt, "prefix", 0.15)
+    assert outcome.num_reused_tokens == served.num_reused_tokens
+    assert outcome.num_hole_tokens == 0
