@@ -100,9 +100,10 @@ def test_a_planned_segment_gone_at_load_time_becomes_a_hole(cached_engine, rag_t
     assert outcome.num_rejected_segments == 1
     expected_holes = prompt.segments[HOLE].num_tokens + prompt.segments[gone].num_tokens
     assert outcome.num_hole_tokens == expected_holes
-    assert outcome.num_reused_tokens == plan.lookup.num_reused_tokens - prompt.segments[
-        gone
-    ].num_tokens
+    assert (
+        outcome.num_reused_tokens
+        == plan.lookup.num_reused_tokens - prompt.segments[gone].num_tokens
+    )
 
 
 def test_in_prefix_mode_the_worker_blends_what_the_prefix_plan_covers(cached_engine, rag_texts):
