@@ -46,8 +46,10 @@ LIVE_KEYS = frozenset({"recomputeRatio"})
 DEFAULT_SEPARATOR = " # #"
 DEFAULT_CHECK_LAYER = 1
 DEFAULT_RECOMPUTE_RATIO = 0.15
-DEFAULT_CHUNK_SIZE = 256
 DEFAULT_MIN_SEGMENT_TOKENS = 8
+# Keys older operators wrote that no reader uses any more: read and dropped (contract 2:
+# older files stay readable). `chunkSize` (tokens per KV storage chunk) was never read.
+RETIRED_KEYS = ("chunkSize",)
 DEFAULT_LOCAL_CPU_BYTES = 4 << 30
 DEFAULT_SHADOW_SAMPLE_RATE = 0.02
 
@@ -121,9 +123,6 @@ class BlendSettings(_Settings):
     check_layer: int = Field(default=DEFAULT_CHECK_LAYER, ge=1)
     recompute_ratio: float = Field(default=DEFAULT_RECOMPUTE_RATIO, ge=0, le=1)
     selection: Selection = Selection.K_DEVIATION
-    # Tokens per KV storage chunk (the vLLM connector; the reference engine stores whole
-    # segments).
-    chunk_size: int = Field(default=DEFAULT_CHUNK_SIZE, ge=1)
     min_segment_tokens: int = Field(default=DEFAULT_MIN_SEGMENT_TOKENS, ge=1)
     segment_context: SegmentContext = SegmentContext.AFTER_SYSTEM
     store_policy: StorePolicy = StorePolicy.IN_CONTEXT
@@ -140,6 +139,9 @@ class BlendSettings(_Settings):
                 f"formatVersion: {version} is newer than this runtime reads "
                 f"({FORMAT_VERSION}); upgrade the runtime image to match the operator"
             )
+        if isinstance(data, dict) and any(key in data for key in RETIRED_KEYS):
+            # Written by older operators and read by nothing: an old file still loads.
+            data = {key: value for key, value in data.items() if key not in RETIRED_KEYS}
         return data
 
     def to_wire(self) -> dict:

@@ -1043,8 +1043,6 @@ class BlendSpec(ApiModel):
     """Initial share of cached tokens recomputed, in (0, 1]; the tuner adjusts it."""
     selection: Selection = Field(default=Selection.K_DEVIATION, strict=False)
     """How tokens to recompute are chosen: largest K deviation, or random (a baseline)."""
-    chunk_size: int = Field(default=contract.DEFAULT_CHUNK_SIZE, ge=16, le=8192)
-    """Tokens per KV storage chunk."""
     min_segment_tokens: int = Field(default=contract.DEFAULT_MIN_SEGMENT_TOKENS, ge=1, le=65536)
     """Segments shorter than this are recomputed, never cached."""
     segment_context: SegmentContext = Field(default=SegmentContext.AFTER_SYSTEM, strict=False)
@@ -1194,7 +1192,10 @@ class BlendDeploymentSpec(ApiModel):
     accelerator: AcceleratorSpec = Field(default_factory=AcceleratorSpec)
     """Devices and scheduling."""
     blend: BlendSpec = Field(default_factory=BlendSpec)
-    """KV blending."""
+    """KV blending. (`chunkSize` is gone: nothing read it. The API server drops it from
+    stored objects once this CRD is applied and refuses it in new manifests under strict
+    field validation; the rendered blend.json no longer carries it, so engine pods roll once
+    after the upgrade.)"""
     lookup_server: LookupServerSpec = Field(default_factory=LookupServerSpec)
     """Shared lookup server."""
     tuning: TuningSpec = Field(default_factory=TuningSpec)

@@ -72,7 +72,6 @@ def blend_settings(bd: BlendDeployment) -> BlendSettings:
         check_layer=blend.check_layer,
         recompute_ratio=effective_recompute_ratio(bd),
         selection=blend.selection,
-        chunk_size=blend.chunk_size,
         min_segment_tokens=blend.min_segment_tokens,
         segment_context=blend.segment_context,
         store_policy=blend.store_policy,

@@ -49,7 +49,6 @@ def test_api_defaults_are_the_contract_defaults():
     assert blend.separator == contract.DEFAULT_SEPARATOR
     assert blend.check_layer == contract.DEFAULT_CHECK_LAYER
     assert blend.recompute_ratio == contract.DEFAULT_RECOMPUTE_RATIO
-    assert blend.chunk_size == contract.DEFAULT_CHUNK_SIZE
     assert blend.min_segment_tokens == contract.DEFAULT_MIN_SEGMENT_TOKENS
     assert quantity_bytes(KVTiers().local_cpu_bytes) == contract.DEFAULT_LOCAL_CPU_BYTES
     assert TuningSpec().shadow_sample_rate == contract.DEFAULT_SHADOW_SAMPLE_RATE
@@ -106,3 +105,16 @@ def test_restart_settings_leave_out_the_live_keys():
     settings = parse_blend_settings(minimal_file(recomputeRatio=0.3))
     assert "recomputeRatio" not in settings.restart_settings()
     assert {"recomputeRatio"} == contract.LIVE_KEYS
+
+
+def test_a_retired_key_from_an_older_operator_is_read_and_dropped():
+    """`chunkSize` was written by older operators and read by nothing: their files still
+    load (contract 2), and a file written now never carries it."""
+    old = parse_blend_settings(minimal_file(chunkSize=256))
+    assert old == parse_blend_settings(minimal_file())
+    assert "chunkSize" not in old.to_wire()
+
+
+def test_the_api_refuses_the_retired_key_naming_it():
+    with pytest.raises(ValueError, match="chunkSize"):
+        BlendSpec.model_validate({"chunkSize": 256})

@@ -603,7 +603,7 @@ def test_ratio_change_does_not_roll_engine_pods():
 
 
 @pytest.mark.parametrize(
-    "blend", [{"mode": "prefix"}, {"checkLayer": 2}, {"separator": " ##"}, {"chunkSize": 512}]
+    "blend", [{"mode": "prefix"}, {"checkLayer": 2}, {"separator": " ##"}, {"minSegmentTokens": 16}]
 )
 def test_other_blend_changes_roll_engine_pods(blend):
     before, after = engine_pod(make_bd()), engine_pod(make_bd(blend=blend))
