@@ -151,7 +151,10 @@ class Server:
         self.engine.generate(self.engine.prefill(prompt, Mode.FULL), 2)
         self.metrics.kv_store_capacity_bytes.set(store.capacity_bytes)
         self.engine.tokenizer.max_token_bytes  # noqa: B018 (computed once, here, off the loop)
-        self.worker = EngineWorker(self.engine, self.live, self.metrics, self.settings.queue_size)
+        self.worker = EngineWorker(
+            self.engine, self.live, self.metrics, self.settings.queue_size,
+            self.settings.max_batch,
+        )  # fmt: skip
         self._start_shadow(settings.shadow_sample_rate)
         self.worker.start()
 

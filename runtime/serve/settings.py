@@ -26,6 +26,8 @@ class ServeSettings:
     port: int = 8000
     # Requests that may wait for the compute thread; one more is running. Full: 429.
     queue_size: int = 8
+    # Requests decoding together (one batched forward pass per token for all of them).
+    max_batch: int = 8
     # Seconds from arrival to the last token, queue wait included; then 504 (or an SSE error).
     request_timeout: float = 120.0
     # max_tokens when a request sets none.
@@ -49,6 +51,10 @@ class ServeSettings:
     def __post_init__(self) -> None:
         _at_least("port", self.port, 0)
         _at_least("queue_size", self.queue_size, 1)
+        if self.max_batch < 1:
+            raise ValueError(
+                f"--max-batch: must be >= 1 (requests decoding together), got {self.max_batch}"
+            )
         _at_least("default_max_tokens", self.default_max_tokens, 1)
         _at_least("torch_threads", self.torch_threads, 1)
         for name in (

@@ -1,18 +1,26 @@
-"""The compute thread: one request at a time through the reference engine.
+"""The compute thread: the requests in flight decode together, one batched step at a time.
 
 The model runs on a single thread (torch itself uses `torch_threads` for each operation),
-fed by a bounded queue:
+fed by a bounded queue, and schedules as vLLM's default scheduler does (prefill first,
+continuous batching of the decode steps):
 
 1. `submit` admits a job while fewer than `queue_size` wait, else raises `QueueFull` (the
-   route answers 429 with Retry-After: when the running job is expected to end, see
+   route answers 429 with Retry-After: when a running job is expected to end, see
    `SlotEstimate`).
-2. The thread takes jobs in arrival order. A job cancelled (its client went away) or past
-   its deadline before it starts is dropped without compute.
-3. It looks the segments up (timed), prefills in the configured mode at the live ratio,
-   then decodes greedily, one token at a time, checking cancellation, a reached stop
-   sequence and the deadline after each token.
-4. Events go back to the job's asyncio queue on the server's loop: `Started`,
-   `PrefillDone`, token ids, then one `Finished` (or an exception).
+2. Whenever a job waits and fewer than `max_batch` jobs are decoding, the thread takes the
+   next one in arrival order before any decode step. A job cancelled (its client went
+   away) or past its deadline before it starts is dropped without compute. Otherwise it
+   looks the segments up (timed), prefills in the configured mode at the live ratio,
+   takes its first token from the prefill's logits and joins the batch.
+3. Otherwise the thread runs one decode step for every job in the batch: one forward pass
+   for all their last tokens (`ReferenceEngine.decode_step`; the weights are read once
+   for the batch, not once per job). After each token it checks, per job, the
+   end-of-sequence token, cancellation, a reached stop sequence and the deadline, and
+   drops the jobs that ended. A failed step fails the jobs in it; the thread serves on.
+4. Events go back to the job's asyncio queue on the server's loop: `PrefillDone`, token
+   ids, then one `Finished` (or an exception).
+
+`max_batch` 1 serves one request at a time: prefill, then its whole answer.
 """
 
 from __future__ import annotations
@@ -24,10 +32,11 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from holeblend_contract.blend_settings import BlendMode
+from holeblend_runtime.batch_decode import DecodeSequence
 from holeblend_runtime.engine import Mode, Prefill, ReferenceEngine
 from holeblend_runtime.segments import SegmentedPrompt
 from holeblend_runtime.serve.live_config import LiveConfig
@@ -48,25 +57,30 @@ class QueueFull(Exception):
 
 class SlotEstimate:
     """When the full queue frees a place: when the compute thread takes its next job, i.e.
-    when the running job ends. Expected from the durations of the recently finished jobs
-    (their mean, the last `window` jobs) minus what the running one has already taken."""
+    (the batch being full) when the running job that started first ends. Expected from
+    the durations of the recently finished jobs (their mean, the last `window` jobs) minus
+    what that job has already taken.
+
+    Jobs are told apart by `key` (any hashable; the default None is one job at a time)."""
 
     def __init__(self, window: int = 8, initial_s: float = 1.0) -> None:
         self._durations: deque[float] = deque([initial_s], maxlen=window)
-        self._running_since: float | None = None
+        # key -> start time, in start order.
+        self._running: dict[Hashable, float] = {}
 
-    def started(self, now: float) -> None:
-        self._running_since = now
+    def started(self, now: float, key: Hashable = None) -> None:
+        self._running.pop(key, None)
+        self._running[key] = now
 
-    def finished(self, now: float) -> None:
-        if self._running_since is not None:
-            self._durations.append(now - self._running_since)
-        self._running_since = None
+    def finished(self, now: float, key: Hashable = None) -> None:
+        if (since := self._running.pop(key, None)) is not None:
+            self._durations.append(now - since)
 
     def retry_after_s(self, now: float) -> int:
         """Whole seconds (at least 1, as Retry-After takes) until a place is expected."""
         expected = sum(self._durations) / len(self._durations)
-        elapsed = 0.0 if self._running_since is None else now - self._running_since
+        first = next(iter(self._running.values()), None)
+        elapsed = 0.0 if first is None else now - first
         return max(1, math.ceil(expected - elapsed))
 
 
@@ -128,18 +142,36 @@ class Job:
         return None
 
 
+@dataclass(eq=False)
+class _Running:
+    """A job in the batch: its prefill, its decode state and its answer so far."""
+
+    job: Job
+    prefill: Prefill
+    sequence: DecodeSequence
+    answer: list[int] = field(default_factory=list)
+
+
 class EngineWorker:
-    """The queue and the one thread that runs the engine."""
+    """The queue and the one thread that runs the engine, `max_batch` jobs at a time."""
 
     def __init__(
-        self, engine: ReferenceEngine, live: LiveConfig, metrics: ServeMetrics, queue_size: int
+        self,
+        engine: ReferenceEngine,
+        live: LiveConfig,
+        metrics: ServeMetrics,
+        queue_size: int,
+        max_batch: int = 8,
     ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch: must be >= 1, got {max_batch}")
         self.engine, self.live, self.metrics = engine, live, metrics
-        self.queue_size = queue_size
+        self.queue_size, self.max_batch = queue_size, max_batch
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._num_waiting = 0
         self._num_running = 0
+        self._is_stopped = False
         self._slot = SlotEstimate()
         self._thread = threading.Thread(target=self._run, name="holeblend-engine", daemon=True)
         # Called after each answered request that blended cached KV (the shadow quality
@@ -160,11 +192,17 @@ class EngineWorker:
         self._thread.start()
 
     def stop(self) -> None:
+        """Finish the jobs submitted so far (running and waiting), then end the thread; a
+        job submitted from now on is refused."""
+        with self._lock:
+            self._is_stopped = True
         self._jobs.put(None)
         self._thread.join()
 
     def submit(self, job: Job) -> None:
         with self._lock:
+            if self._is_stopped:
+                raise RuntimeError("the engine worker is stopped")
             if self._num_waiting >= self.queue_size:
                 raise QueueFull(self._slot.retry_after_s(time.perf_counter()))
             self._num_waiting += 1
@@ -173,47 +211,130 @@ class EngineWorker:
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
-            with self._lock:
-                self._num_waiting -= 1
-                self._num_running += 1
-                self.metrics.queue_depth.set(self._num_waiting)
-                self._slot.started(time.perf_counter())
-            try:
-                self._serve(job)
-            except Exception as error:  # reported to the request; the thread serves on
-                log.exception("request failed")
-                job.emit(error)
-            finally:
-                self._finish()
+            # Busy (background stores wait) from the first job in flight until none is.
+            with self.engine.busy():
+                batch: list[_Running] = []
+                self._admit(job, batch)
+                if self._serve(batch):
+                    break
+        self._refuse_waiting()
 
-    def _finish(self) -> None:
+    def _serve(self, batch: list[_Running]) -> bool:
+        """Prefill first, else decode, until the batch is empty; True once told to stop
+        (the jobs in the batch still finish)."""
+        stopping = False
+        while batch:
+            if not stopping and len(batch) < self.max_batch:
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    pass
+                else:
+                    if job is None:
+                        stopping = True
+                    else:
+                        self._admit(job, batch)
+                    continue
+            batch[:] = self._step(batch)
+        return stopping
+
+    def _admit(self, job: Job, batch: list[_Running]) -> None:
+        """Take a waiting job: prefill it, emit its first token and add it to `batch`
+        unless it ended already."""
         with self._lock:
-            self._num_running -= 1
-            self._slot.finished(time.perf_counter())
+            self._num_waiting -= 1
+            self._num_running += 1
+            self.metrics.queue_depth.set(self._num_waiting)
+            self._slot.started(time.perf_counter(), job)
+        try:
+            if (reason := job.stop_reason()) is not None:
+                job.emit(Finished(reason))
+            elif self._advance(running := self._prefill(job)):
+                batch.append(running)
+                return
+        except Exception as error:  # reported to the request; the thread serves on
+            log.exception("request failed")
+            job.emit(error)
+        self._finish(job)
 
-    def _serve(self, job: Job) -> None:
-        if (reason := job.stop_reason()) is not None:
-            job.emit(Finished(reason))
-            return
+    def _prefill(self, job: Job) -> _Running:
         self.metrics.queue_wait.observe(time.perf_counter() - job.arrived)
         self._time_lookup(job.prompt)
         prefill = self.engine.prefill(job.prompt, self.mode, self.live.recompute_ratio)
         self.metrics.observe_prefill(prefill)
         job.emit(PrefillDone.of(prefill, time.perf_counter() - job.arrived))
-        answer: list[int] = []
-        job.emit(Finished(reason := self._decode(job, prefill, answer)))
-        if self.on_answered is not None and is_blended(prefill) and reason != "cancelled":
-            self.on_answered(job.prompt, tuple(answer), prefill.ratio)
-
-    def _decode(self, job: Job, prefill: Prefill, answer: list[int]) -> str:
         limit = min(job.max_tokens, self.engine.config.context_length - prefill.num_prompt_tokens)
-        for token in self.engine.generate_stream(prefill, limit, job.ignore_eos):
-            if (reason := job.stop_reason()) is not None:
-                return reason
-            job.emit(token)
-            answer.append(token)
-            self.metrics.completion_tokens.labels(str(prefill.mode)).inc()
-        return "length" if len(answer) == job.max_tokens else "stop"
+        return _Running(job, prefill, self.engine.start_decode(prefill, limit))
+
+    def _step(self, batch: list[_Running]) -> list[_Running]:
+        """One decode step for every job in the batch; the jobs still going."""
+        try:
+            self.engine.decode_step([r.sequence for r in batch], [r.answer[-1] for r in batch])
+        except Exception as error:  # fails the jobs of this step; the thread serves on
+            log.exception("decode step failed for %d requests", len(batch))
+            for running in batch:
+                running.job.emit(error)
+                self._finish(running.job)
+            return []
+        going = []
+        for running in batch:
+            try:
+                if self._advance(running):
+                    going.append(running)
+                    continue
+            except Exception as error:
+                log.exception("request failed")
+                running.job.emit(error)
+            self._finish(running.job)
+        return going
+
+    def _advance(self, running: _Running) -> bool:
+        """Take the job's next token from its logits: emit it, or end the job (then
+        emit `Finished`); whether it goes on (its token is to be fed)."""
+        job, sequence = running.job, running.sequence
+        token = sequence.next_token()
+        if token == self.engine.config.eos_token_id and not job.ignore_eos:
+            return self._end(running, self._end_of_answer(running))
+        if (reason := job.stop_reason()) is not None:
+            return self._end(running, reason)
+        job.emit(token)
+        running.answer.append(token)
+        sequence.produced()
+        self.metrics.completion_tokens.labels(str(running.prefill.mode)).inc()
+        if sequence.is_at_limit:
+            return self._end(running, self._end_of_answer(running))
+        return True
+
+    @staticmethod
+    def _end_of_answer(running: _Running) -> str:
+        """EOS or the limit: "length" when the answer has max_tokens, else "stop"."""
+        return "length" if len(running.answer) == running.job.max_tokens else "stop"
+
+    def _end(self, running: _Running, reason: str) -> bool:
+        running.job.emit(Finished(reason))
+        prefill = running.prefill
+        if self.on_answered is not None and is_blended(prefill) and reason != "cancelled":
+            self.on_answered(running.job.prompt, tuple(running.answer), prefill.ratio)
+        return False
+
+    def _finish(self, job: Job) -> None:
+        with self._lock:
+            self._num_running -= 1
+            self._slot.finished(time.perf_counter(), job)
+
+    def _refuse_waiting(self) -> None:
+        """Jobs still queued once the thread stops: an error each, so none waits on."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is None:
+                continue
+            with self._lock:
+                self._num_waiting -= 1
+                self.metrics.queue_depth.set(self._num_waiting)
+            job.emit(RuntimeError("the server stopped before this request started"))
 
     def _time_lookup(self, prompt: SegmentedPrompt) -> None:
         """Keys and store look-ups, as the prefill does them (the store is in-process)."""

@@ -275,7 +275,10 @@ def test_a_server_with_stalled_clients_stops_within_a_bounded_time(tmp_path):
 
 
 def test_retry_after_is_when_the_running_request_should_end(tmp_path):
-    server = start_server(tmp_path, example_settings_json(mode="off"), queue_size=4)
+    # One request decoding at a time, so that 8 clients fill a queue of 4 (with a batch of
+    # 8 they might all be admitted; the estimate with a batch: tests/serve/test_responses.py).
+    flags = {"queue_size": 4, "max_batch": 1}
+    server = start_server(tmp_path, example_settings_json(mode="off"), **flags)
     body = {"model": "smollm2", "prompt": "Count to a hundred.", "max_tokens": 32}
     try:
         durations, results = [], []

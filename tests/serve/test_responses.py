@@ -66,3 +66,16 @@ def test_retry_after_is_the_running_jobs_expected_rest():
     assert slot.retry_after_s(130.0) == 1
     slot.finished(130.0)  # a 30 s job joins the window: (9, 9, 9, 30) -> 14.25 s
     assert slot.retry_after_s(131.0) == 15
+
+
+def test_retry_after_with_a_batch_counts_from_the_job_that_started_first():
+    slot = SlotEstimate(window=2, initial_s=10.0)
+    slot.started(0.0, "a")
+    slot.started(4.0, "b")
+    # Mean 10 s; "a" started 6 s ago: 4 s left (b's 2 s do not count).
+    assert slot.retry_after_s(6.0) == 4
+    slot.finished(7.0, "a")  # a 7 s job: mean (10, 7) = 8.5 s; "b" started 3.5 s ago
+    assert slot.retry_after_s(7.5) == 5
+    slot.finished(8.0, "b")
+    slot.finished(9.0, "b")  # finished once: the second call changes nothing
+    assert slot.retry_after_s(9.0) == 6  # mean (7, 4) = 5.5 s, nothing running

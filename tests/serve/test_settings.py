@@ -25,6 +25,12 @@ def test_every_flag_is_readable_from_the_environment():
     assert (settings.queue_size, settings.request_timeout) == (3, 2.5)
 
 
+def test_max_batch_defaults_to_8_and_is_read_from_flag_or_environment():
+    assert parse_settings(["--config", "c"], {}).max_batch == 8
+    assert parse_settings(["--config", "c", "--max-batch", "1"], {}).max_batch == 1
+    assert parse_settings(["--config", "c"], {"HOLEBLEND_SERVE_MAX_BATCH": "3"}).max_batch == 3
+
+
 def test_a_flag_wins_over_the_environment():
     settings = parse_settings(
         ["--port", "1"], {"HOLEBLEND_SERVE_PORT": "2", "HOLEBLEND_CONFIG": "/p"}
@@ -37,6 +43,9 @@ def test_a_flag_wins_over_the_environment():
     [
         ([], {}, "--config is required"),
         (["--config", "c", "--queue-size", "0"], {}, "queue_size: must be >= 1"),
+        (["--config", "c", "--max-batch", "0"], {}, "--max-batch: must be >= 1"),
+        (["--config", "c"], {"HOLEBLEND_SERVE_MAX_BATCH": "-2"}, "--max-batch: must be >= 1"),
+        (["--config", "c", "--max-batch", "two"], {}, "--max-batch: invalid int value"),
         (["--config", "c"], {"HOLEBLEND_SERVE_PORT": "http"}, "HOLEBLEND_SERVE_PORT: 'http'"),
     ],
 )

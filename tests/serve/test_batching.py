@@ -1,0 +1,289 @@
+"""The compute thread's continuous batching (runtime/serve/worker.py) on the real model:
+requests in flight decode together, each answer is what it would be alone, and a job that
+ends, is cancelled or fails leaves the others as they were.
+
+The worker runs in-process; every event a job gets is also logged, in the order the
+compute thread emits them, so the interleaving is observable."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+from holeblend_runtime.engine import ReferenceEngine
+from holeblend_runtime.serve.live_config import LiveConfig
+from holeblend_runtime.serve.metrics import ServeMetrics
+from holeblend_runtime.serve.worker import EngineWorker, Finished, Job, PrefillDone
+from tests.serve.conftest import example_settings_json
+
+SYSTEM = "Answer from the documents."
+DOCS = (
+    "The Aral Sea was once the fourth largest lake in the world, fed by two great rivers.",
+    "Lichens are partnerships of a fungus with algae, and they grow on bare rock slowly.",
+    "The abacus is a counting frame with beads, used for arithmetic for many centuries.",
+    "Basalt is a dark volcanic rock that forms when lava cools quickly at the surface.",
+)
+QUESTIONS = ("Which lake shrank?", "What are lichens?", "What is an abacus?", "What is basalt?")
+
+
+@pytest.fixture(scope="module")
+def engine() -> ReferenceEngine:
+    return ReferenceEngine.load(num_threads=1)
+
+
+@pytest.fixture(scope="module")
+def prompts(engine):
+    return [
+        engine.build_prompt(SYSTEM, DOCS[: i + 1], question) for i, question in enumerate(QUESTIONS)
+    ]
+
+
+@pytest.fixture(scope="module")
+def alone(engine, prompts) -> Callable[[int, int], list[int]]:
+    """alone(i, n): the first n greedy tokens of prompt i, decoded by itself."""
+    memo: dict[int, list[int]] = {}
+
+    def answer(i: int, n: int) -> list[int]:
+        if i not in memo:
+            prefill = engine.prefill(prompts[i], "full")
+            memo[i] = list(engine.generate_stream(prefill, 12, ignore_eos=True))
+        assert n <= len(memo[i])
+        return memo[i][:n]
+
+    return answer
+
+
+@pytest.fixture
+def make_worker(engine, tmp_path):
+    """make_worker(max_batch) -> a started worker in full mode (the store plays no part)."""
+    config = tmp_path / "blend.json"
+    config.write_text(example_settings_json(mode="off"))
+    workers = []
+
+    def make(max_batch: int, queue_size: int = 8) -> EngineWorker:
+        worker = EngineWorker(engine, LiveConfig(config), ServeMetrics(), queue_size, max_batch)
+        worker.start()
+        workers.append(worker)
+        return worker
+
+    yield make
+    for worker in workers:
+        worker.stop()
+
+
+class Logged(asyncio.Queue):
+    """A job's event queue that also appends (name, event) to a shared log; `hook(job,
+    event)` runs on each event (on the loop, as the server's routes do)."""
+
+    def __init__(self, name: str, log: list, hook: Callable | None) -> None:
+        super().__init__()
+        self.name, self.log, self.hook = name, log, hook
+        self.job: Job | None = None
+
+    def put_nowait(self, item: object) -> None:
+        self.log.append((self.name, item))
+        if self.hook is not None:
+            self.hook(self.job, item)
+        super().put_nowait(item)
+
+
+def run_jobs(worker: EngineWorker, prompts, specs: dict, after_submit=None) -> list:
+    """Submit one job per spec at once: name -> (prompt index, max_tokens[, hook]); the
+    shared event log once every job got Finished or an exception."""
+
+    async def main() -> list:
+        loop = asyncio.get_running_loop()
+        log: list = []
+        jobs = []
+        for name, (index, max_tokens, *hook) in specs.items():
+            events = Logged(name, log, hook[0] if hook else None)
+            now = time.perf_counter()
+            job = Job(prompts[index], max_tokens, now, now + 120, loop, True, events)
+            events.job = job
+            worker.submit(job)
+            jobs.append(job)
+        if after_submit is not None:
+            await asyncio.to_thread(after_submit)
+        for job in jobs:
+            while True:
+                event = await asyncio.wait_for(job.events.get(), 120)
+                if isinstance(event, Finished | Exception):
+                    break
+        return log
+
+    return asyncio.run(main())
+
+
+def settles_to_zero(worker: EngineWorker) -> bool:
+    """Whether num_pending reaches 0 (a job's count drops just after its Finished)."""
+    deadline = time.monotonic() + 10
+    while worker.num_pending and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return worker.num_pending == 0
+
+
+def tokens_of(log: list, name: str) -> list[int]:
+    return [event for owner, event in log if owner == name and isinstance(event, int)]
+
+
+def end_of(log: list, name: str) -> object:
+    ends = [e for owner, e in log if owner == name and isinstance(e, Finished | Exception)]
+    assert len(ends) == 1, ends
+    return ends[0]
+
+
+def first_index(log: list, name: str, kind: type) -> int:
+    return next(i for i, (owner, e) in enumerate(log) if owner == name and isinstance(e, kind))
+
+
+def test_concurrent_requests_decode_together_and_answer_as_alone(make_worker, prompts, alone):
+    worker = make_worker(max_batch=8)
+    log = run_jobs(worker, prompts, {"a": (0, 8), "b": (1, 6)})
+    for name, index, n in (("a", 0, 8), ("b", 1, 6)):
+        assert tokens_of(log, name) == alone(index, n)
+        assert end_of(log, name) == Finished("length")
+    # Before either finished, both had tokens, and their tokens alternate.
+    first_end = min(first_index(log, name, Finished) for name in "ab")
+    before = [owner for owner, event in log[:first_end] if isinstance(event, int)]
+    assert before.count("a") >= 3 and before.count("b") >= 3
+    switches = sum(x != y for x, y in zip(before, before[1:], strict=False))
+    assert switches >= 4, before
+    assert settles_to_zero(worker)
+
+
+def test_max_batch_one_serves_one_request_at_a_time(make_worker, prompts, alone):
+    worker = make_worker(max_batch=1)
+    log = run_jobs(worker, prompts, {"a": (0, 5), "b": (1, 5)})
+    assert tokens_of(log, "a") == alone(0, 5) and tokens_of(log, "b") == alone(1, 5)
+    # b's prefill begins only after a's whole answer.
+    assert first_index(log, "a", Finished) < first_index(log, "b", PrefillDone)
+    assert [owner for owner, _ in log] == ["a"] * 7 + ["b"] * 7
+
+
+def cancel_after(n: int) -> Callable:
+    """As the route does when the client goes away after n tokens."""
+    seen = []
+
+    def hook(job: Job, event: object) -> None:
+        if isinstance(event, int):
+            seen.append(event)
+            if len(seen) >= n:
+                job.cancelled.set()
+
+    return hook
+
+
+def stop_after(n: int) -> Callable:
+    """As the route does when the answer's text reaches a stop sequence."""
+    seen = []
+
+    def hook(job: Job, event: object) -> None:
+        if isinstance(event, int):
+            seen.append(event)
+            if len(seen) >= n:
+                job.stopped.set()
+
+    return hook
+
+
+def test_a_cancelled_and_a_stopped_job_leave_the_others_unchanged(make_worker, prompts, alone):
+    worker = make_worker(max_batch=8)
+    specs = {
+        "a": (0, 10),
+        "cancelled": (1, 12, cancel_after(2)),
+        "stopped": (2, 12, stop_after(3)),
+        "d": (3, 9),
+    }
+    log = run_jobs(worker, prompts, specs)
+    assert tokens_of(log, "a") == alone(0, 10) and end_of(log, "a") == Finished("length")
+    assert tokens_of(log, "d") == alone(3, 9) and end_of(log, "d") == Finished("length")
+    assert end_of(log, "cancelled") == Finished("cancelled")
+    assert end_of(log, "stopped") == Finished("stop")
+    for name, index in (("cancelled", 1), ("stopped", 2)):
+        got = tokens_of(log, name)
+        assert len(got) < 12 and got == alone(index, len(got))
+    # Both ended while a and d were still decoding.
+    last_early_end = max(first_index(log, n, Finished) for n in ("cancelled", "stopped"))
+    assert last_early_end < min(first_index(log, n, Finished) for n in "ad")
+    assert settles_to_zero(worker)
+
+
+def test_a_failing_prefill_fails_only_its_job(make_worker, engine, prompts, alone, monkeypatch):
+    prefill = engine.prefill
+
+    def failing(prompt, *args, **kwargs):
+        if prompt is prompts[1]:
+            raise RuntimeError("prefill broke")
+        return prefill(prompt, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "prefill", failing)
+    worker = make_worker(max_batch=8)
+    log = run_jobs(worker, prompts, {"a": (0, 6), "broken": (1, 6), "c": (2, 6)})
+    assert str(end_of(log, "broken")) == "prefill broke" and tokens_of(log, "broken") == []
+    for name, index in (("a", 0), ("c", 2)):
+        assert tokens_of(log, name) == alone(index, 6)
+        assert end_of(log, name) == Finished("length")
+    assert settles_to_zero(worker)
+
+
+def test_a_failing_decode_step_fails_its_jobs_and_the_worker_serves_on(
+    make_worker, engine, prompts, alone, monkeypatch
+):
+    step = engine.decode_step
+    calls = []
+
+    def failing(sequences, tokens):
+        calls.append(len(sequences))
+        if len(calls) == 3:
+            raise RuntimeError("step broke")
+        step(sequences, tokens)
+
+    monkeypatch.setattr(engine, "decode_step", failing)
+    worker = make_worker(max_batch=8)
+    log = run_jobs(worker, prompts, {"a": (0, 8), "b": (1, 8)})
+    assert calls[2] == 2  # the failing step held both jobs
+    for name, index in (("a", 0), ("b", 1)):
+        assert str(end_of(log, name)) == "step broke"
+        got = tokens_of(log, name)
+        assert 1 <= len(got) < 8 and got == alone(index, len(got))
+    log = run_jobs(worker, prompts, {"after": (2, 6)})
+    assert tokens_of(log, "after") == alone(2, 6)
+    assert end_of(log, "after") == Finished("length")
+    assert settles_to_zero(worker)
+
+
+def test_stop_finishes_the_jobs_in_flight_and_refuses_new_ones(make_worker, prompts, alone):
+    worker = make_worker(max_batch=2)
+    stopped = threading.Event()
+
+    def stop() -> None:
+        worker.stop()
+        stopped.set()
+
+    # Three jobs, a batch of two: one waits in the queue when stop() is called.
+    log = run_jobs(worker, prompts, {"a": (0, 6), "b": (1, 6), "c": (2, 6)}, after_submit=stop)
+    assert stopped.is_set()
+    for name, index in (("a", 0), ("b", 1), ("c", 2)):
+        assert tokens_of(log, name) == alone(index, 6)
+        assert end_of(log, name) == Finished("length")
+    assert settles_to_zero(worker)
+    with pytest.raises(RuntimeError, match="stopped"):
+        worker.submit(Job(prompts[0], 1, 0.0, 1e9, asyncio.new_event_loop()))
+
+
+def test_the_batch_holds_at_most_max_batch_jobs(make_worker, engine, prompts, monkeypatch):
+    step = engine.decode_step
+    sizes = []
+
+    def counting(sequences, tokens):
+        sizes.append(len(sequences))
+        step(sequences, tokens)
+
+    monkeypatch.setattr(engine, "decode_step", counting)
+    worker = make_worker(max_batch=2)
+    run_jobs(worker, prompts, {name: (i, 4) for i, name in enumerate("abcd")})
+    assert max(sizes) == 2 and sum(sizes) == 4 * 3  # each job fed 3 of its 4 tokens
