@@ -507,13 +507,30 @@ class ReferenceEngine:
         if self.blend_config.store_policy == ISOLATED:
             num_queued = sum(self._queue_isolated(prompt, i, keys) for i in missing)
             return replace(result, num_queued_segments=num_queued)
-        num_stored = 0
-        for i in missing:
-            segment = prompt.segments[i]
-            k = result.k[:, :, segment.start : segment.end]
-            v = result.v[:, :, segment.start : segment.end]
-            num_stored += self.store.put(self._segment_kv(keys[i], k, v, start=segment.start))
+        num_stored = self.store_in_context(prompt, keys, missing, result.k, result.v)
         return replace(result, num_stored_segments=num_stored)
+
+    def store_in_context(
+        self,
+        prompt: SegmentedPrompt,
+        keys: Sequence[str | None],
+        indexes: Sequence[int],
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> int:
+        """Store segments `indexes` from the KV this request computed, `k`/`v` [layers,
+        kv_heads, >= segment end, head_dim] (store policy in-context: at their positions
+        in this prompt, no compute); the number the store accepted. Segments past the
+        end of `k` are left out."""
+        num_stored = 0
+        for i in indexes:
+            segment, key = prompt.segments[i], keys[i]
+            if key is None or segment.end > k.shape[2]:
+                continue
+            seg_k = k[:, :, segment.start : segment.end]
+            seg_v = v[:, :, segment.start : segment.end]
+            num_stored += bool(self.store.put(self._segment_kv(key, seg_k, seg_v, segment.start)))
+        return num_stored
 
     def _queue_isolated(
         self, prompt: SegmentedPrompt, index: int, keys: Sequence[str | None]

@@ -10,8 +10,11 @@ Load, for one request (inside `start_load_kv`, before vLLM's forward of the step
 3. Write the blended K/V of `[load.start, load.end)` into vLLM's paged cache at the
    request's slots, layer by layer, with the attention backend's own cache-update op
    (or the kernels package's reference scatter for backends without one).
-Store: each missing segment is computed in its canonical context
-(`ReferenceEngine.cache_segments`) after the step's forward, on the same thread.
+Store (blend.json `storePolicy`): under `in-context` (the default) a load stores the missing
+segments inside its range from the KV it just blended (at their positions in this prompt,
+as holeblend-serve does); every missing segment still not stored after the step's forward
+(one past the range, which vLLM computed, or all of them under `isolated`) is computed in
+its canonical context (`ReferenceEngine.cache_segments`) on the same thread.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from holeblend_kernels.paged import scatter_kv_nhd
+from holeblend_runtime.blend_config import ISOLATED
 from holeblend_runtime.engine import ReferenceEngine
 from holeblend_runtime.kv_store import SegmentKV
 from holeblend_runtime.lookup import LookupResult, ReusePolicy, plan_reuse
@@ -88,8 +92,13 @@ class BlendWorker:
 
     @torch.inference_mode()
     def store(self, request: StoreRequest) -> int:
-        """Compute the request's missing segments in canonical context; number stored."""
-        return self.engine.cache_segments(request.prompt, request.segments)
+        """Compute the request's missing segments that are still not stored (a load may
+        have stored them in context) in canonical context; the number stored."""
+        keys = self.engine.segment_keys(request.prompt)
+        wanted = [i for i in request.segments if keys[i] is not None]
+        found = self.engine.store.contains_many([keys[i] for i in wanted])
+        missing = [i for i, is_found in zip(wanted, found, strict=True) if not is_found]
+        return self.engine.cache_segments(request.prompt, missing) if missing else 0
 
     @torch.inference_mode()
     def load(self, request: LoadRequest) -> LoadOutcome:
@@ -102,6 +111,11 @@ class BlendWorker:
             layer_k = blended.k[layer, :, request.load.start : end].transpose(0, 1)
             layer_v = blended.v[layer, :, request.load.start : end].transpose(0, 1)
             self.writer.write(layer, layer_k, layer_v, slots)
+        if self.engine.blend_config.store_policy != ISOLATED:
+            # The holes inside the range were just computed in this prompt's context: stored
+            # from the blend's KV (store policy in-context), not computed again.
+            holes = [i for i, key in enumerate(request.keys) if key and entries[i] is None]
+            self.engine.store_in_context(prompt, request.keys, holes, blended.k, blended.v)
         return LoadOutcome(
             request.request_id,
             num_reused_tokens=_count(lookup.hit_ranges, end),

@@ -12,7 +12,7 @@ import torch
 
 from holeblend_runtime.lookup import ReusePolicy
 from holeblend_runtime.vllm_connector.accounting import LoadSpec
-from holeblend_runtime.vllm_connector.metadata import LoadRequest
+from holeblend_runtime.vllm_connector.metadata import LoadRequest, StoreRequest
 from holeblend_runtime.vllm_connector.planning import ReusePlanner
 from holeblend_runtime.vllm_connector.worker import BlendWorker, PagedKVWriter
 
@@ -71,6 +71,7 @@ def test_the_worker_writes_the_blended_range_into_the_paged_cache(cached_engine,
     plan, worker, request, caches = _load(engine, prompt, 0.15, start=BLOCK)
     outcome = worker.load(request)
     end = plan.num_covered_tokens
+    engine.store.remove(plan.keys[HOLE])  # the load stored it: the prefill must see the hole
     served = engine.prefill(prompt, "hole", 0.15)
     for layer, cache in enumerate(caches):
         flat = cache.view(2, -1, *cache.shape[3:])
@@ -114,3 +115,42 @@ def test_in_prefix_mode_the_worker_blends_what_the_prefix_plan_covers(cached_eng
     served = engine.prefill(prompt, "prefix", 0.15)
     assert outcome.num_reused_tokens == served.num_reused_tokens
     assert outcome.num_hole_tokens == 0
+
+
+def test_the_load_stores_the_hole_from_the_kv_it_blended_and_the_step_adds_nothing(
+    cached_engine, rag_texts
+):
+    """Store policy in-context on vLLM pods: the hole inside the covered range is stored
+    from the load's own KV (at its positions in this prompt), as holeblend-serve stores it;
+    the step's store then finds it and computes nothing."""
+    engine, prompt = cached_engine(rag_texts, hole=HOLE)
+    plan, worker, request, _ = _load(engine, prompt, 0.15)
+    key = plan.keys[HOLE]
+    assert HOLE in plan.missing_segments and not engine.store.contains_many([key])[0]
+    worker.load(request)
+    stored = engine.store.get(key)
+    hole = prompt.segments[HOLE]
+    assert stored is not None
+    assert torch.equal(stored.positions, torch.arange(hole.start, hole.end))
+    assert worker.store(StoreRequest("r", prompt, plan.missing_segments)) == 0
+    engine.store.remove(key)
+    served = engine.prefill(prompt, "hole", 0.15)  # in-context: stores the same slices
+    again = engine.store.get(key)
+    torch.testing.assert_close(stored.k, again.k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(stored.v, again.v, atol=1e-5, rtol=1e-5)
+    assert served.num_stored_segments == 1
+
+
+def test_under_isolated_the_load_stores_nothing_and_the_step_computes_canonically(
+    cached_engine, rag_texts
+):
+    engine, prompt = cached_engine(rag_texts, hole=HOLE, store_policy="isolated")
+    plan, worker, request, _ = _load(engine, prompt, 0.15)
+    key = plan.keys[HOLE]
+    worker.load(request)
+    assert not engine.store.contains_many([key])[0]
+    assert worker.store(StoreRequest("r", prompt, plan.missing_segments)) == 1
+    canonical = engine.store.get(key)
+    # Canonical context: right after the system prompt and separator.
+    start = prompt.separator_ranges[0][1]
+    assert torch.equal(canonical.positions, torch.arange(start, start + canonical.num_tokens))
