@@ -427,12 +427,21 @@ class _WorkerSide:
             self._count(outcome)
 
     def store_missing(self, plan: StepPlan) -> None:
-        """Compute and store the step's missing segments, after vLLM's forward."""
-        for request in plan.stores:
-            try:
-                self._stored += self._blend_worker().store(request)
-            except Exception:  # a failed store is a future miss, never a failed request
-                log.exception("storing the segments of %s failed", request.request_id)
+        """Compute and store the step's missing segments, after vLLM's forward; a failed
+        store is a future miss, never a failed request (counted)."""
+        if not plan.stores:
+            return
+        try:
+            worker = self._blend_worker()
+        except Exception:  # no model to compute with: these stores fail, the step goes on
+            log.exception("storing the step's missing segments failed")
+            failed = sum(len(request.segments) for request in plan.stores)
+            metrics.STORE_FAILURES.inc(failed)
+        else:
+            stored, failed = worker.store_many(plan.stores)
+            self._stored += stored
+        if failed:
+            self._stats["num_failed_stores"] = self._stats.get("num_failed_stores", 0) + failed
 
     def _blend_worker(self) -> BlendWorker:
         if self._worker is None:

@@ -39,6 +39,11 @@ REJECTED_SEGMENTS = Counter(
     "Planned segments whose KV was missing or unusable at load time (computed fresh)",
     registry=REGISTRY,
 )
+STORE_FAILURES = Counter(
+    "holeblend_store_failures",
+    "Missing segments whose store failed (a future miss; the request is unaffected)",
+    registry=REGISTRY,
+)
 LOOKUP_FAILURES = Counter(
     "holeblend_lookup_failures", "Lookups that failed and ran as a full miss", registry=REGISTRY
 )

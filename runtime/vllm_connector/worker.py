@@ -32,6 +32,7 @@ from holeblend_runtime.engine import ReferenceEngine
 from holeblend_runtime.kv_store import SegmentKV
 from holeblend_runtime.lookup import LookupResult, ReusePolicy, plan_reuse
 from holeblend_runtime.segments import SegmentedPrompt
+from holeblend_runtime.vllm_connector import metrics
 from holeblend_runtime.vllm_connector.metadata import LoadRequest, StoreRequest
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,20 @@ class BlendWorker:
         found = self.engine.store.contains_many([keys[i] for i in wanted])
         missing = [i for i, is_found in zip(wanted, found, strict=True) if not is_found]
         return self.engine.cache_segments(request.prompt, missing) if missing else 0
+
+    def store_many(self, requests: Sequence[StoreRequest]) -> tuple[int, int]:
+        """`store` each request; (segments stored, segments whose store failed). A failure
+        is logged and counted (`holeblend_store_failures_total`), never raised: a segment
+        not stored is a future miss, not a failed request."""
+        stored = failed = 0
+        for request in requests:
+            try:
+                stored += self.store(request)
+            except Exception:
+                log.exception("storing the segments of %s failed", request.request_id)
+                metrics.STORE_FAILURES.inc(len(request.segments))
+                failed += len(request.segments)
+        return stored, failed
 
     @torch.inference_mode()
     def load(self, request: LoadRequest) -> LoadOutcome:

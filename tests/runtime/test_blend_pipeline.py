@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from holeblend_runtime.lookup import ReusePolicy
+from holeblend_runtime.segments import SegmentSplitter
 from holeblend_runtime.vllm_connector.accounting import LoadSpec
 from holeblend_runtime.vllm_connector.metadata import LoadRequest, StoreRequest
 from holeblend_runtime.vllm_connector.planning import ReusePlanner
@@ -154,3 +155,24 @@ def test_under_isolated_the_load_stores_nothing_and_the_step_computes_canonicall
     # Canonical context: right after the system prompt and separator.
     start = prompt.separator_ranges[0][1]
     assert torch.equal(canonical.positions, torch.arange(start, start + canonical.num_tokens))
+
+
+def test_a_failed_store_is_counted_and_the_others_go_on(cached_engine, rag_texts):
+    from holeblend_runtime.vllm_connector import metrics
+
+    engine, prompt = cached_engine(rag_texts, hole=HOLE, store_policy="isolated")
+    plan, worker, _, _ = _load(engine, prompt, 0.15)
+    broken = SegmentSplitter((9,), 1).split([1, 2, 9, 3, 4, 9, 5])  # not this model's prompt
+    before = metrics.sample("holeblend_store_failures_total")
+    requests = (StoreRequest("bad", broken, (1, 2)), StoreRequest("r", prompt, (HOLE,)))
+    original = worker.store
+
+    def store(request):
+        if request.request_id == "bad":
+            raise OSError("tier down")
+        return original(request)
+
+    worker.store = store
+    assert worker.store_many(requests) == (1, 2)
+    assert metrics.sample("holeblend_store_failures_total") == before + 2
+    assert engine.store.contains_many([plan.keys[HOLE]]) == [True]
