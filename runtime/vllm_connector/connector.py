@@ -48,7 +48,12 @@ from holeblend_runtime.vllm_connector.metadata import (
     StoreRequest,
 )
 from holeblend_runtime.vllm_connector.model_adapter import VllmModelAdapter
-from holeblend_runtime.vllm_connector.planning import ReusePlan, ReusePlanner
+from holeblend_runtime.vllm_connector.planning import (
+    PENDING,
+    AsyncReusePlanner,
+    ReusePlan,
+    ReusePlanner,
+)
 from holeblend_runtime.vllm_connector.settings import ConnectorSettings, RatioSource, load_settings
 from holeblend_runtime.vllm_connector.shadow import (
     VllmShadow,
@@ -166,7 +171,8 @@ class HoleBlendConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
+        # None while the request's lookup runs: vLLM asks again at its next step.
         return self._scheduler.matched(request, num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -219,6 +225,8 @@ class HoleBlendConnector(KVConnectorBase_V1):
         return HoleBlendStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.lookups.shutdown()
         close_store(self.store)
 
 
@@ -233,6 +241,7 @@ class _SchedulerSide:
         policy = ReusePolicy.PREFIX if settings.mode == "prefix" else ReusePolicy.HOLE
         keyer = SegmentKeyer(model_id, kv_dtype, settings.blend)
         self.planner = ReusePlanner(separator_ids, keyer, store, policy)
+        self.lookups = AsyncReusePlanner(self.planner, settings.lookup_deadline_s)
         self.ledger = LoadLedger()
         self.plans: dict[str, ReusePlan | None] = {}
         self.outcomes: dict[str, LoadOutcome] = {}
@@ -242,18 +251,22 @@ class _SchedulerSide:
         self.shadow = _shadow(vllm_config, settings, self.ledger)
         metrics.serve_metrics()
 
-    def matched(self, request: Any, num_computed_tokens: int) -> int:
+    def matched(self, request: Any, num_computed_tokens: int) -> int | None:
+        """Tokens the connector provides beyond `num_computed_tokens`; None while the
+        request's lookup is still running (never longer than the deadline)."""
         if self.settings.mode == "off":
             return 0
         if is_shadow_request(getattr(request, "kv_transfer_params", None), TRANSFER_PARAMS_KEY):
             return 0  # a shadow full prefill: nothing reused, stored or counted
         request_id = request.request_id
         if not self.ledger.has_plan(request_id):
-            self._plan(request_id, request.prompt_token_ids)
+            plan = self.lookups.poll(request_id, request.prompt_token_ids)
+            if plan is PENDING:
+                return None
+            self._plan(request_id, plan)
         return self.ledger.matched(request_id, num_computed_tokens)
 
-    def _plan(self, request_id: str, token_ids: Any) -> None:
-        plan = self.planner.plan(list(token_ids))
+    def _plan(self, request_id: str, plan: ReusePlan | None) -> None:
         # Ratio 1.0 blends too: every covered token is recomputed through the adapter (what
         # the tests hold to vLLM's own prefill), and the request's reuse is reported as at
         # any other ratio, so the hit rate does not fall to 0 when the tuner reaches 1.0.
@@ -261,6 +274,8 @@ class _SchedulerSide:
         self.ledger.set_plan(request_id, plan.num_covered_tokens if plan else 0)
         if plan is not None and plan.is_lookup_failed:
             metrics.LOOKUP_FAILURES.inc()
+        if plan is not None and plan.is_lookup_late:
+            metrics.LOOKUP_LATE.inc()
         if plan is not None and plan.missing_segments:
             self.stores.append(StoreRequest(request_id, plan.prompt, plan.missing_segments))
 
@@ -304,6 +319,7 @@ class _SchedulerSide:
     def finished(self, request_id: str, request: Any = None) -> dict[str, Any] | None:
         """Forget the request; its reuse figures (None if it was not planned). With the
         finished `request` itself, a request that blended is offered to the shadow."""
+        self.lookups.forget(request_id)
         plan = self.plans.pop(request_id, None)
         outcome = self.outcomes.pop(request_id, None)
         self.blocks.pop(request_id, None)
@@ -375,6 +391,7 @@ def _figures(plan: ReusePlan, outcome: LoadOutcome | None, ratio: float) -> dict
         "num_recomputed_tokens": _planned_recompute(plan, ratio),
         "num_rejected_segments": 0,
         "is_lookup_failed": plan.is_lookup_failed,
+        "is_lookup_late": plan.is_lookup_late,
         "source": "plan",
     }
     if outcome is not None:

@@ -47,6 +47,11 @@ STORE_FAILURES = Counter(
 LOOKUP_FAILURES = Counter(
     "holeblend_lookup_failures", "Lookups that failed and ran as a full miss", registry=REGISTRY
 )
+LOOKUP_LATE = Counter(
+    "holeblend_lookup_late",
+    "Lookups that missed their deadline; the request ran as a full miss",
+    registry=REGISTRY,
+)
 BLEND_SECONDS = Histogram(
     "holeblend_blend_seconds", "Worker time to blend and write one request's KV", registry=REGISTRY
 )

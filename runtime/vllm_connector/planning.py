@@ -3,7 +3,8 @@
 1. Split the prompt's token ids on the separator's ids (`SegmentSplitter`).
 2. Key every cacheable segment (`keys.SegmentKeyer`, the engine's own keyer).
 3. Ask the segment index which keys are cached; an index that fails counts as all-miss,
-   so serving never fails because of it.
+   so serving never fails because of it. `AsyncReusePlanner` runs this off vLLM's
+   scheduler thread with a deadline (a late index plans a full miss).
 4. `plan_reuse` turns the hit flags into hit and hole ranges; the connector offers the
    covered range `[0, tail_start)`, less the last prompt token (vLLM must compute one).
 The plan also names the cacheable segments that were missing, which the worker stores.
@@ -12,7 +13,9 @@ The plan also names the cacheable segments that were missing, which the worker s
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -46,6 +49,8 @@ class ReusePlan:
     missing_segments: tuple[int, ...]
     # The segment index failed; the request runs as a full miss.
     is_lookup_failed: bool = False
+    # The index did not answer by the deadline; the request runs as a full miss.
+    is_lookup_late: bool = False
 
 
 class ReusePlanner:
@@ -62,6 +67,18 @@ class ReusePlanner:
         self.keyer = keyer
         self.index = index
         self.policy = policy
+
+    def plan_late(self, token_ids: Sequence[int]) -> ReusePlan | None:
+        """The plan of a request whose lookup missed its deadline: a full miss, and no
+        segment named missing (what is cached is unknown: storing every segment again
+        would recompute what the fleet most likely holds)."""
+        try:
+            prompt = self.splitter.split(token_ids)
+        except ValueError:
+            return None
+        keys = tuple(self.keyer.keys(prompt))
+        lookup = plan_reuse(prompt, [False] * len(keys), self.policy)
+        return ReusePlan(prompt, lookup, keys, 0, (), is_lookup_late=True)
 
     def plan(self, token_ids: Sequence[int]) -> ReusePlan | None:
         try:
@@ -85,3 +102,69 @@ class ReusePlanner:
         except Exception as error:  # an unreachable index is a miss, never a failure
             log.warning("segment lookup failed, computing the prompt in full: %s", error)
             return [False] * len(keys), True
+
+
+class Pending:
+    """`AsyncReusePlanner.poll`'s answer while a lookup is under way."""
+
+
+PENDING = Pending()
+
+
+class AsyncReusePlanner:
+    """Plans off the caller's thread, with a deadline: vLLM's scheduler never waits on the
+    segment index (a lookup-server round trip, a shared-tier query).
+
+    `poll(request_id, token_ids)` starts the request's lookup on the first call and
+    returns `PENDING` until it is done (the connector then answers vLLM "not yet", and
+    vLLM asks again at its next step); then the plan. A lookup still running `deadline_s`
+    after it started is given up: the request is planned as a full miss
+    (`ReusePlan.is_lookup_late`) and its late answer is dropped. One lookup thread: the
+    index client need not be thread-safe, and a hung index cannot pile up threads (its
+    requests all meet the deadline and run as full misses, as with no index)."""
+
+    def __init__(
+        self,
+        planner: ReusePlanner,
+        deadline_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if deadline_s <= 0:
+            raise ValueError(f"deadline_s: must be > 0, got {deadline_s}")
+        self.planner = planner
+        self.deadline_s = deadline_s
+        self._clock = clock
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="holeblend-lookup")
+        self._pending: dict[str, tuple[Future, float]] = {}
+
+    def poll(self, request_id: str, token_ids: Sequence[int]) -> ReusePlan | None | Pending:
+        if request_id not in self._pending:
+            future = self._executor.submit(self.planner.plan, list(token_ids))
+            self._pending[request_id] = (future, self._clock())
+        future, started = self._pending[request_id]
+        if future.done():
+            del self._pending[request_id]
+            return future.result()  # plan() never raises: a failed index is a full miss
+        if self._clock() - started >= self.deadline_s:
+            del self._pending[request_id]
+            future.cancel()  # dropped if it has not started; a running one is ignored
+            log.warning(
+                "segment lookup of %s missed its %.0f ms deadline: a full miss",
+                request_id,
+                self.deadline_s * 1000,
+            )
+            return self.planner.plan_late(token_ids)
+        return PENDING
+
+    def forget(self, request_id: str) -> None:
+        """The request is gone (finished or aborted) before its lookup was polled done."""
+        entry = self._pending.pop(request_id, None)
+        if entry is not None:
+            entry[0].cancel()
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
