@@ -225,7 +225,7 @@ class HoleBlendConnector(KVConnectorBase_V1):
         return HoleBlendStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
-        if self._scheduler is not None:
+        if self._scheduler is not None and self._scheduler.lookups is not None:
             self._scheduler.lookups.shutdown()
         close_store(self.store)
 
@@ -241,7 +241,13 @@ class _SchedulerSide:
         policy = ReusePolicy.PREFIX if settings.mode == "prefix" else ReusePolicy.HOLE
         keyer = SegmentKeyer(model_id, kv_dtype, settings.blend)
         self.planner = ReusePlanner(separator_ids, keyer, store, policy)
-        self.lookups = AsyncReusePlanner(self.planner, settings.lookup_deadline_s)
+        # Lookups that cross the network (a lookup server, a shared tier) run off this
+        # thread with a deadline; a node-local directory answers in microseconds, inline.
+        self.lookups = (
+            AsyncReusePlanner(self.planner, settings.lookup_deadline_s)
+            if settings.has_remote_tiers
+            else None
+        )
         self.ledger = LoadLedger()
         self.plans: dict[str, ReusePlan | None] = {}
         self.outcomes: dict[str, LoadOutcome] = {}
@@ -260,8 +266,10 @@ class _SchedulerSide:
             return 0  # a shadow full prefill: nothing reused, stored or counted
         request_id = request.request_id
         if not self.ledger.has_plan(request_id):
-            plan = self.lookups.poll(request_id, request.prompt_token_ids)
-            if plan is PENDING:
+            token_ids = request.prompt_token_ids
+            if self.lookups is None:
+                plan = self.planner.plan(list(token_ids))
+            elif (plan := self.lookups.poll(request_id, token_ids)) is PENDING:
                 return None
             self._plan(request_id, plan)
         return self.ledger.matched(request_id, num_computed_tokens)
@@ -319,7 +327,8 @@ class _SchedulerSide:
     def finished(self, request_id: str, request: Any = None) -> dict[str, Any] | None:
         """Forget the request; its reuse figures (None if it was not planned). With the
         finished `request` itself, a request that blended is offered to the shadow."""
-        self.lookups.forget(request_id)
+        if self.lookups is not None:
+            self.lookups.forget(request_id)
         plan = self.plans.pop(request_id, None)
         outcome = self.outcomes.pop(request_id, None)
         self.blocks.pop(request_id, None)

@@ -5,8 +5,8 @@ path comes from `kv_connector_extra_config.holeblend_config` or `$HOLEBLEND_CONF
 `recomputeRatio` is live: `RatioSource` re-reads the file when it changes.
 `kv_connector_extra_config` may also name `kv_dir`, the directory of the segment KV tier
 shared by vLLM's scheduler and worker processes (default: under /dev/shm), and
-`lookup_deadline_ms` (default 150), how long a request's segment lookup may take before
-the request is planned as a full miss. When blend.json
+`lookup_deadline_ms` (default 500), how long a request's segment lookup through a lookup
+server or shared tier may take before the request is planned as a full miss. When blend.json
 names a shared tier (`kv.sharedUrl`) or a lookup server (`lookupServerUrl`), that
 directory is the local tier of a `TieredKVStore` over them.
 Without a settings file the contract's defaults apply.
@@ -30,8 +30,9 @@ CONFIG_KEY = "holeblend_config"
 KV_DIR_KEY = "kv_dir"
 DEFAULT_KV_DIR = "/dev/shm/holeblend-kv"
 LOOKUP_DEADLINE_KEY = "lookup_deadline_ms"
-# Two lookup-client attempts (50 ms each) and their retry fit in it.
-DEFAULT_LOOKUP_DEADLINE_MS = 150
+# Two lookup-client attempts (50 ms each) and their retry fit in it several times over: the
+# lookup thread shares the interpreter with vLLM's busy scheduler loop.
+DEFAULT_LOOKUP_DEADLINE_MS = 500
 _MODES = tuple(mode.value for mode in contract.BlendMode)
 
 

@@ -130,7 +130,7 @@ def test_a_prompt_without_separator_is_not_planned():
 
 
 def test_the_deadline_comes_from_the_connector_config_and_bad_values_are_refused():
-    assert load_settings({}).lookup_deadline_s == pytest.approx(0.15)
+    assert load_settings({}).lookup_deadline_s == pytest.approx(0.5)
     assert load_settings({"lookup_deadline_ms": 40}).lookup_deadline_s == pytest.approx(0.04)
     for bad in (0, -5, "fast", True, 120_000):
         with pytest.raises(ValueError, match="lookup_deadline_ms"):
