@@ -241,11 +241,12 @@ class _SchedulerSide:
         policy = ReusePolicy.PREFIX if settings.mode == "prefix" else ReusePolicy.HOLE
         keyer = SegmentKeyer(model_id, kv_dtype, settings.blend)
         self.planner = ReusePlanner(separator_ids, keyer, store, policy)
-        # Lookups that cross the network (a lookup server, a shared tier) run off this
-        # thread with a deadline; a node-local directory answers in microseconds, inline.
+        # With `lookup_deadline_ms`, lookups that cross the network (a lookup server, a
+        # shared tier) run off this thread with that deadline; otherwise inline (a node-local
+        # directory answers in microseconds; a remote index within the client's timeouts).
         self.lookups = (
             AsyncReusePlanner(self.planner, settings.lookup_deadline_s)
-            if settings.has_remote_tiers
+            if settings.has_remote_tiers and settings.lookup_deadline_s is not None
             else None
         )
         self.ledger = LoadLedger()

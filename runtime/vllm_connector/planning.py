@@ -69,16 +69,17 @@ class ReusePlanner:
         self.policy = policy
 
     def plan_late(self, token_ids: Sequence[int]) -> ReusePlan | None:
-        """The plan of a request whose lookup missed its deadline: a full miss, and no
-        segment named missing (what is cached is unknown: storing every segment again
-        would recompute what the fleet most likely holds)."""
+        """The plan of a request whose lookup missed its deadline: a full miss. Every
+        cacheable segment is named missing; the worker's store skips those the tier holds
+        (`BlendWorker.store`)."""
         try:
             prompt = self.splitter.split(token_ids)
         except ValueError:
             return None
         keys = tuple(self.keyer.keys(prompt))
         lookup = plan_reuse(prompt, [False] * len(keys), self.policy)
-        return ReusePlan(prompt, lookup, keys, 0, (), is_lookup_late=True)
+        missing = tuple(i for i, key in enumerate(keys) if key is not None)
+        return ReusePlan(prompt, lookup, keys, 0, missing, is_lookup_late=True)
 
     def plan(self, token_ids: Sequence[int]) -> ReusePlan | None:
         try:

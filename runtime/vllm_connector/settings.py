@@ -5,8 +5,9 @@ path comes from `kv_connector_extra_config.holeblend_config` or `$HOLEBLEND_CONF
 `recomputeRatio` is live: `RatioSource` re-reads the file when it changes.
 `kv_connector_extra_config` may also name `kv_dir`, the directory of the segment KV tier
 shared by vLLM's scheduler and worker processes (default: under /dev/shm), and
-`lookup_deadline_ms` (default 500), how long a request's segment lookup through a lookup
-server or shared tier may take before the request is planned as a full miss. When blend.json
+`lookup_deadline_ms` (default: unset, lookups inline), to run a request's segment lookup
+through a lookup server or shared tier off vLLM's scheduler thread, planned as a full miss
+when it takes longer. When blend.json
 names a shared tier (`kv.sharedUrl`) or a lookup server (`lookupServerUrl`), that
 directory is the local tier of a `TieredKVStore` over them.
 Without a settings file the contract's defaults apply.
@@ -30,9 +31,6 @@ CONFIG_KEY = "holeblend_config"
 KV_DIR_KEY = "kv_dir"
 DEFAULT_KV_DIR = "/dev/shm/holeblend-kv"
 LOOKUP_DEADLINE_KEY = "lookup_deadline_ms"
-# Two lookup-client attempts (50 ms each) and their retry fit in it several times over: the
-# lookup thread shares the interpreter with vLLM's busy scheduler loop.
-DEFAULT_LOOKUP_DEADLINE_MS = 500
 _MODES = tuple(mode.value for mode in contract.BlendMode)
 
 
@@ -55,9 +53,11 @@ class ConnectorSettings:
     lookup_url: str | None = None
     # Share of blended requests scored by the shadow full prefill (shadow.py).
     shadow_sample_rate: float = contract.DEFAULT_SHADOW_SAMPLE_RATE
-    # How long a request's segment lookup may take before it is planned as a full miss
-    # (kv_connector_extra_config `lookup_deadline_ms`); vLLM's scheduler never waits on it.
-    lookup_deadline_s: float = DEFAULT_LOOKUP_DEADLINE_MS / 1000
+    # With a lookup server or shared tier: how long a request's segment lookup may take,
+    # run off vLLM's scheduler thread, before the request is planned as a full miss
+    # (kv_connector_extra_config `lookup_deadline_ms`). None (the default): the lookup runs
+    # inline, bounded by the lookup client's own timeouts.
+    lookup_deadline_s: float | None = None
 
     @property
     def has_remote_tiers(self) -> bool:
@@ -68,7 +68,7 @@ class ConnectorSettings:
             raise ValueError(f"mode: expected one of {_MODES}, got {self.mode!r}")
         if self.kv_bytes < 1:
             raise ValueError(f"kv.localCpuBytes: must be >= 1, got {self.kv_bytes}")
-        if not 0 < self.lookup_deadline_s <= 60:
+        if self.lookup_deadline_s is not None and not 0 < self.lookup_deadline_s <= 60:
             raise ValueError(
                 f"{LOOKUP_DEADLINE_KEY}: must be in (0, 60000] ms, "
                 f"got {self.lookup_deadline_s * 1000:g}"
@@ -79,7 +79,7 @@ def load_settings(extra_config: Mapping[str, Any]) -> ConnectorSettings:
     """Settings from `kv_connector_extra_config` and the blend.json it (or the env) names."""
     path = extra_config.get(CONFIG_KEY) or os.environ.get(contract.CONFIG_ENV)
     kv_dir = Path(str(extra_config.get(KV_DIR_KEY) or DEFAULT_KV_DIR))
-    deadline_s = _deadline_s(extra_config.get(LOOKUP_DEADLINE_KEY, DEFAULT_LOOKUP_DEADLINE_MS))
+    deadline_s = _deadline_s(extra_config.get(LOOKUP_DEADLINE_KEY))
     if not path:
         return ConnectorSettings(kv_dir=kv_dir, lookup_deadline_s=deadline_s)
     settings = contract.load_blend_settings(path)
@@ -96,7 +96,9 @@ def load_settings(extra_config: Mapping[str, Any]) -> ConnectorSettings:
     )
 
 
-def _deadline_s(value: Any) -> float:
+def _deadline_s(value: Any) -> float | None:
+    if value is None:
+        return None
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"{LOOKUP_DEADLINE_KEY}: expected milliseconds (a number), got {value!r}")
     return float(value) / 1000
