@@ -20,9 +20,15 @@ outside the cluster needs cleaning up. The ratio tuner runs as a plain task
 
 Memory: what is kept per BlendDeployment is bounded and small (docs/operator.md, "Memory
 and scale"): the owner as watched minus what nothing reads (managedFields, kubectl's
-last-applied copy), its Deployments reduced to the fields the status
-reads, and its last render as compact JSON text rather than dicts and a validated model.
-All of it is dropped when the owner (or child) is deleted.
+last-applied copy), its Deployments reduced to the fields the status reads, and its last
+render. Each is kept packed (compact JSON, the larger ones zlib-compressed) rather than as
+dicts: a decoded watch object costs about five times its JSON text in small Python objects,
+and those objects, long-lived among the many short-lived ones of a burst, keep the
+interpreter's memory arenas from ever being freed. They are unpacked when read (a
+reconcile, a status refresh, a render), which costs tens of microseconds next to the API
+round trips. An owner's lock exists only while it is held or awaited, and kopf keeps no
+record per object (`EventMemories`). All of it is dropped when the owner (or child) is
+deleted.
 """
 
 import asyncio
@@ -33,10 +39,13 @@ import hashlib
 import json
 import logging
 import random
+import sys
 import time
 import uuid
+import zlib
 
 import kopf
+from kopf._core.reactor import inventory
 
 from holeblend_operator import kube, metrics, reconcile, tuning_loop
 from holeblend_operator.api import GROUP, KIND, PLURAL, VERSION
@@ -52,7 +61,11 @@ DRIFT = reconcile.Options(create_first=False, prune=False)
 ANNOTATION_PREFIX = f"operator.{GROUP}"
 LOG = logging.getLogger(__name__)
 WORKER_LIMIT = 64  # kopf's per-object event workers at once (its default: no limit)
-WORKER_IDLE_S = 1.0  # how long an idle one waits for its object's next event (kopf's: 5 s)
+# How long an idle one waits for its object's next event (kopf's: 5 s). The handlers only
+# schedule jobs, so a worker is done within milliseconds: one that lingered for a second
+# would hold its slot, and in a burst the events of the objects without a worker pile up
+# (as decoded bodies) in kopf's per-object queues meanwhile.
+WORKER_IDLE_S = 0.1
 
 Key = tuple[str, str]  # (namespace, name) of a BlendDeployment
 # kubectl's copy of the applied manifest: nothing here reads it, so kept owners leave it out.
@@ -70,36 +83,91 @@ class NoDiffBase(kopf.AnnotationsDiffBaseStorage):
         return None
 
 
+def pack(obj: dict) -> bytes:
+    """A JSON object kept compact: its JSON text, compressed."""
+    return zlib.compress(json.dumps(obj, separators=(",", ":")).encode(), 1)
+
+
+def unpack(packed: bytes) -> dict:
+    """The object `pack` kept (a new copy each time: callers may change it)."""
+    return json.loads(zlib.decompress(packed))
+
+
+class EventMemories(inventory.ResourceMemories):
+    """kopf's per-object memories, none kept: kopf remembers, for every object it has seen
+    (each BlendDeployment and each of its six children), a record of what its daemons,
+    timers, indexes, memos and change handlers need, about 1.1 KB of small objects each (7.7
+    KB per BlendDeployment), for the life of the object. This operator has event handlers
+    only, which need none of it: every event gets a fresh record instead. (What is lost: the
+    throttling of kopf's own unexpected processing errors per object, which without a
+    record is per event.)"""
+
+    async def recall(self, raw_body, *, memobase=None, noticed_by_listing=False, ephemeral=False):
+        return await super().recall(
+            raw_body, memobase=memobase, noticed_by_listing=noticed_by_listing, ephemeral=True
+        )
+
+
+@dataclasses.dataclass(slots=True)
+class Kept:
+    """A BlendDeployment as last watched (minus what nothing reads), packed, next to what the
+    hot paths read without unpacking it: its render inputs, the status fields the ratio
+    derives from, and its tuning interval (the tuner looks at every owner each second)."""
+
+    packed: bytes
+    inputs: tuple  # _inputs(owner)
+    raw_ratio: tuple  # _raw_ratio(owner)
+    interval: float | None  # tuning_loop.interval_of(owner): None if not tuned
+
+    @classmethod
+    def of(cls, body: dict) -> "Kept":
+        slim = _slim_owner(body)
+        return cls(pack(slim), _inputs(slim), _raw_ratio(slim), tuning_loop.interval_of(slim))
+
+    def body(self) -> dict:
+        return unpack(self.packed)
+
+
 @dataclasses.dataclass(slots=True)
 class Rendered:
-    """An owner's last render, kept compact: about 8 KB of text instead of about 45 KB of
-    dicts and a validated model. The children are materialized again when needed."""
+    """An owner's last render, kept compact: the applied JSON of its children, compressed
+    (about 2.5 KB instead of about 45 KB of dicts and a validated model), and the replicas
+    of its Deployments (read on every Deployment event). The children are materialized
+    again when needed."""
 
     inputs: tuple  # _inputs(owner) it was rendered from
     raw_ratio: tuple  # the status fields the effective ratio derives from, as last seen
     ratio: float  # the effective ratio it was rendered with
-    children: tuple[tuple[str, str, str], ...]  # (kind, name, applied JSON) per child
+    index: tuple[tuple[str, str], ...]  # (kind, name) per child
+    packed: bytes  # the children's applied JSON, one a line, compressed
+    replicas: tuple[tuple[str, int | None], ...]  # (name, spec.replicas) per Deployment
 
     @classmethod
     def of(cls, inputs: tuple, raw_ratio: tuple, ratio: float, children: list[dict]) -> "Rendered":
+        applied = "\n".join(c["metadata"]["annotations"][APPLIED] for c in children)
         return cls(
             inputs,
             raw_ratio,
             ratio,
+            tuple((sys.intern(c["kind"]), c["metadata"]["name"]) for c in children),
+            zlib.compress(applied.encode(), 1),
             tuple(
-                (c["kind"], c["metadata"]["name"], c["metadata"]["annotations"][APPLIED])
+                (c["metadata"]["name"], c["spec"].get("replicas"))
                 for c in children
+                if c["kind"] == "Deployment"
             ),
         )
 
     def materialize(self, kind: str | None = None, name: str | None = None) -> list[dict]:
         """The children as reconcile.desired_children returned them (those of `kind`, or
         the one of `kind` and `name`)."""
-        return [
-            _child(applied)
-            for k, n, applied in self.children
-            if (kind is None or k == kind) and (name is None or n == name)
+        wanted = [
+            (kind is None or k == kind) and (name is None or n == name) for k, n in self.index
         ]
+        if not any(wanted):
+            return []
+        lines = zlib.decompress(self.packed).decode().split("\n")
+        return [_child(applied) for applied, keep in zip(lines, wanted, strict=True) if keep]
 
 
 @dataclasses.dataclass
@@ -129,11 +197,11 @@ class Operator:
         self.settings = settings
         self.client: kube.Client | None = None
         self._configuration = None
-        self._owners: dict[Key, dict] = {}  # BlendDeployments as last watched (informer cache)
+        self._owners: dict[Key, Kept] = {}  # BlendDeployments as last watched (informer cache)
         self._inputs: dict[Key, tuple] = {}  # their render inputs when last scheduled
         self._pending: dict[Key, Job] = {}
         self._retries: dict[Key, int] = {}  # failed reconciles in a row
-        self._locks: dict[Key, asyncio.Lock] = {}
+        self._locks: dict[Key, list] = {}  # [lock, holders and waiters] while in use
         # Reconciles and refreshes under way at once: twice the API concurrency keeps every
         # connection busy, and a burst (thousands created at once, a relist after a restart)
         # holds that many renders and API answers in memory, not one per object.
@@ -141,7 +209,7 @@ class Operator:
         self._rendered: dict[Key, Rendered] = {}  # each owner's last render, compact
         # child (kind, namespace, name) -> (resourceVersion, generation) known to be current
         self._current: dict[tuple, tuple] = {}
-        self._deployments: dict[Key, dict] = {}  # our Deployments as last watched
+        self._deployments: dict[Key, bytes] = {}  # our Deployments as last watched, packed
         # The ratio tuner (tuning_loop): identity and priority tell it whether this replica
         # is the active one under peering.
         self.identity = f"holeblend-operator-{uuid.uuid4().hex[:12]}"
@@ -165,8 +233,8 @@ class Operator:
         # kopf runs a worker task (and queue) per object with events pending, kept for
         # idle_timeout after its last event: unbounded, a burst of N objects means N workers
         # at once. The handlers only schedule jobs, so a few workers keep up.
-        settings.batching.worker_limit = WORKER_LIMIT
-        settings.batching.idle_timeout = WORKER_IDLE_S
+        settings.queueing.worker_limit = WORKER_LIMIT
+        settings.queueing.idle_timeout = WORKER_IDLE_S
         self._configure_peering(settings.peering)
         self.client = kube.Client.from_configuration(
             self.configuration(), self.settings.request_timeout_s, self.settings.api_concurrency
@@ -213,8 +281,8 @@ class Operator:
             # takes the children; creating or fixing any now would only race it.
             self._forget(key)
             return
-        self._owners[key] = body = _slim_owner(body)
-        inputs = _inputs(body)
+        self._owners[key] = kept = Kept.of(body)
+        inputs = kept.inputs
         previous = self._inputs.get(key)
         if previous == inputs:
             return  # e.g. our own status write: nothing rendered depends on it
@@ -239,16 +307,21 @@ class Operator:
         self.tuning.forget(key)
 
     @property
-    def owners(self) -> dict[Key, dict]:
-        """The BlendDeployments as last watched (the tuner reads and refreshes them)."""
+    def owners(self) -> dict[Key, Kept]:
+        """The BlendDeployments as last watched, packed (the tuner reads their intervals)."""
         return self._owners
+
+    def owner(self, key: Key) -> dict | None:
+        """A BlendDeployment as last watched (a copy of its own), or None if unknown."""
+        kept = self._owners.get(key)
+        return kept.body() if kept is not None else None
 
     def keep_owner(self, key: Key, body: dict) -> None:
         """Keep a newer copy of a known BlendDeployment (the tuner's status write returns one)."""
         if key in self._owners:
-            self._owners[key] = _slim_owner(body)
+            self._owners[key] = Kept.of(body)
 
-    def lock(self, key: Key) -> asyncio.Lock:
+    def lock(self, key: Key) -> contextlib.AbstractAsyncContextManager:
         """The owner's lock: one reconcile, status refresh or tuning write at a time."""
         return self._lock(key)
 
@@ -310,14 +383,14 @@ class Operator:
         if body is None or body.get("metadata", {}).get("deletionTimestamp"):
             self._forget(key)
             return None
-        self._owners[key] = body = _slim_owner(body)
-        previous, self._inputs[key] = self._inputs.get(key), _inputs(body)
+        self._owners[key] = kept = Kept.of(body)
+        previous, self._inputs[key] = self._inputs.get(key), kept.inputs
         return previous != self._inputs[key]
 
     async def run(self, key: Key, trigger: str, options: reconcile.Options) -> None:
         """One reconcile of a BlendDeployment; failures are retried later, never raised."""
-        body = self._owners.get(key)
-        if body is None:
+        kept = self._owners.get(key)
+        if kept is None:
             return  # deleted meanwhile
         started = time.monotonic()
         result = "error"
@@ -325,6 +398,8 @@ class Operator:
             # one reconcile or refresh per owner at a time (the lock first: a lock holder never
             # waits for a slot while others wait for its lock)
             async with self._lock(key), self._slots:
+                # unpacked only now: the many that wait for a slot in a burst hold no copy
+                body = self._latest(key, kept)
                 live = await reconcile.reconcile(self.client, body, options, _now(), self.prepared)
             self._remember_current(key[0], live)
             self._retries.pop(key, None)
@@ -363,13 +438,14 @@ class Operator:
         return delay * random.uniform(0.5, 1.0)
 
     async def _refresh(self, key: Key, from_watch: bool = True) -> None:
-        body = self._owners.get(key)
-        if body is None:
+        kept = self._owners.get(key)
+        if kept is None:
             return
         later = {"delay": self.settings.requeue_s, "refetch": True}
         try:
-            known = self._known(*key) if from_watch else {}  # else the Deployments are read
             async with self._lock(key), self._slots:
+                body = self._latest(key, kept)
+                known = self._known(*key) if from_watch else {}  # else the Deployments are read
                 ready = await reconcile.refresh(self.client, body, _now(), known, self.prepared)
             if not ready:  # look again later: pods may report why (e.g. Unschedulable)
                 self.request(key, None, "child-status", **later)
@@ -378,6 +454,10 @@ class Operator:
             self.request(key, None, "child-status", **later)
         finally:
             self._drop_if_forgotten(key)
+
+    def _latest(self, key: Key, kept: Kept) -> dict:
+        """The owner as last watched; as `kept` if it was deleted since."""
+        return (self._owners.get(key) or kept).body()
 
     def _drop_if_forgotten(self, key: Key) -> None:
         """An owner deleted while its reconcile or refresh ran: drop what that re-created
@@ -388,14 +468,27 @@ class Operator:
     def _warn(self, key: Key, reason: str, message: str) -> None:
         """Log, and post a Warning event on the BlendDeployment (`kubectl describe bd`)."""
         LOG.warning("%s/%s: %s: %s", *key, reason, message)
-        body = self._owners.get(key)
+        body = self.owner(key)
         if body is not None:
             # LookupError: outside kopf's tasks, where its event queue is not set.
             with contextlib.suppress(LookupError):
                 kopf.warn(body, reason=reason, message=message)
 
-    def _lock(self, key: Key) -> asyncio.Lock:
-        return self._locks.setdefault(key, asyncio.Lock())
+    @contextlib.asynccontextmanager
+    async def _lock(self, key: Key):
+        """Held while in use only: an owner's lock exists while someone holds or awaits it
+        (a lock per owner for good would cost about 0.9 KB each)."""
+        entry = self._locks.get(key)
+        if entry is None:
+            entry = self._locks[key] = [asyncio.Lock(), 0]
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if entry[1] == 0 and self._locks.get(key) is entry:
+                del self._locks[key]
 
     def remember(self, child: dict, event_type: str | None) -> None:
         """Keep the latest state of our Deployments (an informer cache), as far as the
@@ -405,7 +498,12 @@ class Operator:
             if event_type == "DELETED":
                 self._deployments.pop(key, None)
             else:
-                self._deployments[key] = _slim_deployment(child)
+                self._deployments[key] = pack(_slim_deployment(child))
+
+    def deployment(self, namespace: str | None, name: str) -> dict | None:
+        """One of our Deployments as last watched (what the status reads of it), or None."""
+        packed = self._deployments.get((namespace, name))
+        return unpack(packed) if packed is not None else None
 
     def child_event(self, child: dict, event_type: str | None) -> None:
         """Reconcile the owner of a drifted child; refresh its status on Deployment events."""
@@ -415,37 +513,37 @@ class Operator:
             self._current.pop((child.get("kind"), meta.get("namespace"), meta.get("name")), None)
         owner_name = _owner_name(child)
         key = (child.get("metadata", {}).get("namespace"), owner_name)
-        owner = self._owners.get(key) if owner_name else None
-        if owner is None:
+        if not owner_name or key not in self._owners:
             return  # not ours, or the owner is gone and the garbage collector takes the child
-        if self.is_drifted(child, event_type, owner):
+        if self.is_drifted(child, event_type, key):
             self.request(key, DRIFT, "drift")
         elif child.get("kind") == "Deployment":
             # Debounced while the Deployments settle; at once when the last one has: the
             # status is then final, and Ready shows without waiting out the debounce.
-            delay = 0 if self._settled(key[0], owner) else None
+            delay = 0 if self._settled(key) else None
             self.request(key, None, "child-status", delay=delay)
 
-    def _settled(self, namespace: str, owner: dict) -> bool:
+    def _settled(self, key: Key) -> bool:
         """Every Deployment the owner renders is, as last watched, available as rendered."""
-        desired = self._desired(owner, "Deployment")
-        return desired is not None and all(
-            is_available(
-                self._deployments.get((namespace, c["metadata"]["name"])), c["spec"].get("replicas")
-            )
-            for c in desired
-            if c["kind"] == "Deployment"
+        try:
+            rendered = self._render_kept(key)
+        except reconcile.InvalidSpec:
+            return False
+        return all(
+            is_available(self.deployment(key[0], name), replicas)
+            for name, replicas in rendered.replicas
         )
 
     def _known(self, namespace: str, owner: str) -> dict:
         """The owner's Deployments as last seen on the watch; absent ones are fetched."""
         known = {}
         for name in (engine_name(owner), lookup_name(owner)):
-            if (namespace, name) in self._deployments:
-                known[("Deployment", name)] = self._deployments[(namespace, name)]
+            deployment = self.deployment(namespace, name)
+            if deployment is not None:
+                known[("Deployment", name)] = deployment
         return known
 
-    def is_drifted(self, child: dict, event_type: str | None, owner: dict) -> bool:
+    def is_drifted(self, child: dict, event_type: str | None, owner: Key) -> bool:
         """Whether a child event shows the child deleted or changed away from what we render.
 
         Cheap for the common events: our own writes (same resourceVersion as written) and
@@ -468,24 +566,24 @@ class Operator:
         else:
             current = reconcile.is_current(child, wanted)
         if current:
-            self._current[key] = (meta.get("resourceVersion"), meta.get("generation"))
+            self._current[_child_key(*key)] = (meta.get("resourceVersion"), meta.get("generation"))
         return not current
 
     def _remember_current(self, namespace: str | None, live: dict) -> None:
         for (kind, name), obj in live.items():
             meta = obj.get("metadata", {})
-            self._current[(kind, namespace, name)] = (
+            self._current[_child_key(kind, namespace, name)] = (
                 meta.get("resourceVersion"),
                 meta.get("generation"),
             )
 
     def _desired(
-        self, owner: dict, kind: str | None = None, name: str | None = None
+        self, owner: Key, kind: str | None = None, name: str | None = None
     ) -> list[dict] | None:
         """The children the owner renders (those of `kind`, or the one of `kind` and `name`);
         None if its spec is invalid (status says so)."""
         try:
-            rendered = self._render(owner)
+            rendered = self._render_kept(owner)
         except reconcile.InvalidSpec:
             return None
         return rendered.materialize(kind, name)
@@ -495,18 +593,22 @@ class Operator:
         generation, labels and the ratio the pods run with (the one input render takes from
         the status). So the first status write, which records the ratio, costs no second
         render. The spec is validated again on each call (a fraction of a render)."""
-        rendered = self._render(owner)
+        rendered = self._render(_key(owner), _inputs(owner), _raw_ratio(owner), owner)
         return reconcile.parse(owner, self.settings.host_path_prefixes), rendered.materialize()
 
-    def _render(self, owner: dict) -> Rendered:
+    def _render_kept(self, key: Key) -> Rendered:
+        """_render of the owner as last watched, unpacked only if the cache misses."""
+        kept = self._owners[key]
+        return self._render(key, kept.inputs, kept.raw_ratio, kept.body)
+
+    def _render(self, key: Key, inputs: tuple, raw_ratio: tuple, owner) -> Rendered:
         """The owner's cached render if its inputs still hold, else a new one (InvalidSpec is
-        raised, not cached)."""
-        key = _key(owner)
-        inputs, raw_ratio = _inputs(owner), _raw_ratio(owner)
+        raised, not cached). `owner`: the BlendDeployment, or a function that returns it."""
         rendered = self._rendered.get(key)
+        if rendered is not None and rendered.inputs == inputs and rendered.raw_ratio == raw_ratio:
+            return rendered
+        owner = owner() if callable(owner) else owner
         if rendered is not None and rendered.inputs == inputs:
-            if rendered.raw_ratio == raw_ratio:
-                return rendered
             # The ratio fields in status moved (a status write, the tuner): a new render only
             # if the ratio the pods run with moved too.
             bd = reconcile.parse(owner, self.settings.host_path_prefixes)
@@ -558,6 +660,16 @@ def _child(applied: str) -> dict:
     annotations[reconcile.HASH_ANNOTATION] = hashlib.sha256(applied.encode()).hexdigest()[:16]
     annotations[APPLIED] = applied
     return child
+
+
+def _child_key(kind: str | None, namespace: str | None, name: str | None) -> tuple:
+    """A child's key in the table of current versions, its kind and namespace shared with
+    every other child's (decoded JSON makes a new string of each)."""
+    return (
+        sys.intern(kind) if kind else kind,
+        sys.intern(namespace) if namespace else namespace,
+        name,
+    )
 
 
 def _key(owner: dict) -> Key:

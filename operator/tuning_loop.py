@@ -28,7 +28,6 @@ Switching tuning off needs nothing here: render and status fall back to the spec
 """
 
 import asyncio
-import contextlib
 import dataclasses
 import datetime
 import logging
@@ -49,12 +48,6 @@ LOG = logging.getLogger(__name__)
 TICK_S = 1.0
 WINDOW_INTERVALS = 10
 HISTORY_LENGTH = 20  # TuningStatus.history's bound
-TUNING_GAUGES = (
-    metrics.TUNED_RATIO,
-    metrics.TUNING_MIN_RATIO,
-    metrics.TUNING_MAX_RATIO,
-    metrics.TUNING_TARGET,
-)
 PEERING_KINDS = {k.kind: k for k in kube.FRAMEWORK_KINDS if k.group == "kopf.dev"}
 
 
@@ -233,10 +226,11 @@ class TuningLoop:
 
     async def tick(self) -> None:
         now = time.monotonic()
-        for key, body in list(self.operator.owners.items()):
-            interval = _interval(body)
-            if interval is None:
-                self.forget(key)
+        for key, kept in list(self.operator.owners.items()):
+            interval = kept.interval  # interval_of(the owner), kept next to it
+            if interval is None:  # not tuned (any more): no gauges, and nothing due
+                self._due.pop(key, None)
+                metrics.TUNING.forget(key, decisions=False)
                 continue
             due = self._due.setdefault(key, now + interval)  # the first window needs filling
             if now < due:
@@ -248,10 +242,9 @@ class TuningLoop:
                 LOG.exception("tuning %s/%s failed", *key)
 
     def forget(self, key: tuple) -> None:
+        """A BlendDeployment deleted: nothing due, and its series go."""
         self._due.pop(key, None)
-        for gauge in TUNING_GAUGES:
-            with contextlib.suppress(KeyError):  # never set: not tuned yet
-                gauge.remove(*key)
+        metrics.TUNING.forget(key)
 
     async def tune(self, key: tuple) -> Decision | None:
         """One evaluation of one BlendDeployment; the decision, or None if not tuned now."""
@@ -336,11 +329,8 @@ class TuningLoop:
         )
 
     def _record(self, key: tuple, spec: TuningSpec, decision: Decision) -> None:
-        metrics.TUNING_DECISIONS.labels(*key, decision.direction, decision.code).inc()
-        metrics.TUNED_RATIO.labels(*key).set(decision.to_ratio)
-        metrics.TUNING_MIN_RATIO.labels(*key).set(spec.min_ratio)
-        metrics.TUNING_MAX_RATIO.labels(*key).set(spec.max_ratio)
-        metrics.TUNING_TARGET.labels(*key).set(spec.target_f1_proxy)
+        bounds = (decision.to_ratio, spec.min_ratio, spec.max_ratio, spec.target_f1_proxy)
+        metrics.TUNING.record(key, decision.direction, decision.code, bounds)
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -348,7 +338,7 @@ class TuningLoop:
         return self._session
 
 
-def _interval(body: dict) -> float | None:
+def interval_of(body: dict) -> float | None:
     """The owner's tuning interval, None if it is not tuned (or its spec is unreadable)."""
     tuning = (body.get("spec") or {}).get("tuning") or {}
     if tuning.get("enabled", True) is not True:
