@@ -104,7 +104,14 @@ def test_a_cpu_deployment_runs_as_a_process_and_becomes_available_when_ready(clu
         assert (
             pod["status"]["podIP"].startswith("127.0.0.") and pod["status"]["podIP"] != "127.0.0.1"
         )
-        assert {"type": "Ready", "status": "True"} in pod["status"]["conditions"]
+
+        def is_pod_ready() -> bool:
+            (pod,) = cluster.list("v1/pods", "default")
+            return {"type": "Ready", "status": "True"} in pod["status"]["conditions"]
+
+        # Read again until ready: on a loaded machine a readiness probe can time out once
+        # between the Deployment's status and this read (the pod is then briefly unready).
+        cluster.wait_for(is_pod_ready, timeout=30)
         port = cluster.get("v1/services", "default", "echo")["metadata"]["annotations"][
             LOCAL_PORT_ANNOTATION
         ]
