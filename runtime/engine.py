@@ -166,6 +166,8 @@ class ReferenceEngine:
         # None: the strategy the config names, made fresh per request.
         self.strategy = strategy
         self.blender = Blender(model, self.blend_config)
+        # How this engine names segments' KV (the vLLM connector keys the same way).
+        self.keyer = SegmentKeyer(self.config.model_id, self.kv_dtype, self.blend_config)
         self.prompt_builder = PromptBuilder(
             tokenizer, self.blend_config.separator, self.blend_config.min_segment_tokens
         )
@@ -226,14 +228,6 @@ class ReferenceEngine:
     def segment_keys(self, prompt: SegmentedPrompt) -> list[str | None]:
         """One key per segment; None for segments that are never cached."""
         return self.keyer.keys(prompt)
-
-    @property
-    def keyer(self) -> SegmentKeyer:
-        """How this engine names segments' KV (the vLLM connector keys the same way)."""
-        return SegmentKeyer(self.config.model_id, self.kv_dtype, self.blend_config)
-
-    def _document_offset(self, prompt: SegmentedPrompt) -> int:
-        return self.keyer.document_offset(prompt)
 
     # --- prefill ----------------------------------------------------------------------
 
@@ -572,7 +566,7 @@ class ReferenceEngine:
         self, prompt: SegmentedPrompt, before_layer: Callable[[int], None] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """KV of the tokens documents are cached after (system + separator, or nothing)."""
-        offset = self._document_offset(prompt) or prompt.system.end
+        offset = self.keyer.document_offset(prompt) or prompt.system.end
         k, v = self.model.new_kv(offset)
         token_ids = torch.tensor(prompt.token_ids[:offset], device=self.model.device)
         self.model.forward(token_ids, k, v, start=0, before_layer=before_layer)
@@ -591,7 +585,7 @@ class ReferenceEngine:
         if segment is prompt.system:
             k, v = context_k[:, :, : segment.end], context_v[:, :, : segment.end]
             return self._segment_kv(key, k, v, start=0)
-        offset = self._document_offset(prompt)
+        offset = self.keyer.document_offset(prompt)
         k, v = self.model.new_kv(offset + segment.num_tokens)
         k[:, :, :offset], v[:, :, :offset] = context_k[:, :, :offset], context_v[:, :, :offset]
         token_ids = torch.tensor(segment.token_ids, device=self.model.device)

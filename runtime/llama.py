@@ -8,6 +8,7 @@ share the same layer code.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -125,15 +126,21 @@ class Llama:
         """RoPE (and the cache writes) of the packed projection: one fused kernel on CUDA
         (seven launches in torch; at a few thousand tokens the GPU waits for the host)."""
         c = self.config
-        rotate = rope_qkv.triton_rope_qkv if self._fuses_rope(x) else rope_qkv.reference_rope_qkv
+        rotate = self._rope_impl
         return rotate(x, rope.cos, rope.sin, c.num_heads, c.num_kv_heads, k_out, v_out, slots)
 
-    def _fuses_rope(self, x: torch.Tensor) -> bool:
-        return (
-            x.device.type == "cuda"
+    @functools.cached_property
+    def _rope_impl(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The fused kernel on CUDA when Triton takes the model's dtype and head size, else
+        the torch reference: decided once per model, not once per layer call."""
+        probe = torch.empty(0, 1, device="meta", dtype=self.dtype)
+        if (
+            self.device.type == "cuda"
             and has_triton()
-            and rope_qkv.is_triton_supported(x, self.config.head_dim)
-        )
+            and rope_qkv.is_triton_supported(probe, self.config.head_dim)
+        ):
+            return rope_qkv.triton_rope_qkv
+        return rope_qkv.reference_rope_qkv
 
     def attend_and_mlp(
         self,

@@ -72,21 +72,17 @@ class ReusePlanner:
         """The plan of a request whose lookup missed its deadline: a full miss. Every
         cacheable segment is named missing; the worker's store skips those the tier holds
         (`BlendWorker.store`)."""
-        try:
-            prompt = self.splitter.split(token_ids)
-        except ValueError:
+        if (split := self._split(token_ids)) is None:
             return None
-        keys = tuple(self.keyer.keys(prompt))
+        prompt, keys = split
         lookup = plan_reuse(prompt, [False] * len(keys), self.policy)
         missing = tuple(i for i, key in enumerate(keys) if key is not None)
         return ReusePlan(prompt, lookup, keys, 0, missing, is_lookup_late=True)
 
     def plan(self, token_ids: Sequence[int]) -> ReusePlan | None:
-        try:
-            prompt = self.splitter.split(token_ids)
-        except ValueError:
-            return None  # not a segmented RAG prompt: vLLM computes it as usual
-        keys = tuple(self.keyer.keys(prompt))
+        if (split := self._split(token_ids)) is None:
+            return None
+        prompt, keys = split
         flags, is_failed = self._hit_flags(keys)
         lookup = plan_reuse(prompt, flags, self.policy)
         missing = tuple(i for i, key in enumerate(keys) if key is not None and not flags[i])
@@ -94,6 +90,17 @@ class ReusePlanner:
         if lookup.mode is not LookupMode.FULL_MISS:
             num_covered = covered_tokens(lookup.tail_start, prompt.num_tokens)
         return ReusePlan(prompt, lookup, keys, num_covered, missing, is_failed)
+
+    def _split(
+        self, token_ids: Sequence[int]
+    ) -> tuple[SegmentedPrompt, tuple[str | None, ...]] | None:
+        """The prompt's segments and their keys; None: not a segmented RAG prompt (vLLM
+        computes it as usual)."""
+        try:
+            prompt = self.splitter.split(token_ids)
+        except ValueError:
+            return None
+        return prompt, tuple(self.keyer.keys(prompt))
 
     def _hit_flags(self, keys: Sequence[str | None]) -> tuple[list[bool], bool]:
         try:
