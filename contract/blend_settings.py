@@ -16,7 +16,12 @@ config from the result. Contract:
    hash) and a running reader ignores it until restarted.
 
 Names that differed between the two sides before this contract, and what they are now:
-- `selection`: `kDeviation` | `random` on both sides (the runtime's strategy names).
+- `selection`: one strategy name (`kDeviation`, `vDeviation`, `kvDeviation`, `sinks`,
+  `query`, `random`: the runtime's names) or a mix giving each a share of the recompute
+  budget, `"sinks:0.25+kDeviation"` (`parse_selection`; a name without a share takes what
+  the others leave).
+- `filterLayers`: later layers at which the recompute set is narrowed (gradual filtering);
+  empty: one check layer, as CacheBlend.
 - `checkLayer`: one layer (the blender selects at a single layer, as CacheBlend does). At
   least 1: K at layer 0 depends only on the token and its position, so a deviation there
   says nothing about context.
@@ -27,11 +32,20 @@ Names that differed between the two sides before this contract, and what they ar
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 
 FORMAT_VERSION = 1
@@ -52,6 +66,9 @@ DEFAULT_MIN_SEGMENT_TOKENS = 8
 RETIRED_KEYS = ("chunkSize",)
 DEFAULT_LOCAL_CPU_BYTES = 4 << 30
 DEFAULT_SHADOW_SAMPLE_RATE = 0.02
+# Most of the prefill tokens the shadow quality proxies may spend, as a share of the
+# prefill tokens of user requests (0: no shadow; the inline proxy still scores).
+DEFAULT_SHADOW_BUDGET = 0.05
 
 
 class BlendMode(StrEnum):
@@ -66,8 +83,80 @@ class SegmentContext(StrEnum):
 
 
 class Selection(StrEnum):
+    """The selection strategies' names (see the runtime's selection.py)."""
+
     K_DEVIATION = "kDeviation"
+    V_DEVIATION = "vDeviation"
+    KV_DEVIATION = "kvDeviation"
+    SINKS = "sinks"
+    QUERY = "query"
     RANDOM = "random"
+
+
+DEFAULT_SELECTION = Selection.K_DEVIATION.value
+# Most strategies one mix may name.
+MAX_MIX_STRATEGIES = 6
+
+
+def parse_selection(text: str) -> tuple[tuple[str, float], ...]:
+    """`"sinks:0.25+kDeviation"` -> `(("sinks", 0.25), ("kDeviation", 0.75))`.
+
+    Each part is a strategy name with an optional share of the recompute budget in (0, 1];
+    at most one part may leave its share out and takes what the others leave; given shares
+    must not exceed 1 (all given: they must sum to 1). A name appears once. ValueError,
+    saying what to write, otherwise."""
+    names = [s.value for s in Selection]
+    parts = [part.strip() for part in text.split("+")]
+    if not text.strip() or any(not part for part in parts):
+        raise ValueError(
+            f"expected a strategy name or a mix like 'sinks:0.25+kDeviation', got {text!r}"
+        )
+    if len(parts) > MAX_MIX_STRATEGIES:
+        raise ValueError(f"at most {MAX_MIX_STRATEGIES} strategies in a mix, got {len(parts)}")
+    mix: list[tuple[str, float | None]] = []
+    for part in parts:
+        name, has_share, share_text = part.partition(":")
+        name = name.strip()
+        if name not in names:
+            raise ValueError(f"unknown strategy {name!r} in {text!r}; expected one of {names}")
+        if any(name == seen for seen, _ in mix):
+            raise ValueError(f"strategy {name!r} appears twice in {text!r}")
+        share = None
+        if has_share:
+            try:
+                share = float(share_text)
+            except ValueError:
+                raise ValueError(
+                    f"share of {name!r}: expected a number, got {share_text!r}"
+                ) from None
+            if not 0 < share <= 1:
+                raise ValueError(f"share of {name!r}: must be in (0, 1], got {share}")
+        mix.append((name, share))
+    open_parts = [name for name, share in mix if share is None]
+    given = sum(share for _, share in mix if share is not None)
+    if len(open_parts) > 1:
+        raise ValueError(f"only one strategy may leave out its share, got {open_parts} in {text!r}")
+    if given > 1 + 1e-9:
+        raise ValueError(f"shares sum to {given:g} in {text!r}; they must not exceed 1")
+    if not open_parts and abs(given - 1) > 1e-6:
+        raise ValueError(
+            f"shares sum to {given:g} in {text!r}; make them sum to 1 or leave one out"
+        )
+    rest = max(0.0, 1 - given)
+    return tuple((name, rest if share is None else share) for name, share in mix)
+
+
+def check_filter_layers(check_layer: int, layers: Sequence[int]) -> tuple[int, ...]:
+    """Filter layers strictly increasing and above the check layer; ValueError otherwise."""
+    previous = check_layer
+    for layer in layers:
+        if layer <= previous:
+            raise ValueError(
+                f"must be strictly increasing and above checkLayer {check_layer}, "
+                f"got {list(layers)}"
+            )
+        previous = layer
+    return tuple(layers)
 
 
 class StorePolicy(StrEnum):
@@ -122,13 +211,32 @@ class BlendSettings(_Settings):
     separator: str = Field(default=DEFAULT_SEPARATOR, min_length=1)
     check_layer: int = Field(default=DEFAULT_CHECK_LAYER, ge=1)
     recompute_ratio: float = Field(default=DEFAULT_RECOMPUTE_RATIO, ge=0, le=1)
-    selection: Selection = Selection.K_DEVIATION
+    selection: str = DEFAULT_SELECTION
+    filter_layers: tuple[int, ...] = ()
     min_segment_tokens: int = Field(default=DEFAULT_MIN_SEGMENT_TOKENS, ge=1)
     segment_context: SegmentContext = SegmentContext.AFTER_SYSTEM
     store_policy: StorePolicy = StorePolicy.IN_CONTEXT
     kv: KVSettings = Field(default_factory=KVSettings)
     lookup_server_url: str | None = None
     shadow_sample_rate: float = Field(default=DEFAULT_SHADOW_SAMPLE_RATE, ge=0, le=1)
+    # The quality proxies (shadow full prefill within `shadow_budget`, and the inline
+    # proxy): on unless the BlendDeployment turned them off.
+    quality_proxies: bool = True
+    shadow_budget: float = Field(default=DEFAULT_SHADOW_BUDGET, ge=0, le=1)
+    # The pod's own OpenAI-compatible API server (vLLM pods' shadow requests go through
+    # it), e.g. http://127.0.0.1:8000; None: not known (no shadow on vLLM pods).
+    engine_url: str | None = None
+
+    @field_validator("selection")
+    @classmethod
+    def _check_selection(cls, value: str) -> str:
+        parse_selection(value)
+        return value
+
+    @field_validator("filter_layers")
+    @classmethod
+    def _check_filter_layers(cls, value: tuple[int, ...], info: ValidationInfo) -> tuple[int, ...]:
+        return check_filter_layers(info.data.get("check_layer", DEFAULT_CHECK_LAYER), value)
 
     @model_validator(mode="before")
     @classmethod

@@ -13,8 +13,13 @@ from holeblend_contract import blend_settings as contract
 
 # Names of the built-in token selection strategies (see selection.py).
 K_DEVIATION = contract.Selection.K_DEVIATION.value
+V_DEVIATION = contract.Selection.V_DEVIATION.value
+KV_DEVIATION = contract.Selection.KV_DEVIATION.value
+SINKS = contract.Selection.SINKS.value
+QUERY = contract.Selection.QUERY.value
 RANDOM = contract.Selection.RANDOM.value
-SELECTION_NAMES = (K_DEVIATION, RANDOM)
+SELECTION_NAMES = tuple(s.value for s in contract.Selection)
+DEFAULT_SELECTION = contract.DEFAULT_SELECTION
 # Store policies: how a segment the request had to compute gets into the KV store
 # (see store_worker.py and docs/blending.md).
 IN_CONTEXT = contract.StorePolicy.IN_CONTEXT.value
@@ -35,8 +40,13 @@ class BlendConfig:
     check_layer: int = contract.DEFAULT_CHECK_LAYER
     # Share of the cached tokens recomputed in the layers after the check layer.
     ratio: float = contract.DEFAULT_RECOMPUTE_RATIO
-    # Token selection strategy name: "kDeviation" (top-k K deviation) or "random".
-    selection: str = K_DEVIATION
+    # Token selection: one strategy name or a mix with budget shares,
+    # "sinks:0.25+kDeviation" (see selection.py and the contract's `parse_selection`).
+    selection: str = DEFAULT_SELECTION
+    # Later layers at which the recompute set is narrowed (gradual filtering): the check
+    # layer picks (1 + len) times the budget, each filter layer keeps fewer by that layer's
+    # K deviation, the last keeps the budget. Empty: one check layer.
+    filter_layers: tuple[int, ...] = ()
     # Pick the top ratio share separately in each run of cached tokens between holes.
     per_section: bool = False
     separator: str = DEFAULT_SEPARATOR
@@ -59,10 +69,14 @@ class BlendConfig:
                 "only on the token and its position, so its deviation means nothing)"
             )
         check_ratio(self.ratio)
-        if self.selection not in SELECTION_NAMES:
-            raise ValueError(
-                f"selection: expected one of {SELECTION_NAMES}, got {self.selection!r}"
-            )
+        try:
+            contract.parse_selection(self.selection)
+        except ValueError as error:
+            raise ValueError(f"selection: {error}") from None
+        try:
+            contract.check_filter_layers(self.check_layer, self.filter_layers)
+        except ValueError as error:
+            raise ValueError(f"filter_layers: {error}") from None
         if self.store_policy not in STORE_POLICIES:
             raise ValueError(
                 f"store_policy: expected one of {STORE_POLICIES}, got {self.store_policy!r}"
@@ -78,7 +92,8 @@ def from_settings(settings: contract.BlendSettings) -> BlendConfig:
     return BlendConfig(
         check_layer=settings.check_layer,
         ratio=settings.recompute_ratio,
-        selection=settings.selection.value,
+        selection=settings.selection,
+        filter_layers=tuple(settings.filter_layers),
         separator=settings.separator,
         min_segment_tokens=settings.min_segment_tokens,
         cache_after_system=settings.segment_context is contract.SegmentContext.AFTER_SYSTEM,

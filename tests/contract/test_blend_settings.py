@@ -87,7 +87,9 @@ def test_newer_format_version_is_refused_with_the_fix():
         ({"checkLayers": [1]}, "checkLayers: unknown key"),
         ({"checkLayer": 0}, "checkLayer: Input should be greater than or equal to 1"),
         ({"recomputeRatio": "high"}, "recomputeRatio: Input should be a valid number"),
-        ({"selection": "k-deviation"}, "selection: Input should be 'kDeviation' or 'random'"),
+        ({"selection": "k-deviation"}, "selection: unknown strategy 'k-deviation'"),
+        ({"selection": "sinks:0.5+query:0.6"}, "selection: shares sum to 1.1"),
+        ({"filterLayers": [1]}, "filterLayers: must be strictly increasing and above checkLayer 1"),
     ],
 )
 def test_bad_keys_and_values_name_the_key(extra, message):
