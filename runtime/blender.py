@@ -25,6 +25,7 @@ recompute set stay on the model's device, and no layer reads a device value on t
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,7 +37,14 @@ from holeblend_runtime.devices import to_device
 from holeblend_runtime.kv_store import SegmentKV
 from holeblend_runtime.llama import Llama
 from holeblend_runtime.rope import RopeTable, apply_rope, rope_table
-from holeblend_runtime.selection import SelectionStrategy, make_strategy, num_to_select
+from holeblend_runtime.selection import (
+    NEEDS_QUERY,
+    NEEDS_V,
+    CheckScores,
+    SelectionStrategy,
+    make_strategy,
+    num_to_select,
+)
 
 # On accelerators the recompute set is rounded up to a multiple of this many tokens by
 # picking the next cached tokens in the strategy's order: the sparse layers' matrix
@@ -104,6 +112,7 @@ class Blender:
         strategy: SelectionStrategy | None = None,
         prefix: PrefixKV | None = None,
         needs_logits: bool = True,
+        query: tuple[int, int] | None = None,
     ) -> BlendResult:
         """Prefill `token_ids` reusing `spans` (and an exact `prefix`, whose tokens are
         never computed); `hole_ranges` bound per-section selection.
@@ -111,16 +120,28 @@ class Blender:
         `needs_logits` False (the caller computes the next token itself, as vLLM does
         after the connector's range): the last token is not forced into the recompute
         set, so the cached tokens and the picks are those of the same prompt blended
-        with its tail; `BlendResult.logits` is then None."""
+        with its tail; `BlendResult.logits` is then None. `query`: the range of computed
+        positions holding the question, whose attention the `query` strategy scores by
+        (None or empty: that strategy falls back to K deviation)."""
         check_ratio(ratio)
+        selector = strategy or make_strategy(self.config)
         is_cached, stored_at = self._slots(spans, token_ids.shape[0])
-        layout = self._layout(is_cached, spans, prefix, ratio, tuple(hole_ranges), needs_logits)
+        layout = self._layout(
+            is_cached, spans, prefix, ratio, tuple(hole_ranges), needs_logits, selector, query
+        )
         cache = self._cache(layout, spans, stored_at, prefix)
         h = self._full_layers(token_ids.to(self.model.device)[cache.on_device.active], cache)
-        check = self._check_layer(h, cache, strategy)
+        check = self._check_layer(h, cache, selector)
         h = check.hidden
-        rope = RopeTable(cache.rope.cos[check.recomputed], cache.rope.sin[check.recomputed])
+        rope = cache.rope_at(check.recomputed)
+        filters = iter(enumerate(self.config.filter_layers))
+        next_filter = next(filters, None)
         for layer in range(self.config.check_layer + 1, self.model.num_layers):
+            if next_filter is not None and next_filter[1] == layer:
+                check = self._filter_layer(layer, h, rope, cache, check, selector, next_filter[0])
+                h, rope = check.hidden, cache.rope_at(check.recomputed)
+                next_filter = next(filters, None)
+                continue
             h = self._sparse_layer(layer, h, rope, cache, check)
         logits = self.model.logits(h[-1:])[0] if needs_logits else None
         return BlendResult(
@@ -157,6 +178,14 @@ class Blender:
             stored_at[span.start : span.end] = span.kv.positions.cpu()
         return is_cached, stored_at
 
+    @staticmethod
+    def _segment_offsets(spans: Sequence[CachedSpan], num_tokens: int) -> torch.Tensor:
+        """Host int64 over the prompt: each slot's offset from its span's start."""
+        offset = torch.zeros(num_tokens, dtype=torch.int64)
+        for span in spans:
+            offset[span.start : span.end] = torch.arange(span.end - span.start)
+        return offset
+
     def _start_load(
         self,
         k_cache: torch.Tensor,
@@ -192,7 +221,9 @@ class Blender:
         prefix: PrefixKV | None,
         ratio: float,
         hole_ranges: tuple[tuple[int, int], ...],
-        needs_logits: bool = True,
+        needs_logits: bool,
+        selector: SelectionStrategy,
+        query: tuple[int, int] | None,
     ) -> _Layout:
         num_tokens = is_cached.shape[0]
         start = 0 if prefix is None else prefix.num_tokens
@@ -211,9 +242,18 @@ class Blender:
         picks = tuple(num_to_select(members.shape[0], ratio) for members in sections)
         num_uncached = int(active.shape[0]) - int(is_cached[active].sum())
         picks = _round_up_picks(picks, sections, num_uncached, self._bucket())
-        return _Layout(
-            num_tokens, start, active, is_cached[active], cached, sections, picks, needs_logits
+        stages = _Stages.plan(
+            selector, picks, sections, num_uncached, len(self.config.filter_layers), self._bucket()
         )
+        query_rows = torch.empty(0, dtype=torch.int64)
+        if query is not None and NEEDS_QUERY in selector.needs:
+            is_query = (active >= query[0]) & (active < query[1]) & ~is_cached[active]
+            query_rows = is_query.nonzero().squeeze(1)
+        offsets = self._segment_offsets(spans, num_tokens)[cached]
+        return _Layout(
+            num_tokens, start, active, is_cached[active], cached, sections, picks,
+            needs_logits, stages, query_rows, offsets,
+        )  # fmt: skip
 
     def _bucket(self) -> int:
         """Recompute-set sizes are rounded up to a multiple of this (more tokens picked)."""
@@ -254,28 +294,124 @@ class Blender:
         return h
 
     def _check_layer(
-        self, h: torch.Tensor, cache: _BlendCache, strategy: SelectionStrategy | None
+        self, h: torch.Tensor, cache: _BlendCache, selector: SelectionStrategy
     ) -> _CheckOutcome:
         """Fresh QKV for every computed token; choose the recompute set; attention for it."""
         layer, on_device = self.config.check_layer, cache.on_device
         q, k, v = self.model.qkv(layer, h, cache.rope_at(on_device.active))
         cache.load.wait(layer)
-        fresh = k[:, on_device.cached_rows]
-        stored = cache.k[layer].index_select(1, on_device.cached)
-        deviation = (fresh - stored).pow(2).sum((0, 2))
-        selected = self._select(deviation, cache, strategy)
-        recomputed = torch.cat([selected, on_device.uncached]).sort().values
+        deviation = _deviation(k[:, on_device.cached_rows], cache.k[layer], on_device.cached)
+        v_deviation = None
+        if NEEDS_V in selector.needs:
+            v_deviation = _deviation(v[:, on_device.cached_rows], cache.v[layer], on_device.cached)
         # The check layer's K/V stay fresh for every computed token: computing them was
         # the price of the deviation, and they are exact.
         cache.k[layer].index_copy_(1, on_device.active, k)
         cache.v[layer].index_copy_(1, on_device.active, v)
-        plan = self._plan(recomputed, cache, h.dtype)
+        attention = None
+        if on_device.query_rows.shape[0] > 0:
+            attention = self._query_attention(q, cache, layer)[on_device.cached]
+        scores = CheckScores(deviation, v_deviation, attention, on_device.offsets)
+        pinned, narrowing = self._select(scores, cache, selector)
+        outcome = self._outcome(h.dtype, cache, pinned, narrowing)
         # Rows of h (indexes into the active positions) of the recompute set.
-        rows = torch.searchsorted(on_device.active, recomputed)
+        rows = torch.searchsorted(on_device.active, outcome.recomputed)
         hidden = self.model.attend_and_mlp(
-            layer, h[rows], q[:, rows], cache.k[layer], cache.v[layer], plan
+            layer, h[rows], q[:, rows], cache.k[layer], cache.v[layer], outcome.plan
         )
-        return _CheckOutcome(hidden, recomputed, selected, deviation, plan)
+        return dataclasses.replace(outcome, hidden=hidden, deviation=deviation)
+
+    def _query_attention(self, q: torch.Tensor, cache: _BlendCache, layer: int) -> torch.Tensor:
+        """[num_tokens]: softmax attention the question's tokens pay every position at
+        this layer (summed over heads and question tokens; causal)."""
+        on_device = cache.on_device
+        query = q[:, on_device.query_rows]
+        heads, num_queries, head_dim = query.shape
+        keys = cache.k[layer]
+        kv_heads, num_slots = keys.shape[0], keys.shape[1]
+        group = heads // kv_heads
+        # Heads sharing a K/V head are adjacent (GQA): one product per K/V head.
+        grouped = query.reshape(kv_heads, group * num_queries, head_dim)
+        logits = (grouped @ keys.transpose(1, 2)).float() * head_dim**-0.5
+        positions = on_device.active[on_device.query_rows].repeat(group)
+        slots = torch.arange(num_slots, device=keys.device)
+        logits.masked_fill_(slots[None, None, :] > positions[None, :, None], float("-inf"))
+        return logits.softmax(-1).sum((0, 1))
+
+    def _select(
+        self, scores: CheckScores, cache: _BlendCache, selector: SelectionStrategy
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """Positions the selector chose: the pinned ones (kept by filter layers) and, per
+        section, those filter layers may narrow."""
+        cached = cache.on_device.cached
+        is_narrowing = selector.narrowing()
+        pinned, narrowing = [cached[:0]], []
+        for members, counts in zip(
+            cache.on_device.sections, cache.layout.stages.counts, strict=True
+        ):
+            section = CheckScores(*(None if t is None else t[members] for t in (
+                scores.k_deviation, scores.v_deviation, scores.attention, scores.segment_offset
+            )))  # fmt: skip
+            picks = selector.select(section, counts)
+            positions = [cached[members[p]] for p in picks]
+            pinned += [p for p, n in zip(positions, is_narrowing, strict=True) if not n]
+            narrowing.append(torch.cat([cached[:0]] + [
+                p for p, n in zip(positions, is_narrowing, strict=True) if n
+            ]))  # fmt: skip
+        return torch.cat(pinned), tuple(narrowing)
+
+    def _outcome(
+        self,
+        dtype: torch.dtype,
+        cache: _BlendCache,
+        pinned: torch.Tensor,
+        narrowing: tuple[torch.Tensor, ...],
+        hidden: torch.Tensor | None = None,
+    ) -> _CheckOutcome:
+        selected = torch.cat([pinned, *narrowing]).sort().values
+        recomputed = torch.cat([selected, cache.on_device.uncached]).sort().values
+        plan = self._plan(recomputed, cache, dtype)
+        empty = selected[:0].float()
+        return _CheckOutcome(hidden, recomputed, selected, empty, plan, pinned, narrowing)
+
+    def _filter_layer(
+        self,
+        layer: int,
+        h: torch.Tensor,
+        rope: RopeTable,
+        cache: _BlendCache,
+        check: _CheckOutcome,
+        selector: SelectionStrategy,
+        stage: int,
+    ) -> _CheckOutcome:
+        """Gradual filtering: fresh QKV for the current recompute set; each section keeps
+        the narrowing picks whose K (V) deviates most at this layer; attention and MLP
+        for what is kept. The dropped tokens' fresh K/V of this layer stay in the cache."""
+        cache.load.wait(layer)
+        q, k, v = self.model.qkv(layer, h, rope)
+        kept = []
+        for group, target in zip(
+            check.narrowing, cache.layout.stages.narrow_to[stage], strict=True
+        ):
+            if target >= group.shape[0]:
+                kept.append(group)
+                continue
+            rows = torch.searchsorted(check.recomputed, group)
+            v_deviation = None
+            if NEEDS_V in selector.needs:
+                v_deviation = _deviation(v[:, rows], cache.v[layer], group)
+            scores = CheckScores(_deviation(k[:, rows], cache.k[layer], group), v_deviation)
+            kept.append(
+                group[torch.topk(selector.narrow_score(scores), target, sorted=False).indices]
+            )
+        cache.k[layer].index_copy_(1, check.recomputed, k)
+        cache.v[layer].index_copy_(1, check.recomputed, v)
+        outcome = self._outcome(h.dtype, cache, check.pinned, tuple(kept))
+        rows = torch.searchsorted(check.recomputed, outcome.recomputed)
+        hidden = self.model.attend_and_mlp(
+            layer, h[rows], q[:, rows], cache.k[layer], cache.v[layer], outcome.plan
+        )
+        return dataclasses.replace(outcome, hidden=hidden, deviation=check.deviation)
 
     def _plan(self, positions: torch.Tensor, cache: _BlendCache, dtype: torch.dtype):
         # With logits the last prompt token is always computed: the plan's last position.
@@ -283,20 +419,6 @@ class Blender:
             positions, cache.layout.num_tokens, dtype, head_dim=self.model.config.head_dim,
             ends_at_last_key=cache.layout.needs_logits,
         )  # fmt: skip
-
-    def _select(
-        self, deviation: torch.Tensor, cache: _BlendCache, strategy: SelectionStrategy | None
-    ) -> torch.Tensor:
-        """Sorted positions of the chosen cached tokens (per section if configured)."""
-        strategy = strategy or make_strategy(self.config)
-        cached = cache.on_device.cached
-        picks = [
-            cached[members[strategy.select(deviation[members], k)]]
-            for members, k in zip(cache.on_device.sections, cache.layout.picks, strict=True)
-        ]
-        if not picks:
-            return cached[:0]
-        return torch.cat(picks).sort().values
 
     def _sections(
         self, cached_positions: torch.Tensor, hole_ranges: tuple[tuple[int, int], ...]
@@ -325,13 +447,99 @@ def _round_up_picks(
 ) -> tuple[int, ...]:
     """Picks raised (section by section, within each section's cached tokens) until the
     recompute set is a multiple of `bucket`, or every cached token is picked."""
-    missing = -(sum(picks) + num_uncached) % bucket
+    capacities = tuple(members.shape[0] for members in sections)
+    return _round_up(picks, capacities, num_uncached, bucket)
+
+
+def _round_up(
+    counts: tuple[int, ...], capacities: tuple[int, ...], fixed: int, bucket: int
+) -> tuple[int, ...]:
+    """`counts` raised one by one within `capacities` until `fixed + sum` is a multiple
+    of `bucket` (or every count is at its capacity)."""
+    missing = -(sum(counts) + fixed) % bucket
     raised = []
-    for k, members in zip(picks, sections, strict=True):
-        extra = min(missing, members.shape[0] - k)
-        raised.append(k + extra)
+    for count, capacity in zip(counts, capacities, strict=True):
+        extra = min(missing, capacity - count)
+        raised.append(count + extra)
         missing -= extra
     return tuple(raised)
+
+
+def _deviation(fresh: torch.Tensor, stored: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Squared distance of `fresh` [heads, n, d] and `stored` [heads, slots, d] at
+    `positions`, summed over heads and dimensions: [n]."""
+    return (fresh - stored.index_select(1, positions)).pow(2).sum((0, 2))
+
+
+@dataclass(frozen=True)
+class _Stages:
+    """How many tokens each selection part picks per section at the check layer, and how
+    many narrowing picks each filter layer keeps per section (host numbers)."""
+
+    # Per section: the selector's count per part (narrowing parts widened).
+    counts: tuple[tuple[int, ...], ...]
+    # Per filter layer, per section: narrowing picks kept.
+    narrow_to: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def plan(
+        cls,
+        selector: SelectionStrategy,
+        picks: tuple[int, ...],
+        sections: tuple[torch.Tensor, ...],
+        num_uncached: int,
+        num_filters: int,
+        bucket: int,
+    ) -> _Stages:
+        sizes = tuple(members.shape[0] for members in sections)
+        counts = tuple(
+            selector.split(k, size, 1 + num_filters) for k, size in zip(picks, sizes, strict=True)
+        )
+        if num_filters == 0:
+            return cls(counts, ())
+        narrows = selector.narrowing()
+
+        def narrowing_sum(parts: tuple[int, ...]) -> int:
+            return sum(c for c, n in zip(parts, narrows, strict=True) if n)
+
+        base = tuple(
+            narrowing_sum(selector.split(k, size)) for k, size in zip(picks, sizes, strict=True)
+        )
+        fixed = num_uncached + sum(sum(parts) - narrowing_sum(parts) for parts in counts)
+        # The widened check-layer set, on accelerators rounded up like the final one.
+        widened = _round_up(
+            tuple(narrowing_sum(parts) for parts in counts),
+            tuple(
+                size - sum(parts) + narrowing_sum(parts)
+                for parts, size in zip(counts, sizes, strict=True)
+            ),
+            fixed,
+            bucket,
+        )
+        counts = tuple(
+            _widen_last_narrowing(parts, narrows, w - narrowing_sum(parts))
+            for parts, w in zip(counts, widened, strict=True)
+        )
+        narrow_to = tuple(
+            _round_up(
+                tuple(min(w, b * (num_filters - j)) for w, b in zip(widened, base, strict=True)),
+                widened,
+                fixed,
+                bucket,
+            )
+            for j in range(num_filters)
+        )
+        return cls(counts, narrow_to)
+
+
+def _widen_last_narrowing(
+    parts: tuple[int, ...], narrows: tuple[bool, ...], extra: int
+) -> tuple[int, ...]:
+    """`parts` with `extra` added to the last narrowing part."""
+    if extra == 0:
+        return parts
+    last = max(i for i, n in enumerate(narrows) if n)
+    return tuple(c + extra if i == last else c for i, c in enumerate(parts))
 
 
 class SpanLoad:
@@ -428,7 +636,13 @@ class _Layout:
     sections: tuple[torch.Tensor, ...]
     picks: tuple[int, ...]
     # The last token is computed for its logits (else it may stay cached).
-    needs_logits: bool = True
+    needs_logits: bool
+    # What each selection part picks, per section and filter layer.
+    stages: _Stages
+    # Rows of the active positions holding the question (the `query` strategy's).
+    query_rows: torch.Tensor
+    # Per cached position: its offset from the start of its reused segment.
+    offsets: torch.Tensor
 
 
 @dataclass(frozen=True, eq=False)
@@ -441,6 +655,8 @@ class _OnDevice:
     cached_rows: torch.Tensor
     uncached: torch.Tensor
     sections: tuple[torch.Tensor, ...]
+    query_rows: torch.Tensor
+    offsets: torch.Tensor
 
 
 def _to_device(layout: _Layout, device: torch.device) -> _OnDevice:
@@ -451,7 +667,8 @@ def _to_device(layout: _Layout, device: torch.device) -> _OnDevice:
     uncached = layout.active[~layout.is_active_cached]
     return _OnDevice(
         move(layout.active), move(layout.cached), move(cached_rows), move(uncached),
-        tuple(move(members) for members in layout.sections),
+        tuple(move(members) for members in layout.sections), move(layout.query_rows),
+        move(layout.offsets),
     )  # fmt: skip
 
 
@@ -473,11 +690,15 @@ class _BlendCache:
 
 @dataclass(frozen=True, eq=False)
 class _CheckOutcome:
-    """What the check layer decided, shared by every later layer."""
+    """What the check layer (or the last filter layer) decided, shared by later layers."""
 
-    hidden: torch.Tensor
+    hidden: torch.Tensor | None
     recomputed: torch.Tensor
     selected: torch.Tensor
+    # Check-layer K deviation of every cached token, in position order.
     deviation: torch.Tensor
     # Attention of the recompute set.
     plan: AttentionPlan
+    # Picks filter layers keep, and per section those they may narrow.
+    pinned: torch.Tensor
+    narrowing: tuple[torch.Tensor, ...]

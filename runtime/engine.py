@@ -349,8 +349,9 @@ class ReferenceEngine:
         if spans:
             holes = [(s, min(e, end)) for s, e in lookup.hole_ranges if s < end]
             result = self.blender.blend(
-                token_ids, spans, ratio, holes, self.strategy, prefix, needs_logits
-            )
+                token_ids, spans, ratio, holes, self.strategy, prefix, needs_logits,
+                query=question_range(prompt, end),
+            )  # fmt: skip
             return Blended(
                 result.logits, result.k, result.v, result.deviation, result.recomputed,
                 result.selected, start - num_fresh_in_prefix,
@@ -770,3 +771,12 @@ def _span_within(segment: Segment, entry: SegmentKV | None, end: int) -> CachedS
 
 def _load(k: torch.Tensor, v: torch.Tensor, entry: SegmentKV, segment: Segment) -> None:
     copy_span(k, v, CachedSpan(segment.start, segment.end, entry))
+
+
+def question_range(prompt: SegmentedPrompt, end: int) -> tuple[int, int]:
+    """The question's positions a blend of `[0, end)` computes, the last prompt token
+    left out: the same range whether the blend covers the whole prompt (holeblend-serve)
+    or all but its last token (the vLLM connector, when the selection reads the
+    question), so the `query` strategy scores by the same attention on both."""
+    question = prompt.question
+    return question.start, min(end, prompt.num_tokens - 1, question.end)

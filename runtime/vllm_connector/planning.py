@@ -6,7 +6,9 @@
    so serving never fails because of it. `AsyncReusePlanner` runs this off vLLM's
    scheduler thread with a deadline (a late index plans a full miss).
 4. `plan_reuse` turns the hit flags into hit and hole ranges; the connector offers the
-   covered range `[0, tail_start)`, less the last prompt token (vLLM must compute one).
+   covered range `[0, tail_start)`, less the last prompt token (vLLM must compute one);
+   with a selection that reads the question (`query`), the whole prompt less its last
+   token, so the blend sees the question as holeblend-serve's does.
 The plan also names the cacheable segments that were missing, which the worker stores.
 """
 
@@ -22,6 +24,8 @@ from typing import Protocol
 from holeblend_runtime.keys import SegmentKeyer
 from holeblend_runtime.lookup import LookupMode, LookupResult, ReusePolicy, plan_reuse
 from holeblend_runtime.segments import SegmentedPrompt, SegmentSplitter
+from holeblend_runtime.selection import NEEDS_QUERY
+from holeblend_runtime.selection import needs as selection_needs
 from holeblend_runtime.vllm_connector.accounting import covered_tokens
 
 log = logging.getLogger(__name__)
@@ -67,6 +71,9 @@ class ReusePlanner:
         self.keyer = keyer
         self.index = index
         self.policy = policy
+        # A selection that reads the question's attention needs the question inside the
+        # blend: the covered range then runs to the last prompt token.
+        self._covers_question = NEEDS_QUERY in selection_needs(keyer.blend)
 
     def plan_late(self, token_ids: Sequence[int]) -> ReusePlan | None:
         """The plan of a request whose lookup missed its deadline: a full miss. Every
@@ -88,7 +95,8 @@ class ReusePlanner:
         missing = tuple(i for i, key in enumerate(keys) if key is not None and not flags[i])
         num_covered = 0
         if lookup.mode is not LookupMode.FULL_MISS:
-            num_covered = covered_tokens(lookup.tail_start, prompt.num_tokens)
+            tail_start = prompt.num_tokens if self._covers_question else lookup.tail_start
+            num_covered = covered_tokens(tail_start, prompt.num_tokens)
         return ReusePlan(prompt, lookup, keys, num_covered, missing, is_failed)
 
     def _split(

@@ -47,9 +47,23 @@ def _load(engine, prompt, ratio, policy=ReusePolicy.HOLE, start=0):
     return plan, worker, request, caches
 
 
-@pytest.mark.parametrize("ratio", [0.0, 0.15, 0.5])
-def test_the_same_ratio_recomputes_the_same_tokens_on_both_engines(cached_engine, rag_texts, ratio):
-    engine, prompt = cached_engine(rag_texts, hole=HOLE)
+@pytest.mark.parametrize(
+    ("ratio", "selection", "filter_layers"),
+    [
+        (0.0, "kDeviation", ()),
+        (0.15, "kDeviation", ()),
+        (0.5, "kDeviation", ()),
+        (0.15, "query", ()),
+        (0.2, "query:0.3+sinks:0.2+kDeviation", ()),
+        (0.2, "kvDeviation", (4,)),
+    ],
+)
+def test_the_same_ratio_recomputes_the_same_tokens_on_both_engines(
+    cached_engine, rag_texts, ratio, selection, filter_layers
+):
+    engine, prompt = cached_engine(
+        rag_texts, hole=HOLE, selection=selection, filter_layers=filter_layers
+    )
     plan, worker, request, _ = _load(engine, prompt, ratio)
     lookup, entries, num_unusable = worker._fetch(request)
     covered = engine.blend_reused(prompt, lookup, entries, ratio, plan.num_covered_tokens)

@@ -38,14 +38,19 @@ def _host_kv(start: int, end: int, stored_at: int) -> SegmentKV:
     return SegmentKV("k", torch.randn(shape), torch.randn(shape), positions, "tiny")
 
 
-def _meta_blend(blend_config: BlendConfig, ratio: float, model: Llama | None = None):
+def _meta_blend(
+    blend_config: BlendConfig,
+    ratio: float,
+    model: Llama | None = None,
+    query: tuple[int, int] | None = None,
+):
     model = model or Llama(CONFIG, random_weights(CONFIG), device="meta")
     blender = Blender(model, blend_config)
     spans = [CachedSpan(start, end, _host_kv(start, end, at)) for start, end, at in SPANS]
     k, v = model.new_kv(NUM_TOKENS)
     prefix = PrefixKV(k, v, PREFIX_END, FRESH_IN_PREFIX)
     token_ids = torch.randint(0, CONFIG.vocab_size, (NUM_TOKENS,)).to("meta")
-    return blender.blend(token_ids, spans, ratio, HOLES, prefix=prefix)
+    return blender.blend(token_ids, spans, ratio, HOLES, prefix=prefix, query=query)
 
 
 def _num_cached() -> int:
@@ -68,6 +73,18 @@ def test_per_section_random_selection_runs_on_the_meta_device():
     config = BlendConfig(check_layer=2, per_section=True, selection=RANDOM, seed=3)
     result = _meta_blend(config, 0.3)
     sections = [30, 30, 15]
+    assert result.selected.shape == (sum(num_to_select(n, 0.3) for n in sections),)
+
+
+@pytest.mark.parametrize("per_section", [False, True])
+def test_mixed_selection_with_filter_layers_runs_on_the_meta_device(per_section):
+    """The question's attention, V deviation, sinks and two filter layers: no host read."""
+    config = BlendConfig(
+        check_layer=1, selection="query:0.3+sinks:0.2+kvDeviation", filter_layers=(2, 3),
+        per_section=per_section,
+    )  # fmt: skip
+    result = _meta_blend(config, 0.3, query=(110, NUM_TOKENS - 1))
+    sections = [30, 30, 15] if per_section else [75]
     assert result.selected.shape == (sum(num_to_select(n, 0.3) for n in sections),)
 
 

@@ -31,8 +31,8 @@ class MemoryIndex:
         return [key in self.keys for key in keys]
 
 
-def planner(index) -> ReusePlanner:
-    keyer = SegmentKeyer("model", "float32", BlendConfig(min_segment_tokens=2))
+def planner(index, selection: str = "kDeviation") -> ReusePlanner:
+    keyer = SegmentKeyer("model", "float32", BlendConfig(min_segment_tokens=2, selection=selection))
     return ReusePlanner([SEP], keyer, index)
 
 
@@ -57,6 +57,16 @@ def test_a_full_hit_leaves_the_question_to_vllm():
     plan = planner(MemoryIndex(cached_keys(everything, [0, 1, 2, 3]))).plan(PROMPT)
     assert plan.lookup.mode is LookupMode.PURE_HIT
     assert plan.num_covered_tokens < len(PROMPT)
+
+
+def test_a_selection_that_reads_the_question_covers_it_but_not_the_last_token():
+    everything = planner(MemoryIndex()).plan(PROMPT)
+    cached = cached_keys(everything, [0, 1, 3])
+    plan = planner(MemoryIndex(cached), "query:0.5+kDeviation").plan(PROMPT)
+    assert plan.lookup.hole_ranges == ((8, 11),)
+    assert plan.num_covered_tokens == len(PROMPT) - 1
+    missed = planner(MemoryIndex(), "query").plan(PROMPT)
+    assert missed.num_covered_tokens == 0  # a full miss covers nothing, question or not
 
 
 def test_an_unreachable_index_plans_a_full_miss_and_says_so():
