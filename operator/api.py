@@ -752,8 +752,8 @@ class EngineSpec(ApiModel):
     )
     """Extra environment variables of the engine container; names must be unique. Those the
     operator sets (*_VISIBLE_DEVICES, HOME, ...) and every HOLEBLEND_* variable except
-    HOLEBLEND_ENGINE_URL, HOLEBLEND_ATTENTION, HOLEBLEND_CACHE_DIR and HOLEBLEND_SERVE_* are
-    refused."""
+    HOLEBLEND_ENGINE_URL (deprecated: tuning.qualityProxies replaces it), HOLEBLEND_ATTENTION,
+    HOLEBLEND_CACHE_DIR and HOLEBLEND_SERVE_* are refused."""
     resources: Resources = Field(default_factory=Resources)
     """CPU and memory; accelerator devices are added from `accelerator`."""
     port: int = Field(default=8000, ge=1, le=65535)
@@ -1029,8 +1029,64 @@ class KVTiers(ApiModel):
     whoever else holds them."""
 
 
+# The grammar of spec.blend.selection (holeblend_contract.blend_settings.parse_selection):
+# a strategy name, or up to MAX_MIX_STRATEGIES joined by '+', each with an optional share of
+# the recompute budget in (0, 1]. The pattern lets the API server refuse what is not the
+# grammar; the rest (a name twice, shares over 1) is parse_selection's, with its message.
+_STRATEGY = "(" + "|".join(s.value for s in Selection) + ")"
+_SHARE = r"(0?\.[0-9]*[1-9][0-9]*|1(\.0+)?)"
+_MIX_PART = rf"{_STRATEGY}(:{_SHARE})?"
+SELECTION_PATTERN = rf"{_MIX_PART}(\+{_MIX_PART}){{0,{contract.MAX_MIX_STRATEGIES - 1}}}"
+SELECTION_MAX_LENGTH = 128
+
+
+def _parsed_selection(text: str) -> str:
+    contract.parse_selection(text)  # ValueError saying what to write
+    return text
+
+
+SelectionText = Annotated[
+    _matching(
+        SELECTION_PATTERN,
+        "a selection strategy ("
+        + ", ".join(s.value for s in Selection)
+        + ") or a mix of them with shares of the budget like 'sinks:0.25+kDeviation'",
+        max_length=SELECTION_MAX_LENGTH,
+    ),
+    AfterValidator(_parsed_selection),
+]
+MAX_FILTER_LAYERS = 4
+
+
+def _filter_layers_ordered(blend: "BlendSpec") -> bool:
+    try:
+        contract.check_filter_layers(blend.check_layer, blend.filter_layers)
+    except ValueError:
+        return False
+    return True
+
+
+_FILTER_LAYERS_ORDERED = CelRule(
+    rule="!has(self.filterLayers) || ("
+    + " && ".join(
+        f"(self.filterLayers.size() <= {i} || self.filterLayers[{i}] > "
+        + ("self.checkLayer" if i == 0 else f"self.filterLayers[{i - 1}]")
+        + ")"
+        for i in range(MAX_FILTER_LAYERS)
+    )
+    + ")",
+    message="blend.filterLayers must be strictly increasing and above blend.checkLayer "
+    "(e.g. checkLayer 1, filterLayers [8, 16]); sort them, drop repeats, or lower checkLayer",
+    check=_filter_layers_ordered,
+    field_path=".filterLayers",
+)
+
+
 class BlendSpec(ApiModel):
     """How prompts are split into segments and their cached KV blended."""
+
+    model_config = ConfigDict(json_schema_extra=cel_schema_extra(_FILTER_LAYERS_ORDERED))
+    check_rules = cel_validator(_FILTER_LAYERS_ORDERED)
 
     mode: BlendMode = Field(default=BlendMode.HOLE, strict=False)
     """hole: reuse every cached segment; prefix: stop at the first miss (CacheBlend); off."""
@@ -1041,8 +1097,24 @@ class BlendSpec(ApiModel):
     K at layer 0 depends only on the token and its position)."""
     recompute_ratio: float = Field(default=contract.DEFAULT_RECOMPUTE_RATIO, gt=0, le=1)
     """Initial share of cached tokens recomputed, in (0, 1]; the tuner adjusts it."""
-    selection: Selection = Field(default=Selection.K_DEVIATION, strict=False)
-    """How tokens to recompute are chosen: largest K deviation, or random (a baseline)."""
+    selection: SelectionText = contract.DEFAULT_SELECTION
+    """How the cached tokens to recompute are chosen at the check layer: one strategy, or a
+    mix that gives each strategy a share of the recompute budget. Strategies: kDeviation
+    (CacheBlend: the tokens whose K deviates most from a fresh computation), vDeviation (V
+    instead of K), kvDeviation (K and V together), sinks (the first tokens of every reused
+    segment), query (the cached tokens the question attends to most), random (a
+    baseline). A mix joins up to 6 names with '+', each with an optional share in (0, 1]
+    after ':'; at most one leaves its share out and takes what the others leave, e.g.
+    'sinks:0.25+kDeviation' (a quarter of the budget on sinks, the rest on K deviation);
+    given shares must not exceed 1 (all given: sum to 1). Changing it restarts the pods."""
+    filter_layers: list[Annotated[int, Field(ge=2, le=255)]] = Field(
+        default_factory=list, max_length=MAX_FILTER_LAYERS
+    )
+    """Gradual filtering: later layers at which the recompute set is narrowed, strictly
+    increasing and above checkLayer, e.g. [8, 16]. The check layer picks (1 + n) times the
+    budget, each filter layer keeps fewer by its own deviation, the last keeps the budget.
+    At most 4 layers, each 2..255. Empty: one check layer, as CacheBlend. Changing it
+    restarts the pods."""
     min_segment_tokens: int = Field(default=contract.DEFAULT_MIN_SEGMENT_TOKENS, ge=1, le=65536)
     """Segments shorter than this are recomputed, never cached."""
     segment_context: SegmentContext = Field(default=SegmentContext.AFTER_SYSTEM, strict=False)
@@ -1111,8 +1183,21 @@ class TuningSpec(ApiModel):
     """How long quality must stay above target before lowering the ratio."""
     min_samples: int = Field(default=20, ge=1, le=100000)
     """Fewest F1-proxy samples in the window to act on."""
+    quality_proxies: bool = True
+    """Score the quality proxies the tuner reads: a full-prefill shadow of a share
+    shadowSampleRate of the requests (within shadowBudget), and the inline proxy, which
+    costs nothing and stands in when too few shadows ran. On vLLM pods the shadow requests
+    go through the pod's own API server at the lowest priority: the operator adds
+    `--scheduling-policy priority` (requests without a priority keep their arrival order).
+    false: no proxies, and the tuner holds the ratio (NoQualityProxies). Replaces the
+    HOLEBLEND_ENGINE_URL variable in engine.env: still honoured (its value is the URL the
+    shadow requests go to), with a warning to remove it."""
+    shadow_budget: float = Field(default=contract.DEFAULT_SHADOW_BUDGET, ge=0, le=1)
+    """Most prefill tokens the shadow requests may use, as a share of the prefill tokens of
+    user requests (0.05: 5 %); 0: no shadow requests, the inline proxy only."""
     shadow_sample_rate: float = Field(default=contract.DEFAULT_SHADOW_SAMPLE_RATE, ge=0, le=1)
-    """Share of requests also run with full prefill to score the F1 proxy."""
+    """Share of requests also run with full prefill to score the F1 proxy (within
+    shadowBudget)."""
     prometheus_url: HttpUrl | None = None
     """Prometheus to query; the operator scrapes the pods directly when unset."""
 
@@ -1297,6 +1382,11 @@ class ObservedMetrics(ApiModel):
     """Mean time to first token."""
     num_samples: int | None = Field(default=None, ge=0)
     """F1-proxy samples in the window."""
+    proxy_signal: Literal["shadow", "inline"] | None = None
+    """Which quality proxy f1Proxy, top1Agreement and numSamples are: shadow (full-prefill
+    shadow requests scored against the blended answers) or inline (the engine's own
+    estimate on every blended request, which the tuner reads when the window holds fewer
+    than tuning.minSamples shadow samples)."""
     observed_at: str | None = Field(default=None, max_length=64)
     """When they were read (RFC 3339)."""
 
@@ -1347,6 +1437,43 @@ class BlendDeployment(ApiModel):
     metadata: ObjectMeta
     spec: BlendDeploymentSpec
     status: BlendDeploymentStatus = Field(default_factory=BlendDeploymentStatus)
+
+
+# The old opt-in to the vLLM pods' quality proxies, before spec.tuning.qualityProxies: the
+# pod's own API server's URL in engine.env. Still accepted and honoured (its value is the URL
+# the pods' shadow requests go to); the operator asks for its removal (`spec_notices`).
+LEGACY_ENGINE_URL_ENV = "HOLEBLEND_ENGINE_URL"
+
+
+def legacy_engine_url(spec: BlendDeploymentSpec) -> str | None:
+    """The value of HOLEBLEND_ENGINE_URL in engine.env, None when it is not set."""
+    return next((var.value for var in spec.engine.env if var.name == LEGACY_ENGINE_URL_ENV), None)
+
+
+def spec_notices(spec: Any) -> list[str]:
+    """What a valid spec (the wire dict) still carries from earlier versions, each with what
+    to change; the operator posts them as Warning events, `render` prints them."""
+    if not isinstance(spec, dict):
+        return []
+    engine = spec.get("engine") if isinstance(spec.get("engine"), dict) else {}
+    env = engine.get("env") if isinstance(engine.get("env"), list) else []
+    if not any(isinstance(v, dict) and v.get("name") == LEGACY_ENGINE_URL_ENV for v in env):
+        return []
+    tuning = spec.get("tuning") if isinstance(spec.get("tuning"), dict) else {}
+    prefix = (
+        f"engine.env sets {LEGACY_ENGINE_URL_ENV}, the old opt-in to the quality proxies; "
+        "spec.tuning.qualityProxies replaces it"
+    )
+    if tuning.get("qualityProxies", True) is False:
+        return [
+            f"{prefix}, and it is false, so the variable is ignored: remove "
+            f"{LEGACY_ENGINE_URL_ENV} from engine.env"
+        ]
+    return [
+        f"{prefix} (on by default; the operator gives the pods their API server's URL): "
+        f"remove {LEGACY_ENGINE_URL_ENV} from engine.env (until then its value is the URL the "
+        "shadow requests go to)"
+    ]
 
 
 def format_validation_error(exc) -> str:

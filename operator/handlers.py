@@ -48,7 +48,7 @@ import kopf
 from kopf._core.reactor import inventory
 
 from holeblend_operator import kube, metrics, reconcile, tuning_loop
-from holeblend_operator.api import GROUP, KIND, PLURAL, VERSION
+from holeblend_operator.api import GROUP, KIND, PLURAL, VERSION, spec_notices
 from holeblend_operator.render import effective_recompute_ratio, engine_name, lookup_name
 from holeblend_operator.render.labels import MANAGED_BY
 from holeblend_operator.settings import OperatorSettings
@@ -56,6 +56,9 @@ from holeblend_operator.status import is_available
 
 FIRST_CREATE = reconcile.Options(create_first=True, prune=False)
 FULL = reconcile.Options(create_first=False, prune=True)
+# Triggers of a reconcile for a spec seen for the first time by this process: the ones after
+# which settings to change (api.spec_notices) are posted as Warning events.
+SPEC_TRIGGERS = ("create", "update", "resume")
 DRIFT = reconcile.Options(create_first=False, prune=False)
 # The finalizer name kopf would use, under our own group (kopf adds none here).
 ANNOTATION_PREFIX = f"operator.{GROUP}"
@@ -227,8 +230,8 @@ class Operator:
             )
         settings.persistence.finalizer = f"{ANNOTATION_PREFIX}/finalizer"
         settings.networking.request_timeout = self.settings.request_timeout_s
-        # Kubernetes Events on the BlendDeployment for retries and failures only: a success
-        # event per reconcile would cost an API write each.
+        # Kubernetes Events on the BlendDeployment for retries, failures and deprecated
+        # settings only: a success event per reconcile would cost an API write each.
         settings.posting.level = logging.WARNING
         # kopf runs a worker task (and queue) per object with events pending, kept for
         # idle_timeout after its last event: unbounded, a burst of N objects means N workers
@@ -404,6 +407,9 @@ class Operator:
             self._remember_current(key[0], live)
             self._retries.pop(key, None)
             LOG.info("%s/%s reconciled (%s) in %.3f s", *key, trigger, time.monotonic() - started)
+            if trigger in SPEC_TRIGGERS:  # once per spec seen, not on every tune or retry
+                for notice in spec_notices(body.get("spec")):
+                    self._warn(key, "DeprecatedSetting", notice)
             # The children's controllers report after we wrote them: take another look soon.
             self.request(key, None, "child-status")
             result = "ok"

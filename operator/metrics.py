@@ -37,8 +37,8 @@ class TuningSeries:
     """The tuner's series per BlendDeployment, kept as plain numbers and exposed when scraped.
 
     As labelled prometheus_client metrics, each series would be an object with its own lock
-    and value object, about 0.7 KB, five per tuned BlendDeployment (3.7 KB each, and 18 MB at
-    5,000): here a BlendDeployment costs a tuple of four numbers and a count per decision
+    and value object, about 0.7 KB, six per tuned BlendDeployment (4.4 KB each, and 18 MB at
+    5,000): here a BlendDeployment costs a tuple of five numbers and a count per decision
     kind. Exposed exactly as those metrics were: the same names, help, types and labels."""
 
     GAUGES = (
@@ -58,6 +58,11 @@ class TuningSeries:
             "holeblend_operator_tuning_target_f1_proxy",
             "spec.tuning.targetF1Proxy, by BlendDeployment (drawn against the proxies).",
         ),
+        (
+            "holeblend_operator_tuning_inline_proxy",
+            "1 while the tuner acts on the engine's inline quality proxy (the shadow gave "
+            "fewer than minSamples in the window), 0 on shadow samples, by BlendDeployment.",
+        ),
     )
     DECISIONS = (
         "holeblend_operator_tuning_decisions",
@@ -66,12 +71,13 @@ class TuningSeries:
 
     def __init__(self):
         self._lock = threading.Lock()  # /metrics may be served from another thread
-        self._gauges: dict[tuple[str, str], tuple[float, float, float, float]] = {}
+        self._gauges: dict[tuple[str, str], tuple[float, ...]] = {}
         # (namespace, name) -> (direction, reason) -> [count, created (epoch s)]
         self._decisions: dict[tuple[str, str], dict[tuple[str, str], list[float]]] = {}
 
     def record(self, key: tuple[str, str], direction: str, reason: str, gauges: tuple) -> None:
-        """One decision: count it; the tuned ratio, min and max ratio and target F1 proxy."""
+        """One decision: count it; the tuned ratio, min and max ratio, target F1 proxy and
+        whether it read the inline proxy (GAUGES' order)."""
         with self._lock:
             self._gauges[key] = tuple(float(value) for value in gauges)
             counts = self._decisions.setdefault(key, {})

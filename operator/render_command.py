@@ -13,7 +13,13 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from holeblend_operator.api import API_VERSION, KIND, BlendDeployment, format_validation_error
+from holeblend_operator.api import (
+    API_VERSION,
+    KIND,
+    BlendDeployment,
+    format_validation_error,
+    spec_notices,
+)
 from holeblend_operator.render import render_children
 
 
@@ -90,12 +96,15 @@ def _parse_yaml(filename: str, text: str) -> list:
 
 def _blend_deployment(where: str, document) -> BlendDeployment:
     _check_kind(where, document)
+    name = (document.get("metadata") or {}).get("name", "?")
     try:
-        return BlendDeployment.model_validate(document)
+        bd = BlendDeployment.model_validate(document)
     except ValidationError as exc:
-        name = (document.get("metadata") or {}).get("name", "?")
         problems = _one_line(format_validation_error(exc))
         raise ManifestError(f"{where}: BlendDeployment {name!r}: {problems}") from exc
+    for notice in spec_notices(document.get("spec")):  # valid, but to change: say so
+        print(f"holeblend-operator render: warning: {where}: {name!r}: {notice}", file=sys.stderr)
+    return bd
 
 
 def _check_kind(where: str, document) -> None:

@@ -77,6 +77,12 @@ RESERVED_FLAGS = {
     "--disable-hybrid-kv-cache-manager": _NO_HYBRID_KV,
     "--no-disable-hybrid-kv-cache-manager": _NO_HYBRID_KV,
     "--block-size": "accelerator.type (the operator sets the block size its attention needs)",
+    # vLLM pods while the quality proxies are on (render/engine.py): the shadow requests run
+    # at the lowest priority, after every user request.
+    "--scheduling-policy": "nothing: the operator sets --scheduling-policy priority on vLLM "
+    "pods while tuning.qualityProxies is on, so that the shadow requests run after user "
+    "requests (which keep their arrival order among themselves); with it off vLLM keeps "
+    "its default, fcfs",
 }
 assert all(re.fullmatch(r"--?[a-z0-9]+(-[a-z0-9]+)*", flag) for flag in RESERVED_FLAGS)
 
@@ -105,7 +111,10 @@ RESERVED_ENV = {
 # the ones the runtime documents for users: these names, and holeblend-serve's flags.
 OPERATOR_ENV_PREFIX = "HOLEBLEND_"
 USER_ENV = {
-    "HOLEBLEND_ENGINE_URL": "turns on the vLLM pods' shadow full prefill, see docs/tuning.md",
+    # Accepted so that specs written before spec.tuning.qualityProxies stay valid; the
+    # operator warns until it is removed (api.spec_notices).
+    "HOLEBLEND_ENGINE_URL": "deprecated: the vLLM pods' API server for the shadow quality "
+    "proxies, which spec.tuning.qualityProxies now turns on with the URL rendered; remove it",
     "HOLEBLEND_ATTENTION": "forces holeblend-serve's attention backend",
     "HOLEBLEND_CACHE_DIR": "holeblend-serve's converted-model cache",
 }

@@ -6,11 +6,14 @@ Quality first. Each interval, in this order:
 
 1. A ratio outside [minRatio, maxRatio] (or not a ratio at all, e.g. patched by hand) is
    clamped into the bounds at once, whatever the metrics say.
-2. No action without a trustworthy reading: the engine cannot score the proxies at all
-   (blend.mode off), the source failed, the data is stale, the pods do not run the ratio yet, the proxy is NaN or absent, or there are fewer than minSamples
-   samples taken at the ratio in force. The reading is the window's, or its last
+2. No action without a trustworthy reading: the engine scores no proxies at all
+   (blend.mode off, or spec.tuning.qualityProxies false), the source failed, the data is
+   stale, the pods do not run the ratio yet, the proxy is NaN or absent, or there are fewer
+   than minSamples samples taken at the ratio in force. The reading is the window's, or its last
    RECENT_INTERVALS intervals' alone when they differ from the older part by more than
-   noise (the workload changed under a held ratio).
+   noise (the workload changed under a held ratio). The proxy is the shadow's (full
+   prefill scored against the blended answer) when the window has minSamples of them,
+   else the engine's inline proxy (`select_signal`); the reason says "(inline proxy)".
 3. Proxy below target - band: raise the ratio multiplicatively (x stepUpFactor), capped at
    maxRatio, or straight back to the lowest ratio recently measured meeting the target
    when there is one above. Quality is restored fast, because a bad ratio costs answers.
@@ -82,6 +85,11 @@ RECENT_INTERVALS = 3
 CHANGE_Z = 2.0
 
 
+# The quality signals a reading can carry (status.metrics.proxySignal).
+SHADOW = "shadow"  # full-prefill shadow requests scored against the blended answer
+INLINE = "inline"  # the engine's inline estimate, scored on every blended request
+
+
 @dataclasses.dataclass(frozen=True)
 class Reading:
     """What a metrics source read for one BlendDeployment over the last window."""
@@ -98,9 +106,21 @@ class Reading:
     # when it differs from the older part by more than noise, the workload changed.
     recent_f1_proxy: float | None = None
     recent_num_samples: int = 0
-    # Why the engine cannot score the quality proxies at all (blend.mode off: nothing is
-    # blended); None when it can. Hit rate and TTFT are still read.
+    # Why the engine scores no quality proxies at all (blend.mode off: nothing is blended;
+    # or spec.tuning.qualityProxies false); None when it does. Hit rate and TTFT are still
+    # read.
     no_proxies: str | None = None
+    # The engine's inline proxy over the same window, at the same ratio: scored on every
+    # blended request at no cost, the stand-in when too few shadows ran (`select_signal`).
+    inline_f1_proxy: float | None = None
+    inline_top1: float | None = None
+    inline_num_samples: int = 0
+    recent_inline_f1_proxy: float | None = None
+    recent_inline_num_samples: int = 0
+    # Which proxy f1_proxy, top1_agreement and num_samples are: SHADOW or INLINE; with
+    # INLINE, shadow_num_samples is how many shadow samples the window had.
+    signal: str = SHADOW
+    shadow_num_samples: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +197,37 @@ class Decision:
         return self.direction != "hold"
 
 
+def select_signal(spec: TuningSpec, reading: Reading) -> Reading:
+    """The reading on the proxy the law acts on: the shadow samples when the window has
+    minSamples of them, else the inline proxy when it has more samples than the shadow
+    (its values moved into f1_proxy, top1_agreement and num_samples, `signal` INLINE).
+    Idempotent: a reading already on the inline proxy is returned as it is."""
+    if reading.signal != SHADOW or reading.num_samples >= spec.min_samples:
+        return reading
+    inline = reading.inline_f1_proxy
+    if inline is None or not math.isfinite(inline):
+        return reading
+    if reading.inline_num_samples <= reading.num_samples:
+        return reading
+    return dataclasses.replace(
+        reading,
+        f1_proxy=inline,
+        top1_agreement=reading.inline_top1,
+        num_samples=reading.inline_num_samples,
+        recent_f1_proxy=reading.recent_inline_f1_proxy,
+        recent_num_samples=reading.recent_inline_num_samples,
+        signal=INLINE,
+        shadow_num_samples=reading.num_samples,
+    )
+
+
+def signal_note(reading: Reading) -> str:
+    """' (inline proxy: ...)' for a reading on the inline proxy; '' on shadow samples."""
+    if reading.signal != INLINE:
+        return ""
+    return f" (inline proxy: {reading.shadow_num_samples or 0} shadow samples in the window)"
+
+
 def decide(spec: TuningSpec, ratio: object, reading: Reading, state: State, now: float) -> Decision:
     """The next ratio for a BlendDeployment whose pods run `ratio` (see the module doc)."""
     clamped = clamp_decision(spec, ratio)
@@ -184,13 +235,14 @@ def decide(spec: TuningSpec, ratio: object, reading: Reading, state: State, now:
         return clamped
     ratio = float(ratio)
     state = state.recalled(spec, now)
+    reading = select_signal(spec, reading)
     untrusted = _untrusted(spec, ratio, reading)
     if untrusted is not None:
         return _hold(ratio, *untrusted, is_tuned=False, state=state)
     reading, changed = recent_if_changed(spec, reading)
     f1 = reading.f1_proxy
     low, high = spec.target_f1_proxy - spec.band, spec.target_f1_proxy + spec.band
-    seen = f"{changed}F1 proxy {f1:.3f} over {reading.num_samples} samples"
+    seen = f"{changed}F1 proxy {f1:.3f} over {reading.num_samples} samples{signal_note(reading)}"
     if f1 < low:
         if _is_unconfirmed(spec, ratio, reading, state, low):
             need = CONFIRM_FACTOR * spec.min_samples
@@ -266,12 +318,13 @@ def _untrusted(spec: TuningSpec, ratio: float, reading: Reading) -> tuple[str, s
     others = [r for r in reading.ratios_in_force if not abs(r - ratio) <= RATIO_TOLERANCE]
     if others:
         return "RatioNotApplied", f"pods still run ratio {others[0]}, not {ratio}; waiting"
+    note = signal_note(reading)
     if reading.f1_proxy is None or not math.isfinite(reading.f1_proxy):
-        return "NoSamples", f"no finite F1 proxy at ratio {ratio} ({reading.f1_proxy})"
+        return "NoSamples", f"no finite F1 proxy at ratio {ratio} ({reading.f1_proxy}){note}"
     if reading.num_samples < spec.min_samples:
         return "TooFewSamples", (
             f"{reading.num_samples} F1-proxy samples at ratio {ratio}, "
-            f"fewer than minSamples {spec.min_samples}"
+            f"fewer than minSamples {spec.min_samples}{note}"
         )
     return None
 

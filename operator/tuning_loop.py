@@ -11,9 +11,10 @@ up; for each one:
    (first run, or a person edited spec.blend.recomputeRatio).
 3. The metrics come from Prometheus (spec.tuning.prometheusUrl) or, without one, from the
    ready engine pods' /metrics (`tuning_sources`; on vLLM pods, the connector's metrics
-   port); `tuner.decide` picks the ratio. With blend.mode off nothing is blended, and vLLM
-   pods score the proxies only once engine.env sets HOLEBLEND_ENGINE_URL (opt-in): without
-   proxies the law holds with `NoQualityProxies`.
+   port); `tuner.decide` picks the ratio, on the shadow samples when enough came in, else
+   on the inline proxy. With blend.mode off nothing is blended, and with
+   spec.tuning.qualityProxies false nothing is scored: the law holds with
+   `NoQualityProxies`.
 4. The decision goes into status under the owner's lock: recomputeRatio, tuning.baseRatio,
    the bounded history (a run of holds with the same reason is one entry, its time and
    numbers the latest), tuning.aboveTargetSince, the metrics, and the Tuned condition.
@@ -37,11 +38,19 @@ import time
 import aiohttp
 
 from holeblend_operator import kube, metrics
-from holeblend_operator.api import BlendDeployment, ConditionType, TuningSpec
+from holeblend_operator.api import BlendDeployment, ConditionType, TuningSpec, spec_notices
 from holeblend_operator.render import engine_name, selector_string
-from holeblend_operator.render.engine import ENGINE_URL_ENV, exports_connector_metrics
+from holeblend_operator.render.engine import exports_connector_metrics
 from holeblend_operator.status import stamp_transitions
-from holeblend_operator.tuner import RECENT_INTERVALS, Decision, Reading, State, decide
+from holeblend_operator.tuner import (
+    INLINE,
+    RECENT_INTERVALS,
+    Decision,
+    Reading,
+    State,
+    decide,
+    select_signal,
+)
 from holeblend_operator.tuning_sources import PrometheusSource, ScrapeSource, Target, failed
 
 LOG = logging.getLogger(__name__)
@@ -52,17 +61,16 @@ PEERING_KINDS = {k.kind: k for k in kube.FRAMEWORK_KINDS if k.group == "kopf.dev
 
 
 def no_proxies(bd: BlendDeployment) -> str | None:
-    """Why the engine pods cannot score the quality proxies at all, or None. holeblend-serve
-    scores them in-process; vLLM's connector through the pod's API server, once engine.env
-    names it (off by default: it delays requests that arrive meanwhile)."""
+    """Why the engine pods score no quality proxies at all, or None: only when the user
+    turned them off (spec.tuning.qualityProxies false) or blends nothing (blend.mode off).
+    holeblend-serve scores them in-process, vLLM's connector through the pod's own API
+    server (the operator renders its URL and vLLM's priority scheduling)."""
     if str(bd.spec.blend.mode) == "off":
         return "blend.mode is off: the engine blends nothing, so it scores no quality proxies"
-    names = {var.name for var in bd.spec.engine.env}
-    if exports_connector_metrics(bd) and ENGINE_URL_ENV not in names:
+    if not bd.spec.tuning.quality_proxies:
         return (
-            f"the vLLM pods score no quality proxies until engine.env sets {ENGINE_URL_ENV} "
-            f"(http://127.0.0.1:{bd.spec.engine.port}); off by default because each sample "
-            "delays requests that arrive meanwhile (docs/tuning.md)"
+            "spec.tuning.qualityProxies is false: the engine pods score no quality proxies; "
+            "set it to true (the default) to tune on them"
         )
     return None
 
@@ -135,9 +143,15 @@ def is_active(peers: dict, identity: str, priority: int, now: datetime.datetime)
 
 
 def status_patch(
-    bd: BlendDeployment, status: dict, decision: Decision, seen: Reading, now: str
+    bd: BlendDeployment,
+    status: dict,
+    decision: Decision,
+    seen: Reading,
+    now: str,
+    notices: list[str] = (),
 ) -> dict:
-    """The merge patch that records a decision (step 4 of the module doc)."""
+    """The merge patch that records a decision (step 4 of the module doc); `notices`
+    (api.spec_notices: settings to change) are added to the Tuned condition's message."""
     entry = {
         "time": now,
         "direction": decision.direction,
@@ -167,31 +181,37 @@ def status_patch(
         },
         "metrics": observed_metrics(seen, now),
         "conditions": _with_tuned(
-            status.get("conditions") or [], decision, now, bd.metadata.generation
+            status.get("conditions") or [], decision, now, bd.metadata.generation, notices
         ),
     }
 
 
 def observed_metrics(seen: Reading, now: str) -> dict:
     """status.metrics (ObservedMetrics) from a reading; NaN and out-of-range values dropped."""
+    f1 = _within(seen.f1_proxy, 0, 1)
     values = {
         # One decimal: the HIT% column of `kubectl get bd` shows it as written.
         "hitPercent": _rounded(_within(seen.hit_percent, 0, 100), 1),
-        "f1Proxy": _within(seen.f1_proxy, 0, 1),
+        "f1Proxy": f1,
         "top1Agreement": _within(seen.top1_agreement, 0, 1),
         "ttftSeconds": _within(seen.ttft_seconds, 0, math.inf),
         "numSamples": seen.num_samples,
+        # Which proxy f1Proxy, top1Agreement and numSamples are (tuner.select_signal).
+        "proxySignal": seen.signal if f1 is not None else None,
         "observedAt": now,
     }
     return {key: value for key, value in values.items() if value is not None}
 
 
-def _with_tuned(conditions: list[dict], decision: Decision, now: str, generation) -> list[dict]:
+def _with_tuned(
+    conditions: list[dict], decision: Decision, now: str, generation, notices=()
+) -> list[dict]:
+    message = decision.reason[:1000] + "".join(f". Note: {notice}" for notice in notices)
     tuned = {
         "type": ConditionType.TUNED.value,
         "status": "True" if decision.is_tuned else "False",
         "reason": decision.code,
-        "message": decision.reason[:1000],
+        "message": message,
     }
     others = [c for c in conditions if c.get("type") != ConditionType.TUNED]
     return others + stamp_transitions([tuned], conditions, now, generation)
@@ -261,12 +281,14 @@ class TuningLoop:
         seen = await self.read(bd, ratio)
         if (why := no_proxies(bd)) is not None:
             seen = dataclasses.replace(seen, no_proxies=why)
+        seen = select_signal(spec, seen)  # the proxy the law acts on, for status too
         decision = decide(spec, ratio, seen, state_from(status, spec_ratio), time.time())
         async with self.operator.lock(key):
+            notices = spec_notices(body.get("spec"))
             patched = await client.patch_status(
-                *key, status_patch(bd, status, decision, seen, _now())
+                *key, status_patch(bd, status, decision, seen, _now(), notices)
             )
-        self._record(key, spec, decision)
+        self._record(key, spec, decision, seen)
         if patched is not None:
             self.operator.keep_owner(key, patched)
         if decision.is_change:
@@ -328,9 +350,17 @@ class TuningLoop:
             datetime.datetime.now(datetime.UTC),
         )
 
-    def _record(self, key: tuple, spec: TuningSpec, decision: Decision) -> None:
-        bounds = (decision.to_ratio, spec.min_ratio, spec.max_ratio, spec.target_f1_proxy)
-        metrics.TUNING.record(key, decision.direction, decision.code, bounds)
+    def _record(
+        self, key: tuple, spec: TuningSpec, decision: Decision, seen: Reading | None = None
+    ) -> None:
+        gauges = (
+            decision.to_ratio,
+            spec.min_ratio,
+            spec.max_ratio,
+            spec.target_f1_proxy,
+            1.0 if seen is not None and seen.signal == INLINE else 0.0,
+        )
+        metrics.TUNING.record(key, decision.direction, decision.code, gauges)
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None:

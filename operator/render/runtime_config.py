@@ -24,7 +24,12 @@ from holeblend_contract.blend_settings import (
     KVSettings,
     ModelSettings,
 )
-from holeblend_operator.api import BlendDeployment, BlendDeploymentSpec
+from holeblend_operator.api import (
+    AcceleratorType,
+    BlendDeployment,
+    BlendDeploymentSpec,
+    legacy_engine_url,
+)
 from holeblend_operator.quantity import quantity_bytes
 from holeblend_operator.render.labels import RUNTIME_CONFIG, object_meta
 from holeblend_operator.render.naming import lookup_name, runtime_config_name
@@ -72,13 +77,39 @@ def blend_settings(bd: BlendDeployment) -> BlendSettings:
         check_layer=blend.check_layer,
         recompute_ratio=effective_recompute_ratio(bd),
         selection=blend.selection,
+        filter_layers=tuple(blend.filter_layers),
         min_segment_tokens=blend.min_segment_tokens,
         segment_context=blend.segment_context,
         store_policy=blend.store_policy,
         kv=_kv_tiers(bd),
         lookup_server_url=lookup_server_url(bd),
         shadow_sample_rate=bd.spec.tuning.shadow_sample_rate,
+        quality_proxies=bd.spec.tuning.quality_proxies,
+        shadow_budget=bd.spec.tuning.shadow_budget,
+        engine_url=engine_url(bd),
     )
+
+
+def runs_vllm_with_connector(bd: BlendDeployment) -> bool:
+    """vLLM pods that blend through the KV connector (not holeblend-serve's CPU pods, and not
+    plain vLLM with blend.mode off)."""
+    return bd.spec.accelerator.type != AcceleratorType.CPU and str(bd.spec.blend.mode) != "off"
+
+
+def scores_quality_proxies(bd: BlendDeployment) -> bool:
+    """Whether vLLM pods send shadow requests to their own API server: the proxies are on
+    and the connector runs."""
+    return bd.spec.tuning.quality_proxies and runs_vllm_with_connector(bd)
+
+
+def engine_url(bd: BlendDeployment) -> str | None:
+    """The vLLM pod's own API server, where its shadow requests go, while it scores the
+    proxies: HOLEBLEND_ENGINE_URL's value where an older spec still sets it in engine.env
+    (it may carry a root path), else http://127.0.0.1:<engine.port>. None otherwise
+    (holeblend-serve scores in-process)."""
+    if not scores_quality_proxies(bd):
+        return None
+    return legacy_engine_url(bd.spec) or f"http://127.0.0.1:{bd.spec.engine.port}"
 
 
 def runtime_config(bd: BlendDeployment) -> dict:

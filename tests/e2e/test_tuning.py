@@ -196,10 +196,7 @@ def test_the_tuner_reads_vllm_pods_on_the_connectors_metrics_port(cluster):
         body["metadata"]["namespace"] = "default"
         del body["spec"]["accelerator"]["nodeSelector"]  # the emulated node fits it as is
         body["spec"]["engine"]["metricsPort"] = pod.port
-        # The opt-in that turns on the pods' shadow (the stand-in serves proxies anyway).
-        body["spec"]["engine"]["env"] = [
-            {"name": "HOLEBLEND_ENGINE_URL", "value": "http://127.0.0.1:8000"}
-        ]
+        # No opt-in: the quality proxies are on by default (spec.tuning.qualityProxies).
         body["spec"]["tuning"] = {"intervalSeconds": 5, "minSamples": 5, "targetF1Proxy": 0.99}
         create(cluster, body)
         cluster.wait_for(lambda: cluster.get(DEPLOYMENTS, "default", f"{name}-engine"), 20)
@@ -212,15 +209,44 @@ def test_the_tuner_reads_vllm_pods_on_the_connectors_metrics_port(cluster):
         assert (up["fromRatio"], up["toRatio"]) == (0.15, 0.225)
         assert up["inputs"]["f1Proxy"] == pytest.approx(quality(0.15))
         assert up["inputs"]["hitPercent"] == 75.0
+        assert up["inputs"]["proxySignal"] == "shadow"
         cluster.wait_for(lambda: pod.ratio() == 0.225, timeout=10)
 
 
+class InlineOnlyPod(EnginePod):
+    """A pod whose shadow gives nothing (a busy engine): only the inline proxy comes."""
+
+    def page(self) -> str:
+        return super().page().replace("holeblend_f1_proxy", "holeblend_inline_f1_proxy")
+
+
+@pytest.mark.slow
+def test_without_shadow_samples_the_tuner_acts_on_the_inline_proxy_and_says_so(cluster):
+    with InlineOnlyPod(cluster) as pod, running_operator(FAST):
+        create(cluster, tuned_example(pod.port))
+        cluster.wait_for(lambda: status_of(cluster, NAME).get("phase") == "Ready", timeout=20)
+        engine = cluster.get("apps/v1/deployments", "default", f"{NAME}-engine")
+        add_ready_pod(cluster, engine["spec"]["selector"]["matchLabels"])
+
+        # quality(0.05) = 0.82, below 0.9 - 0.02 on the inline proxy: raised x1.5.
+        cluster.wait_for(lambda: any(h["direction"] == "up" for h in history(cluster)), 30)
+        up = next(h for h in history(cluster) if h["direction"] == "up")
+        assert (up["fromRatio"], up["toRatio"]) == (0.05, 0.075)
+        assert "(inline proxy: 0 shadow samples in the window)" in up["reason"]
+        assert up["inputs"]["proxySignal"] == "inline"
+        assert up["inputs"]["f1Proxy"] == pytest.approx(quality(0.05))
+
+
 def test_the_law_is_told_why_no_proxies_can_come():
-    """vLLM pods without the shadow's opt-in, or nothing blended: the law holds and says why."""
+    """The proxies are on by default on vLLM pods; the law holds and says why only when the
+    user turned them off or nothing is blended."""
     body = example("nvidia.yaml")
-    assert "until engine.env sets HOLEBLEND_ENGINE_URL (http://127.0.0.1:8000)" in no_proxies(
-        BlendDeployment.model_validate(body)
-    )
+    assert no_proxies(BlendDeployment.model_validate(body)) is None
+    body["spec"]["tuning"] = {"qualityProxies": False}
+    assert "spec.tuning.qualityProxies is false" in no_proxies(BlendDeployment.model_validate(body))
+    body["spec"]["tuning"] = {"qualityProxies": True}
+    assert no_proxies(BlendDeployment.model_validate(body)) is None
+    # A spec from before the field, with the old opt-in, still tunes.
     body["spec"]["engine"]["env"] = [{"name": "HOLEBLEND_ENGINE_URL", "value": "http://x:1"}]
     assert no_proxies(BlendDeployment.model_validate(body)) is None
     assert no_proxies(BlendDeployment.model_validate(example("cpu.yaml"))) is None

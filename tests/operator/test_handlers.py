@@ -216,3 +216,41 @@ def test_renders_are_cached_per_effective_ratio(monkeypatch, ratio, statuses, re
     assert configured_ratio(results[-1]) == last_ratio
     # and the cache gives what an uncached render of the last owner gives
     assert results[-1][1] == real_prepare(example_owner(statuses[-1], ratio))[1]
+
+
+def _reconciled(monkeypatch, spec: dict, trigger: str) -> list[tuple[str, str]]:
+    """The Warning events one successful reconcile of `spec` posts."""
+
+    async def reconciled(client, body, options, now, prepared):
+        return {}
+
+    monkeypatch.setattr(reconcile, "reconcile", reconciled)
+    operator = Recorder()
+    owner = body()
+    owner["spec"] = spec
+    operator.owner_event(owner, "ADDED")
+    warned = []
+    operator._warn = lambda key, reason, message: warned.append((reason, message))
+    asyncio.run(operator.run(KEY, trigger, handlers.FULL))
+    return warned
+
+
+LEGACY_ENV = {"engine": {"env": [{"name": "HOLEBLEND_ENGINE_URL", "value": "http://x:1"}]}}
+
+
+@pytest.mark.parametrize("trigger", handlers.SPEC_TRIGGERS)
+def test_a_spec_with_a_deprecated_setting_gets_a_warning_event_per_spec_reconcile(
+    monkeypatch, trigger
+):
+    ((reason, message),) = _reconciled(monkeypatch, LEGACY_ENV, trigger)
+    assert reason == "DeprecatedSetting"
+    assert "remove HOLEBLEND_ENGINE_URL from engine.env" in message
+
+
+@pytest.mark.parametrize("trigger", ["tune", "retry", "drift"])
+def test_tuning_and_retries_post_no_deprecation_events(monkeypatch, trigger):
+    assert _reconciled(monkeypatch, LEGACY_ENV, trigger) == []
+
+
+def test_a_current_spec_gets_no_deprecation_event(monkeypatch):
+    assert _reconciled(monkeypatch, {}, "update") == []

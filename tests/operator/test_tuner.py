@@ -8,7 +8,15 @@ import random
 import pytest
 
 from holeblend_operator.api import TuningSpec
-from holeblend_operator.tuner import MEMORY_COOLDOWNS, Reading, State, decide
+from holeblend_operator.tuner import (
+    INLINE,
+    MEMORY_COOLDOWNS,
+    SHADOW,
+    Reading,
+    State,
+    decide,
+    select_signal,
+)
 
 SPEC = TuningSpec.model_validate(
     {
@@ -386,3 +394,77 @@ def test_a_step_shaped_quality_settles_without_oscillating(threshold, start):
     assert plant.quality(ratios[-1]) == 1.0, ratios
     assert ratios[-1] - threshold <= max(STEP_SPEC.step_down, threshold * 0.6), ratios
     assert all(STEP_SPEC.min_ratio <= r <= STEP_SPEC.max_ratio for r in ratios)
+
+
+# --- the inline proxy: the fallback when the shadow gave too few samples ---------------------
+
+
+def inline(f1, n, shadow_f1=0.5, shadow_n=3, **changes) -> Reading:
+    return reading(
+        f1=shadow_f1,
+        n=shadow_n,
+        inline_f1_proxy=f1,
+        inline_top1=f1,
+        inline_num_samples=n,
+        **changes,
+    )
+
+
+def test_too_few_shadow_samples_fall_back_on_the_inline_proxy_and_say_so():
+    decision = decide(SPEC, 0.2, inline(0.7, 200), State(), now=100)
+    assert (decision.direction, decision.code) == ("up", "BelowTarget")
+    assert "F1 proxy 0.700 over 200 samples (inline proxy: 3 shadow samples" in decision.reason
+    # In band on the inline proxy: held, and said which signal.
+    held = decide(SPEC, 0.2, inline(0.9, 200), State(), now=100)
+    assert held.code == "InBand" and "(inline proxy" in held.reason
+
+
+def test_enough_shadow_samples_win_over_the_inline_proxy():
+    decision = decide(SPEC, 0.2, inline(0.99, 500, shadow_f1=0.7, shadow_n=20), State(), now=100)
+    assert (decision.direction, decision.code) == ("up", "BelowTarget")
+    assert "inline" not in decision.reason
+
+
+def test_the_selected_reading_carries_the_signal_and_the_shadow_count():
+    chosen = select_signal(SPEC, inline(0.8, 200))
+    assert (chosen.signal, chosen.f1_proxy, chosen.num_samples) == (INLINE, 0.8, 200)
+    assert chosen.shadow_num_samples == 3
+    assert select_signal(SPEC, chosen) == chosen  # idempotent
+    shadow = select_signal(SPEC, inline(0.8, 200, shadow_n=20))
+    assert (shadow.signal, shadow.f1_proxy, shadow.num_samples) == (SHADOW, 0.5, 20)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"inline_f1_proxy": None, "inline_num_samples": 0},
+        {"inline_f1_proxy": math.nan},
+        {"inline_num_samples": 2},  # fewer than the shadow's 3: no better
+    ],
+)
+def test_no_usable_inline_proxy_leaves_the_shadow_reading(changes):
+    seen = reading(f1=0.5, n=3, inline_f1_proxy=0.8, inline_num_samples=200)
+    seen = dataclasses.replace(seen, **changes)
+    assert select_signal(SPEC, seen).signal == SHADOW
+    assert decide(SPEC, 0.2, seen, State(), now=100).code == "TooFewSamples"
+
+
+def test_too_few_inline_samples_hold_and_say_which_signal():
+    decision = decide(SPEC, 0.2, inline(0.5, 10, shadow_n=2), State(), now=100)
+    assert decision.code == "TooFewSamples"
+    assert decision.reason.startswith("10 F1-proxy samples at ratio 0.2")
+    assert "(inline proxy: 2 shadow samples" in decision.reason
+
+
+def test_the_inline_proxy_reads_its_own_recent_part():
+    seen = inline(
+        0.85,
+        200,
+        recent_f1_proxy=0.99,
+        recent_num_samples=2,
+        recent_inline_f1_proxy=0.4,
+        recent_inline_num_samples=60,
+    )
+    decision = decide(SPEC, 0.2, seen, State(), now=100)
+    assert decision.reason.startswith("the workload changed (the last 60 samples read 0.400")
+    assert "(inline proxy" in decision.reason and decision.code == "BelowTarget"

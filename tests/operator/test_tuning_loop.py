@@ -5,7 +5,7 @@ import dataclasses
 import datetime
 
 from holeblend_operator.api import BlendDeployment, TuningSpec
-from holeblend_operator.tuner import Decision, Reading, State
+from holeblend_operator.tuner import Decision, Reading, State, select_signal
 from holeblend_operator.tuning_loop import (
     HISTORY_LENGTH,
     is_active,
@@ -150,3 +150,42 @@ def test_only_the_live_peer_of_highest_priority_is_active():
     assert not is_active(peers | {"twin": peer(10)}, "me", 10, NOW_DT)  # kopf pauses both
     assert is_active(peers | {"dead": peer(20, seconds_ago=120)}, "me", 10, NOW_DT)
     assert is_active(peers | {"junk": "not a record"}, "me", 10, NOW_DT)
+
+
+def test_status_says_which_proxy_the_decision_read():
+    shadow = status_patch(BD, {}, hold(), SEEN, NOW)
+    assert shadow["metrics"]["proxySignal"] == "shadow"
+    seen = dataclasses.replace(SEEN, num_samples=3, inline_f1_proxy=0.7, inline_num_samples=90)
+    chosen = select_signal(TuningSpec(minSamples=20), seen)
+    patch = status_patch(BD, {}, hold(), chosen, NOW)
+    assert patch["metrics"]["proxySignal"] == "inline"
+    assert (patch["metrics"]["f1Proxy"], patch["metrics"]["numSamples"]) == (0.7, 90)
+    assert patch["tuning"]["history"][-1]["inputs"]["proxySignal"] == "inline"
+    BlendDeployment.model_validate(  # what status takes, the CRD's schema too
+        {"metadata": {"name": "r"}, "spec": SPEC, "status": patch}
+    )
+
+
+def test_the_inline_gauge_says_which_proxy_the_last_decision_read():
+    from holeblend_operator import metrics
+    from holeblend_operator.tuning_loop import TuningLoop
+
+    loop, key = TuningLoop(operator=None), ("ns", "inline-gauge")
+    seen = dataclasses.replace(SEEN, num_samples=3, inline_f1_proxy=0.7, inline_num_samples=90)
+    try:
+        loop._record(key, TuningSpec(), hold(), select_signal(TuningSpec(), seen))
+        assert _gauge("holeblend_operator_tuning_inline_proxy", key) == 1.0
+        loop._record(key, TuningSpec(), hold(), SEEN)
+        assert _gauge("holeblend_operator_tuning_inline_proxy", key) == 0.0
+    finally:
+        metrics.TUNING.forget(key)
+
+
+def _gauge(name: str, key: tuple) -> float:
+    from holeblend_operator import metrics
+
+    for family in metrics.TUNING.collect():
+        for sample in family.samples:
+            if sample.name == name and (sample.labels["namespace"], sample.labels["name"]) == key:
+                return sample.value
+    raise AssertionError(f"no {name} for {key}")

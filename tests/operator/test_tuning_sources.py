@@ -119,6 +119,43 @@ def test_the_reading_counts_only_samples_taken_at_the_ratio_in_force():
     assert (other.f1_proxy, other.num_samples) == (0.5, 100)
 
 
+def inline_page(f1_sum, count, top1_sum=None, ratio=0.15) -> str:
+    top1_sum = f1_sum if top1_sum is None else top1_sum
+    return f"""# TYPE holeblend_inline_f1_proxy histogram
+holeblend_inline_f1_proxy_bucket{{ratio="{ratio}",le="+Inf"}} {count}
+holeblend_inline_f1_proxy_sum{{ratio="{ratio}"}} {f1_sum}
+holeblend_inline_f1_proxy_count{{ratio="{ratio}"}} {count}
+holeblend_inline_f1_proxy_sum{{ratio="0.1"}} 1
+holeblend_inline_f1_proxy_count{{ratio="0.1"}} 1000
+# TYPE holeblend_inline_top1_proxy histogram
+holeblend_inline_top1_proxy_sum{{ratio="{ratio}"}} {top1_sum}
+holeblend_inline_top1_proxy_count{{ratio="{ratio}"}} {count}
+"""
+
+
+def test_the_reading_carries_the_inline_proxy_at_the_ratio_in_force_next_to_the_shadow():
+    increases = as_increases(metrics_page(2, 3) + inline_page(160, 200, top1_sum=180))
+    seen = reading(increases, 0.15, [0.15], age_s=3)
+    assert (seen.f1_proxy, seen.num_samples, seen.signal) == (pytest.approx(2 / 3), 3, "shadow")
+    assert (seen.inline_f1_proxy, seen.inline_top1, seen.inline_num_samples) == (0.8, 0.9, 200)
+    # Without inline series (an older runtime): nothing to fall back on.
+    plain = reading(as_increases(metrics_page(2, 3)), 0.15, [0.15], age_s=3)
+    assert (plain.inline_f1_proxy, plain.inline_num_samples) == (None, 0)
+
+
+async def test_the_scrape_reads_the_inline_proxy_over_the_window_and_its_recent_part():
+    async with servers(1) as ((a,), session):
+        clock = Clock()
+        source = ScrapeSource(session, clock=clock)
+        for f1_sum, count in [(10, 10), (90, 110), (170, 210)]:  # every 10 s
+            a.answer = (200, metrics_page(1, 1) + inline_page(f1_sum, count), "text/plain")
+            seen = await source.read(target(a.url), 0.15, window_s=60, recent_s=10)
+            clock.now += 10
+        assert (seen.inline_num_samples, seen.inline_f1_proxy) == (200, pytest.approx(0.8))
+        assert seen.recent_inline_num_samples == 100
+        assert seen.recent_inline_f1_proxy == pytest.approx(0.8)
+
+
 def test_a_ratio_label_written_differently_still_matches():
     increases = as_increases(metrics_page(9, 10, ratio=0.15, label="0.15000"))
     assert reading(increases, 0.15, [], None).num_samples == 10
@@ -181,7 +218,9 @@ async def test_prometheus_is_asked_for_the_recent_part_of_the_window_too():
         assert (seen.error, seen.num_samples, seen.f1_proxy) == (None, 40, 0.75)
         assert (seen.recent_num_samples, seen.recent_f1_proxy) == (8, 0.25)
         recent = [q for q in asked if "offset 90s" in q]
-        assert len(recent) == 2 and all("holeblend_f1_proxy_" in q for q in recent)
+        assert len(recent) == 4
+        assert sum("holeblend_f1_proxy_" in q for q in recent) == 2
+        assert sum("holeblend_inline_f1_proxy_" in q for q in recent) == 2
 
 
 async def test_a_series_that_appears_after_a_ratio_change_counts_from_zero():
