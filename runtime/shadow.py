@@ -1,25 +1,36 @@
 """Quality proxies from shadow full prefill: how much blending changed the answers.
 
-For a sampled share of requests (spec.tuning.shadowSampleRate) the engine also runs full
-prefill of the same prompt, in the background, and scores the blended request against it:
+For a sampled share of requests (blend.json `shadowSampleRate`), within a token budget
+(`shadowBudget`), the engine also runs full prefill of the same prompt in the background
+and scores the blended request against it:
 
-1. `offer` samples the request, and drops it at once (never queues it) when requests are
-   waiting or the shadow slots are taken: serving never waits for a shadow.
+1. `offer` samples the request and admits it when the shadow slot is free and the budget
+   allows (`ShadowBudget`: the shadows' prefill tokens stay within `shadowBudget` x the
+   user requests' prompt tokens, plus a small burst); otherwise it is dropped at once,
+   never queued. Load does not stop sampling: a saturated engine is scored too.
 2. A worker thread at low CPU priority (nice 10) runs full prefill in chunks of
-   `chunk_tokens`; before every layer of a chunk and between decode steps it pauses while
-   the engine is busy, so a request waits at most one layer's work for the CPU, and gives
-   the sample up (`preempted`) if it stays paused longer than `max_pause_s`. Pausing inside
-   the model rather than between small chunks keeps the chunks large: a 512-token prompt
-   prefilled 32 tokens at a time took twice as long on two CPU cores as in one pass.
+   `chunk_tokens` and passes a `ShadowGate` before every layer of a chunk and every
+   decode step. While the engine is idle it runs freely; while the engine serves, the
+   engine grants it one unit (a layer, a decode step) between its own steps, at most a
+   `time_share` of the time, and waits for that unit: a user request waits for at most
+   one unit of shadow work, and the shadow still progresses under sustained load.
+   Pausing inside the model rather than between small chunks keeps the chunks large: a
+   512-token prompt prefilled 32 tokens at a time took twice as long on two CPU cores.
 3. Teacher-forced on the blended answer, full prefill's next-token argmax at each answer
    position gives **top-1 agreement** (`holeblend_top1_agreement`): the share of positions
-   where full prefill would have picked the token the blended request picked. Where they
-   first disagree, full prefill continues greedily by itself (the KV before that point is
-   shared), which gives its own answer; **answer-token F1** of the two answers
-   (`holeblend_f1_proxy`, SQuAD-style words, words copied from the question skipped) is
-   the second proxy. Both answers get the same token budget: the blended answer's length.
+   where full prefill would have picked the token the blended request picked. When the
+   blended answer ended with the end-of-sequence token, the position after its last token
+   is scored too (would full prefill have stopped there?). Where they first disagree,
+   full prefill continues greedily by itself (the KV before that point is shared) to its
+   own end: EOS, or the blended answer's length when that was the request's token limit,
+   else `RUN_ON_TOKENS` past the blended length (within the limit). **Answer-token F1**
+   of the two answers (`holeblend_f1_proxy`, SQuAD-style words, words copied from the
+   question skipped) is the second proxy. So an answer that stops early, or runs on where
+   full prefill would have stopped, loses on both.
 4. Both are observed in histograms labelled by the ratio the request ran with, so a ratio
    change starts a fresh series and the tuner reads only samples of the ratio in force.
+   A scored request that carries its blend's inline statistic also calibrates the inline
+   proxy (inline_proxy.py).
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
@@ -42,12 +54,23 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 from holeblend_runtime.bench.quality import answer_f1, answer_words
 from holeblend_runtime.segments import SegmentedPrompt
 
+if TYPE_CHECKING:
+    from holeblend_runtime.inline_proxy import InlineProxy
+
 LOG = logging.getLogger(__name__)
 PROXY_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.99, 1.0)
-# Nice value of the worker thread (Linux: per thread). Low, but not the lowest: pausing
-# while the engine serves is what keeps serving first; on a machine shared with other
-# busy processes, nice 19 starved the shadow of any CPU at all.
+# Nice value of the worker thread (Linux: per thread). Low, but not the lowest: the gate
+# is what keeps serving first; on a machine shared with other busy processes, nice 19
+# starved the shadow of any CPU at all.
 SHADOW_NICE = 10
+# How far past the blended answer's length full prefill's own answer may run when the
+# blended answer stopped at EOS (within the request's token limit): an answer that
+# stopped early then loses F1 for the words it left out.
+RUN_ON_TOKENS = 16
+# Shadow prefill tokens the budget may run ahead of its share of the user tokens.
+BURST_TOKENS = 2048
+# Most of the engine's time the shadow takes while the engine serves (`ShadowGate`).
+SHADOW_TIME_SHARE = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +80,18 @@ class ShadowRequest:
     prompt: SegmentedPrompt
     answer_ids: tuple[int, ...]  # the blended answer (greedy; EOS not included)
     ratio: float  # the recompute ratio the request ran with
+    # The answer ended with the end-of-sequence token (False: at the token limit, a stop
+    # sequence, or unknown); then full prefill is also asked whether it would stop there.
+    stopped_at_eos: bool = False
+    # The request's token limit (None: unknown); bounds full prefill's own answer.
+    max_tokens: int | None = None
+    # The blend's inline statistic (inline_proxy.py); None: not taken.
+    inline_statistic: float | None = None
+
+    @property
+    def num_shadow_tokens(self) -> int:
+        """Tokens the teacher-forced full prefill computes (prompt, answer, end check)."""
+        return len(self.prompt.token_ids) + len(self.answer_ids) + 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,10 +100,6 @@ class ShadowScore:
     top1: float  # share of answer positions where full prefill's argmax = the blended token
     ratio: float
     seconds: float  # wall time of the shadow work, pauses included
-
-
-class Preempted(Exception):
-    """The engine stayed busy too long: the sample is given up."""
 
 
 class ShadowMetrics:
@@ -93,8 +124,14 @@ class ShadowMetrics:
         self.offers = Counter(
             "holeblend_shadow_requests",
             "Requests offered for shadow scoring, by outcome (scored, not_sampled, "
-            "dropped_busy, dropped_full, preempted, failed).",
+            "over_budget, dropped_full, failed).",
             ["outcome"],
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "holeblend_shadow_tokens",
+            "Prefill tokens spent by the shadow requests (within shadowBudget x user "
+            "prompt tokens).",
             registry=registry,
         )
 
@@ -109,6 +146,144 @@ def ratio_label(ratio: float) -> str:
     return repr(round(float(ratio), 4))
 
 
+class ShadowBudget:
+    """The running account of shadow prefill tokens against user prompt tokens.
+
+    The account starts with `burst_tokens` of credit (a started engine gets its first
+    samples soon) and each user prompt token earns `share` tokens more, banked up to
+    `burst_tokens`; a shadow is admitted while the balance is not negative and is charged
+    its tokens (the balance may go below zero by one shadow, repaid by later user
+    tokens). Over any stretch the shadows spend at most `share` x the user tokens +
+    `burst_tokens` + one shadow. Share 0: no shadow. Thread-safe."""
+
+    def __init__(self, share: float, burst_tokens: int = BURST_TOKENS) -> None:
+        if not 0 <= share <= 1:
+            raise ValueError(f"shadowBudget: must be within [0, 1], got {share}")
+        if burst_tokens < 0:
+            raise ValueError(f"burst_tokens: must be >= 0, got {burst_tokens}")
+        self.share, self.burst_tokens = share, burst_tokens
+        self._lock = threading.Lock()
+        self._balance = float(burst_tokens)
+        self.user_tokens = 0
+        self.shadow_tokens = 0
+
+    @property
+    def balance(self) -> float:
+        with self._lock:
+            return self._balance
+
+    def add_user_tokens(self, num_tokens: int) -> None:
+        """User prompt tokens the engine prefilled (reused or computed)."""
+        if num_tokens <= 0:
+            return
+        with self._lock:
+            self.user_tokens += num_tokens
+            self._balance = min(self.burst_tokens, self._balance + self.share * num_tokens)
+
+    def try_spend(self, num_tokens: int) -> bool:
+        """Admit a shadow of `num_tokens` (and charge it) if the account allows."""
+        with self._lock:
+            if self.share <= 0 or self._balance < 0:
+                return False
+            self._balance -= num_tokens
+            self.shadow_tokens += num_tokens
+            return True
+
+    def charge(self, num_tokens: int) -> None:
+        """Tokens an admitted shadow spent beyond its estimate (a continuation)."""
+        with self._lock:
+            self._balance -= num_tokens
+            self.shadow_tokens += num_tokens
+
+
+class ShadowGate:
+    """Serving first, yet progress under load: the shadow's work in units (a layer of a
+    prefill chunk, a decode step), each entered through the gate.
+
+    - Engine idle: a unit runs at once.
+    - Engine serving, `cooperative` (the engine calls `between_steps` between its own
+      steps): the engine grants the waiting shadow one unit when the shadow's share of
+      the time allows (after a unit of d seconds, none for d x (1/time_share - 1)), and
+      waits for it; a unit already running when a request arrives is finished first.
+      Either way a user step waits for at most one unit, and the engine never computes
+      beside the shadow.
+    - Engine serving, not cooperative (nothing calls `between_steps`): the shadow runs a
+      unit beside the engine at the same pacing.
+    """
+
+    def __init__(
+        self,
+        is_busy: Callable[[], bool],
+        *,
+        time_share: float = SHADOW_TIME_SHARE,
+        cooperative: bool = False,
+        max_unit_wait_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not 0 < time_share <= 1:
+            raise ValueError(f"time_share: must be within (0, 1], got {time_share}")
+        self.is_busy, self.time_share, self.cooperative = is_busy, time_share, cooperative
+        self.max_unit_wait_s, self._clock = max_unit_wait_s, clock
+        self._cond = threading.Condition()
+        self._running_since: float | None = None  # a unit runs
+        self._waiting = False  # the shadow waits for a grant
+        self._granted = False
+        self._next_at = 0.0  # earliest start of a unit while the engine serves
+        self.num_units = 0
+        self.num_granted = 0  # units run while the engine served
+
+    def enter(self) -> None:
+        """Shadow thread, before a unit: ends the previous unit; returns when this one
+        may run."""
+        with self._cond:
+            self._end_unit()
+            granted = False
+            while self.is_busy():
+                if self._granted:
+                    self._granted, granted = False, True
+                    break
+                if not self.cooperative and self._clock() >= self._next_at:
+                    granted = True
+                    break
+                self._waiting = True
+                self._cond.wait(0.005)
+            # Whatever let this unit run, a grant given meanwhile is used by it.
+            self._waiting = self._granted = False
+            self._running_since = self._clock()
+            self.num_units += 1
+            self.num_granted += granted
+
+    def leave(self) -> None:
+        """Shadow thread: the shadow's work is over (scored, failed)."""
+        with self._cond:
+            self._end_unit()
+            self._granted = False
+
+    def between_steps(self) -> None:
+        """Engine thread, before each step while it serves: finish a running unit, or
+        grant a waiting one when the pacing allows and wait for it."""
+        with self._cond:
+            if self._running_since is None and not (
+                self._waiting and self._clock() >= self._next_at
+            ):
+                return
+            if self._running_since is None:
+                self._granted = True
+                self._cond.notify_all()
+            self._cond.wait_for(
+                lambda: not self._granted and self._running_since is None,
+                self.max_unit_wait_s,
+            )
+
+    def _end_unit(self) -> None:
+        if self._running_since is None:
+            return
+        now = self._clock()
+        self._next_at = now + (now - self._running_since) * (1 / self.time_share - 1)
+        self._running_since = None
+        self._cond.notify_all()
+
+
 class ShadowSampler(abc.ABC):
     """Samples offered requests and scores them on one background thread (step 1 of the
     module doc); subclasses say how a request is scored (`score`)."""
@@ -118,10 +293,11 @@ class ShadowSampler(abc.ABC):
         sample_rate: float,
         *,
         is_busy: Callable[[], bool] = lambda: False,
-        is_backlogged: Callable[[], bool] | None = None,
+        gate: ShadowGate | None = None,
+        budget: ShadowBudget | None = None,
+        inline: InlineProxy | None = None,
         metrics: ShadowMetrics | None = None,
         slots: int = 1,
-        max_pause_s: float = 30.0,
         rng: random.Random | None = None,
     ):
         if not 0 <= sample_rate <= 1:
@@ -129,12 +305,11 @@ class ShadowSampler(abc.ABC):
         if slots < 1:
             raise ValueError(f"slots: must be >= 1, got {slots}")
         self.sample_rate = sample_rate
-        self.is_busy = is_busy  # a request is running or waiting: the worker pauses
-        # Requests are waiting (default: is_busy): an offer is dropped. A server that offers
-        # from its compute thread, while its own request still counts, passes this apart.
-        self.is_backlogged = is_backlogged or is_busy
+        # Units of shadow work pass the gate (default: pacing against `is_busy` alone).
+        self.gate = gate or ShadowGate(is_busy)
+        self.budget = budget  # None: no token budget (offline use)
+        self.inline = inline  # calibrated by each scored request's inline statistic
         self.metrics = metrics
-        self.max_pause_s = max_pause_s
         self._rng = rng or random.Random()
         self.slots = slots
         self._jobs: queue.Queue[object | None] = queue.Queue()
@@ -155,15 +330,24 @@ class ShadowSampler(abc.ABC):
         """Take the request for scoring or drop it; returns the outcome (never blocks)."""
         if self._rng.random() >= self.sample_rate:
             return self._count("not_sampled")
-        if self.is_backlogged():
-            return self._count("dropped_busy")
         with self._lock:
             if self._num_in_flight >= self.slots:  # queued or running
                 return self._count("dropped_full")
+            if self.budget is not None and not self.budget.try_spend(request.num_shadow_tokens):
+                return self._count("over_budget")
             self._num_in_flight += 1
             self._idle.clear()
+        if self.budget is not None and self.metrics is not None:
+            self.metrics.tokens.inc(request.num_shadow_tokens)
         self._jobs.put(request)
         return "queued"
+
+    def charge(self, num_tokens: int) -> None:
+        """Tokens a running shadow spends beyond its admission estimate."""
+        if self.budget is not None and num_tokens > 0:
+            self.budget.charge(num_tokens)
+            if self.metrics is not None:
+                self.metrics.tokens.inc(num_tokens)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Until no shadow work is queued or running (tests, benchmarks)."""
@@ -181,31 +365,43 @@ class ShadowSampler(abc.ABC):
                 self.scores = [*self.scores[-999:], score]
                 if self.metrics is not None:
                     self.metrics.observe(score)
+                if self.inline is not None:
+                    self.inline.add_pair(getattr(request, "inline_statistic", None), score)
                 self._count("scored")
-            except Preempted:
-                self._count("preempted")
             except Exception:  # a shadow must never take the engine down
                 LOG.exception("shadow scoring failed")
                 self._count("failed")
             finally:
+                self.gate.leave()
                 with self._lock:
                     self._num_in_flight -= 1
                     if self._num_in_flight == 0:
                         self._idle.set()
 
     def _yield_to_serving(self) -> None:
-        """Pause while the engine serves; give up after max_pause_s."""
-        paused_at = time.monotonic()
-        while self.is_busy():
-            if time.monotonic() - paused_at > self.max_pause_s:
-                raise Preempted
-            time.sleep(0.005)
+        """Before a unit of shadow work: pass the gate."""
+        self.gate.enter()
 
     def _count(self, outcome: str) -> str:
         self.outcomes[outcome] += 1
         if self.metrics is not None:
             self.metrics.offers.labels(outcome=outcome).inc()
         return outcome
+
+
+def answer_budget(num_answer: int, stopped_at_eos: bool, max_tokens: int | None) -> int:
+    """Tokens full prefill's own answer may have: the blended length when that was the
+    limit (or the end is unknown), else `RUN_ON_TOKENS` more, within `max_tokens`."""
+    if not stopped_at_eos:
+        return num_answer
+    budget = num_answer + RUN_ON_TOKENS
+    return budget if max_tokens is None else max(num_answer, min(budget, max_tokens))
+
+
+def end_targets(answer: Sequence[int], stopped_at_eos: bool, eos: int) -> list[int]:
+    """The tokens full prefill is teacher-forced to agree with: the answer, plus EOS after
+    it when the blended answer ended there (an empty answer always did)."""
+    return [*answer, eos] if stopped_at_eos or not answer else list(answer)
 
 
 class ShadowScorer(ShadowSampler):
@@ -238,19 +434,21 @@ class ShadowScorer(ShadowSampler):
     def score(self, request: ShadowRequest) -> ShadowScore:
         """Full prefill of the prompt and both proxies (steps 2-3 of the module doc)."""
         started = time.monotonic()
+        eos = self.model.config.eos_token_id
         answer = list(request.answer_ids)
         prompt_ids = list(request.prompt.token_ids)
-        k, v = self.model.new_kv(len(prompt_ids) + max(len(answer), 1))
+        targets = end_targets(answer, request.stopped_at_eos, eos)
+        room = self.model.config.context_length - len(prompt_ids)
+        budget = min(answer_budget(len(answer), request.stopped_at_eos, request.max_tokens), room)
+        k, v = self.model.new_kv(len(prompt_ids) + max(len(targets), budget) + 1)
         last = self._prefill_prompt(prompt_ids, k, v)
-        hidden = self._forward_chunks(answer[:-1], len(prompt_ids), k, v)
+        # Teacher-forced: the rows after the prompt and after each answer token but the
+        # last target's input (the last answer token when the end is checked).
+        hidden = self._forward_chunks(targets[:-1], len(prompt_ids), k, v)
         rows = self.model.logits(torch.cat([last, *hidden]))
-        full_top1 = rows.argmax(dim=-1).tolist()  # full prefill's pick at each answer position
-        if not answer:
-            eos = self.model.config.eos_token_id
-            top1 = float(full_top1[0] == eos)
-            return ShadowScore(top1, top1, request.ratio, time.monotonic() - started)
-        agree = [a == b for a, b in zip(full_top1, answer, strict=True)]
-        full_answer = self._full_answer(answer, full_top1, agree, len(prompt_ids), k, v)
+        picks = rows.argmax(dim=-1).tolist()  # full prefill's pick at each target position
+        agree = [a == b for a, b in zip(picks, targets, strict=True)]
+        full_answer = self._full_answer(targets, picks, agree, budget, len(prompt_ids), k, v)
         question = answer_words(self.tokenizer.decode(request.prompt.question.token_ids))
         f1 = answer_f1(
             answer_words(self.tokenizer.decode(full_answer)),
@@ -273,8 +471,8 @@ class ShadowScorer(ShadowSampler):
         return last
 
     def _forward_chunks(self, token_ids: Sequence[int], start: int, k, v) -> list[torch.Tensor]:
-        """Hidden states of `token_ids` at positions start.., chunk by chunk, pausing
-        before every layer while the engine serves."""
+        """Hidden states of `token_ids` at positions start.., chunk by chunk, passing the
+        gate before every layer."""
         hidden = []
         for offset in range(0, len(token_ids), self.chunk_tokens):
             chunk = torch.tensor(token_ids[offset : offset + self.chunk_tokens], dtype=torch.int64)
@@ -289,19 +487,21 @@ class ShadowScorer(ShadowSampler):
             )
         return hidden
 
-    def _full_answer(self, answer, full_top1, agree, num_prompt, k, v) -> list[int]:
-        """Full prefill's own greedy answer within the blended answer's token budget."""
+    def _full_answer(self, targets, picks, agree, budget, num_prompt, k, v) -> list[int]:
+        """Full prefill's own greedy answer: the targets up to the first disagreement, then
+        its own picks to EOS or `budget` tokens."""
         eos = self.model.config.eos_token_id
         first_diff = agree.index(False) if False in agree else len(agree)
-        full = list(answer[:first_diff])
-        if first_diff == len(answer):
+        full = [t for t in targets[:first_diff] if t != eos]
+        if first_diff == len(agree):
             return full
-        token, position = full_top1[first_diff], num_prompt + first_diff
-        while token != eos and len(full) < len(answer):
+        token, position = picks[first_diff], num_prompt + first_diff
+        while token != eos and len(full) < budget:
             full.append(token)
-            if len(full) == len(answer) or position >= k.shape[2]:
+            if len(full) == budget or position + 1 >= k.shape[2]:
                 break
             self._yield_to_serving()
+            self.charge(1)
             h = self.model.forward(torch.tensor([token], device=self.model.device), k, v, position)
             token, position = int(self.model.logits(h)[0].argmax()), position + 1
         return full

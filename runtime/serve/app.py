@@ -31,7 +31,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from holeblend_contract.blend_settings import Dtype
 from holeblend_runtime.blend_config import from_settings
-from holeblend_runtime.engine import Mode, ReferenceEngine
+from holeblend_runtime.engine import Mode, Prefill, ReferenceEngine
+from holeblend_runtime.inline_proxy import InlineProxy, residual_deviation_share
 from holeblend_runtime.kv_store import LocalKVStore
 from holeblend_runtime.segments import SegmentedPrompt
 from holeblend_runtime.serve import requests as parsing
@@ -46,8 +47,22 @@ from holeblend_runtime.serve.responses import (
     usage,
 )
 from holeblend_runtime.serve.settings import ServeSettings
-from holeblend_runtime.serve.worker import EngineWorker, Finished, Job, PrefillDone, QueueFull
-from holeblend_runtime.shadow import ShadowMetrics, ShadowRequest, ShadowScorer
+from holeblend_runtime.serve.worker import (
+    Answered,
+    EngineWorker,
+    Finished,
+    Job,
+    PrefillDone,
+    QueueFull,
+    is_blended,
+)
+from holeblend_runtime.shadow import (
+    ShadowBudget,
+    ShadowGate,
+    ShadowMetrics,
+    ShadowRequest,
+    ShadowScorer,
+)
 from holeblend_runtime.tiered_store import with_remote_tiers
 
 log = logging.getLogger(__name__)
@@ -116,6 +131,8 @@ class Server:
         self.engine: ReferenceEngine | None = None
         self.worker: EngineWorker | None = None
         self.shadow: ShadowScorer | None = None
+        self.inline: InlineProxy | None = None
+        self.shadow_budget: ShadowBudget | None = None
         self.is_ready = False
         self.is_draining = False
         # Requests with a parsed body, not yet answered (what a drain waits for).
@@ -155,24 +172,52 @@ class Server:
             self.engine, self.live, self.metrics, self.settings.queue_size,
             self.settings.max_batch,
         )  # fmt: skip
-        self._start_shadow(settings.shadow_sample_rate)
+        self._start_quality_proxies()
         self.worker.start()
 
-    def _start_shadow(self, sample_rate: float) -> None:
-        """Quality proxies (runtime/shadow.py) for a share of the answered requests."""
-        if sample_rate <= 0:
+    def _start_quality_proxies(self) -> None:
+        """The inline proxy for every blended request (runtime/inline_proxy.py) and the
+        shadow for a sampled share of them within the token budget (runtime/shadow.py);
+        neither with `qualityProxies: false`."""
+        settings = self.live.startup
+        if not settings.quality_proxies:
             return
         worker = self.worker
+        self.inline = InlineProxy(self.metrics.registry)
+        self.shadow_budget = ShadowBudget(settings.shadow_budget)
+        worker.on_prefilled = self._on_prefilled
+        # Shadow metrics are exported (zero) even when no shadow runs: the tuner reads them.
+        metrics = ShadowMetrics(self.metrics.registry)
+        if settings.shadow_sample_rate <= 0 or settings.shadow_budget <= 0:
+            return
+        gate = ShadowGate(lambda: worker.num_pending > 0, cooperative=True)
         self.shadow = ShadowScorer(
-            self.engine.model, self.engine.tokenizer, sample_rate,
-            is_busy=lambda: worker.num_pending > 0,
-            # Offered from the compute thread while its own request still counts as pending.
-            is_backlogged=lambda: worker.num_pending > 1,
-            metrics=ShadowMetrics(self.metrics.registry),
+            self.engine.model, self.engine.tokenizer, settings.shadow_sample_rate,
+            gate=gate, budget=self.shadow_budget, inline=self.inline, metrics=metrics,
         )  # fmt: skip
-        worker.on_answered = lambda prompt, answer, ratio: self.shadow.offer(
-            ShadowRequest(prompt, answer, ratio)
+        worker.between_steps = gate.between_steps
+        worker.on_answered = self._on_answered
+
+    def _on_prefilled(self, prefill: Prefill) -> float | None:
+        """Compute thread, after each prefill: the budget counts its prompt tokens; a
+        blended one's inline statistic is observed (and returned for the shadow)."""
+        self.shadow_budget.add_user_tokens(prefill.num_prompt_tokens)
+        if not is_blended(prefill) or prefill.lookup is None:
+            return None
+        statistic = residual_deviation_share(
+            prefill.prompt, prefill.lookup, prefill.deviation, prefill.selected_positions
         )
+        self.inline.observe(prefill.ratio, statistic)
+        return statistic
+
+    def _on_answered(self, answered: Answered) -> None:
+        self.shadow.offer(
+            ShadowRequest(
+                answered.prompt, answered.answer, answered.ratio,
+                stopped_at_eos=answered.stopped_at_eos, max_tokens=answered.max_tokens,
+                inline_statistic=answered.inline_statistic,
+            )
+        )  # fmt: skip
 
     async def drain(self) -> None:
         """Refuse new requests; wait for queued and running ones (at most drain_timeout)."""

@@ -19,6 +19,11 @@ continuous batching of the decode steps):
    drops the jobs that ended. A failed step fails the jobs in it; the thread serves on.
 4. Events go back to the job's asyncio queue on the server's loop: `PrefillDone`, token
    ids, then one `Finished` (or an exception).
+5. The quality proxies hook in at three points (app.py wires them): `on_prefilled` sees
+   every completed prefill (the shadow budget counts its tokens, the inline proxy reads
+   its blend's statistic), `on_answered` every answered request that blended
+   (`Answered`, offered to the shadow), and `between_steps` runs before every prefill and
+   decode step (the shadow gate: a user step waits for at most one unit of shadow work).
 
 `max_batch` 1 serves one request at a time: prefill, then its whole answer.
 """
@@ -149,7 +154,23 @@ class _Running:
     job: Job
     prefill: Prefill
     sequence: DecodeSequence
+    # The answer's token limit (max_tokens within the context).
+    limit: int
     answer: list[int] = field(default_factory=list)
+    # What `on_prefilled` returned (the blend's inline statistic), passed on in `Answered`.
+    inline_statistic: float | None = None
+
+
+@dataclass(frozen=True)
+class Answered:
+    """An answered request that blended cached KV (what the shadow scores)."""
+
+    prompt: SegmentedPrompt
+    answer: tuple[int, ...]  # EOS not included
+    ratio: float
+    stopped_at_eos: bool  # the answer ended with the end-of-sequence token
+    max_tokens: int  # its token limit
+    inline_statistic: float | None
 
 
 class EngineWorker:
@@ -174,9 +195,12 @@ class EngineWorker:
         self._is_stopped = False
         self._slot = SlotEstimate()
         self._thread = threading.Thread(target=self._run, name="holeblend-engine", daemon=True)
-        # Called after each answered request that blended cached KV (the shadow quality
-        # proxies; see `is_blended`).
-        self.on_answered: Callable[[SegmentedPrompt, tuple[int, ...], float], None] | None = None
+        # The quality proxies' hooks (step 5 of the module doc): after each completed
+        # prefill (returns the blend's inline statistic or None), after each answered
+        # request that blended cached KV (see `is_blended`), and before every step.
+        self.on_prefilled: Callable[[Prefill], float | None] | None = None
+        self.on_answered: Callable[[Answered], None] | None = None
+        self.between_steps: Callable[[], None] | None = None
 
     @property
     def num_pending(self) -> int:
@@ -214,6 +238,7 @@ class EngineWorker:
             # Busy (background stores wait) from the first job in flight until none is.
             with self.engine.busy():
                 batch: list[_Running] = []
+                self._before_step()
                 self._admit(job, batch)
                 if self._serve(batch):
                     break
@@ -224,6 +249,7 @@ class EngineWorker:
         (the jobs in the batch still finish)."""
         stopping = False
         while batch:
+            self._before_step()
             if not stopping and len(batch) < self.max_batch:
                 try:
                     job = self._jobs.get_nowait()
@@ -237,6 +263,13 @@ class EngineWorker:
                     continue
             batch[:] = self._step(batch)
         return stopping
+
+    def _before_step(self) -> None:
+        if self.between_steps is not None:
+            try:
+                self.between_steps()
+            except Exception:  # the proxies never stop serving
+                log.exception("between_steps hook failed")
 
     def _admit(self, job: Job, batch: list[_Running]) -> None:
         """Take a waiting job: prefill it, emit its first token and add it to `batch`
@@ -264,7 +297,13 @@ class EngineWorker:
         self.metrics.observe_prefill(prefill)
         job.emit(PrefillDone.of(prefill, time.perf_counter() - job.arrived))
         limit = min(job.max_tokens, self.engine.config.context_length - prefill.num_prompt_tokens)
-        return _Running(job, prefill, self.engine.start_decode(prefill, limit))
+        running = _Running(job, prefill, self.engine.start_decode(prefill, limit), limit)
+        if self.on_prefilled is not None:
+            try:
+                running.inline_statistic = self.on_prefilled(prefill)
+            except Exception:  # the proxies never fail a request
+                log.exception("on_prefilled hook failed")
+        return running
 
     def _step(self, batch: list[_Running]) -> list[_Running]:
         """One decode step for every job in the batch; the jobs still going."""
@@ -294,7 +333,7 @@ class EngineWorker:
         job, sequence = running.job, running.sequence
         token = sequence.next_token()
         if token == self.engine.config.eos_token_id and not job.ignore_eos:
-            return self._end(running, self._end_of_answer(running))
+            return self._end(running, self._end_of_answer(running), at_eos=True)
         if (reason := job.stop_reason()) is not None:
             return self._end(running, reason)
         job.emit(token)
@@ -310,11 +349,18 @@ class EngineWorker:
         """EOS or the limit: "length" when the answer has max_tokens, else "stop"."""
         return "length" if len(running.answer) == running.job.max_tokens else "stop"
 
-    def _end(self, running: _Running, reason: str) -> bool:
+    def _end(self, running: _Running, reason: str, at_eos: bool = False) -> bool:
         running.job.emit(Finished(reason))
         prefill = running.prefill
         if self.on_answered is not None and is_blended(prefill) and reason != "cancelled":
-            self.on_answered(running.job.prompt, tuple(running.answer), prefill.ratio)
+            answered = Answered(
+                running.job.prompt, tuple(running.answer), prefill.ratio, at_eos,
+                running.limit, running.inline_statistic,
+            )  # fmt: skip
+            try:
+                self.on_answered(answered)
+            except Exception:  # the proxies never fail a request
+                log.exception("on_answered hook failed")
         return False
 
     def _finish(self, job: Job) -> None:

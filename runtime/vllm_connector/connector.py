@@ -9,7 +9,10 @@ Scheduler side (engine-core process): `get_num_new_matched_tokens` plans the req
 `num_computed_tokens` on every call (accounting.py); `update_state_after_alloc` records
 the accepted load and the request's blocks; `build_connector_meta` sends the step's loads
 and the segments to store; `request_finished` returns the reuse figures as
-`kv_transfer_params["holeblend"]`, records metrics and forgets the request.
+`kv_transfer_params["holeblend"]`, records metrics, offers a blended request to the
+quality proxies' shadow (shadow.py: through the pod's API server at the lowest priority,
+within the token budget the planned user prompts earn) and forgets the request. Each
+load's outcome carries the blend's inline statistic (inline_proxy.py), observed here.
 Worker side: `start_load_kv` blends and writes each load synchronously before the forward
 (worker.py); `wait_for_save` computes the step's missing segments in their canonical
 context and stores them, on the model's own thread (a background thread running the
@@ -34,10 +37,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from holeblend_runtime.engine import ReferenceEngine
+from holeblend_runtime.inline_proxy import InlineProxy
 from holeblend_runtime.keys import SegmentKeyer
 from holeblend_runtime.kv_store import KVStore
 from holeblend_runtime.lookup import ReusePolicy
 from holeblend_runtime.selection import num_to_select
+from holeblend_runtime.shadow import ShadowBudget
 from holeblend_runtime.tiered_store import KVLayout, TieredKVStore
 from holeblend_runtime.tokenizer import TextTokenizer
 from holeblend_runtime.vllm_connector import metrics, plugin
@@ -58,6 +63,7 @@ from holeblend_runtime.vllm_connector.settings import ConnectorSettings, RatioSo
 from holeblend_runtime.vllm_connector.shadow import (
     VllmShadow,
     VllmShadowRequest,
+    engine_url,
     is_shadow_request,
 )
 from holeblend_runtime.vllm_connector.store import close_store, open_store
@@ -255,7 +261,12 @@ class _SchedulerSide:
         self.blocks: dict[str, tuple[int, ...]] = {}
         self.stores: list[StoreRequest] = []
         self.ratios: dict[str, float] = {}  # request -> the ratio its blend ran with
-        self.shadow = _shadow(vllm_config, settings, self.ledger)
+        # The quality proxies (qualityProxies): the inline proxy of every blend and the
+        # shadow within its token budget, which counts the user requests' prompt tokens.
+        proxies = settings.quality_proxies and settings.mode != "off"
+        self.budget = ShadowBudget(settings.shadow_budget) if proxies else None
+        self.inline = InlineProxy(metrics=metrics.INLINE) if proxies else None
+        self.shadow = _shadow(vllm_config, settings, self.budget, self.inline)
         metrics.serve_metrics()
 
     def matched(self, request: Any, num_computed_tokens: int) -> int | None:
@@ -273,6 +284,8 @@ class _SchedulerSide:
             elif (plan := self.lookups.poll(request_id, token_ids)) is PENDING:
                 return None
             self._plan(request_id, plan)
+            if self.budget is not None:
+                self.budget.add_user_tokens(len(token_ids))
         return self.ledger.matched(request_id, num_computed_tokens)
 
     def _plan(self, request_id: str, plan: ReusePlan | None) -> None:
@@ -322,6 +335,8 @@ class _SchedulerSide:
             # were the plan's); keep outcomes only for requests still running.
             if outcome.request_id in self.plans:
                 self.outcomes[outcome.request_id] = outcome
+            if self.inline is not None and outcome.inline_statistic is not None:
+                self.inline.observe(outcome.ratio, outcome.inline_statistic)
             metrics.BLEND_SECONDS.observe(outcome.blend_seconds)
             metrics.REJECTED_SEGMENTS.inc(outcome.num_rejected_segments)
 
@@ -340,21 +355,38 @@ class _SchedulerSide:
         figures = _figures(plan, outcome, self.ratio.ratio())
         _record(figures)
         if self.shadow is not None and request is not None and blended_at is not None:
-            self._offer(plan, figures, request, blended_at)
+            statistic = None if outcome is None else outcome.inline_statistic
+            self._offer(plan, figures, request, blended_at, statistic)
         return figures
 
-    def _offer(self, plan: ReusePlan, figures: dict, request: Any, ratio: float) -> None:
+    def _offer(
+        self,
+        plan: ReusePlan,
+        figures: dict,
+        request: Any,
+        ratio: float,
+        statistic: float | None,
+    ) -> None:
         if not _is_blended(plan, figures):
             return  # exact KV: the answer is full prefill's, nothing to measure
         answer = list(getattr(request, "output_token_ids", None) or [])
-        if answer and answer[-1] == self.shadow.eos_token_id:
+        reason = str(request.get_finished_reason())
+        stopped_at_eos = bool(answer) and answer[-1] == self.shadow.eos_token_id
+        if stopped_at_eos:
             answer.pop()
-        if not answer or str(request.get_finished_reason()) not in _SCORED_FINISH_REASONS:
+        if reason not in _SCORED_FINISH_REASONS or not (answer or stopped_at_eos):
             return  # aborted, or nothing answered: nothing to compare
+        params = getattr(request, "sampling_params", None)
+        max_tokens = getattr(params, "max_tokens", None)
         question = self.shadow.decode(plan.prompt.question.token_ids)
         self.shadow.offer(
-            VllmShadowRequest(tuple(plan.prompt.token_ids), tuple(answer), question, ratio)
-        )
+            VllmShadowRequest(
+                tuple(plan.prompt.token_ids), tuple(answer), question, ratio,
+                stopped_at_eos=stopped_at_eos and reason == "stop",
+                max_tokens=max_tokens if isinstance(max_tokens, int) else None,
+                inline_statistic=statistic,
+            )
+        )  # fmt: skip
 
 
 # vLLM's FinishReason of a request that ran to its end (not aborted, not an error).
@@ -370,20 +402,33 @@ def _is_blended(plan: ReusePlan, figures: dict[str, Any]) -> bool:
     return any(segments[i].index is not None for i in plan.lookup.reused_segments)
 
 
-def _shadow(vllm_config: Any, settings: ConnectorSettings, ledger: LoadLedger) -> VllmShadow | None:
-    """The quality proxies' shadow (shadow.py), when the pod names its API server; busy
-    while the ledger tracks a user request (shadow requests never enter it)."""
-    if settings.mode == "off":
+def _shadow(
+    vllm_config: Any,
+    settings: ConnectorSettings,
+    budget: ShadowBudget | None,
+    inline: InlineProxy | None,
+) -> VllmShadow | None:
+    """The quality proxies' shadow (shadow.py) when they are on, the budget allows any
+    and the pod's API server is known (blend.json's engineUrl, or the deprecated env).
+    Its requests go through vLLM's own scheduler at the lowest priority: nothing waits
+    for idle."""
+    if budget is None or budget.share <= 0 or settings.shadow_sample_rate <= 0:
+        return None
+    url = engine_url(settings.engine_url)
+    if url is None:
+        log.info("no shadow quality proxies: blend.json names no engineUrl")
         return None
     tokenizer = _text_tokenizer(vllm_config)
     served = vllm_config.model_config.served_model_name
     served = served[0] if isinstance(served, list | tuple) else served
-    return VllmShadow.from_env(
+    return VllmShadow.create(
+        url,
         served or vllm_config.model_config.model,
         settings.shadow_sample_rate,
         lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True),
-        is_busy=lambda: ledger.num_tracked > 0,
         eos_token_id=tokenizer.eos_token_id,
+        budget=budget,
+        inline=inline,
         metrics=metrics.SHADOW,
     )
 
@@ -489,7 +534,7 @@ class _WorkerSide:
         engine = ReferenceEngine(adapter, tokenizer, self.settings.blend, self.store)
         caches = [self.kv_caches[name] for name in adapter.attention_layer_names()]
         writer = PagedKVWriter(adapter.attention_modules(), caches, self.block_size)
-        return BlendWorker(engine, writer)
+        return BlendWorker(engine, writer, self.settings.quality_proxies)
 
     def _count(self, outcome: LoadOutcome) -> None:
         for name, value in asdict(outcome).items():

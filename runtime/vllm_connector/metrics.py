@@ -13,6 +13,7 @@ import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from holeblend_runtime.inline_proxy import InlineProxyMetrics
 from holeblend_runtime.shadow import ShadowMetrics
 from holeblend_runtime.tiered_store import TierMetrics
 
@@ -58,8 +59,10 @@ BLEND_SECONDS = Histogram(
 RECOMPUTE_RATIO = Gauge(
     "holeblend_recompute_ratio", "The recompute ratio in force", registry=REGISTRY
 )
-# The quality proxies of the shadow full prefill (shadow.py), as holeblend-serve exports them.
+# The quality proxies of the shadow full prefill (shadow.py) and the inline proxy
+# (inline_proxy.py), as holeblend-serve exports them.
 SHADOW = ShadowMetrics(REGISTRY)
+INLINE = InlineProxyMetrics(REGISTRY)
 # Shared tier and lookup server counters of this process's connectors (scheduler, worker).
 TIERS = TierMetrics()
 REGISTRY.register(TIERS)

@@ -53,6 +53,12 @@ class ConnectorSettings:
     lookup_url: str | None = None
     # Share of blended requests scored by the shadow full prefill (shadow.py).
     shadow_sample_rate: float = contract.DEFAULT_SHADOW_SAMPLE_RATE
+    # The quality proxies at all (shadow and inline proxy); blend.json's qualityProxies.
+    quality_proxies: bool = True
+    # Most shadow prefill tokens, as a share of user prompt tokens (shadowBudget).
+    shadow_budget: float = contract.DEFAULT_SHADOW_BUDGET
+    # The pod's own API server the shadow requests go to (engineUrl); None: unknown.
+    engine_url: str | None = None
     # With a lookup server or shared tier: how long a request's segment lookup may take,
     # run off vLLM's scheduler thread, before the request is planned as a full miss
     # (kv_connector_extra_config `lookup_deadline_ms`). None (the default): the lookup runs
@@ -92,6 +98,9 @@ def load_settings(extra_config: Mapping[str, Any]) -> ConnectorSettings:
         shared_url=settings.kv.shared_url,
         lookup_url=settings.lookup_server_url,
         shadow_sample_rate=settings.shadow_sample_rate,
+        quality_proxies=settings.quality_proxies,
+        shadow_budget=settings.shadow_budget,
+        engine_url=settings.engine_url,
         lookup_deadline_s=deadline_s,
     )
 

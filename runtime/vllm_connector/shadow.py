@@ -3,24 +3,33 @@
 holeblend-serve scores its proxies in-process (`holeblend_runtime.shadow`). In a vLLM pod
 the model belongs to vLLM's workers, and a second thread running it beside vLLM's forward
 is not safe, so the scheduler-side connector asks vLLM itself, over HTTP, as any client
-would, and vLLM batches the work with the rest:
+would, and vLLM schedules the work with the rest:
 
-1. `request_finished` offers each finished request that blended a reused document. `offer`
-   samples it (blend.json's `shadowSampleRate`) and drops it at once (never queues it)
-   when other requests are in flight or the one shadow slot is taken.
-2. A worker thread sends the prompt plus the blended answer to
-   `$HOLEBLEND_ENGINE_URL/v1/completions` with `prompt_logprobs: 1` and
-   `kv_transfer_params.holeblend.shadow: true` (the connector then plans a full miss,
-   stores nothing and counts nothing): full prefill teacher-forced on the blended answer.
-   The rank of each answer token gives **top-1 agreement** (`holeblend_top1_agreement`).
+1. `request_finished` offers each finished request that blended a reused document.
+   `offer` samples it (blend.json's `shadowSampleRate`) and admits it when the one shadow
+   slot is free and the token budget allows (`shadowBudget` x the user requests' prompt
+   tokens, which the connector counts as it plans them; `ShadowBudget`); otherwise it is
+   dropped at once, never queued. Load does not stop sampling.
+2. A worker thread sends the prompt plus the blended answer to `engineUrl/v1/completions`
+   (blend.json; `$HOLEBLEND_ENGINE_URL` when unset, deprecated) with `prompt_logprobs: 1`,
+   `max_tokens: 1` and `kv_transfer_params.holeblend.shadow: true` (the connector then
+   plans a full miss, stores nothing and counts nothing): full prefill teacher-forced on
+   the blended answer. The rank of each answer token gives **top-1 agreement**
+   (`holeblend_top1_agreement`); the one token it generates is full prefill's pick after
+   the answer, which, when the blended answer ended with EOS, is scored too.
 3. Where full prefill first disagrees, a second request continues greedily from its own
-   pick, within the blended answer's token budget: full prefill's answer, and
-   **answer-token F1** of the two (`holeblend_f1_proxy`), as holeblend-serve scores it.
-4. Before each request the worker waits while user requests are in flight and gives the
-   sample up (`preempted`) after `max_pause_s`; once sent, a shadow request is a short
-   prefill (plus a few decode steps) that vLLM batches with whatever arrives. Sampling,
-   dropping, the slot and the outcomes are `holeblend_runtime.shadow.ShadowSampler`'s, as
-   in holeblend-serve.
+   pick to its own end (EOS; the blended length when that was the request's limit, else
+   `RUN_ON_TOKENS` more within it): full prefill's answer, and **answer-token F1** of the
+   two (`holeblend_f1_proxy`), as holeblend-serve scores it.
+4. Every shadow request carries vLLM's `priority` at `SHADOW_PRIORITY`, the largest value
+   the API takes: under `--scheduling-policy priority` vLLM serves smaller values first,
+   so a waiting shadow is scheduled after every waiting user request, and it is the
+   first preempted when KV blocks run short. Priority does not stop a *running* shadow's
+   chunked prefill from taking a whole step: `--long-prefill-token-threshold` caps it at
+   one chunk of each step another request is in (the operator renders both flags;
+   tests/vllm/test_shadow_priority.py). A server on the default FCFS policy may refuse a
+   priority other than 0 (vLLM's API documents that): the shadow then logs a warning
+   once and sends priority 0 from then on.
 
 Both proxies are observed by the ratio the request ran with, as in holeblend-serve.
 """
@@ -29,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import time
 import urllib.error
@@ -37,18 +47,43 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from holeblend_runtime.bench.quality import answer_f1, answer_words
-from holeblend_runtime.shadow import ShadowSampler, ShadowScore
+from holeblend_runtime.shadow import ShadowSampler, ShadowScore, answer_budget, end_targets
 
-# The pod's own API server, e.g. http://127.0.0.1:8000; set in engine.env, it turns the
-# shadow on (off by default: a sent shadow delays requests that arrive meanwhile).
+log = logging.getLogger(__name__)
+
+# Deprecated: the pod's own API server, e.g. http://127.0.0.1:8000, from engine.env; read
+# only when blend.json has no `engineUrl` (which the operator renders).
 ENGINE_URL_ENV = "HOLEBLEND_ENGINE_URL"
 API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own: set when the server requires a key
 SHADOW_KEY = "shadow"  # kv_transfer_params["holeblend"]["shadow"]: a shadow request
+# vLLM's priority scheduler serves smaller values first (ties by arrival) and preempts
+# the largest: the largest value its API accepts (int64) is served last.
+SHADOW_PRIORITY = (1 << 63) - 1
+_warned_env = False
 
 
 def is_shadow_request(kv_transfer_params: Any, key: str) -> bool:
     params = kv_transfer_params.get(key) if isinstance(kv_transfer_params, dict) else None
     return isinstance(params, dict) and params.get(SHADOW_KEY) is True
+
+
+def engine_url(configured: str | None) -> str | None:
+    """The API server shadows go to: blend.json's `engineUrl`, else the deprecated
+    `$HOLEBLEND_ENGINE_URL` (logged once)."""
+    global _warned_env
+    if configured:
+        return configured
+    url = os.environ.get(ENGINE_URL_ENV)
+    if url and not _warned_env:
+        _warned_env = True
+        log.warning(
+            "%s is deprecated: blend.json's engineUrl names the pod's API server (the "
+            "operator renders it when spec.tuning.qualityProxies is on); remove %s from "
+            "engine.env",
+            ENGINE_URL_ENV,
+            ENGINE_URL_ENV,
+        )
+    return url or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +94,15 @@ class VllmShadowRequest:
     answer_ids: tuple[int, ...]  # EOS not included
     question: str  # the question's text: its words are not counted by the F1
     ratio: float
+    # The answer ended with EOS (False: the token limit, a stop string, or unknown).
+    stopped_at_eos: bool = False
+    max_tokens: int | None = None  # the request's token limit; None: unknown
+    inline_statistic: float | None = None  # the blend's (inline_proxy.py)
+
+    @property
+    def num_shadow_tokens(self) -> int:
+        """Tokens of the teacher-forced request (prompt, answer, one generated)."""
+        return len(self.prompt_ids) + len(self.answer_ids) + 1
 
 
 class ShadowFailed(Exception):
@@ -106,6 +150,7 @@ class VllmShadow(ShadowSampler):
         eos_token_id: int | None = None,
         api_key: str | None = None,
         timeout_s: float = 60.0,
+        priority: int = SHADOW_PRIORITY,
         **options,
     ):
         if not 0 <= sample_rate <= 1:
@@ -113,32 +158,50 @@ class VllmShadow(ShadowSampler):
         self.url = url.rstrip("/") + "/v1/completions"
         self.model, self.decode, self.eos_token_id = model, decode, eos_token_id
         self.api_key, self.timeout_s = api_key, timeout_s
+        self.priority = priority
         super().__init__(sample_rate, **options)
 
     @classmethod
-    def from_env(cls, model: str, sample_rate: float, decode, **options) -> VllmShadow | None:
-        """The shadow of a pod whose env names its API server (the opt-in); None without
-        one (the default, or an offline `LLM`) or at sample rate 0."""
-        url = os.environ.get(ENGINE_URL_ENV)
+    def create(
+        cls, url: str | None, model: str, sample_rate: float, decode, **options
+    ) -> VllmShadow | None:
+        """The shadow of a pod whose API server is known (`engine_url`); None without one
+        (an offline `LLM`) or at sample rate 0."""
         if not url or sample_rate <= 0:
             return None
         return cls(url, model, sample_rate, decode, api_key=os.environ.get(API_KEY_ENV), **options)
+
+    @classmethod
+    def from_env(cls, model: str, sample_rate: float, decode, **options) -> VllmShadow | None:
+        """`create` with the deprecated `$HOLEBLEND_ENGINE_URL` alone."""
+        return cls.create(engine_url(None), model, sample_rate, decode, **options)
 
     def score(self, request: VllmShadowRequest) -> ShadowScore:
         """Both proxies from one or two requests to the API server (steps 2-3 above)."""
         started = time.monotonic()
         prompt, answer = list(request.prompt_ids), list(request.answer_ids)
+        eos = self.eos_token_id if self.eos_token_id is not None else -1
         forced = self._complete(prompt + answer, max_tokens=1, prompt_logprobs=1)
         picks = teacher_forced_top1(forced.get("prompt_logprobs") or [], len(prompt), answer)
-        agree = first_disagreement(answer, picks)
-        full = answer[:agree]
-        if agree < len(answer) and picks[agree] != self.eos_token_id:
+        generated = forced.get("token_ids") or []
+        if not generated:
+            raise ShadowFailed(f"{self.url}: no token generated after the answer")
+        targets = end_targets(answer, request.stopped_at_eos, eos)
+        picks = [*picks, int(generated[0])][: len(targets)]
+        agree = first_disagreement(targets, picks)
+        full = [t for t in targets[:agree] if t != eos]
+        budget = answer_budget(len(answer), request.stopped_at_eos, request.max_tokens)
+        if agree < len(targets) and picks[agree] != eos and len(full) < budget:
             full.append(picks[agree])
-            budget = len(answer) - len(full)
-            if budget > 0:
-                more = self._complete(prompt + full, max_tokens=budget)
-                full += [t for t in more.get("token_ids") or [] if t != self.eos_token_id]
-        top1 = sum(a == b for a, b in zip(answer, picks, strict=True)) / max(len(answer), 1)
+            more_tokens = budget - len(full)
+            if more_tokens > 0:
+                self.charge(len(prompt) + len(full) + more_tokens)
+                more = self._complete(prompt + full, max_tokens=more_tokens)
+                for token in more.get("token_ids") or []:
+                    if token == eos:
+                        break
+                    full.append(token)
+        top1 = sum(a == b for a, b in zip(targets, picks, strict=True)) / len(targets)
         f1 = answer_f1(
             answer_words(self.decode(full)),
             answer_words(self.decode(answer)),
@@ -147,8 +210,22 @@ class VllmShadow(ShadowSampler):
         return ShadowScore(f1, top1, request.ratio, time.monotonic() - started)
 
     def _complete(self, prompt: list[int], max_tokens: int, **extra: Any) -> dict:
-        """One greedy completion of token ids, marked as a shadow request; its choice."""
-        self._yield_to_serving()  # Preempted after max_pause_s
+        """One greedy completion of token ids, marked as a shadow request at the lowest
+        priority; its choice. A server that refuses the priority gets 0 from then on."""
+        try:
+            return self._post(prompt, max_tokens, extra)
+        except _PriorityRefused as refused:
+            log.warning(
+                "the API server refused shadow priority %d (%s): run vLLM with "
+                "--scheduling-policy priority, so that shadows yield to user requests; "
+                "sending them at priority 0 until then",
+                self.priority,
+                refused,
+            )
+            self.priority = 0
+            return self._post(prompt, max_tokens, extra)
+
+    def _post(self, prompt: list[int], max_tokens: int, extra: dict[str, Any]) -> dict:
         body = {
             "model": self.model,
             "prompt": prompt,
@@ -158,6 +235,8 @@ class VllmShadow(ShadowSampler):
             "kv_transfer_params": {"holeblend": {SHADOW_KEY: True}},
             **extra,
         }
+        if self.priority:
+            body["priority"] = self.priority
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
@@ -166,10 +245,17 @@ class VllmShadow(ShadowSampler):
             with urllib.request.urlopen(call, timeout=self.timeout_s) as response:
                 answer = json.loads(response.read())
         except urllib.error.HTTPError as exc:
-            raise ShadowFailed(f"{self.url}: HTTP {exc.code}: {exc.read()[:200]!r}") from exc
+            detail = exc.read()[:500]
+            if self.priority and exc.code in (400, 422) and b"priority" in detail.lower():
+                raise _PriorityRefused(detail.decode("utf-8", "replace")[:200]) from exc
+            raise ShadowFailed(f"{self.url}: HTTP {exc.code}: {detail[:200]!r}") from exc
         except (urllib.error.URLError, OSError, ValueError) as exc:
             raise ShadowFailed(f"{self.url}: {exc}") from exc
         choices = answer.get("choices") if isinstance(answer, dict) else None
         if not choices or not isinstance(choices[0], dict):
             raise ShadowFailed(f"{self.url}: no choices in {str(answer)[:200]}")
         return choices[0]
+
+
+class _PriorityRefused(Exception):
+    """The API server refused a priority other than 0 (not the priority policy)."""

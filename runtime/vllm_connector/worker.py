@@ -10,6 +10,8 @@ Load, for one request (inside `start_load_kv`, before vLLM's forward of the step
 3. Write the blended K/V of `[load.start, load.end)` into vLLM's paged cache at the
    request's slots, layer by layer, with the attention backend's own cache-update op
    (or the kernels package's reference scatter for backends without one).
+4. Report the blend's inline statistic (inline_proxy.py) in the outcome, for the
+   scheduler side's inline quality proxy.
 Store (blend.json `storePolicy`): under `in-context` (the default) a load stores the missing
 segments inside its range from the KV it just blended (at their positions in this prompt,
 as holeblend-serve does); every missing segment still not stored after the step's forward
@@ -29,6 +31,7 @@ import torch
 from holeblend_kernels.paged import scatter_kv_nhd
 from holeblend_runtime.blend_config import ISOLATED
 from holeblend_runtime.engine import ReferenceEngine
+from holeblend_runtime.inline_proxy import residual_deviation_share
 from holeblend_runtime.kv_store import SegmentKV
 from holeblend_runtime.lookup import LookupResult, ReusePolicy, plan_reuse
 from holeblend_runtime.segments import SegmentedPrompt
@@ -50,6 +53,11 @@ class LoadOutcome:
     # Segments the scheduler planned to reuse whose KV was missing or unusable.
     num_rejected_segments: int
     blend_seconds: float
+    # The blend's inline statistic (inline_proxy.py: share of the check-layer deviation
+    # left in cached tokens not recomputed); None when no cached token was compared.
+    inline_statistic: float | None = None
+    # The recompute ratio the blend ran with.
+    ratio: float = 0.0
 
 
 class PagedKVWriter:
@@ -87,9 +95,14 @@ class BlendWorker:
     """Loads (blend + write) for one worker; `engine` wraps the model adapter and runs the
     same reuse path as holeblend-serve's prefill (`ReferenceEngine.blend_reused`)."""
 
-    def __init__(self, engine: ReferenceEngine, writer: PagedKVWriter) -> None:
+    def __init__(
+        self, engine: ReferenceEngine, writer: PagedKVWriter, inline_statistic: bool = True
+    ) -> None:
         self.engine = engine
         self.writer = writer
+        # Take each blend's inline statistic (blend.json's qualityProxies): on an
+        # accelerator reading it waits for the blend's device work.
+        self.inline_statistic = inline_statistic
 
     @torch.inference_mode()
     def store(self, request: StoreRequest) -> int:
@@ -138,6 +151,12 @@ class BlendWorker:
             num_recomputed_tokens=int(blended.recomputed.shape[0]),
             num_rejected_segments=num_unusable,
             blend_seconds=time.perf_counter() - started,
+            inline_statistic=residual_deviation_share(
+                prompt, lookup, blended.deviation, blended.selected, end
+            )
+            if self.inline_statistic
+            else None,
+            ratio=request.ratio,
         )
 
     def _fetch(self, request: LoadRequest) -> tuple[LookupResult, list[SegmentKV | None], int]:

@@ -1,5 +1,7 @@
 """Shadow full prefill on the real model: the proxies agree with the engine's own full
-prefill, the work is bounded and yields to serving, and the metrics carry the ratio."""
+prefill, score where and whether the answer ends, the work stays within its token budget
+and yields to serving one unit at a time yet progresses under sustained load, and the
+metrics carry the ratio."""
 
 import threading
 import time
@@ -8,7 +10,15 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from holeblend_runtime.bench.quality import answer_f1, answer_words
-from holeblend_runtime.shadow import ShadowMetrics, ShadowRequest, ShadowScorer
+from holeblend_runtime.shadow import (
+    RUN_ON_TOKENS,
+    ShadowBudget,
+    ShadowGate,
+    ShadowMetrics,
+    ShadowRequest,
+    ShadowScorer,
+    answer_budget,
+)
 
 SYSTEM = "Answer the question from the documents in a few words."
 DOCS = [
@@ -71,36 +81,138 @@ def test_an_answer_unrelated_to_the_prompt_scores_low(engine):
     assert score.top1 <= 0.3 and score.f1 <= 0.3
 
 
-def test_offers_are_dropped_not_queued_when_busy_or_full(engine):
+def test_offers_are_dropped_not_queued_when_the_slot_is_taken_or_over_budget(engine):
     request = blended_request(engine)
     busy = threading.Event()
+    busy.set()  # serving does not stop sampling: only the slot and the budget do
     shadow = scorer(engine, is_busy=busy.is_set, slots=1)
     try:
-        busy.set()
-        assert shadow.offer(request) == "dropped_busy"
-        busy.clear()
         outcomes = [shadow.offer(request) for _ in range(3)]
         assert outcomes[0] == "queued" and "dropped_full" in outcomes[1:]
+        busy.clear()
         assert shadow.wait_idle(60)
         assert scorer(engine, sample_rate=0.0).offer(request) == "not_sampled"
     finally:
         shadow.close()
-
-
-def test_the_shadow_pauses_while_the_engine_serves_and_gives_up_after_a_while(engine):
-    request = blended_request(engine)
-    busy = threading.Event()
+    budget = ShadowBudget(0.05, burst_tokens=0)  # no credit banked: a shadow's worth
     metrics = ShadowMetrics(CollectorRegistry())
-    shadow = scorer(engine, is_busy=busy.is_set, metrics=metrics, max_pause_s=0.3)
+    shadow = scorer(engine, budget=budget, metrics=metrics)
     try:
-        assert shadow.offer(request) == "queued"
-        busy.set()  # a request arrives before the first chunk
-        time.sleep(0.6)
-        busy.clear()
+        budget.add_user_tokens(100)
+        assert shadow.offer(request) == "queued"  # the balance was not negative
         assert shadow.wait_idle(60)
-        assert metrics.offers.labels(outcome="preempted")._value.get() >= 1
+        assert shadow.offer(request) == "over_budget"  # in debt by about one shadow
+        assert budget.shadow_tokens == request.num_shadow_tokens
+        assert metrics.tokens._value.get() == request.num_shadow_tokens
     finally:
         shadow.close()
+
+
+def test_the_budget_keeps_shadow_tokens_within_their_share_plus_a_burst():
+    budget = ShadowBudget(0.05, burst_tokens=1000)
+    spent = 0
+    for _ in range(2000):  # user requests of 500 prompt tokens, a shadow offered after each
+        budget.add_user_tokens(500)
+        if budget.try_spend(520):
+            spent += 520
+    assert spent == budget.shadow_tokens
+    assert spent <= 0.05 * budget.user_tokens + 1000 + 520
+    assert spent >= 0.05 * budget.user_tokens - 520  # and it does use its share
+    # Credit banks up to the burst only: a long stretch without offers buys one burst.
+    idle = ShadowBudget(0.05, burst_tokens=1000)
+    idle.add_user_tokens(10**7)
+    assert idle.balance == 1000
+    assert ShadowBudget(0.05, burst_tokens=300).try_spend(200)  # starts with the burst
+    assert not ShadowBudget(0.0).try_spend(1)  # share 0: no shadow at all
+    with pytest.raises(ValueError, match="shadowBudget"):
+        ShadowBudget(1.5)
+
+
+class RecordingGate(ShadowGate):
+    """The gate, recording each unit of shadow work (start, end) as the shadow runs it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.units: list[list[float]] = []
+
+    def enter(self):
+        if self.units and len(self.units[-1]) == 1:
+            self.units[-1].append(time.monotonic())
+        super().enter()
+        self.units.append([time.monotonic()])
+
+    def leave(self):
+        if self.units and len(self.units[-1]) == 1:
+            self.units[-1].append(time.monotonic())
+        super().leave()
+
+
+def run_engine_steps(
+    gate: ShadowGate, stop: threading.Event, step_s: float
+) -> list[tuple[float, float]]:
+    """A scheduler that is never idle: before each of its steps it passes the gate, as
+    holeblend-serve's compute thread does; when each step's wait began and ended."""
+    waits = []
+    while not stop.is_set():
+        started = time.monotonic()
+        gate.between_steps()
+        waits.append((started, time.monotonic()))
+        time.sleep(step_s)  # the step's own work
+    return waits
+
+
+def test_under_sustained_load_the_shadow_progresses_and_delays_a_step_by_one_unit_at_most(
+    engine,
+):
+    request = blended_request(engine)
+    gate = RecordingGate(lambda: True, cooperative=True, time_share=0.5)
+    shadow = scorer(engine, gate=gate, chunk_tokens=64)
+    stop, waits = threading.Event(), []
+    steps = threading.Thread(target=lambda: waits.extend(run_engine_steps(gate, stop, 0.002)))
+    steps.start()
+    try:
+        assert shadow.offer(request) == "queued"
+        assert shadow.wait_idle(120), "the shadow made no progress under sustained load"
+    finally:
+        stop.set()
+        steps.join()
+        shadow.close()
+    assert shadow.outcomes == {"scored": 1}
+    assert gate.num_granted == gate.num_units >= engine.model.num_layers
+    # While a step waits, at most one unit of shadow work starts: never two, never a chunk.
+    starts = [start for start, _ in gate.units]
+    for began, ended in waits:
+        assert sum(began <= start <= ended for start in starts) <= 1
+    longest_unit = max(end - start for start, end in gate.units)
+    assert max(ended - began for began, ended in waits) <= longest_unit + 0.25
+    granted = sum(end - start for start, end in gate.units)
+    elapsed = gate.units[-1][1] - gate.units[0][0]
+    assert granted <= 0.5 * elapsed + longest_unit  # the time share holds
+
+
+def test_a_unit_running_when_a_request_arrives_is_the_only_one_it_waits_for():
+    busy = threading.Event()
+    gate = ShadowGate(busy.is_set, cooperative=True, time_share=0.1)
+    gate.enter()  # the engine was idle: a unit runs
+    busy.set()  # a request arrives
+
+    def finish_unit():
+        time.sleep(0.1)
+        gate.enter()  # the unit ends; the next one waits (engine busy, paced)
+
+    worker = threading.Thread(target=finish_unit, daemon=True)
+    worker.start()
+    started = time.monotonic()
+    gate.between_steps()  # waits for the running unit only
+    waited = time.monotonic() - started
+    assert 0.05 <= waited < 0.6
+    started = time.monotonic()
+    gate.between_steps()  # pacing: the next unit only after ~0.9 s (share 0.1)
+    assert time.monotonic() - started < 0.05 and worker.is_alive()
+    busy.clear()  # idle again: the shadow runs on at once
+    worker.join(2)
+    assert not worker.is_alive()
+    gate.leave()
 
 
 def test_the_shadow_checks_for_waiting_requests_before_every_layer(engine):
@@ -111,6 +223,42 @@ def test_the_shadow_checks_for_waiting_requests_before_every_layer(engine):
     assert len(request.prompt.token_ids) <= shadow.chunk_tokens  # one chunk
     shadow.score(request)
     assert len(checks) >= engine.model.num_layers
+
+
+def test_an_answer_full_prefill_gave_that_ended_at_eos_scores_one(engine):
+    prompt = engine.build_prompt(SYSTEM, DOCS, QUESTION)
+    answer = tuple(engine.generate(engine.prefill(prompt, mode="full"), 64))
+    assert len(answer) < 64, "full prefill's answer should end with EOS for this test"
+    score = scorer(engine).score(ShadowRequest(prompt, answer, 1.0, stopped_at_eos=True))
+    assert (score.f1, score.top1) == (1.0, 1.0)
+
+
+def test_an_answer_that_stops_early_or_runs_on_scores_below_one(engine):
+    """The blended answer ended with EOS before full prefill would have (or after): the
+    end position and the answer length are scored, so neither passes as 1.0."""
+    prompt = engine.build_prompt(SYSTEM, DOCS, QUESTION)
+    full = tuple(engine.generate(engine.prefill(prompt, mode="full"), 64))
+    words = engine.tokenizer.decode(full).split()
+    assert len(words) >= 3 and len(full) < 64
+    cut = len(engine.tokenizer.encode(" " + words[0]))  # about one word, then EOS
+    early = ShadowRequest(prompt, full[:cut], 0.1, stopped_at_eos=True, max_tokens=64)
+    score = scorer(engine).score(early)
+    assert score.top1 < 1.0 and score.f1 < 1.0
+    # The same prefix cut by the token limit is not an early stop: it agrees.
+    limited = ShadowRequest(prompt, full[:cut], 0.1, stopped_at_eos=False, max_tokens=cut)
+    assert (lambda s: (s.f1, s.top1))(scorer(engine).score(limited)) == (1.0, 1.0)
+    # Running on where full prefill stops (its EOS position) loses too.
+    extra = tuple(engine.tokenizer.encode(" and more words follow here"))
+    run_on = ShadowRequest(prompt, full + extra, 0.1, stopped_at_eos=True, max_tokens=64)
+    score = scorer(engine).score(run_on)
+    assert score.top1 < 1.0 and score.f1 < 1.0
+
+
+def test_full_prefills_own_answer_may_run_past_the_blended_length_only_after_eos():
+    assert answer_budget(5, stopped_at_eos=False, max_tokens=None) == 5
+    assert answer_budget(5, stopped_at_eos=False, max_tokens=100) == 5
+    assert answer_budget(5, stopped_at_eos=True, max_tokens=None) == 5 + RUN_ON_TOKENS
+    assert answer_budget(5, stopped_at_eos=True, max_tokens=9) == 9
 
 
 def test_scores_are_observed_by_the_ratio_the_request_ran_with(engine):

@@ -1,18 +1,25 @@
 """The vLLM pods' shadow (runtime/vllm_connector/shadow.py) without vLLM: reading vLLM's
-prompt logprobs, and what happens to offers when the engine is busy, the slot is taken,
+prompt logprobs, scoring the answer's end against a fake full-prefill server, the lowest
+priority and its fallback, the budget, and what happens to offers when the slot is taken
 or the API server is down or answers garbage. Scoring against a real vLLM server is in
 tests/vllm/test_shadow_serve.py."""
 
 import http.server
+import json
+import logging
 import threading
 
 import pytest
 
+from holeblend_runtime.shadow import ShadowBudget
+from holeblend_runtime.vllm_connector import shadow as shadow_module
 from holeblend_runtime.vllm_connector.shadow import (
     ENGINE_URL_ENV,
+    SHADOW_PRIORITY,
     ShadowFailed,
     VllmShadow,
     VllmShadowRequest,
+    engine_url,
     first_disagreement,
     is_shadow_request,
     teacher_forced_top1,
@@ -80,12 +87,11 @@ def shadow(url: str, **options) -> VllmShadow:
     return VllmShadow(url, "m", options.pop("sample_rate", 1.0), lambda ids: "", **options)
 
 
-def test_offers_are_dropped_not_queued_when_busy_or_the_slot_is_taken():
+def test_offers_are_dropped_not_queued_when_the_slot_is_taken():
     server = Server(b"<html>busy</html>")
     server.release.clear()  # the first shadow's request hangs until released
     try:
         assert shadow(server.url, sample_rate=0.0).offer(REQUEST) == "not_sampled"
-        assert shadow(server.url, is_busy=lambda: True).offer(REQUEST) == "dropped_busy"
         scorer = shadow(server.url)
         assert scorer.offer(REQUEST) == "queued"
         assert scorer.offer(REQUEST) == "dropped_full"
@@ -121,20 +127,168 @@ def test_a_server_that_is_down_fails_the_sample():
     assert scorer.outcomes == {"failed": 1}
 
 
-def test_a_shadow_that_waits_too_long_for_the_engine_is_given_up():
-    # Idle when offered; then user requests keep arriving before the shadow's request.
-    answers = iter([False])
-    scorer = shadow("http://127.0.0.1:9", is_busy=lambda: next(answers, True), max_pause_s=0.2)
-    assert scorer.offer(REQUEST) == "queued" and scorer.wait_idle(10)
-    assert scorer.outcomes == {"preempted": 1}
+EOS = 0
+FULL = (11, 12, 13, 14, 15)  # full prefill's answer after PROMPT, then EOS
+PROMPT = (1, 2, 3)
+
+
+class FullPrefillServer:
+    """A fake vLLM API server whose model answers FULL after PROMPT whatever came before
+    (its next token depends on the position only), then EOS; it records every body, and
+    with `fcfs` refuses a priority other than 0 as vLLM's API documents."""
+
+    def __init__(self, fcfs: bool = False):
+        self.bodies: list[dict] = []
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                owner.bodies.append(body)
+                if fcfs and body.get("priority", 0) != 0:
+                    self._send(400, {"error": {"message": "priority scheduling is not enabled"}})
+                else:
+                    self._send(200, {"choices": [owner.choice(body)]})
+
+            def _send(self, status, answer):
+                data = json.dumps(answer).encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *_):
+                pass
+
+        self.http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+
+    @staticmethod
+    def next_token(position: int) -> int:
+        index = position - len(PROMPT)
+        return FULL[index] if index < len(FULL) else EOS
+
+    def choice(self, body: dict) -> dict:
+        prompt = body["prompt"]
+        logprobs = None
+        if body.get("prompt_logprobs"):
+            logprobs = [None]
+            for position, token in enumerate(prompt[1:], start=1):
+                top = self.next_token(position) if position >= len(PROMPT) else token
+                entry = {str(token): {"logprob": -1.0, "rank": 1 if token == top else 2}}
+                entry.setdefault(str(top), {"logprob": -0.1, "rank": 1})
+                logprobs.append(entry)
+        tokens = []
+        for position in range(len(prompt), len(prompt) + body["max_tokens"]):
+            tokens.append(self.next_token(position))
+            if tokens[-1] == EOS:
+                break
+        return {"prompt_logprobs": logprobs, "token_ids": tokens}
+
+    def close(self):
+        self.http.shutdown()
+        self.http.server_close()
+
+
+def words(ids) -> str:
+    return " ".join(f"w{i}" for i in ids if i != EOS)
+
+
+def scorer_for(server: FullPrefillServer, **options) -> VllmShadow:
+    return VllmShadow(server.url, "m", 1.0, words, eos_token_id=EOS, **options)
+
+
+def test_an_answer_that_stops_early_or_runs_on_scores_below_one():
+    server = FullPrefillServer()
+    try:
+        scorer = scorer_for(server)
+        same = scorer.score(VllmShadowRequest(PROMPT, FULL, "q", 0.1, stopped_at_eos=True))
+        assert (same.f1, same.top1) == (1.0, 1.0)
+        early = VllmShadowRequest(PROMPT, FULL[:2], "q", 0.1, stopped_at_eos=True, max_tokens=64)
+        score = scorer.score(early)
+        # Two answer positions agree, the end does not: full prefill goes on to its EOS.
+        assert score.top1 == pytest.approx(2 / 3)
+        assert score.f1 == pytest.approx(2 * (2 / 2) * (2 / 5) / (1 + 2 / 5))
+        assert server.bodies[-1]["prompt"] == [*PROMPT, *FULL[:3]]  # continued from its pick
+        # Cut by the token limit instead: nothing to say about the end; it agrees.
+        limited = VllmShadowRequest(PROMPT, FULL[:2], "q", 0.1, max_tokens=2)
+        assert (lambda s: (s.f1, s.top1))(scorer.score(limited)) == (1.0, 1.0)
+        run_on = VllmShadowRequest(PROMPT, (*FULL, 16, 17), "q", 0.1, stopped_at_eos=True)
+        score = scorer.score(run_on)
+        # The five answer tokens agree; full prefill's EOS is where 16 and 17 were.
+        assert score.top1 == pytest.approx(6 / 8) and score.f1 < 1.0
+    finally:
+        server.close()
+
+
+def test_shadows_go_at_the_lowest_priority_and_fall_back_to_0_when_refused(caplog):
+    server = FullPrefillServer()
+    try:
+        scorer_for(server).score(VllmShadowRequest(PROMPT, FULL, "q", 0.1))
+        assert {body["priority"] for body in server.bodies} == {SHADOW_PRIORITY}
+        assert SHADOW_PRIORITY == 2**63 - 1  # vLLM's priority queue serves smaller first
+    finally:
+        server.close()
+    server = FullPrefillServer(fcfs=True)
+    try:
+        scorer = scorer_for(server)
+        with caplog.at_level(logging.WARNING):
+            score = scorer.score(VllmShadowRequest(PROMPT, FULL[:2], "q", 0.1, True, 64))
+            scorer.score(VllmShadowRequest(PROMPT, FULL, "q", 0.1))
+        assert score.top1 == pytest.approx(2 / 3)  # scored all the same
+        assert scorer.priority == 0
+        assert "priority" not in server.bodies[-1]
+        refusals = [r for r in caplog.records if "--scheduling-policy priority" in r.message]
+        assert len(refusals) == 1  # said once
+    finally:
+        server.close()
+
+
+def test_the_budget_admits_shadows_while_user_requests_run_and_counts_what_they_spend():
+    server = FullPrefillServer()
+    budget = ShadowBudget(0.05, burst_tokens=0)
+    try:
+        scorer = scorer_for(server, budget=budget)
+        assert scorer.offer(REQUEST) == "queued"  # nothing waits for idle
+        assert scorer.wait_idle(10)
+        assert scorer.offer(REQUEST) == "over_budget"
+        budget.add_user_tokens(10_000)  # repays the debt (nothing banked beyond 0)
+        early = VllmShadowRequest(PROMPT, FULL[:2], "q", 0.1, stopped_at_eos=True)
+        assert scorer.offer(early) == "queued" and scorer.wait_idle(10)
+        assert scorer.outcomes == {"scored": 2, "over_budget": 1}
+        # Each shadow: the teacher-forced request (prompt + answer + 1) when admitted, then
+        # its continuation (prompt + the agreed tokens + the rest of its budget):
+        # REQUEST disagrees at once, 3 + 1 + 1; `early` at its end, 3 + 3 + (2 + 16 - 3).
+        continuations = (3 + 1 + 1) + (3 + 3 + 15)
+        assert budget.shadow_tokens == (
+            REQUEST.num_shadow_tokens + early.num_shadow_tokens + continuations
+        )
+    finally:
+        server.close()
+
+
+def test_the_engine_url_comes_from_blend_json_else_the_deprecated_env(monkeypatch, caplog):
+    monkeypatch.setattr(shadow_module, "_warned_env", False)
+    monkeypatch.delenv(ENGINE_URL_ENV, raising=False)
+    assert engine_url("http://127.0.0.1:8000") == "http://127.0.0.1:8000"
+    assert engine_url(None) is None
+    monkeypatch.setenv(ENGINE_URL_ENV, "http://127.0.0.1:9000")
+    with caplog.at_level(logging.WARNING):
+        assert engine_url(None) == "http://127.0.0.1:9000"
+        assert engine_url(None) == "http://127.0.0.1:9000"
+        assert engine_url("http://127.0.0.1:8000") == "http://127.0.0.1:8000"
+    deprecations = [r for r in caplog.records if "deprecated" in r.message]
+    assert len(deprecations) == 1 and "engineUrl" in deprecations[0].message
 
 
 def test_the_shadow_needs_the_engine_url_and_a_sample_rate(monkeypatch):
-    monkeypatch.delenv(ENGINE_URL_ENV, raising=False)
-    assert VllmShadow.from_env("m", 1.0, str) is None
-    monkeypatch.setenv(ENGINE_URL_ENV, "http://127.0.0.1:8000")
-    assert VllmShadow.from_env("m", 0.0, str) is None
-    made = VllmShadow.from_env("m", 0.5, str)
+    assert VllmShadow.create(None, "m", 1.0, str) is None
+    assert VllmShadow.create("http://127.0.0.1:8000", "m", 0.0, str) is None
+    made = VllmShadow.create("http://127.0.0.1:8000", "m", 0.5, str)
     assert made.url == "http://127.0.0.1:8000/v1/completions" and made.sample_rate == 0.5
+    monkeypatch.setattr(shadow_module, "_warned_env", True)
+    monkeypatch.setenv(ENGINE_URL_ENV, "http://127.0.0.1:8000")
+    assert VllmShadow.from_env("m", 0.5, str).url == made.url
     with pytest.raises(ValueError, match="shadowSampleRate"):
         VllmShadow("http://x", "m", 1.5, str)

@@ -1,10 +1,13 @@
 """The quality proxies on a vLLM pod: vLLM's OpenAI server with the connector, as the
-operator renders it (blend.json, $HOLEBLEND_METRICS_PORT) plus the shadow's opt-in
-($HOLEBLEND_ENGINE_URL in engine.env).
+operator renders it (blend.json, $HOLEBLEND_METRICS_PORT) plus the API server's URL (here
+the deprecated $HOLEBLEND_ENGINE_URL, which the connector still reads when blend.json has
+no engineUrl).
 
 A hole request that blended cached documents is scored by shadow requests the connector
-sends back to the server; the scores match the reference engine's own shadow scorer on
-the same prompt and answer, and the shadow requests are not counted as traffic."""
+sends back to the server at once, within the default token budget; the scores (the end
+of the answer included) match the reference engine's own shadow scorer on the same
+prompt and answer, the shadow requests are not counted as traffic, and each blend's
+inline statistic is exported and paired with its shadow score."""
 
 import time
 
@@ -30,7 +33,8 @@ def test_hole_requests_are_scored_as_the_reference_engine_scores_them(server):
     for first, second in pairs:
         server.complete(first, 1)  # caches the documents it has
         before = server.sample("holeblend_shadow_requests_total", outcome="scored")
-        answers.append(server.complete(second, ANSWER_TOKENS)["choices"][0]["token_ids"])
+        choice = server.complete(second, ANSWER_TOKENS)["choices"][0]
+        answers.append((choice["token_ids"], choice["finish_reason"] == "stop"))
         deadline = time.monotonic() + 120
         while server.sample("holeblend_shadow_requests_total", outcome="scored") == before:
             assert time.monotonic() < deadline, "the hole request was never scored"
@@ -58,13 +62,22 @@ def test_hole_requests_are_scored_as_the_reference_engine_scores_them(server):
     eos = loaded.model.config.eos_token_id
     expected = [
         scorer.score(
-            ShadowRequest(splitter.split(second), tuple(t for t in answer if t != eos), 0.15)
+            ShadowRequest(
+                splitter.split(second), tuple(t for t in answer if t != eos), 0.15,
+                stopped_at_eos=at_eos, max_tokens=ANSWER_TOKENS,
+            )
         )
-        for (_, second), answer in zip(pairs, answers, strict=True)
-    ]
+        for (_, second), (answer, at_eos) in zip(pairs, answers, strict=True)
+    ]  # fmt: skip
     scorer.close()
     f1_sum = value("holeblend_f1_proxy_sum", ratio="0.15")
     top1_sum = value("holeblend_top1_agreement_sum", ratio="0.15")
     assert f1_sum == pytest.approx(sum(s.f1 for s in expected), abs=1e-6)
     assert top1_sum == pytest.approx(sum(s.top1 for s in expected), abs=1e-6)
     assert 0 < top1_sum < len(pairs) + 1e-9
+    # Each blend's inline statistic is exported; each scored one calibrates (too few
+    # pairs for an estimate yet: the calibrated proxy says nothing).
+    assert value("holeblend_inline_residual_deviation_count", ratio="0.15") == len(pairs)
+    assert value("holeblend_inline_proxy_pairs", ratio="0.15") == len(pairs)
+    assert value("holeblend_inline_f1_proxy_count", ratio="0.15") == 0
+    assert value("holeblend_shadow_tokens_total") > 0

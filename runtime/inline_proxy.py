@@ -1,0 +1,330 @@
+"""The inline quality proxy: a zero-cost estimate from each blend's own statistics.
+
+The shadow full prefill (shadow.py) measures quality, but only within its token budget
+(blend.json `shadowBudget`); the inline proxy gives the tuner a signal for every blended
+request, at no cost beyond a sum over numbers the blend computed anyway:
+
+1. **The statistic** (`residual_deviation_share`): at the check layer the blend compares
+   each cached token's fresh K with its cached K and recomputes the tokens that moved
+   most. The share of the total squared deviation left in the cached tokens it did *not*
+   recompute (0: every deviating token was recomputed; 1: none was) says how much stale
+   KV the answer was computed on. It is taken where the shared reuse path returns
+   (`ReferenceEngine.blend_reused`: holeblend-serve's prefill, the vLLM connector's
+   worker).
+2. **Calibration** (`Calibration`): for requests that were both blended and shadowed, the
+   pair (statistic, shadow score) is kept, per ratio (the last `MAX_PAIRS`). An isotonic
+   fit (the score never rises with the statistic) maps a statistic to the expected shadow
+   F1 and top-1 agreement. With fewer than `MIN_PAIRS` pairs at a ratio there is no
+   estimate at all: no signal rather than a guess.
+3. **Export** (`InlineProxy`): every blended request's calibrated estimates are observed
+   in `holeblend_inline_f1_proxy{ratio}` and `holeblend_inline_top1_proxy{ratio}` (the
+   shadow's buckets), only when calibrated; `holeblend_inline_proxy_pairs{ratio}` holds
+   the pairs each calibration has, `holeblend_inline_proxy_correlation{ratio}` the
+   Pearson correlation of statistic and shadow F1 (absent with too few pairs or no
+   spread), and `holeblend_inline_residual_deviation{ratio}` the raw statistic of every
+   blended request (observed whether or not calibrated).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import contextlib
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from prometheus_client import CollectorRegistry, Gauge, Histogram
+
+from holeblend_runtime.lookup import LookupResult
+from holeblend_runtime.segments import SegmentedPrompt
+from holeblend_runtime.shadow import PROXY_BUCKETS, ShadowScore, ratio_label
+
+# The series the tuner reads (one place for their names).
+INLINE_F1_METRIC = "holeblend_inline_f1_proxy"
+INLINE_TOP1_METRIC = "holeblend_inline_top1_proxy"
+INLINE_PAIRS_METRIC = "holeblend_inline_proxy_pairs"
+INLINE_CORRELATION_METRIC = "holeblend_inline_proxy_correlation"
+INLINE_STATISTIC_METRIC = "holeblend_inline_residual_deviation"
+# A calibration needs this many (statistic, shadow score) pairs at a ratio to estimate.
+MIN_PAIRS = 8
+# Pairs kept per ratio (the newest): the fit follows a workload that changes.
+MAX_PAIRS = 256
+# Ratios whose pairs are kept (the most recently used): the tuner moves among a few.
+MAX_RATIOS = 16
+STATISTIC_BUCKETS = tuple(round(0.05 * i, 2) for i in range(1, 21))
+
+
+def residual_deviation_share(
+    prompt: SegmentedPrompt,
+    lookup: LookupResult,
+    deviation: torch.Tensor,
+    selected: torch.Tensor,
+    num_tokens: int | None = None,
+) -> float | None:
+    """Share of the check-layer deviation mass left in the cached tokens the blend did not
+    recompute, in [0, 1]; None without a blend (no cached token was compared) or with a
+    deviation that is not finite.
+
+    `deviation` and `selected` are `Blended.deviation` / `Blended.selected` (or a
+    `Prefill`'s `deviation` / `selected_positions`) of the prompt's first `num_tokens`
+    tokens (default: all). The deviation is per compared cached token in position order:
+    the reused segments' positions after the exact prefix (whose tokens come first and
+    are never compared), the prompt's last token excluded when the blend computed its
+    logits. A selected position outside them (never expected) falls back to taking the
+    selected tokens as the most deviating ones, which the default strategy picks."""
+    count = int(deviation.numel())
+    if count == 0:
+        return None
+    values = deviation.detach().to("cpu", torch.float64).reshape(-1)
+    total = float(values.sum())
+    if not math.isfinite(total):
+        return None
+    if total <= 0:
+        return 0.0  # no cached token deviated: nothing stale was left
+    picked = [int(p) for p in selected.detach().to("cpu").reshape(-1).tolist()]
+    compared = _compared_positions(prompt, lookup, num_tokens)
+    index = {p: i for i, p in enumerate(compared[-count:])} if len(compared) >= count else {}
+    if picked and all(p in index for p in picked):
+        recomputed = float(values[[index[p] for p in picked]].sum())
+    else:
+        recomputed = float(values.topk(min(len(picked), count)).values.sum()) if picked else 0.0
+    return min(1.0, max(0.0, (total - recomputed) / total))
+
+
+def _compared_positions(
+    prompt: SegmentedPrompt, lookup: LookupResult, num_tokens: int | None
+) -> list[int]:
+    end = prompt.num_tokens if num_tokens is None else num_tokens
+    positions = sorted(
+        p
+        for i in lookup.reused_segments
+        for p in range(prompt.segments[i].start, min(prompt.segments[i].end, end))
+    )
+    if end == prompt.num_tokens and positions and positions[-1] == prompt.num_tokens - 1:
+        positions.pop()  # computed for its logits, never compared
+    return positions
+
+
+@dataclass(frozen=True)
+class _Block:
+    x: float  # mean statistic of the block's pairs
+    y: float  # mean score
+
+
+class Calibration:
+    """Statistic -> expected score, fitted on (statistic, score) pairs: isotonic
+    regression with the score non-increasing in the statistic (pool adjacent violators),
+    linear between the blocks' mean statistics, flat beyond them, clamped to [0, 1].
+    Fewer than `min_pairs` pairs: `estimate` is None (no signal)."""
+
+    def __init__(self, min_pairs: int = MIN_PAIRS, max_pairs: int = MAX_PAIRS) -> None:
+        if min_pairs < 2:
+            raise ValueError(f"min_pairs: must be >= 2, got {min_pairs}")
+        if max_pairs < min_pairs:
+            raise ValueError(f"max_pairs: must be >= min_pairs ({min_pairs}), got {max_pairs}")
+        self.min_pairs = min_pairs
+        self._pairs: collections.deque[tuple[float, float]] = collections.deque(maxlen=max_pairs)
+        self._fit: list[_Block] | None = None
+
+    def __len__(self) -> int:
+        return len(self._pairs)
+
+    def add(self, statistic: float, score: float) -> None:
+        if not (math.isfinite(statistic) and math.isfinite(score)):
+            return  # a pair that says nothing
+        self._pairs.append((float(statistic), float(score)))
+        self._fit = None
+
+    def estimate(self, statistic: float) -> float | None:
+        if len(self._pairs) < self.min_pairs or not math.isfinite(statistic):
+            return None
+        if self._fit is None:
+            self._fit = _fit_non_increasing(self._pairs)
+        blocks = self._fit
+        xs = [block.x for block in blocks]
+        at = bisect.bisect_left(xs, statistic)
+        if at == 0:
+            value = blocks[0].y
+        elif at == len(blocks):
+            value = blocks[-1].y
+        else:
+            left, right = blocks[at - 1], blocks[at]
+            weight = (statistic - left.x) / (right.x - left.x)
+            value = left.y + weight * (right.y - left.y)
+        return min(1.0, max(0.0, value))
+
+    def correlation(self) -> float | None:
+        """Pearson correlation of statistic and score; None with too few pairs or no
+        spread in either."""
+        if len(self._pairs) < self.min_pairs:
+            return None
+        return _pearson([x for x, _ in self._pairs], [y for _, y in self._pairs])
+
+
+def _fit_non_increasing(pairs: Sequence[tuple[float, float]]) -> list[_Block]:
+    """Pool adjacent violators: blocks in increasing statistic whose scores never rise."""
+    grouped: dict[float, list[float]] = collections.defaultdict(list)
+    for x, y in pairs:
+        grouped[x].append(y)
+    # [sum x, sum y, count] per block, merged while a block's mean score exceeds the one
+    # before it (the fit may only fall as the statistic grows).
+    stack: list[list[float]] = []
+    for x in sorted(grouped):
+        ys = grouped[x]
+        stack.append([x * len(ys), sum(ys), float(len(ys))])
+        while len(stack) > 1 and stack[-1][1] / stack[-1][2] > stack[-2][1] / stack[-2][2]:
+            sx, sy, n = stack.pop()
+            stack[-1][0] += sx
+            stack[-1][1] += sy
+            stack[-1][2] += n
+    return [_Block(sx / n, sy / n) for sx, sy, n in stack]
+
+
+def _pearson(xs: Sequence[float], ys: Sequence[float]) -> float | None:
+    n = len(xs)
+    mean_x, mean_y = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mean_x) ** 2 for x in xs)
+    syy = sum((y - mean_y) ** 2 for y in ys)
+    if sxx <= 1e-24 or syy <= 1e-24:
+        return None
+    sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True))
+    return sxy / math.sqrt(sxx * syy)
+
+
+class InlineProxyMetrics:
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        self.f1 = Histogram(
+            INLINE_F1_METRIC,
+            "Inline F1 proxy: each blended request's check-layer statistic, calibrated "
+            "against the shadow F1 at its ratio (observed only when calibrated).",
+            ["ratio"],
+            buckets=PROXY_BUCKETS,
+            registry=registry,
+        )
+        self.top1 = Histogram(
+            INLINE_TOP1_METRIC,
+            "Inline top-1 proxy: the same statistic calibrated against the shadow's top-1 "
+            "agreement (observed only when calibrated).",
+            ["ratio"],
+            buckets=PROXY_BUCKETS,
+            registry=registry,
+        )
+        self.pairs = Gauge(
+            INLINE_PAIRS_METRIC,
+            "(statistic, shadow score) pairs the inline proxy's calibration holds, by ratio.",
+            ["ratio"],
+            registry=registry,
+        )
+        self.correlation = Gauge(
+            INLINE_CORRELATION_METRIC,
+            "Pearson correlation of the inline statistic and the shadow F1, by ratio "
+            "(absent with too few pairs).",
+            ["ratio"],
+            registry=registry,
+        )
+        self.statistic = Histogram(
+            INLINE_STATISTIC_METRIC,
+            "Share of the check-layer deviation mass left in cached tokens not recomputed, "
+            "per blended request (uncalibrated), by ratio.",
+            ["ratio"],
+            buckets=STATISTIC_BUCKETS,
+            registry=registry,
+        )
+
+
+@dataclass
+class _RatioState:
+    f1: Calibration
+    top1: Calibration
+
+
+class InlineProxy:
+    """Per-ratio calibrations of the statistic, fed by the shadow and read for every
+    blended request; thread-safe (the serving thread observes, the shadow's adds)."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        min_pairs: int = MIN_PAIRS,
+        max_pairs: int = MAX_PAIRS,
+        *,
+        metrics: InlineProxyMetrics | None = None,
+    ) -> None:
+        """Series on `registry` (or the given `metrics`, e.g. a module's own); neither:
+        nothing is exported."""
+        self.min_pairs, self.max_pairs = min_pairs, max_pairs
+        if metrics is None and registry is not None:
+            metrics = InlineProxyMetrics(registry)
+        self.metrics = metrics
+        self._lock = threading.Lock()
+        self._ratios: collections.OrderedDict[str, _RatioState] = collections.OrderedDict()
+
+    def observe(self, ratio: float, statistic: float | None) -> tuple[float, float] | None:
+        """One blended request's statistic: the raw value is exported; the calibrated
+        (F1, top-1) estimates are exported and returned, or None without calibration."""
+        if statistic is None or not math.isfinite(statistic):
+            return None
+        label = ratio_label(ratio)
+        with self._lock:
+            state = self._ratios.get(label)
+            estimates = None
+            if state is not None:
+                f1, top1 = state.f1.estimate(statistic), state.top1.estimate(statistic)
+                estimates = None if f1 is None or top1 is None else (f1, top1)
+        if self.metrics is not None:
+            self.metrics.statistic.labels(ratio=label).observe(statistic)
+            if estimates is not None:
+                self.metrics.f1.labels(ratio=label).observe(estimates[0])
+                self.metrics.top1.labels(ratio=label).observe(estimates[1])
+        return estimates
+
+    def add_pair(self, statistic: float | None, score: ShadowScore) -> None:
+        """A request that was blended (with `statistic`) and scored by the shadow."""
+        if statistic is None or not math.isfinite(statistic):
+            return
+        label = ratio_label(score.ratio)
+        with self._lock:
+            state = self._state(label)
+            state.f1.add(statistic, score.f1)
+            state.top1.add(statistic, score.top1)
+            num_pairs, correlation = len(state.f1), state.f1.correlation()
+        if self.metrics is not None:
+            self.metrics.pairs.labels(ratio=label).set(num_pairs)
+            if correlation is not None:
+                self.metrics.correlation.labels(ratio=label).set(correlation)
+            else:
+                _remove(self.metrics.correlation, label)
+
+    def num_pairs(self, ratio: float) -> int:
+        with self._lock:
+            state = self._ratios.get(ratio_label(ratio))
+            return 0 if state is None else len(state.f1)
+
+    def correlation(self, ratio: float) -> float | None:
+        with self._lock:
+            state = self._ratios.get(ratio_label(ratio))
+            return None if state is None else state.f1.correlation()
+
+    def _state(self, label: str) -> _RatioState:
+        state = self._ratios.get(label)
+        if state is None:
+            state = _RatioState(
+                Calibration(self.min_pairs, self.max_pairs),
+                Calibration(self.min_pairs, self.max_pairs),
+            )
+            self._ratios[label] = state
+            while len(self._ratios) > MAX_RATIOS:
+                old, _ = self._ratios.popitem(last=False)
+                if self.metrics is not None:
+                    _remove(self.metrics.pairs, old)
+                    _remove(self.metrics.correlation, old)
+        self._ratios.move_to_end(label)
+        return state
+
+
+def _remove(gauge: Gauge, label: str) -> None:
+    with contextlib.suppress(KeyError):
+        gauge.remove(label)

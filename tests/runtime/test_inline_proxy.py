@@ -1,0 +1,142 @@
+"""The inline quality proxy (runtime/inline_proxy.py): the blend's statistic, its
+calibration against shadow scores, and what is exported (nothing without calibration)."""
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from holeblend_runtime.inline_proxy import (
+    MIN_PAIRS,
+    Calibration,
+    InlineProxy,
+    residual_deviation_share,
+)
+from holeblend_runtime.lookup import ReusePolicy, plan_reuse
+from holeblend_runtime.shadow import ShadowScore
+
+SYSTEM = "Answer the question from the documents in a few words."
+DOCS = [
+    " Alice Moreau was born in Lyon in 1980 and studied chemistry in Grenoble.",
+    " Bob Lindqvist lives in Oslo, where he repairs old sailing boats for a living.",
+    " Carol Zhang works at Zeta Corp as the head of its battery research lab.",
+]
+QUESTION = " Where was Alice Moreau born?"
+
+
+def test_too_few_pairs_give_no_signal_not_a_guess():
+    calibration = Calibration()
+    assert calibration.estimate(0.5) is None and calibration.correlation() is None
+    for i in range(MIN_PAIRS - 1):
+        calibration.add(i / 10, 1 - i / 10)
+    assert calibration.estimate(0.3) is None and calibration.correlation() is None
+    calibration.add(0.9, 0.1)
+    assert calibration.estimate(0.3) == pytest.approx(0.7)
+
+
+def test_monotone_pairs_give_sensible_estimates():
+    calibration = Calibration()
+    for i in range(20):
+        x = i / 19
+        calibration.add(x, 1 - x)  # the more deviation left, the lower the score
+    assert calibration.estimate(0.25) == pytest.approx(0.75)
+    assert calibration.estimate(-1.0) == pytest.approx(1.0)  # flat beyond the data
+    assert calibration.estimate(2.0) == pytest.approx(0.0)
+    assert calibration.correlation() == pytest.approx(-1.0)
+
+
+def test_a_noisy_rising_stretch_is_pooled_so_the_estimate_never_rises():
+    calibration = Calibration()
+    pairs = [(0.1, 1.0), (0.2, 0.6), (0.3, 1.0), (0.4, 0.4), (0.5, 0.5), (0.6, 0.0)]
+    for x, y in pairs * 2:
+        calibration.add(x, y)
+    grid = [calibration.estimate(i / 20) for i in range(21)]
+    assert all(a >= b - 1e-12 for a, b in zip(grid, grid[1:], strict=False))
+    # 0.2 and 0.3 violate the order (0.6 then 1.0): pooled to their mean.
+    assert calibration.estimate(0.25) == pytest.approx(0.8)
+    assert all(0.0 <= value <= 1.0 for value in grid)
+
+
+def test_no_spread_gives_no_correlation_and_garbage_pairs_are_ignored():
+    calibration = Calibration(min_pairs=2)
+    calibration.add(float("nan"), 1.0)
+    calibration.add(0.3, float("inf"))
+    assert len(calibration) == 0
+    for x in (0.1, 0.5, 0.9):
+        calibration.add(x, 1.0)
+    assert calibration.correlation() is None  # every score equal: no signal to correlate
+    assert calibration.estimate(0.5) == 1.0
+    with pytest.raises(ValueError, match="min_pairs"):
+        Calibration(min_pairs=1)
+
+
+def test_only_calibrated_estimates_are_exported_by_ratio():
+    registry = CollectorRegistry()
+    proxy = InlineProxy(registry)
+
+    def value(name, **labels):
+        return registry.get_sample_value(name, labels)
+
+    assert proxy.observe(0.15, 0.4) is None
+    assert value("holeblend_inline_f1_proxy_count", ratio="0.15") is None
+    assert value("holeblend_inline_residual_deviation_count", ratio="0.15") == 1
+    for i in range(MIN_PAIRS):
+        if i == MIN_PAIRS - 1:  # one pair short: still no signal, nothing observed
+            assert proxy.observe(0.15, 0.4) is None
+            assert value("holeblend_inline_proxy_correlation", ratio="0.15") is None
+        x = i / (MIN_PAIRS - 1)
+        proxy.add_pair(x, ShadowScore(f1=1 - x, top1=1 - x / 2, ratio=0.15, seconds=1.0))
+    assert value("holeblend_inline_f1_proxy_count", ratio="0.15") is None
+    assert value("holeblend_inline_proxy_pairs", ratio="0.15") == MIN_PAIRS
+    assert value("holeblend_inline_proxy_correlation", ratio="0.15") == pytest.approx(-1.0)
+    f1, top1 = proxy.observe(0.15, 0.5)
+    assert (f1, top1) == (pytest.approx(0.5), pytest.approx(0.75))
+    assert value("holeblend_inline_f1_proxy_count", ratio="0.15") == 1
+    assert value("holeblend_inline_f1_proxy_sum", ratio="0.15") == pytest.approx(0.5)
+    assert value("holeblend_inline_top1_proxy_sum", ratio="0.15") == pytest.approx(0.75)
+    # Another ratio has its own calibration: none yet.
+    assert proxy.observe(0.3, 0.5) is None
+    assert value("holeblend_inline_f1_proxy_count", ratio="0.3") is None
+    assert proxy.num_pairs(0.15) == MIN_PAIRS and proxy.num_pairs(0.3) == 0
+
+
+def test_the_statistic_is_the_deviation_share_of_the_tokens_not_recomputed(reference_engine):
+    prompt = reference_engine.build_prompt(SYSTEM, DOCS, QUESTION)
+    # Documents 0 and 2 reused (system prompt not: no exact prefix), document 1 a hole.
+    flags = [False, True, False, True, False]
+    lookup = plan_reuse(prompt, flags, ReusePolicy.HOLE)
+    positions = [p for i in lookup.reused_segments for p in range(*_range(prompt, i))]
+    deviation = torch.ones(len(positions))
+    deviation[3] = 7.0  # 7 of the mass sits on the 4th compared token
+    total = float(deviation.sum())
+    picked = torch.tensor([positions[3]])
+    share = residual_deviation_share(prompt, lookup, deviation, picked)
+    assert share == pytest.approx((total - 7.0) / total)
+    assert residual_deviation_share(prompt, lookup, deviation, picked[:0]) == 1.0
+    everything = torch.tensor(positions)
+    assert residual_deviation_share(prompt, lookup, deviation, everything) == 0.0
+    assert residual_deviation_share(prompt, lookup, deviation[:0], picked[:0]) is None
+    assert residual_deviation_share(prompt, lookup, torch.zeros(len(positions)), picked) == 0.0
+    # A selected position the layout does not explain: the most deviating tokens are taken.
+    assert residual_deviation_share(prompt, lookup, deviation, torch.tensor([0])) == (
+        pytest.approx((total - 7.0) / total)
+    )
+
+
+def _range(prompt, i):
+    return prompt.segments[i].start, prompt.segments[i].end
+
+
+def test_the_statistic_of_real_blends_falls_as_the_ratio_rises(new_engine):
+    shares = []
+    for ratio in (0.0, 0.15, 0.5, 1.0):
+        engine = new_engine(ratio=ratio)
+        engine.prefill(engine.build_prompt(SYSTEM, [DOCS[0], DOCS[2]], QUESTION), mode="hole")
+        prefill = engine.prefill(engine.build_prompt(SYSTEM, DOCS, QUESTION), mode="hole")
+        assert prefill.deviation.numel() > 0
+        shares.append(
+            residual_deviation_share(
+                prefill.prompt, prefill.lookup, prefill.deviation, prefill.selected_positions
+            )
+        )
+    assert shares[0] == 1.0 and shares[-1] == pytest.approx(0.0, abs=1e-9)
+    assert shares[0] > shares[1] > shares[2] > shares[3]
