@@ -1195,6 +1195,13 @@ class TuningSpec(ApiModel):
     shadow_budget: float = Field(default=contract.DEFAULT_SHADOW_BUDGET, ge=0, le=1)
     """Most prefill tokens the shadow requests may use, as a share of the prefill tokens of
     user requests (0.05: 5 %); 0: no shadow requests, the inline proxy only."""
+    shadow_chunk_tokens: int = Field(default=512, ge=16, le=1048576)
+    """vLLM pods while qualityProxies is on: most prompt tokens one vLLM step gives a
+    request while others are waiting or running (vLLM's --long-prefill-token-threshold,
+    which the operator then sets). Priority orders only vLLM's waiting queue; this bounds
+    what a shadow already prefilling takes from a user request that arrives meanwhile to
+    one such chunk per step. User prompts are chunked the same way while other requests
+    run (a request alone is never cut)."""
     shadow_sample_rate: float = Field(default=contract.DEFAULT_SHADOW_SAMPLE_RATE, ge=0, le=1)
     """Share of requests also run with full prefill to score the F1 proxy (within
     shadowBudget)."""

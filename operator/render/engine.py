@@ -38,6 +38,7 @@ ENGINE_URL_ENV = LEGACY_ENGINE_URL_ENV
 # lowest priority, and user requests (priority 0 unless they say otherwise) keep their
 # arrival order ahead of them. vLLM's default, fcfs, ignores priorities.
 PRIORITY_FLAGS = ("--scheduling-policy", "priority")
+CHUNK_FLAG = "--long-prefill-token-threshold"
 METRICS_PORT_NAME = "blend-metrics"
 HEALTH_PATH = "/health"
 # Stopping engine: wait this long (the pod still serves) so endpoints drop it before vLLM
@@ -119,8 +120,14 @@ def vllm_args(bd: BlendDeployment) -> list[str]:
 
 def priority_flags(bd: BlendDeployment) -> list[str]:
     """`--scheduling-policy priority` while the pods score the quality proxies (their shadow
-    requests run at the lowest priority); none otherwise (vLLM's default)."""
-    return list(PRIORITY_FLAGS) if scores_quality_proxies(bd) else []
+    requests run at the lowest priority), and a per-step cap on one request's prompt
+    tokens (priority orders only the waiting queue: without the cap a shadow already
+    prefilling takes whole steps from a user request that arrives meanwhile); none
+    otherwise (vLLM's defaults)."""
+    if not scores_quality_proxies(bd):
+        return []
+    chunk = str(bd.spec.tuning.shadow_chunk_tokens)
+    return [*PRIORITY_FLAGS, CHUNK_FLAG, chunk]
 
 
 def engine_env(bd: BlendDeployment) -> list[dict]:

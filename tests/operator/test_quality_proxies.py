@@ -97,6 +97,25 @@ def test_the_shadow_budget_is_rendered():
     assert rendered_settings(vllm({"shadowBudget": 0}))["shadowBudget"] == 0
 
 
+def flag_value(bd: BlendDeployment, flag: str) -> str | None:
+    args = args_of(bd)
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+def test_a_shadow_takes_at_most_one_chunk_per_step_from_user_requests():
+    """Priority orders vLLM's waiting queue only: the per-step cap on one request's prompt
+    tokens is what bounds a running shadow's share of a step."""
+    assert flag_value(vllm(), "--long-prefill-token-threshold") == "512"
+    chunked = vllm({"shadowChunkTokens": 256})
+    assert flag_value(chunked, "--long-prefill-token-threshold") == "256"
+    assert args_of(chunked) != args_of(vllm())  # the pod template changes: pods roll
+    assert flag_value(vllm({"qualityProxies": False}), "--long-prefill-token-threshold") is None
+    with pytest.raises(ValueError, match="shadow_chunk_tokens|shadowChunkTokens"):
+        vllm({"shadowChunkTokens": 8})
+    with pytest.raises(ValueError, match="tuning.shadowChunkTokens"):
+        vllm(engine={"extraArgs": ["--long-prefill-token-threshold", "64"]})
+
+
 def test_holeblend_serve_pods_score_in_process_without_an_engine_url_or_vllm_flags():
     bd = bd_of(accelerator={"type": "cpu", "count": 0})
     settings = rendered_settings(bd)
