@@ -512,18 +512,19 @@ class ReferenceEngine:
         indexes: Sequence[int],
         k: torch.Tensor,
         v: torch.Tensor,
+        offset: int = 0,
     ) -> int:
         """Store segments `indexes` from the KV this request computed, `k`/`v` [layers,
-        kv_heads, >= segment end, head_dim] (store policy in-context: at their positions
-        in this prompt, no compute); the number the store accepted. Segments past the
-        end of `k` are left out."""
+        kv_heads, tokens, head_dim] holding positions `offset`.. (store policy in-context:
+        at their positions in this prompt, no compute); the number the store accepted.
+        Segments not wholly inside `k` are left out."""
         num_stored = 0
         for i in indexes:
             segment, key = prompt.segments[i], keys[i]
-            if key is None or segment.end > k.shape[2]:
+            start, end = segment.start - offset, segment.end - offset
+            if key is None or start < 0 or end > k.shape[2]:
                 continue
-            seg_k = k[:, :, segment.start : segment.end]
-            seg_v = v[:, :, segment.start : segment.end]
+            seg_k, seg_v = k[:, :, start:end], v[:, :, start:end]
             num_stored += bool(self.store.put(self._segment_kv(key, seg_k, seg_v, segment.start)))
         return num_stored
 

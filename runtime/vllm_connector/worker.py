@@ -25,6 +25,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -91,15 +92,97 @@ class PagedKVWriter:
             scatter_kv_nhd(cache, slots, k, v)
 
 
+class ForwardKVCapture:
+    """K/V rows of chosen cache slots, copied as vLLM's forward writes them, layer by layer.
+
+    vLLM hands each attention layer's new K/V (`[tokens, kv_heads, head_dim]`, K already
+    rotated) and their slots to the backend's `impl.do_kv_cache_update`; that method is
+    wrapped once per layer, so the rows are taken before the backend packs them into its
+    own cache layout (no layout to undo). Backends that write the cache inside their
+    attention call (`forward_includes_kv_cache_update`) are not supported: their segments
+    are computed in their canonical context instead."""
+
+    def __init__(self, attention_modules: Sequence[torch.nn.Module]) -> None:
+        modules = list(attention_modules)
+        self.is_supported = bool(modules) and all(_writes_cache_apart(m) for m in modules)
+        self.num_layers = len(modules)
+        self._slots: torch.Tensor | None = None
+        self._rows: torch.Tensor | None = None
+        self._k: list[torch.Tensor | None] = []
+        self._v: list[torch.Tensor | None] = []
+        if self.is_supported:
+            for layer, module in enumerate(modules):
+                module.impl.do_kv_cache_update = self._wrap(layer, module.impl.do_kv_cache_update)
+
+    def _wrap(self, layer: int, update: Any) -> Any:
+        def do_kv_cache_update(module: Any, key: Any, value: Any, cache: Any, slots: Any) -> None:
+            update(module, key, value, cache, slots)
+            if self._slots is not None:
+                self._take(layer, key, value, slots)
+
+        return do_kv_cache_update
+
+    def arm(self, slots: torch.Tensor) -> None:
+        """Capture the rows of `slots` (host int64, in the order wanted) in the next forward."""
+        self._slots, self._rows = slots, None
+        self._k, self._v = [None] * self.num_layers, [None] * self.num_layers
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """K and V `[layers, kv_heads, slots, head_dim]` of the armed slots, in their order;
+        None when a slot or a layer was not written. Disarms."""
+        armed, k, v = self._slots, self._k, self._v
+        self._slots, self._rows, self._k, self._v = None, None, [], []
+        if armed is None or not k or any(t is None for t in (*k, *v)):
+            return None
+        return torch.stack(k).transpose(1, 2), torch.stack(v).transpose(1, 2)
+
+    def _take(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: Any) -> None:
+        if self._rows is None:
+            rows = _rows_of(torch.as_tensor(slots).cpu(), self._slots)
+            if rows is None:  # a wanted slot is not written by this forward: give up
+                log.warning("a segment to store is not in this step's forward; computing it")
+                self._slots = None
+                return
+            self._rows = rows.to(key.device)
+        self._k[layer] = key.index_select(0, self._rows)
+        self._v[layer] = value.index_select(0, self._rows)
+
+
+def _writes_cache_apart(module: torch.nn.Module) -> bool:
+    impl = getattr(module, "impl", None)
+    backend = getattr(module, "attn_backend", None)
+    return hasattr(impl, "do_kv_cache_update") and not getattr(
+        backend, "forward_includes_kv_cache_update", False
+    )
+
+
+def _rows_of(written: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor | None:
+    """Row of each wanted slot in `written` (a forward's slot mapping), or None if any is
+    missing."""
+    order = torch.argsort(written)
+    found = torch.searchsorted(written[order], wanted).clamp_max(max(len(written) - 1, 0))
+    rows = order[found] if len(written) else found
+    if len(written) == 0 or not torch.equal(written[rows], wanted):
+        return None
+    return rows
+
+
 class BlendWorker:
     """Loads (blend + write) for one worker; `engine` wraps the model adapter and runs the
     same reuse path as holeblend-serve's prefill (`ReferenceEngine.blend_reused`)."""
 
     def __init__(
-        self, engine: ReferenceEngine, writer: PagedKVWriter, inline_statistic: bool = True
+        self,
+        engine: ReferenceEngine,
+        writer: PagedKVWriter,
+        inline_statistic: bool = True,
+        capture: ForwardKVCapture | None = None,
     ) -> None:
         self.engine = engine
         self.writer = writer
+        # Stores from the K/V the forward writes (store policy in-context); None: computed.
+        self.capture = capture if capture is not None and capture.is_supported else None
+        self._captured: tuple[StoreRequest, ...] = ()
         # Take each blend's inline statistic (blend.json's qualityProxies): on an
         # accelerator reading it waits for the blend's device work.
         self.inline_statistic = inline_statistic
@@ -114,12 +197,58 @@ class BlendWorker:
         missing = [i for i, is_found in zip(wanted, found, strict=True) if not is_found]
         return self.engine.cache_segments(request.prompt, missing) if missing else 0
 
+    def arm_capture(self, requests: Sequence[StoreRequest]) -> None:
+        """Before vLLM's forward: capture the K/V it writes for the segments of `requests`
+        that come from the forward (`StoreRequest.block_ids`). Without a capture (backend
+        not supported) they are computed in canonical context after the forward."""
+        self._captured = tuple(r for r in requests if r.is_from_forward)
+        if self.capture is None or not self._captured:
+            return
+        self.capture.arm(torch.cat([self._slots(r) for r in self._captured]))
+
+    def _slots(self, request: StoreRequest) -> torch.Tensor:
+        assert request.block_ids is not None
+        segments = [request.prompt.segments[i] for i in request.segments]
+        return torch.cat([self.writer.slots(request.block_ids, s.start, s.end) for s in segments])
+
+    @torch.inference_mode()
+    def store_captured(self) -> tuple[int, tuple[StoreRequest, ...]]:
+        """After vLLM's forward: store the captured segments from the K/V it wrote (at
+        their positions in the prompt, no compute); (segments stored, the requests left to
+        compute: all of them when nothing was captured)."""
+        requests, self._captured = self._captured, ()
+        captured = None if self.capture is None else self.capture.take()
+        if captured is None:
+            return 0, requests
+        k, v = captured
+        stored, first = 0, 0
+        for request in requests:
+            keys = self.engine.segment_keys(request.prompt)
+            for i in request.segments:
+                segment = request.prompt.segments[i]
+                rows = slice(first, first + segment.num_tokens)
+                first += segment.num_tokens
+                stored += self.engine.store_in_context(
+                    request.prompt, keys, [i], k[:, :, rows], v[:, :, rows], segment.start
+                )
+        return stored, ()
+
     def store_many(self, requests: Sequence[StoreRequest]) -> tuple[int, int]:
         """`store` each request; (segments stored, segments whose store failed). A failure
         is logged and counted (`holeblend_store_failures_total`), never raised: a segment
-        not stored is a future miss, not a failed request."""
+        not stored is a future miss, not a failed request. Requests whose segments the
+        forward computed are stored from the captured K/V (`arm_capture`)."""
         stored = failed = 0
-        for request in requests:
+        captured = self._captured
+        try:
+            stored, uncaptured = self.store_captured()
+        except Exception:
+            log.exception("storing the segments this step computed failed")
+            uncaptured = ()
+            failed += sum(len(r.segments) for r in captured)
+            metrics.STORE_FAILURES.inc(failed)
+        computed = [r for r in requests if not r.is_from_forward] + list(uncaptured)
+        for request in computed:
             try:
                 stored += self.store(request)
             except Exception:

@@ -10,12 +10,13 @@ needed, and the comparison is with the same weights.
 import pytest
 import torch
 
+from holeblend_kernels.paged import scatter_kv_nhd
 from holeblend_runtime.lookup import ReusePolicy
 from holeblend_runtime.segments import SegmentSplitter
 from holeblend_runtime.vllm_connector.accounting import LoadSpec
 from holeblend_runtime.vllm_connector.metadata import LoadRequest, StoreRequest
 from holeblend_runtime.vllm_connector.planning import ReusePlanner
-from holeblend_runtime.vllm_connector.worker import BlendWorker, PagedKVWriter
+from holeblend_runtime.vllm_connector.worker import BlendWorker, ForwardKVCapture, PagedKVWriter
 
 HOLE = 2  # segment index of the second document
 BLOCK = 16
@@ -190,3 +191,98 @@ def test_a_failed_store_is_counted_and_the_others_go_on(cached_engine, rag_texts
     assert worker.store_many(requests) == (1, 2)
     assert metrics.sample("holeblend_store_failures_total") == before + 2
     assert engine.store.contains_many([plan.keys[HOLE]]) == [True]
+
+
+class _Impl:
+    """An attention backend that writes the cache apart from attention, as vLLM's do:
+    `do_kv_cache_update(layer, key [tokens, kv_heads, d], value, cache, slots)`."""
+
+    def do_kv_cache_update(self, layer, key, value, cache, slots):
+        scatter_kv_nhd(cache, slots, key, value)
+
+
+class _Backend:
+    forward_includes_kv_cache_update = False
+
+
+class _AttentionLayer:
+    def __init__(self):
+        self.impl, self.attn_backend = _Impl(), _Backend()
+
+
+def _forward_into(worker, full, num_tokens, blocks, start=0):
+    """What vLLM's forward does for tokens [start, num_tokens): every layer's new K/V
+    through its backend's cache update (here: full prefill's K/V)."""
+    slots = worker.writer.slots(blocks, start, num_tokens)
+    for layer, module in enumerate(worker.writer.attention_modules):
+        k = full.k[layer, :, start:num_tokens].transpose(0, 1)
+        v = full.v[layer, :, start:num_tokens].transpose(0, 1)
+        module.impl.do_kv_cache_update(module, k, v, worker.writer.kv_caches[layer], slots)
+
+
+def _capturing_worker(engine, num_tokens):
+    c = engine.config
+    num_blocks = -(-num_tokens // BLOCK)
+    caches = [
+        torch.zeros(2, num_blocks, BLOCK, c.num_kv_heads, c.head_dim) for _ in range(c.num_layers)
+    ]
+    modules = [_AttentionLayer() for _ in caches]
+    writer = PagedKVWriter(modules, caches, BLOCK)
+    return BlendWorker(engine, writer, capture=ForwardKVCapture(modules)), tuple(range(num_blocks))
+
+
+def test_segments_the_forward_computes_are_stored_from_its_kv_without_compute(
+    new_engine, rag_texts, monkeypatch
+):
+    """A full miss: vLLM's forward computes every document; the step stores them from the
+    K/V the forward wrote (equal to a reference forward's, at their positions in this
+    prompt), and nothing is computed again."""
+    engine = new_engine()
+    prompt = engine.build_prompt(*rag_texts)
+    keys = engine.segment_keys(prompt)
+    missing = tuple(i for i, key in enumerate(keys) if key is not None)
+    worker, blocks = _capturing_worker(engine, prompt.num_tokens)
+    full = engine.prefill(prompt, "full", 1.0)
+    for key in keys:
+        if key is not None and engine.store.contains_many([key])[0]:
+            engine.store.remove(key)  # full prefill stored them: start from a miss
+    monkeypatch.setattr(engine, "cache_segments", lambda *a, **k: pytest.fail("computed"))
+    store = StoreRequest("r", prompt, missing, blocks)
+    worker.arm_capture([store])
+    _forward_into(worker, full, prompt.num_tokens, blocks)
+    assert worker.store_many([store]) == (len(missing), 0)
+    for i in missing:
+        segment, stored = prompt.segments[i], engine.store.get(keys[i])
+        assert torch.equal(stored.positions, torch.arange(segment.start, segment.end))
+        assert torch.equal(stored.k, full.k[:, :, segment.start : segment.end])
+        assert torch.equal(stored.v, full.v[:, :, segment.start : segment.end])
+
+
+def test_a_segment_the_forward_did_not_write_is_computed_instead(new_engine, rag_texts):
+    """The capture sees only part of the prompt (the step computed less than planned):
+    nothing half-captured is stored; the segments are computed in canonical context."""
+    engine = new_engine()
+    prompt = engine.build_prompt(*rag_texts)
+    keys = engine.segment_keys(prompt)
+    last = max(i for i, key in enumerate(keys) if key is not None)
+    worker, blocks = _capturing_worker(engine, prompt.num_tokens)
+    full = engine.prefill(prompt, "full", 1.0)
+    engine.store.remove(keys[last])
+    store = StoreRequest("r", prompt, (last,), blocks)
+    worker.arm_capture([store])
+    _forward_into(worker, full, prompt.segments[last].start + 2, blocks)  # stops inside it
+    assert worker.store_many([store]) == (1, 0)
+    canonical = engine.store.get(keys[last])
+    start = prompt.separator_ranges[0][1]  # canonical context: after the system prompt
+    assert torch.equal(canonical.positions, torch.arange(start, start + canonical.num_tokens))
+
+
+def test_a_backend_that_writes_inside_attention_is_not_captured():
+    class _Inside(_AttentionLayer):
+        def __init__(self):
+            super().__init__()
+            self.attn_backend = type("B", (), {"forward_includes_kv_cache_update": True})()
+
+    assert not ForwardKVCapture([_Inside()]).is_supported
+    assert not ForwardKVCapture([object()]).is_supported
+    assert ForwardKVCapture([_AttentionLayer()]).is_supported
