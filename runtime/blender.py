@@ -100,6 +100,11 @@ class Blender:
                 f"check_layer: must be below the model's {model.num_layers} layers, "
                 f"got {config.check_layer}"
             )
+        if config.filter_layers and config.filter_layers[-1] >= model.num_layers:
+            raise ValueError(
+                f"filter_layers: must be below the model's {model.num_layers} layers, "
+                f"got {list(config.filter_layers)}"
+            )
         self.model = model
         self.config = config
 
@@ -242,9 +247,9 @@ class Blender:
         picks = tuple(num_to_select(members.shape[0], ratio) for members in sections)
         num_uncached = int(active.shape[0]) - int(is_cached[active].sum())
         picks = _round_up_picks(picks, sections, num_uncached, self._bucket())
-        stages = _Stages.plan(
-            selector, picks, sections, num_uncached, len(self.config.filter_layers), self._bucket()
-        )
+        bounds = (self.config.check_layer, *self.config.filter_layers, self.model.num_layers - 1)
+        stage_layers = tuple(b - a for a, b in zip(bounds, bounds[1:], strict=False))
+        stages = _Stages.plan(selector, picks, sections, num_uncached, stage_layers, self._bucket())
         query_rows = torch.empty(0, dtype=torch.int64)
         if query is not None and NEEDS_QUERY in selector.needs:
             is_query = (active >= query[0]) & (active < query[1]) & ~is_cached[active]
@@ -488,26 +493,50 @@ class _Stages:
         picks: tuple[int, ...],
         sections: tuple[torch.Tensor, ...],
         num_uncached: int,
-        num_filters: int,
+        stage_layers: tuple[int, ...],
         bucket: int,
     ) -> _Stages:
+        """`stage_layers`: the sparse layers computed at each width, from the check layer
+        to the first filter layer, ..., after the last one. Budget-neutral: the narrowing
+        parts keep `factor` of their share after the last filter layer, and
+        `(1 + filters left) x` that before each filter layer, so that the token-layers
+        computed equal those of the budget at one width (filtering costs what K
+        deviation alone costs at the same ratio), wherever the widened set fits the
+        section."""
         sizes = tuple(members.shape[0] for members in sections)
-        counts = tuple(
-            selector.split(k, size, 1 + num_filters) for k, size in zip(picks, sizes, strict=True)
-        )
+        num_filters = len(stage_layers) - 1
         if num_filters == 0:
-            return cls(counts, ())
+            return cls(tuple(selector.split(k, n) for k, n in zip(picks, sizes, strict=True)), ())
         narrows = selector.narrowing()
+        weight = sum(n * (num_filters + 1 - s) for s, n in enumerate(stage_layers))
+        factor = sum(stage_layers) / weight
 
         def narrowing_sum(parts: tuple[int, ...]) -> int:
             return sum(c for c, n in zip(parts, narrows, strict=True) if n)
 
-        base = tuple(
-            narrowing_sum(selector.split(k, size)) for k, size in zip(picks, sizes, strict=True)
-        )
+        finals, counts = [], []
+        for k, size in zip(picks, sizes, strict=True):
+            parts = selector.split(k, size)
+            # Where the widened set would not fit the section (high ratios), its tokens
+            # are all computed up to the filter layer and the budget is kept after it:
+            # ratio 1.0 stays full prefill.
+            fits = (
+                sum(parts)
+                - narrowing_sum(parts)
+                + (num_filters + 1) * int(narrowing_sum(parts) * factor)
+                <= size
+            )
+            final = tuple(
+                int(c * factor) if n and fits else c for c, n in zip(parts, narrows, strict=True)
+            )
+            widened = tuple(
+                c * (num_filters + 1) if n else c for c, n in zip(final, narrows, strict=True)
+            )
+            finals.append(narrowing_sum(final))
+            counts.append(_cap(widened, narrows, size))
         fixed = num_uncached + sum(sum(parts) - narrowing_sum(parts) for parts in counts)
         # The widened check-layer set, on accelerators rounded up like the final one.
-        widened = _round_up(
+        widened_sums = _round_up(
             tuple(narrowing_sum(parts) for parts in counts),
             tuple(
                 size - sum(parts) + narrowing_sum(parts)
@@ -516,20 +545,36 @@ class _Stages:
             fixed,
             bucket,
         )
-        counts = tuple(
+        counts = [
             _widen_last_narrowing(parts, narrows, w - narrowing_sum(parts))
-            for parts, w in zip(counts, widened, strict=True)
-        )
+            for parts, w in zip(counts, widened_sums, strict=True)
+        ]
         narrow_to = tuple(
             _round_up(
-                tuple(min(w, b * (num_filters - j)) for w, b in zip(widened, base, strict=True)),
-                widened,
+                tuple(
+                    min(w, final * (num_filters - j))
+                    for w, final in zip(widened_sums, finals, strict=True)
+                ),
+                widened_sums,
                 fixed,
                 bucket,
             )
             for j in range(num_filters)
         )
-        return cls(counts, narrow_to)
+        return cls(tuple(counts), narrow_to)
+
+
+def _cap(parts: tuple[int, ...], narrows: tuple[bool, ...], size: int) -> tuple[int, ...]:
+    """`parts` within `size` in all: the last narrowing parts give way."""
+    capped, excess = list(parts), sum(parts) - size
+    for i in reversed(range(len(capped))):
+        if excess <= 0:
+            break
+        if narrows[i]:
+            cut = min(excess, capped[i])
+            capped[i] -= cut
+            excess -= cut
+    return tuple(capped)
 
 
 def _widen_last_narrowing(

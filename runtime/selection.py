@@ -18,9 +18,10 @@ recompute. Built-in strategies (the contract's names, `BlendConfig.selection`):
 
 A mix gives each strategy a share of the budget, `"sinks:0.25+kDeviation"`: the parts
 pick in order, each among the tokens the earlier parts left. With filter layers
-(gradual filtering) the deviation parts (`narrows`) pick (1 + number of filter layers)
-times their share at the check layer and each filter layer keeps fewer of them, by the
-fresh-vs-cached deviation at that layer; the other parts' picks are kept as they are.
+(gradual filtering) the deviation parts (`narrows`) pick several times their share at the
+check layer and each filter layer keeps fewer of them, by the fresh-vs-cached deviation
+at that layer; the other parts' picks are kept as they are (the blender sizes the stages
+so that filtering computes as many token-layers as the budget at one width).
 
 Everything a strategy reads is a device tensor; how many tokens each part picks is host
 arithmetic (`Selector.split`), so a selection never reads a device value on the host.
@@ -138,9 +139,8 @@ class SelectionStrategy(Protocol):
     name: str
     needs: frozenset[str]
 
-    def split(self, k: int, num_tokens: int, widen: int = 1) -> tuple[int, ...]:
-        """Host counts per part for `k` tokens of `num_tokens` (`widen`: the narrowing
-        parts' counts multiplied, for gradual filtering)."""
+    def split(self, k: int, num_tokens: int) -> tuple[int, ...]:
+        """Host counts per part for `k` tokens of `num_tokens`."""
         ...
 
     def narrowing(self) -> tuple[bool, ...]:
@@ -169,7 +169,7 @@ class Selector:
         )
         self.needs = frozenset().union(*(s.needs for s, _ in parts))
 
-    def split(self, k: int, num_tokens: int, widen: int = 1) -> tuple[int, ...]:
+    def split(self, k: int, num_tokens: int) -> tuple[int, ...]:
         if not 0 <= k <= num_tokens:
             raise ValueError(f"k: must be in 0..{num_tokens}, got {k}")
         # Largest remainders: the counts sum to k exactly, each near its share.
@@ -178,19 +178,6 @@ class Selector:
         order = sorted(range(len(exact)), key=lambda i: counts[i] - exact[i])
         for i in order[: k - sum(counts)]:
             counts[i] += 1
-        if widen > 1:
-            counts = [
-                c * widen if s.narrows else c for c, (s, _) in zip(counts, self.parts, strict=True)
-            ]
-            # Never more than the section holds: the last narrowing parts give way.
-            excess = sum(counts) - num_tokens
-            for i in reversed(range(len(counts))):
-                if excess <= 0:
-                    break
-                if self.parts[i][0].narrows:
-                    cut = min(excess, counts[i])
-                    counts[i] -= cut
-                    excess -= cut
         return tuple(counts)
 
     def narrowing(self) -> tuple[bool, ...]:

@@ -85,7 +85,10 @@ def test_mixed_selection_with_filter_layers_runs_on_the_meta_device(per_section)
     )  # fmt: skip
     result = _meta_blend(config, 0.3, query=(110, NUM_TOKENS - 1))
     sections = [30, 30, 15] if per_section else [75]
-    assert result.selected.shape == (sum(num_to_select(n, 0.3) for n in sections),)
+    budget = sum(num_to_select(n, 0.3) for n in sections)
+    # Budget-neutral filtering keeps fewer deviation picks than the budget at the end.
+    assert result.selected.device.type == "meta"
+    assert 0 < result.selected.shape[0] < budget
 
 
 def test_a_host_read_in_the_layer_loop_is_caught():

@@ -87,23 +87,28 @@ def test_split_counts_sum_to_k_by_largest_remainder(shares, k, expected):
     assert sum(selector.split(k, 20)) == k
 
 
-def test_widening_multiplies_only_narrowing_parts_within_the_section():
+def test_filter_stages_cost_what_the_budget_costs_at_one_width():
+    """Budget-neutral gradual filtering: the token-layers of the narrowing parts over all
+    stages equal the budget's at one width; pinned parts (sinks) are not narrowed."""
     selector = make_strategy(BlendConfig(selection="sinks:0.2+kDeviation"))
-    assert selector.narrowing() == (False, True)
-    assert selector.split(10, 100, widen=3) == (2, 24)
-    assert selector.split(10, 20, widen=3) == (2, 18)  # capped at the section's 20
-
-
-def test_filter_stages_narrow_to_the_budget_at_the_last_filter_layer():
-    selector = make_strategy(BlendConfig(selection="sinks:0.2+kDeviation"))
-    sections = (torch.arange(200),)
-    stages = _Stages.plan(selector, (20,), sections, num_uncached=30, num_filters=2, bucket=1)
-    assert stages.counts == ((4, 48),)
-    assert stages.narrow_to == ((32,), (16,))
-    bucketed = _Stages.plan(selector, (20,), sections, num_uncached=30, num_filters=2, bucket=64)
-    # Every stage's recompute set (4 pinned + narrowing + 30 uncached) a multiple of 64.
-    assert (4 + bucketed.counts[0][1] + 30) % 64 == 0
-    assert all((4 + n + 30) % 64 == 0 for (n,) in bucketed.narrow_to[:-1])
+    sections = (torch.arange(400),)
+    # 1 filter layer: 3 sparse layers wide (2x), then 24 at the final width.
+    stages = _Stages.plan(selector, (100,), sections, 30, stage_layers=(3, 24), bucket=1)
+    (sinks, wide), (final,) = stages.counts[0], stages.narrow_to[0]
+    assert sinks == 20 and wide == 2 * final
+    assert 3 * wide + 24 * final <= 80 * 27 < 3 * (wide + 2) + 24 * (final + 1)
+    # Two filter layers: 3x, 2x, then 1x.
+    two = _Stages.plan(selector, (100,), sections, 30, stage_layers=(2, 3, 22), bucket=1)
+    (_, wide), (middle,), (final,) = two.counts[0], two.narrow_to[0], two.narrow_to[1]
+    assert (wide, middle) == (3 * final, 2 * final)
+    assert 2 * wide + 3 * middle + 22 * final <= 80 * 27
+    # Widening never asks for more than the section holds.
+    capped = _Stages.plan(selector, (100,), (torch.arange(110),), 0, (20, 7), bucket=1)
+    assert sum(capped.counts[0]) <= 110
+    # On accelerators every stage's recompute set is a multiple of the bucket.
+    bucketed = _Stages.plan(selector, (100,), sections, 30, stage_layers=(3, 24), bucket=64)
+    assert (bucketed.counts[0][0] + bucketed.counts[0][1] + 30) % 64 == 0
+    assert (20 + bucketed.narrow_to[0][0] + 30) % 64 == 0
 
 
 def test_needs_says_what_the_selection_reads():
@@ -187,13 +192,14 @@ def test_query_selection_follows_the_question_not_the_deviation(cached_engine, r
     assert by_query.shape == by_deviation.shape and not torch.equal(by_query, by_deviation)
 
 
-def test_filter_layers_narrow_to_the_budget_and_change_the_choice(cached_engine, rag_texts):
+def test_filter_layers_narrow_the_choice_within_the_budget(cached_engine, rag_texts):
     plain_engine, prompt = cached_engine(rag_texts, hole=HOLE)
     plain = plain_engine.prefill(prompt, "hole", ratio=0.15)
     engine, _ = cached_engine(rag_texts, hole=HOLE, filter_layers=(3, 6))
     filtered = engine.prefill(prompt, "hole", ratio=0.15)
     cached = _cached_positions(plain, prompt)
-    assert filtered.selected_positions.shape == plain.selected_positions.shape
+    # Budget-neutral: fewer kept after the last filter layer than the plain budget.
+    assert 0 < filtered.selected_positions.numel() < plain.selected_positions.numel()
     assert set(filtered.selected_positions.tolist()) <= set(cached)
     assert not torch.equal(filtered.selected_positions, plain.selected_positions)
     # After the last filter layer the recompute set is the kept picks plus the tokens
