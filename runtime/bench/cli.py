@@ -5,7 +5,9 @@ llama-3-8b`), on any device (`--device cuda --dtype bfloat16`); clocks wait for 
 device. Prints one table row per (mode, ratio, store policy, pass) and optionally writes
 them as JSON; every row names the device, dtype and model shape, so a GPU run writes the
 same JSON as a CPU run. With --load: one `holeblend-serve` per mode driven by concurrent
-clients with a Zipf RAG stream; one row per mode.
+clients with a Zipf RAG stream; one row per mode. With --quality (synthetic documents) or
+--musique FILE: the quality sweep over selection strategies and ratios on documents reused
+in a new order next to new neighbours, with 95% bootstrap intervals and a frontier PNG.
 """
 
 from __future__ import annotations
@@ -23,10 +25,25 @@ import torch
 from tokenizers import Tokenizer
 
 from holeblend_runtime.bench.device_timing import busy_share, sdpa_reference_s
+from holeblend_runtime.bench.frontier import X_KEYS, plot_frontier
 from holeblend_runtime.bench.load import LOAD_MODES, LOAD_RESULT_KEYS, LoadConfig, run_load
 from holeblend_runtime.bench.load_workload import LoadWorkloadConfig, generate_load_workload
+from holeblend_runtime.bench.musique import load_musique, musique_prompt, musique_workload
+from holeblend_runtime.bench.quality_report import (
+    GOALS,
+    LEVEL,
+    NUM_RESAMPLES,
+    QUALITY_TABLE_KEYS,
+    quality_rows,
+)
 from holeblend_runtime.bench.report import RESULT_KEYS, format_table, write_json
-from holeblend_runtime.bench.runner import BLEND_MODES, BenchConfig, BenchRunner
+from holeblend_runtime.bench.runner import (
+    BLEND_MODES,
+    BenchConfig,
+    BenchRunner,
+    parse_selection_entry,
+    regrouped_first_pass,
+)
 from holeblend_runtime.bench.workload import QAPrompt, WorkloadConfig, generate_workload
 from holeblend_runtime.blend_config import K_DEVIATION, RANDOM, STORE_POLICIES, BlendConfig
 from holeblend_runtime.engine import ReferenceEngine
@@ -81,7 +98,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--max-doc-tokens", type=int, help=f"default {DEFAULTS['max_doc_tokens']}")
     add("--holes", default="middle", help="documents left out of pass 1: middle, none, or '2,5'")
     add("--ratios", help=f"recompute ratios to sweep (default {DEFAULTS['ratios']})")
-    add("--modes", default=",".join(BLEND_MODES), help="blend modes besides full prefill")
+    add(
+        "--modes",
+        help=f"blend modes besides full prefill (default {','.join(BLEND_MODES)}; "
+        "with --quality/--musique: hole)",
+    )
     add(
         "--store-policies",
         default=BlendConfig.store_policy,
@@ -94,6 +115,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     add("--check-layer", type=int, default=BlendConfig.check_layer, help="deviation check layer")
     add("--selection", choices=sorted(SELECTIONS), default="kdev", help="recompute selection")
+    add(
+        "--selections",
+        help="selection strategies to sweep, comma-separated: names or budget mixes "
+        "('kDeviation,sinks:0.25+kDeviation,random'), each optionally with '@4' or '@4/8' "
+        "for filter layers (default: --selection alone)",
+    )
     add("--seed", type=int, default=0, help="workload (and random selection) seed")
     add("--max-new-tokens", type=int, help=f"answer length (default {DEFAULTS['max_new_tokens']})")
     add("--threads", type=int, default=2, help="torch CPU threads")
@@ -142,8 +169,46 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     load.add_argument("--request-documents", type=int, default=6, help="documents per request")
     load.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of popularity")
     load.add_argument("--workdir", type=Path, help="server configs and logs (default: temp)")
+    quality = parser.add_argument_group("quality sweep (--quality, --musique)")
+    quality.add_argument(
+        "--quality",
+        action="store_true",
+        help="quality sweep on the synthetic documents: pass 1 regrouped (new order, new "
+        "neighbours), one shared KV store, intervals over prompts",
+    )
+    quality.add_argument(
+        "--musique",
+        type=Path,
+        metavar="FILE",
+        help="quality sweep on MuSiQue questions from FILE (the bundled copy: "
+        "runtime/bench/data/musique_s_dev.json); implies --quality",
+    )
+    quality.add_argument(
+        "--musique-start",
+        type=int,
+        default=0,
+        help="first MuSiQue item to use (a held-out run takes other questions)",
+    )
+    quality.add_argument("--png", type=Path, help="write the frontier plot to this PNG")
+    quality.add_argument(
+        "--frontier-x",
+        choices=sorted(X_KEYS),
+        default="ttft",
+        help="x axis of the frontier: TTFT or call-to-return speedup over full prefill",
+    )
     add("--no-progress", action="store_true", help="no progress bar on stderr")
     args = parser.parse_args(argv)
+    if args.musique is not None:
+        args.quality = True
+    if args.modes is None:
+        args.modes = "hole" if args.quality else ",".join(BLEND_MODES)
+    if args.png is not None and not args.quality:
+        parser.error("--png: the frontier plot belongs to the quality sweep; add --quality")
+    if args.quality:
+        others = [flag for flag, on in (("--load", args.load), ("--profile", args.profile),
+                                        ("--sdpa-reference", args.sdpa_reference)) if on]  # fmt: skip
+        if others:
+            parser.error(f"{others[0]}: not part of the quality sweep; run it without --quality")
     preset = QUICK if args.quick else DEFAULTS
     for name, value in preset.items():
         if getattr(args, name) is None:
@@ -161,6 +226,7 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         max_document_tokens=args.max_doc_tokens,
         holes=args.holes,
         shuffle_first_pass=args.shuffle_first_pass,
+        regroup_first_pass=args.quality,
     )
     return BenchConfig(
         workload=workload,
@@ -169,7 +235,22 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         store_policies=_names(args.store_policies),
         max_new_tokens=args.max_new_tokens,
         repeat=args.repeat,
+        selections=selections(args),
+        shared_store=args.quality,
+        check_layer=args.check_layer,
     )
+
+
+def selections(args: argparse.Namespace) -> tuple[str, ...]:
+    """--selections, or --selection alone."""
+    if args.selections is None:
+        return (SELECTIONS[args.selection],)
+    entries = _names(args.selections)
+    if not entries:
+        raise ValueError(
+            f"selections: expected comma-separated strategies, got {args.selections!r}"
+        )
+    return entries
 
 
 def _num_inflate(args: argparse.Namespace) -> int:
@@ -230,10 +311,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     loaded = ReferenceEngine(model, tokenizer, blend)
     store_bytes = int(args.store_gib * (1 << 30))
 
-    def new_engine(store_policy: str) -> ReferenceEngine:
+    def new_engine(store_policy: str, entry: str) -> ReferenceEngine:
         # Same weights, empty KV store: every sweep point starts cold. One activity for
         # all: a background store waits while any engine works.
-        point_blend = dataclasses.replace(blend, store_policy=store_policy)
+        point_blend = _point_blend(blend, store_policy, entry)
         store = LocalKVStore(store_bytes, host_memory=args.kv_store == "host")
         return ReferenceEngine(model, tokenizer, point_blend, store, activity=loaded.activity)
 
@@ -259,6 +340,92 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.json is not None:
         write_json(args.json, document["model"], document["config"], results)
     return document
+
+
+def _point_blend(blend: BlendConfig, store_policy: str, entry: str) -> BlendConfig:
+    selection, filter_layers = parse_selection_entry(entry)
+    return dataclasses.replace(
+        blend, store_policy=store_policy, selection=selection, filter_layers=filter_layers
+    )
+
+
+def quality_workload(
+    args: argparse.Namespace, config: BenchConfig, count: Any
+) -> tuple[str, BenchConfig, tuple[QAPrompt, ...], QAPrompt | None]:
+    """(workload name, config, pass-2 prompts, warm-up prompt outside them)."""
+    if args.musique is None:
+        prompts = generate_workload(config.workload, count)
+        warm = dataclasses.replace(config.workload, seed=-1 - args.seed, num_questions=1)
+        return "synthetic", config, prompts, generate_workload(warm, count)[0]
+    items = load_musique(args.musique)
+    prompts = musique_workload(
+        items,
+        seed=args.seed,
+        num_questions=args.questions,
+        holes=args.holes,
+        start=args.musique_start,
+    )
+    # The file decides the passages per prompt (--documents does not apply).
+    workload = dataclasses.replace(config.workload, num_documents=len(prompts[0].documents))
+    config = dataclasses.replace(config, workload=workload)
+    # Warm up on an item outside the run (the one before it, or after it).
+    used = range(args.musique_start, args.musique_start + len(prompts))
+    outside = [i for i in (used.start - 1, used.stop) if 0 <= i < len(items)]
+    warm_up = None
+    if outside:
+        index = outside[0]
+        warm_up = musique_prompt(items[index], seed=-1 - args.seed, index=index, holes=args.holes)
+    return f"musique:{args.musique.name}", config, prompts, warm_up
+
+
+def run_quality(args: argparse.Namespace) -> dict[str, Any]:
+    """The quality sweep; returns the JSON document (also written when --json is given)."""
+    config, blend = bench_config(args), blend_config(args)
+    started = time.perf_counter()
+    model, tokenizer = load_model(args)
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text))
+
+    name, config, prompts, warm_up = quality_workload(args, config, count)
+    loaded = ReferenceEngine(model, tokenizer, blend)
+    # One store for every sweep point (pass 1 goes once; each send's stores are removed
+    # after it): big enough for every pass-1 document, --store-gib at least.
+    first_pass = regrouped_first_pass(prompts, config.workload.seed)
+    first_pass_tokens = sum(count(d) for r in first_pass for d in r.documents)
+    c = model.config
+    bytes_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * DTYPES[args.dtype].itemsize
+    needed = int(1.25 * bytes_per_token * (first_pass_tokens + 4096))
+    store_bytes = max(int(args.store_gib * (1 << 30)), needed)
+    store = LocalKVStore(store_bytes, host_memory=args.kv_store == "host")
+
+    def new_engine(store_policy: str, entry: str) -> ReferenceEngine:
+        point_blend = _point_blend(blend, store_policy, entry)
+        return ReferenceEngine(model, tokenizer, point_blend, store, activity=loaded.activity)
+
+    runner = BenchRunner(new_engine, tokenizer, config)
+    measures, _ = runner.run_measures(prompts, show_progress=not args.no_progress, warm_up=warm_up)
+    context = row_context(args, model)
+    rows = quality_rows(measures, runner.passes, workload=name, seed=args.seed)
+    rows = [{**row, **context} for row in rows]
+    record = _config_record(config, blend, prompts, runner, args)
+    record.update(
+        workload=name,
+        musique_file=None if args.musique is None else str(args.musique),
+        musique_start=None if args.musique is None else args.musique_start,
+        first_pass=runner.first_pass_record,
+        shared_store_bytes=store_bytes,
+        bootstrap={"resamples": NUM_RESAMPLES, "level": LEVEL, "seed": args.seed},
+        goals=GOALS,
+        wall_s=time.perf_counter() - started,
+    )
+    if args.json is not None:
+        write_json(args.json, model.config.model_id, record, rows)
+    if args.png is not None:
+        measured = [row for row in rows if row["pass"] == 2]
+        title = f"{model.config.model_id}, {name}, seed {args.seed}, {len(prompts)} prompts"
+        plot_frontier(measured, args.png, title, x=args.frontier_x)
+    return {"model": model.config.model_id, "config": record, "results": rows}
 
 
 def load_config(args: argparse.Namespace) -> LoadConfig:
@@ -302,15 +469,21 @@ def run_load_bench(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        document = run_load_bench(args) if args.load else run(args)
+        if args.load:
+            document = run_load_bench(args)
+        else:
+            document = run_quality(args) if args.quality else run(args)
     except ValueError as error:
         print(f"holeblend-bench: {error}", file=sys.stderr)
         return 2
     print(f"model {document['model']}; ratio '-' = full prefill, nothing reused")
     keys = LOAD_RESULT_KEYS if args.load else RESULT_KEYS
+    if args.quality:
+        keys = QUALITY_TABLE_KEYS
     print(format_table(document["results"], keys))
-    if args.json is not None:
-        print(f"wrote {args.json}")
+    for path in (args.json, args.png):
+        if path is not None:
+            print(f"wrote {path}")
     return 0
 
 
@@ -338,10 +511,10 @@ def _profile(
     ratio = config.ratios[0]
     first, second = (runner.request(qa, pass_number=p).prompt for p in (1, 2))
     shares: dict[str, Any] = {"ratio": ratio}
-    engine = new_engine(config.store_policies[0])
+    engine = new_engine(config.store_policies[0], config.selections[0])
     shares["full"] = busy_share(lambda: engine.prefill(second, "full", 1.0))
     for mode in config.modes:
-        engine = new_engine(config.store_policies[0])
+        engine = new_engine(config.store_policies[0], config.selections[0])
         engine.prefill(first, mode, ratio)
         engine.wait_for_stores()
         snapshot = set(engine.store.keys())

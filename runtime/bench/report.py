@@ -17,6 +17,7 @@ RESULT_KEYS = (
     "ratio",
     "pass",
     "store_policy",
+    "selection",
     "num_prompts",
     "reused_share",
     "hole_share",
@@ -54,6 +55,9 @@ class RequestMeasure:
     # Mean NLL of the gold answer tokens, teacher-forced.
     gold_loss: float
     f1_vs_gold: float
+    # CPU seconds the process spent in the call (all its threads): steadier than wall
+    # time on a shared machine; 0 where not measured.
+    request_cpu_s: float = 0.0
 
 
 def summarize(
@@ -65,9 +69,10 @@ def summarize(
     full_request_mean_s: float,
     store_policy: str | None = None,
     background_store_s: float = 0.0,
+    selection: str | None = None,
 ) -> dict[str, Any]:
-    """One result row; `ratio` and `store_policy` are None for full prefill (nothing is
-    reused or stored). `background_store_s`: seconds the background store computed for
+    """One result row; `ratio`, `store_policy` and `selection` are None for full prefill
+    (nothing is reused, selected or stored). `background_store_s`: seconds the background store computed for
     these requests (isolated policy), spread over them in `background_store_s_mean`."""
     if not measures:
         raise ValueError("measures: need at least one request")
@@ -80,6 +85,7 @@ def summarize(
         "ratio": ratio,
         "pass": pass_number,
         "store_policy": store_policy,
+        "selection": selection,
         "num_prompts": len(measures),
         "reused_share": sum(m.num_reused_tokens for m in measures) / num_tokens,
         "hole_share": sum(m.num_hole_tokens for m in measures) / num_tokens,
@@ -122,6 +128,7 @@ def write_json(
 
 
 def _short_header(key: str) -> str:
+    key = key.replace("speedup_request_cpu_vs_full", "x_cpu")
     key = key.replace("speedup_request_vs_full", "x_req").replace("speedup_vs_full", "x_ttft")
     key = key.replace("background_store_s_mean", "bg_store_s").replace("store_policy", "store")
     return key.replace("_share", "").replace("_vs_full", "/full").replace("_vs_gold", "/gold")
@@ -132,6 +139,9 @@ def _format_cell(value: Any) -> str:
         return "-"
     if isinstance(value, float):
         return f"{value:.3f}"
+    if isinstance(value, list | tuple):
+        # An interval [low, high].
+        return "[" + ",".join(_format_cell(v) for v in value) + "]"
     return str(value)
 
 

@@ -13,8 +13,16 @@ prompt with a new document set pays, pass 3 what a seen one pays). Pass 3 times 
 prefill only; its quality columns are pass 2's (the same computation). Full prefill of every prompt in
 both passes runs once; its answers are the reference for the blended ones.
 
+Selection strategies are a sweep dimension (`BenchConfig.selections`: a `BlendConfig.selection`
+string, optionally with `@layers` for `filter_layers`). With `WorkloadConfig.regroup_first_pass`,
+pass 1 is `first_pass_requests` (documents pooled across prompts, new order, new neighbours): it
+only fills the stores and is not measured. With `BenchConfig.shared_store` every engine shares
+one KV store (the caller makes it so): pass 1 is sent once, and what each measured send stores
+is removed again right after it, so every sweep point meets the same cache state while memory
+holds the documents once instead of once per sweep point.
+
 Requests are interleaved: each prompt goes to full prefill and then to every sweep
-point before the next prompt. A slower or busier machine then slows all modes alike
+point before the next prompt (the points' order rotated by one per prompt). A slower or busier machine then slows all modes alike
 instead of whichever happened to run last, which keeps the speedups honest. The price
 is memory: every sweep point's store holds the run's documents at once.
 """
@@ -22,6 +30,7 @@ is memory: every sweep point's store holds the run's documents at once.
 from __future__ import annotations
 
 import statistics
+import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -30,6 +39,7 @@ from typing import Any, Protocol
 import torch
 from tqdm import tqdm
 
+from holeblend_contract.blend_settings import DEFAULT_CHECK_LAYER, parse_selection
 from holeblend_runtime.bench.quality import (
     answer_f1,
     answer_words,
@@ -38,8 +48,13 @@ from holeblend_runtime.bench.quality import (
     top1_agreement,
 )
 from holeblend_runtime.bench.report import RequestMeasure, summarize
-from holeblend_runtime.bench.workload import QAPrompt, WorkloadConfig
-from holeblend_runtime.blend_config import IN_CONTEXT, STORE_POLICIES
+from holeblend_runtime.bench.workload import (
+    FirstPassRequest,
+    QAPrompt,
+    WorkloadConfig,
+    first_pass_requests,
+)
+from holeblend_runtime.blend_config import IN_CONTEXT, K_DEVIATION, STORE_POLICIES
 from holeblend_runtime.segments import SegmentedPrompt
 
 FULL = "full"
@@ -47,6 +62,30 @@ BLEND_MODES = ("prefix", "hole")
 PASSES = (1, 2)
 # Pass 2 sent again on the same cache state (BenchConfig.repeat).
 REPEAT_PASS = 3
+# Separates a selection from its filter layers in a sweep entry: "kDeviation@4/8".
+FILTER_MARK = "@"
+
+
+def parse_selection_entry(entry: str) -> tuple[str, tuple[int, ...]]:
+    """`"sinks:0.25+kDeviation@4/8"` -> `("sinks:0.25+kDeviation", (4, 8))`: a
+    `BlendConfig.selection` and its `filter_layers` (none without `@`). ValueError naming
+    `selections` and the entry otherwise."""
+    selection, marked, layers_text = entry.strip().partition(FILTER_MARK)
+    selection = selection.strip()
+    try:
+        parse_selection(selection)
+    except ValueError as error:
+        raise ValueError(f"selections: {error}") from None
+    if not marked:
+        return selection, ()
+    try:
+        layers = tuple(int(part) for part in layers_text.split("/"))
+    except ValueError:
+        raise ValueError(
+            f"selections: filter layers after '{FILTER_MARK}' must be integers separated by "
+            f"'/', like 'kDeviation@4' or 'kDeviation@4/8', got {entry!r}"
+        ) from None
+    return selection, layers
 
 
 class Prefill(Protocol):
@@ -100,6 +139,14 @@ class BenchConfig:
     max_new_tokens: int = 20
     # Pass 3: pass 2's prompts again on the same cache state (shapes seen).
     repeat: bool = False
+    # Selection strategies swept for each mode and ratio: `BlendConfig.selection` strings,
+    # each optionally with "@layers" for `filter_layers` (parse_selection_entry).
+    selections: tuple[str, ...] = (K_DEVIATION,)
+    # Every engine shares one KV store: pass 1 goes once, and what a measured send stores
+    # is removed after it (needs the in-context store policy alone).
+    shared_store: bool = False
+    # The layer the engines check deviation at (filter layers must lie above it).
+    check_layer: int = DEFAULT_CHECK_LAYER
 
     def __post_init__(self) -> None:
         if not self.ratios:
@@ -118,6 +165,23 @@ class BenchConfig:
             )
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+        if not self.selections:
+            raise ValueError(f"selections: need at least one, e.g. {K_DEVIATION!r}")
+        if len(set(self.selections)) != len(self.selections):
+            raise ValueError(f"selections: an entry appears twice in {list(self.selections)}")
+        for entry in self.selections:
+            _, layers = parse_selection_entry(entry)
+            if layers and (layers[0] <= self.check_layer or list(layers) != sorted(set(layers))):
+                raise ValueError(
+                    f"selections: filter layers of {entry!r} must be strictly increasing and "
+                    f"above the check layer {self.check_layer}"
+                )
+        if self.shared_store and self.store_policies != (IN_CONTEXT,):
+            raise ValueError(
+                f"store_policies: a shared store needs {IN_CONTEXT!r} alone (an isolated "
+                f"store's background jobs would outlive the send they belong to), got "
+                f"{list(self.store_policies)}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -130,8 +194,12 @@ class Request:
     prompt: SegmentedPrompt
     # Gold answer tokens, as the assistant would write them.
     gold_ids: tuple[int, ...]
-    gold_words: tuple[str, ...]
+    # Words of every accepted gold answer (F1 vs gold is the best over them).
+    gold_words: tuple[tuple[str, ...], ...]
     question_words: tuple[str, ...]
+
+    def f1_vs_gold(self, words: Sequence[str]) -> float:
+        return max(answer_f1(words, gold, self.question_words) for gold in self.gold_words)
 
 
 @dataclass(frozen=True, eq=False)
@@ -145,35 +213,52 @@ class Reference:
     measure: RequestMeasure
 
 
-# (mode, ratio, store policy); ratio and policy are None for full prefill.
-SweepPoint = tuple[str, float | None, str | None]
-MeasureKey = tuple[str, float | None, str | None, int]
+# (mode, ratio, store policy, selection entry); all but the mode are None for full prefill.
+SweepPoint = tuple[str, float | None, str | None, str | None]
+MeasureKey = tuple[str, float | None, str | None, str | None, int]
+FULL_POINT: SweepPoint = (FULL, None, None, None)
 
 
 class BenchRunner:
-    """`new_engine(store_policy)` gives an engine with an empty KV store (sharing the
-    loaded model and its foreground activity); the first one runs full prefill, one more
-    per sweep point blends."""
+    """`new_engine(store_policy, selection_entry)` gives an engine (sharing the loaded
+    model and its foreground activity) whose blend config has that store policy and
+    selection, with an empty KV store of its own, or the one shared store when
+    `config.shared_store`; the first one runs full prefill, one more per sweep point
+    blends."""
 
     def __init__(
-        self, new_engine: Callable[[str], Engine], tokenizer: Tokenizer, config: BenchConfig
+        self, new_engine: Callable[[str, str], Engine], tokenizer: Tokenizer, config: BenchConfig
     ) -> None:
         self.new_engine = new_engine
         self.tokenizer = tokenizer
         self.config = config
-        self.engine = new_engine(config.store_policies[0])
+        self.engine = new_engine(config.store_policies[0], config.selections[0])
+        # Pass 1 when regrouped (not measured): requests, documents and seconds sent.
+        self.first_pass_record: dict[str, Any] | None = None
+
+    @property
+    def regrouped(self) -> bool:
+        return self.config.workload.regroup_first_pass
 
     @property
     def passes(self) -> tuple[int, ...]:
-        return (*PASSES, REPEAT_PASS) if self.config.repeat else PASSES
+        """The measured passes (a regrouped pass 1 only fills the stores)."""
+        passes = PASSES[1:] if self.regrouped else PASSES
+        return (*passes, REPEAT_PASS) if self.config.repeat else passes
 
     def num_requests(self, num_prompts: int) -> int:
-        """Prefills the run makes: references plus every (mode, ratio, pass)."""
+        """Measured prefills: references plus every (sweep point, pass)."""
         return num_prompts * len(self.passes) * (1 + len(self.sweep_points()))
 
     def sweep_points(self) -> list[SweepPoint]:
         c = self.config
-        return [(m, r, s) for m in c.modes for r in c.ratios for s in c.store_policies]
+        return [
+            (m, r, s, e)
+            for m in c.modes
+            for r in c.ratios
+            for e in c.selections
+            for s in c.store_policies
+        ]
 
     def run(
         self,
@@ -183,11 +268,25 @@ class BenchRunner:
     ) -> list[dict[str, Any]]:
         """`warm_up`: a prompt outside the workload to warm up on (default: the first
         prompt's pass 2, which pass 2 then sends to a warm machine)."""
-        requests = {p: [self.request(qa, pass_number=p) for qa in workload] for p in PASSES}
-        # Each sweep point's engine shares the loaded model and owns an empty store.
-        engines = {point: self.new_engine(point[2]) for point in self.sweep_points()}
+        measures, background_s = self.run_measures(workload, show_progress, warm_up)
+        return self._rows(measures, background_s)
+
+    def run_measures(
+        self,
+        workload: Sequence[QAPrompt],
+        show_progress: bool = True,
+        warm_up: QAPrompt | None = None,
+    ) -> tuple[dict[MeasureKey, list[RequestMeasure]], dict[MeasureKey, float]]:
+        """Per-prompt measures (in workload order) of every (sweep point, measured pass),
+        full prefill's under `FULL_POINT`; and background store seconds per key."""
+        sent = [p for p in PASSES if p in self.passes]
+        requests = {p: [self.request(qa, pass_number=p) for qa in workload] for p in sent}
+        # Each sweep point's engine shares the loaded model and owns an empty store (or
+        # the shared one).
+        engines = {point: self.new_engine(point[2], point[3]) for point in self.sweep_points()}
         measures: dict[MeasureKey, list[RequestMeasure]] = defaultdict(list)
         background_s: dict[MeasureKey, float] = {}
+        forget_each = self.config.shared_store
         total = self.num_requests(len(workload))
         with tqdm(
             total=total, desc="holeblend-bench", unit="req", disable=not show_progress
@@ -195,24 +294,28 @@ class BenchRunner:
             self._warm_up(
                 requests[2][0] if warm_up is None else self.request(warm_up, pass_number=2)
             )
-            for pass_number in PASSES:
+            if self.regrouped:
+                self._send_first_pass(workload, engines)
+            for pass_number in sent:
                 computed = {point: e.store_stats().compute_s for point, e in engines.items()}
-                for request in requests[pass_number]:
+                for index, request in enumerate(requests[pass_number]):
                     reference = self._reference(request)
-                    measures[(FULL, None, None, pass_number)].append(reference.measure)
+                    measures[(*FULL_POINT, pass_number)].append(reference.measure)
                     is_repeated = pass_number == PASSES[-1] and self.config.repeat
                     if is_repeated:
                         again = self._again(self.engine, (FULL, 1.0), request, reference.measure)
-                        measures[(FULL, None, None, REPEAT_PASS)].append(again)
+                        measures[(*FULL_POINT, REPEAT_PASS)].append(again)
                     bar.update(1 + is_repeated)
-                    for point, engine in engines.items():
-                        stored = set(engine.store.keys()) if is_repeated else set()
+                    for point, engine in _rotated(list(engines.items()), index):
+                        forget = is_repeated or forget_each
+                        stored = set(engine.store.keys()) if forget else set()
                         measure = self._measure(engine, point, request, reference)
                         measures[(*point, pass_number)].append(measure)
                         if is_repeated:
                             _forget_stored_since(engine, stored)
                             again = self._again(engine, point[:2], request, measure)
                             measures[(*point, REPEAT_PASS)].append(again)
+                        if forget:
                             _forget_stored_since(engine, stored)
                         bar.update(1 + is_repeated)
                 for point, engine in engines.items():
@@ -224,7 +327,27 @@ class BenchRunner:
                     )
         for engine in engines.values():
             engine.close()
-        return self._rows(measures, background_s)
+        return measures, background_s
+
+    def _send_first_pass(
+        self, workload: Sequence[QAPrompt], engines: dict[SweepPoint, Engine]
+    ) -> None:
+        """Fill the stores: once into the shared one, else into every sweep point's."""
+        first_pass = regrouped_first_pass(workload, self.config.workload.seed)
+        targets = list(engines.items())[:1] if self.config.shared_store else engines.items()
+        started = time.perf_counter()
+        for request in first_pass:
+            prompt = self.engine.build_prompt(request.system, request.documents, request.question)
+            for (mode, ratio, _, _), engine in targets:
+                engine.prefill(prompt, mode, ratio)
+        for _, engine in targets:
+            engine.wait_for_stores()
+        self.first_pass_record = {
+            "num_requests": len(first_pass),
+            "num_documents": sum(len(r.documents) for r in first_pass),
+            "sent_to_engines": len(list(targets)),
+            "wall_s": time.perf_counter() - started,
+        }
 
     def request(self, qa: QAPrompt, *, pass_number: int) -> Request:
         shuffle = self.config.workload.shuffle_first_pass and pass_number == 1
@@ -235,7 +358,7 @@ class BenchRunner:
         return Request(
             prompt=self.engine.build_prompt(qa.system, documents, qa.question),
             gold_ids=tuple(self.tokenizer.encode(qa.gold_answer)),
-            gold_words=tuple(answer_words(qa.gold_answer)),
+            gold_words=tuple(tuple(answer_words(gold)) for gold in qa.gold_answers),
             question_words=tuple(answer_words(qa.question)),
         )
 
@@ -243,13 +366,17 @@ class BenchRunner:
         # First calls pay for lazy allocations and code paths; keep them out of every
         # timing: full prefill, then a throwaway engine's cold and warm blend.
         self.engine.prefill(request.prompt, FULL, 1.0)
-        engine = self.new_engine(self.config.store_policies[0])
+        engine = self.new_engine(self.config.store_policies[0], self.config.selections[0])
+        before = set(engine.store.keys())  # a shared store must not keep the warm-up's
         for _ in range(2):
             engine.prefill(request.prompt, self.config.modes[0], self.config.ratios[0])
+        _forget_stored_since(engine, before)
         engine.close()
 
     def _reference(self, request: Request) -> Reference:
+        cpu_started = time.process_time()
         prefill = self.engine.prefill(request.prompt, FULL, 1.0)
+        cpu_s = time.process_time() - cpu_started
         gold_loss = _gold_loss(self.engine, prefill, request)
         answer_ids = tuple(self.engine.generate(prefill, self.config.max_new_tokens))
         words = tuple(answer_words(self.tokenizer.decode(answer_ids)))
@@ -265,7 +392,8 @@ class BenchRunner:
             top1_vs_full=top1_agreement(span_logits, span_logits),
             kl_vs_full=kl_divergence(span_logits, span_logits).mean().item(),
             gold_loss=gold_loss,
-            f1_vs_gold=answer_f1(words, request.gold_words, request.question_words),
+            f1_vs_gold=request.f1_vs_gold(words),
+            request_cpu_s=cpu_s,
         )
         return Reference(answer_ids, words, span_logits, measure)
 
@@ -274,20 +402,21 @@ class BenchRunner:
         measures: dict[MeasureKey, list[RequestMeasure]],
         background_s: dict[MeasureKey, float],
     ) -> list[dict[str, Any]]:
-        full = {p: measures[(FULL, None, None, p)] for p in self.passes}
-        points: list[SweepPoint] = [(FULL, None, None), *self.sweep_points()]
+        full = {p: measures[(*FULL_POINT, p)] for p in self.passes}
+        points: list[SweepPoint] = [FULL_POINT, *self.sweep_points()]
         return [
             summarize(
                 mode,
                 ratio,
                 p,
-                measures[(mode, ratio, policy, p)],
+                measures[(mode, ratio, policy, selection, p)],
                 full_ttft_mean_s=statistics.fmean(m.ttft_s for m in full[p]),
                 full_request_mean_s=statistics.fmean(m.request_s for m in full[p]),
                 store_policy=policy,
-                background_store_s=background_s.get((mode, ratio, policy, p), 0.0),
+                background_store_s=background_s.get((mode, ratio, policy, selection, p), 0.0),
+                selection=selection,
             )  # fmt: skip
-            for mode, ratio, policy in points
+            for mode, ratio, policy, selection in points
             for p in self.passes
         ]
 
@@ -300,14 +429,20 @@ class BenchRunner:
     ) -> RequestMeasure:
         """The prefill of `request` once more, timed; the rest of `first` (same state)."""
         mode, ratio = mode_ratio
+        cpu_started = time.process_time()
         prefill = engine.prefill(request.prompt, mode, 1.0 if ratio is None else ratio)
-        return replace(first, ttft_s=prefill.ttft_s, request_s=prefill.request_s)
+        cpu_s = time.process_time() - cpu_started
+        return replace(
+            first, ttft_s=prefill.ttft_s, request_s=prefill.request_s, request_cpu_s=cpu_s
+        )
 
     def _measure(
         self, engine: Engine, point: SweepPoint, request: Request, reference: Reference
     ) -> RequestMeasure:
-        mode, ratio, _ = point
+        mode, ratio, _, _ = point
+        cpu_started = time.process_time()
         prefill = engine.prefill(request.prompt, mode, ratio)
+        cpu_s = time.process_time() - cpu_started
         span_logits = _span_logits(engine, prefill, reference.answer_ids)
         gold_loss = _gold_loss(engine, prefill, request)
         words = answer_words(
@@ -324,8 +459,23 @@ class BenchRunner:
             top1_vs_full=top1_agreement(reference.span_logits, span_logits),
             kl_vs_full=kl_divergence(reference.span_logits, span_logits).mean().item(),
             gold_loss=gold_loss,
-            f1_vs_gold=answer_f1(words, request.gold_words, request.question_words),
+            f1_vs_gold=request.f1_vs_gold(words),
+            request_cpu_s=cpu_s,
         )
+
+
+def _rotated(items: list[Any], shift: int) -> list[Any]:
+    """`items` starting at `shift` (mod its length): prompt i goes to the sweep points
+    in an order rotated by i, so no point always runs right after full prefill."""
+    shift %= len(items) or 1
+    return items[shift:] + items[:shift]
+
+
+def regrouped_first_pass(workload: Sequence[QAPrompt], seed: int) -> tuple[FirstPassRequest, ...]:
+    """The regrouped pass 1: groups of a pass-1 prompt's size (documents minus holes)."""
+    first = workload[0]
+    group_size = max(1, len(first.documents) - len(first.hole_documents))
+    return first_pass_requests(workload, seed, group_size)
 
 
 def _forget_stored_since(engine: Engine, before: set[str]) -> None:

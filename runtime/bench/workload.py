@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 SYSTEM_PROMPT = (
@@ -132,6 +132,13 @@ class QAPrompt:
     answer_document: int
     # Indexes into `documents` left out in pass 1 (sorted).
     hole_documents: tuple[int, ...]
+    # Further accepted answers besides `gold_answer` (F1 vs gold takes the best).
+    gold_aliases: tuple[str, ...] = ()
+
+    @property
+    def gold_answers(self) -> tuple[str, ...]:
+        """Every accepted answer, `gold_answer` first."""
+        return (self.gold_answer, *self.gold_aliases)
 
     def document_texts(
         self, *, without_holes: bool, shuffle_seed: int | None = None
@@ -142,6 +149,42 @@ class QAPrompt:
         if shuffle_seed is not None:
             random.Random(f"{shuffle_seed}:{self.question}").shuffle(texts)
         return tuple(texts)
+
+
+@dataclass(frozen=True)
+class FirstPassRequest:
+    """An earlier request that caches documents before the measured prompts reuse them."""
+
+    system: str
+    documents: tuple[str, ...]
+    question: str
+
+
+def first_pass_requests(
+    prompts: Sequence[QAPrompt], seed: int, group_size: int
+) -> tuple[FirstPassRequest, ...]:
+    """Pass 1 with new neighbours: every prompt's documents but the holes, pooled across
+    prompts, shuffled (seeded) and sent in groups of `group_size`, so that pass 2 finds
+    each document in a new place and after documents it was not cached with.
+
+    A document text is sent once (texts shared by several prompts too), and never when it
+    is a hole of any prompt: holes stay uncached. Each group asks the question of the
+    prompt its first document came from."""
+    if group_size < 1:
+        raise ValueError(f"group_size: must be >= 1, got {group_size}")
+    holes = {qa.documents[i].text for qa in prompts for i in qa.hole_documents}
+    pool: dict[str, QAPrompt] = {}
+    for qa in prompts:
+        for document in qa.documents:
+            if document.text not in holes:
+                pool.setdefault(document.text, qa)
+    texts = list(pool)
+    random.Random(f"{seed}:first-pass").shuffle(texts)
+    groups = [texts[i : i + group_size] for i in range(0, len(texts), group_size)]
+    return tuple(
+        FirstPassRequest(pool[group[0]].system, tuple(group), pool[group[0]].question)
+        for group in groups
+    )
 
 
 @dataclass(frozen=True)
@@ -162,6 +205,9 @@ class WorkloadConfig:
     # them at the place or after the documents it was stored with (in-context storage
     # then has no advantage from the repeat).
     shuffle_first_pass: bool = False
+    # Pass 1 pools every prompt's documents (holes left out), shuffles them and sends them
+    # in groups of a prompt's size (`first_pass_requests`): new order and new neighbours.
+    regroup_first_pass: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_questions", "num_documents", "min_document_tokens"):

@@ -106,7 +106,7 @@ def test_table_has_a_header_and_one_line_per_row():
     ]
     lines = format_table(rows).splitlines()
     assert len(lines) == 4
-    assert lines[0].split()[:5] == ["mode", "ratio", "pass", "store", "num_prompts"]
+    assert lines[0].split()[:6] == ["mode", "ratio", "pass", "store", "selection", "num_prompts"]
     assert lines[2].split()[:3] == ["full", "-", "1"]
     assert "4.000" in lines[3].split()  # speedup 1.0 / 0.25
 

@@ -7,6 +7,7 @@ import pytest
 from holeblend_runtime.bench.workload import (
     WorkloadConfig,
     approximate_token_count,
+    first_pass_requests,
     generate_workload,
     hole_positions,
 )
@@ -113,3 +114,20 @@ def test_bad_hole_spec_raises_naming_holes(spec):
 def test_config_validation_names_the_field(changes, field):
     with pytest.raises(ValueError, match=field):
         WorkloadConfig(**changes)
+
+
+def test_regrouped_first_pass_mixes_prompts_and_leaves_every_hole_out():
+    config = dataclasses.replace(CONFIG, holes="1,4")
+    prompts = generate_workload(config)
+    first = first_pass_requests(prompts, seed=config.seed, group_size=5)
+    sent = [text for request in first for text in request.documents]
+    holes = {p.documents[i].text for p in prompts for i in (1, 4)}
+    assert sorted(sent) == sorted({d.text for p in prompts for d in p.documents} - holes)
+    assert [len(r.documents) for r in first] == [5] * 6
+    owners = [{i for i, p in enumerate(prompts) for d in p.documents if d.text in r.documents}
+              for r in first]  # fmt: skip
+    assert all(len(prompt_ids) > 1 for prompt_ids in owners)
+    assert first_pass_requests(prompts, seed=config.seed, group_size=5) == first
+    assert first_pass_requests(prompts, seed=config.seed + 1, group_size=5) != first
+    with pytest.raises(ValueError, match="group_size"):
+        first_pass_requests(prompts, seed=0, group_size=0)
