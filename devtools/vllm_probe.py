@@ -42,7 +42,8 @@ class ProbeConfig:
     # Greedy answers of a run without the connector, to score against (prompt index -> ids).
     reference_answers: dict[int, list[int]] = field(default_factory=dict)
     # Before pass 2: "corrupt" overwrites every stored KV file, "remove" deletes them (the
-    # node tier only: a shared tier keeps its copies, as when another pod stored them).
+    # node tier only: a shared tier keeps its copies, as when another pod stored them),
+    # "fail-load" makes every load raise.
     fault: str | None = None
     # Also abort a request after its load step and preempt one after its load.
     is_lifecycle: bool = False
@@ -102,6 +103,7 @@ class Probe:
             transfer = KVTransferConfig(
                 kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE,
                 kv_role="kv_both", kv_connector_extra_config=extra,
+                kv_load_failure_policy="recompute",
             )  # fmt: skip
         started = time.perf_counter()
         self.llm = LLM(
@@ -300,6 +302,15 @@ def apply_fault(fault: str | None, kv_dir: Path) -> None:
     elif fault == "remove":
         for path in kv_dir.glob("*.safetensors"):
             path.unlink()
+    elif fault == "fail-load":
+        # Every load raises, as a device error would: the connector reports the load's
+        # blocks to vLLM, which recomputes them (kv_load_failure_policy "recompute").
+        from holeblend_runtime.vllm_connector.worker import BlendWorker
+
+        def fail(worker: Any, request: Any) -> Any:
+            raise RuntimeError(f"injected load failure of {request.request_id}")
+
+        BlendWorker.load = fail  # type: ignore[method-assign]
 
 
 def leftovers(probe: Probe) -> dict[str, int]:
@@ -331,6 +342,7 @@ def connector_metrics() -> dict[str, float]:
     values["shared_hits"] = metrics.sample("holeblend_kv_tier_hits_total", {"tier": "shared"})
     values["lookup_degraded"] = metrics.sample("holeblend_lookup_client_degraded_total")
     values["hole_requests"] = metrics.sample("holeblend_requests_total", {"mode": "hole"})
+    values["load_failures"] = metrics.sample("holeblend_load_failures_total")
     return values
 
 
@@ -343,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-documents", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=12)
     parser.add_argument("--reference", type=Path, help="JSON output of a run without the connector")
-    parser.add_argument("--fault", choices=["corrupt", "remove"])
+    parser.add_argument("--fault", choices=["corrupt", "remove", "fail-load"])
     parser.add_argument("--lifecycle", action="store_true", help="abort and preemption checks")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--kv-cache-mib", type=int, default=512)

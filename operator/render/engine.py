@@ -79,6 +79,9 @@ def kv_transfer_config() -> str:
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"holeblend_config": CONFIG_PATH},
+        # A load that fails (its blocks reported by the connector) is recomputed by vLLM
+        # instead of failing the request (vLLM's default policy is "fail").
+        "kv_load_failure_policy": "recompute",
     }
     return json.dumps(config, sort_keys=True, separators=(",", ":"))
 

@@ -27,6 +27,7 @@ installed) a load fails loudly at the first request.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -228,6 +229,11 @@ class HoleBlendConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         outcomes = self._worker.take_outcomes()
         return HoleBlendWorkerMetadata(outcomes) if outcomes else None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        # Blocks of loads that failed in this step: vLLM recomputes them (the operator
+        # sets kv_load_failure_policy "recompute"), the request goes on.
+        return set() if self._worker is None else self._worker.take_failed_blocks()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         return None if self._worker is None else self._worker.take_stats()
@@ -511,16 +517,33 @@ class _WorkerSide:
         self._stored = 0
         self._outcomes: list[LoadOutcome] = []
         self._stats: dict[str, int] = {}
+        self._failed_blocks: set[int] = set()
 
     def run(self, plan: StepPlan) -> None:
         if not plan.loads and not any(store.is_from_forward for store in plan.stores):
             return
         worker = self._blend_worker()
         for load in plan.loads:
-            outcome = worker.load(load)
+            try:
+                outcome = worker.load(load)
+            except Exception:
+                log.exception("loading %s failed; vLLM recomputes its blocks", load.request_id)
+                self._fail_loads([load])
+                continue
             self._outcomes.append(outcome)
             self._count(outcome)
         worker.arm_capture(plan.stores)
+
+    def _fail_loads(self, loads: Sequence[LoadRequest]) -> None:
+        for load in loads:
+            first, last = load.load.start // self.block_size, (load.load.end - 1) // self.block_size
+            self._failed_blocks.update(load.block_ids[first : last + 1])
+            metrics.LOAD_FAILURES.inc()
+            self._stats["num_failed_loads"] = self._stats.get("num_failed_loads", 0) + 1
+
+    def take_failed_blocks(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
 
     def store_missing(self, plan: StepPlan) -> None:
         """Compute and store the step's missing segments, after vLLM's forward; a failed

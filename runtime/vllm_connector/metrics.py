@@ -40,6 +40,11 @@ REJECTED_SEGMENTS = Counter(
     "Planned segments whose KV was missing or unusable at load time (computed fresh)",
     registry=REGISTRY,
 )
+LOAD_FAILURES = Counter(
+    "holeblend_load_failures",
+    "Loads that failed; their blocks were reported to vLLM, which recomputes them",
+    registry=REGISTRY,
+)
 STORE_FAILURES = Counter(
     "holeblend_store_failures",
     "Missing segments whose store failed (a future miss; the request is unaffected)",

@@ -76,6 +76,15 @@ def with_corrupt_blobs(baseline_file, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="session")
+def with_failing_loads(baseline_file, tmp_path_factory) -> dict:
+    work = tmp_path_factory.mktemp("failing-loads")
+    return run_probe(
+        work, "--connector", "--ratios", "1.0", "--fault", "fail-load",
+        "--reference", str(baseline_file),
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="session")
 def redis_server():
     with RedisProcess(maxmemory="256mb") as server:
         yield server

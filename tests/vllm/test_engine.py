@@ -94,6 +94,17 @@ def test_corrupt_kv_blobs_are_computed_fresh_and_the_answer_holds(baseline, with
     assert set(with_corrupt_blobs["leftovers"].values()) == {0}
 
 
+def test_a_load_that_fails_is_recomputed_by_vllm_and_the_answer_is_unchanged(
+    baseline, with_failing_loads
+):
+    """The connector reports the failed load's blocks (get_block_ids_with_load_errors);
+    vLLM recomputes them (kv_load_failure_policy recompute) instead of failing the request."""
+    assert with_failing_loads["metrics"]["load_failures"] >= len(baseline["results"])
+    for mine, theirs in zip(with_failing_loads["results"], baseline["results"], strict=True):
+        assert mine["answer"] == theirs["answer"]
+    assert set(with_failing_loads["leftovers"].values()) == {0}
+
+
 def test_documents_another_node_stored_are_found_by_the_lookup_server_and_loaded_from_redis(
     with_shared_tier,
 ):
