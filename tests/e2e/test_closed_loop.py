@@ -4,13 +4,14 @@ tuner (through a real Prometheus when installed), the tuner decides on them, and
 ratio reaches the running engine live."""
 
 import dataclasses
+import json
 import time
 import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from holeblend_devtools import closed_loop, closed_loop_runs, prometheus
+from holeblend_devtools import closed_loop, closed_loop_runs, closed_loop_sim, prometheus
 from holeblend_operator.api import BlendDeployment
 from holeblend_operator.render import render_children
 from holeblend_runtime.bench.workload import generate_workload
@@ -76,6 +77,102 @@ def test_a_paired_stream_counts_the_questions_it_sends_again_after_wrapping():
     assert len(stream.sent) == 6 and stream.num_repeated == 2  # pairs 0, 1, then 0 again
     # each pair's first request only warms the cache
     assert stream.asked == [1, stream.max_tokens] * 3
+
+
+def asked_questions(stream: closed_loop.RagStream, sends: int) -> list[tuple[str, int]]:
+    """(question, max_tokens) of the stream's first `sends` requests, nothing sent."""
+    asked = []
+
+    def send(system, documents, question, max_tokens=None):
+        asked.append((question, max_tokens))
+        if len(asked) == sends:
+            stream.request_stop()
+        return closed_loop.Sent(time.time(), 200, 0.0, {})
+
+    stream.send = send
+    stream._run()
+    return asked
+
+
+def test_saturated_clients_have_no_think_time_and_never_send_a_question_another_one_sends():
+    streams = closed_loop_runs.streams_for("http://unused", closed_loop_runs.WORKLOAD, "saturated")
+    assert len(streams) == closed_loop_runs.SATURATED_CLIENTS == 4
+    assert {s.think_s for s in streams} == {0.0} and all(s.is_paired for s in streams)
+    assert {s.workload.num_questions for s in streams} == {closed_loop_runs.SATURATED_QUESTIONS}
+    # The first questions are the paced run's (same seed, generated in sequence).
+    paced = generate_workload(closed_loop_runs.WORKLOAD)
+    assert [qa.question for qa in streams[0].prompts[:10]] == [qa.question for qa in paced[:10]]
+    asked = [asked_questions(stream, 6) for stream in streams]
+    for mine in asked:
+        # Pairs: a one-token first pass, then the whole prompt of the same question.
+        assert [tokens for _, tokens in mine] == [1, 8] * 3
+        assert [q for q, _ in mine[::2]] == [q for q, _ in mine[1::2]]
+    questions = [{q for q, _ in mine} for mine in asked]
+    assert sum(map(len, questions)) == len(set().union(*questions)) == 4 * 3
+    # Client c sends questions c, c + 4, c + 8 of the workload.
+    assert [q for q, _ in asked[1][::2]] == [streams[1].prompts[i].question for i in (1, 5, 9)]
+
+
+def test_the_paced_load_is_one_client_with_think_time_and_other_loads_are_refused():
+    (stream,) = closed_loop_runs.streams_for("http://unused", closed_loop_runs.WORKLOAD, "paced")
+    assert stream.think_s == closed_loop_runs.THINK_S > 0 and stream.clients == 1
+    assert stream.workload == closed_loop_runs.WORKLOAD
+    with pytest.raises(ValueError, match="load"):
+        closed_loop_runs.streams_for("http://unused", closed_loop_runs.WORKLOAD, "bursty")
+    with pytest.raises(ValueError, match="client"):
+        closed_loop.RagStream("http://unused", closed_loop_runs.WORKLOAD, client=4, clients=4)
+
+
+def test_a_held_out_seed_sets_both_workloads_and_excludes_seeds():
+    parse = closed_loop_runs.argument_parser().parse_args
+    assert closed_loop_runs.workload_seeds(parse([])) == (3, 4)
+    assert closed_loop_runs.workload_seeds(parse(["--seed", "5"])) == (5, 6)
+    assert closed_loop_runs.workload_seeds(parse(["--seeds", "7", "9"])) == (7, 9)
+    with pytest.raises(SystemExit):
+        parse(["--seed", "5", "--seeds", "7", "9"])
+    assert parse([]).loads == ["paced", "saturated"]
+    assert parse(["--loads", "saturated"]).loads == ["saturated"]
+    base, changed = closed_loop_runs.workloads_of((5, 6))
+    assert (base.seed, changed.seed) == (5, 6)
+    assert changed.num_documents == closed_loop_runs.CHANGED.num_documents
+
+
+def test_the_measured_scores_stand_in_for_the_sweep_of_the_default_seeds_only():
+    earlier = json.loads(closed_loop_sim.MEASURED.read_text())
+    path = closed_loop_sim.MEASURED
+    scores, changed, sweep, changed_sweep = closed_loop_runs.sweeps_from(earlier, (3, 4), path)
+    assert set(sweep) == set(closed_loop_runs.GRID) and set(changed_sweep) == set(sweep)
+    ratio = closed_loop_runs.GRID[0]
+    assert sweep[ratio] == pytest.approx(sum(scores[ratio]) / len(scores[ratio]))
+    with pytest.raises(SystemExit, match="seeds"):
+        closed_loop_runs.sweeps_from(earlier, (5, 6), path)
+    with pytest.raises(SystemExit, match="neither"):
+        closed_loop_runs.sweeps_from({"workload_seeds": [3, 4]}, (3, 4), path)
+
+
+def test_a_partial_run_keeps_the_other_runs_of_the_same_target_and_seeds():
+    earlier = {
+        "tuning": {"target": 0.7},
+        "workload_seeds": [3, 4],
+        "runs": [
+            {"name": "from-low", "load": "paced"},
+            {"name": "from-low", "load": "saturated"},
+            {"name": "from-high"},  # written before loads existed: paced
+            {"name": "from-high", "load": "saturated"},
+        ],
+    }
+    kept = closed_loop_runs.kept_runs(earlier, 0.7, (3, 4), ["from-low", "from-high"], ["paced"])
+    assert kept == [earlier["runs"][1], earlier["runs"][3]]
+    kept = closed_loop_runs.kept_runs(earlier, 0.7, (3, 4), ["from-low"], ["paced", "saturated"])
+    assert kept == earlier["runs"][2:]
+    assert closed_loop_runs.kept_runs(earlier, 0.8, (3, 4), ["from-low"], ["paced"]) == []
+    assert closed_loop_runs.kept_runs(earlier, 0.7, (5, 6), ["from-low"], ["paced"]) == []
+
+
+def test_samples_per_interval_are_a_counts_growth_per_tuning_interval():
+    assert closed_loop_runs.per_interval(10.0, 40.0, 90.0, 45) == 15.0
+    assert closed_loop_runs.per_interval(None, 40.0, 90.0, 45) is None
+    assert closed_loop_runs.per_interval(10.0, 40.0, 0.0, 45) is None
 
 
 QUALITY_CODES = ("BelowTarget", "PinnedAtMaxRatio", "InBand", "AboveTarget", "AtMinRatio")

@@ -1,59 +1,454 @@
-"""The shadow-load benchmark (`make bench-shadow`) on the real model, shrunk to a few
-requests: both arms serve the same arrivals, only the proxies-on arm offers shadows, every
-offer is accounted for, and the JSON carries the p99 ratio and its verdict. The speed goal
-itself is the benchmark's to measure (docs/tuning.md), not this test's."""
+"""The shadow-load benchmark (`make bench-shadow`): the streamed timings, the request plan,
+the two load shapes, the proxy counters read off /metrics and the rows' arithmetic (ratios,
+samples per interval, verdicts), on fakes; then the whole flow against a fake
+OpenAI-compatible server over HTTP, and shrunk on the real holeblend-serve (slow). The
+speed goals themselves are the benchmark's to measure (docs/tuning.md), not these tests'."""
 
+import contextlib
 import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import numpy
 import pytest
 
 from holeblend_runtime.bench import shadow_load
-from holeblend_runtime.blend_config import BlendConfig
-from holeblend_runtime.engine import ReferenceEngine
-from holeblend_runtime.kv_store import LocalKVStore
-
-pytestmark = pytest.mark.slow
-
-ARGS = [
-    "--requests-per-block", "3", "--blocks", "2", "--questions", "2", "--documents", "3",
-    "--max-new-tokens", "2", "--sample-rate", "1.0", "--load", "0.5",
-]  # fmt: skip
+from holeblend_runtime.bench.shadow_load import Timing
 
 
-@pytest.fixture(scope="module")
-def result(reference_engine):
-    """On the loaded model with a store of its own (the benchmark fills it)."""
-    engine = ReferenceEngine(
-        reference_engine.model, reference_engine.tokenizer, BlendConfig(), LocalKVStore(1 << 30)
+def sse(*payloads) -> list[bytes]:
+    return [f"data: {json.dumps(p) if isinstance(p, dict) else p}\n".encode() for p in payloads]
+
+
+def text(value: str) -> dict:
+    return {"choices": [{"text": value}]}
+
+
+class Clock:
+    """Returns the given times in turn."""
+
+    def __init__(self, *times: float):
+        self.times = list(times)
+
+    def __call__(self) -> float:
+        return self.times.pop(0)
+
+
+# --- the client -------------------------------------------------------------------------
+
+
+def test_ttft_is_the_first_chunk_with_text_and_itls_the_gaps_between_chunks_with_text():
+    lines = [b": comment\n", *sse(text(""), text("A"), text(" b"), text(""), text("c")), b"\n"]
+    lines += sse({"choices": [{"text": "", "finish_reason": "length"}]}, "[DONE]")
+    # A time is read for each data line but [DONE] (5 chunks, then the last one), then the end.
+    timing = shadow_load.read_stream(
+        iter(lines), sent=10.0, clock=Clock(10.5, 11.0, 11.2, 11.3, 11.6, 11.7, 12.0)
     )
-    return shadow_load.run(engine, shadow_load._parser().parse_args(ARGS))
+    assert timing.ok
+    assert timing.ttft_s == pytest.approx(1.0)  # the empty first chunk does not count
+    assert timing.itls_s == pytest.approx([0.2, 0.4])  # " b" after "A", "c" after " b"
+    assert timing.return_s == pytest.approx(2.0)
 
 
-def test_both_arms_serve_every_request_of_their_blocks(result):
-    off, on = result["results"]
-    assert (off["shadow"], on["shadow"]) == ("off", "on")
-    assert off["requests"] == on["requests"] == 2 * 3
-    for row in (off, on):
-        assert 0 < row["ttft_p50_s"] <= row["ttft_p90_s"] <= row["ttft_p99_s"]
-    assert result["config"]["service_s"] > 0
+def test_chat_deltas_count_as_text_and_an_error_event_or_no_text_fails_the_request():
+    chat = shadow_load.read_stream(
+        iter(sse({"choices": [{"delta": {"content": "x"}}]})), 0.0, clock=Clock(1.0, 2.0)
+    )
+    assert chat.ok and chat.ttft_s == 1.0
+    error = shadow_load.read_stream(
+        iter(sse(text("x"), {"error": {"message": "boom"}})), 0.0, clock=Clock(1.0, 1.5, 2.0)
+    )
+    assert not error.ok and "boom" in error.error
+    empty = shadow_load.read_stream(iter(sse(text(""), "[DONE]")), 0.0, clock=Clock(1.0, 2.0))
+    assert not empty.ok and empty.error == "no text streamed"
 
 
-def test_only_the_on_arm_offers_and_every_offer_has_an_outcome(result):
-    off, on = result["results"]
-    assert "shadow_offers" not in off
-    offers = on["shadow_offers"]
-    assert sum(offers.values()) == on["requests"]  # sample rate 1: each answer is offered
-    assert set(offers) <= {"dropped_busy", "dropped_full", "scored", "preempted", "failed"}
-    # The last request of a block finds an empty queue, so at least one shadow runs, and
-    # the benchmark waits for it before the next block.
-    assert offers.get("scored", 0) >= 1 and offers.get("failed", 0) == 0
-    assert 0 <= on["f1_proxy_mean"] <= 1 and 0 <= on["top1_agreement_mean"] <= 1
-    assert on["shadow_seconds_mean"] > 0
+def test_a_whole_prompt_follows_its_first_pass_lag_requests_later():
+    order = shadow_load.interleave(["a", "b", "c"], lag=2)
+    assert order == [
+        ("a", False), ("b", False), ("c", False), ("a", True), ("b", True), ("c", True),
+    ]  # fmt: skip
+    order = shadow_load.interleave(list(range(6)), lag=2)
+    assert sorted(order) == sorted([(q, h) for q in range(6) for h in (False, True)])
+    for question in range(6):
+        first, whole = order.index((question, False)), order.index((question, True))
+        assert whole - first >= 2  # at least `lag` requests between (here: first passes)
 
 
-def test_the_verdict_follows_the_p99_ratio(result):
-    off, on = result["results"]
-    assert result["ttft_p99_on_over_off"] == pytest.approx(on["ttft_p99_s"] / off["ttft_p99_s"])
-    assert result["ttft_p99_goal"] == 1.10
-    assert result["meets_ttft_p99_goal"] == (result["ttft_p99_on_over_off"] <= 1.10)
-    json.dumps(result)  # the machine-readable output is plain JSON
+def fake_body(system, documents, question, max_tokens) -> dict:
+    return {"question": question, "documents": list(documents), "max_tokens": max_tokens}
+
+
+def test_the_plan_gives_each_phase_its_own_questions_and_the_calibration_one_token_first_passes():
+    plan = shadow_load.build_plan(
+        fake_body, warm_questions=2, paced_questions=3, saturated_questions=4, max_tokens=8,
+        calibrate_questions=5,
+    )  # fmt: skip
+    assert len(plan.warm) == 4 and len(plan.calibrate) == 5
+    assert (len(plan.phases["paced"]), len(plan.phases["saturated"])) == (6, 8)
+    questions = {
+        name: {b["question"] for b in bodies}
+        for name, bodies in (
+            ("warm", plan.warm), ("calibrate", [b for pair in plan.calibrate for b in pair]),
+            *plan.phases.items(),
+        )
+    }  # fmt: skip
+    assert [len(q) for q in questions.values()] == [2, 5, 3, 4]
+    assert len(set().union(*questions.values())) == 14  # no question in two parts
+    for load, bodies in plan.phases.items():
+        for body, is_hole in zip(bodies, plan.is_hole[load], strict=True):
+            assert body["max_tokens"] == 8
+            # The whole prompt has the hole document its first pass left out.
+            first = next(b for b in bodies if b["question"] == body["question"] and b is not body)
+            bigger = body if is_hole else first
+            assert (
+                len(bigger["documents"])
+                == len(first["documents"] if is_hole else body["documents"]) + 1
+            )
+    for first, whole in plan.calibrate:
+        assert (first["max_tokens"], whole["max_tokens"]) == (1, 8)
+        assert len(whole["documents"]) == len(first["documents"]) + 1
+    again = shadow_load.build_plan(
+        fake_body, warm_questions=2, paced_questions=3, saturated_questions=4, max_tokens=8,
+        calibrate_questions=5,
+    )  # fmt: skip
+    assert again == plan  # the same requests in every run and every invocation
+    other = shadow_load.build_plan(
+        fake_body, warm_questions=2, paced_questions=3, saturated_questions=4, max_tokens=8,
+        seed=1,
+    )  # fmt: skip
+    assert other.phases != plan.phases
+
+
+def recording_send(delay_s: float):
+    """A fake `stream`: records sends and the most requests in flight at once."""
+    state = {"sent": [], "in_flight": 0, "most": 0}
+    lock = threading.Lock()
+
+    def send(url, body):
+        with lock:
+            state["sent"].append((time.monotonic(), body["i"]))
+            state["in_flight"] += 1
+            state["most"] = max(state["most"], state["in_flight"])
+        time.sleep(delay_s)
+        with lock:
+            state["in_flight"] -= 1
+        return Timing(ttft_s=delay_s, return_s=delay_s)
+
+    return send, state
+
+
+def test_saturated_clients_keep_exactly_their_number_of_requests_in_flight_without_think_time():
+    send, state = recording_send(0.2)
+    bodies = [{"i": i} for i in range(12)]
+    started = time.monotonic()
+    timings = shadow_load.drive_saturated("u", bodies, clients=3, send=send)
+    assert [t.ok for t in timings] == [True] * 12
+    assert sorted(i for _, i in state["sent"]) == list(range(12))
+    assert [i for _, i in state["sent"]][:3] == sorted(i for _, i in state["sent"][:3])
+    assert state["most"] == 3
+    # 12 requests of 0.2 s on 3 clients with no think time: 4 rounds (0.8 s), not 12 (2.4 s).
+    assert time.monotonic() - started < 0.2 * 12 * 0.7
+    with pytest.raises(ValueError, match="clients"):
+        shadow_load.drive_saturated("u", bodies, clients=0, send=send)
+
+
+def test_paced_arrivals_keep_their_schedule_whether_or_not_earlier_requests_returned():
+    send, state = recording_send(1.5)
+    bodies = [{"i": i} for i in range(4)]
+    started = time.monotonic()
+    shadow_load.drive_paced("u", bodies, [0.0, 0.2, 0.2, 0.2], send=send)
+    offsets = [t - started for t, _ in sorted(state["sent"])]
+    assert [i for _, i in sorted(state["sent"])] == [0, 1, 2, 3]
+    assert offsets == pytest.approx([0.0, 0.2, 0.4, 0.6], abs=0.15)
+    assert state["most"] == 4  # open loop: all four in flight at once
+
+
+# --- the proxy counters and the rows ----------------------------------------------------------
+
+
+def metrics(f1=0.0, inline=0.0, blended=0.0, pairs=None, correlation=None, **offers):
+    found = {
+        ("holeblend_f1_proxy_count", (("ratio", "0.15"),)): f1,
+        ("holeblend_inline_f1_proxy_count", (("ratio", "0.15"),)): inline,
+        ("holeblend_inline_residual_deviation_count", (("ratio", "0.15"),)): blended,
+        ("holeblend_ttft_seconds_count", ()): 99.0,  # not a proxy counter
+    }
+    for outcome, count in offers.items():
+        found[("holeblend_shadow_requests_total", (("outcome", outcome),))] = count
+    for ratio, count in (pairs or {}).items():
+        found[("holeblend_inline_proxy_pairs", (("ratio", ratio),))] = count
+    for ratio, value in (correlation or {}).items():
+        found[("holeblend_inline_proxy_correlation", (("ratio", ratio),))] = value
+    return found
+
+
+def test_the_proxy_counters_sum_over_ratios_and_take_the_calibration_with_the_most_pairs():
+    found = metrics(f1=3, inline=40, blended=12, pairs={"0.15": 9, "0.3": 4})
+    found[("holeblend_f1_proxy_count", (("ratio", "0.3"),))] = 2.0
+    found[("holeblend_inline_proxy_correlation", (("ratio", "0.15"),))] = -0.6
+    found[("holeblend_inline_proxy_correlation", (("ratio", "0.3"),))] = 0.9
+    counts = shadow_load.proxy_counts(found)
+    assert (counts["shadow_scored"], counts["inline_samples"], counts["blended"]) == (5, 40, 12)
+    assert (counts["inline_pairs"], counts["inline_f1_correlation"]) == (9, -0.6)
+    none = shadow_load.proxy_counts(metrics())
+    assert (none["inline_pairs"], none["inline_f1_correlation"], none["offers"]) == (0, None, {})
+
+
+def test_a_shadow_is_in_flight_while_a_blended_request_has_no_outcome_yet():
+    counts = shadow_load.proxy_counts(metrics(f1=2, blended=5, scored=2, over_budget=2))
+    assert shadow_load.shadows_in_flight(counts) == 1
+    counts = shadow_load.proxy_counts(metrics(f1=3, blended=5, scored=3, over_budget=2))
+    assert shadow_load.shadows_in_flight(counts) == 0
+
+
+def test_the_service_time_is_the_median_of_the_later_half_of_the_warm_up():
+    assert shadow_load.service_time([9.0, 8.0, 0.4, 0.5, 30.0]) == 0.5
+    with pytest.raises(ValueError):
+        shadow_load.service_time([])
+
+
+def timings(ttfts, itl=0.1, failed=0):
+    rows = [dataclass_dict(Timing(ttft_s=t, itls_s=[itl, 2 * itl], return_s=t + 1)) for t in ttfts]
+    return rows + [dataclass_dict(Timing(return_s=1.0, error="HTTP 500"))] * failed
+
+
+def dataclass_dict(timing: Timing) -> dict:
+    return {
+        "ttft_s": timing.ttft_s,
+        "itls_s": timing.itls_s,
+        "return_s": timing.return_s,
+        "error": timing.error,
+    }
+
+
+def counts(scored=0.0, inline=0.0, blended=0.0, pairs=0.0, correlation=None, offers=None):
+    return {
+        "shadow_scored": scored, "inline_samples": inline, "blended": blended,
+        "offers": offers or {}, "inline_pairs": pairs, "inline_f1_correlation": correlation,
+    }  # fmt: skip
+
+
+def phase(run, arm, load, ttfts, wall_s, before, after, itl=0.1, failed=0):
+    return {
+        "run": run, "arm": arm, "load": load, "wall_s": wall_s, "calibration": None,
+        "timings": timings(ttfts, itl, failed), "before": before, "after": after,
+    }  # fmt: skip
+
+
+def fake_result() -> dict:
+    zero = counts()
+    return {
+        "engine": "serve",
+        "phases": [
+            phase(0, "off", "paced", [1.0, 2.0], 30.0, zero, zero),
+            phase(0, "off", "saturated", [3.0, 4.0], 20.0, zero, zero, itl=0.2),
+            phase(1, "on", "saturated", [3.0, 5.0], 20.0, counts(1, 0, 5, 1), counts(2, 10, 15, 2), itl=0.2),
+            phase(1, "on", "paced", [1.0, 2.5], 30.0, counts(2, 10, 15, 2, offers={"scored": 2}), counts(4, 30, 25, 9, -0.5, {"scored": 4, "over_budget": 3})),
+            phase(2, "on", "paced", [1.5, 2.0], 30.0, counts(), counts(1, 0, 9, 3, None, {"scored": 1}), itl=0.11),
+            phase(2, "on", "saturated", [4.0, 4.0], 20.0, counts(1, 0, 9, 3), counts(3, 12, 19, 8, 0.4), itl=0.3),
+            phase(3, "off", "saturated", [2.0, 3.5], 20.0, zero, zero, itl=0.2, failed=1),
+            phase(3, "off", "paced", [1.0, 1.0], 30.0, zero, zero),
+        ],
+    }  # fmt: skip
+
+
+def test_one_row_per_load_with_on_over_off_p99_ratios_of_both_runs_of_each_arm():
+    rows = shadow_load.summarize(fake_result())
+    assert [(r["engine"], r["load"]) for r in rows] == [("serve", "paced"), ("serve", "saturated")]
+    paced, saturated = rows
+    p99 = lambda values: float(numpy.percentile(values, 99))  # noqa: E731
+    assert paced["off"]["ttft_p99_s"] == pytest.approx(p99([1.0, 2.0, 1.0, 1.0]))
+    assert paced["on"]["ttft_p99_s"] == pytest.approx(p99([1.0, 2.5, 1.5, 2.0]))
+    assert paced["ttft_p99_ratio"] == pytest.approx(p99([1.0, 2.5, 1.5, 2.0]) / p99([1, 2, 1, 1]))
+    assert paced["on"]["ttft_p50_s"] == pytest.approx(1.75)
+    # Inter-token latencies: every gap of every request of the arm.
+    assert paced["off"]["itl_count"] == 8 and paced["on"]["itl_count"] == 8
+    assert paced["itl_p99_ratio"] == pytest.approx(
+        p99([0.1, 0.2] * 2 + [0.11, 0.22] * 2) / p99([0.1, 0.2] * 4)
+    )
+    assert saturated["ttft_p99_ratio"] == pytest.approx(p99([3, 5, 4, 4]) / p99([3, 4, 2, 3.5]))
+    # A failed request counts as failed, not in the percentiles.
+    assert (saturated["off"]["requests"], saturated["off"]["failed_requests"]) == (5, 1)
+    assert (paced["off"]["runs"], paced["on"]["runs"]) == ([0, 3], [1, 2])
+
+
+def test_samples_per_interval_are_the_phases_growth_over_their_wall_time_per_60_s():
+    paced, saturated = shadow_load.summarize(fake_result())
+    # paced on: shadow 2 + 1, inline 20 + 0 over 60 s.
+    assert paced["shadow_scored"] == 3 and paced["inline_samples"] == 20
+    assert paced["shadow_samples_per_interval"] == pytest.approx(3.0)
+    assert paced["inline_samples_per_interval"] == pytest.approx(20.0)
+    assert paced["samples_per_interval"] == pytest.approx(20.0)  # the better signal
+    assert paced["blended_requests"] == 10 + 9
+    assert paced["shadow_offers"] == {"scored": 3, "over_budget": 3}
+    # saturated on: shadow 1 + 2, inline 10 + 12 over 40 s.
+    assert saturated["shadow_samples_per_interval"] == pytest.approx(3 / 40 * 60)
+    assert saturated["inline_samples_per_interval"] == pytest.approx(22 / 40 * 60)
+    # The correlation of the on phase whose server's calibration held the most pairs.
+    assert (paced["inline_pairs"], paced["inline_f1_correlation"]) == (9, -0.5)
+    assert (saturated["inline_pairs"], saturated["inline_f1_correlation"]) == (8, 0.4)
+
+
+def test_the_verdicts_follow_the_goals():
+    paced, saturated = shadow_load.summarize(fake_result())
+    for row in (paced, saturated):
+        assert row["meets"]["ttft_p99_ratio"] == (row["ttft_p99_ratio"] <= 1.10)
+        assert row["meets"]["itl_p99_ratio"] == (row["itl_p99_ratio"] <= 1.10)
+        assert row["meets"]["samples_per_interval"] == (row["samples_per_interval"] >= 5)
+    assert paced["meets"]["ttft_p99_ratio"] is False  # 2.485 / 1.97
+    assert saturated["meets"]["samples_per_interval"] is True
+    result = fake_result()
+    for p in result["phases"]:
+        if p["arm"] == "on":
+            p["after"] = p["before"]  # no sample at all
+    assert [r["meets"]["samples_per_interval"] for r in shadow_load.summarize(result)] == [
+        False
+    ] * 2
+
+
+def test_merging_keeps_every_engines_rows_and_runs():
+    serve = shadow_load.report({"seed": 0}, [fake_result()])
+    vllm = shadow_load.report({"seed": 0, "kv": 1}, [fake_result() | {"engine": "vllm"}])
+    merged = shadow_load.merge([serve, vllm])
+    assert [(r["engine"], r["load"]) for r in merged["rows"]] == [
+        ("serve", "paced"), ("serve", "saturated"), ("vllm", "paced"), ("vllm", "saturated"),
+    ]  # fmt: skip
+    assert merged["config"] == {"serve": {"seed": 0}, "vllm": {"seed": 0, "kv": 1}}
+    assert len(merged["runs"]) == 2 and merged["goals"] == shadow_load.GOALS
+    json.dumps(merged)
+
+
+# --- the whole flow against a fake server -------------------------------------------------------
+
+
+class FakeEngine(BaseHTTPRequestHandler):
+    """Streams three tokens per completion; each whole prompt ("hole") blends, and with the
+    proxies on is scored and observed by a calibrated inline proxy."""
+
+    state: dict = {}
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        state = self.server.state
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for index in range(body["max_tokens"]):
+            time.sleep(0.002)
+            self.wfile.write(f"data: {json.dumps(text(f't{index}'))}\n\n".encode())
+        self.wfile.write(b"data: [DONE]\n\n")
+        with state["lock"]:
+            state["requests"].append(body)
+            if body["hole"] and state["on"]:
+                state["blended"] += 1
+                state["scored"] += 1
+                state["inline"] += 1
+
+    def do_GET(self):
+        state = self.server.state
+        page = (
+            f'holeblend_shadow_requests_total{{outcome="scored"}} {state["scored"]}\n'
+            f'holeblend_f1_proxy_count{{ratio="0.15"}} {state["scored"]}\n'
+            f'holeblend_inline_f1_proxy_count{{ratio="0.15"}} {state["inline"]}\n'
+            f'holeblend_inline_residual_deviation_count{{ratio="0.15"}} {state["blended"]}\n'
+            f'holeblend_inline_proxy_pairs{{ratio="0.15"}} {state["scored"]}\n'
+        )
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(page.encode())
+
+    def log_message(self, *_):
+        pass
+
+
+@contextlib.contextmanager
+def fake_server(on: bool):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeEngine)
+    server.state = {
+        "lock": threading.Lock(), "on": on, "requests": [], "blended": 0, "scored": 0, "inline": 0,
+    }  # fmt: skip
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        yield server, shadow_load.Target(f"{url}/v1/completions", f"{url}/metrics")
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_every_run_sends_the_same_requests_and_only_proxies_on_runs_calibrate(capsys):
+    def make_body(system, documents, question, max_tokens):
+        # The workload's questions have 4 documents; pass 1 leaves the middle one out.
+        return {"q": question, "hole": len(documents) == 4, "max_tokens": max_tokens}
+
+    plan = shadow_load.build_plan(
+        make_body, warm_questions=2, paced_questions=2, saturated_questions=2, max_tokens=3,
+        calibrate_questions=10,
+    )  # fmt: skip
+    servers = []
+
+    @contextlib.contextmanager
+    def start(arm, index):
+        with fake_server(arm == "on") as (server, target):
+            servers.append((arm, server))
+            yield target
+
+    result = shadow_load.run_engine("fake", start, plan, load=0.5, clients=2, seed=0, min_pairs=3)
+    assert [arm for arm, _ in servers] == ["off", "on", "on", "off"]
+    sent = [[(b["q"], b["hole"]) for b in s.state["requests"]] for _, s in servers]
+    calibration = {q for pair in plan.calibrate for q in (pair[0]["q"],)}
+    measured = [[r for r in run if r[0] not in calibration] for run in sent]
+    assert all(sorted(m) == sorted(measured[0]) for m in measured)  # the same requests
+    assert [len(r) - len(m) for r, m in zip(sent, measured, strict=True)] == [0, 2, 2, 0]
+    # Proxies on: calibrated (3 pairs with the warm-up's 2) before the phases began.
+    on = [p for p in result["phases"] if p["arm"] == "on"]
+    assert all(p["calibration"]["calibrated"] and p["calibration"]["requests"] == 2 for p in on)
+    assert [p["load"] for p in result["phases"]] == [
+        "paced", "saturated", "saturated", "paced", "paced", "saturated", "saturated", "paced",
+    ]  # fmt: skip
+    rows = shadow_load.summarize(result)
+    for row in rows:
+        assert row["on"]["requests"] == row["off"]["requests"] == 2 * 4
+        assert row["on"]["failed_requests"] == 0 and row["on"]["itl_count"] == 2 * 4 * 2
+        assert row["shadow_scored"] == 2 * 2  # each run's two whole prompts of the phase
+        assert row["samples_per_interval"] > 0
+    assert result["service_s"] > 0
+    assert "fake run 1 (on)" in capsys.readouterr().out
+
+
+# --- holeblend-serve for real, shrunk -------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_holeblend_serve_is_driven_with_the_proxies_off_and_on(tmp_path):
+    plan = shadow_load.build_plan(
+        shadow_load.serve_body, warm_questions=1, paced_questions=1, saturated_questions=2,
+        max_tokens=3, calibrate_questions=1,
+    )  # fmt: skip
+    settings = {}
+
+    @contextlib.contextmanager
+    def start(arm, index):
+        settings[arm] = json.loads(shadow_load.serve_settings(0.15, arm == "on", 1.0))
+        with shadow_load.serve_engine(
+            tmp_path / f"run{index}", json.dumps(settings[arm]), 2
+        ) as target:
+            yield target
+
+    order = (("off", ("paced", "saturated")), ("on", ("saturated", "paced")))
+    result = shadow_load.run_engine("serve", start, plan, load=0.5, clients=2, seed=0, order=order)
+    assert settings["on"]["qualityProxies"] is True and settings["off"]["qualityProxies"] is False
+    assert settings["on"]["engineUrl"] is None  # holeblend-serve scores in-process
+    rows = shadow_load.summarize(result)
+    assert [r["load"] for r in rows] == ["paced", "saturated"]
+    for row in rows:
+        assert row["off"]["failed_requests"] == row["on"]["failed_requests"] == 0
+        assert row["off"]["itl_count"] > 0 and row["ttft_p99_ratio"] > 0
+    on = [p for p in result["phases"] if p["arm"] == "on"]
+    off = [p for p in result["phases"] if p["arm"] == "off"]
+    # Only the proxies-on server blends with an inline statistic and offers shadows.
+    assert on[-1]["after"]["blended"] >= 1 and on[-1]["after"]["offers"]
+    assert all(p["after"]["blended"] == 0 and not p["after"]["offers"] for p in off)

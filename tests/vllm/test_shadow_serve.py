@@ -1,7 +1,6 @@
 """The quality proxies on a vLLM pod: vLLM's OpenAI server with the connector, as the
-operator renders it (blend.json, $HOLEBLEND_METRICS_PORT) plus the API server's URL (here
-the deprecated $HOLEBLEND_ENGINE_URL, which the connector still reads when blend.json has
-no engineUrl).
+operator renders it with the proxies on (blend.json with `engineUrl`,
+$HOLEBLEND_METRICS_PORT, `--scheduling-policy priority --long-prefill-token-threshold`).
 
 A hole request that blended cached documents is scored by shadow requests the connector
 sends back to the server at once, within the default token budget; the scores (the end

@@ -1,0 +1,79 @@
+"""The vLLM server the benchmarks and tests/vllm start (devtools/vllm_server.py) is the pod
+the operator renders: with the quality proxies on, blend.json's `engineUrl` and the
+priority flags; off, neither; never the deprecated $HOLEBLEND_ENGINE_URL. Checked against
+the operator's own rendering of examples/nvidia.yaml, so a change there fails here."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from holeblend_devtools import vllm_server
+from holeblend_operator.api import BlendDeployment
+from holeblend_operator.render import render_children
+from holeblend_operator.render.runtime_config import CONFIG_KEY, runtime_configmap
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "nvidia.yaml"
+
+
+def rendered(quality_proxies: bool) -> tuple[dict, list[str]]:
+    """The operator's blend.json and engine args for the vLLM example."""
+    body = yaml.safe_load(EXAMPLE.read_text())
+    body["spec"].setdefault("tuning", {})["qualityProxies"] = quality_proxies
+    bd = BlendDeployment.model_validate(body)
+    settings = json.loads(runtime_configmap(bd)["data"][CONFIG_KEY])
+    engine = next(c for c in render_children(bd) if c["kind"] == "Deployment")
+    container = engine["spec"]["template"]["spec"]["containers"][0]
+    return settings, [*container.get("command", []), *container.get("args", [])]
+
+
+@pytest.mark.parametrize("quality_proxies", [True, False])
+def test_the_priority_flags_are_the_operators(quality_proxies):
+    _, args = rendered(quality_proxies)
+    flags = vllm_server.priority_flags(quality_proxies)
+    ours = [a for a in args if a in ("--scheduling-policy", "--long-prefill-token-threshold")]
+    assert ours == flags[::2]
+    for flag, value in zip(flags[::2], flags[1::2], strict=True):
+        assert args[args.index(flag) + 1] == value
+    assert bool(flags) is quality_proxies
+
+
+@pytest.mark.parametrize("quality_proxies", [True, False])
+def test_blend_json_names_the_servers_own_url_only_with_the_proxies_on(quality_proxies):
+    operator, _ = rendered(quality_proxies)
+    ours = vllm_server.rendered_settings(0.15, quality_proxies, 0.2, "http://127.0.0.1:8123")
+    for key in ("qualityProxies", "shadowBudget"):
+        assert ours[key] == operator[key]
+    assert (ours["engineUrl"] is None) is (operator["engineUrl"] is None) is not quality_proxies
+    if quality_proxies:
+        # The operator names the pod's own port; the devtools server its own free port.
+        assert operator["engineUrl"].startswith("http://127.0.0.1:")
+        assert ours["engineUrl"] == "http://127.0.0.1:8123"
+    assert ours["shadowSampleRate"] == 0.2
+    assert vllm_server.rendered_settings(0.15, True, 0.2, "u", 0.1)["shadowBudget"] == 0.1
+
+
+def test_the_deprecated_engine_url_variable_is_not_passed_on(monkeypatch, tmp_path):
+    """serve() builds the environment without HOLEBLEND_ENGINE_URL, even when inherited."""
+    monkeypatch.setenv(vllm_server.DEPRECATED_ENGINE_URL_ENV, "http://elsewhere:1")
+    started = {}
+
+    class Stop(Exception):
+        pass
+
+    def popen(command, env, **_):
+        started.update(command=command, env=env)
+        raise Stop
+
+    monkeypatch.setattr(vllm_server.subprocess, "Popen", popen)
+    monkeypatch.setattr(vllm_server, "export_smollm2", lambda: tmp_path / "model")
+    with pytest.raises(Stop), vllm_server.serve(tmp_path, shadow_sample_rate=0.2):
+        pass
+    assert vllm_server.DEPRECATED_ENGINE_URL_ENV not in started["env"]
+    assert "HOLEBLEND_METRICS_PORT" in started["env"]
+    command = started["command"]
+    assert command[command.index("--scheduling-policy") + 1] == "priority"
+    settings = json.loads((tmp_path / "blend.json").read_text())
+    port = command[command.index("--port") + 1]
+    assert settings["engineUrl"] == f"http://127.0.0.1:{port}"
