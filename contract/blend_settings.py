@@ -16,7 +16,7 @@ config from the result. Contract:
    hash) and a running reader ignores it until restarted.
 
 Names that differed between the two sides before this contract, and what they are now:
-- `selection`: one strategy name (`kDeviation`, `vDeviation`, `kvDeviation`, `sinks`,
+- `selection`: one strategy name (`kDeviation`, `vDeviation`, `kvDeviation` (default), `sinks`,
   `query`, `random`: the runtime's names) or a mix giving each a share of the recompute
   budget, `"sinks:0.25+kDeviation"` (`parse_selection`; a name without a share takes what
   the others leave).
@@ -93,7 +93,7 @@ class Selection(StrEnum):
     RANDOM = "random"
 
 
-DEFAULT_SELECTION = Selection.K_DEVIATION.value
+DEFAULT_SELECTION = Selection.KV_DEVIATION.value
 # Most strategies one mix may name.
 MAX_MIX_STRATEGIES = 6
 

@@ -1103,7 +1103,8 @@ class BlendSpec(ApiModel):
     (CacheBlend: the tokens whose K deviates most from a fresh computation), vDeviation (V
     instead of K), kvDeviation (K and V together), sinks (the first tokens of every reused
     segment), query (the cached tokens the question attends to most), random (a
-    baseline). A mix joins up to 6 names with '+', each with an optional share in (0, 1]
+    baseline). The default, kvDeviation, had the lowest KL divergence from full prefill
+    at the default ratio in the quality bench's runs (docs/blending.md). A mix joins up to 6 names with '+', each with an optional share in (0, 1]
     after ':'; at most one leaves its share out and takes what the others leave, e.g.
     'sinks:0.25+kDeviation' (a quarter of the budget on sinks, the rest on K deviation);
     given shares must not exceed 1 (all given: sum to 1). Changing it restarts the pods."""

@@ -40,7 +40,7 @@ class BlendConfig:
     check_layer: int = contract.DEFAULT_CHECK_LAYER
     # Share of the cached tokens recomputed in the layers after the check layer.
     ratio: float = contract.DEFAULT_RECOMPUTE_RATIO
-    # Token selection: one strategy name or a mix with budget shares,
+    # Token selection: one strategy name (default kvDeviation) or a mix with budget shares,
     # "sinks:0.25+kDeviation" (see selection.py and the contract's `parse_selection`).
     selection: str = DEFAULT_SELECTION
     # Later layers at which the recompute set is narrowed (gradual filtering): the check

@@ -93,7 +93,8 @@ def test_hole_tokens_separators_and_tail_are_always_recomputed(cached_engine, ra
 
 
 def test_top_k_is_chosen_among_cached_tokens_only(cached_engine, rag_texts):
-    engine, prompt = cached_engine(rag_texts, hole=HOLE)
+    # K deviation alone: the reported deviation is K's, so the picks are its top k.
+    engine, prompt = cached_engine(rag_texts, hole=HOLE, selection="kDeviation")
     prefill = engine.prefill(prompt, "hole", ratio=0.3)
     # The system prompt and the first document are the exact prefix, never blended.
     prefix_end = prompt.segments[1].end

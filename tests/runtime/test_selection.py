@@ -112,7 +112,8 @@ def test_filter_stages_cost_what_the_budget_costs_at_one_width():
 
 
 def test_needs_says_what_the_selection_reads():
-    assert needs(BlendConfig()) == frozenset()
+    assert needs(BlendConfig(selection="kDeviation")) == frozenset()
+    assert needs(BlendConfig()) == {"v"}  # the default, kvDeviation
     assert needs(BlendConfig(selection="query:0.5+kvDeviation")) == {"query", "v"}
 
 
