@@ -120,7 +120,7 @@ def test_the_pattern_admits_exactly_what_the_grammar_writes():
 def test_a_stored_spec_with_the_old_enum_values_still_reads():
     for old in ("kDeviation", "random"):
         assert settings(selection=old)["selection"] == old
-    assert settings()["selection"] == "kDeviation"  # the default
+    assert settings()["selection"] == "kvDeviation"  # the default
 
 
 # --- filterLayers --------------------------------------------------------------------------
@@ -186,4 +186,4 @@ def test_changing_selection_or_filter_layers_rolls_the_pods():
     assert hash_of(selection="sinks:0.25+kDeviation") != base
     assert hash_of(filterLayers=[8]) != base
     assert hash_of(filterLayers=[8]) != hash_of(filterLayers=[8, 16])
-    assert hash_of(selection="kDeviation", filterLayers=[]) == base
+    assert hash_of(selection="kvDeviation", filterLayers=[]) == base
