@@ -216,7 +216,9 @@ def make_strategy(config: BlendConfig) -> Selector:
 def needs(config: BlendConfig) -> frozenset[str]:
     """What the configured selection needs measured (e.g. NEEDS_QUERY: the vLLM
     connector then covers the question, so the blend sees it as holeblend-serve does)."""
-    return frozenset().union(*(_BY_NAME[name].needs for name, _ in _parts(config)))
+    return frozenset().union(
+        *(_BY_NAME[name].needs for name, _ in parse_selection(config.selection))
+    )
 
 
 def num_to_select(num_cached: int, ratio: float) -> int:
@@ -231,10 +233,6 @@ _BY_NAME: dict[str, type] = {
     QUERY: Query,
     RANDOM: Random,
 }
-
-
-def _parts(config: BlendConfig) -> tuple[tuple[str, float], ...]:
-    return parse_selection(config.selection)
 
 
 def _normalized(values: torch.Tensor) -> torch.Tensor:

@@ -159,12 +159,11 @@ def _writes_cache_apart(module: torch.nn.Module) -> bool:
 def _rows_of(written: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor | None:
     """Row of each wanted slot in `written` (a forward's slot mapping), or None if any is
     missing."""
-    order = torch.argsort(written)
-    found = torch.searchsorted(written[order], wanted).clamp_max(max(len(written) - 1, 0))
-    rows = order[found] if len(written) else found
-    if len(written) == 0 or not torch.equal(written[rows], wanted):
+    if len(written) == 0:
         return None
-    return rows
+    order = torch.argsort(written)
+    rows = order[torch.searchsorted(written[order], wanted).clamp_max(len(written) - 1)]
+    return rows if torch.equal(written[rows], wanted) else None
 
 
 class BlendWorker:
