@@ -146,6 +146,11 @@ class Blended:
     num_exact_prefix_tokens: int
 
 
+# Recompute-set sizes run at start-up at most up to this many tokens (see warm_up): at
+# 8,192 tokens of the Llama-3-8B shape the whole warm-up is one layer at 128 sizes.
+WARM_UP_MAX_TOKENS = 8192
+
+
 class ReferenceEngine:
     """Prefill, score and greedy generation on one sequence at a time."""
 
@@ -215,6 +220,18 @@ class ReferenceEngine:
     @property
     def config(self) -> ModelConfig:
         return self.model.config
+
+    def warm_up(self, max_tokens: int | None = None) -> float:
+        """Run the blend's layer shapes once at start-up (every bucketed recompute-set
+        size up to `max_tokens`, default the context or WARM_UP_MAX_TOKENS, whichever is
+        less), so that requests do not pay a shape's first call; seconds it took. A no-op
+        on the CPU. Shapes belong to the model: one call serves every engine sharing it."""
+        limit = min(self.config.context_length, WARM_UP_MAX_TOKENS)
+        started = time.perf_counter()
+        with self.activity.foreground(), torch.inference_mode():
+            self.blender.warm_up(limit if max_tokens is None else max_tokens)
+            synchronize(self.model.device)
+        return time.perf_counter() - started
 
     @property
     def kv_dtype(self) -> str:

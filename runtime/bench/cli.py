@@ -309,6 +309,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     model, tokenizer = load_model(args)
     loaded = ReferenceEngine(model, tokenizer, blend)
+    # What a server pays at start-up (a no-op on the CPU): reported, not timed per request.
+    warm_up_s = loaded.warm_up()
     store_bytes = int(args.store_gib * (1 << 30))
 
     def new_engine(store_policy: str, entry: str) -> ReferenceEngine:
@@ -330,6 +332,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     context = row_context(args, model)
     results = [{**row, **context} for row in results]
     record = _config_record(config, blend, workload, runner, args)
+    record["warm_up_s"] = warm_up_s
     if args.sdpa_reference:
         prompts = [runner.request(qa, pass_number=2).prompt for qa in workload]
         record["sdpa_reference"] = sdpa_reference_s(model, prompts)

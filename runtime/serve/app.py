@@ -164,6 +164,7 @@ class Server:
             num_threads=self.settings.torch_threads,
         )  # fmt: skip
         self.engine.store = with_remote_tiers(self.engine, settings, store, self.metrics.registry)
+        self.engine.warm_up()
         prompt = self.engine.build_prompt("Warm-up.", WARM_UP_DOCUMENTS, "Ready?")
         self.engine.generate(self.engine.prefill(prompt, Mode.FULL), 2)
         self.metrics.kv_store_capacity_bytes.set(store.capacity_bytes)

@@ -579,6 +579,9 @@ class _WorkerSide:
         adapter = VllmModelAdapter(model, model_id, config.model_config.max_model_len)
         tokenizer = TextTokenizer(_text_tokenizer(config).backend_tokenizer, adapter.config)
         engine = ReferenceEngine(adapter, tokenizer, self.settings.blend, self.store)
+        # The blend's shapes on an accelerator (a no-op on the CPU); paid by the step
+        # that first needs the worker, not by every new recompute-set size after it.
+        log.info("holeblend: blend warm-up took %.2f s", engine.warm_up())
         caches = [self.kv_caches[name] for name in adapter.attention_layer_names()]
         modules = adapter.attention_modules()
         writer = PagedKVWriter(modules, caches, self.block_size)

@@ -177,3 +177,28 @@ def test_on_accelerators_the_recompute_set_is_rounded_up_to_the_bucket():
     # Not enough cached tokens: every one is picked.
     assert _round_up_picks((3, 1), sections, 20, 64) == (30, 10)
     assert _round_up_picks((3, 1), sections, 50, 1) == (3, 1)
+
+
+def test_the_warm_up_runs_one_layer_at_every_bucketed_size(monkeypatch):
+    """On an accelerator every recompute-set size up to the limit is run once at start-up
+    (device-clean: on `meta`); on the CPU nothing runs."""
+    from holeblend_runtime.blender import RECOMPUTE_BUCKET
+
+    model = Llama(CONFIG, random_weights(CONFIG), device="meta")
+    rows = []
+    attend_and_mlp = model.attend_and_mlp
+
+    def record(layer, h, q, k, v, plan):
+        rows.append((layer, h.shape[0], plan.positions.shape[0], plan.is_causal))
+        return attend_and_mlp(layer, h, q, k, v, plan)
+
+    model.attend_and_mlp = record
+    blender = Blender(model, BlendConfig())
+    assert blender.warm_up(4 * RECOMPUTE_BUCKET + 10) == 0  # `meta` is not an accelerator
+    assert rows == []
+    monkeypatch.setattr(Blender, "_bucket", lambda self: RECOMPUTE_BUCKET)
+    assert blender.warm_up(4 * RECOMPUTE_BUCKET + 10) == 4
+    sizes = [RECOMPUTE_BUCKET * i for i in (1, 2, 3, 4)]
+    # Queries at positions 1..m: the sparse kernel's plan, not plain causal attention.
+    assert rows == [(0, m, m, False) for m in sizes]
+    assert blender.warm_up(RECOMPUTE_BUCKET - 1) == 0
