@@ -151,17 +151,20 @@ class Llama:
         v: torch.Tensor,
         plan: AttentionPlan,
     ) -> torch.Tensor:
-        """The rest of the layer for the queries' rows of h: attention over (k, v), MLP."""
+        """The rest of the layer for the queries' rows of h: attention over (k, v), MLP
+        (h is updated in place and returned)."""
         return self.finish_layer(layer, h, attend(q, k, v, plan))
 
     def finish_layer(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Output projection, residual and MLP of attention output attn [heads, n, d]."""
+        """Output projection, residual and MLP of attention output attn [heads, n, d],
+        added into h in place (returned)."""
         w = self.layers[layer]
-        # The residual adds ride in the matmuls' epilogues (addmm): two launches fewer
-        # per layer, which is what a short prompt on a GPU waits for.
-        h = torch.addmm(h, attn.transpose(0, 1).reshape(h.shape[0], -1), w.out.T)
+        # h is updated in place: the residual adds ride in the matmuls' epilogues (a GEMM
+        # accumulating into h), two launches fewer per layer, which is what a short prompt
+        # on a GPU waits for. Every caller passes a hidden state it no longer needs.
+        h.addmm_(attn.transpose(0, 1).reshape(h.shape[0], -1), w.out.T)
         gate, up = (self._rms_norm(h, w.ffn_norm) @ w.gate_up.T).chunk(2, dim=-1)
-        return torch.addmm(h, F.silu(gate) * up, w.down.T)
+        return h.addmm_(F.silu(gate) * up, w.down.T)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Next-token logits for hidden states h [n, hidden] -> [n, vocab]."""

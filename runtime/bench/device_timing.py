@@ -7,6 +7,7 @@ right after the launches times the launches).
 
 from __future__ import annotations
 
+import collections
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -18,6 +19,9 @@ import torch.nn.functional as F
 from holeblend_runtime.devices import synchronize
 from holeblend_runtime.llama import Llama
 from holeblend_runtime.segments import SegmentedPrompt
+
+# busy_share's launch breakdown: this many kernel names, each cut to this many characters.
+TOP_KERNELS, NAME_CHARS = 12, 80
 
 
 def plain_forward(model: Llama, token_ids: torch.Tensor) -> torch.Tensor:
@@ -58,7 +62,8 @@ def busy_share(run: Callable[[], Any], device: torch.device | None = None) -> di
 
     None on a machine without CUDA: the CPU has no separate device to keep busy."""
     if not torch.cuda.is_available():
-        return {"busy_share": None, "wall_s": None, "kernel_s": None, "num_kernels": 0}
+        return {"busy_share": None, "wall_s": None, "kernel_s": None, "num_kernels": 0,
+                "kernels_by_name": {}}  # fmt: skip
     device = device or torch.device("cuda")
     run()
     wall_s = statistics.median(_timed(device, run) for _ in range(3))
@@ -66,17 +71,16 @@ def busy_share(run: Callable[[], Any], device: torch.device | None = None) -> di
     with torch.profiler.profile(activities=activities) as profiler:
         run()
         synchronize(device)
-    intervals = [
-        (event.time_range.start, event.time_range.end)
-        for event in profiler.events()
-        if event.device_type == torch.autograd.DeviceType.CUDA
-    ]
-    kernel_s = _union_length(intervals) / 1e6
+    kernels = [e for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernel_s = _union_length([(e.time_range.start, e.time_range.end) for e in kernels]) / 1e6
+    counts = collections.Counter(e.name[:NAME_CHARS] for e in kernels)
     return {
         "busy_share": kernel_s / wall_s,
         "wall_s": wall_s,
         "kernel_s": kernel_s,
-        "num_kernels": len(intervals),
+        "num_kernels": len(kernels),
+        # Where the launches go: the most frequent kernel names and their counts.
+        "kernels_by_name": dict(counts.most_common(TOP_KERNELS)),
     }
 
 
