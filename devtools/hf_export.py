@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from holeblend_runtime.gguf_model import default_cache_dir, load_model_files
 from holeblend_runtime.model_config import ModelConfig
+from holeblend_runtime.model_presets import random_weights
 
 _FORMAT = "hf-v1"
 _LAYER_NAMES = {
@@ -40,6 +41,17 @@ CHATML_TEMPLATE = (
 )
 
 
+# A small Llama shape whose heads split over 2 tensor-parallel ranks (SmolLM2's 9 query
+# and 3 KV heads do not), with SmolLM2's vocabulary so that its tokenizer serves it. Its
+# own output matrix: with random tied embeddings the likeliest next token is the last one.
+TINY_SPLITTABLE = ModelConfig(
+    model_id="tiny-splittable", num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2,
+    head_dim=64, intermediate_size=512, rope_theta=100000.0, rms_norm_eps=1e-5,
+    vocab_size=49152, context_length=4096, bos_token_id=1, eos_token_id=2,
+    add_bos_token=False, tie_word_embeddings=False,
+)  # fmt: skip
+
+
 def export_smollm2(cache_dir: Path | None = None) -> Path:
     """The Hugging Face directory of SmolLM2-135M-Instruct (written on first use)."""
     root = (cache_dir or default_cache_dir()) / _FORMAT
@@ -47,17 +59,42 @@ def export_smollm2(cache_dir: Path | None = None) -> Path:
     if (target / "config.json").is_file():
         return target
     files = load_model_files()
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=root))
+    _write_model(target, hf_weights(files.weights), files.config)
+    return target
+
+
+def export_random(config: ModelConfig, target: Path, seed: int = 0) -> Path:
+    """A Hugging Face directory of `config`'s shape with random weights (projections drawn
+    with std 1/sqrt(fan-in), embeddings with std 1, so that greedy answers are not ties)
+    and SmolLM2's tokenizer; for shapes SmolLM2 lacks. Written once."""
+    if (target / "config.json").is_file():
+        return target
+    if config.vocab_size != TINY_SPLITTABLE.vocab_size:
+        raise ValueError("config: vocab_size must be SmolLM2's (its tokenizer serves the model)")
+    generator = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, tensor in random_weights(config).items():
+        if "norm" in name:
+            weights[name] = tensor.clone()
+            continue
+        scale = 1.0 if name == "token_embd.weight" else tensor.shape[1] ** -0.5
+        weights[name] = torch.randn(tensor.shape, generator=generator) * scale
+    _write_model(target, hf_weights(weights), config)
+    return target
+
+
+def _write_model(target: Path, weights: dict[str, torch.Tensor], config: ModelConfig) -> None:
+    """Weights, SmolLM2's tokenizer and the configs, renamed into `target` when complete."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent))
     try:
-        save_file(hf_weights(files.weights), str(staging / "model.safetensors"))
-        files.tokenizer.save(str(staging / "tokenizer.json"))
-        _write_json(staging / "tokenizer_config.json", tokenizer_config(files.config))
-        _write_json(staging / "config.json", hf_config(files.config))
+        save_file(weights, str(staging / "model.safetensors"))
+        load_model_files().tokenizer.save(str(staging / "tokenizer.json"))
+        _write_json(staging / "tokenizer_config.json", tokenizer_config(config))
+        _write_json(staging / "config.json", hf_config(config))
         os.replace(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return target
 
 
 def hf_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -65,6 +102,8 @@ def hf_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         "model.embed_tokens.weight": weights["token_embd.weight"],
         "model.norm.weight": weights["output_norm.weight"],
     }
+    if "output.weight" in weights:  # an output matrix of its own (not tied)
+        out["lm_head.weight"] = weights["output.weight"]
     for name, tensor in weights.items():
         parts = name.split(".")
         if parts[0] == "blk":

@@ -52,6 +52,8 @@ class ProbeConfig:
     # blend.json's kv.sharedUrl and lookupServerUrl: the fleet's tiers behind the connector.
     shared_url: str | None = None
     lookup_url: str | None = None
+    # vLLM's tensor-parallel size (worker processes; their connectors are not inspected).
+    tensor_parallel_size: int = 1
 
 
 def build_prompts(config: ProbeConfig) -> list[tuple[list[int], list[int]]]:
@@ -106,11 +108,18 @@ class Probe:
                 kv_load_failure_policy="recompute",
             )  # fmt: skip
         started = time.perf_counter()
+        tp = config.tensor_parallel_size
+        if tp > 1:
+            # vLLM's CPU workers bind their threads per NUMA node unless told; one core each.
+            cores = os.cpu_count() or 1
+            os.environ.setdefault(
+                "VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % cores) for r in range(tp))
+            )
         self.llm = LLM(
             model=str(model_dir), dtype="float32", enforce_eager=True, seed=0,
             max_model_len=config.max_model_len, enable_prefix_caching=False,
             disable_hybrid_kv_cache_manager=True, kv_transfer_config=transfer,
-            kv_cache_memory_bytes=config.kv_cache_bytes,
+            kv_cache_memory_bytes=config.kv_cache_bytes, tensor_parallel_size=tp,
         )  # fmt: skip
         self.start_s = time.perf_counter() - started
 
@@ -169,6 +178,7 @@ def run(config: ProbeConfig, model_dir: Path) -> dict[str, Any]:
         for index, (_, second) in enumerate(pairs):
             results.append(serve_second(probe, index, second, ratio, pass1_files))
     lifecycle = check_lifecycle(probe, pairs, pass1_files) if config.is_lifecycle else {}
+    is_one_process = config.tensor_parallel_size == 1
     return {
         "lifecycle": lifecycle,
         "is_connector": config.is_connector,
@@ -178,8 +188,12 @@ def run(config: ProbeConfig, model_dir: Path) -> dict[str, Any]:
         "free_blocks_before": free_before,
         "free_blocks_after": probe.free_blocks(),
         "leftovers": leftovers(probe),
-        "metrics": connector_metrics() if config.is_connector else {},
-        "tiers": tier_figures(probe) if config.is_connector else {},
+        # Under tensor parallelism the workers (and their metrics) live in other processes.
+        "metrics": connector_metrics() if config.is_connector and is_one_process else {},
+        "tiers": tier_figures(probe) if config.is_connector and is_one_process else {},
+        "stored_files": sorted(p.name for p in probe.kv_dir.glob("*"))
+        if config.is_connector
+        else [],
     }
 
 
@@ -361,9 +375,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-mib", type=int, default=512)
     parser.add_argument("--shared-url", help="blend.json kv.sharedUrl (redis://...)")
     parser.add_argument("--lookup-url", help="blend.json lookupServerUrl")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument(
+        "--random-model", action="store_true",
+        help="serve a small random-weight Llama whose heads split over 2 ranks (not SmolLM2)",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args(argv)
-    from holeblend_devtools.hf_export import export_smollm2
+    from holeblend_devtools.hf_export import TINY_SPLITTABLE, export_random, export_smollm2
 
     reference = {}
     if args.reference:
@@ -376,9 +395,14 @@ def main(argv: list[str] | None = None) -> int:
         max_tokens=args.max_tokens, reference_answers=reference, fault=args.fault,
         is_lifecycle=args.lifecycle, max_model_len=args.max_model_len,
         kv_cache_bytes=args.kv_cache_mib << 20, shared_url=args.shared_url,
-        lookup_url=args.lookup_url,
+        lookup_url=args.lookup_url, tensor_parallel_size=args.tensor_parallel_size,
     )  # fmt: skip
-    report = run(config, export_smollm2())
+    model_dir = (
+        export_random(TINY_SPLITTABLE, args.work_dir / "model")
+        if args.random_model
+        else export_smollm2()
+    )
+    report = run(config, model_dir)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0

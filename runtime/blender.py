@@ -168,6 +168,9 @@ class Blender:
             return 0
         c, device = self.model.config, self.model.device
         sizes = range(bucket, max_tokens + 1, bucket)
+        # The residual stream's width (the embedding's), which may differ from heads x
+        # head_dim (Qwen3; a tensor-parallel shard).
+        width = self.model.embed(torch.zeros(1, dtype=torch.int64, device=device)).shape[-1]
         # One layer's K/V: slot 0 is never a query, so the plan is the sparse kernel's
         # (queries at positions 1..m), not plain causal attention.
         shape = (c.num_kv_heads, sizes[-1] + 1, c.head_dim)
@@ -175,7 +178,7 @@ class Blender:
         v = torch.zeros_like(k)
         for size in sizes:
             positions = torch.arange(1, size + 1, device=device)
-            h = torch.zeros(size, c.hidden_size, device=device, dtype=self.model.dtype)
+            h = torch.zeros(size, width, device=device, dtype=self.model.dtype)
             rope = self.model.rope(positions)
             q = self.model.qkv_into(0, h, rope, k, v, positions)
             plan = self._plan_for(positions, size + 1, h.dtype, ends_at_last_key=True)
@@ -334,17 +337,25 @@ class Blender:
         layer, on_device = self.config.check_layer, cache.on_device
         q, k, v = self.model.qkv(layer, h, cache.rope_at(on_device.active))
         cache.load.wait(layer)
-        deviation = _deviation(k[:, on_device.cached_rows], cache.k[layer], on_device.cached)
+        # Every score is a sum over heads: under tensor parallelism each rank holds a shard
+        # of the heads, and summing the shards' scores (`reduce_shards`) gives every rank
+        # the whole model's scores, hence the same recompute set on every rank.
+        reduce = self.model.reduce_shards
+        deviation = reduce(
+            _deviation(k[:, on_device.cached_rows], cache.k[layer], on_device.cached)
+        )
         v_deviation = None
         if NEEDS_V in selector.needs:
-            v_deviation = _deviation(v[:, on_device.cached_rows], cache.v[layer], on_device.cached)
+            v_deviation = reduce(
+                _deviation(v[:, on_device.cached_rows], cache.v[layer], on_device.cached)
+            )
         # The check layer's K/V stay fresh for every computed token: computing them was
         # the price of the deviation, and they are exact.
         cache.k[layer].index_copy_(1, on_device.active, k)
         cache.v[layer].index_copy_(1, on_device.active, v)
         attention = None
         if on_device.query_rows.shape[0] > 0:
-            attention = self._query_attention(q, cache, layer)[on_device.cached]
+            attention = reduce(self._query_attention(q, cache, layer)[on_device.cached])
         scores = CheckScores(deviation, v_deviation, attention, on_device.offsets)
         pinned, narrowing = self._select(scores, cache, selector)
         outcome = self._outcome(h.dtype, cache, pinned, narrowing)
@@ -431,10 +442,11 @@ class Blender:
                 kept.append(group)
                 continue
             rows = torch.searchsorted(check.recomputed, group)
+            reduce = self.model.reduce_shards
             v_deviation = None
             if NEEDS_V in selector.needs:
-                v_deviation = _deviation(v[:, rows], cache.v[layer], group)
-            scores = CheckScores(_deviation(k[:, rows], cache.k[layer], group), v_deviation)
+                v_deviation = reduce(_deviation(v[:, rows], cache.v[layer], group))
+            scores = CheckScores(reduce(_deviation(k[:, rows], cache.k[layer], group)), v_deviation)
             kept.append(
                 group[torch.topk(selector.narrow_score(scores), target, sorted=False).indices]
             )

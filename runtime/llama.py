@@ -88,6 +88,11 @@ class Llama:
         c = self.config
         return rope_table(positions, head_dim=c.head_dim, theta=c.rope_theta, dtype=self.dtype)
 
+    def reduce_shards(self, scores: torch.Tensor) -> torch.Tensor:
+        """The sum of a per-token score over the model's tensor-parallel shards (each
+        holds some of the heads); one shard here, so the score itself."""
+        return scores
+
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.embedding[token_ids.to(self.device)]
 

@@ -64,6 +64,7 @@ from holeblend_runtime.vllm_connector.planning import (
     AsyncReusePlanner,
     ReusePlan,
     ReusePlanner,
+    SegmentIndex,
 )
 from holeblend_runtime.vllm_connector.settings import ConnectorSettings, RatioSource, load_settings
 from holeblend_runtime.vllm_connector.shadow import (
@@ -72,7 +73,12 @@ from holeblend_runtime.vllm_connector.shadow import (
     engine_url,
     is_shadow_request,
 )
-from holeblend_runtime.vllm_connector.store import close_store, open_store
+from holeblend_runtime.vllm_connector.store import (
+    AllShardsIndex,
+    ShardedKVStore,
+    close_store,
+    open_store,
+)
 from holeblend_runtime.vllm_connector.worker import (
     BlendWorker,
     ForwardKVCapture,
@@ -133,7 +139,8 @@ def kv_layout(vllm_config: Any) -> KVLayout:
         model_id,
         kv_dtype,
         config.get_num_layers(vllm_config.parallel_config),
-        config.get_total_num_kv_heads(),
+        # One rank's heads: under tensor parallelism each rank stores its own shard.
+        config.get_num_kv_heads(vllm_config.parallel_config),
         config.get_head_size(),
     )
 
@@ -174,10 +181,18 @@ class HoleBlendConnector(KVConnectorBase_V1):
             metrics.TIERS.add(self.store)
         self._scheduler: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
+        # Tensor parallelism: one entry per rank of each segment (vllm_connector/store.py).
+        num_shards = vllm_config.parallel_config.tensor_parallel_size
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = _SchedulerSide(vllm_config, self.settings, self.store)
+            index = self.store if num_shards == 1 else AllShardsIndex(self.store, num_shards)
+            self._scheduler = _SchedulerSide(vllm_config, self.settings, index)
         else:
-            self._worker = _WorkerSide(vllm_config, self.settings, self.store)
+            store = self.store
+            if num_shards > 1:
+                from vllm.distributed import get_tensor_model_parallel_rank
+
+                store = ShardedKVStore(self.store, get_tensor_model_parallel_rank(), num_shards)
+            self._worker = _WorkerSide(vllm_config, self.settings, store)
             self._worker.block_size = _block_size(kv_cache_config, vllm_config)
 
     # --- scheduler side ---------------------------------------------------------------
@@ -249,7 +264,7 @@ class HoleBlendConnector(KVConnectorBase_V1):
 
 
 class _SchedulerSide:
-    def __init__(self, vllm_config: Any, settings: ConnectorSettings, store: KVStore) -> None:
+    def __init__(self, vllm_config: Any, settings: ConnectorSettings, store: SegmentIndex) -> None:
         self.settings = settings
         self.ratio = RatioSource(settings)
         model_id, kv_dtype = model_identity(vllm_config)

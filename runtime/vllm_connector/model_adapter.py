@@ -4,8 +4,13 @@ the modules of a model vLLM has loaded, so our blender runs vLLM's own weights.
 Supported: vLLM's Llama, Qwen2 and Qwen3 families (decoder layers with `input_layernorm`,
 `self_attn.{qkv_proj, o_proj, rotary_emb, attn}` (+ `q_norm`/`k_norm` for Qwen3),
 `post_attention_layernorm`, `mlp`), plain rotate-half RoPE over the whole head
-(re-rotating cached K by a position difference needs unscaled frequencies), one tensor
-parallel rank. Anything else is refused at start-up with the reason.
+(re-rotating cached K by a position difference needs unscaled frequencies). Anything else
+is refused at start-up with the reason.
+
+Tensor parallelism: each rank's adapter holds that rank's heads (vLLM's sharded modules;
+their all-reduces run inside `o_proj` and the MLP), so the blend runs on every rank over
+its head shard; the selection scores are summed over the ranks (`reduce_shards`) so that
+every rank recomputes the same tokens.
 
 Residual stream and attention are ours (`attention.attend`: each query at its true
 position); the norms, projections, MLP, embedding and logits are vLLM's modules, and RoPE
@@ -44,6 +49,17 @@ class VllmModelAdapter:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.config = _model_config(model, attention, model_id, context_length)
+        # Tensor-parallel ranks holding a shard of the heads each (vLLM shards evenly).
+        self.num_shards = attention.total_num_heads // attention.num_heads
+
+    def reduce_shards(self, scores: torch.Tensor) -> torch.Tensor:
+        """The sum of a per-token score over the tensor-parallel ranks (a collective:
+        every rank calls it at the same point of the same blend)."""
+        if self.num_shards == 1:
+            return scores
+        from vllm.distributed import tensor_model_parallel_all_reduce
+
+        return tensor_model_parallel_all_reduce(scores)
 
     @property
     def num_layers(self) -> int:
@@ -129,8 +145,6 @@ def _check_supported(model: torch.nn.Module, attention: Any) -> None:
         )
     if rotary.rotary_dim != attention.head_dim:
         raise ValueError("model: partial rotary embeddings are not supported")
-    if attention.num_heads != attention.total_num_heads:
-        raise ValueError("engine.tensorParallelSize: blending supports one rank (TP 1)")
 
 
 def _model_config(

@@ -192,7 +192,9 @@ class BlendWorker:
         have stored them in context) in canonical context; the number stored."""
         keys = self.engine.segment_keys(request.prompt)
         wanted = [i for i in request.segments if keys[i] is not None]
-        found = self.engine.store.contains_many([keys[i] for i in wanted])
+        # Computing runs collectives under tensor parallelism: every rank computes what
+        # any rank lacks.
+        found = self._on_every_rank(self.engine.store.contains_many([keys[i] for i in wanted]))
         missing = [i for i, is_found in zip(wanted, found, strict=True) if not is_found]
         return self.engine.cache_segments(request.prompt, missing) if missing else 0
 
@@ -287,6 +289,15 @@ class BlendWorker:
             ratio=request.ratio,
         )
 
+    def _on_every_rank(self, flags: list[bool]) -> list[bool]:
+        """Each flag, true only where it is true on every tensor-parallel rank (a
+        collective; one rank: the flags as given, without touching the device)."""
+        model = self.engine.model
+        if getattr(model, "num_shards", 1) == 1 or not flags:
+            return flags
+        missing = torch.tensor([float(not flag) for flag in flags], device=model.device)
+        return (model.reduce_shards(missing) == 0).tolist()
+
     def _fetch(self, request: LoadRequest) -> tuple[LookupResult, list[SegmentKV | None], int]:
         """The planned segments' KV in one batched get, checked as the engine checks its
         own (`ReferenceEngine.fetch`); one that is missing or unusable becomes a hole.
@@ -295,6 +306,10 @@ class BlendWorker:
         planned = set(request.reused_segments)
         keys = [key if i in planned else None for i, key in enumerate(request.keys)]
         entries, _ = self.engine.fetch(request.prompt, keys)
+        # Every rank must blend the same segments, or their collectives would pair up
+        # different work: one rank's unusable entry is a hole on all of them.
+        agreed = self._on_every_rank([entry is not None for entry in entries])
+        entries = [entry if ok else None for entry, ok in zip(entries, agreed, strict=True)]
         unusable = [i for i in sorted(planned) if entries[i] is None]
         for i in unusable:
             log.warning("segment %s: not usable; computing it fresh", request.keys[i])
