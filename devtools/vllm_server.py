@@ -108,13 +108,22 @@ def serve(
     shadow_budget: float | None = None,
     chunk_tokens: int = SHADOW_CHUNK_TOKENS,
     kv_cache_bytes: int = 80 << 20,
+    connector: bool = True,
+    max_model_len: int = 1536,
+    kv_tier_bytes: int | None = None,
 ) -> Iterator[Server]:
-    """Start the server on free ports, wait until healthy, stop it on exit."""
+    """Start the server on free ports, wait until healthy, stop it on exit.
+
+    `connector` False: vLLM as users run it without holeblend (its own prefix caching on,
+    no KV transfer, no holeblend flags); the same model, dtype, eager mode, context and KV
+    cache. `kv_tier_bytes`: blend.json's kv.localCpuBytes (the node tier's budget)."""
     work.mkdir(parents=True, exist_ok=True)
     port, metrics_port = free_port(), free_port()
     settings = rendered_settings(
         ratio, quality_proxies, shadow_sample_rate, f"http://127.0.0.1:{port}", shadow_budget
     )
+    if kv_tier_bytes is not None:
+        settings["kv"] = (settings.get("kv") or {}) | {"localCpuBytes": kv_tier_bytes}
     (work / "blend.json").write_text(json.dumps(settings))
     transfer = {
         "kv_connector": "HoleBlendConnector",
@@ -128,11 +137,12 @@ def serve(
     command = [sys.executable, "-I", "-m", "vllm.entrypoints.openai.api_server"]
     command += ["--model", str(export_smollm2()), "--served-model-name", MODEL]
     command += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
-    command += ["--enforce-eager", "--no-enable-prefix-caching"]
-    command += ["--disable-hybrid-kv-cache-manager", "--max-model-len", "1536"]
+    command += ["--enforce-eager", "--max-model-len", str(max_model_len)]
     command += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
-    command += ["--kv-transfer-config", json.dumps(transfer)]
-    command += priority_flags(quality_proxies, chunk_tokens)
+    if connector:
+        command += ["--no-enable-prefix-caching", "--disable-hybrid-kv-cache-manager"]
+        command += ["--kv-transfer-config", json.dumps(transfer)]
+        command += priority_flags(quality_proxies, chunk_tokens)
     env = {k: v for k, v in os.environ.items() if k != DEPRECATED_ENGINE_URL_ENV}
     env["HOLEBLEND_METRICS_PORT"] = str(metrics_port)
     log_path = work / "server.log"

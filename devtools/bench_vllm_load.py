@@ -1,0 +1,198 @@
+"""vLLM under load with and without the connector, driven by vLLM's own `vllm bench serve`:
+`make bench-vllm-load` (writes out/vllm-load.json).
+
+The stream: RAG prompts of about 1,900 tokens (a system prompt, documents drawn from a
+corpus by Zipf popularity in a new order each time, the question; segments joined with
+the separator the connector splits on), sent as text through vLLM's OpenAI completions API
+by `vllm.benchmarks.serve` (`--dataset-name custom`, no chat template, stream order kept)
+with a fixed number of concurrent clients, greedy answers of `--output-len` tokens (EOS
+ignored). The same stream goes to two servers, one after the other (`vllm_server.serve`):
+
+- `connector: false`: vLLM as users run it without holeblend (its own prefix caching on);
+- `connector: true`: the connector as the operator renders a vLLM pod (hole mode, ratio
+  `--ratio`, quality proxies off so that only the blend is measured), with a node KV tier
+  of `--kv-tier-mib`, smaller than the corpus's KV, so that eviction shows.
+
+One row per arm: requests/s, TTFT p50/p99, inter-token latency p99 (every request's, so
+those decoding while another request's prefill or blend runs), call-to-return mean and its
+ratio to TTFT plus decode (TTFT + (tokens - 1) x time per output token: what a store on the
+request path would add), and for the connector the share of prompt tokens reused (its
+Prometheus counters). `ratios` compares the arms. vLLM's own result JSON of each arm is
+kept next to it.
+
+Runs in the vLLM environment (`.venv-vllm`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from holeblend_devtools.hf_export import export_smollm2
+from holeblend_devtools.vllm_probe import SEPARATOR
+from holeblend_devtools.vllm_server import MODEL, Server, serve
+from holeblend_runtime.bench.load_workload import LoadWorkloadConfig, generate_load_workload
+from holeblend_runtime.gguf_model import load_model_files
+
+# SmolLM2 in float32 takes 46 KB of KV per token: 4 clients x ~2,100 tokens fit in 512 MiB.
+KV_CACHE_BYTES = 512 << 20
+MAX_MODEL_LEN = 2560
+PERCENTILES = "50,99"
+
+
+def build_prompts(config: LoadWorkloadConfig) -> tuple[list[str], list[int]]:
+    """The stream as prompt texts and their token counts; each is checked to split into
+    its segments."""
+    tokenizer = load_model_files().tokenizer
+    separator = tokenizer.encode(SEPARATOR, add_special_tokens=False).ids
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False).ids)
+
+    prompts, lengths = [], []
+    for request in generate_load_workload(config, count):
+        parts = [request.system, *request.documents, request.question]
+        text = SEPARATOR.join(parts)
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        found = sum(ids[i : i + len(separator)] == separator for i in range(len(ids)))
+        if found != len(parts) - 1:
+            raise ValueError(
+                f"request {request.index}: the separator splits it into {found + 1} "
+                f"segments, not {len(parts)}"
+            )
+        prompts.append(text)
+        lengths.append(len(ids))
+    return prompts, lengths
+
+
+def run_arm(
+    server: Server, dataset: Path, args: argparse.Namespace, result_dir: Path, name: str
+) -> dict[str, Any]:
+    """`vllm bench serve` against the server; vLLM's result dict (also saved)."""
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    bench_args = parser.parse_args(
+        [
+            "--backend", "vllm", "--base-url", server.url, "--endpoint", "/v1/completions",
+            "--model", MODEL, "--tokenizer", str(export_smollm2()),
+            "--dataset-name", "custom", "--dataset-path", str(dataset),
+            "--custom-output-len", str(args.output_len), "--skip-chat-template",
+            "--disable-shuffle", "--num-prompts", str(args.num_requests),
+            "--max-concurrency", str(args.concurrency), "--ignore-eos",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", PERCENTILES,
+            "--save-result", "--result-dir", str(result_dir),
+            "--result-filename", f"vllm-bench-{name}.json", "--seed", str(args.seed),
+        ]
+    )  # fmt: skip
+    return main(bench_args)
+
+
+def row(result: dict[str, Any], connector: bool, reuse: dict[str, float], output_len: int) -> dict:
+    ttft, tpot = result["mean_ttft_ms"] / 1e3, result["mean_tpot_ms"] / 1e3
+    request_s = result["mean_e2el_ms"] / 1e3
+    return {
+        "connector": connector,
+        "num_requests": result["completed"],
+        "num_failed": result.get("failed", 0),
+        "requests_per_s": result["request_throughput"],
+        "output_tokens_per_s": result["output_throughput"],
+        "ttft_p50_s": result["p50_ttft_ms"] / 1e3,
+        "ttft_p99_s": result["p99_ttft_ms"] / 1e3,
+        "ttft_mean_s": ttft,
+        "itl_p50_s": result["p50_itl_ms"] / 1e3,
+        "itl_p99_s": result["p99_itl_ms"] / 1e3,
+        "tpot_mean_s": tpot,
+        "request_s_mean": request_s,
+        # Call-to-return over TTFT plus decode: 1.0 when nothing else is on the path.
+        "request_vs_ttft_plus_decode": request_s / (ttft + (output_len - 1) * tpot),
+        **reuse,
+    }
+
+
+def reuse_figures(server: Server) -> dict[str, float]:
+    """The connector's counters: prompt tokens reused, recomputed, holes."""
+    samples = server.samples()
+
+    def total(name: str) -> float:
+        return sum(v for (n, _), v in samples.items() if n == name)
+
+    prompt = total("holeblend_prompt_tokens_total")
+    reused = total("holeblend_reused_tokens_total")
+    return {
+        "reused_share": reused / prompt if prompt else 0.0,
+        "recomputed_share": total("holeblend_recomputed_tokens_total") / prompt if prompt else 0.0,
+        "hole_share": total("holeblend_hole_tokens_total") / prompt if prompt else 0.0,
+        "num_load_failures": total("holeblend_load_failures_total"),
+        "num_store_failures": total("holeblend_store_failures_total"),
+    }
+
+
+def ratios(rows: list[dict]) -> dict[str, float]:
+    """With the connector against without: the issue's figures as ratios (> 1 is better,
+    except `itl_p99` and `request_s_mean`, where <= 1.25 / the lower the better)."""
+    without, with_ = (next(r for r in rows if r["connector"] is c) for c in (False, True))
+    return {
+        "requests_per_s": with_["requests_per_s"] / without["requests_per_s"],
+        "ttft_p50_lower_by": without["ttft_p50_s"] / with_["ttft_p50_s"],
+        "itl_p99": with_["itl_p99_s"] / without["itl_p99_s"],
+        "request_s_mean": with_["request_s_mean"] / without["request_s_mean"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--num-requests", type=int, default=2000)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--ratio", type=float, default=0.15)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--corpus", type=int, default=40, help="documents in the corpus")
+    parser.add_argument("--documents", type=int, default=8, help="documents per request")
+    parser.add_argument("--kv-tier-mib", type=int, default=200, help="the node KV tier")
+    parser.add_argument("--work-dir", type=Path, default=Path("out/vllm-load"))
+    parser.add_argument("--json", type=Path, default=Path("out/vllm-load.json"))
+    args = parser.parse_args(argv)
+    workload = LoadWorkloadConfig(
+        seed=args.seed, num_corpus_documents=args.corpus, documents_per_request=args.documents,
+        num_warmup=0, num_requests=args.num_requests,
+        min_document_tokens=200, max_document_tokens=260,
+    )  # fmt: skip
+    prompts, lengths = build_prompts(workload)
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    dataset = args.work_dir / "prompts.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    started = time.perf_counter()
+    rows = []
+    for connector in (False, True):
+        name = "connector" if connector else "plain"
+        with serve(
+            args.work_dir / name, args.ratio, quality_proxies=False, connector=connector,
+            kv_cache_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN,
+            kv_tier_bytes=args.kv_tier_mib << 20,
+        ) as server:  # fmt: skip
+            result = run_arm(server, dataset, args, args.work_dir, name)
+            reuse = reuse_figures(server) if connector else {}
+        rows.append(row(result, connector, reuse, args.output_len))
+        print(json.dumps(rows[-1]), flush=True)
+    document = {
+        "config": vars(args) | {"json": str(args.json), "work_dir": str(args.work_dir)},
+        "prompt_tokens_mean": sum(lengths) / len(lengths),
+        "rows": rows,
+        "ratios": ratios(rows),
+        "wall_s": time.perf_counter() - started,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(document, indent=2) + "\n")
+    print(json.dumps(document["ratios"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
