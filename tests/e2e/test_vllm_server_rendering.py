@@ -77,3 +77,66 @@ def test_the_deprecated_engine_url_variable_is_not_passed_on(monkeypatch, tmp_pa
     settings = json.loads((tmp_path / "blend.json").read_text())
     port = command[command.index("--port") + 1]
     assert settings["engineUrl"] == f"http://127.0.0.1:{port}"
+
+
+def _started_command(monkeypatch, tmp_path, **options) -> tuple[list[str], dict]:
+    started = {}
+
+    class Stop(Exception):
+        pass
+
+    def popen(command, env, **_):
+        started.update(command=command)
+        raise Stop
+
+    monkeypatch.setattr(vllm_server.subprocess, "Popen", popen)
+    monkeypatch.setattr(vllm_server, "export_smollm2", lambda: tmp_path / "model")
+    with pytest.raises(Stop), vllm_server.serve(tmp_path, **options):
+        pass
+    return started["command"], json.loads((tmp_path / "blend.json").read_text())
+
+
+def test_the_plain_arm_is_vllm_without_holeblend(monkeypatch, tmp_path):
+    """bench-vllm-load's baseline: no KV transfer, vLLM's own prefix caching, no holeblend
+    flags; the same context and KV cache as the connector's arm."""
+    plain, _ = _started_command(
+        monkeypatch, tmp_path / "plain", connector=False, max_model_len=2560
+    )
+    ours, settings = _started_command(
+        monkeypatch, tmp_path / "connector", max_model_len=2560, kv_tier_bytes=200 << 20
+    )
+    for flag in ("--kv-transfer-config", "--no-enable-prefix-caching", "--scheduling-policy"):
+        assert flag not in plain and flag in ours
+    for command in (plain, ours):
+        assert command[command.index("--max-model-len") + 1] == "2560"
+    assert settings["kv"]["localCpuBytes"] == 200 << 20
+
+
+def test_the_load_bench_rows_and_ratios():
+    from holeblend_devtools import bench_vllm_load
+
+    result = {
+        "completed": 10, "request_throughput": 0.5, "output_throughput": 8.0,
+        "p50_ttft_ms": 1000.0, "p99_ttft_ms": 3000.0, "mean_ttft_ms": 1200.0,
+        "p50_itl_ms": 100.0, "p99_itl_ms": 400.0, "mean_tpot_ms": 120.0, "mean_e2el_ms": 3300.0,
+    }  # fmt: skip
+    without = bench_vllm_load.row(result, False, {}, output_len=16)
+    assert without["ttft_p50_s"] == 1.0 and without["itl_p99_s"] == 0.4
+    # 3.3 s against 1.2 + 15 x 0.12 = 3.0 s of TTFT plus decode.
+    assert without["request_vs_ttft_plus_decode"] == pytest.approx(1.1)
+    faster = result | {"request_throughput": 1.0, "p50_ttft_ms": 250.0, "p99_itl_ms": 480.0}
+    with_ = bench_vllm_load.row(faster, True, {"reused_share": 0.8}, output_len=16)
+    figures = bench_vllm_load.ratios([without, with_])
+    assert figures["requests_per_s"] == 2.0 and figures["ttft_p50_lower_by"] == 4.0
+    assert figures["itl_p99"] == pytest.approx(1.2) and with_["reused_share"] == 0.8
+
+
+def test_the_load_bench_prompts_split_into_their_segments():
+    from holeblend_devtools.bench_vllm_load import build_prompts
+    from holeblend_devtools.vllm_probe import SEPARATOR
+    from holeblend_runtime.bench.load_workload import LoadWorkloadConfig
+
+    config = LoadWorkloadConfig(documents_per_request=8, num_warmup=0, num_requests=3)
+    prompts, lengths = build_prompts(config)
+    assert len(prompts) == len(lengths) == 3
+    assert all(p.count(SEPARATOR) == 9 for p in prompts)  # system, 8 documents, question
