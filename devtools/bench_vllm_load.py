@@ -13,11 +13,13 @@ ignored). The same stream goes to two servers, one after the other (`vllm_server
   `--ratio`, quality proxies off so that only the blend is measured), with a node KV tier
   of `--kv-tier-mib`, smaller than the corpus's KV, so that eviction shows.
 
-One row per arm: requests/s, TTFT p50/p99, inter-token latency p99 (every request's, so
-those decoding while another request's prefill or blend runs), call-to-return mean and its
-ratio to TTFT plus decode (TTFT + (tokens - 1) x time per output token: what a store on the
-request path would add), and for the connector the share of prompt tokens reused (its
-Prometheus counters). `ratios` compares the arms. vLLM's own result JSON of each arm is
+One row per arm: requests/s, TTFT p50/p99, inter-token latency p50/p99 (every request's, so
+those decoding while another request's prefill, blend or store runs), call-to-return mean,
+and for the connector the shares of prompt tokens reused, recomputed and in holes (its
+Prometheus counters). In vLLM a request returns with its last token (vLLM's own figures
+have call-to-return = TTFT + (tokens - 1) x time per output token by definition), so what
+the connector's stores cost shows in the steps they run in: the inter-token latency of the
+requests decoding then. `ratios` compares the arms. vLLM's own result JSON of each arm is
 kept next to it.
 
 Runs in the vLLM environment (`.venv-vllm`).
@@ -85,7 +87,7 @@ def run_arm(
             "--dataset-name", "custom", "--dataset-path", str(dataset),
             "--custom-output-len", str(args.output_len), "--skip-chat-template",
             "--disable-shuffle", "--num-prompts", str(args.num_requests),
-            "--max-concurrency", str(args.concurrency), "--ignore-eos",
+            "--max-concurrency", str(args.concurrency), "--ignore-eos", "--temperature", "0",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", PERCENTILES,
             "--save-result", "--result-dir", str(result_dir),
             "--result-filename", f"vllm-bench-{name}.json", "--seed", str(args.seed),
@@ -94,8 +96,7 @@ def run_arm(
     return main(bench_args)
 
 
-def row(result: dict[str, Any], connector: bool, reuse: dict[str, float], output_len: int) -> dict:
-    ttft, tpot = result["mean_ttft_ms"] / 1e3, result["mean_tpot_ms"] / 1e3
+def row(result: dict[str, Any], connector: bool, reuse: dict[str, float]) -> dict:
     request_s = result["mean_e2el_ms"] / 1e3
     return {
         "connector": connector,
@@ -105,13 +106,11 @@ def row(result: dict[str, Any], connector: bool, reuse: dict[str, float], output
         "output_tokens_per_s": result["output_throughput"],
         "ttft_p50_s": result["p50_ttft_ms"] / 1e3,
         "ttft_p99_s": result["p99_ttft_ms"] / 1e3,
-        "ttft_mean_s": ttft,
+        "ttft_mean_s": result["mean_ttft_ms"] / 1e3,
         "itl_p50_s": result["p50_itl_ms"] / 1e3,
         "itl_p99_s": result["p99_itl_ms"] / 1e3,
-        "tpot_mean_s": tpot,
+        "tpot_mean_s": result["mean_tpot_ms"] / 1e3,
         "request_s_mean": request_s,
-        # Call-to-return over TTFT plus decode: 1.0 when nothing else is on the path.
-        "request_vs_ttft_plus_decode": request_s / (ttft + (output_len - 1) * tpot),
         **reuse,
     }
 
@@ -179,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         ) as server:  # fmt: skip
             result = run_arm(server, dataset, args, args.work_dir, name)
             reuse = reuse_figures(server) if connector else {}
-        rows.append(row(result, connector, reuse, args.output_len))
+        rows.append(row(result, connector, reuse))
         print(json.dumps(rows[-1]), flush=True)
     document = {
         "config": vars(args) | {"json": str(args.json), "work_dir": str(args.work_dir)},

@@ -120,12 +120,11 @@ def test_the_load_bench_rows_and_ratios():
         "p50_ttft_ms": 1000.0, "p99_ttft_ms": 3000.0, "mean_ttft_ms": 1200.0,
         "p50_itl_ms": 100.0, "p99_itl_ms": 400.0, "mean_tpot_ms": 120.0, "mean_e2el_ms": 3300.0,
     }  # fmt: skip
-    without = bench_vllm_load.row(result, False, {}, output_len=16)
+    without = bench_vllm_load.row(result, False, {})
     assert without["ttft_p50_s"] == 1.0 and without["itl_p99_s"] == 0.4
-    # 3.3 s against 1.2 + 15 x 0.12 = 3.0 s of TTFT plus decode.
-    assert without["request_vs_ttft_plus_decode"] == pytest.approx(1.1)
+    assert without["request_s_mean"] == 3.3 and without["tpot_mean_s"] == 0.12
     faster = result | {"request_throughput": 1.0, "p50_ttft_ms": 250.0, "p99_itl_ms": 480.0}
-    with_ = bench_vllm_load.row(faster, True, {"reused_share": 0.8}, output_len=16)
+    with_ = bench_vllm_load.row(faster, True, {"reused_share": 0.8})
     figures = bench_vllm_load.ratios([without, with_])
     assert figures["requests_per_s"] == 2.0 and figures["ttft_p50_lower_by"] == 4.0
     assert figures["itl_p99"] == pytest.approx(1.2) and with_["reused_share"] == 0.8
