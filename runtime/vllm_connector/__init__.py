@@ -10,6 +10,7 @@ settings) import and test without vLLM installed.
 | planning.py | scheduler | hole-aware lookup of a prompt's segments (no vLLM) |
 | settings.py | both | blend.json and the connector's own keys (no vLLM) |
 | metadata.py | both | what the scheduler sends the worker each step (no vLLM) |
+| store.py | both | the KV tiers; one entry per rank under tensor parallelism (no vLLM) |
 | model_adapter.py | worker | the blender's model interface over vLLM's modules |
 | worker.py | worker | load + blend into the paged cache, store missing segments |
 | plugin.py | worker | the `vllm.general_plugins` entry point that hands over the model |
