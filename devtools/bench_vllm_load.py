@@ -38,6 +38,7 @@ from holeblend_devtools.hf_export import export_smollm2
 from holeblend_devtools.vllm_probe import SEPARATOR
 from holeblend_devtools.vllm_server import MODEL, Server, serve
 from holeblend_runtime.bench.load_workload import LoadWorkloadConfig, generate_load_workload
+from holeblend_runtime.bench.shadow_load import metric_total
 from holeblend_runtime.gguf_model import load_model_files
 
 # SmolLM2 in float32 takes 46 KB of KV per token: 4 clients x ~2,100 tokens fit in 512 MiB.
@@ -120,7 +121,7 @@ def reuse_figures(server: Server) -> dict[str, float]:
     samples = server.samples()
 
     def total(name: str) -> float:
-        return sum(v for (n, _), v in samples.items() if n == name)
+        return metric_total(samples, name)
 
     prompt = total("holeblend_prompt_tokens_total")
     reused = total("holeblend_reused_tokens_total")

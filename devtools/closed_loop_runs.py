@@ -50,14 +50,13 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy
-from prometheus_client.parser import text_string_to_metric_families
 
 from holeblend_devtools import closed_loop, closed_loop_sim, prometheus, timeline
 from holeblend_devtools.closed_loop_sim import SETTLED, Scenario, Tuning, scenarios
+from holeblend_runtime.bench import shadow_load
 from holeblend_runtime.bench.workload import WorkloadConfig, generate_workload
 
 NAME = "smollm2-demo"
@@ -228,16 +227,10 @@ def more_questions(workload: WorkloadConfig) -> WorkloadConfig:
 def inline_samples(metrics_url: str) -> float | None:
     """Calibrated inline estimates the engine observed (all ratios); None: unreadable."""
     try:
-        with urllib.request.urlopen(metrics_url, timeout=5) as response:
-            text = response.read().decode()
+        samples = shadow_load.scrape(metrics_url)
     except OSError:
         return None
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == "holeblend_inline_f1_proxy_count"
-    )
+    return shadow_load.metric_total(samples, "holeblend_inline_f1_proxy_count")
 
 
 def per_interval(

@@ -18,16 +18,14 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from holeblend_devtools.hf_export import export_smollm2
 from holeblend_devtools.vllm_probe import blend_settings
+from holeblend_runtime.bench.shadow_load import scrape, wait_ready
 from holeblend_runtime.lookup_server.processes import free_port
 
 MODEL = "smollm2"
@@ -61,13 +59,7 @@ class Server:
 
     def samples(self) -> dict[tuple[str, tuple], float]:
         """The metrics page: (name, sorted labels) -> value."""
-        with urllib.request.urlopen(self.metrics_url, timeout=5) as response:
-            text = response.read().decode()
-        return {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text)
-            for s in family.samples
-        }
+        return scrape(self.metrics_url)
 
     def sample(self, name: str, **labels: str) -> float:
         return self.samples().get((name, tuple(sorted(labels.items()))), 0.0)
@@ -149,21 +141,10 @@ def serve(
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            _wait_healthy(process, f"http://127.0.0.1:{port}/health", log_path, start_timeout_s)
+            wait_ready(
+                process, f"http://127.0.0.1:{port}/health", log_path, start_timeout_s, "vLLM"
+            )
             yield Server(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics")
         finally:
             process.terminate()  # vLLM shuts down on SIGTERM
             process.wait(timeout=60)
-
-
-def _wait_healthy(process: subprocess.Popen, url: str, log: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"vLLM exited {process.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(url, timeout=2):
-                return
-        except OSError:
-            time.sleep(1)
-    raise RuntimeError(f"vLLM not healthy after {timeout_s} s:\n{log.read_text()[-4000:]}")

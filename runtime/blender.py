@@ -434,7 +434,7 @@ class Blender:
         for what is kept. The dropped tokens' fresh K/V of this layer stay in the cache."""
         cache.load.wait(layer)
         q, k, v = self.model.qkv(layer, h, rope)
-        kept = []
+        kept, reduce = [], self.model.reduce_shards
         for group, target in zip(
             check.narrowing, cache.layout.stages.narrow_to[stage], strict=True
         ):
@@ -442,7 +442,6 @@ class Blender:
                 kept.append(group)
                 continue
             rows = torch.searchsorted(check.recomputed, group)
-            reduce = self.model.reduce_shards
             v_deviation = None
             if NEEDS_V in selector.needs:
                 v_deviation = reduce(_deviation(v[:, rows], cache.v[layer], group))

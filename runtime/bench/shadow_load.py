@@ -315,12 +315,17 @@ def scrape(metrics_url: str) -> dict[tuple[str, tuple], float]:
     }
 
 
+def metric_total(samples: dict[tuple[str, tuple], float], name: str) -> float:
+    """The sum of sample `name` of one scrape over all its labels."""
+    return sum(v for (n, _), v in samples.items() if n == name)
+
+
 def proxy_counts(samples: dict[tuple[str, tuple], float]) -> dict[str, Any]:
     """The quality-proxy counters of one scrape, summed over ratios; the inline proxy's
     calibration (pairs, correlation) at the ratio with the most pairs."""
 
     def total(name: str) -> float:
-        return sum(v for (n, _), v in samples.items() if n == name)
+        return metric_total(samples, name)
 
     offers = {
         dict(labels)["outcome"]: value
@@ -632,7 +637,7 @@ def serve_engine(
     with open(work / "server.log", "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         try:
-            _wait_ready(process, f"{url}/ready", work / "server.log", start_timeout_s)
+            wait_ready(process, f"{url}/ready", work / "server.log", start_timeout_s)
             yield Target(f"{url}/v1/completions", f"{url}/metrics")
         finally:
             process.send_signal(signal.SIGTERM)
@@ -643,11 +648,15 @@ def serve_engine(
                 process.wait()
 
 
-def _wait_ready(process: subprocess.Popen, url: str, log: Path, timeout_s: float) -> None:
+def wait_ready(
+    process: subprocess.Popen, url: str, log: Path, timeout_s: float, name: str = "server"
+) -> None:
+    """Until `url` answers 200 (the server is ready); raises with the log's tail when the
+    process exits first or `timeout_s` passes."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"server exited {process.returncode}:\n{log.read_text()[-4000:]}")
+            raise RuntimeError(f"{name} exited {process.returncode}:\n{log.read_text()[-4000:]}")
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:
@@ -655,7 +664,7 @@ def _wait_ready(process: subprocess.Popen, url: str, log: Path, timeout_s: float
         except OSError:
             pass
         time.sleep(0.5)
-    raise RuntimeError(f"server not ready after {timeout_s} s:\n{log.read_text()[-4000:]}")
+    raise RuntimeError(f"{name} not ready after {timeout_s} s:\n{log.read_text()[-4000:]}")
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser, sample_rate: float) -> None:
