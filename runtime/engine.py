@@ -149,6 +149,9 @@ class Blended:
 # Recompute-set sizes run at start-up at most up to this many tokens (see warm_up): at
 # 8,192 tokens of the Llama-3-8B shape the whole warm-up is one layer at 128 sizes.
 WARM_UP_MAX_TOKENS = 8192
+# The warm-up's synthetic prompts: this long, and as long as its limit.
+WARM_UP_SHORT_TOKENS = 1024
+WARM_UP_WORDS = ("cache", "blend", "token", "layer", "reuse", "prompt", "answer", "document")
 
 
 class ReferenceEngine:
@@ -224,14 +227,79 @@ class ReferenceEngine:
     def warm_up(self, max_tokens: int | None = None) -> float:
         """Run the blend's layer shapes once at start-up (every bucketed recompute-set
         size up to `max_tokens`, default the context or WARM_UP_MAX_TOKENS, whichever is
-        less), so that requests do not pay a shape's first call; seconds it took. A no-op
-        on the CPU. Shapes belong to the model: one call serves every engine sharing it."""
+        less), then a synthetic prompt through every reuse path, so that requests do not
+        pay a shape's or a kernel's first call; seconds it took. A no-op on the CPU.
+        Shapes and loaded kernels belong to the process: one call serves every engine
+        sharing the model."""
         limit = min(self.config.context_length, WARM_UP_MAX_TOKENS)
+        limit = limit if max_tokens is None else max_tokens
         started = time.perf_counter()
         with self.activity.foreground(), torch.inference_mode():
-            self.blender.warm_up(limit if max_tokens is None else max_tokens)
+            if self.blender.warm_up(limit) > 0:
+                for num_tokens in sorted({min(WARM_UP_SHORT_TOKENS, limit), limit}):
+                    self._warm_up_paths(num_tokens)
             synchronize(self.model.device)
         return time.perf_counter() - started
+
+    def _warm_up_paths(self, num_tokens: int) -> None:
+        """One synthetic prompt of at most `num_tokens` through each reuse path: an exact
+        prefix with a hole and a moved document after it (hole mode), the prefix continued
+        causally (prefix mode), a blend with no exact prefix, the reader's checks of the
+        cached entries and two decode steps. Nothing is stored.
+
+        An accelerator loads each kernel on its first call in the process (sorting,
+        top-k, masked fills, re-rotation...: 0.1-40 ms each, 150-350 ms for the first
+        blend of a process measured on a GPU), and some kernels differ by size (short
+        sorts run in one block): without this the first requests, and the first long
+        one, pay it."""
+        prompt = self._synthetic_prompt(num_tokens)
+        documents = [i for i, s in enumerate(prompt.segments) if s.kind is SegmentKind.DOCUMENT]
+        if len(documents) < 3 or prompt.num_tokens > self.config.context_length:
+            return  # a context too short for a prompt with a hole
+        keys = self.segment_keys(prompt)
+        full = self._full_prefill(prompt, time.perf_counter())
+
+        def entry(index: int, shift: int = 0) -> SegmentKV | None:
+            segment, key = prompt.segments[index], keys[index]
+            if key is None:
+                return None
+            rows = slice(segment.start, segment.end)
+            k, v = full.k[:, :, rows], full.v[:, :, rows]
+            return self._segment_kv(key, k, v, start=segment.start - shift)
+
+        # The second document missing (a hole), the last one cached one position earlier
+        # than it sits now (re-rotated on reuse).
+        entries = [entry(i, shift=int(i == documents[-1])) for i in range(len(keys))]
+        entries[documents[1]] = None
+        for index, cached in enumerate(entries):
+            if cached is not None:
+                self.kv_problem(cached, cached.key, prompt.segments[index].num_tokens)
+        ratio = self.blend_config.ratio
+        present = [cached is not None for cached in entries]
+        for policy in (ReusePolicy.HOLE, ReusePolicy.PREFIX):
+            self.blend_reused(prompt, plan_reuse(prompt, present, policy), entries, ratio)
+        # No exact prefix: the system prompt not cached.
+        without_system = [None, *entries[1:]]
+        lookup = plan_reuse(prompt, [False, *present[1:]], ReusePolicy.HOLE)
+        self.blend_reused(prompt, lookup, without_system, ratio)
+        for _ in self._generate(full, 2):
+            pass
+
+    def _synthetic_prompt(self, num_tokens: int) -> SegmentedPrompt:
+        """A prompt of four documents of repeated words, at most `num_tokens` long where
+        the template allows."""
+        words_per_document = max(1, num_tokens // 5)
+        while True:
+            words = len(WARM_UP_WORDS)
+            documents = [
+                " ".join(WARM_UP_WORDS[(d + i) % words] for i in range(words_per_document))
+                for d in range(4)
+            ]
+            prompt = self.build_prompt("Answer from the documents.", documents, "Which word?")
+            if prompt.num_tokens <= num_tokens or words_per_document == 1:
+                return prompt
+            shrunk = words_per_document * num_tokens // prompt.num_tokens - 1
+            words_per_document = max(1, min(shrunk, words_per_document - 1))
 
     @property
     def kv_dtype(self) -> str:

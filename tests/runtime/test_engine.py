@@ -190,3 +190,40 @@ def test_documents_below_min_segment_tokens_are_never_cached(new_engine, rag_tex
     second = engine.prefill(prompt, "hole", ratio=0.15)
     assert second.lookup.hole_ranges == ((short.start, short.end),)
     assert second.lookup.reused_segments == (0, 1, 3)
+
+
+def test_the_warm_up_runs_every_reuse_path_on_accelerators_and_stores_nothing(
+    new_engine, monkeypatch
+):
+    """On an accelerator (bucketed sizes) the warm-up sends a synthetic prompt through the
+    hole blend after an exact prefix (a hole, a moved document), prefix mode's causal
+    continuation and a blend with no exact prefix; the store stays empty. On the CPU
+    nothing runs."""
+    from holeblend_runtime.blender import RECOMPUTE_BUCKET, Blender
+
+    engine = new_engine()
+    blends, continued = [], []
+    blend, continue_causal = engine.blender.blend, engine._continue_causal
+
+    def record_blend(token_ids, spans, ratio, hole_ranges, strategy, prefix, *args, **kw):
+        moved = any(int(s.kv.positions[0]) != s.start for s in spans)
+        blends.append((token_ids.shape[0], prefix is not None, bool(hole_ranges), moved))
+        return blend(token_ids, spans, ratio, hole_ranges, strategy, prefix, *args, **kw)
+
+    def record_continue(token_ids, prefix, needs_logits=True):
+        continued.append(token_ids.shape[0])
+        return continue_causal(token_ids, prefix, needs_logits)
+
+    monkeypatch.setattr(engine.blender, "blend", record_blend)
+    monkeypatch.setattr(engine, "_continue_causal", record_continue)
+    engine.warm_up(max_tokens=3 * RECOMPUTE_BUCKET)
+    assert blends == [] and continued == []  # the CPU: sizes are not bucketed
+
+    monkeypatch.setattr(Blender, "_bucket", lambda self: RECOMPUTE_BUCKET)
+    engine.warm_up(max_tokens=3 * RECOMPUTE_BUCKET)
+    assert len(blends) == 2 and len(continued) == 1
+    (length, *_), (_, *without_system) = blends
+    assert 100 < length <= 3 * RECOMPUTE_BUCKET and continued == [length]
+    # Hole mode after the exact prefix: holes and a moved document; then no exact prefix.
+    assert blends[0][1:] == (True, True, True) and without_system == [False, True, True]
+    assert list(engine.store.keys()) == []
