@@ -14,12 +14,17 @@ request, at no cost beyond a sum over numbers the blend computed anyway:
 2. **Calibration** (`Calibration`): for requests that were both blended and shadowed, the
    pair (statistic, shadow score) is kept, per ratio (the last `MAX_PAIRS`). An isotonic
    fit (the score never rises with the statistic) maps a statistic to the expected shadow
-   F1 and top-1 agreement. With fewer than `MIN_PAIRS` pairs at a ratio there is no
-   estimate at all: no signal rather than a guess.
+   F1 and top-1 agreement. A ratio with fewer than `MIN_PAIRS` pairs of its own (the
+   tuner just moved to it) borrows the fit of the pairs of every ratio (the statistic
+   already measures what the ratio left stale), but only inside the statistics those
+   pairs span: beyond them a fit would extrapolate, e.g. flatter than the truth at a lower
+   ratio. Fewer pairs than that in all, or a statistic outside their span: no estimate at
+   all, no signal rather than a guess.
 3. **Export** (`InlineProxy`): every blended request's calibrated estimates are observed
    in `holeblend_inline_f1_proxy{ratio}` and `holeblend_inline_top1_proxy{ratio}` (the
    shadow's buckets), only when calibrated; `holeblend_inline_proxy_pairs{ratio}` holds
-   the pairs each calibration has, `holeblend_inline_proxy_correlation{ratio}` the
+   the pairs each calibration has, `holeblend_inline_proxy_pooled{ratio}` whether the
+   ratio's last estimate came from the pooled fit (1) or its own (0), `holeblend_inline_proxy_correlation{ratio}` the
    Pearson correlation of statistic and shadow F1 (absent with too few pairs or no
    spread), and `holeblend_inline_residual_deviation{ratio}` the raw statistic of every
    blended request (observed whether or not calibrated).
@@ -48,6 +53,7 @@ INLINE_TOP1_METRIC = "holeblend_inline_top1_proxy"
 INLINE_PAIRS_METRIC = "holeblend_inline_proxy_pairs"
 INLINE_CORRELATION_METRIC = "holeblend_inline_proxy_correlation"
 INLINE_STATISTIC_METRIC = "holeblend_inline_residual_deviation"
+INLINE_POOLED_METRIC = "holeblend_inline_proxy_pooled"
 # A calibration needs this many (statistic, shadow score) pairs at a ratio to estimate.
 MIN_PAIRS = 8
 # Pairs kept per ratio (the newest): the fit follows a workload that changes.
@@ -138,8 +144,14 @@ class Calibration:
         self._pairs.append((float(statistic), float(score)))
         self._fit = None
 
-    def estimate(self, statistic: float) -> float | None:
+    def estimate(self, statistic: float, extrapolate: bool = True) -> float | None:
+        """The expected score at `statistic`; None with too few pairs, or (`extrapolate`
+        False) outside the statistics the pairs span."""
         if len(self._pairs) < self.min_pairs or not math.isfinite(statistic):
+            return None
+        if not extrapolate and not (
+            min(x for x, _ in self._pairs) <= statistic <= max(x for x, _ in self._pairs)
+        ):
             return None
         if self._fit is None:
             self._fit = _fit_non_increasing(self._pairs)
@@ -225,6 +237,13 @@ class InlineProxyMetrics:
             ["ratio"],
             registry=registry,
         )
+        self.pooled = Gauge(
+            INLINE_POOLED_METRIC,
+            "1 when the ratio's last inline estimate came from the fit of every ratio's "
+            "pairs (its own had too few), 0 when from its own.",
+            ["ratio"],
+            registry=registry,
+        )
         self.statistic = Histogram(
             INLINE_STATISTIC_METRIC,
             "Share of the check-layer deviation mass left in cached tokens not recomputed, "
@@ -240,10 +259,16 @@ class _RatioState:
     f1: Calibration
     top1: Calibration
 
+    def estimates(self, statistic: float, extrapolate: bool = True) -> tuple[float, float] | None:
+        f1 = self.f1.estimate(statistic, extrapolate)
+        top1 = self.top1.estimate(statistic, extrapolate)
+        return None if f1 is None or top1 is None else (f1, top1)
+
 
 class InlineProxy:
-    """Per-ratio calibrations of the statistic, fed by the shadow and read for every
-    blended request; thread-safe (the serving thread observes, the shadow's adds)."""
+    """Per-ratio calibrations of the statistic and a pooled one of every ratio's pairs,
+    fed by the shadow and read for every blended request; thread-safe (the serving
+    thread observes, the shadow's adds)."""
 
     def __init__(
         self,
@@ -261,6 +286,8 @@ class InlineProxy:
         self.metrics = metrics
         self._lock = threading.Lock()
         self._ratios: collections.OrderedDict[str, _RatioState] = collections.OrderedDict()
+        # Every ratio's pairs: the fit a ratio without enough of its own borrows.
+        self._pooled = self._new_state()
 
     def observe(self, ratio: float, statistic: float | None) -> tuple[float, float] | None:
         """One blended request's statistic: the raw value is exported; the calibrated
@@ -270,15 +297,16 @@ class InlineProxy:
         label = ratio_label(ratio)
         with self._lock:
             state = self._ratios.get(label)
-            estimates = None
-            if state is not None:
-                f1, top1 = state.f1.estimate(statistic), state.top1.estimate(statistic)
-                estimates = None if f1 is None or top1 is None else (f1, top1)
+            estimates = None if state is None else state.estimates(statistic)
+            pooled = estimates is None
+            if pooled:
+                estimates = self._pooled.estimates(statistic, extrapolate=False)
         if self.metrics is not None:
             self.metrics.statistic.labels(ratio=label).observe(statistic)
             if estimates is not None:
                 self.metrics.f1.labels(ratio=label).observe(estimates[0])
                 self.metrics.top1.labels(ratio=label).observe(estimates[1])
+                self.metrics.pooled.labels(ratio=label).set(float(pooled))
         return estimates
 
     def add_pair(self, statistic: float | None, score: ShadowScore) -> None:
@@ -287,9 +315,10 @@ class InlineProxy:
             return
         label = ratio_label(score.ratio)
         with self._lock:
-            state = self._state(label)
-            state.f1.add(statistic, score.f1)
-            state.top1.add(statistic, score.top1)
+            for state in (self._state(label), self._pooled):
+                state.f1.add(statistic, score.f1)
+                state.top1.add(statistic, score.top1)
+            state = self._ratios[label]
             num_pairs, correlation = len(state.f1), state.f1.correlation()
         if self.metrics is not None:
             self.metrics.pairs.labels(ratio=label).set(num_pairs)
@@ -311,18 +340,22 @@ class InlineProxy:
     def _state(self, label: str) -> _RatioState:
         state = self._ratios.get(label)
         if state is None:
-            state = _RatioState(
-                Calibration(self.min_pairs, self.max_pairs),
-                Calibration(self.min_pairs, self.max_pairs),
-            )
+            state = self._new_state()
             self._ratios[label] = state
             while len(self._ratios) > MAX_RATIOS:
                 old, _ = self._ratios.popitem(last=False)
                 if self.metrics is not None:
                     _remove(self.metrics.pairs, old)
                     _remove(self.metrics.correlation, old)
+                    _remove(self.metrics.pooled, old)
         self._ratios.move_to_end(label)
         return state
+
+    def _new_state(self) -> _RatioState:
+        return _RatioState(
+            Calibration(self.min_pairs, self.max_pairs),
+            Calibration(self.min_pairs, self.max_pairs),
+        )
 
 
 def _remove(gauge: Gauge, label: str) -> None:

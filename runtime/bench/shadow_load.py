@@ -676,7 +676,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser, sample_rate: float) -> N
     parser.add_argument(
         "--calibrate-questions",
         type=int,
-        default=40,
+        default=160,
         help="proxies on: at most this many more pairs before the phases, until the inline "
         "proxy is calibrated (0: none)",
     )

@@ -93,10 +93,34 @@ def test_only_calibrated_estimates_are_exported_by_ratio():
     assert value("holeblend_inline_f1_proxy_count", ratio="0.15") == 1
     assert value("holeblend_inline_f1_proxy_sum", ratio="0.15") == pytest.approx(0.5)
     assert value("holeblend_inline_top1_proxy_sum", ratio="0.15") == pytest.approx(0.75)
-    # Another ratio has its own calibration: none yet.
-    assert proxy.observe(0.3, 0.5) is None
-    assert value("holeblend_inline_f1_proxy_count", ratio="0.3") is None
+    assert value("holeblend_inline_proxy_pooled", ratio="0.15") == 0
+    # Another ratio has no pairs of its own: it borrows the fit of every ratio's pairs.
+    assert proxy.observe(0.3, 0.5) == (pytest.approx(0.5), pytest.approx(0.75))
+    assert value("holeblend_inline_f1_proxy_count", ratio="0.3") == 1
+    assert value("holeblend_inline_proxy_pooled", ratio="0.3") == 1
     assert proxy.num_pairs(0.15) == MIN_PAIRS and proxy.num_pairs(0.3) == 0
+
+
+def test_a_ratio_without_pairs_borrows_the_pooled_fit_only_inside_its_span():
+    """The pooled fit never extrapolates: a statistic beyond the pairs' span (a lower
+    ratio leaves more stale KV than any scored request had) gets no estimate; a ratio's
+    own calibration, once it has enough pairs, wins over the pooled one."""
+    proxy = InlineProxy()
+    for i in range(MIN_PAIRS - 1):  # one short in all: nothing anywhere
+        x = 0.2 + 0.4 * i / (MIN_PAIRS - 1)
+        proxy.add_pair(x, ShadowScore(f1=1 - x, top1=1.0, ratio=0.15, seconds=1.0))
+    assert proxy.observe(0.3, 0.4) is None and proxy.observe(0.15, 0.4) is None
+    proxy.add_pair(0.6, ShadowScore(f1=0.4, top1=1.0, ratio=0.2, seconds=1.0))
+    # 0.15 has 7 pairs, 0.2 one: both borrow the pooled fit of all 8, inside 0.2..0.6.
+    for ratio in (0.15, 0.2, 0.05):
+        assert proxy.observe(ratio, 0.4)[0] == pytest.approx(0.6)
+        assert proxy.observe(ratio, 0.19) is None and proxy.observe(ratio, 0.61) is None
+    for _ in range(MIN_PAIRS):  # 0.2's own pairs say otherwise: they win for 0.2
+        proxy.add_pair(0.4, ShadowScore(f1=0.9, top1=0.9, ratio=0.2, seconds=1.0))
+    # Its own fit (one pair at 0.6, eight at 0.4): F1 0.9 at 0.4; top-1 rises from 0.9
+    # to 1.0 there, so it is pooled into one block.
+    assert proxy.observe(0.2, 0.4) == (pytest.approx(0.9), pytest.approx((8 * 0.9 + 1) / 9))
+    assert proxy.observe(0.2, 0.7) is not None  # its own fit: flat beyond its pairs
 
 
 def test_the_statistic_is_the_deviation_share_of_the_tokens_not_recomputed(reference_engine):
