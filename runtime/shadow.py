@@ -73,6 +73,17 @@ BURST_TOKENS = 2048
 SHADOW_TIME_SHARE = 0.1
 
 
+def serving_time_share(budget: float) -> float:
+    """The share of the engine's time the shadow may take while the engine serves: its
+    budget (`shadowBudget`), at most SHADOW_TIME_SHARE. The budget counts prompt tokens,
+    and a shadow's full prefill costs several times a blend per token, so the tokens alone
+    would let it take several times its share of a saturated engine's time (measured:
+    requests/s 12 % lower at a 5 % budget with a 10 % time share)."""
+    if not 0 < budget <= 1:
+        raise ValueError(f"shadowBudget: must be within (0, 1] for a shadow to run, got {budget}")
+    return min(SHADOW_TIME_SHARE, budget)
+
+
 @dataclasses.dataclass(frozen=True)
 class ShadowRequest:
     """A served request to score: what the blended engine saw and answered."""

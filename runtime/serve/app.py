@@ -62,6 +62,7 @@ from holeblend_runtime.shadow import (
     ShadowMetrics,
     ShadowRequest,
     ShadowScorer,
+    serving_time_share,
 )
 from holeblend_runtime.tiered_store import with_remote_tiers
 
@@ -191,7 +192,11 @@ class Server:
         metrics = ShadowMetrics(self.metrics.registry)
         if settings.shadow_sample_rate <= 0 or settings.shadow_budget <= 0:
             return
-        gate = ShadowGate(lambda: worker.num_pending > 0, cooperative=True)
+        gate = ShadowGate(
+            lambda: worker.num_pending > 0,
+            time_share=serving_time_share(settings.shadow_budget),
+            cooperative=True,
+        )
         self.shadow = ShadowScorer(
             self.engine.model, self.engine.tokenizer, settings.shadow_sample_rate,
             gate=gate, budget=self.shadow_budget, inline=self.inline, metrics=metrics,

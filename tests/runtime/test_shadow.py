@@ -12,12 +12,14 @@ from prometheus_client import CollectorRegistry
 from holeblend_runtime.bench.quality import answer_f1, answer_words
 from holeblend_runtime.shadow import (
     RUN_ON_TOKENS,
+    SHADOW_TIME_SHARE,
     ShadowBudget,
     ShadowGate,
     ShadowMetrics,
     ShadowRequest,
     ShadowScorer,
     answer_budget,
+    serving_time_share,
 )
 
 SYSTEM = "Answer the question from the documents in a few words."
@@ -314,3 +316,13 @@ def test_bad_settings_are_refused_with_the_field_named(engine):
         scorer(engine, chunk_tokens=0)
     with pytest.raises(ValueError, match="slots"):
         scorer(engine, slots=0)
+
+
+def test_the_shadow_takes_its_budget_of_a_serving_engines_time_at_most_a_tenth():
+    """The token budget is also the time share while the engine serves (a shadow's full
+    prefill costs several times a blend per token), capped at SHADOW_TIME_SHARE."""
+    assert serving_time_share(0.05) == 0.05
+    assert serving_time_share(0.5) == SHADOW_TIME_SHARE == 0.1
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="shadowBudget"):
+            serving_time_share(bad)
