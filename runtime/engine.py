@@ -231,8 +231,11 @@ class ReferenceEngine:
         pay a shape's or a kernel's first call; seconds it took. A no-op on the CPU.
         Shapes and loaded kernels belong to the process: one call serves every engine
         sharing the model."""
-        limit = min(self.config.context_length, WARM_UP_MAX_TOKENS)
-        limit = limit if max_tokens is None else max_tokens
+        limit = (
+            min(self.config.context_length, WARM_UP_MAX_TOKENS)
+            if max_tokens is None
+            else max_tokens
+        )
         started = time.perf_counter()
         with self.activity.foreground(), torch.inference_mode():
             if self.blender.warm_up(limit) > 0:
@@ -274,23 +277,23 @@ class ReferenceEngine:
         for index, cached in enumerate(entries):
             if cached is not None:
                 self.kv_problem(cached, cached.key, prompt.segments[index].num_tokens)
-        ratio = self.blend_config.ratio
-        present = [cached is not None for cached in entries]
-        for policy in (ReusePolicy.HOLE, ReusePolicy.PREFIX):
-            self.blend_reused(prompt, plan_reuse(prompt, present, policy), entries, ratio)
-        # No exact prefix: the system prompt not cached.
+        # Last, no exact prefix: the system prompt not cached.
         without_system = [None, *entries[1:]]
-        lookup = plan_reuse(prompt, [False, *present[1:]], ReusePolicy.HOLE)
-        self.blend_reused(prompt, lookup, without_system, ratio)
+        for cached, policy in (
+            (entries, ReusePolicy.HOLE),
+            (entries, ReusePolicy.PREFIX),
+            (without_system, ReusePolicy.HOLE),
+        ):
+            lookup = plan_reuse(prompt, [e is not None for e in cached], policy)
+            self.blend_reused(prompt, lookup, cached, self.blend_config.ratio)
         for _ in self._generate(full, 2):
             pass
 
     def _synthetic_prompt(self, num_tokens: int) -> SegmentedPrompt:
         """A prompt of four documents of repeated words, at most `num_tokens` long where
         the template allows."""
-        words_per_document = max(1, num_tokens // 5)
+        words_per_document, words = max(1, num_tokens // 5), len(WARM_UP_WORDS)
         while True:
-            words = len(WARM_UP_WORDS)
             documents = [
                 " ".join(WARM_UP_WORDS[(d + i) % words] for i in range(words_per_document))
                 for d in range(4)

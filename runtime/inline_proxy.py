@@ -134,6 +134,8 @@ class Calibration:
         self.min_pairs = min_pairs
         self._pairs: collections.deque[tuple[float, float]] = collections.deque(maxlen=max_pairs)
         self._fit: list[_Block] | None = None
+        # The least and greatest statistic of the pairs (with the fit: None when stale).
+        self._span: tuple[float, float] | None = None
 
     def __len__(self) -> int:
         return len(self._pairs)
@@ -149,12 +151,11 @@ class Calibration:
         False) outside the statistics the pairs span."""
         if len(self._pairs) < self.min_pairs or not math.isfinite(statistic):
             return None
-        if not extrapolate and not (
-            min(x for x, _ in self._pairs) <= statistic <= max(x for x, _ in self._pairs)
-        ):
-            return None
-        if self._fit is None:
+        if self._fit is None or self._span is None:
             self._fit = _fit_non_increasing(self._pairs)
+            self._span = (min(x for x, _ in self._pairs), max(x for x, _ in self._pairs))
+        if not extrapolate and not self._span[0] <= statistic <= self._span[1]:
+            return None
         blocks = self._fit
         xs = [block.x for block in blocks]
         at = bisect.bisect_left(xs, statistic)
@@ -315,11 +316,11 @@ class InlineProxy:
             return
         label = ratio_label(score.ratio)
         with self._lock:
-            for state in (self._state(label), self._pooled):
+            own = self._state(label)
+            for state in (own, self._pooled):
                 state.f1.add(statistic, score.f1)
                 state.top1.add(statistic, score.top1)
-            state = self._ratios[label]
-            num_pairs, correlation = len(state.f1), state.f1.correlation()
+            num_pairs, correlation = len(own.f1), own.f1.correlation()
         if self.metrics is not None:
             self.metrics.pairs.labels(ratio=label).set(num_pairs)
             if correlation is not None:
