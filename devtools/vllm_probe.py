@@ -59,9 +59,9 @@ class ProbeConfig:
 def build_prompts(config: ProbeConfig) -> list[tuple[list[int], list[int]]]:
     """(pass 1, pass 2) token ids per question: pass 2 has the middle document back."""
     from holeblend_runtime.bench.workload import WorkloadConfig, generate_workload
-    from holeblend_runtime.gguf_model import load_model_files
-    from holeblend_runtime.prompt import PromptBuilder
-    from holeblend_runtime.tokenizer import TextTokenizer
+    from holeblend_runtime.blend.prompt import PromptBuilder
+    from holeblend_runtime.model.gguf import load_model_files
+    from holeblend_runtime.model.tokenizer import TextTokenizer
 
     files = load_model_files()
     tokenizer = TextTokenizer(files.tokenizer, files.config)

@@ -1,1 +1,1 @@
-"""holeblend runtime: segments, hole lookup, blending, KV stores and engines."""
+"""holeblend runtime: the blend pipeline by stage (model, kv, blend, lookup_server, quality), the engine and its adapters (serve, vllm_connector)."""

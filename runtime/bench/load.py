@@ -24,14 +24,14 @@ from typing import Any
 from holeblend_contract.blend_settings import BlendMode, BlendSettings, ModelSettings
 from holeblend_runtime.bench.load_client import Outcome, ServeProcess, drive
 from holeblend_runtime.bench.load_workload import LoadRequest, LoadWorkloadConfig
-from holeblend_runtime.bench.quality import answer_f1, answer_words
 from holeblend_runtime.bench.report import percentile
+from holeblend_runtime.quality.scores import answer_f1, answer_words
 
 FULL = "full"
 LOAD_MODES = (FULL, "prefix", "hole")
 # blend.json `mode` per benchmark mode (the CRD's names: `off` is full prefill).
 BLEND_MODE = {FULL: BlendMode.OFF, "prefix": BlendMode.PREFIX, "hole": BlendMode.HOLE}
-# The model `holeblend-serve` loads (the reference engine's SmolLM2), as blend.json names it.
+# The model `holeblend-serve` loads (the blend engine's SmolLM2), as blend.json names it.
 MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # Column order of the load table and key order of each JSON result.
 LOAD_RESULT_KEYS = (

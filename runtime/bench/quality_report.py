@@ -18,7 +18,7 @@ import numpy
 
 from holeblend_runtime.bench.report import RequestMeasure
 from holeblend_runtime.bench.runner import FULL, FULL_POINT, MeasureKey, parse_selection_entry
-from holeblend_runtime.blend_config import K_DEVIATION
+from holeblend_runtime.blend.config import K_DEVIATION
 
 # Bootstrap resamples of the prompts; the intervals are percentile intervals.
 NUM_RESAMPLES = 2000

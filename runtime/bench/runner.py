@@ -40,13 +40,6 @@ import torch
 from tqdm import tqdm
 
 from holeblend_contract.blend_settings import DEFAULT_CHECK_LAYER, parse_selection
-from holeblend_runtime.bench.quality import (
-    answer_f1,
-    answer_words,
-    kl_divergence,
-    mean_nll,
-    top1_agreement,
-)
 from holeblend_runtime.bench.report import RequestMeasure, summarize
 from holeblend_runtime.bench.workload import (
     FirstPassRequest,
@@ -54,8 +47,15 @@ from holeblend_runtime.bench.workload import (
     WorkloadConfig,
     first_pass_requests,
 )
-from holeblend_runtime.blend_config import IN_CONTEXT, K_DEVIATION, STORE_POLICIES
-from holeblend_runtime.segments import SegmentedPrompt
+from holeblend_runtime.blend.config import IN_CONTEXT, K_DEVIATION, STORE_POLICIES
+from holeblend_runtime.blend.segments import SegmentedPrompt
+from holeblend_runtime.quality.scores import (
+    answer_f1,
+    answer_words,
+    kl_divergence,
+    mean_nll,
+    top1_agreement,
+)
 
 FULL = "full"
 BLEND_MODES = ("prefix", "hole")
@@ -99,7 +99,7 @@ class Prefill(Protocol):
 
 
 class Engine(Protocol):
-    """The part of the reference engine the bench uses."""
+    """The part of the blend engine the bench uses."""
 
     def build_prompt(
         self, system: str, documents: Sequence[str], question: str

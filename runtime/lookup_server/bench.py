@@ -26,10 +26,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from holeblend_runtime.lookup_client import ClientConfig, LookupClient
+from holeblend_runtime.kv.shared_tier import BlobHeader, SharedTier, SharedTierConfig, blob_pieces
+from holeblend_runtime.lookup_server.client import ClientConfig, LookupClient
 from holeblend_runtime.lookup_server.processes import LookupProcess, RedisProcess
 from holeblend_runtime.lookup_server.wire import Entry
-from holeblend_runtime.shared_tier import BlobHeader, SharedTier, SharedTierConfig, blob_pieces
 
 BATCH_KEYS = 16
 CLIENT_COUNTS = (1, 8)

@@ -1,4 +1,4 @@
-"""`holeblend-serve`: the reference engine behind an OpenAI-compatible HTTP server.
+"""`holeblend-serve`: the blend engine behind an OpenAI-compatible HTTP server.
 
 Modules: `settings` (flags and HOLEBLEND_SERVE_* variables), `live_config` (blend.json and
 its live keys), `requests` (request bodies -> typed requests, 400s naming the field),

@@ -30,11 +30,20 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from holeblend_contract.blend_settings import Dtype
-from holeblend_runtime.blend_config import from_settings
-from holeblend_runtime.engine import Mode, Prefill, ReferenceEngine
-from holeblend_runtime.inline_proxy import InlineProxy, residual_deviation_share
-from holeblend_runtime.kv_store import LocalKVStore
-from holeblend_runtime.segments import SegmentedPrompt
+from holeblend_runtime.blend.config import from_settings
+from holeblend_runtime.blend.segments import SegmentedPrompt
+from holeblend_runtime.engine import BlendEngine, Mode, Prefill
+from holeblend_runtime.kv.store import LocalKVStore
+from holeblend_runtime.kv.tiers import with_remote_tiers
+from holeblend_runtime.quality.inline_proxy import InlineProxy, residual_deviation_share
+from holeblend_runtime.quality.shadow import (
+    ShadowBudget,
+    ShadowGate,
+    ShadowMetrics,
+    ShadowRequest,
+    ShadowScorer,
+    serving_time_share,
+)
 from holeblend_runtime.serve import requests as parsing
 from holeblend_runtime.serve.live_config import LiveConfig
 from holeblend_runtime.serve.metrics import ServeMetrics
@@ -56,15 +65,6 @@ from holeblend_runtime.serve.worker import (
     QueueFull,
     is_blended,
 )
-from holeblend_runtime.shadow import (
-    ShadowBudget,
-    ShadowGate,
-    ShadowMetrics,
-    ShadowRequest,
-    ShadowScorer,
-    serving_time_share,
-)
-from holeblend_runtime.tiered_store import with_remote_tiers
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class Server:
         _check_dtype(self.live.startup.model.dtype)
         self.metrics.recompute_ratio.set(self.live.recompute_ratio)
         self.model_name = self.live.startup.model.api_name
-        self.engine: ReferenceEngine | None = None
+        self.engine: BlendEngine | None = None
         self.worker: EngineWorker | None = None
         self.shadow: ShadowScorer | None = None
         self.inline: InlineProxy | None = None
@@ -160,7 +160,7 @@ class Server:
         """Load the model and warm it up (blocking: call it off the event loop)."""
         settings = self.live.startup
         store = LocalKVStore(max(settings.kv.local_cpu_bytes, 1))
-        self.engine = ReferenceEngine.load(
+        self.engine = BlendEngine.load(
             from_settings(settings), store, cache_dir=self.settings.cache_dir,
             num_threads=self.settings.torch_threads,
         )  # fmt: skip
@@ -178,8 +178,8 @@ class Server:
         self.worker.start()
 
     def _start_quality_proxies(self) -> None:
-        """The inline proxy for every blended request (runtime/inline_proxy.py) and the
-        shadow for a sampled share of them within the token budget (runtime/shadow.py);
+        """The inline proxy for every blended request (runtime/quality/inline_proxy.py) and the
+        shadow for a sampled share of them within the token budget (runtime/quality/shadow.py);
         neither with `qualityProxies: false`."""
         settings = self.live.startup
         if not settings.quality_proxies:
@@ -208,10 +208,10 @@ class Server:
         """Compute thread, after each prefill: the budget counts its prompt tokens; a
         blended one's inline statistic is observed (and returned for the shadow)."""
         self.shadow_budget.add_user_tokens(prefill.num_prompt_tokens)
-        if not is_blended(prefill) or prefill.lookup is None:
+        if not is_blended(prefill) or prefill.reuse is None:
             return None
         statistic = residual_deviation_share(
-            prefill.prompt, prefill.lookup, prefill.deviation, prefill.selected_positions
+            prefill.prompt, prefill.reuse, prefill.deviation, prefill.selected_positions
         )
         self.inline.observe(prefill.ratio, statistic)
         return statistic
@@ -489,6 +489,5 @@ def _outcome_of(status: int) -> str:
 def _check_dtype(dtype: Dtype) -> None:
     if dtype not in (Dtype.AUTO, Dtype.FLOAT32):
         raise ValueError(
-            f"model.dtype: the reference engine computes in float32, got {dtype}; "
-            "set auto or float32"
+            f"model.dtype: the blend engine computes in float32, got {dtype}; set auto or float32"
         )

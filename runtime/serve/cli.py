@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from holeblend_contract.blend_settings import BlendSettingsError
+from holeblend_runtime.kv.tiers import TieredKVStore
 from holeblend_runtime.serve.app import Server
 from holeblend_runtime.serve.settings import ServeSettings, parse_settings
-from holeblend_runtime.tiered_store import TieredKVStore
 
 log = logging.getLogger("holeblend_runtime.serve")
 

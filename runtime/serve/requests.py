@@ -10,13 +10,13 @@ Both endpoints give a system prompt, documents and a question, in one of two sha
   `prompt` (completions, with an optional `system` string) or the last user message (chat,
   with the system message as the system prompt).
 
-The reference engine applies the model's chat template on both endpoints, decodes greedily
+The blend engine applies the model's chat template on both endpoints, decodes greedily
 and supports one user turn. Text may not contain the template's control tokens
 (`<|im_end|>` ...) or lone surrogates (text that is not Unicode).
 
 Every top-level field is one of `FIELDS`: those the server implements, sampling fields
 that are checked for type and range and then ignored (greedy decoding is what temperature
-0 gives), and fields the reference engine does not implement, accepted only at their
+0 gives), and fields the blend engine does not implement, accepted only at their
 default value (`logprobs: 5`, `echo: true`, `tools: [...]`, ... are a 400 naming the
 field). Any other field is a 400 naming it, as OpenAI's API does.
 """
@@ -176,7 +176,7 @@ def _only(*defaults: Any):
         if any(type(value) is type(d) and value == d for d in defaults):
             return None
         shown = " or ".join(json.dumps(d) for d in defaults)
-        return f"is not supported by the reference engine; leave it out or send {shown}"
+        return f"is not supported by the blend engine; leave it out or send {shown}"
 
     return check
 
@@ -202,7 +202,7 @@ BOOKKEEPING = {
     "prompt_cache_key": _of_type(str, "a string"),
     "safety_identifier": _of_type(str, "a string"),
 }
-# Not implemented by the reference engine: refused unless at their default.
+# Not implemented by the blend engine: refused unless at their default.
 UNSUPPORTED = {
     "logprobs": _only(False, 0),
     "top_logprobs": _only(0),
@@ -292,7 +292,7 @@ def _messages(value: Any) -> tuple[str | None, str]:
         else:
             raise BadRequest(
                 f"messages[{i}]",
-                "the reference engine takes one optional system message and one user message",
+                "the blend engine takes one optional system message and one user message",
             )
     if user is None or not user.strip():
         raise BadRequest("messages", "needs a non-empty user message")

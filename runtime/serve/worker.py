@@ -13,7 +13,7 @@ continuous batching of the decode steps):
    looks the segments up (timed), prefills in the configured mode at the live ratio,
    takes its first token from the prefill's logits and joins the batch.
 3. Otherwise the thread runs one decode step for every job in the batch: one forward pass
-   for all their last tokens (`ReferenceEngine.decode_step`; the weights are read once
+   for all their last tokens (`BlendEngine.decode_step`; the weights are read once
    for the batch, not once per job). After each token it checks, per job, the
    end-of-sequence token, cancellation, a reached stop sequence and the deadline, and
    drops the jobs that ended. A failed step fails the jobs in it; the thread serves on.
@@ -41,9 +41,9 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from holeblend_contract.blend_settings import BlendMode
-from holeblend_runtime.batch_decode import DecodeSequence
-from holeblend_runtime.engine import Mode, Prefill, ReferenceEngine
-from holeblend_runtime.segments import SegmentedPrompt
+from holeblend_runtime.blend.segments import SegmentedPrompt
+from holeblend_runtime.engine import BlendEngine, Mode, Prefill
+from holeblend_runtime.model.batch_decode import DecodeSequence
 from holeblend_runtime.serve.live_config import LiveConfig
 from holeblend_runtime.serve.metrics import ServeMetrics
 
@@ -106,9 +106,9 @@ class PrefillDone:
 
     @classmethod
     def of(cls, prefill: Prefill, ttft_s: float) -> PrefillDone:
-        lookup = prefill.lookup.mode if prefill.lookup is not None else "full-miss"
+        reuse = prefill.reuse.mode if prefill.reuse is not None else "full-miss"
         return cls(
-            str(prefill.mode), str(lookup), prefill.ratio, prefill.num_prompt_tokens,
+            str(prefill.mode), str(reuse), prefill.ratio, prefill.num_prompt_tokens,
             prefill.num_reused_tokens, prefill.num_hole_tokens, prefill.num_recomputed_tokens,
             int(prefill.selected_positions.shape[0]), ttft_s,
         )  # fmt: skip
@@ -178,7 +178,7 @@ class EngineWorker:
 
     def __init__(
         self,
-        engine: ReferenceEngine,
+        engine: BlendEngine,
         live: LiveConfig,
         metrics: ServeMetrics,
         queue_size: int,

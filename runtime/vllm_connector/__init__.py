@@ -7,7 +7,7 @@ settings) import and test without vLLM installed.
 | module | side | holds |
 |---|---|---|
 | accounting.py | scheduler | load specs re-derived from `num_computed_tokens` (no vLLM) |
-| planning.py | scheduler | hole-aware lookup of a prompt's segments (no vLLM) |
+| planning.py | scheduler | hole-aware reuse plan of a prompt's segments (no vLLM) |
 | settings.py | both | blend.json and the connector's own keys (no vLLM) |
 | metadata.py | both | what the scheduler sends the worker each step (no vLLM) |
 | store.py | both | the KV tiers; one entry per rank under tensor parallelism (no vLLM) |

@@ -5,14 +5,14 @@ CacheBlend) the connector blends the covered range itself and reports it as matc
 vLLM then computes only the rest of the prompt.
 
 Scheduler side (engine-core process): `get_num_new_matched_tokens` plans the request once
-(hole-aware lookup, planning.py) and re-derives the load from the current
+(hole-aware reuse plan, planning.py) and re-derives the load from the current
 `num_computed_tokens` on every call (accounting.py); `update_state_after_alloc` records
 the accepted load and the request's blocks; `build_connector_meta` sends the step's loads
 and the segments to store; `request_finished` returns the reuse figures as
 `kv_transfer_params["holeblend"]`, records metrics, offers a blended request to the
 quality proxies' shadow (shadow.py: through the pod's API server at the lowest priority,
 within the token budget the planned user prompts earn) and forgets the request. Each
-load's outcome carries the blend's inline statistic (inline_proxy.py), observed here.
+load's outcome carries the blend's inline statistic (quality/inline_proxy.py), observed here.
 Worker side: `start_load_kv` blends and writes each load synchronously before the forward
 (worker.py), then arms the capture of the K/V the forward writes for missing segments it
 computes wholly in this step (store policy in-context: forward_stores.py); `wait_for_save`
@@ -40,16 +40,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from holeblend_runtime.blend_config import IN_CONTEXT
-from holeblend_runtime.engine import ReferenceEngine
-from holeblend_runtime.inline_proxy import InlineProxy
-from holeblend_runtime.keys import SegmentKeyer
-from holeblend_runtime.kv_store import KVStore
-from holeblend_runtime.lookup import ReusePolicy
-from holeblend_runtime.selection import num_to_select
-from holeblend_runtime.shadow import ShadowBudget
-from holeblend_runtime.tiered_store import KVLayout, TieredKVStore
-from holeblend_runtime.tokenizer import TextTokenizer
+from holeblend_runtime.blend.config import IN_CONTEXT
+from holeblend_runtime.blend.keys import SegmentKeyer
+from holeblend_runtime.blend.reuse import ReusePolicy
+from holeblend_runtime.blend.selection import num_to_select
+from holeblend_runtime.engine import BlendEngine
+from holeblend_runtime.kv.store import KVStore
+from holeblend_runtime.kv.tiers import KVLayout, TieredKVStore
+from holeblend_runtime.model.tokenizer import TextTokenizer
+from holeblend_runtime.quality.inline_proxy import InlineProxy
+from holeblend_runtime.quality.shadow import ShadowBudget
 from holeblend_runtime.vllm_connector import metrics, plugin
 from holeblend_runtime.vllm_connector.accounting import LoadLedger
 from holeblend_runtime.vllm_connector.forward_stores import ForwardStores
@@ -62,9 +62,9 @@ from holeblend_runtime.vllm_connector.model_adapter import VllmModelAdapter
 from holeblend_runtime.vllm_connector.planning import (
     PENDING,
     AsyncReusePlanner,
+    CachedKeys,
     ReusePlan,
     ReusePlanner,
-    SegmentIndex,
 )
 from holeblend_runtime.vllm_connector.settings import ConnectorSettings, RatioSource, load_settings
 from holeblend_runtime.vllm_connector.shadow import (
@@ -264,7 +264,7 @@ class HoleBlendConnector(KVConnectorBase_V1):
 
 
 class _SchedulerSide:
-    def __init__(self, vllm_config: Any, settings: ConnectorSettings, store: SegmentIndex) -> None:
+    def __init__(self, vllm_config: Any, settings: ConnectorSettings, store: CachedKeys) -> None:
         self.settings = settings
         self.ratio = RatioSource(settings)
         model_id, kv_dtype = model_identity(vllm_config)
@@ -365,7 +365,7 @@ class _SchedulerSide:
             request_id,
             plan.prompt,
             plan.keys,
-            plan.lookup.reused_segments,
+            plan.reuse.reused_segments,
             load,
             self.blocks.pop(request_id),
             ratio,
@@ -443,7 +443,7 @@ def _is_blended(plan: ReusePlan, figures: dict[str, Any]) -> bool:
     if not plan.num_covered_tokens or not figures["num_reused_tokens"]:
         return False
     segments = plan.prompt.segments
-    return any(segments[i].index is not None for i in plan.lookup.reused_segments)
+    return any(segments[i].index is not None for i in plan.reuse.reused_segments)
 
 
 def _shadow(
@@ -480,13 +480,13 @@ def _shadow(
 def _figures(plan: ReusePlan, outcome: LoadOutcome | None, ratio: float) -> dict[str, Any]:
     """Reuse figures of a finished request: the worker's when its outcome arrived, else
     the plan's (a request that finishes in its first step ends before its outcome)."""
-    lookup = plan.lookup
+    reuse = plan.reuse
     figures = {
-        "mode": str(lookup.mode) if plan.num_covered_tokens else "full-miss",
+        "mode": str(reuse.mode) if plan.num_covered_tokens else "full-miss",
         "num_prompt_tokens": plan.prompt.num_tokens,
         "num_covered_tokens": plan.num_covered_tokens,
-        "num_reused_tokens": lookup.num_reused_tokens if plan.num_covered_tokens else 0,
-        "num_hole_tokens": lookup.num_hole_tokens if plan.num_covered_tokens else 0,
+        "num_reused_tokens": reuse.num_reused_tokens if plan.num_covered_tokens else 0,
+        "num_hole_tokens": reuse.num_hole_tokens if plan.num_covered_tokens else 0,
         "num_recomputed_tokens": _planned_recompute(plan, ratio),
         "num_rejected_segments": 0,
         "is_lookup_failed": plan.is_lookup_failed,
@@ -509,7 +509,7 @@ def _planned_recompute(plan: ReusePlan, ratio: float) -> int:
     and everything uncached in the covered range (all prompt tokens without reuse)."""
     if not plan.num_covered_tokens:
         return plan.prompt.num_tokens
-    reused = min(plan.lookup.num_reused_tokens, plan.num_covered_tokens)
+    reused = min(plan.reuse.num_reused_tokens, plan.num_covered_tokens)
     return num_to_select(reused, ratio) + plan.num_covered_tokens - reused
 
 
@@ -593,7 +593,7 @@ class _WorkerSide:
         model_id, _ = model_identity(config)
         adapter = VllmModelAdapter(model, model_id, config.model_config.max_model_len)
         tokenizer = TextTokenizer(_text_tokenizer(config).backend_tokenizer, adapter.config)
-        engine = ReferenceEngine(adapter, tokenizer, self.settings.blend, self.store)
+        engine = BlendEngine(adapter, tokenizer, self.settings.blend, self.store)
         # The blend's shapes on an accelerator (a no-op on the CPU); paid by the step
         # that first needs the worker, not by every new recompute-set size after it.
         log.info("holeblend: blend warm-up took %.2f s", engine.warm_up())

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from holeblend_runtime.segments import SegmentedPrompt
+from holeblend_runtime.blend.segments import SegmentedPrompt
 from holeblend_runtime.vllm_connector.metadata import StoreRequest
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from holeblend_runtime.segments import SegmentedPrompt
+from holeblend_runtime.blend.segments import SegmentedPrompt
 from holeblend_runtime.vllm_connector.accounting import LoadSpec
 
 

@@ -13,9 +13,9 @@ import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from holeblend_runtime.inline_proxy import InlineProxyMetrics
-from holeblend_runtime.shadow import ShadowMetrics
-from holeblend_runtime.tiered_store import TierMetrics
+from holeblend_runtime.kv.tiers import TierMetrics
+from holeblend_runtime.quality.inline_proxy import InlineProxyMetrics
+from holeblend_runtime.quality.shadow import ShadowMetrics
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ RECOMPUTE_RATIO = Gauge(
     "holeblend_recompute_ratio", "The recompute ratio in force", registry=REGISTRY
 )
 # The quality proxies of the shadow full prefill (shadow.py) and the inline proxy
-# (inline_proxy.py), as holeblend-serve exports them.
+# (quality/inline_proxy.py), as holeblend-serve exports them.
 SHADOW = ShadowMetrics(REGISTRY)
 INLINE = InlineProxyMetrics(REGISTRY)
 # Shared tier and lookup server counters of this process's connectors (scheduler, worker).

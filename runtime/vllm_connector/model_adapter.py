@@ -1,4 +1,4 @@
-"""The blender's model interface (`holeblend_runtime.llama.Llama`'s layer functions) over
+"""The blender's model interface (`holeblend_runtime.model.llama.Llama`'s layer functions) over
 the modules of a model vLLM has loaded, so our blender runs vLLM's own weights.
 
 Supported: vLLM's Llama, Qwen2 and Qwen3 families (decoder layers with `input_layernorm`,
@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from holeblend_runtime.attention import AttentionPlan, attend
-from holeblend_runtime.llama import Llama
-from holeblend_runtime.model_config import ModelConfig
-from holeblend_runtime.rope import RopeTable, apply_rope
+from holeblend_runtime.model.attention import AttentionPlan, attend
+from holeblend_runtime.model.config import ModelConfig
+from holeblend_runtime.model.llama import Llama
+from holeblend_runtime.model.rope import RopeTable, apply_rope
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 

@@ -1,4 +1,4 @@
-"""Scheduler side of the connector, without vLLM: hole-aware lookup of a prompt.
+"""Scheduler side of the connector, without vLLM: a prompt's hole-aware reuse plan.
 
 1. Split the prompt's token ids on the separator's ids (`SegmentSplitter`).
 2. Key every cacheable segment (`keys.SegmentKeyer`, the engine's own keyer).
@@ -21,17 +21,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
-from holeblend_runtime.keys import SegmentKeyer
-from holeblend_runtime.lookup import LookupMode, LookupResult, ReusePolicy, plan_reuse
-from holeblend_runtime.segments import SegmentedPrompt, SegmentSplitter
-from holeblend_runtime.selection import NEEDS_QUERY
-from holeblend_runtime.selection import needs as selection_needs
+from holeblend_runtime.blend.keys import SegmentKeyer
+from holeblend_runtime.blend.reuse import ReuseMode, ReusePolicy, SegmentReuse, plan_reuse
+from holeblend_runtime.blend.segments import SegmentedPrompt, SegmentSplitter
+from holeblend_runtime.blend.selection import NEEDS_QUERY
+from holeblend_runtime.blend.selection import needs as selection_needs
 from holeblend_runtime.vllm_connector.accounting import covered_tokens
 
 log = logging.getLogger(__name__)
 
 
-class SegmentIndex(Protocol):
+class CachedKeys(Protocol):
     """Which segment keys are cached (a KV tier, or the fleet's lookup server)."""
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
@@ -44,7 +44,7 @@ class ReusePlan:
     """One request's lookup: what is reused, what is a hole, what the worker stores."""
 
     prompt: SegmentedPrompt
-    lookup: LookupResult
+    reuse: SegmentReuse
     # One key per segment; None for segments never cached.
     keys: tuple[str | None, ...]
     # Tokens the connector provides: [0, num_covered_tokens).
@@ -64,7 +64,7 @@ class ReusePlanner:
         self,
         separator_ids: Sequence[int],
         keyer: SegmentKeyer,
-        index: SegmentIndex,
+        index: CachedKeys,
         policy: ReusePolicy = ReusePolicy.HOLE,
     ) -> None:
         self.splitter = SegmentSplitter(tuple(separator_ids), keyer.blend.min_segment_tokens)
@@ -82,22 +82,22 @@ class ReusePlanner:
         if (split := self._split(token_ids)) is None:
             return None
         prompt, keys = split
-        lookup = plan_reuse(prompt, [False] * len(keys), self.policy)
+        reuse = plan_reuse(prompt, [False] * len(keys), self.policy)
         missing = tuple(i for i, key in enumerate(keys) if key is not None)
-        return ReusePlan(prompt, lookup, keys, 0, missing, is_lookup_late=True)
+        return ReusePlan(prompt, reuse, keys, 0, missing, is_lookup_late=True)
 
     def plan(self, token_ids: Sequence[int]) -> ReusePlan | None:
         if (split := self._split(token_ids)) is None:
             return None
         prompt, keys = split
         flags, is_failed = self._hit_flags(keys)
-        lookup = plan_reuse(prompt, flags, self.policy)
+        reuse = plan_reuse(prompt, flags, self.policy)
         missing = tuple(i for i, key in enumerate(keys) if key is not None and not flags[i])
         num_covered = 0
-        if lookup.mode is not LookupMode.FULL_MISS:
-            tail_start = prompt.num_tokens if self._covers_question else lookup.tail_start
+        if reuse.mode is not ReuseMode.FULL_MISS:
+            tail_start = prompt.num_tokens if self._covers_question else reuse.tail_start
             num_covered = covered_tokens(tail_start, prompt.num_tokens)
-        return ReusePlan(prompt, lookup, keys, num_covered, missing, is_failed)
+        return ReusePlan(prompt, reuse, keys, num_covered, missing, is_failed)
 
     def _split(
         self, token_ids: Sequence[int]

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from holeblend_contract import blend_settings as contract
-from holeblend_runtime.blend_config import BlendConfig, check_ratio, from_settings
+from holeblend_runtime.blend.config import BlendConfig, check_ratio, from_settings
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Quality proxies on vLLM pods: shadow full prefill through the pod's own API server.
 
-holeblend-serve scores its proxies in-process (`holeblend_runtime.shadow`). In a vLLM pod
+holeblend-serve scores its proxies in-process (`holeblend_runtime.quality.shadow`). In a vLLM pod
 the model belongs to vLLM's workers, and a second thread running it beside vLLM's forward
 is not safe, so the scheduler-side connector asks vLLM itself, over HTTP, as any client
 would, and vLLM schedules the work with the rest:
@@ -46,8 +46,8 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from holeblend_runtime.bench.quality import answer_f1, answer_words
-from holeblend_runtime.shadow import ShadowSampler, ShadowScore, answer_budget, end_targets
+from holeblend_runtime.quality.scores import answer_f1, answer_words
+from holeblend_runtime.quality.shadow import ShadowSampler, ShadowScore, answer_budget, end_targets
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class VllmShadowRequest:
     # The answer ended with EOS (False: the token limit, a stop string, or unknown).
     stopped_at_eos: bool = False
     max_tokens: int | None = None  # the request's token limit; None: unknown
-    inline_statistic: float | None = None  # the blend's (inline_proxy.py)
+    inline_statistic: float | None = None  # the blend's (quality/inline_proxy.py)
 
     @property
     def num_shadow_tokens(self) -> int:

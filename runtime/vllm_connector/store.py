@@ -24,9 +24,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from holeblend_runtime.kv_directory import DirectoryKVStore
-from holeblend_runtime.kv_store import KVStore, SegmentKV
-from holeblend_runtime.tiered_store import KVLayout, TieredKVStore, TierSettings, open_tiered_store
+from holeblend_runtime.kv.directory import DirectoryKVStore
+from holeblend_runtime.kv.store import KVStore, SegmentKV
+from holeblend_runtime.kv.tiers import KVLayout, TieredKVStore, TierSettings, open_tiered_store
 from holeblend_runtime.vllm_connector.settings import ConnectorSettings
 
 

@@ -3,20 +3,20 @@ cache, store missing segments.
 
 Load, for one request (inside `start_load_kv`, before vLLM's forward of the step):
 1. Fetch the planned segments' KV from the tier in one batch; one that is missing,
-   corrupt or does not fit the model (`ReferenceEngine.fetch`) becomes a hole.
-2. Run the engine's reuse path (`ReferenceEngine.blend_reused`, the same as
+   corrupt or does not fit the model (`BlendEngine.fetch`) becomes a hole.
+2. Run the engine's reuse path (`BlendEngine.blend_reused`, the same as
    holeblend-serve's prefill: exact prefix, blend, selection) over the covered range
    `[0, load.end)` with the model adapter; vLLM computes the tokens after it.
 3. Write the blended K/V of `[load.start, load.end)` into vLLM's paged cache at the
    request's slots, layer by layer, with the attention backend's own cache-update op
    (or the kernels package's reference scatter for backends without one).
-4. Report the blend's inline statistic (inline_proxy.py) in the outcome, for the
+4. Report the blend's inline statistic (quality/inline_proxy.py) in the outcome, for the
    scheduler side's inline quality proxy.
 Store (blend.json `storePolicy`): under `in-context` (the default) a load stores the missing
 segments inside its range from the KV it just blended (at their positions in this prompt,
 as holeblend-serve does); every missing segment still not stored after the step's forward
 (one past the range, which vLLM computed, or all of them under `isolated`) is computed in
-its canonical context (`ReferenceEngine.cache_segments`) on the same thread.
+its canonical context (`BlendEngine.cache_segments`) on the same thread.
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from typing import Any
 import torch
 
 from holeblend_kernels.paged import scatter_kv_nhd
-from holeblend_runtime.blend_config import ISOLATED
-from holeblend_runtime.engine import ReferenceEngine
-from holeblend_runtime.inline_proxy import residual_deviation_share
-from holeblend_runtime.kv_store import SegmentKV
-from holeblend_runtime.lookup import LookupResult, ReusePolicy, plan_reuse
-from holeblend_runtime.segments import SegmentedPrompt
+from holeblend_runtime.blend.config import ISOLATED
+from holeblend_runtime.blend.reuse import ReusePolicy, SegmentReuse, plan_reuse
+from holeblend_runtime.blend.segments import SegmentedPrompt
+from holeblend_runtime.engine import BlendEngine
+from holeblend_runtime.kv.store import SegmentKV
+from holeblend_runtime.quality.inline_proxy import residual_deviation_share
 from holeblend_runtime.vllm_connector import metrics
 from holeblend_runtime.vllm_connector.metadata import LoadRequest, StoreRequest
 
@@ -54,7 +54,7 @@ class LoadOutcome:
     # Segments the scheduler planned to reuse whose KV was missing or unusable.
     num_rejected_segments: int
     blend_seconds: float
-    # The blend's inline statistic (inline_proxy.py: share of the check-layer deviation
+    # The blend's inline statistic (quality/inline_proxy.py: share of the check-layer deviation
     # left in cached tokens not recomputed); None when no cached token was compared.
     inline_statistic: float | None = None
     # The recompute ratio the blend ran with.
@@ -168,11 +168,11 @@ def _rows_of(written: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor | None
 
 class BlendWorker:
     """Loads (blend + write) for one worker; `engine` wraps the model adapter and runs the
-    same reuse path as holeblend-serve's prefill (`ReferenceEngine.blend_reused`)."""
+    same reuse path as holeblend-serve's prefill (`BlendEngine.blend_reused`)."""
 
     def __init__(
         self,
-        engine: ReferenceEngine,
+        engine: BlendEngine,
         writer: PagedKVWriter,
         inline_statistic: bool = True,
         capture: ForwardKVCapture | None = None,
@@ -262,8 +262,8 @@ class BlendWorker:
     def load(self, request: LoadRequest) -> LoadOutcome:
         started = time.perf_counter()
         prompt, end = request.prompt, request.load.end
-        lookup, entries, num_unusable = self._fetch(request)
-        blended = self.engine.blend_reused(prompt, lookup, entries, request.ratio, end)
+        reuse, entries, num_unusable = self._fetch(request)
+        blended = self.engine.blend_reused(prompt, reuse, entries, request.ratio, end)
         slots = self.writer.slots(request.block_ids, request.load.start, end)
         for layer in range(blended.k.shape[0]):
             layer_k = blended.k[layer, :, request.load.start : end].transpose(0, 1)
@@ -276,13 +276,13 @@ class BlendWorker:
             self.engine.store_in_context(prompt, request.keys, holes, blended.k, blended.v)
         return LoadOutcome(
             request.request_id,
-            num_reused_tokens=_count(lookup.hit_ranges, end),
-            num_hole_tokens=_count(_hole_ranges(prompt, lookup, end), end),
+            num_reused_tokens=_count(reuse.hit_ranges, end),
+            num_hole_tokens=_count(_hole_ranges(prompt, reuse, end), end),
             num_recomputed_tokens=int(blended.recomputed.shape[0]),
             num_rejected_segments=num_unusable,
             blend_seconds=time.perf_counter() - started,
             inline_statistic=residual_deviation_share(
-                prompt, lookup, blended.deviation, blended.selected, end
+                prompt, reuse, blended.deviation, blended.selected, end
             )
             if self.inline_statistic
             else None,
@@ -298,9 +298,9 @@ class BlendWorker:
         missing = torch.tensor([float(not flag) for flag in flags], device=model.device)
         return (model.reduce_shards(missing) == 0).tolist()
 
-    def _fetch(self, request: LoadRequest) -> tuple[LookupResult, list[SegmentKV | None], int]:
+    def _fetch(self, request: LoadRequest) -> tuple[SegmentReuse, list[SegmentKV | None], int]:
         """The planned segments' KV in one batched get, checked as the engine checks its
-        own (`ReferenceEngine.fetch`); one that is missing or unusable becomes a hole.
+        own (`BlendEngine.fetch`); one that is missing or unusable becomes a hole.
         Returns the lookup of what is actually reused, the entries and how many planned
         segments were not usable."""
         planned = set(request.reused_segments)
@@ -317,9 +317,9 @@ class BlendWorker:
         return plan_reuse(request.prompt, flags, ReusePolicy.HOLE), entries, len(unusable)
 
 
-def _hole_ranges(prompt: SegmentedPrompt, lookup: LookupResult, end: int) -> list[tuple[int, int]]:
+def _hole_ranges(prompt: SegmentedPrompt, reuse: SegmentReuse, end: int) -> list[tuple[int, int]]:
     """Segments inside [0, end) that are computed fresh: planned holes and unusable ones."""
-    reused = set(lookup.reused_segments)
+    reused = set(reuse.reused_segments)
     return [
         (segment.start, segment.end)
         for i, segment in enumerate(prompt.segments)

@@ -11,7 +11,7 @@ from holeblend_contract.blend_settings import BlendSettingsError, parse_blend_se
 from holeblend_operator.api import BlendDeployment, BlendSpec, KVTiers, TuningSpec
 from holeblend_operator.quantity import quantity_bytes
 from holeblend_operator.render import render_children
-from holeblend_runtime.blend_config import BlendConfig, from_settings
+from holeblend_runtime.blend.config import BlendConfig, from_settings
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
 

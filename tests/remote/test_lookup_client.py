@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from holeblend_runtime.lookup_client import ClientConfig, LookupClient, parse_lookup_url
+from holeblend_runtime.lookup_server.client import ClientConfig, LookupClient, parse_lookup_url
 from holeblend_runtime.lookup_server.processes import free_port
 
 

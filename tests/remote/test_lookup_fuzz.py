@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from holeblend_runtime.lookup_client import LookupClient
+from holeblend_runtime.lookup_server.client import LookupClient
 from holeblend_runtime.lookup_server.processes import LookupProcess
 
 _values = st.recursive(

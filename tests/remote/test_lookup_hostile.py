@@ -18,8 +18,8 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from holeblend_runtime.lookup_client import ClientConfig, LookupClient
 from holeblend_runtime.lookup_server import processes
+from holeblend_runtime.lookup_server.client import ClientConfig, LookupClient
 from holeblend_runtime.lookup_server.index import IndexLimits
 from holeblend_runtime.lookup_server.server import LookupServer, ServerConfig, _Connection
 from holeblend_runtime.lookup_server.wire import Entry

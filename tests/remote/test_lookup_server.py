@@ -8,7 +8,7 @@ import urllib.request
 import msgpack
 import pytest
 
-from holeblend_runtime.lookup_client import Announcer, AnnouncerConfig, LookupClient
+from holeblend_runtime.lookup_server.client import Announcer, AnnouncerConfig, LookupClient
 from holeblend_runtime.lookup_server.wire import Entry
 
 

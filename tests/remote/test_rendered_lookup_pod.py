@@ -9,7 +9,7 @@ import yaml
 
 from holeblend_operator.api import BlendDeployment
 from holeblend_operator.render import render_children
-from holeblend_runtime.lookup_client import LookupClient
+from holeblend_runtime.lookup_server.client import LookupClient
 from holeblend_runtime.lookup_server.processes import LookupProcess, free_port
 from tests.operator.test_render import ROOT, make_bd
 

@@ -4,15 +4,15 @@ import pytest
 import torch
 
 from holeblend_contract.shared_tier import check_shared_url
-from holeblend_runtime.kv_store import SegmentKV
-from holeblend_runtime.shared_tier import (
+from holeblend_runtime.kv.shared_tier import (
     BlobError,
     SharedTier,
     SharedTierConfig,
     decode_blob,
     redis_url,
 )
-from holeblend_runtime.tiered_store import KVLayout, blob_to_kv, kv_to_blob
+from holeblend_runtime.kv.store import SegmentKV
+from holeblend_runtime.kv.tiers import KVLayout, blob_to_kv, kv_to_blob
 
 LAYOUT = KVLayout("model-a", "float32", num_layers=3, num_kv_heads=2, head_dim=8)
 

@@ -13,10 +13,10 @@ import torch
 
 from holeblend_contract.shared_tier import acl_user
 from holeblend_operator.cli import main
-from holeblend_runtime.kv_store import SegmentKV
+from holeblend_runtime.kv.shared_tier import SharedTier, SharedTierConfig
+from holeblend_runtime.kv.store import SegmentKV
+from holeblend_runtime.kv.tiers import KVLayout, kv_to_blob
 from holeblend_runtime.lookup_server.processes import RedisProcess
-from holeblend_runtime.shared_tier import SharedTier, SharedTierConfig
-from holeblend_runtime.tiered_store import KVLayout, kv_to_blob
 
 LAYOUT = KVLayout("model-a", "float32", num_layers=2, num_kv_heads=2, head_dim=4)
 A, B = "team-a/rag", "team-b/rag"

@@ -6,8 +6,8 @@ import time
 import pytest
 import torch
 
-from holeblend_runtime.lookup_client import AnnouncerConfig, ClientConfig
-from holeblend_runtime.tiered_store import TieredKVStore, TierSettings, open_tiered_store
+from holeblend_runtime.kv.tiers import TieredKVStore, TierSettings, open_tiered_store
+from holeblend_runtime.lookup_server.client import AnnouncerConfig, ClientConfig
 
 from .test_shared_tier import LAYOUT, assert_same, segment
 

@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from holeblend_runtime.blend_config import BlendConfig
-from holeblend_runtime.keys import SegmentKeyer
-from holeblend_runtime.kv_directory import DirectoryKVStore
-from holeblend_runtime.lookup import LookupMode
-from holeblend_runtime.tiered_store import TieredKVStore
+from holeblend_runtime.blend.config import BlendConfig
+from holeblend_runtime.blend.keys import SegmentKeyer
+from holeblend_runtime.blend.reuse import ReuseMode
+from holeblend_runtime.kv.directory import DirectoryKVStore
+from holeblend_runtime.kv.tiers import TieredKVStore
 from holeblend_runtime.vllm_connector.planning import ReusePlanner
 from holeblend_runtime.vllm_connector.settings import ConnectorSettings
 from holeblend_runtime.vllm_connector.store import close_store, open_store, tier_figures
@@ -75,8 +75,8 @@ def test_a_segment_stored_on_one_node_is_reused_by_another_nodes_scheduler_and_w
     scheduler = stores(b_settings, LAYOUT, is_worker=False)
     assert isinstance(scheduler, TieredKVStore) and scheduler.announcer is None
     plan = planner(scheduler).plan(PROMPT)
-    assert plan.lookup.mode is LookupMode.HOLE and not plan.is_lookup_failed
-    assert plan.lookup.hole_ranges == ((8, 11),)
+    assert plan.reuse.mode is ReuseMode.HOLE and not plan.is_lookup_failed
+    assert plan.reuse.hole_ranges == ((8, 11),)
     assert plan.missing_segments == (2,)
 
     worker = stores(b_settings, LAYOUT, is_worker=True)
@@ -107,8 +107,8 @@ def test_lookup_server_down_plans_remote_segments_as_misses_and_local_ones_still
     DirectoryKVStore(tmp_path / "b", 1 << 20).put(segment(keys[0], seed=0))  # B's own copy
     scheduler = stores(b_settings, LAYOUT, is_worker=False)
     plan = planner(scheduler).plan(PROMPT)  # no exception: remote segments are misses
-    assert plan.lookup.mode is not LookupMode.FULL_MISS  # the system prompt, B's directory
-    assert plan.lookup.reused_segments == (0,)
+    assert plan.reuse.mode is not ReuseMode.FULL_MISS  # the system prompt, B's directory
+    assert plan.reuse.reused_segments == (0,)
     assert plan.missing_segments == (1, 2, 3)
     assert tier_figures(scheduler)["lookup_degraded"] >= 1
 
@@ -117,4 +117,4 @@ def test_lookup_server_down_plans_remote_segments_as_misses_and_local_ones_still
     assert [kv is not None for kv in loaded] == [True, False, False, False]
 
     lookup_server.start()  # back: node A re-announces when told to, reuse across nodes returns
-    wait_for(lambda: planner(scheduler).plan(PROMPT).lookup.mode is LookupMode.PURE_HIT)
+    wait_for(lambda: planner(scheduler).plan(PROMPT).reuse.mode is ReuseMode.PURE_HIT)

@@ -14,29 +14,29 @@ if not torch.cuda.is_available():
 
 import pytest
 
-from holeblend_runtime.blend_config import BlendConfig
-from holeblend_runtime.engine import ReferenceEngine
-from holeblend_runtime.kv_store import LocalKVStore
+from holeblend_runtime.blend.config import BlendConfig
+from holeblend_runtime.engine import BlendEngine
+from holeblend_runtime.kv.store import LocalKVStore
 
 
 @pytest.fixture(scope="session")
-def reference_engine() -> ReferenceEngine:
+def reference_engine() -> BlendEngine:
     """SmolLM2-135M-Instruct with default blending; tests needing a clean store use new_engine.
 
     One thread: on a shared 2-core machine two torch threads spin against other processes
     and made this suite 4x slower (236 s vs 55 s measured); tests do not measure speed.
     """
-    return ReferenceEngine.load(num_threads=1)
+    return BlendEngine.load(num_threads=1)
 
 
 @pytest.fixture
-def new_engine(reference_engine: ReferenceEngine) -> Callable[..., ReferenceEngine]:
+def new_engine(reference_engine: BlendEngine) -> Callable[..., BlendEngine]:
     """Engines sharing the loaded model, each with its own empty store: new_engine(ratio=...)."""
 
-    def make(**blend_fields: object) -> ReferenceEngine:
+    def make(**blend_fields: object) -> BlendEngine:
         store = LocalKVStore(1 << 30)
         blend = BlendConfig(**blend_fields)
-        return ReferenceEngine(reference_engine.model, reference_engine.tokenizer, blend, store)
+        return BlendEngine(reference_engine.model, reference_engine.tokenizer, blend, store)
 
     return make
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from holeblend_kernels.sparse_attention import reference_attention, triton_attention
-from holeblend_runtime.attention import (
+from holeblend_runtime.model.attention import (
     BACKEND_ENV,
     BACKENDS,
     CHUNKED,

@@ -1,4 +1,4 @@
-"""Batched greedy decoding (runtime/batch_decode.py) on the real model: several sequences
+"""Batched greedy decoding (runtime/model/batch_decode.py) on the real model: several sequences
 joining and leaving the batch at different steps decode what `generate` decodes for each
 alone."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from holeblend_runtime import batch_decode
+from holeblend_runtime.model import batch_decode
 
 # Logits of the same token computed with a different number of rows in the matmuls (or by
 # teacher forcing) differ by float32 rounding only: ~1e-5 here, well inside this bound.

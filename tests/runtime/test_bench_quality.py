@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from holeblend_runtime.bench.quality import (
+from holeblend_runtime.quality.scores import (
     answer_f1,
     answer_words,
     kl_divergence,

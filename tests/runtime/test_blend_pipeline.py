@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from holeblend_kernels.paged import scatter_kv_nhd
-from holeblend_runtime.lookup import ReusePolicy
-from holeblend_runtime.segments import SegmentSplitter
+from holeblend_runtime.blend.reuse import ReusePolicy
+from holeblend_runtime.blend.segments import SegmentSplitter
 from holeblend_runtime.vllm_connector.accounting import LoadSpec
 from holeblend_runtime.vllm_connector.metadata import LoadRequest, StoreRequest
 from holeblend_runtime.vllm_connector.planning import ReusePlanner
@@ -43,7 +43,7 @@ def _load(engine, prompt, ratio, policy=ReusePolicy.HOLE, start=0):
     worker, caches, blocks = _worker(engine, prompt.num_tokens)
     load = LoadSpec(start, plan.num_covered_tokens)
     request = LoadRequest(
-        "r", plan.prompt, plan.keys, plan.lookup.reused_segments, load, blocks, ratio
+        "r", plan.prompt, plan.keys, plan.reuse.reused_segments, load, blocks, ratio
     )
     return plan, worker, request, caches
 
@@ -66,11 +66,11 @@ def test_the_same_ratio_recomputes_the_same_tokens_on_both_engines(
         rag_texts, hole=HOLE, selection=selection, filter_layers=filter_layers
     )
     plan, worker, request, _ = _load(engine, prompt, ratio)
-    lookup, entries, num_unusable = worker._fetch(request)
-    covered = engine.blend_reused(prompt, lookup, entries, ratio, plan.num_covered_tokens)
+    reuse, entries, num_unusable = worker._fetch(request)
+    covered = engine.blend_reused(prompt, reuse, entries, ratio, plan.num_covered_tokens)
     served = engine.prefill(prompt, "hole", ratio)  # stores the hole afterwards
     assert num_unusable == 0 and covered.logits is None
-    assert lookup.reused_segments == served.lookup.reused_segments
+    assert reuse.reused_segments == served.reuse.reused_segments
     assert torch.equal(covered.selected, served.selected_positions)
     assert covered.num_exact_prefix_tokens == served.num_exact_prefix_tokens > 0
     # Everything the serve engine recomputed inside the covered range, the worker did.
@@ -100,7 +100,7 @@ def test_the_worker_writes_the_blended_range_into_the_paged_cache(cached_engine,
         # vLLM holds [0, start) already: untouched.
         assert not bool(flat[:, :BLOCK].any())
     hole = prompt.segments[HOLE]
-    assert outcome.num_reused_tokens == plan.lookup.num_reused_tokens
+    assert outcome.num_reused_tokens == plan.reuse.num_reused_tokens
     assert outcome.num_hole_tokens == hole.num_tokens
     assert outcome.num_rejected_segments == 0
     in_range = int((served.recomputed_positions < end).sum())
@@ -111,22 +111,21 @@ def test_a_planned_segment_gone_at_load_time_becomes_a_hole(cached_engine, rag_t
     engine, prompt = cached_engine(rag_texts, hole=HOLE)
     plan, worker, request, _ = _load(engine, prompt, 0.15)
     gone = 3  # the third document, planned as reused
-    assert gone in plan.lookup.reused_segments
+    assert gone in plan.reuse.reused_segments
     engine.store.remove(plan.keys[gone])
     outcome = worker.load(request)
     assert outcome.num_rejected_segments == 1
     expected_holes = prompt.segments[HOLE].num_tokens + prompt.segments[gone].num_tokens
     assert outcome.num_hole_tokens == expected_holes
     assert (
-        outcome.num_reused_tokens
-        == plan.lookup.num_reused_tokens - prompt.segments[gone].num_tokens
+        outcome.num_reused_tokens == plan.reuse.num_reused_tokens - prompt.segments[gone].num_tokens
     )
 
 
 def test_in_prefix_mode_the_worker_blends_what_the_prefix_plan_covers(cached_engine, rag_texts):
     engine, prompt = cached_engine(rag_texts, hole=HOLE)
     plan, worker, request, _ = _load(engine, prompt, 0.15, ReusePolicy.PREFIX)
-    assert plan.lookup.reused_segments == (0, 1)
+    assert plan.reuse.reused_segments == (0, 1)
     outcome = worker.load(request)
     served = engine.prefill(prompt, "prefix", 0.15)
     assert outcome.num_reused_tokens == served.num_reused_tokens

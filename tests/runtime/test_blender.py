@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from holeblend_runtime.blender import CachedSpan
-from holeblend_runtime.rope import apply_rope, rerotate, rope_table
+from holeblend_runtime.blend.blender import CachedSpan
+from holeblend_runtime.model.rope import apply_rope, rerotate, rope_table
 
 HOLE = 2  # segment index of the second document
 
@@ -33,7 +33,7 @@ def test_ratio_one_reproduces_full_prefill(cached_engine, rag_texts, mode, check
 def test_ratio_one_reproduces_full_prefill_on_a_pure_hit(cached_engine, rag_texts):
     engine, prompt = cached_engine(rag_texts, hole=None)
     blended = engine.prefill(prompt, "hole", ratio=1.0)
-    assert blended.lookup.mode == "pure-hit"
+    assert blended.reuse.mode == "pure-hit"
     full = engine.prefill(prompt, "full")
     torch.testing.assert_close(blended.logits, full.logits, atol=1e-4, rtol=0)
 
@@ -83,11 +83,11 @@ def test_hole_tokens_separators_and_tail_are_always_recomputed(cached_engine, ra
     engine, prompt = cached_engine(rag_texts, hole=HOLE)
     prefill = engine.prefill(prompt, "hole", ratio=ratio)
     recomputed = set(prefill.recomputed_positions.tolist())
-    lookup = prefill.lookup
-    assert _positions(lookup.hole_ranges) <= recomputed
+    reuse = prefill.reuse
+    assert _positions(reuse.hole_ranges) <= recomputed
     assert _positions(prompt.separator_ranges) <= recomputed
-    assert set(range(lookup.tail_start, prompt.num_tokens)) <= recomputed
-    uncached = set(range(prompt.num_tokens)) - _positions(lookup.hit_ranges)
+    assert set(range(reuse.tail_start, prompt.num_tokens)) <= recomputed
+    uncached = set(range(prompt.num_tokens)) - _positions(reuse.hit_ranges)
     if ratio == 0.0:
         assert recomputed == uncached
 
@@ -98,7 +98,7 @@ def test_top_k_is_chosen_among_cached_tokens_only(cached_engine, rag_texts):
     prefill = engine.prefill(prompt, "hole", ratio=0.3)
     # The system prompt and the first document are the exact prefix, never blended.
     prefix_end = prompt.segments[1].end
-    cached = sorted(p for p in _positions(prefill.lookup.hit_ranges) if p >= prefix_end)
+    cached = sorted(p for p in _positions(prefill.reuse.hit_ranges) if p >= prefix_end)
     selected = prefill.selected_positions.tolist()
     assert set(selected) <= set(cached)
     assert len(selected) == round(0.3 * len(cached))

@@ -10,13 +10,13 @@ CPU-only machine, where a GPU would only have become slower.
 import pytest
 import torch
 
-from holeblend_runtime.blend_config import RANDOM, BlendConfig
-from holeblend_runtime.blender import Blender, CachedSpan, PrefixKV
-from holeblend_runtime.kv_store import SegmentKV
-from holeblend_runtime.llama import Llama
-from holeblend_runtime.model_config import ModelConfig
-from holeblend_runtime.model_presets import random_weights
-from holeblend_runtime.selection import num_to_select
+from holeblend_runtime.blend.blender import Blender, CachedSpan, PrefixKV
+from holeblend_runtime.blend.config import RANDOM, BlendConfig
+from holeblend_runtime.blend.selection import num_to_select
+from holeblend_runtime.kv.store import SegmentKV
+from holeblend_runtime.model.config import ModelConfig
+from holeblend_runtime.model.llama import Llama
+from holeblend_runtime.model.presets import random_weights
 
 CONFIG = ModelConfig(
     model_id="tiny", num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -144,7 +144,7 @@ def test_reused_kv_from_host_memory_blends_as_kv_on_the_device():
 
 
 def test_a_host_memory_store_keeps_entries_on_the_host():
-    from holeblend_runtime.kv_store import LocalKVStore
+    from holeblend_runtime.kv.store import LocalKVStore
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     kv = _host_kv(0, 5, 0)
@@ -169,7 +169,7 @@ def test_the_plain_sdpa_reference_forward_equals_full_prefill():
 
 
 def test_on_accelerators_the_recompute_set_is_rounded_up_to_the_bucket():
-    from holeblend_runtime.blender import RECOMPUTE_BUCKET, _round_up_picks
+    from holeblend_runtime.blend.blender import RECOMPUTE_BUCKET, _round_up_picks
 
     sections = (torch.arange(30), torch.arange(30, 40))
     picks = _round_up_picks((3, 1), sections, num_uncached=50, bucket=RECOMPUTE_BUCKET)
@@ -182,7 +182,7 @@ def test_on_accelerators_the_recompute_set_is_rounded_up_to_the_bucket():
 def test_the_warm_up_runs_one_layer_at_every_bucketed_size(monkeypatch):
     """On an accelerator every recompute-set size up to the limit is run once at start-up
     (device-clean: on `meta`); on the CPU nothing runs."""
-    from holeblend_runtime.blender import RECOMPUTE_BUCKET
+    from holeblend_runtime.blend.blender import RECOMPUTE_BUCKET
 
     model = Llama(CONFIG, random_weights(CONFIG), device="meta")
     rows = []

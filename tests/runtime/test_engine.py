@@ -1,13 +1,13 @@
-"""The reference engine's modes, store behaviour, scoring and generation, bad input."""
+"""The blend engine's modes, store behaviour, scoring and generation, bad input."""
 
 import dataclasses
 
 import pytest
 import torch
 
-from holeblend_runtime.blend_config import BlendConfig
-from holeblend_runtime.engine import ReferenceEngine
-from holeblend_runtime.segments import Segment, SegmentedPrompt, SegmentKind
+from holeblend_runtime.blend.config import BlendConfig
+from holeblend_runtime.blend.segments import Segment, SegmentedPrompt, SegmentKind
+from holeblend_runtime.engine import BlendEngine
 
 HOLE = 2  # segment index of the second document
 
@@ -15,7 +15,7 @@ HOLE = 2  # segment index of the second document
 def test_prefix_mode_recomputes_everything_after_the_first_miss(cached_engine, rag_texts):
     engine, prompt = cached_engine(rag_texts, hole=HOLE)
     prefill = engine.prefill(prompt, "prefix", ratio=0.15)
-    assert prefill.lookup.reused_segments == (0, 1)
+    assert prefill.reuse.reused_segments == (0, 1)
     first_miss = prompt.segments[HOLE].start
     recomputed = set(prefill.recomputed_positions.tolist())
     assert set(range(first_miss, prompt.num_tokens)) <= recomputed
@@ -28,9 +28,9 @@ def test_hole_mode_reuses_every_cached_segment_after_the_miss(cached_engine, rag
     engine, prompt = cached_engine(rag_texts, hole=HOLE)
     prefill = engine.prefill(prompt, "hole", ratio=0.15)
     hole = prompt.segments[HOLE]
-    assert prefill.lookup.mode == "hole"
-    assert prefill.lookup.reused_segments == (0, 1, 3, 4)
-    assert prefill.lookup.hole_ranges == ((hole.start, hole.end),)
+    assert prefill.reuse.mode == "hole"
+    assert prefill.reuse.reused_segments == (0, 1, 3, 4)
+    assert prefill.reuse.hole_ranges == ((hole.start, hole.end),)
     assert prefill.num_hole_tokens == hole.num_tokens
     assert prefill.num_recomputed_tokens < prompt.num_tokens / 2
 
@@ -40,7 +40,7 @@ def test_missing_segments_are_stored_so_the_next_pass_is_a_pure_hit(cached_engin
     first = engine.prefill(prompt, "hole", ratio=0.15)
     second = engine.prefill(prompt, "hole", ratio=0.15)
     assert first.num_stored_segments == 1
-    assert second.lookup.mode == "pure-hit" and second.num_stored_segments == 0
+    assert second.reuse.mode == "pure-hit" and second.num_stored_segments == 0
 
 
 def test_first_pass_on_an_empty_store_is_a_full_prefill_that_stores(new_engine, rag_texts):
@@ -48,7 +48,7 @@ def test_first_pass_on_an_empty_store_is_a_full_prefill_that_stores(new_engine, 
     prompt = engine.build_prompt(*rag_texts)
     prefill = engine.prefill(prompt, "hole")
     full = engine.prefill(prompt, "full")
-    assert prefill.lookup.mode == "full-miss"
+    assert prefill.reuse.mode == "full-miss"
     assert prefill.num_stored_segments == 5  # system + 4 documents
     torch.testing.assert_close(prefill.logits, full.logits, atol=1e-5, rtol=0)
 
@@ -134,7 +134,7 @@ def test_corrupted_cached_kv_is_refused_and_computed_fresh(cached_engine, rag_te
     engine.store.put(_corrupt(engine.store.get(key), how, engine.config))
     actual = engine.prefill(prompt, "hole", ratio=0.15)
     assert actual.num_rejected_segments == 1
-    assert actual.lookup.hole_ranges == expected.lookup.hole_ranges
+    assert actual.reuse.hole_ranges == expected.reuse.hole_ranges
     torch.testing.assert_close(actual.logits, expected.logits, atol=1e-4, rtol=0)
     # The refused entry was replaced by a good one.
     assert engine.kv_problem(engine.store.get(key), key, prompt.segments[HOLE].num_tokens) is None
@@ -173,9 +173,7 @@ def test_blend_config_names_the_bad_field(field, value):
 
 def test_check_layer_beyond_the_model_is_refused(reference_engine):
     with pytest.raises(ValueError, match="check_layer"):
-        ReferenceEngine(
-            reference_engine.model, reference_engine.tokenizer, BlendConfig(check_layer=30)
-        )
+        BlendEngine(reference_engine.model, reference_engine.tokenizer, BlendConfig(check_layer=30))
 
 
 def test_documents_below_min_segment_tokens_are_never_cached(new_engine, rag_texts):
@@ -188,8 +186,8 @@ def test_documents_below_min_segment_tokens_are_never_cached(new_engine, rag_tex
     assert short.num_tokens < 20 and engine.segment_keys(prompt)[2] is None
     engine.prefill(prompt, "hole")
     second = engine.prefill(prompt, "hole", ratio=0.15)
-    assert second.lookup.hole_ranges == ((short.start, short.end),)
-    assert second.lookup.reused_segments == (0, 1, 3)
+    assert second.reuse.hole_ranges == ((short.start, short.end),)
+    assert second.reuse.reused_segments == (0, 1, 3)
 
 
 def test_the_warm_up_runs_every_reuse_path_on_accelerators_and_stores_nothing(
@@ -199,7 +197,7 @@ def test_the_warm_up_runs_every_reuse_path_on_accelerators_and_stores_nothing(
     hole blend after an exact prefix (a hole, a moved document), prefix mode's causal
     continuation and a blend with no exact prefix; the store stays empty. On the CPU
     nothing runs."""
-    from holeblend_runtime.blender import RECOMPUTE_BUCKET, Blender
+    from holeblend_runtime.blend.blender import RECOMPUTE_BUCKET, Blender
 
     engine = new_engine()
     blends, continued = [], []

@@ -1,18 +1,18 @@
-"""The inline quality proxy (runtime/inline_proxy.py): the blend's statistic, its
+"""The inline quality proxy (runtime/quality/inline_proxy.py): the blend's statistic, its
 calibration against shadow scores, and what is exported (nothing without calibration)."""
 
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from holeblend_runtime.inline_proxy import (
+from holeblend_runtime.blend.reuse import ReusePolicy, plan_reuse
+from holeblend_runtime.quality.inline_proxy import (
     MIN_PAIRS,
     Calibration,
     InlineProxy,
     residual_deviation_share,
 )
-from holeblend_runtime.lookup import ReusePolicy, plan_reuse
-from holeblend_runtime.shadow import ShadowScore
+from holeblend_runtime.quality.shadow import ShadowScore
 
 SYSTEM = "Answer the question from the documents in a few words."
 DOCS = [
@@ -127,21 +127,21 @@ def test_the_statistic_is_the_deviation_share_of_the_tokens_not_recomputed(refer
     prompt = reference_engine.build_prompt(SYSTEM, DOCS, QUESTION)
     # Documents 0 and 2 reused (system prompt not: no exact prefix), document 1 a hole.
     flags = [False, True, False, True, False]
-    lookup = plan_reuse(prompt, flags, ReusePolicy.HOLE)
-    positions = [p for i in lookup.reused_segments for p in range(*_range(prompt, i))]
+    reuse = plan_reuse(prompt, flags, ReusePolicy.HOLE)
+    positions = [p for i in reuse.reused_segments for p in range(*_range(prompt, i))]
     deviation = torch.ones(len(positions))
     deviation[3] = 7.0  # 7 of the mass sits on the 4th compared token
     total = float(deviation.sum())
     picked = torch.tensor([positions[3]])
-    share = residual_deviation_share(prompt, lookup, deviation, picked)
+    share = residual_deviation_share(prompt, reuse, deviation, picked)
     assert share == pytest.approx((total - 7.0) / total)
-    assert residual_deviation_share(prompt, lookup, deviation, picked[:0]) == 1.0
+    assert residual_deviation_share(prompt, reuse, deviation, picked[:0]) == 1.0
     everything = torch.tensor(positions)
-    assert residual_deviation_share(prompt, lookup, deviation, everything) == 0.0
-    assert residual_deviation_share(prompt, lookup, deviation[:0], picked[:0]) is None
-    assert residual_deviation_share(prompt, lookup, torch.zeros(len(positions)), picked) == 0.0
+    assert residual_deviation_share(prompt, reuse, deviation, everything) == 0.0
+    assert residual_deviation_share(prompt, reuse, deviation[:0], picked[:0]) is None
+    assert residual_deviation_share(prompt, reuse, torch.zeros(len(positions)), picked) == 0.0
     # A selected position the layout does not explain: the most deviating tokens are taken.
-    assert residual_deviation_share(prompt, lookup, deviation, torch.tensor([0])) == (
+    assert residual_deviation_share(prompt, reuse, deviation, torch.tensor([0])) == (
         pytest.approx((total - 7.0) / total)
     )
 
@@ -159,7 +159,7 @@ def test_the_statistic_of_real_blends_falls_as_the_ratio_rises(new_engine):
         assert prefill.deviation.numel() > 0
         shares.append(
             residual_deviation_share(
-                prefill.prompt, prefill.lookup, prefill.deviation, prefill.selected_positions
+                prefill.prompt, prefill.reuse, prefill.deviation, prefill.selected_positions
             )
         )
     assert shares[0] == 1.0 and shares[-1] == pytest.approx(0.0, abs=1e-9)

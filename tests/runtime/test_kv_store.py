@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from holeblend_runtime.kv_store import KVStore, LocalKVStore, SegmentKV
+from holeblend_runtime.kv.store import KVStore, LocalKVStore, SegmentKV
 
 
 def _kv(key: str, num_tokens: int = 4, *, num_layers: int = 2, model_id: str = "m") -> SegmentKV:

@@ -2,8 +2,8 @@
 
 import pytest
 
-from holeblend_runtime.lookup import LookupMode, ReusePolicy, plan_reuse
-from holeblend_runtime.segments import SegmentedPrompt, SegmentSplitter
+from holeblend_runtime.blend.reuse import ReuseMode, ReusePolicy, plan_reuse
+from holeblend_runtime.blend.segments import SegmentedPrompt, SegmentSplitter
 
 SEP = (900,)
 
@@ -30,7 +30,7 @@ def _ranges(prompt: SegmentedPrompt, *indexes: int) -> tuple[tuple[int, int], ..
 def test_no_hits_is_a_full_miss(policy):
     prompt = _prompt(*FIVE)
     result = plan_reuse(prompt, [False] * 5, policy)
-    assert result.mode is LookupMode.FULL_MISS
+    assert result.mode is ReuseMode.FULL_MISS
     assert result.num_reused_tokens == 0
     assert result.reused_segments == () and result.hit_ranges == () and result.hole_ranges == ()
     assert result.tail_start == 0
@@ -41,7 +41,7 @@ def test_no_hits_is_a_full_miss(policy):
 def test_everything_but_the_question_cached_is_a_pure_hit(policy):
     prompt = _prompt(*FIVE)
     result = plan_reuse(prompt, [True, True, True, True, False], policy)
-    assert result.mode is LookupMode.PURE_HIT
+    assert result.mode is ReuseMode.PURE_HIT
     assert result.reused_segments == (0, 1, 2, 3)
     assert result.hit_ranges == _ranges(prompt, 0, 1, 2, 3)
     assert result.num_reused_tokens == 3 + 4 + 5 + 6
@@ -54,7 +54,7 @@ def test_everything_but_the_question_cached_is_a_pure_hit(policy):
 def test_prefix_policy_stops_at_the_first_miss():
     prompt = _prompt(*FIVE)
     result = plan_reuse(prompt, [True, True, False, True, False], ReusePolicy.PREFIX)
-    assert result.mode is LookupMode.PURE_HIT
+    assert result.mode is ReuseMode.PURE_HIT
     assert result.reused_segments == (0, 1)
     assert result.hole_ranges == ()
     # Everything after the first miss is recomputed, including the cached document 2.
@@ -65,14 +65,14 @@ def test_prefix_policy_stops_at_the_first_miss():
 def test_prefix_policy_with_uncached_system_prompt_reuses_nothing():
     prompt = _prompt(*FIVE)
     result = plan_reuse(prompt, [False, True, True, True, False], ReusePolicy.PREFIX)
-    assert result.mode is LookupMode.FULL_MISS
+    assert result.mode is ReuseMode.FULL_MISS
     assert result.reused_segments == ()
 
 
 def test_hole_policy_reuses_every_cached_segment_after_a_miss():
     prompt = _prompt(*FIVE)
     result = plan_reuse(prompt, [True, True, False, True, False], ReusePolicy.HOLE)
-    assert result.mode is LookupMode.HOLE
+    assert result.mode is ReuseMode.HOLE
     assert result.reused_segments == (0, 1, 3)
     assert result.hit_ranges == _ranges(prompt, 0, 1, 3)
     assert result.hole_ranges == _ranges(prompt, 2)
@@ -85,7 +85,7 @@ def test_hole_policy_with_several_holes_and_a_missing_system_prompt():
     prompt = _prompt(3, 4, 5, 6, 7, 2)
     flags = [False, True, False, True, False, False]
     result = plan_reuse(prompt, flags, ReusePolicy.HOLE)
-    assert result.mode is LookupMode.HOLE
+    assert result.mode is ReuseMode.HOLE
     assert result.reused_segments == (1, 3)
     assert result.hole_ranges == _ranges(prompt, 0, 2)
     # The miss after the last hit is part of the tail, not a hole.
@@ -95,7 +95,7 @@ def test_hole_policy_with_several_holes_and_a_missing_system_prompt():
 def test_hole_policy_with_trailing_misses_only_is_a_pure_hit():
     prompt = _prompt(*FIVE)
     result = plan_reuse(prompt, [True, True, False, False, False], ReusePolicy.HOLE)
-    assert result.mode is LookupMode.PURE_HIT
+    assert result.mode is ReuseMode.PURE_HIT
     assert result.hole_ranges == ()
     assert result.tail_start == prompt.segments[1].end
 
@@ -128,14 +128,14 @@ def test_empty_document_is_neither_a_hole_nor_a_stop_for_prefix():
     prefix = plan_reuse(prompt, flags, ReusePolicy.PREFIX)
     hole = plan_reuse(prompt, flags, ReusePolicy.HOLE)
     assert prefix.reused_segments == hole.reused_segments == (0, 2)
-    assert prefix.mode is hole.mode is LookupMode.PURE_HIT
+    assert prefix.mode is hole.mode is ReuseMode.PURE_HIT
     assert hole.hole_ranges == ()
 
 
 def test_policy_may_be_given_as_string():
     prompt = _prompt(*FIVE)
     result = plan_reuse(prompt, [True, False, True, False, False], "hole")
-    assert result.mode is LookupMode.HOLE
+    assert result.mode is ReuseMode.HOLE
 
 
 def test_wrong_number_of_flags_raises():

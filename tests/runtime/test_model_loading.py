@@ -5,13 +5,13 @@ import os
 import pytest
 import torch
 
-from holeblend_runtime.gguf_model import (
+from holeblend_runtime.model.gguf import (
     cache_entry_dir,
     find_smollm2_gguf,
     load_model_files,
     unpermute_qk,
 )
-from holeblend_runtime.rope import apply_rope, rope_table
+from holeblend_runtime.model.rope import apply_rope, rope_table
 
 
 def test_config_comes_from_gguf_metadata(reference_engine):

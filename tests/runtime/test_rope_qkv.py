@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from holeblend_kernels.rope_qkv import is_triton_supported, reference_rope_qkv, triton_rope_qkv
-from holeblend_runtime.rope import apply_rope, rope_table
+from holeblend_runtime.model.rope import apply_rope, rope_table
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (heads, kv_heads, head_dim): SmolLM2-135M, Llama-3-8B's GQA 4, no GQA, a small head.

@@ -2,7 +2,7 @@
 
 import pytest
 
-from holeblend_runtime.segments import (
+from holeblend_runtime.blend.segments import (
     Segment,
     SegmentKind,
     SegmentSplitter,

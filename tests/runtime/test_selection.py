@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from holeblend_runtime.blend_config import BlendConfig
-from holeblend_runtime.blender import Blender, _Stages
-from holeblend_runtime.selection import CheckScores, Selector, make_strategy, needs
+from holeblend_runtime.blend.blender import Blender, _Stages
+from holeblend_runtime.blend.config import BlendConfig
+from holeblend_runtime.blend.selection import CheckScores, Selector, make_strategy, needs
 
 HOLE = 3  # segment index: segments 0 and 1 are the exact prefix, 2 and 4+ are reused
 STRATEGIES = ["kDeviation", "vDeviation", "kvDeviation", "sinks", "query", "random"]
@@ -80,7 +80,7 @@ def test_a_mix_gives_each_part_its_share_and_never_picks_a_token_twice():
     [((0.25, 0.75), 10, (3, 7)), ((0.5, 0.5), 3, (2, 1)), ((0.3, 0.7), 0, (0, 0))],
 )
 def test_split_counts_sum_to_k_by_largest_remainder(shares, k, expected):
-    from holeblend_runtime.selection import KDeviation, Sinks
+    from holeblend_runtime.blend.selection import KDeviation, Sinks
 
     selector = Selector([(Sinks(), shares[0]), (KDeviation(), shares[1])])
     assert selector.split(k, 20) == expected
@@ -146,7 +146,7 @@ def test_query_attention_equals_attention_computed_head_by_head(reference_engine
 
 def _cached_positions(prefill, prompt):
     prefix_end = prompt.segments[1].end
-    return sorted(p for s, e in prefill.lookup.hit_ranges for p in range(s, e) if p >= prefix_end)
+    return sorted(p for s, e in prefill.reuse.hit_ranges for p in range(s, e) if p >= prefix_end)
 
 
 @pytest.mark.parametrize("selection", STRATEGIES + MIXES)
@@ -178,7 +178,7 @@ def test_sinks_in_the_engine_recompute_the_first_tokens_of_each_reused_document(
 ):
     engine, prompt = cached_engine(rag_texts, hole=HOLE, selection="sinks")
     prefill = engine.prefill(prompt, "hole", ratio=0.05)
-    starts = {s for s, _ in prefill.lookup.hit_ranges if s >= prompt.segments[1].end}
+    starts = {s for s, _ in prefill.reuse.hit_ranges if s >= prompt.segments[1].end}
     selected = set(prefill.selected_positions.tolist())
     # Each reused document's first token is picked before any second token.
     assert len(selected) >= len(starts)

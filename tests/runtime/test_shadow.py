@@ -9,8 +9,8 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from holeblend_runtime.bench.quality import answer_f1, answer_words
-from holeblend_runtime.shadow import (
+from holeblend_runtime.quality.scores import answer_f1, answer_words
+from holeblend_runtime.quality.shadow import (
     RUN_ON_TOKENS,
     SHADOW_TIME_SHARE,
     ShadowBudget,

@@ -10,7 +10,7 @@ def test_in_context_stores_the_slices_the_request_computed(new_engine, rag_texts
     engine = new_engine(store_policy="in-context")
     prompt = engine.build_prompt(*rag_texts)
     prefill = engine.prefill(prompt, "hole")
-    assert prefill.lookup.mode == "full-miss"
+    assert prefill.reuse.mode == "full-miss"
     assert (prefill.num_stored_segments, prefill.num_queued_segments) == (5, 0)
     for segment, key in zip(prompt.segments, engine.segment_keys(prompt), strict=True):
         if key is None:
@@ -27,7 +27,7 @@ def test_in_context_entries_are_reused_by_the_next_prompt(new_engine, rag_texts)
     engine.prefill(engine.build_prompt(system, documents[::-1], question), "hole")
     prompt = engine.build_prompt(*rag_texts)
     prefill = engine.prefill(prompt, "hole", ratio=0.15)
-    assert prefill.lookup.mode == "pure-hit" and prefill.num_stored_segments == 0
+    assert prefill.reuse.mode == "pure-hit" and prefill.num_stored_segments == 0
     full = engine.prefill(prompt, "full")
     assert prefill.logits.argmax() == full.logits.argmax()
 
@@ -65,7 +65,7 @@ def test_cached_system_prompt_alone_continues_on_the_causal_path(new_engine, rag
     engine.cache_segments(prompt, [0])
     prefill = engine.prefill(prompt, "hole", ratio=0.15)
     system = prompt.system
-    assert prefill.lookup.reused_segments == (0,)
+    assert prefill.reuse.reused_segments == (0,)
     assert prefill.num_exact_prefix_tokens == system.num_tokens
     assert prefill.recomputed_positions.tolist() == list(range(system.end, prompt.num_tokens))
     assert prefill.selected_positions.numel() == 0 and prefill.deviation.numel() == 0
@@ -99,7 +99,7 @@ def test_a_first_document_cached_elsewhere_is_blended_not_exact(new_engine, rag_
     engine.prefill(engine.build_prompt(system, [documents[1], documents[0]], question), "hole")
     prompt = engine.build_prompt(system, [documents[0]], question)
     prefill = engine.prefill(prompt, "hole", ratio=0.15)
-    assert prefill.lookup.reused_segments == (0, 1)
+    assert prefill.reuse.reused_segments == (0, 1)
     assert prefill.num_exact_prefix_tokens == prompt.system.num_tokens
     assert prefill.deviation.numel() == prompt.segments[1].num_tokens
 

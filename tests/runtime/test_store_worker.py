@@ -6,8 +6,8 @@ import time
 import pytest
 import torch
 
-from holeblend_runtime.kv_store import LocalKVStore, SegmentKV
-from holeblend_runtime.store_worker import Activity, IsolatedStoreWorker, StoreJob
+from holeblend_runtime.kv.store import LocalKVStore, SegmentKV
+from holeblend_runtime.kv.store_worker import Activity, IsolatedStoreWorker, StoreJob
 
 
 def _entry(key: str) -> SegmentKV:

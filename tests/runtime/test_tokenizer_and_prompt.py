@@ -2,9 +2,9 @@
 
 import pytest
 
-from holeblend_runtime.blend_config import DEFAULT_SEPARATOR
-from holeblend_runtime.prompt import PromptBuilder
-from holeblend_runtime.segments import SegmentKind
+from holeblend_runtime.blend.config import DEFAULT_SEPARATOR
+from holeblend_runtime.blend.prompt import PromptBuilder
+from holeblend_runtime.blend.segments import SegmentKind
 
 
 def test_tokenizer_encodes_chatml_like_the_model_vocabulary(reference_engine):

@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from holeblend_runtime.blend_config import BlendConfig
-from holeblend_runtime.keys import SegmentKeyer
-from holeblend_runtime.lookup import LookupMode
+from holeblend_runtime.blend.config import BlendConfig
+from holeblend_runtime.blend.keys import SegmentKeyer
+from holeblend_runtime.blend.reuse import ReuseMode
 from holeblend_runtime.vllm_connector.planning import PENDING, AsyncReusePlanner, ReusePlanner
 from holeblend_runtime.vllm_connector.settings import load_settings
 
@@ -68,7 +68,7 @@ def test_the_first_poll_never_waits_and_a_prompt_answer_gives_the_plan():
     lookups = AsyncReusePlanner(planner(index), deadline_s=5.0)
     plan, answers = poll_until_done(lookups)
     assert plan == planner(index).plan(PROMPT)
-    assert plan.lookup.mode is LookupMode.PURE_HIT and not plan.is_lookup_late
+    assert plan.reuse.mode is ReuseMode.PURE_HIT and not plan.is_lookup_late
     assert lookups.num_pending == 0
 
 
@@ -87,7 +87,7 @@ def test_an_index_that_answers_after_the_deadline_plans_a_full_miss():
     lookups = AsyncReusePlanner(planner(index), deadline_s=0.05)
     plan, _ = poll_until_done(lookups)
     assert plan.is_lookup_late and not plan.is_lookup_failed
-    assert plan.num_covered_tokens == 0 and plan.lookup.mode is LookupMode.FULL_MISS
+    assert plan.num_covered_tokens == 0 and plan.reuse.mode is ReuseMode.FULL_MISS
     # Unknown: every cacheable segment is named, the worker's store skips what is held.
     assert plan.missing_segments == tuple(i for i, k in enumerate(plan.keys) if k is not None)
     assert lookups.num_pending == 0

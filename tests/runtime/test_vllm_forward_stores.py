@@ -2,7 +2,7 @@
 
 from types import SimpleNamespace
 
-from holeblend_runtime.segments import SegmentSplitter
+from holeblend_runtime.blend.segments import SegmentSplitter
 from holeblend_runtime.vllm_connector.forward_stores import ForwardStores
 
 SEP = 9

@@ -5,11 +5,11 @@ import os
 import pytest
 
 from holeblend_contract.blend_settings import BlendSettings, ModelSettings
-from holeblend_runtime.blend_config import BlendConfig
-from holeblend_runtime.engine import ReferenceEngine
-from holeblend_runtime.keys import SegmentKeyer
-from holeblend_runtime.kv_directory import DirectoryKVStore
-from holeblend_runtime.lookup import LookupMode
+from holeblend_runtime.blend.config import BlendConfig
+from holeblend_runtime.blend.keys import SegmentKeyer
+from holeblend_runtime.blend.reuse import ReuseMode
+from holeblend_runtime.engine import BlendEngine
+from holeblend_runtime.kv.directory import DirectoryKVStore
 from holeblend_runtime.vllm_connector.planning import ReusePlanner
 from holeblend_runtime.vllm_connector.settings import RatioSource, load_settings
 
@@ -46,8 +46,8 @@ def cached_keys(plan_of_everything, indexes):
 def test_a_missing_middle_document_is_a_hole_and_the_documents_after_it_are_reused():
     everything = planner(MemoryIndex()).plan(PROMPT)
     plan = planner(MemoryIndex(cached_keys(everything, [0, 1, 3]))).plan(PROMPT)
-    assert plan.lookup.mode is LookupMode.HOLE
-    assert plan.lookup.hole_ranges == ((8, 11),)
+    assert plan.reuse.mode is ReuseMode.HOLE
+    assert plan.reuse.hole_ranges == ((8, 11),)
     assert plan.num_covered_tokens == 15  # up to the end of the last reused document
     assert plan.missing_segments == (2,)
 
@@ -55,7 +55,7 @@ def test_a_missing_middle_document_is_a_hole_and_the_documents_after_it_are_reus
 def test_a_full_hit_leaves_the_question_to_vllm():
     everything = planner(MemoryIndex()).plan(PROMPT)
     plan = planner(MemoryIndex(cached_keys(everything, [0, 1, 2, 3]))).plan(PROMPT)
-    assert plan.lookup.mode is LookupMode.PURE_HIT
+    assert plan.reuse.mode is ReuseMode.PURE_HIT
     assert plan.num_covered_tokens < len(PROMPT)
 
 
@@ -63,7 +63,7 @@ def test_a_selection_that_reads_the_question_covers_it_but_not_the_last_token():
     everything = planner(MemoryIndex()).plan(PROMPT)
     cached = cached_keys(everything, [0, 1, 3])
     plan = planner(MemoryIndex(cached), "query:0.5+kDeviation").plan(PROMPT)
-    assert plan.lookup.hole_ranges == ((8, 11),)
+    assert plan.reuse.hole_ranges == ((8, 11),)
     assert plan.num_covered_tokens == len(PROMPT) - 1
     missed = planner(MemoryIndex(), "query").plan(PROMPT)
     assert missed.num_covered_tokens == 0  # a full miss covers nothing, question or not
@@ -73,7 +73,7 @@ def test_an_unreachable_index_plans_a_full_miss_and_says_so():
     plan = planner(MemoryIndex(is_down=True)).plan(PROMPT)
     assert plan.is_lookup_failed
     assert plan.num_covered_tokens == 0
-    assert plan.lookup.mode is LookupMode.FULL_MISS
+    assert plan.reuse.mode is ReuseMode.FULL_MISS
 
 
 def test_a_prompt_without_separator_is_not_planned():
@@ -81,7 +81,7 @@ def test_a_prompt_without_separator_is_not_planned():
 
 
 def test_keys_match_the_reference_engines():
-    engine = ReferenceEngine.load()
+    engine = BlendEngine.load()
     prompt = engine.build_prompt("Answer.", [" Doc one is here.", " Doc two is here."], " Q?")
     keyer = SegmentKeyer(engine.config.model_id, engine.kv_dtype, engine.blend_config)
     assert keyer.keys(prompt) == engine.segment_keys(prompt)
@@ -110,7 +110,7 @@ def test_a_newer_settings_format_is_refused_naming_the_key(tmp_path):
 
 
 def test_a_corrupt_kv_file_is_a_miss_and_is_removed(tmp_path):
-    engine = ReferenceEngine.load()
+    engine = BlendEngine.load()
     store = DirectoryKVStore(tmp_path, 1 << 30)
     engine.store = store
     prompt = engine.build_prompt("Answer.", [" Doc one is here today."], " Q?")

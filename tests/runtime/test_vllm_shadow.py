@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from holeblend_runtime.shadow import ShadowBudget
+from holeblend_runtime.quality.shadow import ShadowBudget
 from holeblend_runtime.vllm_connector import shadow as shadow_module
 from holeblend_runtime.vllm_connector.shadow import (
     ENGINE_URL_ENV,

@@ -8,13 +8,13 @@ import types
 
 import torch
 
-from holeblend_runtime.blend_config import BlendConfig
-from holeblend_runtime.blender import Blender, CachedSpan
-from holeblend_runtime.kv_directory import DirectoryKVStore
-from holeblend_runtime.kv_store import SegmentKV
-from holeblend_runtime.llama import Llama
-from holeblend_runtime.model_config import ModelConfig
-from holeblend_runtime.model_presets import random_weights
+from holeblend_runtime.blend.blender import Blender, CachedSpan
+from holeblend_runtime.blend.config import BlendConfig
+from holeblend_runtime.kv.directory import DirectoryKVStore
+from holeblend_runtime.kv.store import SegmentKV
+from holeblend_runtime.model.config import ModelConfig
+from holeblend_runtime.model.llama import Llama
+from holeblend_runtime.model.presets import random_weights
 from holeblend_runtime.vllm_connector.store import AllShardsIndex, ShardedKVStore, shard_key
 from holeblend_runtime.vllm_connector.worker import BlendWorker
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import pytest
 
-from holeblend_runtime.engine import ReferenceEngine
+from holeblend_runtime.engine import BlendEngine
 from holeblend_runtime.serve.live_config import LiveConfig
 from holeblend_runtime.serve.metrics import ServeMetrics
 from holeblend_runtime.serve.worker import EngineWorker, Finished, Job, PrefillDone
@@ -31,8 +31,8 @@ QUESTIONS = ("Which lake shrank?", "What are lichens?", "What is an abacus?", "W
 
 
 @pytest.fixture(scope="module")
-def engine() -> ReferenceEngine:
-    return ReferenceEngine.load(num_threads=1)
+def engine() -> BlendEngine:
+    return BlendEngine.load(num_threads=1)
 
 
 @pytest.fixture(scope="module")

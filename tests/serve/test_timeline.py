@@ -9,8 +9,8 @@ import pytest
 from prometheus_client import generate_latest
 
 from holeblend_devtools import timeline
+from holeblend_runtime.quality.shadow import ShadowMetrics, ShadowScore
 from holeblend_runtime.serve.metrics import ServeMetrics
-from holeblend_runtime.shadow import ShadowMetrics, ShadowScore
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, supports_hma
 from vllm.utils.func_utils import supports_kw
 
-from holeblend_runtime.segments import SegmentSplitter
+from holeblend_runtime.blend.segments import SegmentSplitter
 from holeblend_runtime.vllm_connector.accounting import LoadSpec
 from holeblend_runtime.vllm_connector.connector import (
     HoleBlendConnector,

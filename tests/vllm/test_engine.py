@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from holeblend_devtools.vllm_probe import ProbeConfig, build_prompts
-from holeblend_runtime.bench.quality import top1_agreement
-from holeblend_runtime.engine import ReferenceEngine
+from holeblend_runtime.engine import BlendEngine
+from holeblend_runtime.quality.scores import top1_agreement
 
 # Each fixture starts a vLLM engine in a subprocess: ~1-2 min on a quiet 2-core machine,
 # over 10 min when the machine is shared.
@@ -57,13 +57,13 @@ def test_low_ratio_agrees_with_full_prefill_at_least_as_well_as_the_reference_en
 
 
 def reference_engine_agreement(answers: dict[int, list[int]], ratio: float) -> float:
-    """The reference engine's top-1 agreement, hole mode vs its own full prefill, on the
+    """The blend engine's top-1 agreement, hole mode vs its own full prefill, on the
     same prompts and the same answers (teacher forcing)."""
-    loaded = ReferenceEngine.load()
+    loaded = BlendEngine.load()
     config = ProbeConfig(is_connector=False, work_dir=None, num_questions=2)
     scores = []
     for index, (first, second) in enumerate(build_prompts(config)):
-        engine = ReferenceEngine(loaded.model, loaded.tokenizer)  # a fresh store per prompt
+        engine = BlendEngine(loaded.model, loaded.tokenizer)  # a fresh store per prompt
         splitter = engine.prompt_builder.splitter
         engine.prefill(splitter.split(first), mode="hole")
         prompt = splitter.split(second)

@@ -8,8 +8,8 @@ import pytest
 import torch
 import transformers
 
-from holeblend_runtime.engine import ReferenceEngine
-from holeblend_runtime.gguf_model import find_smollm2_gguf
+from holeblend_runtime.engine import BlendEngine
+from holeblend_runtime.model.gguf import find_smollm2_gguf
 
 PROMPT = (
     "<|im_start|>system\nAnswer from the documents in a few words.<|im_end|>\n"
@@ -26,8 +26,8 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def ours() -> ReferenceEngine:
-    return ReferenceEngine.load(num_threads=2)
+def ours() -> BlendEngine:
+    return BlendEngine.load(num_threads=2)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ $HOLEBLEND_METRICS_PORT, `--scheduling-policy priority --long-prefill-token-thre
 
 A hole request that blended cached documents is scored by shadow requests the connector
 sends back to the server at once, within the default token budget; the scores (the end
-of the answer included) match the reference engine's own shadow scorer on the same
+of the answer included) match the blend engine's own shadow scorer on the same
 prompt and answer, the shadow requests are not counted as traffic, and each blend's
 inline statistic is exported and paired with its shadow score."""
 
@@ -14,8 +14,8 @@ import pytest
 
 from holeblend_devtools.vllm_probe import ProbeConfig, build_prompts
 from holeblend_devtools.vllm_server import serve
-from holeblend_runtime.engine import ReferenceEngine
-from holeblend_runtime.shadow import ShadowRequest, ShadowScorer
+from holeblend_runtime.engine import BlendEngine
+from holeblend_runtime.quality.shadow import ShadowRequest, ShadowScorer
 
 ANSWER_TOKENS = 12
 
@@ -55,7 +55,7 @@ def test_hole_requests_are_scored_as_the_reference_engine_scores_them(server):
 
     # The same proxies as holeblend-serve's scorer on the same prompts and answers (our
     # model is vLLM's within 2e-4, tests/vllm/test_model_oracle.py).
-    loaded = ReferenceEngine.load(num_threads=2)
+    loaded = BlendEngine.load(num_threads=2)
     scorer = ShadowScorer(loaded.model, loaded.tokenizer, 1.0)
     splitter = loaded.prompt_builder.splitter
     eos = loaded.model.config.eos_token_id

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from holeblend_runtime.segments import SegmentedPrompt, SegmentSplitter
-from holeblend_runtime.tokenizer import TextTokenizer
+from holeblend_runtime.blend.segments import SegmentedPrompt, SegmentSplitter
+from holeblend_runtime.model.tokenizer import TextTokenizer
 
 
 @dataclass(frozen=True)

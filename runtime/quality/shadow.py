@@ -30,7 +30,7 @@ and scores the blended request against it:
 4. Both are observed in histograms labelled by the ratio the request ran with, so a ratio
    change starts a fresh series and the tuner reads only samples of the ratio in force.
    A scored request that carries its blend's inline statistic also calibrates the inline
-   proxy (inline_proxy.py).
+   proxy (quality/inline_proxy.py).
 """
 
 from __future__ import annotations
@@ -51,11 +51,11 @@ from typing import TYPE_CHECKING
 import torch
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
-from holeblend_runtime.bench.quality import answer_f1, answer_words
-from holeblend_runtime.segments import SegmentedPrompt
+from holeblend_runtime.blend.segments import SegmentedPrompt
+from holeblend_runtime.quality.scores import answer_f1, answer_words
 
 if TYPE_CHECKING:
-    from holeblend_runtime.inline_proxy import InlineProxy
+    from holeblend_runtime.quality.inline_proxy import InlineProxy
 
 LOG = logging.getLogger(__name__)
 PROXY_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.99, 1.0)
@@ -96,7 +96,7 @@ class ShadowRequest:
     stopped_at_eos: bool = False
     # The request's token limit (None: unknown); bounds full prefill's own answer.
     max_tokens: int | None = None
-    # The blend's inline statistic (inline_proxy.py); None: not taken.
+    # The blend's inline statistic (quality/inline_proxy.py); None: not taken.
     inline_statistic: float | None = None
 
     @property

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from holeblend_contract import blend_settings as contract
 
-# Names of the built-in token selection strategies (see selection.py).
+# Names of the built-in token selection strategies (see blend/selection.py).
 K_DEVIATION = contract.Selection.K_DEVIATION.value
 V_DEVIATION = contract.Selection.V_DEVIATION.value
 KV_DEVIATION = contract.Selection.KV_DEVIATION.value
@@ -21,7 +21,7 @@ RANDOM = contract.Selection.RANDOM.value
 SELECTION_NAMES = tuple(s.value for s in contract.Selection)
 DEFAULT_SELECTION = contract.DEFAULT_SELECTION
 # Store policies: how a segment the request had to compute gets into the KV store
-# (see store_worker.py and docs/blending.md).
+# (see kv/store_worker.py and docs/blending.md).
 IN_CONTEXT = contract.StorePolicy.IN_CONTEXT.value
 ISOLATED = contract.StorePolicy.ISOLATED.value
 STORE_POLICIES = (IN_CONTEXT, ISOLATED)
@@ -41,7 +41,7 @@ class BlendConfig:
     # Share of the cached tokens recomputed in the layers after the check layer.
     ratio: float = contract.DEFAULT_RECOMPUTE_RATIO
     # Token selection: one strategy name (default kvDeviation) or a mix with budget shares,
-    # "sinks:0.25+kDeviation" (see selection.py and the contract's `parse_selection`).
+    # "sinks:0.25+kDeviation" (see blend/selection.py and the contract's `parse_selection`).
     selection: str = DEFAULT_SELECTION
     # Later layers at which the recompute set is narrowed (gradual filtering): the check
     # layer picks (1 + len) times the budget, each filter layer keeps fewer by that layer's

@@ -9,7 +9,7 @@ request, at no cost beyond a sum over numbers the blend computed anyway:
    most. The share of the total squared deviation left in the cached tokens it did *not*
    recompute (0: every deviating token was recomputed; 1: none was) says how much stale
    KV the answer was computed on. It is taken where the shared reuse path returns
-   (`ReferenceEngine.blend_reused`: holeblend-serve's prefill, the vLLM connector's
+   (`BlendEngine.blend_reused`: holeblend-serve's prefill, the vLLM connector's
    worker).
 2. **Calibration** (`Calibration`): for requests that were both blended and shadowed, the
    pair (statistic, shadow score) is kept, per ratio (the last `MAX_PAIRS`). An isotonic
@@ -43,9 +43,9 @@ from dataclasses import dataclass
 import torch
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 
-from holeblend_runtime.lookup import LookupResult
-from holeblend_runtime.segments import SegmentedPrompt
-from holeblend_runtime.shadow import PROXY_BUCKETS, ShadowScore, ratio_label
+from holeblend_runtime.blend.reuse import SegmentReuse
+from holeblend_runtime.blend.segments import SegmentedPrompt
+from holeblend_runtime.quality.shadow import PROXY_BUCKETS, ShadowScore, ratio_label
 
 # The series the tuner reads (one place for their names).
 INLINE_F1_METRIC = "holeblend_inline_f1_proxy"
@@ -65,7 +65,7 @@ STATISTIC_BUCKETS = tuple(round(0.05 * i, 2) for i in range(1, 21))
 
 def residual_deviation_share(
     prompt: SegmentedPrompt,
-    lookup: LookupResult,
+    reuse: SegmentReuse,
     deviation: torch.Tensor,
     selected: torch.Tensor,
     num_tokens: int | None = None,
@@ -91,7 +91,7 @@ def residual_deviation_share(
     if total <= 0:
         return 0.0  # no cached token deviated: nothing stale was left
     picked = [int(p) for p in selected.detach().to("cpu").reshape(-1).tolist()]
-    compared = _compared_positions(prompt, lookup, num_tokens)
+    compared = _compared_positions(prompt, reuse, num_tokens)
     index = {p: i for i, p in enumerate(compared[-count:])} if len(compared) >= count else {}
     if picked and all(p in index for p in picked):
         recomputed = float(values[[index[p] for p in picked]].sum())
@@ -101,12 +101,12 @@ def residual_deviation_share(
 
 
 def _compared_positions(
-    prompt: SegmentedPrompt, lookup: LookupResult, num_tokens: int | None
+    prompt: SegmentedPrompt, reuse: SegmentReuse, num_tokens: int | None
 ) -> list[int]:
     end = prompt.num_tokens if num_tokens is None else num_tokens
     positions = sorted(
         p
-        for i in lookup.reused_segments
+        for i in reuse.reused_segments
         for p in range(prompt.segments[i].start, min(prompt.segments[i].end, end))
     )
     if end == prompt.num_tokens and positions and positions[-1] == prompt.num_tokens - 1:

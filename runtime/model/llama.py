@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from holeblend_kernels import rope_qkv
-from holeblend_runtime.attention import AttentionPlan, attend, has_triton, plan_attention
-from holeblend_runtime.model_config import ModelConfig
-from holeblend_runtime.rope import RopeTable, rope_table
+from holeblend_runtime.model.attention import AttentionPlan, attend, has_triton, plan_attention
+from holeblend_runtime.model.config import ModelConfig
+from holeblend_runtime.model.rope import RopeTable, rope_table
 
 
 @dataclass(frozen=True, eq=False)

@@ -36,7 +36,7 @@ from typing import Protocol
 import torch
 
 from holeblend_contract.blend_settings import parse_selection
-from holeblend_runtime.blend_config import (
+from holeblend_runtime.blend.config import (
     K_DEVIATION,
     KV_DEVIATION,
     QUERY,
@@ -45,7 +45,7 @@ from holeblend_runtime.blend_config import (
     V_DEVIATION,
     BlendConfig,
 )
-from holeblend_runtime.devices import to_device
+from holeblend_runtime.model.devices import to_device
 
 # What a strategy may need measured besides K deviation and segment offsets.
 NEEDS_V = "v"

@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
-from holeblend_runtime.model_config import ModelConfig
-from holeblend_runtime.tokenizer import build_bpe_tokenizer
+from holeblend_runtime.model.config import ModelConfig
+from holeblend_runtime.model.tokenizer import build_bpe_tokenizer
 
 log = logging.getLogger(__name__)
 

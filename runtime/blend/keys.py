@@ -6,7 +6,7 @@ context (system prompt and separator): KV computed after another system prompt i
 KV. The system prompt itself is cached alone from position 0. Segments shorter than
 `min_segment_tokens` (and the question) are never cached: None.
 
-Both engines key through `SegmentKeyer`: holeblend-serve's (`ReferenceEngine`) and the vLLM
+Both engines key through `SegmentKeyer`: holeblend-serve's (`BlendEngine`) and the vLLM
 connector's scheduler side, so a segment stored by one is found by the other.
 """
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from holeblend_runtime.blend_config import BlendConfig
-from holeblend_runtime.segments import SegmentedPrompt, segment_key
+from holeblend_runtime.blend.config import BlendConfig
+from holeblend_runtime.blend.segments import SegmentedPrompt, segment_key
 
 
 @dataclass(frozen=True)

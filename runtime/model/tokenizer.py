@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from holeblend_runtime.model_config import ModelConfig
+from holeblend_runtime.model.config import ModelConfig
 
 
 def build_bpe_tokenizer(

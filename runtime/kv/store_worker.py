@@ -6,7 +6,7 @@ pass per document, which must not delay requests. This module runs it:
 
 1. `Activity` counts foreground work: every prefill, generate and score of the engines
    sharing it, plus holds a server takes while requests wait in its queue
-   (`ReferenceEngine.busy()`).
+   (`BlendEngine.busy()`).
 2. The engine submits one `StoreJob` per missing segment to an `IsolatedStoreWorker`.
    Its queue is bounded: a full queue drops the job (counted), a key already queued is
    not queued twice.
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from holeblend_runtime.kv_store import KVStore, SegmentKV
+from holeblend_runtime.kv.store import KVStore, SegmentKV
 
 log = logging.getLogger(__name__)
 

@@ -31,13 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from holeblend_runtime.attention import AttentionPlan, plan_attention
-from holeblend_runtime.blend_config import BlendConfig, check_ratio
-from holeblend_runtime.devices import to_device
-from holeblend_runtime.kv_store import SegmentKV
-from holeblend_runtime.llama import Llama
-from holeblend_runtime.rope import RopeTable, apply_rope, rope_table
-from holeblend_runtime.selection import (
+from holeblend_runtime.blend.config import BlendConfig, check_ratio
+from holeblend_runtime.blend.selection import (
     NEEDS_QUERY,
     NEEDS_V,
     CheckScores,
@@ -45,6 +40,11 @@ from holeblend_runtime.selection import (
     make_strategy,
     num_to_select,
 )
+from holeblend_runtime.kv.store import SegmentKV
+from holeblend_runtime.model.attention import AttentionPlan, plan_attention
+from holeblend_runtime.model.devices import to_device
+from holeblend_runtime.model.llama import Llama
+from holeblend_runtime.model.rope import RopeTable, apply_rope, rope_table
 
 # On accelerators the recompute set is rounded up to a multiple of this many tokens by
 # picking the next cached tokens in the strategy's order: the sparse layers' matrix

@@ -29,16 +29,7 @@ from typing import Protocol
 import torch
 
 from holeblend_contract.shared_tier import DEPLOYMENT_ENV
-from holeblend_runtime.kv_store import LocalKVStore, SegmentKV
-from holeblend_runtime.lookup_client import (
-    Announcer,
-    AnnouncerConfig,
-    ClientConfig,
-    LookupClient,
-)
-from holeblend_runtime.lookup_server.wire import Entry
-from holeblend_runtime.model_config import ModelConfig
-from holeblend_runtime.shared_tier import (
+from holeblend_runtime.kv.shared_tier import (
     DTYPE_SIZES,
     BlobHeader,
     SharedTier,
@@ -46,6 +37,15 @@ from holeblend_runtime.shared_tier import (
     blob_pieces,
     decode_blob,
 )
+from holeblend_runtime.kv.store import LocalKVStore, SegmentKV
+from holeblend_runtime.lookup_server.client import (
+    Announcer,
+    AnnouncerConfig,
+    ClientConfig,
+    LookupClient,
+)
+from holeblend_runtime.lookup_server.wire import Entry
+from holeblend_runtime.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -11,10 +11,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from holeblend_runtime.segments import Segment, SegmentedPrompt, SegmentKind
+from holeblend_runtime.blend.segments import Segment, SegmentedPrompt, SegmentKind
 
 
-class LookupMode(StrEnum):
+class ReuseMode(StrEnum):
     FULL_MISS = "full-miss"
     PURE_HIT = "pure-hit"
     HOLE = "hole"
@@ -26,7 +26,7 @@ class ReusePolicy(StrEnum):
 
 
 @dataclass(frozen=True)
-class LookupResult:
+class SegmentReuse:
     """Which tokens of a prompt come from the cache and which are computed fresh.
 
     Every token is in exactly one of: a hit range, a hole range, a separator before
@@ -34,7 +34,7 @@ class LookupResult:
     none of the ranges.
     """
 
-    mode: LookupMode
+    mode: ReuseMode
     num_prompt_tokens: int
     # Indexes into `SegmentedPrompt.segments` of the reused segments, in prompt order.
     reused_segments: tuple[int, ...]
@@ -62,7 +62,7 @@ class LookupResult:
 
 def plan_reuse(
     prompt: SegmentedPrompt, hit_flags: Sequence[bool], policy: ReusePolicy | str
-) -> LookupResult:
+) -> SegmentReuse:
     """`hit_flags[i]` says whether `prompt.segments[i]` is in the cache."""
     _check_hit_flags(prompt, hit_flags)
     reused = _reused_segment_indexes(prompt.segments, hit_flags, _parse_policy(policy))
@@ -73,7 +73,7 @@ def plan_reuse(
         for i, segment in enumerate(prompt.segments)
         if i not in reused and segment.num_tokens > 0 and segment.end <= tail_start
     )
-    return LookupResult(
+    return SegmentReuse(
         mode=_mode(hit_ranges, hole_ranges),
         num_prompt_tokens=prompt.num_tokens,
         reused_segments=reused,
@@ -119,10 +119,10 @@ def _reused_segment_indexes(
 
 def _mode(
     hit_ranges: tuple[tuple[int, int], ...], hole_ranges: tuple[tuple[int, int], ...]
-) -> LookupMode:
+) -> ReuseMode:
     if not hit_ranges:
-        return LookupMode.FULL_MISS
-    return LookupMode.HOLE if hole_ranges else LookupMode.PURE_HIT
+        return ReuseMode.FULL_MISS
+    return ReuseMode.HOLE if hole_ranges else ReuseMode.PURE_HIT
 
 
 def _range(segment: Segment) -> tuple[int, int]:

@@ -13,8 +13,8 @@ position sees every key: no mask), stacks the B outputs and runs the output proj
 and the MLP for all of them at once.
 
 `DecodeSequence` is one sequence's state; `decode_step` advances a list of them by one
-token each. The engine starts sequences from prefills (`ReferenceEngine.start_decode`)
-and wraps the step (`ReferenceEngine.decode_step`); the server's compute thread runs the
+token each. The engine starts sequences from prefills (`BlendEngine.start_decode`)
+and wraps the step (`BlendEngine.decode_step`); the server's compute thread runs the
 requests in flight as one batch (`holeblend_runtime.serve.worker`).
 """
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from holeblend_runtime.llama import Llama
+from holeblend_runtime.model.llama import Llama
 
 
 @dataclass(eq=False)

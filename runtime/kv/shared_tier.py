@@ -33,7 +33,7 @@ import redis
 import xxhash
 
 from holeblend_contract.shared_tier import PASSWORD_ENV, USER_ENV, check_shared_url, key_prefix
-from holeblend_runtime.circuit_breaker import CircuitBreaker
+from holeblend_runtime.kv.circuit_breaker import CircuitBreaker
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from holeblend_runtime.circuit_breaker import CircuitBreaker
+from holeblend_runtime.kv.circuit_breaker import CircuitBreaker
 from holeblend_runtime.lookup_server import wire
 
 log = logging.getLogger(__name__)

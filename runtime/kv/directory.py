@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from holeblend_runtime.kv_store import SegmentKV
+from holeblend_runtime.kv.store import SegmentKV
 
 log = logging.getLogger(__name__)
 

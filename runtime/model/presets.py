@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from holeblend_runtime.model_config import ModelConfig
+from holeblend_runtime.model.config import ModelConfig
 
 # The shapes of public checkpoints (their config.json), token ids of SmolLM2's tokenizer,
 # which the benchmark uses to build prompts for every preset. Random weights have no

@@ -1,0 +1,1 @@
+"""Blending: segments and keys, reuse planning, token selection, the blender."""

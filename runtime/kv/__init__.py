@@ -1,0 +1,1 @@
+"""KV tiers: the in-process store, the node directory, the shared tier, stores in the background."""

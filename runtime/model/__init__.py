@@ -1,0 +1,1 @@
+"""The transformer: weights, layers, attention, tokenizer, devices."""

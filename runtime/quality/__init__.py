@@ -1,0 +1,1 @@
+"""Quality proxies: the shadow's scores and the zero-cost inline proxy."""
