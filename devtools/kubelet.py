@@ -5,8 +5,11 @@ what a Deployment controller, a kubelet and kube-proxy would, on this machine:
 
 1. **Which Deployments.** Those whose pods ask for no device (no extended resources) and
    whose containers' commands are installed here (`holeblend-serve`, `holeblend-lookup`,
-   any executable on PATH) run for real. Others settle as the emulator's stand-in does
-   (`workloads.deployment_status`): available at once, nothing runs.
+   any executable on PATH) run for real. With a `DeviceStandIn`, pods that ask for the
+   devices it names run too, on this machine's CPU, with its commands' directory first on
+   PATH (e.g. the vLLM environment, whose CPU build of vLLM then serves a "GPU" pod) and
+   its env. Others settle as the emulator's stand-in does (`workloads.deployment_status`):
+   available at once, nothing runs.
 2. **Pods.** `spec.replicas` Pod objects per Deployment, each a process running the first
    container's command and args with its env. Each pod gets its own loopback address
    (127.0.0.2, 127.0.0.3, ...) as its podIP; an argument `0.0.0.0` (listen on every
@@ -15,8 +18,10 @@ what a Deployment controller, a kubelet and kube-proxy would, on this machine:
 3. **ConfigMap volumes** are materialized the way kubelet does it: the keys in a
    timestamped directory, a `..data` symlink to it, and one symlink per key through
    `..data`; an update writes a new directory and swaps `..data` atomically (rename of a
-   symlink), so a reader never sees half a file. Env values and args that start with a
-   volume's mountPath are pointed at that directory (no mount namespaces here).
+   symlink), so a reader never sees half a file. A hostPath volume is that path of this
+   machine (the node). Env values and args that start with a ConfigMap or hostPath
+   volume's mountPath are pointed at its directory (no mount namespaces here; other
+   volumes, e.g. emptyDir, are not emulated: their paths stay as written).
 4. **Readiness** comes from each container's readinessProbe (httpGet on the pod's address,
    its timeoutSeconds and failureThreshold, polled every `tick_s`, not every periodSeconds);
    a Deployment is available only when all its pods are ready. A process that exits is restarted with a doubling backoff and
@@ -24,7 +29,9 @@ what a Deployment controller, a kubelet and kube-proxy would, on this machine:
 5. **Services** get a TCP proxy on 127.0.0.1 to their ready endpoints; its port is written
    to the Service as the annotation `LOCAL_PORT_ANNOTATION`. In-cluster service URLs
    (`http://NAME.NAMESPACE.svc:PORT`) inside materialized files and env become these local
-   addresses (there is no cluster DNS here).
+   addresses (there is no cluster DNS here). A pod's own loopback in its files, env and
+   args (`http://127.0.0.1:PORT`, `http://localhost:PORT`: a vLLM pod's shadow requests to
+   its own server) becomes its podIP, where it listens.
 
 Everything started is stopped by `stop()` (processes by their pid: SIGTERM, then SIGKILL).
 """
@@ -57,6 +64,20 @@ LOCAL_PORT_ANNOTATION = "emulator.holeblend.io/local-port"
 _SVC_URL = re.compile(r"(https?://)([a-z0-9-]+)\.([a-z0-9-]+)\.svc(?:\.cluster\.local)?:(\d+)")
 
 
+@dataclasses.dataclass(frozen=True)
+class DeviceStandIn:
+    """Pods that ask for these extended resources run here on the CPU: `bin_dir` goes first
+    on their PATH (where a CPU build of their engine is installed) and `env` into their
+    environment (e.g. the CPU engine's KV cache size)."""
+
+    resources: frozenset[str] = frozenset({"nvidia.com/gpu"})
+    bin_dir: Path | None = None
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def runs(self, pod_spec: dict) -> bool:
+        return set(workloads._extended_requests(pod_spec)) <= self.resources
+
+
 @dataclasses.dataclass
 class Pod:
     name: str
@@ -66,7 +87,7 @@ class Pod:
     deployment: str
     container: dict
     volumes: dict[str, Path]  # volume name -> local directory
-    configmap_of: dict[str, str]  # volume name -> ConfigMap name
+    configmap_of: dict[str, str]  # volume name -> ConfigMap name (ConfigMap volumes only)
     process: subprocess.Popen | None = None
     restarts: int = 0
     next_start: float = 0.0
@@ -81,10 +102,17 @@ class Pod:
 class ProcessKubelet:
     """`with ProcessKubelet(cluster, workdir): ...` runs CPU pods of `cluster` locally."""
 
-    def __init__(self, cluster, workdir: str | Path, tick_s: float = 0.3):
+    def __init__(
+        self,
+        cluster,
+        workdir: str | Path,
+        tick_s: float = 0.3,
+        stand_in: DeviceStandIn | None = None,
+    ):
         self.cluster = cluster  # background.EmulatorThread
         self.workdir = Path(workdir)
         self.tick_s = tick_s
+        self.stand_in = stand_in
         self.pods: dict[tuple[str, str], Pod] = {}  # (namespace, pod name) -> pod
         self._proxies: dict[tuple[str, str], ServiceProxy] = {}
         self._next_ip = 2
@@ -125,7 +153,7 @@ class ProcessKubelet:
         self._sync_proxies(services)
         wanted: set[tuple[str, str]] = set()
         for deployment in self.cluster.list(DEPLOYMENTS):
-            if is_runnable(deployment):
+            if is_runnable(deployment, self.stand_in):
                 wanted |= self._sync_deployment(deployment, configmaps)
             else:
                 self._settle_stand_in(deployment)
@@ -155,11 +183,12 @@ class ProcessKubelet:
         ip = f"127.0.0.{self._next_ip}"
         self._next_ip += 1
         container = template["spec"]["containers"][0]
-        volumes = {
-            v["name"]: self.workdir / meta["namespace"] / name / v["name"]
-            for v in template["spec"].get("volumes", [])
-            if "configMap" in v
-        }
+        volumes = {}
+        for volume in template["spec"].get("volumes", []):
+            if "configMap" in volume:
+                volumes[volume["name"]] = self.workdir / meta["namespace"] / name / volume["name"]
+            elif "hostPath" in volume:
+                volumes[volume["name"]] = Path(volume["hostPath"]["path"])
         configmap_of = {
             v["name"]: v["configMap"]["name"]
             for v in template["spec"].get("volumes", [])
@@ -212,9 +241,13 @@ class ProcessKubelet:
         container = pod.container
         command = [*container.get("command", []), *container.get("args", [])]
         command = [self._local_value(pod, arg) for arg in command]
-        command[0] = shutil.which(command[0], path=_search_path()) or command[0]
+        search_path = _search_path(self.stand_in)
+        command[0] = shutil.which(command[0], path=search_path) or command[0]
         command = [pod.ip if arg == "0.0.0.0" else arg for arg in command]
         env = dict(os.environ)
+        if self.stand_in is not None and self.stand_in.bin_dir is not None:
+            env["PATH"] = search_path
+            env.update(self.stand_in.env)
         env.update(
             {
                 e["name"]: self._local_value(pod, e.get("value", ""))
@@ -233,11 +266,14 @@ class ProcessKubelet:
         return self.workdir / pod.namespace / pod.name / "container.log"
 
     def _local_value(self, pod: Pod, value: str) -> str:
+        """An env value or arg as the pod sees it here: mounted paths, also inside a longer
+        value (a JSON argument naming a mounted file), point at the volume's directory."""
         for mount in pod.container.get("volumeMounts", []):
-            path = mount["mountPath"].rstrip("/")
-            if mount["name"] in pod.volumes and (value == path or value.startswith(path + "/")):
-                return str(pod.volumes[mount["name"]]) + value[len(path) :]
-        return self._local_urls(value)
+            if mount["name"] in pod.volumes:
+                path = re.escape(mount["mountPath"].rstrip("/"))
+                local = str(pod.volumes[mount["name"]]).replace("\\", "\\\\")
+                value = re.sub(rf"(?<![\w.-]){path}(?=/|$|[\"',\s])", local, value)
+        return self._local_urls(_own_loopback(pod, value))
 
     def _probe(self, pod: Pod) -> bool:
         """Ready once the probe passes; not ready after failureThreshold failures in a row."""
@@ -251,9 +287,13 @@ class ProcessKubelet:
     # --- volumes ----------------------------------------------------------------------
 
     def _sync_volumes(self, pod: Pod, configmaps: dict) -> None:
-        for volume, directory in pod.volumes.items():
-            source = configmaps.get((pod.namespace, pod.configmap_of[volume]))
-            data = {k: self._local_urls(v) for k, v in ((source or {}).get("data") or {}).items()}
+        for volume, configmap in pod.configmap_of.items():
+            directory = pod.volumes[volume]
+            source = configmaps.get((pod.namespace, configmap))
+            data = {
+                k: self._local_urls(_own_loopback(pod, v))
+                for k, v in ((source or {}).get("data") or {}).items()
+            }
             digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
             if pod.written.get(volume) != digest:
                 write_atomically(directory, data)
@@ -348,18 +388,31 @@ class ProcessKubelet:
             self.cluster.call(self.cluster.api.edit_object(resource, namespace, name, patch))
 
 
-def is_runnable(deployment: dict) -> bool:
-    """A CPU pod (no extended resources) whose first container's command is installed."""
+def is_runnable(deployment: dict, stand_in: DeviceStandIn | None = None) -> bool:
+    """A CPU pod (no extended resources, or only those `stand_in` runs on the CPU) whose
+    first container's command is installed."""
     spec = deployment.get("spec", {}).get("template", {}).get("spec", {})
     containers = spec.get("containers") or []
-    if not containers or workloads._extended_requests(spec):
+    if not containers:
+        return False
+    if workloads._extended_requests(spec) and (stand_in is None or not stand_in.runs(spec)):
         return False
     command = containers[0].get("command") or []
-    return bool(command) and shutil.which(command[0], path=_search_path()) is not None
+    found = shutil.which(command[0], path=_search_path(stand_in)) if command else None
+    return found is not None
 
 
-def _search_path() -> str:
-    return os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+_LOOPBACK_URL = re.compile(r"(https?://)(?:127\.0\.0\.1|localhost)(?=:\d)")
+
+
+def _own_loopback(pod: Pod, text: str) -> str:
+    """A pod's loopback URLs point at its own address (each pod has one here)."""
+    return _LOOPBACK_URL.sub(lambda m: m.group(1) + pod.ip, text)
+
+
+def _search_path(stand_in: DeviceStandIn | None = None) -> str:
+    first = [str(stand_in.bin_dir)] if stand_in is not None and stand_in.bin_dir else []
+    return os.pathsep.join([*first, str(Path(sys.executable).parent), os.environ.get("PATH", "")])
 
 
 def probe(pod: Pod) -> bool:

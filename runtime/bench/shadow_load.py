@@ -609,6 +609,27 @@ def serve_body(system: str, documents: Sequence[str], question: str, max_tokens:
     }  # fmt: skip
 
 
+def token_body_maker(separator: str, model: str = SERVED_NAME):
+    """make_body for vLLM's /v1/completions: the prompt as token ids, built as
+    holeblend-serve builds it (ChatML, segments split by `separator`), so the connector
+    finds the same segments."""
+    from holeblend_runtime.blend.prompt import PromptBuilder
+    from holeblend_runtime.model.gguf import load_model_files
+    from holeblend_runtime.model.tokenizer import TextTokenizer
+
+    files = load_model_files()
+    builder = PromptBuilder(TextTokenizer(files.tokenizer, files.config), separator, 8)
+
+    def make_body(system: str, documents: Sequence[str], question: str, max_tokens: int) -> dict:
+        prompt = builder.build(system, tuple(documents), question)
+        return {
+            "model": model, "prompt": list(prompt.token_ids), "max_tokens": max_tokens,
+            "temperature": 0.0,
+        }  # fmt: skip
+
+    return make_body
+
+
 def serve_settings(ratio: float, quality_proxies: bool, sample_rate: float) -> str:
     """blend.json as the operator renders it for a CPU pod (engineUrl only on vLLM pods)."""
     from holeblend_contract.blend_settings import BlendSettings, ModelSettings
