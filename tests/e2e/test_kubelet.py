@@ -173,3 +173,84 @@ def test_deployments_that_ask_for_devices_or_missing_commands_are_not_run():
     vllm = deployment()
     vllm["spec"]["template"]["spec"]["containers"][0]["command"] = ["no-such-command-here"]
     assert not is_runnable(vllm)
+
+
+# A device pod's stand-in engine: records its argv, env, PATH and the config file its JSON
+# argument names, into the hostPath volume mounted at /models, then idles.
+RECORDER = r"""
+import json, os, sys, time
+config = json.loads(sys.argv[3])["config"]
+seen = {
+    "argv": sys.argv[1:], "config_path": config, "config": open(config).read(),
+    "self_url": os.environ["SELF_URL"], "stand_in": os.environ.get("STAND_IN"),
+    "path0": os.environ["PATH"].split(os.pathsep)[0],
+}
+model_dir = os.path.dirname(sys.argv[2])
+with open(os.path.join(model_dir, "seen.json.tmp"), "w") as f:
+    json.dump(seen, f)
+os.replace(os.path.join(model_dir, "seen.json.tmp"), os.path.join(model_dir, "seen.json"))
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_a_device_pod_runs_on_the_cpu_under_a_stand_in_as_the_pod_would_see_it(cluster, tmp_path):
+    from holeblend_devtools.kubelet import DeviceStandIn, is_runnable
+
+    host, bin_dir = tmp_path / "node-models", tmp_path / "stand-in-bin"
+    host.mkdir()
+    bin_dir.mkdir()
+    engine = bin_dir / "fake-engine"
+    engine.write_text(f"#!{sys.executable} -I\n{RECORDER}")
+    engine.chmod(0o755)
+    stand_in = DeviceStandIn(frozenset({"nvidia.com/gpu"}), bin_dir, {"STAND_IN": "yes"})
+    body = deployment()
+    container = body["spec"]["template"]["spec"]["containers"][0]
+    container["command"] = ["fake-engine"]
+    # A JSON argument naming a mounted file, the model under a hostPath mount, "every
+    # interface" (the pod's address), and the pod's own loopback in env and in its config.
+    container["args"] = ["0.0.0.0", "/models/m", json.dumps({"config": "/etc/app/blend.json"})]
+    container["env"] = [{"name": "SELF_URL", "value": "http://localhost:9464/metrics"}]
+    container["resources"] = {"limits": {"nvidia.com/gpu": 1}}
+    container["volumeMounts"].append({"name": "model", "mountPath": "/models"})
+    del container["readinessProbe"]
+    body["spec"]["template"]["spec"]["volumes"].append(
+        {"name": "model", "hostPath": {"path": str(host), "type": "Directory"}}
+    )
+    assert not is_runnable(body)
+    assert is_runnable(body, stand_in)
+    other_device = json.loads(json.dumps(body))
+    other_device["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"] = {
+        "huawei.com/Ascend910": 1
+    }
+    assert not is_runnable(other_device, stand_in)
+
+    config = {"data": {"blend.json": json.dumps({"engineUrl": "http://127.0.0.1:8000"})}}
+    put(cluster, "v1/configmaps", {"metadata": {"name": "echo-config"}} | config)
+    with ProcessKubelet(cluster, tmp_path / "pods", tick_s=0.1, stand_in=stand_in) as kubelet:
+        put(cluster, "apps/v1/deployments", body)
+        cluster.wait_for(lambda: (host / "seen.json").exists(), timeout=30)
+        (pod,) = kubelet.pods.values()
+    seen = json.loads((host / "seen.json").read_text())
+    assert seen["argv"][0] == pod.ip != "127.0.0.1"
+    assert seen["argv"][1] == f"{host}/m"
+    assert seen["config_path"] == f"{pod.volumes['config']}/blend.json"
+    assert json.loads(seen["config"]) == {"engineUrl": f"http://{pod.ip}:8000"}
+    assert seen["self_url"] == f"http://{pod.ip}:9464/metrics"
+    assert seen["stand_in"] == "yes"
+    assert seen["path0"] == str(bin_dir)
+
+
+def test_the_vllm_shim_serves_the_model_with_cpu_sized_blocks():
+    from holeblend_devtools.vllm_shim import command
+
+    args = command(["serve", "/models", "--port", "8000", "--block-size", "16"], "/py")
+    assert args == [
+        "/py", "-I", "-m", "vllm.entrypoints.openai.api_server", "--model", "/models",
+        "--port", "8000", "--block-size", "32",
+    ]  # fmt: skip
+    assert command(["serve", "m", "--block-size", "64"], "/py")[-1] == "64"
+    assert command(["serve", "m", "--block-size", "40"], "/py")[-1] == "64"
+    for wrong in ([], ["serve"], ["chat", "m"]):
+        with pytest.raises(ValueError, match="usage: vllm serve MODEL"):
+            command(wrong, "/py")

@@ -3,6 +3,9 @@ into status, and which replica is the active one."""
 
 import dataclasses
 import datetime
+from pathlib import Path
+
+import yaml
 
 from holeblend_operator.api import BlendDeployment, TuningSpec
 from holeblend_operator.tuner import Decision, Reading, State, select_signal
@@ -24,6 +27,7 @@ SPEC = {
 BD = BlendDeployment.model_validate({"metadata": {"name": "r", "generation": 3}, "spec": SPEC})
 SEEN = Reading(0.8, 0.9, 40, 75.0, 0.4, 2.0, (0.15,))
 NOW = "2026-11-23T10:00:00Z"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_recent_part_is_the_last_three_intervals_of_a_longer_window():
@@ -189,3 +193,18 @@ def _gauge(name: str, key: tuple) -> float:
             if sample.name == name and (sample.labels["namespace"], sample.labels["name"]) == key:
                 return sample.value
     raise AssertionError(f"no {name} for {key}")
+
+
+def test_a_model_on_a_host_path_the_operator_admits_is_tuned_like_any_other():
+    """The tuner reads the owner with the operator's hostPathPrefixes, as the reconcile
+    does: a deployment admitted only by a custom prefix was reconciled but never tuned."""
+    from holeblend_operator.host_paths import DEFAULT_HOST_PATH_PREFIXES
+    from holeblend_operator.tuning_loop import _parse
+
+    body = yaml.safe_load((ROOT / "examples" / "nvidia.yaml").read_text())
+    body["spec"]["model"]["source"] = {"hostPath": {"path": "/srv/models/llama"}}
+    body["spec"]["blend"]["kv"].pop("sharedUrl")
+    body["spec"]["blend"]["kv"].pop("sharedPasswordSecret")
+    assert _parse(body) is None  # outside the default prefixes: the reconcile refuses it too
+    admitted = _parse(body, (*DEFAULT_HOST_PATH_PREFIXES, "/srv/models"))
+    assert admitted is not None and admitted.spec.tuning.enabled
