@@ -289,8 +289,6 @@ class InlineProxy:
         self._ratios: collections.OrderedDict[str, _RatioState] = collections.OrderedDict()
         # Every ratio's pairs: the fit a ratio without enough of its own borrows.
         self._pooled = self._new_state()
-        # Whether the last blended request at each ratio got an estimate (`answers`).
-        self._answered: collections.OrderedDict[str, bool] = collections.OrderedDict()
 
     def observe(self, ratio: float, statistic: float | None) -> tuple[float, float] | None:
         """One blended request's statistic: the raw value is exported; the calibrated
@@ -304,10 +302,6 @@ class InlineProxy:
             pooled = estimates is None
             if pooled:
                 estimates = self._pooled.estimates(statistic, extrapolate=False)
-            self._answered[label] = estimates is not None
-            self._answered.move_to_end(label)
-            while len(self._answered) > MAX_RATIOS:
-                self._answered.popitem(last=False)
         if self.metrics is not None:
             self.metrics.statistic.labels(ratio=label).observe(statistic)
             if estimates is not None:
@@ -333,12 +327,6 @@ class InlineProxy:
                 self.metrics.correlation.labels(ratio=label).set(correlation)
             else:
                 _remove(self.metrics.correlation, label)
-
-    def answers(self, ratio: float) -> bool:
-        """Whether the last blended request at `ratio` got a calibrated estimate: the
-        tuner has a signal there without the shadow."""
-        with self._lock:
-            return self._answered.get(ratio_label(ratio), False)
 
     def num_pairs(self, ratio: float) -> int:
         with self._lock:

@@ -9,7 +9,6 @@ settings) import and test without vLLM installed.
 | accounting.py | scheduler | load specs re-derived from `num_computed_tokens` (no vLLM) |
 | planning.py | scheduler | hole-aware reuse plan of a prompt's segments (no vLLM) |
 | settings.py | both | blend.json and the connector's own keys (no vLLM) |
-| shadow_hold.py | scheduler | pending user prompts; when a shadow may start (no vLLM) |
 | metadata.py | both | what the scheduler sends the worker each step (no vLLM) |
 | store.py | both | the KV tiers; one entry per rank under tensor parallelism (no vLLM) |
 | model_adapter.py | worker | the blender's model interface over vLLM's modules |

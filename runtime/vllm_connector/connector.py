@@ -73,7 +73,6 @@ from holeblend_runtime.vllm_connector.shadow import (
     engine_url,
     is_shadow_request,
 )
-from holeblend_runtime.vllm_connector.shadow_hold import PendingPrefills, ShadowHold
 from holeblend_runtime.vllm_connector.store import (
     AllShardsIndex,
     ShardedKVStore,
@@ -298,14 +297,6 @@ class _SchedulerSide:
         self.budget = ShadowBudget(settings.shadow_budget) if proxies else None
         self.inline = InlineProxy(metrics=metrics.INLINE) if proxies else None
         self.shadow = _shadow(vllm_config, settings, self.budget, self.inline)
-        # User prompts not computed yet; shadows wait for them while the inline proxy
-        # gives the tuner a signal at the ratio in force (shadow_hold.py).
-        self.prefills = PendingPrefills()
-        self.hold = (
-            ShadowHold(self.prefills, lambda: self.inline.answers(self.ratio.ratio()))
-            if self.shadow is not None and self.inline is not None
-            else None
-        )
         metrics.serve_metrics()
 
     def matched(self, request: Any, num_computed_tokens: int) -> int | None:
@@ -313,14 +304,11 @@ class _SchedulerSide:
         request's lookup is still running (never longer than the deadline)."""
         if self.settings.mode == "off":
             return 0
-        request_id = request.request_id
         if is_shadow_request(getattr(request, "kv_transfer_params", None), TRANSFER_PARAMS_KEY):
-            # A shadow full prefill: nothing reused, stored or counted; held in vLLM's queue
-            # (None) while user prompts are pending and the inline proxy answers.
-            return 0 if self.hold is None or self.hold.admit(request_id) else None
+            return 0  # a shadow full prefill: nothing reused, stored or counted
+        request_id = request.request_id
         if not self.ledger.has_plan(request_id):
             token_ids = request.prompt_token_ids
-            self.prefills.add(request_id, len(token_ids))
             if self.lookups is None:
                 plan = self.planner.plan(list(token_ids))
             elif (plan := self.lookups.poll(request_id, token_ids)) is PENDING:
@@ -364,10 +352,8 @@ class _SchedulerSide:
             self._load_request(request_id, load, ratio)
             for request_id, load in self.ledger.take_loads().items()
         )
-        if scheduler_output is not None:
-            self.prefills.step(scheduler_output)
-            if self.forward_stores is not None:
-                self.stores += self.forward_stores.step(scheduler_output)
+        if self.forward_stores is not None and scheduler_output is not None:
+            self.stores += self.forward_stores.step(scheduler_output)
         stores, self.stores = tuple(self.stores), []
         return StepPlan(loads, stores)
 
@@ -401,9 +387,6 @@ class _SchedulerSide:
         finished `request` itself, a request that blended is offered to the shadow."""
         if self.lookups is not None:
             self.lookups.forget(request_id)
-        self.prefills.forget(request_id)
-        if self.hold is not None:
-            self.hold.forget(request_id)
         plan = self.plans.pop(request_id, None)
         outcome = self.outcomes.pop(request_id, None)
         self.blocks.pop(request_id, None)

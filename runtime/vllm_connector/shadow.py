@@ -27,10 +27,7 @@ would, and vLLM schedules the work with the rest:
    first preempted when KV blocks run short. Priority does not stop a *running* shadow's
    chunked prefill from taking a whole step: `--long-prefill-token-threshold` caps it at
    one chunk of each step another request is in (the operator renders both flags;
-   tests/vllm/test_shadow_priority.py). And while user prompts wait or prefill, a shadow
-   is held in vLLM's queue whenever the inline proxy already gives the tuner a signal at
-   the ratio in force, for at most `shadow_hold.SHADOW_HOLD_S` (shadow_hold.py): at
-   saturation it then starts in a step without a user prompt. A server on the default FCFS policy may refuse a
+   tests/vllm/test_shadow_priority.py). A server on the default FCFS policy may refuse a
    priority other than 0 (vLLM's API documents that): the shadow then logs a warning
    once and sends priority 0 from then on.
 
