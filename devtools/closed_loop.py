@@ -327,10 +327,12 @@ def summary_of_usage(sent: list[Sent]) -> dict:
     ok = [s for s in sent if s.status == 200]
     prompt = sum(s.usage.get("prompt_tokens", 0) for s in ok)
     cached = sum((s.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for s in ok)
+    # None when no response says (vLLM's usage carries no cached-token count).
+    reported = any(s.usage.get("prompt_tokens_details") is not None for s in ok)
     return {
         "requests": len(sent),
         "ok": len(ok),
-        "reused_share": cached / prompt if prompt else None,
+        "reused_share": cached / prompt if prompt and reported else None,
         "mean_request_s": sum(s.seconds for s in ok) / len(ok) if ok else None,
     }
 

@@ -243,13 +243,29 @@ def more_questions(workload: WorkloadConfig) -> WorkloadConfig:
     )
 
 
-def inline_samples(metrics_url: str) -> float | None:
-    """Calibrated inline estimates the engine observed (all ratios); None: unreadable."""
+def counters(metrics_url: str) -> dict[str, float]:
+    """The totals a run reads before and after (empty: the page was unreadable)."""
     try:
         samples = shadow_load.scrape(metrics_url)
     except OSError:
+        return {}
+    names = (
+        "holeblend_inline_f1_proxy_count",
+        "holeblend_reused_tokens_total",
+        "holeblend_prompt_tokens_total",
+    )
+    return {name: shadow_load.metric_total(samples, name) for name in names}
+
+
+def reused_share(before: dict[str, float], after: dict[str, float]) -> float | None:
+    """The connector's reused share of prompt tokens between two readings (vLLM's
+    responses carry no cached-token count); None without both."""
+    try:
+        prompt = after["holeblend_prompt_tokens_total"] - before["holeblend_prompt_tokens_total"]
+        reused = after["holeblend_reused_tokens_total"] - before["holeblend_reused_tokens_total"]
+    except KeyError:
         return None
-    return shadow_load.metric_total(samples, "holeblend_inline_f1_proxy_count")
+    return round(reused / prompt, 4) if prompt > 0 else None
 
 
 def per_interval(
@@ -295,7 +311,7 @@ def run_scenario(
     changed = workloads[1] if load == "paced" else more_questions(workloads[1])
     recorder = timeline.Recorder(lambda: stack.status(NAME), metrics_url, every_s=1.0)
     with recorder:
-        inline_before, started = inline_samples(metrics_url), time.monotonic()
+        before, started = counters(metrics_url), time.monotonic()
         for stream in streams:
             stream.start()
         for interval in range(scenario.intervals):
@@ -307,16 +323,19 @@ def run_scenario(
             stream.request_stop()  # all at once; then wait for each
         for stream in streams:
             stream.stop()
-        inline_after, seconds = inline_samples(metrics_url), time.monotonic() - started
+        after, seconds = counters(metrics_url), time.monotonic() - started
     proxy_signal = (stack.status(NAME).get("metrics") or {}).get("proxySignal")
     stack.delete(NAME)
     sent = sorted(itertools.chain.from_iterable(s.sent for s in streams), key=lambda s: s.t)
     usage = closed_loop.summary_of_usage(sent) | {"repeated": sum(s.num_repeated for s in streams)}
     rate = timeline.quality_samples_per(recorder.samples, tuning.interval_s)
     usage["quality_samples_per_interval"] = None if rate is None else round(rate, 2)
+    name = "holeblend_inline_f1_proxy_count"
     usage["inline_samples_per_interval"] = per_interval(
-        inline_before, inline_after, seconds, tuning.interval_s
+        before.get(name), after.get(name), seconds, tuning.interval_s
     )
+    if engine_kind == "vllm":
+        usage["reused_share"] = reused_share(before, after)
     header = {"engine": engine_kind, "load": load, "clients": len(streams)}
     header["think_s"] = streams[0].think_s
     summary = summarize(scenario, tuning, recorder) | {"proxy_signal": proxy_signal}

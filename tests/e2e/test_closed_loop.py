@@ -168,6 +168,28 @@ def test_a_partial_run_keeps_the_other_runs_of_the_same_target_and_seeds():
     assert kept == earlier["runs"][2:]
     assert closed_loop_runs.kept_runs(earlier, 0.8, (3, 4), ["from-low"], ["paced"]) == []
     assert closed_loop_runs.kept_runs(earlier, 0.7, (5, 6), ["from-low"], ["paced"]) == []
+    # Runs of the other engine are kept (runs written before engines existed: serve).
+    names, loads = ["from-low", "from-high"], ["paced", "saturated"]
+    assert closed_loop_runs.kept_runs(earlier, 0.7, (3, 4), names, loads, "vllm") == earlier["runs"]
+    earlier["runs"].append({"name": "from-low", "load": "saturated", "engine": "vllm"})
+    kept = closed_loop_runs.kept_runs(earlier, 0.7, (3, 4), ["from-low"], ["saturated"], "vllm")
+    assert kept == earlier["runs"][:4]
+
+
+def test_the_reused_share_comes_from_the_usage_or_on_vllm_from_the_connector_counters():
+    served = [
+        closed_loop.Sent(
+            0.0, 200, 1.0, {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 60}}
+        )
+    ]
+    assert closed_loop.summary_of_usage(served)["reused_share"] == 0.6
+    vllm = [closed_loop.Sent(0.0, 200, 1.0, {"prompt_tokens": 100, "prompt_tokens_details": None})]
+    assert closed_loop.summary_of_usage(vllm)["reused_share"] is None  # not reported: unknown
+    before = {"holeblend_prompt_tokens_total": 1000.0, "holeblend_reused_tokens_total": 400.0}
+    after = {"holeblend_prompt_tokens_total": 3000.0, "holeblend_reused_tokens_total": 1900.0}
+    assert closed_loop_runs.reused_share(before, after) == 0.75
+    assert closed_loop_runs.reused_share({}, after) is None
+    assert closed_loop_runs.reused_share(before, before) is None
 
 
 def test_samples_per_interval_are_a_counts_growth_per_tuning_interval():
