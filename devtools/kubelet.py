@@ -75,7 +75,9 @@ class DeviceStandIn:
     env: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def runs(self, pod_spec: dict) -> bool:
-        return set(workloads._extended_requests(pod_spec)) <= self.resources
+        """Whether this pod is one it runs: it asks for devices, all of them its own."""
+        requests = workloads._extended_requests(pod_spec)
+        return bool(requests) and set(requests) <= self.resources
 
 
 @dataclasses.dataclass
@@ -183,17 +185,13 @@ class ProcessKubelet:
         ip = f"127.0.0.{self._next_ip}"
         self._next_ip += 1
         container = template["spec"]["containers"][0]
-        volumes = {}
+        volumes, configmap_of = {}, {}
         for volume in template["spec"].get("volumes", []):
             if "configMap" in volume:
                 volumes[volume["name"]] = self.workdir / meta["namespace"] / name / volume["name"]
+                configmap_of[volume["name"]] = volume["configMap"]["name"]
             elif "hostPath" in volume:
                 volumes[volume["name"]] = Path(volume["hostPath"]["path"])
-        configmap_of = {
-            v["name"]: v["configMap"]["name"]
-            for v in template["spec"].get("volumes", [])
-            if "configMap" in v
-        }
         pod = Pod(
             name, meta["namespace"], ip, digest, meta["name"], container, volumes, configmap_of
         )
@@ -241,13 +239,14 @@ class ProcessKubelet:
         container = pod.container
         command = [*container.get("command", []), *container.get("args", [])]
         command = [self._local_value(pod, arg) for arg in command]
-        search_path = _search_path(self.stand_in)
+        stand_in = _stand_in_for({"containers": [container]}, self.stand_in)
+        search_path = _search_path(stand_in)
         command[0] = shutil.which(command[0], path=search_path) or command[0]
         command = [pod.ip if arg == "0.0.0.0" else arg for arg in command]
         env = dict(os.environ)
-        if self.stand_in is not None and self.stand_in.bin_dir is not None:
+        if stand_in is not None:  # a device pod on the CPU: its engine's CPU build first
             env["PATH"] = search_path
-            env.update(self.stand_in.env)
+            env.update(stand_in.env)
         env.update(
             {
                 e["name"]: self._local_value(pod, e.get("value", ""))
@@ -395,11 +394,17 @@ def is_runnable(deployment: dict, stand_in: DeviceStandIn | None = None) -> bool
     containers = spec.get("containers") or []
     if not containers:
         return False
-    if workloads._extended_requests(spec) and (stand_in is None or not stand_in.runs(spec)):
+    stand_in = _stand_in_for(spec, stand_in)
+    if workloads._extended_requests(spec) and stand_in is None:
         return False
     command = containers[0].get("command") or []
     found = shutil.which(command[0], path=_search_path(stand_in)) if command else None
     return found is not None
+
+
+def _stand_in_for(pod_spec: dict, stand_in: DeviceStandIn | None) -> DeviceStandIn | None:
+    """The stand-in when it runs this pod (a device pod); None for CPU pods."""
+    return stand_in if stand_in is not None and stand_in.runs(pod_spec) else None
 
 
 _LOOPBACK_URL = re.compile(r"(https?://)(?:127\.0\.0\.1|localhost)(?=:\d)")
