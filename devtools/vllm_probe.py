@@ -170,6 +170,7 @@ def run(config: ProbeConfig, model_dir: Path) -> dict[str, Any]:
         probe.generate(first, 1)
     if config.is_connector and config.lookup_url:
         wait_announced(probe)
+    stores = pass1_stores(probe, [first for first, _ in pairs]) if config.is_lifecycle else {}
     apply_fault(config.fault, probe.kv_dir)
     pass1_files = probe.snapshot() if config.is_connector else {}
     results = []
@@ -180,6 +181,7 @@ def run(config: ProbeConfig, model_dir: Path) -> dict[str, Any]:
     lifecycle = check_lifecycle(probe, pairs, pass1_files) if config.is_lifecycle else {}
     is_one_process = config.tensor_parallel_size == 1
     return {
+        "pass1_stores": stores,
         "lifecycle": lifecycle,
         "is_connector": config.is_connector,
         "engine_start_s": probe.start_s,
@@ -221,6 +223,41 @@ def serve_second(
         probe.restore(keep)
         result["top1_agreement"] = agreement(probe, token_ids, reference)
     return result
+
+
+def pass1_stores(probe: Probe, prompts: list[list[int]]) -> dict[str, Any]:
+    """Pass 1 is a full miss: vLLM's forward computed every segment, and the connector
+    stored them from the K/V it wrote. Compares each stored entry with the blend engine's
+    own full prefill of the same prompt (same weights, our attention): the largest
+    absolute difference of K and V, over every segment of every pass-1 prompt."""
+    from holeblend_runtime.engine import BlendEngine
+    from holeblend_runtime.vllm_connector import metrics
+
+    planner = probe.connector("scheduler")._scheduler.planner
+    store = probe.connector("worker").store
+    loaded = BlendEngine.load()
+    engine = BlendEngine(loaded.model, loaded.tokenizer)
+    worst, found, wanted = 0.0, 0, 0
+    for token_ids in prompts:
+        plan = planner.plan(token_ids)
+        full = engine.prefill(plan.prompt, mode="full")
+        for segment, key in zip(plan.prompt.segments, plan.keys, strict=True):
+            if key is None:
+                continue
+            wanted += 1
+            entry = store.get(key)
+            if entry is None:
+                continue
+            found += 1
+            span = slice(segment.start, segment.end)
+            for stored, reference in ((entry.k, full.k), (entry.v, full.v)):
+                difference = (stored - reference[:, :, span]).abs().max()
+                worst = max(worst, float(difference))
+    by_source = {
+        source: metrics.sample("holeblend_stored_segments_total", {"source": source})
+        for source in ("blend", "forward", "computed")
+    }
+    return {"segments": wanted, "found": found, "max_abs_difference": worst, **by_source}
 
 
 def check_lifecycle(
@@ -357,6 +394,9 @@ def connector_metrics() -> dict[str, float]:
     values["lookup_degraded"] = metrics.sample("holeblend_lookup_client_degraded_total")
     values["hole_requests"] = metrics.sample("holeblend_requests_total", {"mode": "hole"})
     values["load_failures"] = metrics.sample("holeblend_load_failures_total")
+    for source in ("blend", "forward", "computed"):
+        labels = {"source": source}
+        values[f"stored_{source}"] = metrics.sample("holeblend_stored_segments_total", labels)
     return values
 
 

@@ -13,9 +13,10 @@ and the segments to store; `request_finished` returns the reuse figures as
 quality proxies' shadow (shadow.py: through the pod's API server at the lowest priority,
 within the token budget the planned user prompts earn) and forgets the request. Each
 load's outcome carries the blend's inline statistic (quality/inline_proxy.py), observed here.
-Worker side: `start_load_kv` blends and writes each load synchronously before the forward
-(worker.py), then arms the capture of the K/V the forward writes for missing segments it
-computes wholly in this step (store policy in-context: forward_stores.py); `wait_for_save`
+Worker side: `bind_connector_metadata` (before every forward) arms the capture of the K/V
+the forward writes for missing segments it computes wholly in this step (store policy
+in-context: forward_stores.py); `start_load_kv` blends and writes each load synchronously
+before the forward (worker.py); `wait_for_save`
 stores those from the captured K/V (no compute) and computes the rest (isolated policy,
 segments a chunked prefill split, backends that write the cache inside attention) in
 their canonical context, on the model's own thread (a background thread running the
@@ -222,6 +223,14 @@ class HoleBlendConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.kv_caches = kv_caches
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # Bound before every forward, whereas vLLM calls `start_load_kv` after the forward
+        # in a step without synchronous loads: the capture of the K/V this step's forward
+        # writes (stores from the forward) is armed here.
+        if self._worker is not None and isinstance(connector_metadata, HoleBlendConnectorMetadata):
+            self._worker.arm(connector_metadata.plan)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -534,8 +543,14 @@ class _WorkerSide:
         self._stats: dict[str, int] = {}
         self._failed_blocks: set[int] = set()
 
+    def arm(self, plan: StepPlan) -> None:
+        """Before the step's forward: capture the K/V it writes for the stores that come
+        from it."""
+        if any(store.is_from_forward for store in plan.stores):
+            self._blend_worker().arm_capture(plan.stores)
+
     def run(self, plan: StepPlan) -> None:
-        if not plan.loads and not any(store.is_from_forward for store in plan.stores):
+        if not plan.loads:
             return
         worker = self._blend_worker()
         for load in plan.loads:
@@ -547,7 +562,6 @@ class _WorkerSide:
                 continue
             self._outcomes.append(outcome)
             self._count(outcome)
-        worker.arm_capture(plan.stores)
 
     def _fail_loads(self, loads: Sequence[LoadRequest]) -> None:
         for load in loads:

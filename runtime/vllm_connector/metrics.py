@@ -50,6 +50,14 @@ STORE_FAILURES = Counter(
     "Missing segments whose store failed (a future miss; the request is unaffected)",
     registry=REGISTRY,
 )
+STORED_SEGMENTS = Counter(
+    "holeblend_stored_segments",
+    "Missing segments stored, by where their KV came from: blend (the holes a load "
+    "computed), forward (captured from vLLM's forward, no compute), computed (a forward "
+    "pass of their own in canonical context)",
+    ["source"],
+    registry=REGISTRY,
+)
 LOOKUP_FAILURES = Counter(
     "holeblend_lookup_failures", "Lookups that failed and ran as a full miss", registry=REGISTRY
 )

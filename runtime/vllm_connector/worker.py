@@ -73,6 +73,12 @@ class PagedKVWriter:
         self.attention_modules = list(attention_modules)
         self.kv_caches = list(kv_caches)
         self.block_size = block_size
+        # Each backend's own cache update, taken before `ForwardKVCapture` wraps it: the
+        # blend's writes are not the forward's, and must not be captured as its K/V.
+        self._updates = [
+            getattr(getattr(module, "impl", None), "do_kv_cache_update", None)
+            for module in self.attention_modules
+        ]
 
     def slots(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
         positions = torch.arange(start, end)
@@ -85,9 +91,9 @@ class PagedKVWriter:
         if int(slots.max()) >= capacity or int(slots.min()) < 0:
             raise ValueError(f"slots: {int(slots.max())} outside the KV cache of {capacity} slots")
         slots = slots.to(cache.device)
-        impl = getattr(module, "impl", None)
-        if hasattr(impl, "do_kv_cache_update"):
-            impl.do_kv_cache_update(module, k.contiguous(), v.contiguous(), cache, slots)
+        update = self._updates[layer]
+        if update is not None:
+            update(module, k.contiguous(), v.contiguous(), cache, slots)
         else:
             scatter_kv_nhd(cache, slots, k, v)
 
@@ -196,7 +202,9 @@ class BlendWorker:
         # any rank lacks.
         found = self._on_every_rank(self.engine.store.contains_many([keys[i] for i in wanted]))
         missing = [i for i, is_found in zip(wanted, found, strict=True) if not is_found]
-        return self.engine.cache_segments(request.prompt, missing) if missing else 0
+        stored = self.engine.cache_segments(request.prompt, missing) if missing else 0
+        metrics.STORED_SEGMENTS.labels(source="computed").inc(stored)
+        return stored
 
     def arm_capture(self, requests: Sequence[StoreRequest]) -> None:
         """Before vLLM's forward: capture the K/V it writes for the segments of `requests`
@@ -232,6 +240,7 @@ class BlendWorker:
                 stored += self.engine.store_in_context(
                     request.prompt, keys, [i], k[:, :, rows], v[:, :, rows], segment.start
                 )
+        metrics.STORED_SEGMENTS.labels(source="forward").inc(stored)
         return stored, ()
 
     def store_many(self, requests: Sequence[StoreRequest]) -> tuple[int, int]:
@@ -273,7 +282,8 @@ class BlendWorker:
             # The holes inside the range were just computed in this prompt's context: stored
             # from the blend's KV (store policy in-context), not computed again.
             holes = [i for i, key in enumerate(request.keys) if key and entries[i] is None]
-            self.engine.store_in_context(prompt, request.keys, holes, blended.k, blended.v)
+            stored = self.engine.store_in_context(prompt, request.keys, holes, blended.k, blended.v)
+            metrics.STORED_SEGMENTS.labels(source="blend").inc(stored)
         return LoadOutcome(
             request.request_id,
             num_reused_tokens=_count(reuse.hit_ranges, end),

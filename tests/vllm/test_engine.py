@@ -31,6 +31,16 @@ def test_the_hole_prompt_reports_reused_tokens_in_transfer_params_and_metrics(wi
     assert metrics["reused_tokens"] > 0 and metrics["hole_requests"] > 0
 
 
+def test_pass_one_stores_every_segment_from_the_k_v_vllm_s_forward_wrote(with_connector):
+    """Pass 1 is a full miss (no load in its step, so vLLM starts the connector's loads
+    after its forward): every segment is stored from the K/V the forward wrote, none is
+    computed again, and each equals the blend engine's own full prefill of the prompt."""
+    stores = with_connector["pass1_stores"]
+    assert stores["found"] == stores["segments"] > 0
+    assert stores["forward"] > 0 and stores["computed"] == 0
+    assert stores["max_abs_difference"] < 1e-3
+
+
 def test_ratio_one_blends_and_generates_the_tokens_of_a_run_without_the_connector(
     baseline, with_connector
 ):
