@@ -11,7 +11,11 @@ ignored). The same stream goes to two servers, one after the other (`vllm_server
 - `connector: false`: vLLM as users run it without holeblend (its own prefix caching on);
 - `connector: true`: the connector as the operator renders a vLLM pod (hole mode, ratio
   `--ratio`, quality proxies off so that only the blend is measured), with a node KV tier
-  of `--kv-tier-mib`, smaller than the corpus's KV, so that eviction shows.
+  of `--kv-tier-mib`, smaller than the corpus's KV, so that eviction shows; each blend
+  runs whole before its step's forward;
+- with `--blend-step-tokens N[,M...]`, one more connector arm per value: loads are
+  asynchronous, each blend spread over vLLM's steps with at most N tokens' worth of blend
+  compute per step (`blend_step_tokens` in the row).
 
 One row per arm: requests/s, TTFT p50/p99, inter-token latency p50/p99 (every request's, so
 those decoding while another request's prefill, blend or store runs), call-to-return mean,
@@ -19,7 +23,8 @@ and for the connector the shares of prompt tokens reused, recomputed and in hole
 Prometheus counters). In vLLM a request returns with its last token (vLLM's own figures
 have call-to-return = TTFT + (tokens - 1) x time per output token by definition), so what
 the connector's stores cost shows in the steps they run in: the inter-token latency of the
-requests decoding then. `ratios` compares the arms. vLLM's own result JSON of each arm is
+requests decoding then. `ratios` compares the first connector arm with vLLM alone,
+`ratios_by_arm` every connector arm (by name). vLLM's own result JSON of each arm is
 kept next to it.
 
 Runs in the vLLM environment (`.venv-vllm`).
@@ -97,10 +102,16 @@ def run_arm(
     return main(bench_args)
 
 
-def row(result: dict[str, Any], connector: bool, reuse: dict[str, float]) -> dict:
+def row(
+    result: dict[str, Any],
+    connector: bool,
+    reuse: dict[str, float],
+    blend_step_tokens: int | None = None,
+) -> dict:
     request_s = result["mean_e2el_ms"] / 1e3
     return {
         "connector": connector,
+        "blend_step_tokens": blend_step_tokens,
         "num_requests": result["completed"],
         "num_failed": result.get("failed", 0),
         "requests_per_s": result["request_throughput"],
@@ -138,6 +149,10 @@ def ratios(rows: list[dict]) -> dict[str, float]:
     """With the connector against without: the issue's figures as ratios (> 1 is better,
     except `itl_p99` and `request_s_mean`, where <= 1.25 / the lower the better)."""
     without, with_ = (next(r for r in rows if r["connector"] is c) for c in (False, True))
+    return compare(without, with_)
+
+
+def compare(without: dict, with_: dict) -> dict[str, float]:
     return {
         "requests_per_s": with_["requests_per_s"] / without["requests_per_s"],
         "ttft_p50_lower_by": without["ttft_p50_s"] / with_["ttft_p50_s"],
@@ -158,7 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-tier-mib", type=int, default=200, help="the node KV tier")
     parser.add_argument("--work-dir", type=Path, default=Path("out/vllm-load"))
     parser.add_argument("--json", type=Path, default=Path("out/vllm-load.json"))
+    parser.add_argument(
+        "--blend-step-tokens", default="",
+        help="comma-separated budgets: one more connector arm each, with stepwise loads",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    step_budgets = [int(value) for value in args.blend_step_tokens.split(",") if value]
     workload = LoadWorkloadConfig(
         seed=args.seed, num_corpus_documents=args.corpus, documents_per_request=args.documents,
         num_warmup=0, num_requests=args.num_requests,
@@ -170,22 +190,24 @@ def main(argv: list[str] | None = None) -> int:
     dataset.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     started = time.perf_counter()
     rows = []
-    for connector in (False, True):
-        name = "connector" if connector else "plain"
+    arms = [("plain", False, None), ("connector", True, None)]
+    arms += [(f"connector-step{n}", True, n) for n in step_budgets]
+    for name, connector, step_tokens in arms:
         with serve(
             args.work_dir / name, args.ratio, quality_proxies=False, connector=connector,
             kv_cache_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN,
-            kv_tier_bytes=args.kv_tier_mib << 20,
+            kv_tier_bytes=args.kv_tier_mib << 20, blend_step_tokens=step_tokens,
         ) as server:  # fmt: skip
             result = run_arm(server, dataset, args, args.work_dir, name)
             reuse = reuse_figures(server) if connector else {}
-        rows.append(row(result, connector, reuse))
+        rows.append(row(result, connector, reuse, step_tokens) | {"arm": name})
         print(json.dumps(rows[-1]), flush=True)
     document = {
         "config": vars(args) | {"json": str(args.json), "work_dir": str(args.work_dir)},
         "prompt_tokens_mean": sum(lengths) / len(lengths),
         "rows": rows,
         "ratios": ratios(rows),
+        "ratios_by_arm": {r["arm"]: compare(rows[0], r) for r in rows[1:]},
         "wall_s": time.perf_counter() - started,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -54,6 +54,9 @@ class ProbeConfig:
     lookup_url: str | None = None
     # vLLM's tensor-parallel size (worker processes; their connectors are not inspected).
     tensor_parallel_size: int = 1
+    # kv_connector_extra_config `blend_step_tokens`: asynchronous loads, the blend spread
+    # over steps (None: synchronous).
+    blend_step_tokens: int | None = None
 
 
 def build_prompts(config: ProbeConfig) -> list[tuple[list[int], list[int]]]:
@@ -102,6 +105,8 @@ class Probe:
         transfer = None
         if config.is_connector:
             extra = {"holeblend_config": str(self.settings_path), "kv_dir": str(self.kv_dir)}
+            if config.blend_step_tokens is not None:
+                extra["blend_step_tokens"] = config.blend_step_tokens
             transfer = KVTransferConfig(
                 kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE,
                 kv_role="kv_both", kv_connector_extra_config=extra,
@@ -416,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shared-url", help="blend.json kv.sharedUrl (redis://...)")
     parser.add_argument("--lookup-url", help="blend.json lookupServerUrl")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--blend-step-tokens", type=int, help="asynchronous, stepwise loads")
     parser.add_argument(
         "--random-model", action="store_true",
         help="serve a small random-weight Llama whose heads split over 2 ranks (not SmolLM2)",
@@ -436,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         is_lifecycle=args.lifecycle, max_model_len=args.max_model_len,
         kv_cache_bytes=args.kv_cache_mib << 20, shared_url=args.shared_url,
         lookup_url=args.lookup_url, tensor_parallel_size=args.tensor_parallel_size,
+        blend_step_tokens=args.blend_step_tokens,
     )  # fmt: skip
     model_dir = (
         export_random(TINY_SPLITTABLE, args.work_dir / "model")

@@ -103,12 +103,14 @@ def serve(
     connector: bool = True,
     max_model_len: int = 1536,
     kv_tier_bytes: int | None = None,
+    blend_step_tokens: int | None = None,
 ) -> Iterator[Server]:
     """Start the server on free ports, wait until healthy, stop it on exit.
 
     `connector` False: vLLM as users run it without holeblend (its own prefix caching on,
     no KV transfer, no holeblend flags); the same model, dtype, eager mode, context and KV
-    cache. `kv_tier_bytes`: blend.json's kv.localCpuBytes (the node tier's budget)."""
+    cache. `kv_tier_bytes`: blend.json's kv.localCpuBytes (the node tier's budget).
+    `blend_step_tokens`: the connector's asynchronous, stepwise loads (None: synchronous)."""
     work.mkdir(parents=True, exist_ok=True)
     port, metrics_port = free_port(), free_port()
     settings = rendered_settings(
@@ -126,6 +128,8 @@ def serve(
             "kv_dir": str(work / "kv"),
         },
     }
+    if blend_step_tokens is not None:
+        transfer["kv_connector_extra_config"]["blend_step_tokens"] = blend_step_tokens
     command = [sys.executable, "-I", "-m", "vllm.entrypoints.openai.api_server"]
     command += ["--model", str(export_smollm2()), "--served-model-name", MODEL]
     command += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]

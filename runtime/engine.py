@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from enum import StrEnum
@@ -30,7 +30,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from holeblend_runtime.blend.blender import Blender, CachedSpan, PrefixKV, copy_span
+from holeblend_runtime.blend.blender import (
+    Blender,
+    CachedSpan,
+    PrefixKV,
+    copy_span,
+    run_to_end,
+)
 from holeblend_runtime.blend.config import ISOLATED, BlendConfig, check_ratio
 from holeblend_runtime.blend.keys import SegmentKeyer
 from holeblend_runtime.blend.prompt import PromptBuilder
@@ -417,6 +423,19 @@ class BlendEngine:
         reuse path of both engines: holeblend-serve's prefill blends the whole prompt,
         the vLLM connector the range it offers vLLM (vLLM computes the tokens after it,
         so no logits: `Blended.logits` is None and the last token may stay cached)."""
+        return run_to_end(self.blend_reused_steps(prompt, reuse, entries, ratio, num_tokens))
+
+    def blend_reused_steps(
+        self,
+        prompt: SegmentedPrompt,
+        reuse: SegmentReuse,
+        entries: Sequence[SegmentKV | None],
+        ratio: float,
+        num_tokens: int | None = None,
+    ) -> Generator[int, None, Blended]:
+        """`blend_reused` one model layer at a time (`Blender.blend_steps`): yields after
+        each blended layer the tokens it computed, returns the `Blended`. A range with
+        nothing to blend (computed causally) is done in one go."""
         check_ratio(ratio)
         end = prompt.num_tokens if num_tokens is None else num_tokens
         if not 0 < end <= prompt.num_tokens:
@@ -434,7 +453,7 @@ class BlendEngine:
         empty = torch.empty(0, dtype=torch.int64, device=token_ids.device)
         if spans:
             holes = [(s, min(e, end)) for s, e in reuse.hole_ranges if s < end]
-            result = self.blender.blend(
+            result = yield from self.blender.blend_steps(
                 token_ids, spans, ratio, holes, self.strategy, prefix, needs_logits,
                 query=question_range(prompt, end),
             )  # fmt: skip

@@ -26,8 +26,9 @@ recompute set stay on the model's device, and no layer reads a device value on t
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
@@ -128,6 +129,26 @@ class Blender:
         with its tail; `BlendResult.logits` is then None. `query`: the range of computed
         positions holding the question, whose attention the `query` strategy scores by
         (None or empty: that strategy falls back to K deviation)."""
+        return run_to_end(
+            self.blend_steps(
+                token_ids, spans, ratio, hole_ranges, strategy, prefix, needs_logits, query
+            )
+        )
+
+    def blend_steps(
+        self,
+        token_ids: torch.Tensor,
+        spans: Sequence[CachedSpan],
+        ratio: float,
+        hole_ranges: Sequence[tuple[int, int]] = (),
+        strategy: SelectionStrategy | None = None,
+        prefix: PrefixKV | None = None,
+        needs_logits: bool = True,
+        query: tuple[int, int] | None = None,
+    ) -> Generator[int, None, BlendResult]:
+        """`blend`, one model layer at a time: yields after each layer the number of tokens
+        it computed (its share of the work); returns the `BlendResult`. A caller may stop
+        between layers and go on later (the vLLM connector spreads a blend over steps)."""
         check_ratio(ratio)
         selector = strategy or make_strategy(self.config)
         is_cached, stored_at = self._slots(spans, token_ids.shape[0])
@@ -135,19 +156,24 @@ class Blender:
             is_cached, spans, prefix, ratio, tuple(hole_ranges), needs_logits, selector, query
         )
         cache = self._cache(layout, spans, stored_at, prefix)
-        h = self._full_layers(token_ids.to(self.model.device)[cache.on_device.active], cache)
+        active = token_ids.to(self.model.device)[cache.on_device.active]
+        h = yield from self._full_layers(active, cache)
         check = self._check_layer(h, cache, selector)
+        yield active.shape[0]
         h = check.hidden
         rope = cache.rope_at(check.recomputed)
         filters = iter(enumerate(self.config.filter_layers))
         next_filter = next(filters, None)
         for layer in range(self.config.check_layer + 1, self.model.num_layers):
             if next_filter is not None and next_filter[1] == layer:
+                computed = h.shape[0]
                 check = self._filter_layer(layer, h, rope, cache, check, selector, next_filter[0])
                 h, rope = check.hidden, cache.rope_at(check.recomputed)
                 next_filter = next(filters, None)
+                yield computed
                 continue
             h = self._sparse_layer(layer, h, rope, cache, check)
+            yield h.shape[0]
         logits = self.model.logits(h[-1:])[0] if needs_logits else None
         return BlendResult(
             logits, cache.k, cache.v, check.recomputed, check.selected, check.deviation
@@ -318,9 +344,11 @@ class Blender:
                 f"spans: KV of {span.kv.num_tokens} tokens for range ({span.start}, {span.end})"
             )
 
-    def _full_layers(self, token_ids: torch.Tensor, cache: _BlendCache) -> torch.Tensor:
+    def _full_layers(
+        self, token_ids: torch.Tensor, cache: _BlendCache
+    ) -> Generator[int, None, torch.Tensor]:
         """Layers below the check layer: every computed token (after the exact prefix and
-        the prefix's fresh positions), at its true position."""
+        the prefix's fresh positions), at its true position; yields after each layer."""
         h = self.model.embed(token_ids)
         active = cache.on_device.active
         rope = cache.rope_at(active)
@@ -328,6 +356,7 @@ class Blender:
         for layer in range(self.config.check_layer):
             q = self.model.qkv_into(layer, h, rope, cache.k[layer], cache.v[layer], active)
             h = self.model.attend_and_mlp(layer, h, q, cache.k[layer], cache.v[layer], plan)
+            yield active.shape[0]
         return h
 
     def _check_layer(
@@ -492,6 +521,18 @@ class Blender:
         keys, values = cache.k[layer], cache.v[layer]
         q = self.model.qkv_into(layer, h, rope, keys, values, check.recomputed)
         return self.model.attend_and_mlp(layer, h, q, keys, values, check.plan)
+
+
+Result = TypeVar("Result")
+
+
+def run_to_end(steps: Generator[Any, None, Result]) -> Result:
+    """Run a stepwise computation (`Blender.blend_steps`) to its end; its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 def _round_up_picks(

@@ -28,6 +28,7 @@ installed) a load fails loudly at the first request.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -85,6 +86,7 @@ from holeblend_runtime.vllm_connector.worker import (
     ForwardKVCapture,
     LoadOutcome,
     PagedKVWriter,
+    PendingLoad,
 )
 
 log = logging.getLogger(__name__)
@@ -201,8 +203,10 @@ class HoleBlendConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        # None while the request's lookup runs: vLLM asks again at its next step.
-        return self._scheduler.matched(request, num_computed_tokens), False
+        # None while the request's lookup runs: vLLM asks again at its next step. With
+        # `blend_step_tokens` a load is asynchronous: the blend is spread over steps.
+        matched = self._scheduler.matched(request, num_computed_tokens)
+        return matched, bool(matched) and self.settings.blend_step_tokens is not None
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._scheduler.allocated(request, blocks, num_external_tokens)
@@ -249,6 +253,15 @@ class HoleBlendConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, HoleBlendConnectorMetadata)
         self._worker.store_missing(meta.plan)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # Asynchronous loads whose blend is written (or failed, or was dropped because its
+        # request finished first): vLLM schedules the rest of the request, or frees its
+        # blocks.
+        if self._worker is None:
+            return None, None
+        done = self._worker.finished_loads(finished_req_ids)
+        return None, done or None
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         outcomes = self._worker.take_outcomes()
@@ -378,6 +391,7 @@ class _SchedulerSide:
             load,
             self.blocks.pop(request_id),
             ratio,
+            is_async=self.settings.blend_step_tokens is not None,
         )
 
     def record_outcomes(self, outcomes: tuple[LoadOutcome, ...]) -> None:
@@ -542,6 +556,14 @@ class _WorkerSide:
         self._outcomes: list[LoadOutcome] = []
         self._stats: dict[str, int] = {}
         self._failed_blocks: set[int] = set()
+        # Asynchronous loads: blends under way, oldest first, and the requests whose load
+        # ended since vLLM last asked (`finished_loads`).
+        self._pending: deque[PendingLoad] = deque()
+        self._done: set[str] = set()
+        # Stores of segments inside a pending load's range wait for it: the load stores
+        # them from its blend (computed only if it failed). Released when the load ends.
+        self._deferred: dict[str, list[StoreRequest]] = {}
+        self._released: list[StoreRequest] = []
 
     def arm(self, plan: StepPlan) -> None:
         """Before the step's forward: capture the K/V it writes for the stores that come
@@ -550,18 +572,69 @@ class _WorkerSide:
             self._blend_worker().arm_capture(plan.stores)
 
     def run(self, plan: StepPlan) -> None:
-        if not plan.loads:
+        if not plan.loads and not self._pending:
             return
         worker = self._blend_worker()
         for load in plan.loads:
             try:
+                if load.is_async:
+                    self._pending.append(worker.start(load))
+                    continue
                 outcome = worker.load(load)
             except Exception:
-                log.exception("loading %s failed; vLLM recomputes its blocks", load.request_id)
-                self._fail_loads([load])
+                self._fail(load)
                 continue
-            self._outcomes.append(outcome)
-            self._count(outcome)
+            self._finished(outcome, is_async=False)
+        if self._pending:
+            self._advance(worker)
+
+    def _advance(self, worker: BlendWorker) -> None:
+        """Blend the asynchronous loads under way, oldest first, for at most
+        `blend_step_tokens` tokens of whole-model compute (at least one layer); write and
+        report those that are done."""
+        budget = self.settings.blend_step_tokens * worker.engine.config.num_layers
+        while self._pending and budget > 0:
+            pending = self._pending[0]
+            spent = pending.spent
+            try:
+                is_done = worker.advance(pending, budget)
+                budget -= pending.spent - spent
+                if not is_done:
+                    return
+                outcome = worker.finish(pending)
+            except Exception:
+                self._pending.popleft()
+                self._fail(pending.request)
+                continue
+            self._pending.popleft()
+            self._finished(outcome, is_async=True)
+            self._released += self._deferred.pop(outcome.request_id, [])
+
+    def _finished(self, outcome: LoadOutcome, is_async: bool) -> None:
+        self._outcomes.append(outcome)
+        self._count(outcome)
+        if is_async:  # vLLM is told of asynchronous loads only (`finished_loads`)
+            self._done.add(outcome.request_id)
+
+    def _fail(self, load: LoadRequest) -> None:
+        log.exception("loading %s failed; vLLM recomputes its blocks", load.request_id)
+        self._fail_loads([load])
+        if load.is_async:
+            self._done.add(load.request_id)
+            self._released += self._deferred.pop(load.request_id, [])
+
+    def finished_loads(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests whose asynchronous load ended since the last call: written, failed
+        (its blocks reported), or dropped because the request finished first (vLLM frees
+        its blocks once told); synchronous loads are not reported."""
+        if finished_req_ids and self._pending:
+            dropped = [p for p in self._pending if p.request.request_id in finished_req_ids]
+            for pending in dropped:
+                self._pending.remove(pending)
+                self._done.add(pending.request.request_id)
+                self._deferred.pop(pending.request.request_id, None)  # a future miss
+        done, self._done = self._done, set()
+        return done
 
     def _fail_loads(self, loads: Sequence[LoadRequest]) -> None:
         for load in loads:
@@ -577,19 +650,32 @@ class _WorkerSide:
     def store_missing(self, plan: StepPlan) -> None:
         """Compute and store the step's missing segments, after vLLM's forward; a failed
         store is a future miss, never a failed request (counted)."""
-        if not plan.stores:
+        stores = self._due_stores(plan.stores)
+        if not stores:
             return
         try:
             worker = self._blend_worker()
         except Exception:  # no model to compute with: these stores fail, the step goes on
             log.exception("storing the step's missing segments failed")
-            failed = sum(len(request.segments) for request in plan.stores)
+            failed = sum(len(request.segments) for request in stores)
             metrics.STORE_FAILURES.inc(failed)
         else:
-            stored, failed = worker.store_many(plan.stores)
+            stored, failed = worker.store_many(stores)
             self._stored += stored
         if failed:
             self._stats["num_failed_stores"] = self._stats.get("num_failed_stores", 0) + failed
+
+    def _due_stores(self, stores: Sequence[StoreRequest]) -> list[StoreRequest]:
+        """This step's stores, less those waiting for a pending load, plus those released
+        by loads that ended."""
+        pending = {p.request.request_id for p in self._pending}
+        due, self._released = self._released, []
+        for store in stores:
+            if store.request_id in pending and not store.is_from_forward:
+                self._deferred.setdefault(store.request_id, []).append(store)
+            else:
+                due.append(store)
+        return due
 
     def _blend_worker(self) -> BlendWorker:
         if self._worker is None:

@@ -28,6 +28,9 @@ class LoadRequest:
     block_ids: tuple[int, ...]
     # The recompute ratio in force when the request was scheduled.
     ratio: float
+    # Loaded asynchronously: the blend is spread over steps (`blend_step_tokens`) and the
+    # request waits in vLLM's WAITING_FOR_REMOTE_KVS until the worker reports it done.
+    is_async: bool = False
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,10 @@ path comes from `kv_connector_extra_config.holeblend_config` or `$HOLEBLEND_CONF
 shared by vLLM's scheduler and worker processes (default: under /dev/shm), and
 `lookup_deadline_ms` (default: unset, lookups inline), to run a request's segment lookup
 through a lookup server or shared tier off vLLM's scheduler thread, planned as a full miss
-when it takes longer. When blend.json
+when it takes longer, and `blend_step_tokens` (default: unset, each blend runs whole before
+the step's forward), to load asynchronously: a blend is spread over vLLM's steps, each
+step computing at most that many tokens' worth of it (tokens times layers over the model's
+layers), and the request waits until its blend is done. When blend.json
 names a shared tier (`kv.sharedUrl`) or a lookup server (`lookupServerUrl`), that
 directory is the local tier of a `TieredKVStore` over them.
 Without a settings file the contract's defaults apply.
@@ -31,6 +34,7 @@ CONFIG_KEY = "holeblend_config"
 KV_DIR_KEY = "kv_dir"
 DEFAULT_KV_DIR = "/dev/shm/holeblend-kv"
 LOOKUP_DEADLINE_KEY = "lookup_deadline_ms"
+BLEND_STEP_TOKENS_KEY = "blend_step_tokens"
 _MODES = tuple(mode.value for mode in contract.BlendMode)
 
 
@@ -64,6 +68,10 @@ class ConnectorSettings:
     # (kv_connector_extra_config `lookup_deadline_ms`). None (the default): the lookup runs
     # inline, bounded by the lookup client's own timeouts.
     lookup_deadline_s: float | None = None
+    # Spread each blend over vLLM's steps, at most this many tokens of whole-model compute
+    # per step for all blends under way (kv_connector_extra_config `blend_step_tokens`);
+    # None (the default): a blend runs whole, synchronously, before its step's forward.
+    blend_step_tokens: int | None = None
 
     @property
     def has_remote_tiers(self) -> bool:
@@ -79,6 +87,11 @@ class ConnectorSettings:
                 f"{LOOKUP_DEADLINE_KEY}: must be in (0, 60000] ms, "
                 f"got {self.lookup_deadline_s * 1000:g}"
             )
+        if self.blend_step_tokens is not None and self.blend_step_tokens < 1:
+            raise ValueError(
+                f"{BLEND_STEP_TOKENS_KEY}: must be a whole number of tokens >= 1 (or unset "
+                f"for synchronous blends), got {self.blend_step_tokens}"
+            )
 
 
 def load_settings(extra_config: Mapping[str, Any]) -> ConnectorSettings:
@@ -86,8 +99,11 @@ def load_settings(extra_config: Mapping[str, Any]) -> ConnectorSettings:
     path = extra_config.get(CONFIG_KEY) or os.environ.get(contract.CONFIG_ENV)
     kv_dir = Path(str(extra_config.get(KV_DIR_KEY) or DEFAULT_KV_DIR))
     deadline_s = _deadline_s(extra_config.get(LOOKUP_DEADLINE_KEY))
+    step_tokens = _step_tokens(extra_config.get(BLEND_STEP_TOKENS_KEY))
     if not path:
-        return ConnectorSettings(kv_dir=kv_dir, lookup_deadline_s=deadline_s)
+        return ConnectorSettings(
+            kv_dir=kv_dir, lookup_deadline_s=deadline_s, blend_step_tokens=step_tokens
+        )
     settings = contract.load_blend_settings(path)
     return ConnectorSettings(
         mode=settings.mode.value,
@@ -102,7 +118,18 @@ def load_settings(extra_config: Mapping[str, Any]) -> ConnectorSettings:
         shadow_budget=settings.shadow_budget,
         engine_url=settings.engine_url,
         lookup_deadline_s=deadline_s,
+        blend_step_tokens=step_tokens,
     )
+
+
+def _step_tokens(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(
+            f"{BLEND_STEP_TOKENS_KEY}: expected a whole number of tokens, got {value!r}"
+        )
+    return value
 
 
 def _deadline_s(value: Any) -> float | None:

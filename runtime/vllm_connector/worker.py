@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +33,7 @@ from holeblend_kernels.paged import scatter_kv_nhd
 from holeblend_runtime.blend.config import ISOLATED
 from holeblend_runtime.blend.reuse import ReusePolicy, SegmentReuse, plan_reuse
 from holeblend_runtime.blend.segments import SegmentedPrompt
-from holeblend_runtime.engine import BlendEngine
+from holeblend_runtime.engine import Blended, BlendEngine
 from holeblend_runtime.kv.store import SegmentKV
 from holeblend_runtime.quality.inline_proxy import residual_deviation_share
 from holeblend_runtime.vllm_connector import metrics
@@ -172,6 +172,22 @@ def _rows_of(written: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor | None
     return rows if torch.equal(written[rows], wanted) else None
 
 
+@dataclass
+class PendingLoad:
+    """A load whose blend is under way (`BlendWorker.start`, `advance`, `finish`)."""
+
+    request: LoadRequest
+    reuse: SegmentReuse
+    entries: list[SegmentKV | None]
+    num_unusable: int
+    steps: Generator[int, None, Blended]
+    # Worker time spent on it so far (fetch, blend layers, write).
+    seconds: float
+    # Token-layers computed so far.
+    spent: int = 0
+    blended: Blended | None = None
+
+
 class BlendWorker:
     """Loads (blend + write) for one worker; `engine` wraps the model adapter and runs the
     same reuse path as holeblend-serve's prefill (`BlendEngine.blend_reused`)."""
@@ -267,12 +283,49 @@ class BlendWorker:
                 failed += len(request.segments)
         return stored, failed
 
-    @torch.inference_mode()
     def load(self, request: LoadRequest) -> LoadOutcome:
+        """Fetch, blend and write one request's load at once (vLLM's forward follows)."""
+        pending = self.start(request)
+        while not self.advance(pending, budget=None):
+            pass
+        return self.finish(pending)
+
+    @torch.inference_mode()
+    def start(self, request: LoadRequest) -> PendingLoad:
+        """Fetch the load's KV and set its blend up; nothing is computed yet."""
         started = time.perf_counter()
-        prompt, end = request.prompt, request.load.end
         reuse, entries, num_unusable = self._fetch(request)
-        blended = self.engine.blend_reused(prompt, reuse, entries, request.ratio, end)
+        steps = self.engine.blend_reused_steps(
+            request.prompt, reuse, entries, request.ratio, request.load.end
+        )
+        return PendingLoad(
+            request, reuse, entries, num_unusable, steps, time.perf_counter() - started
+        )
+
+    @torch.inference_mode()
+    def advance(self, pending: PendingLoad, budget: int | None) -> bool:
+        """Compute layers of the load's blend until `budget` token-layers (tokens times
+        layers) are spent, at least one layer (None: to the end); whether it is done."""
+        started = time.perf_counter()
+        spent = 0
+        try:
+            while budget is None or spent < max(budget, 1):
+                spent += next(pending.steps)
+        except StopIteration as done:
+            pending.blended = done.value
+        pending.spent += spent
+        pending.seconds += time.perf_counter() - started
+        return pending.blended is not None
+
+    @torch.inference_mode()
+    def finish(self, pending: PendingLoad) -> LoadOutcome:
+        """Write the blended K/V into vLLM's paged cache, store the holes it computed; the
+        load's outcome."""
+        started = time.perf_counter()
+        request, reuse, entries = pending.request, pending.reuse, pending.entries
+        blended = pending.blended
+        assert blended is not None, "finish() before the blend is done"
+        prompt, end = request.prompt, request.load.end
         slots = self.writer.slots(request.block_ids, request.load.start, end)
         for layer in range(blended.k.shape[0]):
             layer_k = blended.k[layer, :, request.load.start : end].transpose(0, 1)
@@ -289,8 +342,8 @@ class BlendWorker:
             num_reused_tokens=_count(reuse.hit_ranges, end),
             num_hole_tokens=_count(_hole_ranges(prompt, reuse, end), end),
             num_recomputed_tokens=int(blended.recomputed.shape[0]),
-            num_rejected_segments=num_unusable,
-            blend_seconds=time.perf_counter() - started,
+            num_rejected_segments=pending.num_unusable,
+            blend_seconds=pending.seconds + time.perf_counter() - started,
             inline_statistic=residual_deviation_share(
                 prompt, reuse, blended.deviation, blended.selected, end
             )

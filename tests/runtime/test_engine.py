@@ -201,18 +201,20 @@ def test_the_warm_up_runs_every_reuse_path_on_accelerators_and_stores_nothing(
 
     engine = new_engine()
     blends, continued = [], []
-    blend, continue_causal = engine.blender.blend, engine._continue_causal
+    blend, continue_causal = engine.blender.blend_steps, engine._continue_causal
 
     def record_blend(token_ids, spans, ratio, hole_ranges, strategy, prefix, *args, **kw):
         moved = any(int(s.kv.positions[0]) != s.start for s in spans)
         blends.append((token_ids.shape[0], prefix is not None, bool(hole_ranges), moved))
-        return blend(token_ids, spans, ratio, hole_ranges, strategy, prefix, *args, **kw)
+        return (
+            yield from blend(token_ids, spans, ratio, hole_ranges, strategy, prefix, *args, **kw)
+        )
 
     def record_continue(token_ids, prefix, needs_logits=True):
         continued.append(token_ids.shape[0])
         return continue_causal(token_ids, prefix, needs_logits)
 
-    monkeypatch.setattr(engine.blender, "blend", record_blend)
+    monkeypatch.setattr(engine.blender, "blend_steps", record_blend)
     monkeypatch.setattr(engine, "_continue_causal", record_continue)
     engine.warm_up(max_tokens=3 * RECOMPUTE_BUCKET)
     assert blends == [] and continued == []  # the CPU: sizes are not bucketed
