@@ -278,6 +278,9 @@ def check_lifecycle(
         "abort-me", {"prompt_token_ids": pairs[0][1]}, SamplingParams(max_tokens=50)
     )
     engine.step()
+    # With stepwise loads and a small budget its blend is still under way: aborted mid-blend.
+    stepwise = probe.connector("worker")._worker.stepwise
+    aborted_in_blend = 0 if stepwise is None else stepwise.num_pending
     engine.abort_request([aborted])
     engine.step()
     probe.restore(keep)
@@ -287,6 +290,7 @@ def check_lifecycle(
         engine.add_request(request_id, {"prompt_token_ids": second}, params)
     outputs, preemptions = run_until_done(engine, ids)
     return {
+        "num_aborted_in_blend": aborted_in_blend,
         "num_preemptions": preemptions,
         "answers": [list(outputs[i].outputs[0].token_ids) for i in ids],
         "kv_transfer_params": [outputs[i].kv_transfer_params for i in ids],
@@ -366,20 +370,24 @@ def apply_fault(fault: str | None, kv_dir: Path) -> None:
         def fail(worker: Any, request: Any) -> Any:
             raise RuntimeError(f"injected load failure of {request.request_id}")
 
-        BlendWorker.load = fail  # type: ignore[method-assign]
+        BlendWorker.start = fail  # type: ignore[method-assign]  # whole and stepwise loads
 
 
 def leftovers(probe: Probe) -> dict[str, int]:
     if not probe.config.is_connector:
         return {}
     scheduler = probe.connector("scheduler")._scheduler
-    return {
+    figures = {
         "ledger": scheduler.ledger.num_tracked,
         "plans": len(scheduler.plans),
         "outcomes": len(scheduler.outcomes),
         "blocks": len(scheduler.blocks),
         "ratios": len(scheduler.ratios),
     }
+    if probe.config.tensor_parallel_size == 1:  # the worker runs in this process
+        stepwise = probe.connector("worker")._worker.stepwise
+        figures["stepwise_loads"] = 0 if stepwise is None else stepwise.num_tracked
+    return figures
 
 
 def tier_figures(probe: Probe) -> dict[str, dict[str, int]]:

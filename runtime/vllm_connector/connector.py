@@ -13,10 +13,14 @@ and the segments to store; `request_finished` returns the reuse figures as
 quality proxies' shadow (shadow.py: through the pod's API server at the lowest priority,
 within the token budget the planned user prompts earn) and forgets the request. Each
 load's outcome carries the blend's inline statistic (quality/inline_proxy.py), observed here.
+Loads are asynchronous by default: vLLM parks the request until the worker reports its load
+done (`get_finished`), and the worker spreads each blend over steps within a budget of
+tokens per step (`blend_step_tokens` in kv_connector_extra_config, default an eighth of
+vLLM's `max_num_batched_tokens`; 0: synchronous; stepwise_loads.py).
 Worker side: `bind_connector_metadata` (before every forward) arms the capture of the K/V
 the forward writes for missing segments it computes wholly in this step (store policy
 in-context: forward_stores.py); `start_load_kv` blends and writes each load synchronously
-before the forward (worker.py); `wait_for_save`
+before the forward (worker.py), or starts and advances the stepwise ones; `wait_for_save`
 stores those from the captured K/V (no compute) and computes the rest (isolated policy,
 segments a chunked prefill split, backends that write the cache inside attention) in
 their canonical context, on the model's own thread (a background thread running the
@@ -28,8 +32,6 @@ installed) a load fails loudly at the first request.
 from __future__ import annotations
 
 import logging
-from collections import deque
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -68,13 +70,19 @@ from holeblend_runtime.vllm_connector.planning import (
     ReusePlan,
     ReusePlanner,
 )
-from holeblend_runtime.vllm_connector.settings import ConnectorSettings, RatioSource, load_settings
+from holeblend_runtime.vllm_connector.settings import (
+    ConnectorSettings,
+    RatioSource,
+    load_settings,
+    step_tokens,
+)
 from holeblend_runtime.vllm_connector.shadow import (
     VllmShadow,
     VllmShadowRequest,
     engine_url,
     is_shadow_request,
 )
+from holeblend_runtime.vllm_connector.stepwise_loads import StepwiseLoads
 from holeblend_runtime.vllm_connector.store import (
     AllShardsIndex,
     ShardedKVStore,
@@ -86,7 +94,6 @@ from holeblend_runtime.vllm_connector.worker import (
     ForwardKVCapture,
     LoadOutcome,
     PagedKVWriter,
-    PendingLoad,
 )
 
 log = logging.getLogger(__name__)
@@ -178,6 +185,10 @@ class HoleBlendConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.settings = load_settings(extra)
+        # Tokens of blend compute per step (stepwise loads); None: synchronous loads.
+        self.step_tokens = step_tokens(
+            self.settings, vllm_config.scheduler_config.max_num_batched_tokens
+        )
         is_worker = role != KVConnectorRole.SCHEDULER
         self.store = open_store(self.settings, kv_layout(vllm_config), is_worker)
         if isinstance(self.store, TieredKVStore):
@@ -188,14 +199,14 @@ class HoleBlendConnector(KVConnectorBase_V1):
         num_shards = vllm_config.parallel_config.tensor_parallel_size
         if role == KVConnectorRole.SCHEDULER:
             index = self.store if num_shards == 1 else AllShardsIndex(self.store, num_shards)
-            self._scheduler = _SchedulerSide(vllm_config, self.settings, index)
+            self._scheduler = _SchedulerSide(vllm_config, self.settings, index, self.step_tokens)
         else:
             store = self.store
             if num_shards > 1:
                 from vllm.distributed import get_tensor_model_parallel_rank
 
                 store = ShardedKVStore(self.store, get_tensor_model_parallel_rank(), num_shards)
-            self._worker = _WorkerSide(vllm_config, self.settings, store)
+            self._worker = _WorkerSide(vllm_config, self.settings, store, self.step_tokens)
             self._worker.block_size = _block_size(kv_cache_config, vllm_config)
 
     # --- scheduler side ---------------------------------------------------------------
@@ -204,9 +215,9 @@ class HoleBlendConnector(KVConnectorBase_V1):
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         # None while the request's lookup runs: vLLM asks again at its next step. With
-        # `blend_step_tokens` a load is asynchronous: the blend is spread over steps.
+        # stepwise loads a load is asynchronous: the blend is spread over steps.
         matched = self._scheduler.matched(request, num_computed_tokens)
-        return matched, bool(matched) and self.settings.blend_step_tokens is not None
+        return matched, bool(matched) and self.step_tokens is not None
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._scheduler.allocated(request, blocks, num_external_tokens)
@@ -286,8 +297,15 @@ class HoleBlendConnector(KVConnectorBase_V1):
 
 
 class _SchedulerSide:
-    def __init__(self, vllm_config: Any, settings: ConnectorSettings, store: CachedKeys) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        settings: ConnectorSettings,
+        store: CachedKeys,
+        step_tokens: int | None = None,
+    ) -> None:
         self.settings = settings
+        self.step_tokens = step_tokens
         self.ratio = RatioSource(settings)
         model_id, kv_dtype = model_identity(vllm_config)
         separator_ids = _text_tokenizer(vllm_config).encode(
@@ -391,7 +409,7 @@ class _SchedulerSide:
             load,
             self.blocks.pop(request_id),
             ratio,
-            is_async=self.settings.blend_step_tokens is not None,
+            is_async=self.step_tokens is not None,
         )
 
     def record_outcomes(self, outcomes: tuple[LoadOutcome, ...]) -> None:
@@ -545,9 +563,16 @@ def _record(figures: dict[str, Any]) -> None:
 
 
 class _WorkerSide:
-    def __init__(self, vllm_config: Any, settings: ConnectorSettings, store: KVStore) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        settings: ConnectorSettings,
+        store: KVStore,
+        step_tokens: int | None = None,
+    ) -> None:
         self.vllm_config = vllm_config
         self.settings = settings
+        self.step_tokens = step_tokens
         self.store = store
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.block_size = vllm_config.cache_config.block_size
@@ -556,14 +581,8 @@ class _WorkerSide:
         self._outcomes: list[LoadOutcome] = []
         self._stats: dict[str, int] = {}
         self._failed_blocks: set[int] = set()
-        # Asynchronous loads: blends under way, oldest first, and the requests whose load
-        # ended since vLLM last asked (`finished_loads`).
-        self._pending: deque[PendingLoad] = deque()
-        self._done: set[str] = set()
-        # Stores of segments inside a pending load's range wait for it: the load stores
-        # them from its blend (computed only if it failed). Released when the load ends.
-        self._deferred: dict[str, list[StoreRequest]] = {}
-        self._released: list[StoreRequest] = []
+        # Asynchronous loads (`blend_step_tokens`): blends spread over steps.
+        self.stepwise: StepwiseLoads | None = None
 
     def arm(self, plan: StepPlan) -> None:
         """Before the step's forward: capture the K/V it writes for the stores that come
@@ -572,76 +591,39 @@ class _WorkerSide:
             self._blend_worker().arm_capture(plan.stores)
 
     def run(self, plan: StepPlan) -> None:
-        if not plan.loads and not self._pending:
+        if not plan.loads and not (self.stepwise and self.stepwise.num_pending):
             return
         worker = self._blend_worker()
         for load in plan.loads:
+            if load.is_async:
+                self.stepwise.start(worker, load)
+                continue
             try:
-                if load.is_async:
-                    self._pending.append(worker.start(load))
-                    continue
                 outcome = worker.load(load)
             except Exception:
-                self._fail(load)
+                log.exception("loading %s failed; vLLM recomputes its blocks", load.request_id)
+                self._fail_load(load)
                 continue
-            self._finished(outcome, is_async=False)
-        if self._pending:
-            self._advance(worker)
+            self._finished(outcome)
+        if self.stepwise is not None:
+            for outcome in self.stepwise.advance(worker):
+                self._finished(outcome)
 
-    def _advance(self, worker: BlendWorker) -> None:
-        """Blend the asynchronous loads under way, oldest first, for at most
-        `blend_step_tokens` tokens of whole-model compute (at least one layer); write and
-        report those that are done."""
-        budget = self.settings.blend_step_tokens * worker.engine.config.num_layers
-        while self._pending and budget > 0:
-            pending = self._pending[0]
-            spent = pending.spent
-            try:
-                is_done = worker.advance(pending, budget)
-                budget -= pending.spent - spent
-                if not is_done:
-                    return
-                outcome = worker.finish(pending)
-            except Exception:
-                self._pending.popleft()
-                self._fail(pending.request)
-                continue
-            self._pending.popleft()
-            self._finished(outcome, is_async=True)
-            self._released += self._deferred.pop(outcome.request_id, [])
-
-    def _finished(self, outcome: LoadOutcome, is_async: bool) -> None:
+    def _finished(self, outcome: LoadOutcome) -> None:
         self._outcomes.append(outcome)
         self._count(outcome)
-        if is_async:  # vLLM is told of asynchronous loads only (`finished_loads`)
-            self._done.add(outcome.request_id)
-
-    def _fail(self, load: LoadRequest) -> None:
-        log.exception("loading %s failed; vLLM recomputes its blocks", load.request_id)
-        self._fail_loads([load])
-        if load.is_async:
-            self._done.add(load.request_id)
-            self._released += self._deferred.pop(load.request_id, [])
 
     def finished_loads(self, finished_req_ids: set[str]) -> set[str]:
-        """Requests whose asynchronous load ended since the last call: written, failed
-        (its blocks reported), or dropped because the request finished first (vLLM frees
-        its blocks once told); synchronous loads are not reported."""
-        if finished_req_ids and self._pending:
-            dropped = [p for p in self._pending if p.request.request_id in finished_req_ids]
-            for pending in dropped:
-                self._pending.remove(pending)
-                self._done.add(pending.request.request_id)
-                self._deferred.pop(pending.request.request_id, None)  # a future miss
-        done, self._done = self._done, set()
-        return done
+        """Requests whose asynchronous load ended since the last call (stepwise_loads.py);
+        synchronous loads are never reported."""
+        return set() if self.stepwise is None else self.stepwise.take_finished(finished_req_ids)
 
-    def _fail_loads(self, loads: Sequence[LoadRequest]) -> None:
-        for load in loads:
-            first, last = load.load.start // self.block_size, (load.load.end - 1) // self.block_size
-            self._failed_blocks.update(load.block_ids[first : last + 1])
-            metrics.LOAD_FAILURES.inc()
-            self._stats["num_failed_loads"] = self._stats.get("num_failed_loads", 0) + 1
+    def _fail_load(self, load: LoadRequest) -> None:
+        """Report the load's blocks to vLLM, which recomputes them (counted)."""
+        first, last = load.load.start // self.block_size, (load.load.end - 1) // self.block_size
+        self._failed_blocks.update(load.block_ids[first : last + 1])
+        metrics.LOAD_FAILURES.inc()
+        self._stats["num_failed_loads"] = self._stats.get("num_failed_loads", 0) + 1
 
     def take_failed_blocks(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
@@ -650,7 +632,7 @@ class _WorkerSide:
     def store_missing(self, plan: StepPlan) -> None:
         """Compute and store the step's missing segments, after vLLM's forward; a failed
         store is a future miss, never a failed request (counted)."""
-        stores = self._due_stores(plan.stores)
+        stores = plan.stores if self.stepwise is None else self.stepwise.due_stores(plan.stores)
         if not stores:
             return
         try:
@@ -664,18 +646,6 @@ class _WorkerSide:
             self._stored += stored
         if failed:
             self._stats["num_failed_stores"] = self._stats.get("num_failed_stores", 0) + failed
-
-    def _due_stores(self, stores: Sequence[StoreRequest]) -> list[StoreRequest]:
-        """This step's stores, less those waiting for a pending load, plus those released
-        by loads that ended."""
-        pending = {p.request.request_id for p in self._pending}
-        due, self._released = self._released, []
-        for store in stores:
-            if store.request_id in pending and not store.is_from_forward:
-                self._deferred.setdefault(store.request_id, []).append(store)
-            else:
-                due.append(store)
-        return due
 
     def _blend_worker(self) -> BlendWorker:
         if self._worker is None:
@@ -705,6 +675,10 @@ class _WorkerSide:
             log.warning(
                 "holeblend: this attention backend writes its KV cache inside attention; "
                 "missing segments are computed again in their canonical context to store them"
+            )
+        if self.step_tokens is not None:
+            self.stepwise = StepwiseLoads(
+                self.step_tokens, adapter.config.num_layers, self._fail_load
             )
         return BlendWorker(engine, writer, self.settings.quality_proxies, capture)
 

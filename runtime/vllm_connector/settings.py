@@ -7,10 +7,11 @@ path comes from `kv_connector_extra_config.holeblend_config` or `$HOLEBLEND_CONF
 shared by vLLM's scheduler and worker processes (default: under /dev/shm), and
 `lookup_deadline_ms` (default: unset, lookups inline), to run a request's segment lookup
 through a lookup server or shared tier off vLLM's scheduler thread, planned as a full miss
-when it takes longer, and `blend_step_tokens` (default: unset, each blend runs whole before
-the step's forward), to load asynchronously: a blend is spread over vLLM's steps, each
-step computing at most that many tokens' worth of it (tokens times layers over the model's
-layers), and the request waits until its blend is done. When blend.json
+when it takes longer, and `blend_step_tokens`: loads are asynchronous, each blend spread
+over vLLM's steps, each step computing at most that many tokens' worth of blends (tokens
+times layers over the model's layers) while the request waits; unset: an eighth of vLLM's
+`max_num_batched_tokens` (`step_tokens`); 0: each blend runs whole, synchronously, before
+its step's forward. When blend.json
 names a shared tier (`kv.sharedUrl`) or a lookup server (`lookupServerUrl`), that
 directory is the local tier of a `TieredKVStore` over them.
 Without a settings file the contract's defaults apply.
@@ -70,7 +71,8 @@ class ConnectorSettings:
     lookup_deadline_s: float | None = None
     # Spread each blend over vLLM's steps, at most this many tokens of whole-model compute
     # per step for all blends under way (kv_connector_extra_config `blend_step_tokens`);
-    # None (the default): a blend runs whole, synchronously, before its step's forward.
+    # None (the default): derived from vLLM's step budget (`step_tokens`); 0: a blend runs
+    # whole, synchronously, before its step's forward.
     blend_step_tokens: int | None = None
 
     @property
@@ -87,10 +89,11 @@ class ConnectorSettings:
                 f"{LOOKUP_DEADLINE_KEY}: must be in (0, 60000] ms, "
                 f"got {self.lookup_deadline_s * 1000:g}"
             )
-        if self.blend_step_tokens is not None and self.blend_step_tokens < 1:
+        if self.blend_step_tokens is not None and self.blend_step_tokens < 0:
             raise ValueError(
-                f"{BLEND_STEP_TOKENS_KEY}: must be a whole number of tokens >= 1 (or unset "
-                f"for synchronous blends), got {self.blend_step_tokens}"
+                f"{BLEND_STEP_TOKENS_KEY}: must be a whole number of tokens >= 0 (0: "
+                f"synchronous blends; unset: derived from vLLM's max_num_batched_tokens), "
+                f"got {self.blend_step_tokens}"
             )
 
 
@@ -120,6 +123,18 @@ def load_settings(extra_config: Mapping[str, Any]) -> ConnectorSettings:
         lookup_deadline_s=deadline_s,
         blend_step_tokens=step_tokens,
     )
+
+
+# The default share of vLLM's step budget (`max_num_batched_tokens`) the blends under way
+# may use per step: 2048 // 8 = 256 tokens on vLLM's CPU server (measured, docs/vllm-connector.md).
+DEFAULT_STEP_SHARE = 8
+
+
+def step_tokens(settings: ConnectorSettings, max_num_batched_tokens: int) -> int | None:
+    """Tokens of blend compute per step for asynchronous loads; None: synchronous loads."""
+    if settings.blend_step_tokens is None:
+        return max(1, max_num_batched_tokens // DEFAULT_STEP_SHARE)
+    return settings.blend_step_tokens or None
 
 
 def _step_tokens(value: Any) -> int | None:

@@ -183,8 +183,9 @@ class PendingLoad:
     steps: Generator[int, None, Blended]
     # Worker time spent on it so far (fetch, blend layers, write).
     seconds: float
-    # Token-layers computed so far.
+    # Token-layers computed so far, and model layers.
     spent: int = 0
+    num_layers: int = 0
     blended: Blended | None = None
 
 
@@ -307,10 +308,12 @@ class BlendWorker:
         """Compute layers of the load's blend until `budget` token-layers (tokens times
         layers) are spent, at least one layer (None: to the end); whether it is done."""
         started = time.perf_counter()
-        spent = 0
+        spent, num_layers = 0, self.engine.config.num_layers
         try:
-            while budget is None or spent < max(budget, 1):
+            # Past the last layer only the end is left (no compute): taken in this call.
+            while budget is None or spent < max(budget, 1) or pending.num_layers >= num_layers:
                 spent += next(pending.steps)
+                pending.num_layers += 1
         except StopIteration as done:
             pending.blended = done.value
         pending.spent += spent

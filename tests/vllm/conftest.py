@@ -48,16 +48,14 @@ def baseline_file(baseline, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def with_connector(baseline_file, tmp_path_factory) -> dict:
+    """Stepwise loads with a small budget (`blend_step_tokens` 64: about two layers of a
+    pass-2 prompt per step), so the lifecycle's abort comes while its blend is under way.
+    The other connector fixtures run the default budget."""
     work = tmp_path_factory.mktemp("connector")
     return run_probe(
-        work,
-        "--connector",
-        "--ratios",
-        "1.0,0.15",
-        "--lifecycle",
-        "--reference",
-        str(baseline_file),
-    )
+        work, "--connector", "--ratios", "1.0,0.15", "--lifecycle", "--blend-step-tokens", "64",
+        "--reference", str(baseline_file),
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -80,6 +78,17 @@ def with_failing_loads(baseline_file, tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("failing-loads")
     return run_probe(
         work, "--connector", "--ratios", "1.0", "--fault", "fail-load",
+        "--reference", str(baseline_file),
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def with_whole_blends(baseline_file, tmp_path_factory) -> dict:
+    """`with_connector` with synchronous loads (`blend_step_tokens` 0): each blend runs
+    whole before its step's forward."""
+    work = tmp_path_factory.mktemp("whole")
+    return run_probe(
+        work, "--connector", "--ratios", "1.0,0.15", "--lifecycle", "--blend-step-tokens", "0",
         "--reference", str(baseline_file),
     )  # fmt: skip
 

@@ -94,6 +94,34 @@ def test_an_aborted_and_a_preempted_request_complete_and_leave_nothing_behind(wi
     assert set(with_connector["leftovers"].values()) == {0}
 
 
+def test_stepwise_loads_give_the_answers_of_whole_blends_and_leave_nothing_behind(
+    baseline, with_connector, with_whole_blends
+):
+    """Stepwise loads (`with_connector`): vLLM parks each request until its blend, spread
+    over steps, is written; the answers and figures are those of blends run whole before
+    the forward (`blend_step_tokens` 0; at ratio 1.0 vLLM's own answers); the hole is stored
+    from the blend, nothing computed again; an aborted request (aborted while its blend is
+    under way) and a preempted one release every block and every piece of state, in both."""
+    whole = {(r["ratio"], r["prompt"]): r for r in with_whole_blends["results"]}
+    plain = {r["prompt"]: r["answer"] for r in baseline["results"]}
+    for result in with_connector["results"]:
+        other = whole[(result["ratio"], result["prompt"])]
+        assert result["answer"] == other["answer"]
+        if result["ratio"] == 1.0:
+            assert result["answer"] == plain[result["prompt"]]
+        figures, others = (r["kv_transfer_params"]["holeblend"] for r in (result, other))
+        assert figures == others and figures["source"] == "worker"
+    for report in (with_connector, with_whole_blends):
+        metrics = report["metrics"]
+        assert metrics["stored_blend"] > 0 and metrics["stored_computed"] == 0
+        assert report["free_blocks_after"] == report["free_blocks_before"]
+        assert set(report["leftovers"].values()) == {0}
+        lifecycle = report["lifecycle"]
+        assert lifecycle["num_preemptions"] >= 1 and lifecycle["num_aborted_in_blend"] == (
+            report is with_connector
+        )
+
+
 def test_corrupt_kv_blobs_are_computed_fresh_and_the_answer_holds(baseline, with_corrupt_blobs):
     for result in with_corrupt_blobs["results"]:
         figures = result["kv_transfer_params"]["holeblend"]
