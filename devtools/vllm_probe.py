@@ -183,8 +183,11 @@ def run(config: ProbeConfig, model_dir: Path) -> dict[str, Any]:
         probe._write_settings(ratio)
         for index, (_, second) in enumerate(pairs):
             results.append(serve_second(probe, index, second, ratio, pass1_files))
-    lifecycle = check_lifecycle(probe, pairs, pass1_files) if config.is_lifecycle else {}
     is_one_process = config.tensor_parallel_size == 1
+    # The counters after pass 2, before the lifecycle's concurrent requests (whose chunked
+    # prefills split segments, which are then computed to be stored).
+    served = connector_metrics() if config.is_connector and is_one_process else {}
+    lifecycle = check_lifecycle(probe, pairs, pass1_files) if config.is_lifecycle else {}
     return {
         "pass1_stores": stores,
         "lifecycle": lifecycle,
@@ -197,6 +200,7 @@ def run(config: ProbeConfig, model_dir: Path) -> dict[str, Any]:
         "leftovers": leftovers(probe),
         # Under tensor parallelism the workers (and their metrics) live in other processes.
         "metrics": connector_metrics() if config.is_connector and is_one_process else {},
+        "metrics_after_pass2": served,
         "tiers": tier_figures(probe) if config.is_connector and is_one_process else {},
         "stored_files": sorted(p.name for p in probe.kv_dir.glob("*"))
         if config.is_connector

@@ -32,6 +32,7 @@ installed) a load fails loudly at the first request.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -109,10 +110,13 @@ class HoleBlendConnectorMetadata(KVConnectorMetadata):
 @dataclass
 class HoleBlendWorkerMetadata(KVConnectorWorkerMetadata):
     outcomes: tuple[LoadOutcome, ...] = ()
+    # Requests whose load failed (vLLM recomputes them; never loaded again).
+    failed: tuple[str, ...] = ()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, HoleBlendWorkerMetadata)
-        return HoleBlendWorkerMetadata(self.outcomes + other.outcomes)
+        failed = tuple(dict.fromkeys(self.failed + other.failed))
+        return HoleBlendWorkerMetadata(self.outcomes + other.outcomes, failed)
 
 
 @dataclass
@@ -189,6 +193,13 @@ class HoleBlendConnector(KVConnectorBase_V1):
         self.step_tokens = step_tokens(
             self.settings, vllm_config.scheduler_config.max_num_batched_tokens
         )
+        if role == KVConnectorRole.SCHEDULER:
+            log.info(
+                "holeblend: %s",
+                "whole blends before each forward"
+                if self.step_tokens is None
+                else f"stepwise loads, {self.step_tokens} tokens of blend compute per step",
+            )
         is_worker = role != KVConnectorRole.SCHEDULER
         self.store = open_store(self.settings, kv_layout(vllm_config), is_worker)
         if isinstance(self.store, TieredKVStore):
@@ -229,6 +240,7 @@ class HoleBlendConnector(KVConnectorBase_V1):
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, HoleBlendWorkerMetadata):
             self._scheduler.record_outcomes(meta.outcomes)
+            self._scheduler.record_failed_loads(meta.failed)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         figures = self._scheduler.finished(request.request_id, request)
@@ -275,8 +287,8 @@ class HoleBlendConnector(KVConnectorBase_V1):
         return None, done or None
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        outcomes = self._worker.take_outcomes()
-        return HoleBlendWorkerMetadata(outcomes) if outcomes else None
+        outcomes, failed = self._worker.take_outcomes(), self._worker.take_failed_requests()
+        return HoleBlendWorkerMetadata(outcomes, failed) if outcomes or failed else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         # Blocks of loads that failed in this step: vLLM recomputes them (the operator
@@ -331,6 +343,7 @@ class _SchedulerSide:
         # K/V vLLM's forward writes in the step that computes them (`ForwardStores`).
         self.forward_stores = ForwardStores() if settings.blend.store_policy == IN_CONTEXT else None
         self.ratios: dict[str, float] = {}  # request -> the ratio its blend ran with
+        self.failed_loads: set[str] = set()  # requests whose load failed (vLLM computes)
         # The quality proxies (qualityProxies): the inline proxy of every blend and the
         # shadow within its token budget, which counts the user requests' prompt tokens.
         proxies = settings.quality_proxies and settings.mode != "off"
@@ -423,6 +436,15 @@ class _SchedulerSide:
             metrics.BLEND_SECONDS.observe(outcome.blend_seconds)
             metrics.REJECTED_SEGMENTS.inc(outcome.num_rejected_segments)
 
+    def record_failed_loads(self, request_ids: Sequence[str]) -> None:
+        """Loads that failed: vLLM computes those requests itself. A request whose
+        asynchronous load failed comes back with nothing computed and asks again; it is
+        offered nothing more (else it would load, fail and ask forever)."""
+        for request_id in request_ids:
+            if request_id in self.plans:
+                self.ledger.set_plan(request_id, 0)
+                self.failed_loads.add(request_id)
+
     def finished(self, request_id: str, request: Any = None) -> dict[str, Any] | None:
         """Forget the request; its reuse figures (None if it was not planned). With the
         finished `request` itself, a request that blended is offered to the shadow."""
@@ -432,12 +454,14 @@ class _SchedulerSide:
         outcome = self.outcomes.pop(request_id, None)
         self.blocks.pop(request_id, None)
         self.ledger.finished(request_id)
+        is_load_failed = request_id in self.failed_loads
+        self.failed_loads.discard(request_id)
         if self.forward_stores is not None:
             self.forward_stores.forget(request_id)
         blended_at = self.ratios.pop(request_id, None)  # None: it never loaded
         if plan is None:
             return None
-        figures = _figures(plan, outcome, self.ratio.ratio())
+        figures = _figures(plan, outcome, self.ratio.ratio(), is_load_failed)
         _record(figures)
         if self.shadow is not None and request is not None and blended_at is not None:
             statistic = None if outcome is None else outcome.inline_statistic
@@ -518,9 +542,26 @@ def _shadow(
     )
 
 
-def _figures(plan: ReusePlan, outcome: LoadOutcome | None, ratio: float) -> dict[str, Any]:
+def _figures(
+    plan: ReusePlan, outcome: LoadOutcome | None, ratio: float, is_load_failed: bool = False
+) -> dict[str, Any]:
     """Reuse figures of a finished request: the worker's when its outcome arrived, else
-    the plan's (a request that finishes in its first step ends before its outcome)."""
+    the plan's (a request that finishes in its first step ends before its outcome); a
+    request whose load failed was computed by vLLM: a full miss."""
+    if is_load_failed:
+        return {
+            "mode": "full-miss",
+            "num_prompt_tokens": plan.prompt.num_tokens,
+            "num_covered_tokens": 0,
+            "num_reused_tokens": 0,
+            "num_hole_tokens": 0,
+            "num_recomputed_tokens": plan.prompt.num_tokens,
+            "num_rejected_segments": 0,
+            "is_lookup_failed": plan.is_lookup_failed,
+            "is_lookup_late": plan.is_lookup_late,
+            "is_load_failed": True,
+            "source": "worker",
+        }
     reuse = plan.reuse
     figures = {
         "mode": str(reuse.mode) if plan.num_covered_tokens else "full-miss",
@@ -532,6 +573,7 @@ def _figures(plan: ReusePlan, outcome: LoadOutcome | None, ratio: float) -> dict
         "num_rejected_segments": 0,
         "is_lookup_failed": plan.is_lookup_failed,
         "is_lookup_late": plan.is_lookup_late,
+        "is_load_failed": False,
         "source": "plan",
     }
     if outcome is not None:
@@ -581,6 +623,7 @@ class _WorkerSide:
         self._outcomes: list[LoadOutcome] = []
         self._stats: dict[str, int] = {}
         self._failed_blocks: set[int] = set()
+        self._failed_requests: list[str] = []
         # Asynchronous loads (`blend_step_tokens`): blends spread over steps.
         self.stepwise: StepwiseLoads | None = None
 
@@ -624,6 +667,11 @@ class _WorkerSide:
         self._failed_blocks.update(load.block_ids[first : last + 1])
         metrics.LOAD_FAILURES.inc()
         self._stats["num_failed_loads"] = self._stats.get("num_failed_loads", 0) + 1
+        self._failed_requests.append(load.request_id)
+
+    def take_failed_requests(self) -> tuple[str, ...]:
+        failed, self._failed_requests = tuple(self._failed_requests), []
+        return failed
 
     def take_failed_blocks(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

@@ -112,6 +112,20 @@ def test_the_plain_arm_is_vllm_without_holeblend(monkeypatch, tmp_path):
     assert settings["kv"]["localCpuBytes"] == 200 << 20
 
 
+def test_a_load_bench_arm_sets_the_connector_s_step_budget(monkeypatch, tmp_path):
+    """`--blend-step-tokens N` arms: the budget reaches the connector through vLLM's
+    kv_connector_extra_config; the default arm leaves it to the connector's default."""
+
+    def extra(command):
+        transfer = json.loads(command[command.index("--kv-transfer-config") + 1])
+        return transfer["kv_connector_extra_config"]
+
+    default, _ = _started_command(monkeypatch, tmp_path / "default")
+    whole, _ = _started_command(monkeypatch, tmp_path / "whole", blend_step_tokens=0)
+    assert "blend_step_tokens" not in extra(default)
+    assert extra(whole)["blend_step_tokens"] == 0
+
+
 def test_the_load_bench_rows_and_ratios():
     from holeblend_devtools import bench_vllm_load
 

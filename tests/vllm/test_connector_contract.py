@@ -68,6 +68,11 @@ def test_worker_metadata_aggregates_the_outcomes_of_all_workers():
     merged = first.aggregate(second)
     assert [o.request_id for o in merged.outcomes] == ["a", "b"]
     assert pickle.loads(pickle.dumps(merged)) == merged
+    # Every tensor-parallel rank reports a failed load: the scheduler hears of it once.
+    failed = HoleBlendWorkerMetadata(failed=("c",)).aggregate(
+        HoleBlendWorkerMetadata(failed=("c", "d"))
+    )
+    assert failed.failed == ("c", "d")
 
 
 def test_connector_stats_sum_over_an_interval():
