@@ -90,9 +90,10 @@ def kv_transfer_config() -> str:
 # - eager mode: the blend runs the model's modules outside vLLM's graphs (LMCache #3229);
 # - no prefix caching: vLLM's own prefix hits would make it skip the blend's range start;
 # - no hybrid KV cache manager: the connector is not SupportsHMA (one KV cache group).
-# Chunked prefill stays on: the connector writes the whole covered range in the step that
-# schedules the request (external tokens are outside vLLM's token budget), so chunks only
-# split the uncached tail; its accounting is re-derived on every call (preemption-safe).
+# Chunked prefill stays on: the connector writes the whole covered range before vLLM
+# computes the rest (its blend spread over steps while vLLM parks the request; external
+# tokens are outside vLLM's token budget), so chunks only split the uncached tail; its
+# accounting is re-derived on every call (preemption-safe).
 BLEND_FLAGS = ("--enforce-eager", "--no-enable-prefix-caching", "--disable-hybrid-kv-cache-manager")
 # Tokens per KV block: vllm-ascend's attention needs 128; 16 is vLLM's CUDA default.
 BLOCK_SIZES = {AcceleratorType.ASCEND: 128, AcceleratorType.NVIDIA: 16}
