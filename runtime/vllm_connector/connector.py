@@ -548,20 +548,6 @@ def _figures(
     """Reuse figures of a finished request: the worker's when its outcome arrived, else
     the plan's (a request that finishes in its first step ends before its outcome); a
     request whose load failed was computed by vLLM: a full miss."""
-    if is_load_failed:
-        return {
-            "mode": "full-miss",
-            "num_prompt_tokens": plan.prompt.num_tokens,
-            "num_covered_tokens": 0,
-            "num_reused_tokens": 0,
-            "num_hole_tokens": 0,
-            "num_recomputed_tokens": plan.prompt.num_tokens,
-            "num_rejected_segments": 0,
-            "is_lookup_failed": plan.is_lookup_failed,
-            "is_lookup_late": plan.is_lookup_late,
-            "is_load_failed": True,
-            "source": "worker",
-        }
     reuse = plan.reuse
     figures = {
         "mode": str(reuse.mode) if plan.num_covered_tokens else "full-miss",
@@ -573,10 +559,19 @@ def _figures(
         "num_rejected_segments": 0,
         "is_lookup_failed": plan.is_lookup_failed,
         "is_lookup_late": plan.is_lookup_late,
-        "is_load_failed": False,
+        "is_load_failed": is_load_failed,
         "source": "plan",
     }
-    if outcome is not None:
+    if is_load_failed:
+        figures.update(
+            mode="full-miss",
+            num_covered_tokens=0,
+            num_reused_tokens=0,
+            num_hole_tokens=0,
+            num_recomputed_tokens=plan.prompt.num_tokens,
+            source="worker",
+        )
+    elif outcome is not None:
         figures.update(
             num_reused_tokens=outcome.num_reused_tokens,
             num_hole_tokens=outcome.num_hole_tokens,

@@ -257,13 +257,9 @@ def test_segments_the_forward_computes_are_stored_from_its_kv_without_compute(
         assert torch.equal(stored.v, full.v[:, :, segment.start : segment.end])
 
 
-def test_the_blend_s_own_writes_before_the_forward_are_not_taken_for_the_forward_s(
-    new_engine, rag_texts
-):
-    """The capture is armed before the step's loads run (vLLM binds the metadata first):
-    the blend's writes into the cache (another request's slots) go through the backend's
-    update unwrapped, so the forward that follows is still captured whole."""
-    engine = new_engine()
+def _last_segment_armed(engine, rag_texts):
+    """The prompt's last cacheable segment missing from the store, a capturing worker armed
+    to store it from the forward, and full prefill's K/V to play that forward with."""
     prompt = engine.build_prompt(*rag_texts)
     keys = engine.segment_keys(prompt)
     last = max(i for i, key in enumerate(keys) if key is not None)
@@ -272,6 +268,18 @@ def test_the_blend_s_own_writes_before_the_forward_are_not_taken_for_the_forward
     engine.store.remove(keys[last])
     store = StoreRequest("r", prompt, (last,), blocks)
     worker.arm_capture([store])
+    return engine, prompt, keys, last, worker, blocks, full, store
+
+
+def test_the_blend_s_own_writes_before_the_forward_are_not_taken_for_the_forward_s(
+    new_engine, rag_texts
+):
+    """The capture is armed before the step's loads run (vLLM binds the metadata first):
+    the blend's writes into the cache (another request's slots) go through the backend's
+    update unwrapped, so the forward that follows is still captured whole."""
+    engine, prompt, keys, last, worker, blocks, full, store = _last_segment_armed(
+        new_engine(), rag_texts
+    )
     other = worker.writer.slots(blocks, 0, BLOCK)  # a load's write, not the forward's
     for layer in range(engine.config.num_layers):
         k = torch.zeros(BLOCK, engine.config.num_kv_heads, engine.config.head_dim)
@@ -285,15 +293,9 @@ def test_the_blend_s_own_writes_before_the_forward_are_not_taken_for_the_forward
 def test_a_segment_the_forward_did_not_write_is_computed_instead(new_engine, rag_texts):
     """The capture sees only part of the prompt (the step computed less than planned):
     nothing half-captured is stored; the segments are computed in canonical context."""
-    engine = new_engine()
-    prompt = engine.build_prompt(*rag_texts)
-    keys = engine.segment_keys(prompt)
-    last = max(i for i, key in enumerate(keys) if key is not None)
-    worker, blocks = _capturing_worker(engine, prompt.num_tokens)
-    full = engine.prefill(prompt, "full", 1.0)
-    engine.store.remove(keys[last])
-    store = StoreRequest("r", prompt, (last,), blocks)
-    worker.arm_capture([store])
+    engine, prompt, keys, last, worker, blocks, full, store = _last_segment_armed(
+        new_engine(), rag_texts
+    )
     _forward_into(worker, full, prompt.segments[last].start + 2, blocks)  # stops inside it
     assert worker.store_many([store]) == (1, 0)
     canonical = engine.store.get(keys[last])

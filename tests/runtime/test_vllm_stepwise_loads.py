@@ -44,6 +44,10 @@ def _setup(engine, prompt, request_id="r", ratio=0.15):
     return plan, worker, load, caches
 
 
+def _loads(engine, step_tokens, on_failure=lambda load: None):
+    return StepwiseLoads(step_tokens, engine.config.num_layers, on_failure)
+
+
 def _failures():
     failed = []
     return failed, failed.append
@@ -80,7 +84,7 @@ def test_a_load_spread_over_steps_writes_what_a_synchronous_load_writes(cached_e
     engine, prompt = cached_engine(rag_texts, hole=HOLE)
     _, worker, load, caches = _setup(engine, prompt)
     failed, on_failure = _failures()
-    loads = StepwiseLoads(step_tokens=5, num_layers=engine.config.num_layers, on_failure=on_failure)
+    loads = _loads(engine, 5, on_failure)
     loads.start(worker, load)
     outcomes, steps = [], 0
     while not outcomes:
@@ -108,7 +112,7 @@ def test_each_step_spends_at_most_its_budget_but_always_one_layer_oldest_load_fi
     _, worker, first, _ = _setup(engine, prompt, "first")
     second = dataclasses.replace(first, request_id="second")
     layers = engine.config.num_layers
-    loads = StepwiseLoads(step_tokens=1, num_layers=layers, on_failure=_failures()[1])
+    loads = _loads(engine, 1)
     loads.start(worker, first)
     loads.start(worker, second)
     pending = list(loads._pending)
@@ -123,7 +127,7 @@ def test_each_step_spends_at_most_its_budget_but_always_one_layer_oldest_load_fi
     assert all(sum(1 for s in step if s) == 1 for step in spent)
     assert all(step[1] == 0 for step in spent[:layers]) and order == ["first", "second"]
 
-    roomy = StepwiseLoads(step_tokens=10_000, num_layers=layers, on_failure=_failures()[1])
+    roomy = _loads(engine, 10_000)
     roomy.start(worker, first)
     roomy.start(worker, second)
     assert [o.request_id for o in roomy.advance(worker)] == ["first", "second"]
@@ -136,9 +140,7 @@ def test_a_request_vllm_finished_first_is_dropped_and_reported_with_its_stores(
     is reported), its deferred hole store dropped too (a future miss), nothing left."""
     engine, prompt = cached_engine(rag_texts, hole=HOLE)
     _, worker, load, _ = _setup(engine, prompt)
-    loads = StepwiseLoads(
-        step_tokens=1, num_layers=engine.config.num_layers, on_failure=_failures()[1]
-    )
+    loads = _loads(engine, 1)
     loads.start(worker, load)
     hole_store = StoreRequest("r", prompt, (HOLE,))
     other = StoreRequest("other", prompt, (1,))
@@ -154,9 +156,7 @@ def test_a_request_vllm_finished_first_is_dropped_and_reported_with_its_stores(
 def test_a_hole_store_waits_for_its_load_which_stores_it_from_the_blend(cached_engine, rag_texts):
     engine, prompt = cached_engine(rag_texts, hole=HOLE)
     _, worker, load, _ = _setup(engine, prompt)
-    loads = StepwiseLoads(
-        step_tokens=10_000, num_layers=engine.config.num_layers, on_failure=_failures()[1]
-    )
+    loads = _loads(engine, 10_000)
     loads.start(worker, load)
     hole_store = StoreRequest("r", prompt, (HOLE,))
     assert loads.due_stores([hole_store]) == []
@@ -176,9 +176,7 @@ def test_a_load_that_fails_is_reported_finished_and_its_blocks_failed(
     engine, prompt = cached_engine(rag_texts, hole=HOLE)
     _, worker, load, _ = _setup(engine, prompt)
     failed, on_failure = _failures()
-    loads = StepwiseLoads(
-        step_tokens=10_000, num_layers=engine.config.num_layers, on_failure=on_failure
-    )
+    loads = _loads(engine, 10_000, on_failure)
     hole_store = StoreRequest("r", prompt, (HOLE,))
 
     def broken(*args, **kwargs):
