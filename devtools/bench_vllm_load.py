@@ -11,11 +11,17 @@ ignored). The same stream goes to two servers, one after the other (`vllm_server
 - `connector: false`: vLLM as users run it without holeblend (its own prefix caching on);
 - `connector: true`: the connector as the operator renders a vLLM pod (hole mode, ratio
   `--ratio`, quality proxies off so that only the blend is measured), with a node KV tier
-  of `--kv-tier-mib`, smaller than the corpus's KV, so that eviction shows; each blend
-  runs whole before its step's forward;
-- with `--blend-step-tokens N[,M...]`, one more connector arm per value: loads are
-  asynchronous, each blend spread over vLLM's steps with at most N tokens' worth of blend
-  compute per step (`blend_step_tokens` in the row).
+  of `--kv-tier-mib`, smaller than the corpus's KV, so that eviction shows; loads are
+  stepwise, as by default (each blend spread over vLLM's steps);
+- with `--blend-step-tokens N[,M...]`, one more connector arm per value: at most N tokens'
+  worth of blend compute per step (`blend_step_tokens` in the row; 0: whole blends, each
+  before its step's forward).
+
+`--connector-only` leaves vLLM alone out (reuse over a long stream needs no baseline; no
+ratios then). `--windows W` sends the stream to each server in W consecutive parts and
+adds each part's reuse to the row (`windows`): the tier's warm-up, then its steady state
+under eviction (`num_stored_segments` against `num_tier_segments`, the segments the tier
+still holds at the end).
 
 One row per arm: requests/s, TTFT p50/p99, inter-token latency p50/p99 (every request's, so
 those decoding while another request's prefill, blend or store runs), call-to-return mean,
@@ -33,6 +39,7 @@ Runs in the vLLM environment (`.venv-vllm`).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -77,8 +84,58 @@ def build_prompts(config: LoadWorkloadConfig) -> tuple[list[str], list[int]]:
     return prompts, lengths
 
 
+def write_parts(prompts: list[str], num_parts: int, work_dir: Path) -> list[tuple[Path, int]]:
+    """The stream in `num_parts` consecutive datasets of near-equal size: (path, size)."""
+    bounds = [round(i * len(prompts) / num_parts) for i in range(num_parts + 1)]
+    parts = []
+    for index, (start, end) in enumerate(itertools.pairwise(bounds)):
+        dataset = work_dir / f"prompts-{index}.jsonl"
+        dataset.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts[start:end]))
+        parts.append((dataset, end - start))
+    return parts
+
+
+def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """vLLM's figures over several consecutive parts of one stream, from their per-request
+    lists (percentiles as vLLM computes them); one part: its own result."""
+    import numpy as np
+
+    if len(results) == 1:
+        return results[0]
+    done = [
+        (ttft, itl, latency, out)
+        for r in results
+        for ttft, itl, latency, out, error in zip(
+            r["ttfts"], r["itls"], r["latencies"], r["output_lens"], r["errors"], strict=True
+        )
+        if not error
+    ]
+    duration = sum(r["duration"] for r in results)
+    ttfts = [d[0] * 1e3 for d in done]
+    itls = [gap * 1e3 for d in done for gap in d[1]]
+    tpots = [(d[2] - d[0]) * 1e3 / (d[3] - 1) for d in done if d[3] > 1]
+    return {
+        "completed": len(done),
+        "failed": sum(r.get("failed", 0) for r in results),
+        "request_throughput": len(done) / duration,
+        "output_throughput": sum(d[3] for d in done) / duration,
+        "p50_ttft_ms": float(np.percentile(ttfts, 50)),
+        "p99_ttft_ms": float(np.percentile(ttfts, 99)),
+        "mean_ttft_ms": float(np.mean(ttfts)),
+        "p50_itl_ms": float(np.percentile(itls, 50)) if itls else 0.0,
+        "p99_itl_ms": float(np.percentile(itls, 99)) if itls else 0.0,
+        "mean_tpot_ms": float(np.mean(tpots)) if tpots else 0.0,
+        "mean_e2el_ms": float(np.mean([d[2] * 1e3 for d in done])),
+    }
+
+
 def run_arm(
-    server: Server, dataset: Path, args: argparse.Namespace, result_dir: Path, name: str
+    server: Server,
+    dataset: Path,
+    args: argparse.Namespace,
+    result_dir: Path,
+    name: str,
+    num_requests: int,
 ) -> dict[str, Any]:
     """`vllm bench serve` against the server; vLLM's result dict (also saved)."""
     from vllm.benchmarks.serve import add_cli_args, main
@@ -92,7 +149,7 @@ def run_arm(
             "--model", MODEL, "--tokenizer", str(export_smollm2()),
             "--dataset-name", "custom", "--dataset-path", str(dataset),
             "--custom-output-len", str(args.output_len), "--skip-chat-template",
-            "--disable-shuffle", "--num-prompts", str(args.num_requests),
+            "--disable-shuffle", "--num-prompts", str(num_requests),
             "--max-concurrency", str(args.concurrency), "--ignore-eos", "--temperature", "0",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", PERCENTILES,
             "--save-result", "--result-dir", str(result_dir),
@@ -127,22 +184,37 @@ def row(
     }
 
 
-def reuse_figures(server: Server) -> dict[str, float]:
-    """The connector's counters: prompt tokens reused, recomputed, holes."""
+TOKEN_COUNTERS = ("prompt", "reused", "recomputed", "hole")
+
+
+def reuse_totals(server: Server) -> dict[str, float]:
+    """The connector's token counters (prompt, reused, recomputed, hole) so far."""
     samples = server.samples()
-
-    def total(name: str) -> float:
-        return metric_total(samples, name)
-
-    prompt = total("holeblend_prompt_tokens_total")
-    reused = total("holeblend_reused_tokens_total")
     return {
-        "reused_share": reused / prompt if prompt else 0.0,
-        "recomputed_share": total("holeblend_recomputed_tokens_total") / prompt if prompt else 0.0,
-        "hole_share": total("holeblend_hole_tokens_total") / prompt if prompt else 0.0,
-        "num_load_failures": total("holeblend_load_failures_total"),
-        "num_store_failures": total("holeblend_store_failures_total"),
+        name: metric_total(samples, f"holeblend_{name}_tokens_total") for name in TOKEN_COUNTERS
     }
+
+
+def shares(totals: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    """Shares of the prompt tokens reused, recomputed and in holes since `before`."""
+    delta = {name: totals[name] - before.get(name, 0.0) for name in TOKEN_COUNTERS}
+    prompt = delta["prompt"]
+    return {f"{name}_share": delta[name] / prompt if prompt else 0.0 for name in TOKEN_COUNTERS[1:]}
+
+
+def reuse_figures(server: Server) -> dict[str, float]:
+    """The connector's counters: prompt tokens reused, recomputed, holes; failures."""
+    samples = server.samples()
+    return shares(reuse_totals(server), {}) | {
+        "num_load_failures": metric_total(samples, "holeblend_load_failures_total"),
+        "num_store_failures": metric_total(samples, "holeblend_store_failures_total"),
+        "num_stored_segments": metric_total(samples, "holeblend_stored_segments_total"),
+    }
+
+
+def tier_figures(kv_dir: Path) -> dict[str, float]:
+    """The node tier at the end: segments it holds (fewer than stored: evicted)."""
+    return {"num_tier_segments": len(list(kv_dir.glob("*.safetensors")))}
 
 
 def ratios(rows: list[dict]) -> dict[str, float]:
@@ -177,7 +249,11 @@ def main(argv: list[str] | None = None) -> int:
         "--blend-step-tokens", default="",
         help="comma-separated budgets: one more connector arm each, with stepwise loads",
     )  # fmt: skip
+    parser.add_argument("--connector-only", action="store_true", help="no vLLM-alone arm")
+    parser.add_argument("--windows", type=int, default=1, help="stream parts, reuse of each")
     args = parser.parse_args(argv)
+    if not 1 <= args.windows <= args.num_requests:
+        parser.error(f"--windows: must be between 1 and --num-requests, got {args.windows}")
     step_budgets = [int(value) for value in args.blend_step_tokens.split(",") if value]
     workload = LoadWorkloadConfig(
         seed=args.seed, num_corpus_documents=args.corpus, documents_per_request=args.documents,
@@ -186,33 +262,47 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     prompts, lengths = build_prompts(workload)
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    dataset = args.work_dir / "prompts.jsonl"
-    dataset.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    parts = write_parts(prompts, args.windows, args.work_dir)
     started = time.perf_counter()
     rows = []
-    arms = [("plain", False, None), ("connector", True, None)]
-    arms += [(f"connector-step{n}", True, n) for n in step_budgets]
+    arms = [] if args.connector_only else [("plain", False, None)]
+    arms += [("connector", True, None)] + [(f"connector-step{n}", True, n) for n in step_budgets]
     for name, connector, step_tokens in arms:
         with serve(
             args.work_dir / name, args.ratio, quality_proxies=False, connector=connector,
             kv_cache_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN,
             kv_tier_bytes=args.kv_tier_mib << 20, blend_step_tokens=step_tokens,
         ) as server:  # fmt: skip
-            result = run_arm(server, dataset, args, args.work_dir, name)
-            reuse = reuse_figures(server) if connector else {}
-        rows.append(row(result, connector, reuse, step_tokens) | {"arm": name})
+            results, windows, before = [], [], {}
+            for index, (dataset, size) in enumerate(parts):
+                results.append(
+                    run_arm(server, dataset, args, args.work_dir, f"{name}-{index}", size)
+                )
+                if connector:
+                    totals = reuse_totals(server)
+                    windows.append({"num_requests": size} | shares(totals, before))
+                    before = totals
+            reuse = (
+                reuse_figures(server) | tier_figures(args.work_dir / name / "kv")
+                if connector
+                else {}
+            )
+        result = merge(results)
+        extra = {"windows": windows} if connector and len(parts) > 1 else {}
+        rows.append(row(result, connector, reuse, step_tokens) | {"arm": name} | extra)
         print(json.dumps(rows[-1]), flush=True)
     document = {
         "config": vars(args) | {"json": str(args.json), "work_dir": str(args.work_dir)},
         "prompt_tokens_mean": sum(lengths) / len(lengths),
         "rows": rows,
-        "ratios": ratios(rows),
-        "ratios_by_arm": {r["arm"]: compare(rows[0], r) for r in rows[1:]},
         "wall_s": time.perf_counter() - started,
     }
+    if not args.connector_only:
+        document["ratios"] = ratios(rows)
+        document["ratios_by_arm"] = {r["arm"]: compare(rows[0], r) for r in rows[1:]}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(document, indent=2) + "\n")
-    print(json.dumps(document["ratios"]))
+    print(json.dumps(document.get("ratios", rows[-1])))
     return 0
 
 

@@ -140,7 +140,17 @@ class Probe:
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **extra)
         prompt = {"prompt_token_ids": token_ids}
-        return self.llm.generate([prompt], params, use_tqdm=False)[0]
+        output = self.llm.generate([prompt], params, use_tqdm=False)[0]
+        self.settle()
+        return output
+
+    def settle(self) -> None:
+        """Wait until every worker has written the segments it accepted for storing (its
+        writes run behind the requests), so the KV tier is read as the requests left it."""
+        if self.config.is_connector:
+            from holeblend_runtime.vllm_connector.connector import flush_worker_stores
+
+            assert all(self.llm.collective_rpc(flush_worker_stores)), "stores left unwritten"
 
     def connector(self, role: str) -> Any:
         """The scheduler's or this process's worker connector (engine core in-process)."""
@@ -151,11 +161,13 @@ class Probe:
         return get_kv_transfer_group()
 
     def snapshot(self) -> dict[str, bytes]:
+        self.settle()
         return {p.name: p.read_bytes() for p in self.kv_dir.glob("*.safetensors")}
 
     def restore(self, snapshot: dict[str, bytes]) -> None:
         """The KV tier exactly as after pass 1: what was stored since goes (the hole stays
         a hole), what was removed since (a corrupt file) comes back."""
+        self.settle()
         for path in self.kv_dir.glob("*.safetensors"):
             if path.name not in snapshot:
                 path.unlink()
@@ -188,6 +200,7 @@ def run(config: ProbeConfig, model_dir: Path) -> dict[str, Any]:
     # prefills split segments, which are then computed to be stored).
     served = connector_metrics() if config.is_connector and is_one_process else {}
     lifecycle = check_lifecycle(probe, pairs, pass1_files) if config.is_lifecycle else {}
+    probe.settle()
     return {
         "pass1_stores": stores,
         "lifecycle": lifecycle,
@@ -389,8 +402,12 @@ def leftovers(probe: Probe) -> dict[str, int]:
         "ratios": len(scheduler.ratios),
     }
     if probe.config.tensor_parallel_size == 1:  # the worker runs in this process
-        stepwise = probe.connector("worker")._worker.stepwise
+        worker = probe.connector("worker")._worker
+        stepwise = worker.stepwise
         figures["stepwise_loads"] = 0 if stepwise is None else stepwise.num_tracked
+        # Entries accepted for storing and not written, and prefetched ones never claimed.
+        figures["stores_unwritten"] = worker.store.num_pending
+        figures["prefetched_unclaimed"] = worker.store.num_prefetched
     return figures
 
 

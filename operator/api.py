@@ -777,6 +777,14 @@ class EngineSpec(ApiModel):
     termination_grace_period_seconds: int = Field(default=120, ge=30, le=3600)
     """How long a stopping engine pod may take: a preStop pause lets the Service stop
     routing to it, then in-flight requests finish before the pod is killed."""
+    blend_step_tokens: int | None = Field(default=None, ge=0, le=1048576)
+    """vLLM pods: tokens' worth of blend compute per engine step. A request's load is
+    asynchronous: its blend is spread over vLLM's steps, one model layer at a time, so
+    requests decoding meanwhile wait for at most this much blend work per step. Unset: an
+    eighth of vLLM's --max-num-batched-tokens (256 on vLLM's CPU server); lower trades
+    time to first token for steadier inter-token latency of the others; 0: each blend runs
+    whole, before its step's forward (every request of that step waits for it). Not read
+    by holeblend-serve (CPU pods). Changing it restarts the pods."""
 
     @field_validator("extra_args")
     @classmethod

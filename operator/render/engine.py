@@ -72,13 +72,17 @@ def model_volume_mounts(source: ModelSource) -> list[dict]:
     return [{"name": "model", "mountPath": MODEL_DIR, "readOnly": True}]
 
 
-def kv_transfer_config() -> str:
-    """vLLM's --kv-transfer-config: our connector, which reads the blend settings file."""
+def kv_transfer_config(blend_step_tokens: int | None = None) -> str:
+    """vLLM's --kv-transfer-config: our connector, which reads the blend settings file;
+    `blend_step_tokens` (spec.engine.blendStepTokens) when set."""
+    extra: dict[str, object] = {"holeblend_config": CONFIG_PATH}
+    if blend_step_tokens is not None:
+        extra["blend_step_tokens"] = blend_step_tokens
     config = {
         "kv_connector": CONNECTOR_CLASS,
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"holeblend_config": CONFIG_PATH},
+        "kv_connector_extra_config": extra,
         # A load that fails (its blocks reported by the connector) is recomputed by vLLM
         # instead of failing the request (vLLM's default policy is "fail").
         "kv_load_failure_policy": "recompute",
@@ -103,7 +107,8 @@ def blend_flags(bd: BlendDeployment) -> list[str]:
     """The connector's flags; none when blending is off (plain vLLM)."""
     if str(bd.spec.blend.mode) == "off":
         return []
-    flags = [*BLEND_FLAGS, "--kv-transfer-config", kv_transfer_config()]
+    transfer = kv_transfer_config(bd.spec.engine.blend_step_tokens)
+    flags = [*BLEND_FLAGS, "--kv-transfer-config", transfer]
     block_size = BLOCK_SIZES.get(bd.spec.accelerator.type)
     return flags if block_size is None else [*flags, "--block-size", str(block_size)]
 

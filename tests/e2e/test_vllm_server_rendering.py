@@ -153,3 +153,41 @@ def test_the_load_bench_prompts_split_into_their_segments():
     prompts, lengths = build_prompts(config)
     assert len(prompts) == len(lengths) == 3
     assert all(p.count(SEPARATOR) == 9 for p in prompts)  # system, 8 documents, question
+
+
+def test_the_load_bench_splits_a_stream_into_windows_and_merges_their_figures(tmp_path):
+    from holeblend_devtools import bench_vllm_load
+
+    prompts = [f"prompt {i}" for i in range(7)]
+    parts = bench_vllm_load.write_parts(prompts, 3, tmp_path)
+    assert [size for _, size in parts] == [2, 3, 2]
+    sent = [json.loads(line)["prompt"] for path, _ in parts for line in path.read_text().split("\n") if line]  # fmt: skip
+    assert sent == prompts  # in order, each once
+
+    def part(ttfts, itls, latencies, duration, errors=None):
+        return {
+            "ttfts": ttfts, "itls": itls, "latencies": latencies, "duration": duration,
+            "output_lens": [len(i) + 1 for i in itls], "errors": errors or [""] * len(ttfts),
+        }  # fmt: skip
+
+    first = part([1.0, 3.0], [[0.1, 0.1], [0.2, 0.4]], [1.2, 3.6], 4.0)
+    second = part([2.0, 9.0], [[0.3, 0.3], [0.0, 0.0]], [2.6, 9.0], 6.0, errors=["", "timeout"])
+    merged = bench_vllm_load.merge([first, second])
+    # The failed request is left out; figures over the three requests that completed.
+    assert merged["completed"] == 3 and merged["request_throughput"] == pytest.approx(0.3)
+    assert merged["p50_ttft_ms"] == pytest.approx(2000.0)
+    assert merged["mean_ttft_ms"] == pytest.approx(2000.0)
+    assert merged["p50_itl_ms"] == pytest.approx(250.0)
+    assert merged["mean_e2el_ms"] == pytest.approx((1.2 + 3.6 + 2.6) / 3 * 1e3)
+    assert merged["mean_tpot_ms"] == pytest.approx((100 + 300 + 300) / 3)
+    assert bench_vllm_load.merge([first]) is first
+
+
+def test_the_load_bench_window_shares_count_only_their_own_tokens():
+    from holeblend_devtools import bench_vllm_load
+
+    before = {"prompt": 1000.0, "reused": 100.0, "recomputed": 900.0, "hole": 0.0}
+    after = {"prompt": 3000.0, "reused": 1700.0, "recomputed": 1500.0, "hole": 200.0}
+    shares = bench_vllm_load.shares(after, before)
+    assert shares == {"reused_share": 0.8, "recomputed_share": 0.3, "hole_share": 0.1}
+    assert bench_vllm_load.shares(before, before)["reused_share"] == 0.0

@@ -529,6 +529,29 @@ def test_engine_serves_the_model_with_our_kv_connector():
     assert args[-2:] == ["--max-num-seqs", "8"]
 
 
+@pytest.mark.parametrize(("value", "expected"), [(None, 256), (0, None), (512, 512)])
+def test_blend_step_tokens_reach_the_connector_through_the_kv_transfer_config(
+    value, expected, monkeypatch
+):
+    """spec.engine.blendStepTokens, rendered and then read as the connector reads it (unset:
+    the connector's default, an eighth of vLLM's step budget; 0: whole blends)."""
+    from holeblend_runtime.vllm_connector.settings import load_settings, step_tokens
+
+    engine = {} if value is None else {"blendStepTokens": value}
+    args = engine_container(make_bd(engine=engine))["args"]
+    extra = yaml.safe_load(args[args.index("--kv-transfer-config") + 1])
+    extra = extra["kv_connector_extra_config"]
+    assert extra.pop("holeblend_config") == "/etc/holeblend/blend.json"
+    assert ("blend_step_tokens" in extra) is (value is not None)
+    monkeypatch.delenv("HOLEBLEND_CONFIG", raising=False)  # blend.json's defaults
+    assert step_tokens(load_settings(extra), max_num_batched_tokens=2048) == expected
+
+
+def test_a_negative_blend_step_tokens_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match=r"blendStepTokens|blend_step_tokens"):
+        make_bd(engine={"blendStepTokens": -1})
+
+
 def test_engine_finds_its_settings_through_holeblend_config():
     container = engine_container(make_bd())
     assert env_of(container)["HOLEBLEND_CONFIG"] == "/etc/holeblend/blend.json"
