@@ -215,6 +215,7 @@ def run(config: ProbeConfig, model_dir: Path) -> dict[str, Any]:
         "metrics": connector_metrics() if config.is_connector and is_one_process else {},
         "metrics_after_pass2": served,
         "tiers": tier_figures(probe) if config.is_connector and is_one_process else {},
+        "blend_attention": blend_attention(probe) if config.is_connector and is_one_process else "",
         "stored_files": sorted(p.name for p in probe.kv_dir.glob("*"))
         if config.is_connector
         else [],
@@ -388,6 +389,14 @@ def apply_fault(fault: str | None, kv_dir: Path) -> None:
             raise RuntimeError(f"injected load failure of {request.request_id}")
 
         BlendWorker.start = fail  # type: ignore[method-assign]  # whole and stepwise loads
+
+
+def blend_attention(probe: Probe) -> str:
+    """Which attention the blend ran: vLLM's CPU kernel (`paged`) or ours (`ours`)."""
+    worker = probe.connector("worker")._worker._worker
+    if worker is None:
+        return "none"  # no load ran
+    return "ours" if worker.engine.model.paged_attention is None else "paged"
 
 
 def leftovers(probe: Probe) -> dict[str, int]:

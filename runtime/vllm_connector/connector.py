@@ -631,6 +631,7 @@ class _WorkerSide:
         self.step_tokens = step_tokens
         # Writes and reads on I/O threads, off the model's thread (kv/async_store.py).
         self.store = AsyncKVStore(store, on_failure=_count_failed_write)
+        metrics.STORE_QUEUE.set_function(lambda: self.store.num_pending)
         self._num_failed_writes = 0
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.block_size = vllm_config.cache_config.block_size
@@ -730,6 +731,7 @@ class _WorkerSide:
         config = self.vllm_config
         model_id, _ = model_identity(config)
         adapter = VllmModelAdapter(model, model_id, config.model_config.max_model_len)
+        adapter.use_paged_attention(self.block_size)
         tokenizer = TextTokenizer(_text_tokenizer(config).backend_tokenizer, adapter.config)
         engine = BlendEngine(adapter, tokenizer, self.settings.blend, self.store)
         # The blend's shapes on an accelerator (a no-op on the CPU); paid by the step

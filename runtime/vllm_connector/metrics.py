@@ -58,6 +58,12 @@ STORED_SEGMENTS = Counter(
     ["source"],
     registry=REGISTRY,
 )
+STORE_QUEUE = Gauge(
+    "holeblend_store_queue_segments",
+    "Segments accepted for storing and not yet written (the writer thread's queue); lookups "
+    "of other processes find a segment only once it is written",
+    registry=REGISTRY,
+)
 LOOKUP_FAILURES = Counter(
     "holeblend_lookup_failures", "Lookups that failed and ran as a full miss", registry=REGISTRY
 )

@@ -13,7 +13,8 @@ its head shard; the selection scores are summed over the ranks (`reduce_shards`)
 every rank recomputes the same tokens.
 
 Residual stream and attention are ours (`attention.attend`: each query at its true
-position); the norms, projections, MLP, embedding and logits are vLLM's modules, and RoPE
+position; on vLLM's CPU backend its own attention kernel over the same sparse causal
+pattern, paged_attention.py); the norms, projections, MLP, embedding and logits are vLLM's modules, and RoPE
 angles come from vLLM's own cos/sin cache, so a full recompute reproduces vLLM's prefill.
 """
 
@@ -27,6 +28,7 @@ from holeblend_runtime.model.attention import AttentionPlan, attend
 from holeblend_runtime.model.config import ModelConfig
 from holeblend_runtime.model.llama import Llama
 from holeblend_runtime.model.rope import RopeTable, apply_rope
+from holeblend_runtime.vllm_connector.paged_attention import PagedBlendAttention
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -51,6 +53,14 @@ class VllmModelAdapter:
         self.config = _model_config(model, attention, model_id, context_length)
         # Tensor-parallel ranks holding a shard of the heads each (vLLM shards evenly).
         self.num_shards = attention.total_num_heads // attention.num_heads
+        # vLLM's CPU attention kernel for the blend's attention (paged_attention.py), set by
+        # `use_paged_attention`; None: `attention.attend`.
+        self.paged_attention: PagedBlendAttention | None = None
+
+    def use_paged_attention(self, block_size: int) -> bool:
+        """Attend with vLLM's own CPU kernel where it applies; whether it does."""
+        self.paged_attention = PagedBlendAttention.for_adapter(self, block_size)
+        return self.paged_attention is not None
 
     def reduce_shards(self, scores: torch.Tensor) -> torch.Tensor:
         """The sum of a per-token score over the tensor-parallel ranks (a collective:
@@ -121,7 +131,10 @@ class VllmModelAdapter:
         plan: AttentionPlan,
     ) -> torch.Tensor:
         decoder = self.layers[layer]
-        attn = attend(q, k, v, plan).transpose(0, 1).reshape(h.shape[0], -1)
+        if self.paged_attention is not None:
+            attn = self.paged_attention(q, k, v, plan).reshape(h.shape[0], -1)
+        else:
+            attn = attend(q, k, v, plan).transpose(0, 1).reshape(h.shape[0], -1)
         out, _ = decoder.self_attn.o_proj(attn)
         h = h + out
         return h + decoder.mlp(decoder.post_attention_layernorm(h))

@@ -29,6 +29,8 @@ def test_the_hole_prompt_reports_reused_tokens_in_transfer_params_and_metrics(wi
         assert figures["num_recomputed_tokens"] < figures["num_covered_tokens"]
     metrics = with_connector["metrics"]
     assert metrics["reused_tokens"] > 0 and metrics["hole_requests"] > 0
+    # On vLLM's CPU backend the blend attends with vLLM's own kernel (paged_attention.py).
+    assert with_connector["blend_attention"] == "paged"
 
 
 def test_pass_one_stores_every_segment_from_the_k_v_vllm_s_forward_wrote(with_connector):

@@ -31,6 +31,11 @@ def test_hole_requests_are_scored_as_the_reference_engine_scores_them(server):
     answers = []
     for first, second in pairs:
         server.complete(first, 1)  # caches the documents it has
+        # Its stores are written behind it: the lookup of `second` finds them once written.
+        deadline = time.monotonic() + 60
+        while server.sample("holeblend_store_queue_segments") > 0:
+            assert time.monotonic() < deadline, "the stores were never written"
+            time.sleep(0.05)
         before = server.sample("holeblend_shadow_requests_total", outcome="scored")
         choice = server.complete(second, ANSWER_TOKENS)["choices"][0]
         answers.append((choice["token_ids"], choice["finish_reason"] == "stop"))
