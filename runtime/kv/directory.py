@@ -7,6 +7,8 @@ worker's load agree without a server. Implements `KVStore`:
 1. `put` writes to a temporary file and renames it, so readers never see half a file.
 2. `get` reads and checks the file; a file that cannot be parsed (a corrupt blob) is
    removed and reported as a miss, so serving falls back to computing the segment.
+   Whether the values are finite is checked once, by `put`, and kept in the file's
+   metadata (`SegmentKV.is_finite`), so readers do not scan every value on every reuse.
 3. The byte budget is kept by removing the least recently used files (a hit refreshes
    the file's modification time) after each `put`.
 """
@@ -22,11 +24,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from holeblend_runtime.kv.store import SegmentKV
+from holeblend_runtime.kv.store import SegmentKV, finite_flags
 
 log = logging.getLogger(__name__)
 
 _SUFFIX = ".safetensors"
+# Whether every K and V value is finite, checked on `put` (files written before it lack it:
+# their reader checks).
+_FINITE_KEY = "is_finite"
+_FINITE = {"true": True, "false": False}
 
 
 class DirectoryKVStore:
@@ -57,7 +63,7 @@ class DirectoryKVStore:
             tensors, metadata = _read(path)
             kv = SegmentKV(
                 metadata["key"], tensors["k"], tensors["v"], tensors["positions"],
-                metadata["model_id"],
+                metadata["model_id"], is_finite=_FINITE.get(metadata.get(_FINITE_KEY, "")),
             )  # fmt: skip
         except FileNotFoundError:
             return None
@@ -76,7 +82,10 @@ class DirectoryKVStore:
         if kv.num_bytes > self.capacity_bytes:
             return False
         tensors = {"k": kv.k.contiguous(), "v": kv.v.contiguous(), "positions": kv.positions}
-        metadata = {"key": kv.key, "model_id": kv.model_id}
+        # Checked here, where the entry is written (off the request's path behind an
+        # AsyncKVStore), taken afresh like LocalKVStore's: a reader then trusts it.
+        is_finite = finite_flags([kv])[0]
+        metadata = {"key": kv.key, "model_id": kv.model_id, _FINITE_KEY: str(is_finite).lower()}
         handle, temporary = tempfile.mkstemp(dir=self.root, suffix=".tmp")
         os.close(handle)
         try:

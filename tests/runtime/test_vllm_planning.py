@@ -3,6 +3,7 @@
 import os
 
 import pytest
+import torch
 
 from holeblend_contract.blend_settings import BlendSettings, ModelSettings
 from holeblend_runtime.blend.config import BlendConfig
@@ -121,3 +122,39 @@ def test_a_corrupt_kv_file_is_a_miss_and_is_removed(tmp_path):
     assert store.contains(key)
     assert store.get(key) is None
     assert not store.contains(key) and store.num_corrupt == 1
+
+
+def test_the_directory_keeps_the_finiteness_verdict_of_put_and_the_engine_refuses_bad_kv(
+    tmp_path,
+):
+    """Checked once where the entry is written; a reader trusts it (a file written without
+    it is checked by the reader)."""
+    from safetensors.torch import save_file
+
+    from holeblend_runtime.kv.store import SegmentKV
+
+    store = DirectoryKVStore(tmp_path, 1 << 30)
+    k = torch.randn(2, 1, 3, 4)
+    bad = k.clone()
+    bad[1, 0, 2, 3] = float("nan")
+    positions = torch.arange(3, dtype=torch.int64)
+    assert store.put(SegmentKV("good", k, k.clone(), positions, "m"))
+    assert store.put(SegmentKV("bad", bad, k.clone(), positions, "m"))
+    assert store.get("good").is_finite is True and store.get("bad").is_finite is False
+    # An older file, without the verdict: unknown, so the engine checks the values.
+    tensors = {"k": bad, "v": k, "positions": positions}
+    save_file(tensors, str(store.path("old")), {"key": "old", "model_id": "m"})
+    assert store.get("old").is_finite is None
+
+    engine = BlendEngine.load()
+    c = engine.config
+    shape = (c.num_layers, c.num_kv_heads, 3, c.head_dim)
+    nan_k = torch.randn(shape)
+    nan_k[0, 0, 0, 0] = float("inf")
+    ok = torch.randn(shape)
+    for key, kv_k in (("fresh", ok), ("stale", nan_k)):
+        store.put(SegmentKV(key, kv_k, ok.clone(), positions, c.model_id))
+    save_file({"k": nan_k, "v": ok, "positions": positions}, str(store.path("legacy")),
+              {"key": "legacy", "model_id": c.model_id})  # fmt: skip
+    for key, expected in (("fresh", None), ("stale", "non-finite values"), ("legacy", "non-finite values")):  # fmt: skip
+        assert engine.kv_problem(store.get(key), key, 3) == expected
