@@ -165,7 +165,10 @@ class AsyncKVStore:
             ]
         if not wanted or self.max_prefetched == 0:
             return
-        batch = self._reader.submit(self.inner.get_many, wanted)
+        try:
+            batch = self._reader.submit(self.inner.get_many, wanted)
+        except RuntimeError:  # closed: the reads happen when asked for
+            return
         with self._condition:
             for i, key in enumerate(wanted):
                 self._prefetched[key] = _item(batch, i)

@@ -191,6 +191,8 @@ def test_close_writes_what_was_accepted_or_says_it_could_not(gated):
     assert gated.inner.contains("a1")
     with pytest.raises(RuntimeError, match="closed"):
         store.put(_entry("a2"))
+    store.prefetch(["a1"])  # nothing read ahead once closed; a read still works
+    assert store.num_prefetched == 0 and store.get("a1") is not None
     stuck = AsyncKVStore(gated)
     gated.gate.clear()
     stuck.put(_entry("a3"))
