@@ -2,7 +2,9 @@
 
 One command runs both engines on the same prompts (~2k tokens, one missing document in
 the middle), one after the other, each in its own process (`vllm_probe`): the run
-without the connector first, then the one with it (its answers scored against the first).
+without the connector first, then the one with it (its answers scored against the first);
+with `--compare-attention` a third run whose blend attends with holeblend's own CPU
+attention instead of vLLM's kernel (`ours_attention`).
 Reports per-prompt TTFT (a 1-token request, wall clock), medians, the speedup, the reuse
 figures and the top-1 agreement, as JSON. On a shared machine the two runs see different
 load: compare the medians, and repeat.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -19,11 +22,11 @@ import tempfile
 from pathlib import Path
 
 
-def probe(work: Path, *args: str) -> dict:
+def probe(work: Path, *args: str, env: dict[str, str] | None = None) -> dict:
     out = work / "result.json"
     command = [sys.executable, "-I", "-m", "holeblend_devtools.vllm_probe"]
     command += ["--work-dir", str(work), "--json", str(out), *args]
-    subprocess.run(command, check=True, capture_output=True)
+    subprocess.run(command, check=True, capture_output=True, env=None if env is None else os.environ | env)  # fmt: skip
     return json.loads(out.read_text())
 
 
@@ -53,6 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-documents", type=int, default=12)
     parser.add_argument("--ratio", default="0.15")
     parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument(
+        "--compare-attention", action="store_true",
+        help="a third run with the connector's blend on holeblend's own CPU attention "
+        "(HOLEBLEND_ATTENTION=chunked) instead of vLLM's kernel",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     shape = ["--num-questions", str(args.num_questions), "--num-documents", str(args.num_documents)]
     with tempfile.TemporaryDirectory() as scratch:
@@ -61,11 +69,19 @@ def main(argv: list[str] | None = None) -> int:
         (root / "conn").mkdir()
         baseline = probe(root / "base", *shape)
         (root / "baseline.json").write_text(json.dumps(baseline))
-        connector = probe(
-            root / "conn", *shape, "--connector", "--ratios", args.ratio,
+        with_connector = [
+            *shape, "--connector", "--ratios", args.ratio,
             "--reference", str(root / "baseline.json"),
-        )  # fmt: skip
-    report = summarize(baseline, connector)
+        ]  # fmt: skip
+        connector = probe(root / "conn", *with_connector)
+        report = summarize(baseline, connector)
+        report["blend_attention"] = connector["blend_attention"]
+        if args.compare_attention:
+            (root / "ours").mkdir()
+            ours = probe(root / "ours", *with_connector, env={"HOLEBLEND_ATTENTION": "chunked"})
+            report["ours_attention"] = summarize(baseline, ours) | {
+                "blend_attention": ours["blend_attention"]
+            }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({k: v for k, v in report.items() if k != "reuse"}, indent=2))
