@@ -136,6 +136,7 @@ def run_arm(
     result_dir: Path,
     name: str,
     num_requests: int,
+    detailed: bool = False,
 ) -> dict[str, Any]:
     """`vllm bench serve` against the server; vLLM's result dict (also saved)."""
     from vllm.benchmarks.serve import add_cli_args, main
@@ -156,6 +157,8 @@ def run_arm(
             "--result-filename", f"vllm-bench-{name}.json", "--seed", str(args.seed),
         ]
     )  # fmt: skip
+    # Per-request lists (TTFTs, inter-token gaps), to merge several parts of one stream.
+    bench_args.save_detailed = detailed
     return main(bench_args)
 
 
@@ -275,9 +278,9 @@ def main(argv: list[str] | None = None) -> int:
         ) as server:  # fmt: skip
             results, windows, before = [], [], {}
             for index, (dataset, size) in enumerate(parts):
-                results.append(
-                    run_arm(server, dataset, args, args.work_dir, f"{name}-{index}", size)
-                )
+                part = f"{name}-{index}" if len(parts) > 1 else name
+                detailed = len(parts) > 1
+                results.append(run_arm(server, dataset, args, args.work_dir, part, size, detailed))
                 if connector:
                     totals = reuse_totals(server)
                     windows.append({"num_requests": size} | shares(totals, before))
