@@ -86,7 +86,7 @@ test-vllm: $(VLLM_STAMP) $(SYSDEPS)
 	$(VLLM_VENV)/bin/python -I -m pytest -q -p no:cacheprovider tests/vllm
 
 bench-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -I -m holeblend_devtools.bench_vllm --json out/bench-vllm.json
+	$(VLLM_VENV)/bin/python -I -m holeblend_devtools.bench_vllm --json out/bench-vllm.json $(ARGS)
 
 # vLLM's own load generator against vLLM with and without the connector (ARGS: e.g.
 # --num-requests 200 for a shorter run).
