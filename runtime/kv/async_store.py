@@ -68,11 +68,9 @@ class AsyncKVStore:
         self._queue: deque[tuple[SegmentKV, object | None]] = deque()
         self._pending: dict[str, SegmentKV] = {}
         self._pending_bytes = 0
-        self._is_writing = False
         self._is_closed = False
         self.num_written = 0
         self.num_failed = 0
-        self.write_seconds = 0.0
         self._prefetched: OrderedDict[str, Future[SegmentKV | None]] = OrderedDict()
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="holeblend-kv-read")
         self._writer = threading.Thread(
@@ -98,10 +96,11 @@ class AsyncKVStore:
         return True
 
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait until every accepted entry is written (or failed); False on timeout."""
+        """Wait until every accepted entry is written (or failed); False on timeout. The
+        entry being written stays first in the queue until its write returns."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._condition:
-            while self._queue or self._is_writing:
+            while self._queue:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -127,8 +126,6 @@ class AsyncKVStore:
                 if self._is_closed:  # flushed, or out of time: what is left stays unwritten
                     return
                 kv, ready = self._queue[0]
-                self._is_writing = True
-            started = time.perf_counter()
             try:
                 if ready is not None:
                     ready.synchronize()  # type: ignore[attr-defined]
@@ -141,8 +138,6 @@ class AsyncKVStore:
                 if self._pending.get(kv.key) is kv:
                     del self._pending[kv.key]
                 self._pending_bytes -= kv.num_bytes
-                self._is_writing = False
-                self.write_seconds += time.perf_counter() - started
                 self.num_written += error is None
                 self.num_failed += error is not None
                 self._condition.notify_all()

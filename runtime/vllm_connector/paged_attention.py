@@ -40,7 +40,6 @@ log = logging.getLogger(__name__)
 class _Batch:
     """One request's runs as vLLM's varlen batch, and its scratch cache."""
 
-    num_keys: int
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_table: torch.Tensor
@@ -149,7 +148,6 @@ class PagedBlendAttention:
             isa=self.isa, enable_kv_split=self.enable_kv_split,
         )  # fmt: skip
         return _Batch(
-            num_keys=plan.num_keys,
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
             block_table=blocks[None].expand(len(ends), -1).contiguous(),
