@@ -69,6 +69,12 @@ DEFAULT_SHADOW_SAMPLE_RATE = 0.02
 # Most of the prefill tokens the shadow quality proxies may spend, as a share of the
 # prefill tokens of user requests (0: no shadow; the inline proxy still scores).
 DEFAULT_SHADOW_BUDGET = 0.05
+# vLLM pods that score the proxies: the scheduler class (vLLM's --scheduler-cls) whose
+# shadow requests yield to user requests, and the most prompt tokens a shadow prefills in
+# a step beside decoding user requests (kv_connector_extra_config key).
+SHADOW_SCHEDULER_CLS = "holeblend_runtime.vllm_connector.scheduler.ShadowYieldingScheduler"
+SHADOW_CHUNK_TOKENS_KEY = "shadow_chunk_tokens"
+DEFAULT_SHADOW_CHUNK_TOKENS = 128
 
 
 class BlendMode(StrEnum):

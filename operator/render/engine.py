@@ -3,6 +3,7 @@
 import json
 import posixpath
 
+from holeblend_contract import blend_settings as contract
 from holeblend_operator.api import (
     LEGACY_ENGINE_URL_ENV,
     AcceleratorType,
@@ -36,9 +37,11 @@ METRICS_PORT_ENV = "HOLEBLEND_METRICS_PORT"
 ENGINE_URL_ENV = LEGACY_ENGINE_URL_ENV
 # vLLM's scheduling policy while the quality proxies are on: the shadow requests ask for the
 # lowest priority, and user requests (priority 0 unless they say otherwise) keep their
-# arrival order ahead of them. vLLM's default, fcfs, ignores priorities.
+# arrival order ahead of them. vLLM's default, fcfs, ignores priorities. Priority orders
+# only vLLM's waiting queue: the scheduler class makes a running shadow yield too
+# (runtime/vllm_connector/scheduler.py).
 PRIORITY_FLAGS = ("--scheduling-policy", "priority")
-CHUNK_FLAG = "--long-prefill-token-threshold"
+SCHEDULER_FLAG = "--scheduler-cls"
 METRICS_PORT_NAME = "blend-metrics"
 HEALTH_PATH = "/health"
 # Stopping engine: wait this long (the pod still serves) so endpoints drop it before vLLM
@@ -72,12 +75,17 @@ def model_volume_mounts(source: ModelSource) -> list[dict]:
     return [{"name": "model", "mountPath": MODEL_DIR, "readOnly": True}]
 
 
-def kv_transfer_config(blend_step_tokens: int | None = None) -> str:
+def kv_transfer_config(
+    blend_step_tokens: int | None = None, shadow_chunk_tokens: int | None = None
+) -> str:
     """vLLM's --kv-transfer-config: our connector, which reads the blend settings file;
-    `blend_step_tokens` (spec.engine.blendStepTokens) when set."""
+    `blend_step_tokens` (spec.engine.blendStepTokens) when set; `shadow_chunk_tokens`
+    (spec.tuning.shadowChunkTokens) while the pods score the quality proxies."""
     extra: dict[str, object] = {"holeblend_config": CONFIG_PATH}
     if blend_step_tokens is not None:
         extra["blend_step_tokens"] = blend_step_tokens
+    if shadow_chunk_tokens is not None:
+        extra[contract.SHADOW_CHUNK_TOKENS_KEY] = shadow_chunk_tokens
     config = {
         "kv_connector": CONNECTOR_CLASS,
         "kv_connector_module_path": CONNECTOR_MODULE,
@@ -107,7 +115,8 @@ def blend_flags(bd: BlendDeployment) -> list[str]:
     """The connector's flags; none when blending is off (plain vLLM)."""
     if str(bd.spec.blend.mode) == "off":
         return []
-    transfer = kv_transfer_config(bd.spec.engine.blend_step_tokens)
+    chunk = bd.spec.tuning.shadow_chunk_tokens if scores_quality_proxies(bd) else None
+    transfer = kv_transfer_config(bd.spec.engine.blend_step_tokens, chunk)
     flags = [*BLEND_FLAGS, "--kv-transfer-config", transfer]
     block_size = BLOCK_SIZES.get(bd.spec.accelerator.type)
     return flags if block_size is None else [*flags, "--block-size", str(block_size)]
@@ -129,14 +138,13 @@ def vllm_args(bd: BlendDeployment) -> list[str]:
 
 def priority_flags(bd: BlendDeployment) -> list[str]:
     """`--scheduling-policy priority` while the pods score the quality proxies (their shadow
-    requests run at the lowest priority), and a per-step cap on one request's prompt
-    tokens (priority orders only the waiting queue: without the cap a shadow already
-    prefilling takes whole steps from a user request that arrives meanwhile); none
-    otherwise (vLLM's defaults)."""
+    requests run at the lowest priority) and the scheduler class under which a shadow
+    already prefilling sits out every step a user request waits or prefills in, and
+    prefills at most spec.tuning.shadowChunkTokens per step beside decoding ones (rendered
+    into the connector's settings); none otherwise (vLLM's defaults)."""
     if not scores_quality_proxies(bd):
         return []
-    chunk = str(bd.spec.tuning.shadow_chunk_tokens)
-    return [*PRIORITY_FLAGS, CHUNK_FLAG, chunk]
+    return [*PRIORITY_FLAGS, SCHEDULER_FLAG, contract.SHADOW_SCHEDULER_CLS]
 
 
 def engine_env(bd: BlendDeployment) -> list[dict]:

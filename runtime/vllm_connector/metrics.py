@@ -78,6 +78,14 @@ BLEND_SECONDS = Histogram(
 RECOMPUTE_RATIO = Gauge(
     "holeblend_recompute_ratio", "The recompute ratio in force", registry=REGISTRY
 )
+SHADOW_STEPS = Counter(
+    "holeblend_shadow_steps",
+    "vLLM steps in which the shadow requests yielded (scheduler.py): paused (a user request "
+    "needed the step), chunked (a shadow prefilled at most shadowChunkTokens beside decoding "
+    "user requests), preempted (shadows whose KV blocks a user request needed)",
+    ["action"],
+    registry=REGISTRY,
+)
 # The quality proxies of the shadow full prefill (shadow.py) and the inline proxy
 # (quality/inline_proxy.py), as holeblend-serve exports them.
 SHADOW = ShadowMetrics(REGISTRY)

@@ -36,6 +36,9 @@ KV_DIR_KEY = "kv_dir"
 DEFAULT_KV_DIR = "/dev/shm/holeblend-kv"
 LOOKUP_DEADLINE_KEY = "lookup_deadline_ms"
 BLEND_STEP_TOKENS_KEY = "blend_step_tokens"
+# Most prompt tokens a shadow request prefills in a step beside decoding user requests
+# (scheduler.py; spec.tuning.shadowChunkTokens).
+SHADOW_CHUNK_TOKENS_KEY = contract.SHADOW_CHUNK_TOKENS_KEY
 _MODES = tuple(mode.value for mode in contract.BlendMode)
 
 
@@ -135,6 +138,19 @@ def step_tokens(settings: ConnectorSettings, max_num_batched_tokens: int) -> int
     if settings.blend_step_tokens is None:
         return max(1, max_num_batched_tokens // DEFAULT_STEP_SHARE)
     return settings.blend_step_tokens or None
+
+
+def shadow_chunk_tokens(extra_config: Mapping[str, Any]) -> int:
+    """`shadow_chunk_tokens` of kv_connector_extra_config, checked; the default when unset."""
+    value = extra_config.get(SHADOW_CHUNK_TOKENS_KEY)
+    if value is None:
+        return contract.DEFAULT_SHADOW_CHUNK_TOKENS
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"{SHADOW_CHUNK_TOKENS_KEY}: expected a whole number of tokens >= 1 (the most a "
+            f"shadow request prefills per step beside user requests), got {value!r}"
+        )
+    return value
 
 
 def _step_tokens(value: Any) -> int | None:

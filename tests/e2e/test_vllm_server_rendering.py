@@ -32,11 +32,17 @@ def rendered(quality_proxies: bool) -> tuple[dict, list[str]]:
 def test_the_priority_flags_are_the_operators(quality_proxies):
     _, args = rendered(quality_proxies)
     flags = vllm_server.priority_flags(quality_proxies)
-    ours = [a for a in args if a in ("--scheduling-policy", "--long-prefill-token-threshold")]
+    named = ("--scheduling-policy", "--scheduler-cls", "--long-prefill-token-threshold")
+    ours = [a for a in args if a in named]
     assert ours == flags[::2]
     for flag, value in zip(flags[::2], flags[1::2], strict=True):
         assert args[args.index(flag) + 1] == value
     assert bool(flags) is quality_proxies
+    # The shadow chunk the operator renders into the connector's settings (its default) is
+    # the devtools server's.
+    extra = json.loads(args[args.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+    chunk = extra.get("shadow_chunk_tokens")
+    assert chunk == (vllm_server.SHADOW_CHUNK_TOKENS if quality_proxies else None)
 
 
 @pytest.mark.parametrize("quality_proxies", [True, False])

@@ -7,12 +7,14 @@ import json
 import pytest
 import yaml
 
+from holeblend_contract.blend_settings import DEFAULT_SHADOW_CHUNK_TOKENS, SHADOW_SCHEDULER_CLS
 from holeblend_operator.api import BlendDeployment, spec_notices
 from holeblend_operator.cli import main
 from holeblend_operator.render import config_hash, render_children
 from holeblend_operator.render.runtime_config import runtime_config
 from holeblend_operator.tuner import Reading, State, decide
 from holeblend_operator.tuning_loop import no_proxies, status_patch
+from holeblend_runtime.vllm_connector.settings import shadow_chunk_tokens
 from tests.operator.crd_validation import api_server_errors
 from tests.operator.test_render import MINIMAL, engine_container, env_of, find
 
@@ -102,18 +104,38 @@ def flag_value(bd: BlendDeployment, flag: str) -> str | None:
     return args[args.index(flag) + 1] if flag in args else None
 
 
-def test_a_shadow_takes_at_most_one_chunk_per_step_from_user_requests():
-    """Priority orders vLLM's waiting queue only: the per-step cap on one request's prompt
-    tokens is what bounds a running shadow's share of a step."""
-    assert flag_value(vllm(), "--long-prefill-token-threshold") == "512"
+def transfer_extra(bd: BlendDeployment) -> dict:
+    return json.loads(flag_value(bd, "--kv-transfer-config"))["kv_connector_extra_config"]
+
+
+def test_shadows_yield_to_user_requests_under_the_operators_scheduler():
+    """Priority orders vLLM's waiting queue only: the scheduler class makes a running
+    shadow sit out the steps user requests need, and the chunk sizes its other steps."""
+    assert flag_value(vllm(), "--scheduler-cls") == SHADOW_SCHEDULER_CLS
+    assert flag_value(vllm(), "--scheduling-policy") == "priority"
+    assert transfer_extra(vllm())["shadow_chunk_tokens"] == DEFAULT_SHADOW_CHUNK_TOKENS == 128
     chunked = vllm({"shadowChunkTokens": 256})
-    assert flag_value(chunked, "--long-prefill-token-threshold") == "256"
+    assert transfer_extra(chunked)["shadow_chunk_tokens"] == 256
     assert args_of(chunked) != args_of(vllm())  # the pod template changes: pods roll
-    assert flag_value(vllm({"qualityProxies": False}), "--long-prefill-token-threshold") is None
+    off = vllm({"qualityProxies": False})
+    assert flag_value(off, "--scheduler-cls") is None
+    assert "shadow_chunk_tokens" not in transfer_extra(off)
+    # vLLM's own per-request chunk cap is no longer the operator's: users may set it.
+    assert "--long-prefill-token-threshold" not in args_of(vllm())
+    own = vllm(engine={"extraArgs": ["--long-prefill-token-threshold", "64"]})
+    assert flag_value(own, "--long-prefill-token-threshold") == "64"
     with pytest.raises(ValueError, match="shadow_chunk_tokens|shadowChunkTokens"):
         vllm({"shadowChunkTokens": 8})
-    with pytest.raises(ValueError, match="tuning.shadowChunkTokens"):
-        vllm(engine={"extraArgs": ["--long-prefill-token-threshold", "64"]})
+    with pytest.raises(ValueError, match="tuning.qualityProxies"):
+        vllm(engine={"extraArgs": ["--scheduler-cls", "my.Scheduler"]})
+
+
+def test_the_rendered_chunk_reads_back_through_the_connectors_parser():
+    assert shadow_chunk_tokens(transfer_extra(vllm({"shadowChunkTokens": 300}))) == 300
+    assert shadow_chunk_tokens({}) == DEFAULT_SHADOW_CHUNK_TOKENS
+    for bad in (0, -5, 1.5, True, "64"):
+        with pytest.raises(ValueError, match="shadow_chunk_tokens: expected a whole number"):
+            shadow_chunk_tokens({"shadow_chunk_tokens": bad})
 
 
 def test_holeblend_serve_pods_score_in_process_without_an_engine_url_or_vllm_flags():

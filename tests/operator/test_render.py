@@ -524,7 +524,8 @@ def test_engine_serves_the_model_with_our_kv_connector():
     connector = yaml.safe_load(flags["--kv-transfer-config"])
     assert connector["kv_connector_module_path"] == "holeblend_runtime.vllm_connector"
     assert connector["kv_connector_extra_config"] == {
-        "holeblend_config": "/etc/holeblend/blend.json"
+        "holeblend_config": "/etc/holeblend/blend.json",
+        "shadow_chunk_tokens": 128,  # the quality proxies are on by default
     }
     assert args[-2:] == ["--max-num-seqs", "8"]
 

