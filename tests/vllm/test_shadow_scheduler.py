@@ -94,7 +94,7 @@ def test_a_shadow_sits_out_a_user_prefill_then_takes_small_chunks_beside_its_dec
     assert engine.shadow_steps["paused"] == 1
     # Then the user request decodes one token a step and the shadow prefills one chunk
     # beside it; once the user request finished, the shadow has whole steps again.
-    decoding = steps[1 : USER_TOKENS]
+    decoding = steps[1:USER_TOKENS]
     assert decoding == [{"user": 1, "shadow": CHUNK}] * (USER_TOKENS - 1)
     assert engine.requests.get("user") is None  # finished after USER_TOKENS tokens
     assert steps[USER_TOKENS] == {"shadow": BUDGET}
