@@ -9,8 +9,8 @@ The same benchmark as `holeblend_runtime.bench.shadow_load` (its module doc: the
 the paced and saturated phases, the ABBA runs, the rows), on vLLM's OpenAI server with the
 connector started as the operator renders a vLLM pod (`vllm_server.serve`): proxies on is
 blend.json's `qualityProxies: true` with `engineUrl` (the shadow requests go to the
-server's own API at the lowest priority) and `--scheduling-policy priority
---long-prefill-token-threshold 512`; off is `qualityProxies: false` and vLLM's default
+server's own API at the lowest priority), `--scheduling-policy priority`, the operator's
+scheduler class (`--scheduler-cls`) and the default `shadow_chunk_tokens`; off is `qualityProxies: false` and vLLM's default
 flags. The prompts are the same texts as holeblend-serve's rows, as token ids with the
 separator between segments.
 """

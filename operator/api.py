@@ -786,6 +786,13 @@ class EngineSpec(ApiModel):
     whole, before its step's forward (every request of that step waits for it). Not read
     by holeblend-serve (CPU pods). Changing it restarts the pods."""
 
+    lookup_deadline_ms: int | None = Field(default=None, ge=1, le=60000)
+    """vLLM pods with a lookup server or shared KV tier: how long a request's segment lookup
+    may take, run off vLLM's scheduler thread, before the request is planned as if those
+    segments were missing (full prefill, counted in holeblend_lookup_late_total). Unset: the
+    lookup runs on vLLM's scheduler thread, bounded by the lookup client's own timeouts.
+    Not read by holeblend-serve (CPU pods). Changing it restarts the pods."""
+
     @field_validator("extra_args")
     @classmethod
     def _no_reserved_flags(cls, args: list[str]) -> list[str]:

@@ -76,14 +76,19 @@ def model_volume_mounts(source: ModelSource) -> list[dict]:
 
 
 def kv_transfer_config(
-    blend_step_tokens: int | None = None, shadow_chunk_tokens: int | None = None
+    blend_step_tokens: int | None = None,
+    shadow_chunk_tokens: int | None = None,
+    lookup_deadline_ms: int | None = None,
 ) -> str:
     """vLLM's --kv-transfer-config: our connector, which reads the blend settings file;
-    `blend_step_tokens` (spec.engine.blendStepTokens) when set; `shadow_chunk_tokens`
+    `blend_step_tokens` (spec.engine.blendStepTokens) and `lookup_deadline_ms`
+    (spec.engine.lookupDeadlineMs) when set; `shadow_chunk_tokens`
     (spec.tuning.shadowChunkTokens) while the pods score the quality proxies."""
     extra: dict[str, object] = {"holeblend_config": CONFIG_PATH}
     if blend_step_tokens is not None:
         extra["blend_step_tokens"] = blend_step_tokens
+    if lookup_deadline_ms is not None:
+        extra["lookup_deadline_ms"] = lookup_deadline_ms
     if shadow_chunk_tokens is not None:
         extra[contract.SHADOW_CHUNK_TOKENS_KEY] = shadow_chunk_tokens
     config = {
@@ -116,7 +121,8 @@ def blend_flags(bd: BlendDeployment) -> list[str]:
     if str(bd.spec.blend.mode) == "off":
         return []
     chunk = bd.spec.tuning.shadow_chunk_tokens if scores_quality_proxies(bd) else None
-    transfer = kv_transfer_config(bd.spec.engine.blend_step_tokens, chunk)
+    engine = bd.spec.engine
+    transfer = kv_transfer_config(engine.blend_step_tokens, chunk, engine.lookup_deadline_ms)
     flags = [*BLEND_FLAGS, "--kv-transfer-config", transfer]
     block_size = BLOCK_SIZES.get(bd.spec.accelerator.type)
     return flags if block_size is None else [*flags, "--block-size", str(block_size)]

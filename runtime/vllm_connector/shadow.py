@@ -25,9 +25,9 @@ would, and vLLM schedules the work with the rest:
    the API takes: under `--scheduling-policy priority` vLLM serves smaller values first,
    so a waiting shadow is scheduled after every waiting user request, and it is the
    first preempted when KV blocks run short. Priority does not stop a *running* shadow's
-   chunked prefill from taking a whole step: `--long-prefill-token-threshold` caps it at
-   one chunk of each step another request is in (the operator renders both flags;
-   tests/vllm/test_shadow_priority.py). A server on the default FCFS policy may refuse a
+   chunked prefill from taking whole steps: the operator's scheduler class
+   (`scheduler.py`, `--scheduler-cls`) makes it sit out every step a user request waits
+   or prefills in and prefill one small chunk per step beside decoding ones. A server on the default FCFS policy may refuse a
    priority other than 0 (vLLM's API documents that): the shadow then logs a warning
    once and sends priority 0 from then on.
 

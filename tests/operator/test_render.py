@@ -548,6 +548,30 @@ def test_blend_step_tokens_reach_the_connector_through_the_kv_transfer_config(
     assert step_tokens(load_settings(extra), max_num_batched_tokens=2048) == expected
 
 
+@pytest.mark.parametrize("value", [None, 1, 250, 60000])
+def test_the_lookup_deadline_reaches_the_connector_through_the_kv_transfer_config(
+    value, monkeypatch
+):
+    """spec.engine.lookupDeadlineMs, rendered and read back as the connector reads it."""
+    from holeblend_runtime.vllm_connector.settings import load_settings
+
+    engine = {} if value is None else {"lookupDeadlineMs": value}
+    args = engine_container(make_bd(engine=engine))["args"]
+    extra = yaml.safe_load(args[args.index("--kv-transfer-config") + 1])
+    extra = extra["kv_connector_extra_config"]
+    extra.pop("holeblend_config")
+    assert ("lookup_deadline_ms" in extra) is (value is not None)
+    monkeypatch.delenv("HOLEBLEND_CONFIG", raising=False)
+    deadline = load_settings(extra).lookup_deadline_s
+    assert deadline == (None if value is None else value / 1000)
+
+
+@pytest.mark.parametrize("value", [0, -5, 60001])
+def test_a_lookup_deadline_out_of_range_is_refused_naming_the_field(value):
+    with pytest.raises(ValueError, match=r"lookupDeadlineMs|lookup_deadline_ms"):
+        make_bd(engine={"lookupDeadlineMs": value})
+
+
 def test_a_negative_blend_step_tokens_is_refused_naming_the_field():
     with pytest.raises(ValueError, match=r"blendStepTokens|blend_step_tokens"):
         make_bd(engine={"blendStepTokens": -1})

@@ -1,6 +1,6 @@
 """The quality proxies on a vLLM pod: vLLM's OpenAI server with the connector, as the
 operator renders it with the proxies on (blend.json with `engineUrl`,
-$HOLEBLEND_METRICS_PORT, `--scheduling-policy priority --long-prefill-token-threshold`).
+$HOLEBLEND_METRICS_PORT, `--scheduling-policy priority --scheduler-cls ...`).
 
 A hole request that blended cached documents is scored by shadow requests the connector
 sends back to the server at once, within the default token budget; the scores (the end
