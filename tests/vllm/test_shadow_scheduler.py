@@ -1,8 +1,13 @@
-"""`ShadowYieldingScheduler` over the installed vLLM's real scheduler, driven step by step
-with a fake model output (as test_shadow_priority.py): a shadow request sits out every
-step a user request waits or prefills in, prefills at most one small chunk per step beside
-decoding user requests, takes whole steps alone, and is preempted first when a user
-request needs its KV blocks; without shadows the steps are vLLM's own."""
+"""Shadow requests in the installed vLLM's real scheduler, driven step by step with a fake
+model output. vLLM's own `Scheduler` first: at the lowest priority (the operator renders
+`--scheduling-policy priority`) a waiting shadow goes after waiting user requests, but a
+running shadow's chunked prefill takes each step's whole token budget until it ends;
+`--long-prefill-token-threshold` bounds it to one chunk of each step a user request is in,
+at the price of chunking user prompts too. Then the operator's `ShadowYieldingScheduler`:
+a shadow sits out every step a user request waits or prefills in, prefills at most one
+small chunk per step beside decoding user requests, takes whole steps alone, and is
+preempted first when a user request needs its KV blocks; without shadows the steps are
+vLLM's own."""
 
 from __future__ import annotations
 
@@ -26,20 +31,29 @@ from holeblend_runtime.vllm_connector.shadow import SHADOW_PRIORITY
 
 BUDGET = 128  # --max-num-batched-tokens
 CHUNK = 16  # shadow_chunk_tokens
+THRESHOLD = 32  # --long-prefill-token-threshold
 BLOCK = 16
 SHADOW_PROMPT, USER_PROMPT, USER_TOKENS = 1000, 100, 4
 
 
-def scheduler(cls=ShadowYieldingScheduler, num_blocks: int = 400, asynchronous: bool = False):
+def scheduler(
+    cls=ShadowYieldingScheduler,
+    *,
+    num_blocks: int = 400,
+    asynchronous: bool = False,
+    policy: str = "priority",
+    threshold: int = 0,
+    max_seqs: int = 8,
+):
     model = ModelConfig(
         model=str(export_smollm2()), dtype="float32", seed=0, skip_tokenizer_init=True,
         max_model_len=2048,
     )  # fmt: skip
     config = VllmConfig(
         scheduler_config=SchedulerConfig(
-            max_num_seqs=8, max_num_batched_tokens=BUDGET, max_model_len=2048,
-            enable_chunked_prefill=True, policy="priority", is_encoder_decoder=False,
-            async_scheduling=asynchronous,
+            max_num_seqs=max_seqs, max_num_batched_tokens=BUDGET, max_model_len=2048,
+            enable_chunked_prefill=True, policy=policy, is_encoder_decoder=False,
+            async_scheduling=asynchronous, long_prefill_token_threshold=threshold,
         ),
         model_config=model,
         cache_config=CacheConfig(block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=False),
@@ -80,6 +94,44 @@ def step(engine: Scheduler) -> dict[str, int]:
     )
     engine.update_from_output(out, output)
     return dict(out.num_scheduled_tokens)
+
+
+def user_arrives_during_a_shadow(engine: Scheduler) -> list[dict[str, int]]:
+    engine.add_request(request("shadow", SHADOW_PROMPT, shadow=True))
+    assert step(engine) == {"shadow": BUDGET}  # alone: the shadow takes the whole step
+    engine.add_request(request("user", USER_PROMPT))
+    return [step(engine) for _ in range(6)]
+
+
+def test_vllms_threshold_bounds_a_running_shadow_to_a_chunk_of_a_user_step():
+    steps = user_arrives_during_a_shadow(scheduler(Scheduler, threshold=THRESHOLD))
+    # The user request is served from the first step after it arrives, in every step
+    # until its prefill is done (in chunks too), and beside it the shadow takes at most
+    # one chunk.
+    prefilled = 0
+    for tokens in steps:
+        assert "user" in tokens and tokens["user"] <= THRESHOLD
+        assert tokens.get("shadow", 0) <= THRESHOLD
+        prefilled += tokens["user"]
+        if prefilled >= USER_PROMPT:
+            break
+    assert prefilled >= USER_PROMPT
+    assert all(tokens.get("shadow", 0) > 0 for tokens in steps)  # and it still progresses
+
+
+def test_in_vllms_scheduler_alone_a_running_shadow_starves_the_user_request():
+    steps = user_arrives_during_a_shadow(scheduler(Scheduler))
+    assert steps[0] == {"shadow": BUDGET}  # why the operator renders its scheduler class
+
+
+@pytest.mark.parametrize("policy, first", [("priority", "user"), ("fcfs", "shadow")])
+def test_a_waiting_shadow_goes_after_a_waiting_user_request_under_the_priority_policy(
+    policy, first
+):
+    engine = scheduler(Scheduler, policy=policy, max_seqs=1)
+    engine.add_request(request("shadow", 64, shadow=True))  # arrived first
+    engine.add_request(request("user", 64))
+    assert list(step(engine)) == [first]
 
 
 def test_a_shadow_sits_out_a_user_prefill_then_takes_small_chunks_beside_its_decode():
