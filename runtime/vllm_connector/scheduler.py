@@ -81,11 +81,12 @@ class ShadowYieldingScheduler(Scheduler):
         if not running_shadows and not waiting_shadows:
             return super().schedule(*args, **kwargs)
         users_running = [r for r in self.running if not is_shadow(r)]
-        users_waiting = [
-            r for r in itertools.chain(self.waiting, self.kv_holding_waiting) if not is_shadow(r)
-        ]
+        # Requests that wait holding KV blocks (remote loads) have their own queue in vLLM
+        # 0.32; older versions keep them in `waiting`.
+        holding = getattr(self, "kv_holding_waiting", ())
+        users_waiting = [r for r in itertools.chain(self.waiting, holding) if not is_shadow(r)]
         if users_waiting or any(_prefilling(r) for r in users_running):
-            if running_shadows and not self._room_beside(running_shadows, users_waiting):
+            if running_shadows and not self._room_for(users_waiting):
                 self._preempt(running_shadows)
                 waiting_shadows += running_shadows
                 running_shadows = []
@@ -94,7 +95,7 @@ class ShadowYieldingScheduler(Scheduler):
             return super().schedule(*args, **kwargs)
         return self._chunked(*args, **kwargs)
 
-    def _room_beside(self, shadows: list[Request], users_waiting: Iterable[Request]) -> bool:
+    def _room_for(self, users_waiting: Iterable[Request]) -> bool:
         """Whether the free KV blocks hold what the waiting user requests need to start
         and every running request a block to grow by, with the shadows' blocks kept."""
         free = self.kv_cache_manager.block_pool.get_num_free_blocks()
@@ -108,7 +109,10 @@ class ShadowYieldingScheduler(Scheduler):
         now = time.monotonic()
         for request in shadows:
             self.running.remove(request)
-            self._preempt_request(request, now)
+            # As vLLM's own preemption does: a connector with a KV hand-off pending drops
+            # the request's in-flight output.
+            drop = getattr(self, "requires_kv_delivery", False)
+            self._preempt_request(request, now, drop_stale_output=drop)
         self._count("preempted", len(shadows))
         log.debug("preempted %d shadow request(s) for user requests' KV blocks", len(shadows))
 
