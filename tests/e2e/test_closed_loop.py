@@ -235,7 +235,12 @@ def test_the_tuner_decides_on_live_proxies_and_the_engine_takes_a_new_ratio_live
         clamped = patch_out_of_bounds_until_clamped(stack, engine, tuning.max_ratio, 120)
         assert clamped, engine_ratio(engine)
         assert pod.process is not None and pod.process.pid == pid
-        assert "ClampedToBounds" in " ".join(h["reason"] for h in history(stack))
+        # The rendered ConfigMap clamps at once; the tuner records the clamp at its next
+        # evaluation (one interval later), so wait for that entry rather than race it.
+        recorded = wait_for(
+            lambda: "ClampedToBounds" in " ".join(h["reason"] for h in history(stack)), 60
+        )
+        assert recorded, [h["reason"] for h in history(stack)]
         assert all(tuning.min_ratio <= h["toRatio"] <= tuning.max_ratio for h in history(stack))
 
 
