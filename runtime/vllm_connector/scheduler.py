@@ -29,7 +29,6 @@ on CPU): this class then builds its asynchronous twin, so the pod keeps vLLM's o
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import time
@@ -50,6 +49,15 @@ log = logging.getLogger(__name__)
 
 def is_shadow(request: Request) -> bool:
     return is_shadow_request(getattr(request, "kv_transfer_params", None), TRANSFER_PARAMS_KEY)
+
+
+def _split(requests: Iterable[Request]) -> tuple[list[Request], list[Request]]:
+    """(shadow requests, user requests), each in the given order."""
+    shadows: list[Request] = []
+    users: list[Request] = []
+    for request in requests:
+        (shadows if is_shadow(request) else users).append(request)
+    return shadows, users
 
 
 def _prefilling(request: Request) -> bool:
@@ -76,15 +84,15 @@ class ShadowYieldingScheduler(Scheduler):
         self.shadow_steps = {"paused": 0, "chunked": 0, "preempted": 0}
 
     def schedule(self, *args: Any, **kwargs: Any):
-        running_shadows = [r for r in self.running if is_shadow(r)]
-        waiting_shadows = [r for r in self.waiting if is_shadow(r)]
+        # One pass over each queue per step (this runs before every step of vLLM's).
+        running_shadows, users_running = _split(self.running)
+        waiting_shadows, users_waiting = _split(self.waiting)
         if not running_shadows and not waiting_shadows:
             return super().schedule(*args, **kwargs)
-        users_running = [r for r in self.running if not is_shadow(r)]
         # Requests that wait holding KV blocks (remote loads) have their own queue in vLLM
         # 0.32; older versions keep them in `waiting`.
         holding = getattr(self, "kv_holding_waiting", ())
-        users_waiting = [r for r in itertools.chain(self.waiting, holding) if not is_shadow(r)]
+        users_waiting += [r for r in holding if not is_shadow(r)]
         if users_waiting or any(_prefilling(r) for r in users_running):
             if running_shadows and not self._room_for(users_waiting):
                 self._preempt(running_shadows)
