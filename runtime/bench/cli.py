@@ -119,7 +119,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--selections",
         help="selection strategies to sweep, comma-separated: names or budget mixes "
         "('kDeviation,sinks:0.25+kDeviation,random'), each optionally with '@4' or '@4/8' "
-        "for filter layers (default: --selection alone)",
+        "for filter layers and '#2' for its check layer (default: --selection alone, at "
+        "--check-layer)",
     )
     add("--seed", type=int, default=0, help="workload (and random selection) seed")
     add("--max-new-tokens", type=int, help=f"answer length (default {DEFAULTS['max_new_tokens']})")
@@ -346,9 +347,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _point_blend(blend: BlendConfig, store_policy: str, entry: str) -> BlendConfig:
-    selection, filter_layers = parse_selection_entry(entry)
+    selection, filter_layers, check_layer = parse_selection_entry(entry)
     return dataclasses.replace(
-        blend, store_policy=store_policy, selection=selection, filter_layers=filter_layers
+        blend,
+        store_policy=store_policy,
+        selection=selection,
+        filter_layers=filter_layers,
+        check_layer=blend.check_layer if check_layer is None else check_layer,
     )
 
 
@@ -409,7 +414,9 @@ def run_quality(args: argparse.Namespace) -> dict[str, Any]:
     runner = BenchRunner(new_engine, tokenizer, config)
     measures, _ = runner.run_measures(prompts, show_progress=not args.no_progress, warm_up=warm_up)
     context = row_context(args, model)
-    rows = quality_rows(measures, runner.passes, workload=name, seed=args.seed)
+    rows = quality_rows(
+        measures, runner.passes, workload=name, seed=args.seed, check_layer=config.check_layer
+    )
     rows = [{**row, **context} for row in rows]
     record = _config_record(config, blend, prompts, runner, args)
     record.update(

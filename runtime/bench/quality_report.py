@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy
 
+from holeblend_contract.blend_settings import DEFAULT_CHECK_LAYER
 from holeblend_runtime.bench.report import RequestMeasure
 from holeblend_runtime.bench.runner import FULL, FULL_POINT, MeasureKey, parse_selection_entry
 from holeblend_runtime.blend.config import K_DEVIATION
@@ -107,14 +108,18 @@ def quality_rows(
     *,
     workload: str,
     seed: int,
+    check_layer: int = DEFAULT_CHECK_LAYER,
 ) -> list[dict[str, Any]]:
-    """Rows of a quality sweep from the runner's per-prompt measures (`run_measures`)."""
+    """Rows of a quality sweep from the runner's per-prompt measures (`run_measures`);
+    `check_layer`: the run's (an entry's `#layer` overrides it in its row)."""
     rows = []
     for pass_number in passes:
         full = measures[(*FULL_POINT, pass_number)]
         points = [key[:4] for key in measures if key[4] == pass_number and key[0] != FULL]
         baseline = _baseline([point[3] for point in points])
-        rows.append(_row(FULL_POINT, pass_number, full, full, None, None, workload, seed))
+        rows.append(
+            _row(FULL_POINT, pass_number, full, full, None, None, workload, seed, check_layer)
+        )
         for point in points:
             base_point = (*point[:3], baseline)
             rows.append(
@@ -127,6 +132,7 @@ def quality_rows(
                     measures[(*base_point, pass_number)],
                     workload,
                     seed,
+                    check_layer,
                 )
             )
     return rows
@@ -148,6 +154,7 @@ def _row(
     base: Sequence[RequestMeasure] | None,
     workload: str,
     seed: int,
+    check_layer: int,
 ) -> dict[str, Any]:
     mode, ratio, policy, selection = point
     if len(rows) != len(full):
@@ -155,7 +162,10 @@ def _row(
     column = _columns(rows)
     full_column = _columns(full)
     num_tokens = sum(column["num_prompt_tokens"])
-    filter_layers = list(parse_selection_entry(selection)[1]) if selection else None
+    entry = parse_selection_entry(selection) if selection else None
+    filter_layers = None if entry is None else list(entry.filter_layers)
+    if entry is not None and entry.check_layer is not None:
+        check_layer = entry.check_layer
     row: dict[str, Any] = {
         "workload": workload,
         "seed": seed,
@@ -163,6 +173,8 @@ def _row(
         "ratio": ratio,
         "selection": selection,
         "filter_layers": filter_layers,
+        # Full prefill checks nothing.
+        "check_layer": None if entry is None else check_layer,
         "store_policy": policy,
         "pass": pass_number,
         "num_prompts": len(rows),

@@ -14,7 +14,7 @@ prefill only; its quality columns are pass 2's (the same computation). Full pref
 both passes runs once; its answers are the reference for the blended ones.
 
 Selection strategies are a sweep dimension (`BenchConfig.selections`: a `BlendConfig.selection`
-string, optionally with `@layers` for `filter_layers`). With `WorkloadConfig.regroup_first_pass`,
+string, optionally with `@layers` for `filter_layers` and `#layer` for its check layer). With `WorkloadConfig.regroup_first_pass`,
 pass 1 is `first_pass_requests` (documents pooled across prompts, new order, new neighbours): it
 only fills the stores and is not measured. With `BenchConfig.shared_store` every engine shares
 one KV store (the caller makes it so): pass 1 is sent once, and what each measured send stores
@@ -34,7 +34,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from tqdm import tqdm
@@ -64,20 +64,43 @@ PASSES = (1, 2)
 REPEAT_PASS = 3
 # Separates a selection from its filter layers in a sweep entry: "kDeviation@4/8".
 FILTER_MARK = "@"
+# Ends a sweep entry with the check layer it runs at: "kDeviation#2", "kDeviation@4/8#2".
+CHECK_MARK = "#"
 
 
-def parse_selection_entry(entry: str) -> tuple[str, tuple[int, ...]]:
-    """`"sinks:0.25+kDeviation@4/8"` -> `("sinks:0.25+kDeviation", (4, 8))`: a
-    `BlendConfig.selection` and its `filter_layers` (none without `@`). ValueError naming
-    `selections` and the entry otherwise."""
-    selection, marked, layers_text = entry.strip().partition(FILTER_MARK)
+class SelectionEntry(NamedTuple):
+    """One sweep entry: a `BlendConfig.selection`, its `filter_layers` and the check layer
+    it runs at (None: the run's `BenchConfig.check_layer`)."""
+
+    selection: str
+    filter_layers: tuple[int, ...] = ()
+    check_layer: int | None = None
+
+
+def parse_selection_entry(entry: str) -> SelectionEntry:
+    """`"sinks:0.25+kDeviation@4/8#2"` -> `("sinks:0.25+kDeviation", (4, 8), 2)`: a
+    `BlendConfig.selection`, its `filter_layers` (none without `@`) and its check layer
+    (None without `#`). ValueError naming `selections` and the entry otherwise."""
+    rest, checked, check_text = entry.strip().partition(CHECK_MARK)
+    check_layer = None
+    if checked:
+        try:
+            check_layer = int(check_text)
+        except ValueError:
+            check_layer = -1
+        if check_layer < 1:
+            raise ValueError(
+                f"selections: the check layer after '{CHECK_MARK}' must be an integer >= 1, "
+                f"like 'kDeviation#2', got {entry!r}"
+            )
+    selection, marked, layers_text = rest.partition(FILTER_MARK)
     selection = selection.strip()
     try:
         parse_selection(selection)
     except ValueError as error:
         raise ValueError(f"selections: {error}") from None
     if not marked:
-        return selection, ()
+        return SelectionEntry(selection, (), check_layer)
     try:
         layers = tuple(int(part) for part in layers_text.split("/"))
     except ValueError:
@@ -85,7 +108,7 @@ def parse_selection_entry(entry: str) -> tuple[str, tuple[int, ...]]:
             f"selections: filter layers after '{FILTER_MARK}' must be integers separated by "
             f"'/', like 'kDeviation@4' or 'kDeviation@4/8', got {entry!r}"
         ) from None
-    return selection, layers
+    return SelectionEntry(selection, layers, check_layer)
 
 
 class Prefill(Protocol):
@@ -140,7 +163,8 @@ class BenchConfig:
     # Pass 3: pass 2's prompts again on the same cache state (shapes seen).
     repeat: bool = False
     # Selection strategies swept for each mode and ratio: `BlendConfig.selection` strings,
-    # each optionally with "@layers" for `filter_layers` (parse_selection_entry).
+    # each optionally with "@layers" for `filter_layers` and "#layer" for the check layer
+    # (parse_selection_entry).
     selections: tuple[str, ...] = (K_DEVIATION,)
     # Every engine shares one KV store: pass 1 goes once, and what a measured send stores
     # is removed after it (needs the in-context store policy alone).
@@ -170,11 +194,12 @@ class BenchConfig:
         if len(set(self.selections)) != len(self.selections):
             raise ValueError(f"selections: an entry appears twice in {list(self.selections)}")
         for entry in self.selections:
-            _, layers = parse_selection_entry(entry)
-            if layers and (layers[0] <= self.check_layer or list(layers) != sorted(set(layers))):
+            _, layers, check_layer = parse_selection_entry(entry)
+            check_layer = self.check_layer if check_layer is None else check_layer
+            if layers and (layers[0] <= check_layer or list(layers) != sorted(set(layers))):
                 raise ValueError(
                     f"selections: filter layers of {entry!r} must be strictly increasing and "
-                    f"above the check layer {self.check_layer}"
+                    f"above the check layer {check_layer}"
                 )
         if self.shared_store and self.store_policies != (IN_CONTEXT,):
             raise ValueError(

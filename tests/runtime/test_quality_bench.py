@@ -9,7 +9,7 @@ import numpy
 import pytest
 import torch
 
-from holeblend_runtime.bench.cli import bench_config, parse_args
+from holeblend_runtime.bench.cli import _point_blend, bench_config, parse_args
 from holeblend_runtime.bench.quality_report import (
     bootstrap_interval,
     meets_goals,
@@ -24,6 +24,7 @@ from holeblend_runtime.bench.runner import (
     parse_selection_entry,
 )
 from holeblend_runtime.bench.workload import WorkloadConfig, generate_workload
+from holeblend_runtime.blend.config import BlendConfig
 
 
 def test_interval_of_a_constant_is_the_constant():
@@ -128,6 +129,21 @@ def test_rows_carry_means_intervals_speedups_and_paired_differences():
         assert (row["workload"], row["seed"], row["pass"]) == ("synthetic", 0, 2)
 
 
+def test_a_check_layer_entry_runs_at_that_layer_and_says_so_in_its_row():
+    measures = _measures()
+    measures[("hole", 0.15, "in-context", "kDeviation@4#2", 2)] = measures.pop(
+        ("hole", 0.15, "in-context", "sinks:0.25+kDeviation@4", 2)
+    )
+    rows = quality_rows(measures, [2], workload="synthetic", seed=0, check_layer=1)
+    assert [(r["selection"], r["check_layer"]) for r in rows] == [
+        (None, None), ("kDeviation", 1), ("kDeviation@4#2", 2)
+    ]  # fmt: skip
+    blend = _point_blend(BlendConfig(check_layer=1), "in-context", "kDeviation@4#2")
+    assert (blend.selection, blend.filter_layers, blend.check_layer) == ("kDeviation", (4,), 2)
+    plain = _point_blend(BlendConfig(check_layer=3), "in-context", "kvDeviation")
+    assert (plain.check_layer, plain.filter_layers) == (3, ())
+
+
 def test_times_not_measured_give_no_speedup():
     measures = {
         key: [dataclasses.replace(m, request_cpu_s=0.0) for m in value]
@@ -157,10 +173,12 @@ def test_goals_are_checked_on_the_means():
 @pytest.mark.parametrize(
     ("entry", "expected"),
     [
-        ("kDeviation", ("kDeviation", ())),
-        (" sinks:0.25+kDeviation ", ("sinks:0.25+kDeviation", ())),
-        ("kDeviation@4", ("kDeviation", (4,))),
-        ("query:0.3+kDeviation@4/8", ("query:0.3+kDeviation", (4, 8))),
+        ("kDeviation", ("kDeviation", (), None)),
+        (" sinks:0.25+kDeviation ", ("sinks:0.25+kDeviation", (), None)),
+        ("kDeviation@4", ("kDeviation", (4,), None)),
+        ("query:0.3+kDeviation@4/8", ("query:0.3+kDeviation", (4, 8), None)),
+        ("kvDeviation#2", ("kvDeviation", (), 2)),
+        ("kDeviation@4/8#3", ("kDeviation", (4, 8), 3)),
     ],
 )
 def test_selection_entries_parse(entry, expected):
@@ -174,6 +192,9 @@ def test_selection_entries_parse(entry, expected):
         (["--selections", "kDeviation@x"], "selections: filter layers"),
         (["--selections", "kDeviation@1"], "above the check layer"),
         (["--selections", "kDeviation@6/4"], "strictly increasing"),
+        (["--selections", "kDeviation@2#2"], "above the check layer 2"),
+        (["--selections", "kDeviation#0"], "check layer after '#'"),
+        (["--selections", "kDeviation#x"], "like 'kDeviation#2'"),
         (["--selections", "random,random"], "appears twice"),
         (["--selections", ","], "selections"),
         (["--quality", "--store-policies", "isolated"], "store_policies"),
