@@ -89,7 +89,7 @@ def test_newer_format_version_is_refused_with_the_fix():
         ({"recomputeRatio": "high"}, "recomputeRatio: Input should be a valid number"),
         ({"selection": "k-deviation"}, "selection: unknown strategy 'k-deviation'"),
         ({"selection": "sinks:0.5+query:0.6"}, "selection: shares sum to 1.1"),
-        ({"filterLayers": [1]}, "filterLayers: must be strictly increasing and above checkLayer 1"),
+        ({"filterLayers": [2]}, "filterLayers: must be strictly increasing and above checkLayer 2"),
     ],
 )
 def test_bad_keys_and_values_name_the_key(extra, message):

@@ -26,7 +26,7 @@ def test_minimal_spec_gets_documented_defaults():
     spec = BlendDeployment.model_validate(MINIMAL).spec
     assert spec.replicas == 1
     assert spec.blend.mode == "hole" and spec.blend.recompute_ratio == 0.15
-    assert spec.blend.separator == " # #" and spec.blend.check_layer == 1
+    assert spec.blend.separator == " # #" and spec.blend.check_layer == 2
     assert spec.accelerator.type == "ascend"
     assert spec.accelerator.effective_resource_name == "huawei.com/Ascend910"
     assert spec.lookup_server.enabled and spec.tuning.enabled

@@ -621,7 +621,7 @@ def test_runtime_config_carries_the_blend_settings():
     bd = make_bd(
         blend={
             "mode": "prefix",
-            "checkLayer": 2,
+            "checkLayer": 3,
             "recomputeRatio": 0.2,
             "kv": {
                 "localCpuBytes": "1Gi",
@@ -631,7 +631,7 @@ def test_runtime_config_carries_the_blend_settings():
         },
     )
     config = blend_json(bd)
-    assert config["mode"] == "prefix" and config["checkLayer"] == 2
+    assert config["mode"] == "prefix" and config["checkLayer"] == 3
     assert config["recomputeRatio"] == 0.2 and config["separator"] == " # #"
     assert config["kv"] == {"localCpuBytes": 2**30, "sharedUrl": "redis://kv:6379/0"}
     assert config["model"] == {"name": "Qwen/Qwen3-8B", "servedName": None, "dtype": "auto"}
@@ -651,7 +651,7 @@ def test_ratio_change_does_not_roll_engine_pods():
 
 
 @pytest.mark.parametrize(
-    "blend", [{"mode": "prefix"}, {"checkLayer": 2}, {"separator": " ##"}, {"minSegmentTokens": 16}]
+    "blend", [{"mode": "prefix"}, {"checkLayer": 3}, {"separator": " ##"}, {"minSegmentTokens": 16}]
 )
 def test_other_blend_changes_roll_engine_pods(blend):
     before, after = engine_pod(make_bd()), engine_pod(make_bd(blend=blend))
