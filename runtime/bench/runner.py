@@ -14,12 +14,13 @@ prefill only; its quality columns are pass 2's (the same computation). Full pref
 both passes runs once; its answers are the reference for the blended ones.
 
 Selection strategies are a sweep dimension (`BenchConfig.selections`: a `BlendConfig.selection`
-string, optionally with `@layers` for `filter_layers` and `#layer` for its check layer). With `WorkloadConfig.regroup_first_pass`,
-pass 1 is `first_pass_requests` (documents pooled across prompts, new order, new neighbours): it
-only fills the stores and is not measured. With `BenchConfig.shared_store` every engine shares
-one KV store (the caller makes it so): pass 1 is sent once, and what each measured send stores
-is removed again right after it, so every sweep point meets the same cache state while memory
-holds the documents once instead of once per sweep point.
+string, optionally with `@layers` for `filter_layers` and `#layer` for its check layer). With
+`WorkloadConfig.regroup_first_pass`, pass 1 is `first_pass_requests` (documents pooled across
+prompts, new order, new neighbours): it only fills the stores and is not measured. With
+`BenchConfig.shared_store` every engine shares one KV store (the caller makes it so): pass 1
+is sent once, and what each measured send stores is removed again right after it, so every
+sweep point meets the same cache state while memory holds the documents once instead of once
+per sweep point.
 
 Requests are interleaved: each prompt goes to full prefill and then to every sweep
 point before the next prompt (the points' order rotated by one per prompt). A slower or busier machine then slows all modes alike
