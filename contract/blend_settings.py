@@ -175,6 +175,14 @@ class StorePolicy(StrEnum):
     ISOLATED = "isolated"
 
 
+class Admission(StrEnum):
+    # A segment that would evict others is admitted only if it was used more often,
+    # recently, than each of them (TinyLFU); least recently used entries are evicted.
+    FREQUENCY = "frequency"
+    # Every segment is admitted, evicting the least recently used (plain LRU).
+    ALWAYS = "always"
+
+
 class Dtype(StrEnum):
     AUTO = "auto"
     FLOAT16 = "float16"
@@ -205,8 +213,11 @@ class ModelSettings(_Settings):
 
 
 class KVSettings(_Settings):
-    # Byte budget of the in-process LRU tier.
+    # Byte budget of the pod's own tier (holeblend-serve: in-process; vLLM pods: the node
+    # directory), least recently used entries evicted.
     local_cpu_bytes: int = Field(default=DEFAULT_LOCAL_CPU_BYTES, ge=0)
+    # Which segments that tier takes in once full.
+    admission: Admission = Admission.FREQUENCY
     # Shared tier URL (redis://...), None: no shared tier.
     shared_url: str | None = None
 

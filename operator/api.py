@@ -25,6 +25,7 @@ from pydantic.alias_generators import to_camel
 
 from holeblend_contract import blend_settings as contract
 from holeblend_contract.blend_settings import (
+    Admission,
     BlendMode,
     Dtype,
     SegmentContext,
@@ -1025,7 +1026,14 @@ class KVTiers(ApiModel):
     check_rules = cel_validator(*_KV_RULES)
 
     local_cpu_bytes: ByteCount = f"{contract.DEFAULT_LOCAL_CPU_BYTES >> 30}Gi"
-    """Byte budget of the in-process LRU tier of each engine pod."""
+    """Byte budget of each engine pod's own tier (holeblend-serve: in-process; vLLM pods: the
+    node directory); least recently used segments are evicted."""
+    admission: Admission = Field(default=Admission.FREQUENCY, strict=False)
+    """Which segments that tier takes in once full. frequency: a segment that would evict
+    others only if it was asked for more often, recently, than each of them, so rarely used
+    documents do not push popular ones out (RAG traffic: far fewer holes for the same
+    bytes; docs/vllm-connector.md); always: every segment, plain LRU (traffic whose
+    documents are mostly new, each reused soon after)."""
     shared_url: SharedStoreUrl | None = None
     """Shared tier on Redis or Valkey, e.g. redis://kv-cache:6379/0; none when unset. No
     credentials: a password (user:password@ or ?password=), a credential query parameter or a

@@ -10,7 +10,11 @@ worker's load agree without a server. Implements `KVStore`:
    Whether the values are finite is checked once, by `put`, and kept in the file's
    metadata (`SegmentKV.is_finite`), so readers do not scan every value on every reuse.
 3. The byte budget is kept by removing the least recently used files (a hit refreshes
-   the file's modification time) after each `put`.
+   the file's modification time) after each `put`. With an admission policy
+   (`holeblend_runtime.kv.admission`), a `put` into a full directory first asks whether
+   the segment may evict the files it would; a refused segment is not written. The policy
+   counts the uses of the process that reads and writes (a vLLM pod's worker), not those
+   of processes that only look up.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from holeblend_runtime.kv.store import SegmentKV, finite_flags
+from holeblend_runtime.kv.admission import FrequencyAdmission
+from holeblend_runtime.kv.store import SegmentKV, finite_flags, lru_victims
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +43,23 @@ _FINITE = {"true": True, "false": False}
 class DirectoryKVStore:
     """Byte-budgeted segment KV files under `root` (created if missing)."""
 
-    def __init__(self, root: Path | str, capacity_bytes: int) -> None:
+    def __init__(
+        self,
+        root: Path | str,
+        capacity_bytes: int,
+        admission: FrequencyAdmission | None = None,
+    ) -> None:
         if capacity_bytes < 1:
             raise ValueError(f"capacity_bytes: must be >= 1, got {capacity_bytes}")
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.capacity_bytes = capacity_bytes
+        self.admission = admission
         self.num_corrupt = 0
+        # Segments the admission rule kept out.
+        self.num_refused = 0
+        # Files held when last counted (the admission's halving period; no listing per hit).
+        self._num_files = len(self) if admission is not None else 0
 
     def path(self, key: str) -> Path:
         if not key.isalnum():
@@ -73,6 +88,8 @@ class DirectoryKVStore:
             path.unlink(missing_ok=True)
             return None
         os.utime(path)
+        if self.admission is not None:
+            self.admission.record(key, self._num_files)
         return kv
 
     def get_many(self, keys: Sequence[str]) -> list[SegmentKV | None]:
@@ -80,6 +97,9 @@ class DirectoryKVStore:
 
     def put(self, kv: SegmentKV) -> bool:
         if kv.num_bytes > self.capacity_bytes:
+            return False
+        if not self._admits(kv):
+            self.num_refused += 1
             return False
         tensors = {"k": kv.k.contiguous(), "v": kv.v.contiguous(), "positions": kv.positions}
         # Checked here, where the entry is written (off the request's path behind an
@@ -95,6 +115,21 @@ class DirectoryKVStore:
             Path(temporary).unlink(missing_ok=True)
         self._evict()
         return True
+
+    def _admits(self, kv: SegmentKV) -> bool:
+        """Count the use; whether the admission rule lets `kv` evict the files it would
+        (their sizes less the new file's few header bytes)."""
+        if self.admission is None:
+            return True
+        files = [(p, _size(p)) for p in self._files_by_age()]
+        self._num_files = len(files)
+        self.admission.record(kv.key, len(files))
+        if self.contains(kv.key):
+            return True
+        entries = [(p.name.removesuffix(_SUFFIX), size) for p, size in files]
+        total = sum(size for _, size in files)
+        victims = lru_victims(entries, total, kv.num_bytes, self.capacity_bytes)
+        return self.admission.admits(kv.key, victims)
 
     def remove(self, key: str) -> None:
         self.path(key).unlink(missing_ok=True)

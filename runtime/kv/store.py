@@ -1,14 +1,18 @@
-"""Per-segment KV storage: the entry type, the store protocol and a local LRU tier."""
+"""Per-segment KV storage: the entry type, the store protocol and a local LRU tier (with
+frequency admission when asked: `holeblend_runtime.kv.admission`)."""
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from holeblend_runtime.kv.admission import FrequencyAdmission
 
 
 @dataclass(frozen=True)
@@ -86,17 +90,26 @@ class LocalKVStore:
     segments off the request path.
     """
 
-    def __init__(self, capacity_bytes: int, host_memory: bool = False) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        host_memory: bool = False,
+        admission: FrequencyAdmission | None = None,
+    ) -> None:
         """`host_memory`: keep entries in host memory (pinned when a CUDA device is
         present, so loads copy asynchronously) instead of wherever they were computed
-        (an accelerator's memory, where loading them back costs almost nothing)."""
+        (an accelerator's memory, where loading them back costs almost nothing).
+        `admission`: once full, admit only segments used more often than what they would
+        evict (`holeblend_runtime.kv.admission`); None: admit every segment."""
         if capacity_bytes < 1:
             raise ValueError(f"capacity_bytes: must be >= 1, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self.host_memory = host_memory
+        self.admission = admission
         self._entries: OrderedDict[str, SegmentKV] = OrderedDict()
         self._num_bytes = 0
         self._num_evictions = 0
+        self._num_refused = 0
         self._lock = threading.Lock()
 
     @property
@@ -107,6 +120,11 @@ class LocalKVStore:
     def num_evictions(self) -> int:
         return self._num_evictions
 
+    @property
+    def num_refused(self) -> int:
+        """Segments the admission rule kept out (the tier was full of more used ones)."""
+        return self._num_refused
+
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -115,6 +133,8 @@ class LocalKVStore:
             kv = self._entries.get(key)
             if kv is not None:
                 self._entries.move_to_end(key)
+                if self.admission is not None:
+                    self.admission.record(key, len(self._entries))
             return kv
 
     def get_many(self, keys: Sequence[str]) -> list[SegmentKV | None]:
@@ -129,8 +149,11 @@ class LocalKVStore:
             return [key in self._entries for key in keys]
 
     def put(self, kv: SegmentKV) -> bool:
-        """Store `kv`, evicting least recently used entries; False if it exceeds the budget."""
+        """Store `kv`, evicting least recently used entries; False if it exceeds the budget
+        or the admission rule keeps it out."""
         if kv.num_bytes > self.capacity_bytes:
+            return False
+        if not self._admits(kv):
             return False
         # The verdict is always taken afresh: an entry copied with new tensors
         # (dataclasses.replace) would carry its original's.
@@ -144,6 +167,23 @@ class LocalKVStore:
             self._entries[kv.key] = kv
             self._num_bytes += kv.num_bytes
             return True
+
+    def _admits(self, kv: SegmentKV) -> bool:
+        """Count the use; whether the admission rule lets `kv` evict what it would."""
+        if self.admission is None:
+            return True
+        with self._lock:
+            self.admission.record(kv.key, len(self._entries))
+            if kv.key in self._entries:
+                return True  # a replacement evicts nothing it does not free itself
+            victims = lru_victims(
+                ((key, e.num_bytes) for key, e in self._entries.items()),
+                self._num_bytes, kv.num_bytes, self.capacity_bytes,
+            )  # fmt: skip
+            if self.admission.admits(kv.key, victims):
+                return True
+            self._num_refused += 1
+            return False
 
     def remove(self, key: str) -> bool:
         """Drop `key`; False when it was not stored."""
@@ -166,6 +206,20 @@ class LocalKVStore:
         _, kv = self._entries.popitem(last=False)
         self._num_bytes -= kv.num_bytes
         self._num_evictions += 1
+
+
+def lru_victims(
+    entries: Iterable[tuple[str, int]], num_bytes: int, new_bytes: int, capacity_bytes: int
+) -> list[str]:
+    """The keys evicted, least recently used first, to fit `new_bytes` more into a tier
+    holding `num_bytes` of `capacity_bytes`; `entries` (key, bytes) oldest first."""
+    victims: list[str] = []
+    for key, size in entries:
+        if num_bytes + new_bytes <= capacity_bytes:
+            break
+        victims.append(key)
+        num_bytes -= size
+    return victims
 
 
 def _in_host_memory(tensor: torch.Tensor) -> torch.Tensor:

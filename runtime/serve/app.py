@@ -33,6 +33,7 @@ from holeblend_contract.blend_settings import Dtype
 from holeblend_runtime.blend.config import from_settings
 from holeblend_runtime.blend.segments import SegmentedPrompt
 from holeblend_runtime.engine import BlendEngine, Mode, Prefill
+from holeblend_runtime.kv.admission import AdmissionMetrics, admission_policy
 from holeblend_runtime.kv.store import LocalKVStore
 from holeblend_runtime.kv.tiers import with_remote_tiers
 from holeblend_runtime.quality.inline_proxy import InlineProxy, residual_deviation_share
@@ -159,7 +160,9 @@ class Server:
     def load(self) -> None:
         """Load the model and warm it up (blocking: call it off the event loop)."""
         settings = self.live.startup
-        store = LocalKVStore(max(settings.kv.local_cpu_bytes, 1))
+        store = LocalKVStore(
+            max(settings.kv.local_cpu_bytes, 1), admission=admission_policy(settings.kv.admission)
+        )
         self.engine = BlendEngine.load(
             from_settings(settings), store, cache_dir=self.settings.cache_dir,
             num_threads=self.settings.torch_threads,
@@ -169,6 +172,7 @@ class Server:
         prompt = self.engine.build_prompt("Warm-up.", WARM_UP_DOCUMENTS, "Ready?")
         self.engine.generate(self.engine.prefill(prompt, Mode.FULL), 2)
         self.metrics.kv_store_capacity_bytes.set(store.capacity_bytes)
+        self.metrics.registry.register(AdmissionMetrics(store))
         self.engine.tokenizer.max_token_bytes  # noqa: B018 (computed once, here, off the loop)
         self.worker = EngineWorker(
             self.engine, self.live, self.metrics, self.settings.queue_size,

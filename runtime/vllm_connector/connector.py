@@ -207,6 +207,9 @@ class HoleBlendConnector(KVConnectorBase_V1):
         self.store = open_store(self.settings, kv_layout(vllm_config), is_worker)
         if isinstance(self.store, TieredKVStore):
             metrics.TIERS.add(self.store)
+        if is_worker:
+            local = self.store.local if isinstance(self.store, TieredKVStore) else self.store
+            metrics.ADMISSION.add(local)
         self._scheduler: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
         # Tensor parallelism: one entry per rank of each segment (vllm_connector/store.py).

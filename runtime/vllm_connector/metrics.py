@@ -13,6 +13,7 @@ import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from holeblend_runtime.kv.admission import AdmissionMetrics
 from holeblend_runtime.kv.tiers import TierMetrics
 from holeblend_runtime.quality.inline_proxy import InlineProxyMetrics
 from holeblend_runtime.quality.shadow import ShadowMetrics
@@ -93,6 +94,9 @@ INLINE = InlineProxyMetrics(REGISTRY)
 # Shared tier and lookup server counters of this process's connectors (scheduler, worker).
 TIERS = TierMetrics()
 REGISTRY.register(TIERS)
+# Segments the workers' node directory refused (kv.admission).
+ADMISSION = AdmissionMetrics()
+REGISTRY.register(ADMISSION)
 
 
 def serve_metrics() -> int | None:

@@ -53,6 +53,9 @@ class ConnectorSettings:
     kv_dir: Path = Path(DEFAULT_KV_DIR)
     # Byte budget of that directory (blend.json's kv.localCpuBytes).
     kv_bytes: int = contract.DEFAULT_LOCAL_CPU_BYTES
+    # Which segments that directory takes in once full (blend.json's kv.admission); only
+    # the workers, which read and write it, apply it.
+    kv_admission: contract.Admission = contract.Admission.FREQUENCY
     # The settings file, re-read for the live ratio; None: the ratio is fixed.
     config_path: Path | None = None
     # The fleet's shared KV tier (blend.json's kv.sharedUrl); None: this node only.
@@ -116,6 +119,7 @@ def load_settings(extra_config: Mapping[str, Any]) -> ConnectorSettings:
         blend=from_settings(settings),
         kv_dir=kv_dir,
         kv_bytes=settings.kv.local_cpu_bytes or contract.DEFAULT_LOCAL_CPU_BYTES,
+        kv_admission=settings.kv.admission,
         config_path=Path(path),
         shared_url=settings.kv.shared_url,
         lookup_url=settings.lookup_server_url,

@@ -13,6 +13,11 @@ that directory becomes the local tier of a `TieredKVStore`:
   a copy in the directory; it stores new segments in both tiers and announces them to
   the lookup server. Only workers announce: the scheduler holds nothing of its own.
 
+Once the directory is full, a worker admits a new segment only as blend.json's
+`kv.admission` says (frequency: only if it was used more often than what it would evict;
+`holeblend_runtime.kv.admission`); a refused segment is counted
+(`holeblend_kv_store_refused_total`), not written.
+
 Under tensor parallelism every rank stores its own heads' KV of a segment: one entry per
 rank in the same tiers, under the segment key plus the layout (`shard_key`), so a blob of
 one rank or of another tensor-parallel size is never read as another's. The scheduler's
@@ -24,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from holeblend_runtime.kv.admission import admission_policy
 from holeblend_runtime.kv.directory import DirectoryKVStore
 from holeblend_runtime.kv.store import KVStore, SegmentKV
 from holeblend_runtime.kv.tiers import KVLayout, TieredKVStore, TierSettings, open_tiered_store
@@ -34,7 +40,8 @@ def open_store(
     settings: ConnectorSettings, layout: KVLayout, is_worker: bool
 ) -> DirectoryKVStore | TieredKVStore:
     """The KV store of one connector process (see the module doc)."""
-    local = DirectoryKVStore(settings.kv_dir, settings.kv_bytes)
+    admission = admission_policy(settings.kv_admission) if is_worker else None
+    local = DirectoryKVStore(settings.kv_dir, settings.kv_bytes, admission)
     if not settings.has_remote_tiers:
         return local
     tiers = TierSettings.from_env(settings.kv_bytes, settings.shared_url, settings.lookup_url)

@@ -625,6 +625,7 @@ def test_runtime_config_carries_the_blend_settings():
             "recomputeRatio": 0.2,
             "kv": {
                 "localCpuBytes": "1Gi",
+                "admission": "always",
                 "sharedUrl": "redis://kv:6379/0",
                 "sharedPasswordSecret": {"name": "rag-kv", "key": "password"},
             },
@@ -633,7 +634,12 @@ def test_runtime_config_carries_the_blend_settings():
     config = blend_json(bd)
     assert config["mode"] == "prefix" and config["checkLayer"] == 3
     assert config["recomputeRatio"] == 0.2 and config["separator"] == " # #"
-    assert config["kv"] == {"localCpuBytes": 2**30, "sharedUrl": "redis://kv:6379/0"}
+    assert config["kv"] == {
+        "localCpuBytes": 2**30,
+        "admission": "always",
+        "sharedUrl": "redis://kv:6379/0",
+    }
+    assert blend_json(make_bd())["kv"]["admission"] == "frequency"
     assert config["model"] == {"name": "Qwen/Qwen3-8B", "servedName": None, "dtype": "auto"}
     assert config["lookupServerUrl"] == "http://rag-lookup.serving.svc:8100"
 

@@ -103,6 +103,25 @@ def test_settings_come_from_blend_json_and_the_ratio_is_live(tmp_path):
     assert ratio.ratio() == 0.4  # the last good value
 
 
+def test_the_workers_directory_admits_as_blend_json_says_and_the_scheduler_never_refuses(
+    tmp_path,
+):
+    from holeblend_contract.blend_settings import Admission, KVSettings
+    from holeblend_runtime.kv.admission import FrequencyAdmission
+    from holeblend_runtime.kv.tiers import KVLayout
+    from holeblend_runtime.vllm_connector.store import open_store
+
+    path = tmp_path / "blend.json"
+    layout = KVLayout("m", "float32", 2, 1, 4)
+    for admission, expected in ((None, FrequencyAdmission), (Admission.ALWAYS, type(None))):
+        kv = KVSettings() if admission is None else KVSettings(admission=admission)
+        path.write_text(BlendSettings(model=ModelSettings(name="m"), kv=kv).to_json())
+        settings = load_settings({"holeblend_config": str(path), "kv_dir": str(tmp_path / "kv")})
+        assert settings.kv_admission is (admission or Admission.FREQUENCY)
+        assert isinstance(open_store(settings, layout, is_worker=True).admission, expected)
+        assert open_store(settings, layout, is_worker=False).admission is None
+
+
 def test_a_newer_settings_format_is_refused_naming_the_key(tmp_path):
     path = tmp_path / "blend.json"
     path.write_text('{"formatVersion": 99, "model": {"name": "m"}}')

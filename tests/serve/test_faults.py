@@ -181,6 +181,9 @@ def test_the_kv_store_stays_within_its_byte_budget(small):
     stored = metric(small, "holeblend_kv_store_bytes")
     assert 0 < stored <= BUDGET
     assert metric(small, "holeblend_kv_store_capacity_bytes") == BUDGET
+    # Every document was new and asked for once: once the store was full, the default
+    # frequency admission kept the system prompt (reused by every request) and refused them.
+    assert metric(small, "holeblend_kv_store_refused_total") > 0
 
 
 # --- timeouts and shutdown ---------------------------------------------------------

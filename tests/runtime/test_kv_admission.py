@@ -1,0 +1,220 @@
+"""Frequency admission of the KV tiers: the rule, both stores under it, and what it buys on
+a Zipf stream of RAG documents against plain LRU."""
+
+import os
+import random
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from holeblend_contract.blend_settings import Admission, BlendSettings
+from holeblend_runtime.bench.load_workload import (
+    LoadWorkloadConfig,
+    generate_load_workload,
+    zipf_sample,
+)
+from holeblend_runtime.bench.workload import approximate_token_count
+from holeblend_runtime.kv.admission import (
+    AdmissionMetrics,
+    FrequencyAdmission,
+    admission_policy,
+)
+from holeblend_runtime.kv.directory import DirectoryKVStore
+from holeblend_runtime.kv.store import LocalKVStore, SegmentKV, lru_victims
+
+
+def _kv(key: str, num_tokens: int = 4) -> SegmentKV:
+    shape = (1, 1, num_tokens, 2)
+    return SegmentKV(
+        key=key, k=torch.ones(shape), v=torch.ones(shape),
+        positions=torch.arange(num_tokens, dtype=torch.int64), model_id="m",
+    )  # fmt: skip
+
+
+ENTRY_BYTES = _kv("x").num_bytes
+
+
+# --- the rule --------------------------------------------------------------------------------
+
+
+def test_a_key_is_admitted_only_if_used_more_often_than_every_victim():
+    policy = FrequencyAdmission()
+    for key, uses in (("popular", 3), ("rare", 1), ("new", 2)):
+        for _ in range(uses):
+            policy.record(key, num_entries=2)
+    assert policy.admits("new", ["rare"])
+    assert not policy.admits("new", ["rare", "popular"])
+    assert not policy.admits("rare", ["new"])
+    # A tie keeps what the tier holds: a one-off never displaces a one-off.
+    policy.record("other", num_entries=2)
+    assert not policy.admits("other", ["rare"])
+    assert policy.admits("anything", [])  # room: no victim, always admitted
+
+
+def test_counts_halve_every_period_and_ones_are_forgotten():
+    policy = FrequencyAdmission(sample_factor=10, min_sample=20)
+    for _ in range(8):
+        policy.record("a", num_entries=1)
+    for _ in range(11):
+        policy.record("b", num_entries=1)
+    assert (policy.count("a"), policy.count("b")) == (8, 11)
+    policy.record("c", num_entries=1)  # the 20th use: the period (max(20, 10 x 1)) ends
+    assert (policy.count("a"), policy.count("b"), policy.count("c")) == (4, 5, 0)
+    # A larger tier has a longer period: 10 x 5 entries.
+    for _ in range(49):
+        policy.record("d", num_entries=5)
+    assert policy.count("d") == 49
+    policy.record("d", num_entries=5)
+    assert policy.count("d") == 25
+
+
+def test_bad_periods_are_refused_with_the_names():
+    with pytest.raises(ValueError, match="sample_factor and min_sample"):
+        FrequencyAdmission(sample_factor=0)
+
+
+def test_the_setting_picks_the_policy():
+    assert isinstance(admission_policy("frequency"), FrequencyAdmission)
+    assert admission_policy(Admission.ALWAYS) is None
+    with pytest.raises(ValueError):
+        admission_policy("lru")
+
+
+def test_victims_are_the_least_recently_used_that_make_room():
+    entries = [("a", 10), ("b", 10), ("c", 10)]
+    assert lru_victims(entries, 30, 10, 40) == []
+    assert lru_victims(entries, 30, 10, 30) == ["a"]
+    assert lru_victims(entries, 30, 15, 30) == ["a", "b"]
+
+
+# --- the stores ------------------------------------------------------------------------------
+
+
+def test_the_in_process_tier_keeps_the_used_entries_and_refuses_a_one_off():
+    store = LocalKVStore(3 * ENTRY_BYTES, admission=FrequencyAdmission())
+    for key in "abc":
+        assert store.put(_kv(key))  # room: admitted
+    store.get("a")
+    store.get("b")
+    assert not store.put(_kv("d"))  # used once; would evict c, also used once
+    assert store.keys() == ("c", "a", "b")
+    assert (store.num_refused, store.num_evictions) == (1, 0)
+    assert store.put(_kv("d"))  # asked for again: now used more often than c
+    assert store.keys() == ("a", "b", "d")
+    assert store.num_evictions == 1
+    assert store.put(_kv("d", num_tokens=4))  # a replacement evicts nothing else
+    assert set(store.keys()) == {"a", "b", "d"}
+
+
+def test_without_admission_every_segment_is_admitted():
+    store = LocalKVStore(3 * ENTRY_BYTES)
+    for key in "abcd":
+        assert store.put(_kv(key))
+    assert store.keys() == ("b", "c", "d")
+    assert store.num_refused == 0
+
+
+def _age(store: DirectoryKVStore, keys: str) -> None:
+    """Give the files modification times in the order of `keys` (oldest first), whatever
+    the clock's resolution."""
+    for i, key in enumerate(keys):
+        os.utime(store.path(key), ns=(1, (i + 1) * 10**15))
+
+
+def test_the_directory_tier_applies_the_same_rule(tmp_path):
+    probe = DirectoryKVStore(tmp_path / "probe", 1 << 20)
+    probe.put(_kv("p"))
+    size = probe.path("p").stat().st_size
+    store = DirectoryKVStore(tmp_path / "kv", 3 * size, admission=FrequencyAdmission())
+    for key in "abc":
+        assert store.put(_kv(key))
+    assert store.get("a") is not None and store.get("b") is not None
+    _age(store, "cab")
+    assert not store.put(_kv("d"))
+    assert sorted(store.keys()) == ["a", "b", "c"] and not store.contains("d")
+    assert store.num_refused == 1
+    assert store.put(_kv("d"))
+    assert sorted(store.keys()) == ["a", "b", "d"]
+    registry = CollectorRegistry()
+    registry.register(AdmissionMetrics(store))
+    assert registry.get_sample_value("holeblend_kv_store_refused_total") == 1
+
+
+# --- what it buys ----------------------------------------------------------------------------
+
+
+def _replay(stream, sizes, capacity_bytes, admission):
+    """Serve a stream of document lists from a store as an engine does (get; put on a
+    miss); the share of document tokens served from the store."""
+    store = LocalKVStore(capacity_bytes, admission=admission)
+    hit = total = 0
+    for documents in stream:
+        for key in documents:
+            total += sizes[key]
+            if store.get(key) is not None:
+                hit += sizes[key]
+            else:
+                store.put(_kv(key, sizes[key]))
+    return hit / total
+
+
+def test_on_a_zipf_rag_stream_frequency_admission_serves_more_from_the_same_bytes():
+    """The vLLM load benchmark's stream (40 documents of 200-260 tokens, 8 per request,
+    Zipf 1.1) over a tier holding half the corpus, default seed and a held-out one."""
+    for seed in (0, 1):
+        config = LoadWorkloadConfig(
+            seed=seed, documents_per_request=8, num_warmup=0, num_requests=1000,
+            min_document_tokens=200, max_document_tokens=260,
+        )  # fmt: skip
+        requests = generate_load_workload(config)
+        sizes = {}
+        for request in requests:
+            for rank, text in zip(request.document_ranks, request.documents, strict=True):
+                sizes[str(rank)] = approximate_token_count(text)
+        stream = [[str(rank) for rank in r.document_ranks] for r in requests]
+        capacity = sum(_kv(k, n).num_bytes for k, n in sizes.items()) // 2
+        lru = _replay(stream, sizes, capacity, None)
+        frequency = _replay(stream, sizes, capacity, FrequencyAdmission())
+        assert frequency > lru + 0.05, (seed, lru, frequency)
+
+
+def test_after_popularity_moves_the_tier_follows_it():
+    """The popular documents change halfway (a new corpus): within a few halving periods
+    the tier serves the new ones as well as it served the old."""
+    rng = random.Random(3)
+    weights = [1.0 / (rank + 1) ** 1.1 for rank in range(40)]
+    before = [[f"old{r}" for r in zipf_sample(rng, weights, 8)] for _ in range(600)]
+    after = [[f"new{r}" for r in zipf_sample(rng, weights, 8)] for _ in range(600)]
+    sizes = {key: 8 for documents in before + after for key in documents}
+    capacity = 20 * _kv("x", 8).num_bytes
+    store = LocalKVStore(capacity, admission=FrequencyAdmission())
+
+    def hit_share(stream):
+        hits = 0
+        for documents in stream:
+            for key in documents:
+                if store.get(key) is not None:
+                    hits += 1
+                else:
+                    store.put(_kv(key, sizes[key]))
+        return hits / (8 * len(stream))
+
+    hit_share(before[:300])  # fills the tier
+    settled = hit_share(before[300:])
+    hit_share(after[:200])  # the change: three halving periods (10 x 20 entries, 8 per request)
+    assert hit_share(after[200:]) > settled - 0.05
+    held = store.keys()
+    assert not any(key.startswith("old") for key in held)
+
+
+# --- the setting -----------------------------------------------------------------------------
+
+
+def test_blend_json_names_the_admission_and_defaults_to_frequency():
+    base = {"model": {"name": "m"}}
+    assert BlendSettings.model_validate(base).kv.admission is Admission.FREQUENCY
+    always = BlendSettings.model_validate(base | {"kv": {"admission": "always"}})
+    assert always.kv.admission is Admission.ALWAYS
+    with pytest.raises(ValueError, match="admission"):
+        BlendSettings.model_validate(base | {"kv": {"admission": "lru"}})
