@@ -15,7 +15,10 @@ ignored). The same stream goes to two servers, one after the other (`vllm_server
   stepwise, as by default (each blend spread over vLLM's steps);
 - with `--blend-step-tokens N[,M...]`, one more connector arm per value: at most N tokens'
   worth of blend compute per step (`blend_step_tokens` in the row; 0: whole blends, each
-  before its step's forward).
+  before its step's forward);
+- with `--kv-admission A[,B...]`, one more connector arm per value of blend.json's
+  `kv.admission` (`connector-always`: the node tier as plain LRU; `kv_admission` in the
+  row; the `connector` arm has the operator's default, `frequency`).
 
 `--connector-only` leaves vLLM alone out (reuse over a long stream needs no baseline; no
 ratios then). `--windows W` sends the stream to each server in W consecutive parts and
@@ -46,6 +49,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from holeblend_contract.blend_settings import Admission
 from holeblend_devtools.hf_export import export_smollm2
 from holeblend_devtools.vllm_probe import SEPARATOR
 from holeblend_devtools.vllm_server import MODEL, Server, serve
@@ -212,6 +216,7 @@ def reuse_figures(server: Server) -> dict[str, float]:
         "num_load_failures": metric_total(samples, "holeblend_load_failures_total"),
         "num_store_failures": metric_total(samples, "holeblend_store_failures_total"),
         "num_stored_segments": metric_total(samples, "holeblend_stored_segments_total"),
+        "num_refused_segments": metric_total(samples, "holeblend_kv_store_refused_total"),
     }
 
 
@@ -252,12 +257,20 @@ def main(argv: list[str] | None = None) -> int:
         "--blend-step-tokens", default="",
         help="comma-separated budgets: one more connector arm each, with stepwise loads",
     )  # fmt: skip
+    parser.add_argument(
+        "--kv-admission", default="",
+        help="comma-separated kv.admission values (frequency, always): one more connector arm each",
+    )  # fmt: skip
     parser.add_argument("--connector-only", action="store_true", help="no vLLM-alone arm")
     parser.add_argument("--windows", type=int, default=1, help="stream parts, reuse of each")
     args = parser.parse_args(argv)
     if not 1 <= args.windows <= args.num_requests:
         parser.error(f"--windows: must be between 1 and --num-requests, got {args.windows}")
     step_budgets = [int(value) for value in args.blend_step_tokens.split(",") if value]
+    admissions = [value for value in args.kv_admission.split(",") if value]
+    for value in admissions:
+        if value not in {a.value for a in Admission}:
+            parser.error(f"--kv-admission: expected frequency or always, got {value!r}")
     workload = LoadWorkloadConfig(
         seed=args.seed, num_corpus_documents=args.corpus, documents_per_request=args.documents,
         num_warmup=0, num_requests=args.num_requests,
@@ -268,13 +281,16 @@ def main(argv: list[str] | None = None) -> int:
     parts = write_parts(prompts, args.windows, args.work_dir)
     started = time.perf_counter()
     rows = []
-    arms = [] if args.connector_only else [("plain", False, None)]
-    arms += [("connector", True, None)] + [(f"connector-step{n}", True, n) for n in step_budgets]
-    for name, connector, step_tokens in arms:
+    arms = [] if args.connector_only else [("plain", False, None, None)]
+    arms += [("connector", True, None, None)]
+    arms += [(f"connector-step{n}", True, n, None) for n in step_budgets]
+    arms += [(f"connector-{a}", True, None, a) for a in admissions]
+    for name, connector, step_tokens, admission in arms:
         with serve(
             args.work_dir / name, args.ratio, quality_proxies=False, connector=connector,
             kv_cache_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN,
             kv_tier_bytes=args.kv_tier_mib << 20, blend_step_tokens=step_tokens,
+            kv_admission=admission,
         ) as server:  # fmt: skip
             results, windows, before = [], [], {}
             for index, (dataset, size) in enumerate(parts):
@@ -292,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         result = merge(results)
         extra = {"windows": windows} if connector and len(parts) > 1 else {}
+        extra |= {"kv_admission": admission or Admission.FREQUENCY.value} if connector else {}
         rows.append(row(result, connector, reuse, step_tokens) | {"arm": name} | extra)
         print(json.dumps(rows[-1]), flush=True)
     document = {

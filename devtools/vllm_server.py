@@ -108,13 +108,15 @@ def serve(
     max_model_len: int = 1536,
     kv_tier_bytes: int | None = None,
     blend_step_tokens: int | None = None,
+    kv_admission: str | None = None,
 ) -> Iterator[Server]:
     """Start the server on free ports, wait until healthy, stop it on exit.
 
     `connector` False: vLLM as users run it without holeblend (its own prefix caching on,
     no KV transfer, no holeblend flags); the same model, dtype, eager mode, context and KV
     cache. `kv_tier_bytes`: blend.json's kv.localCpuBytes (the node tier's budget).
-    `blend_step_tokens`: the connector's asynchronous, stepwise loads (None: synchronous)."""
+    `blend_step_tokens`: the connector's asynchronous, stepwise loads (None: synchronous).
+    `kv_admission`: blend.json's kv.admission (None: as the operator renders it)."""
     work.mkdir(parents=True, exist_ok=True)
     port, metrics_port = free_port(), free_port()
     settings = rendered_settings(
@@ -122,6 +124,8 @@ def serve(
     )
     if kv_tier_bytes is not None:
         settings["kv"] = (settings.get("kv") or {}) | {"localCpuBytes": kv_tier_bytes}
+    if kv_admission is not None:
+        settings["kv"] = (settings.get("kv") or {}) | {"admission": kv_admission}
     (work / "blend.json").write_text(json.dumps(settings))
     transfer = {
         "kv_connector": "HoleBlendConnector",
