@@ -1038,7 +1038,7 @@ class KVTiers(ApiModel):
     """Shared tier on Redis or Valkey, e.g. redis://kv-cache:6379/0; none when unset. No
     credentials: a password (user:password@ or ?password=), a credential query parameter or a
     #fragment is refused; see sharedPasswordSecret. Configure the store with
-    `maxmemory-policy allkeys-lru` (docs/shared-tier.md)."""
+    `maxmemory-policy allkeys-lfu` (docs/shared-tier.md)."""
     shared_password_secret: SecretKeyRef | None = None
     """Secret key holding the shared tier's password, given to the engine pods as the env
     var HOLEBLEND_SHARED_TIER_PASSWORD: the password of the deployment's own ACL user

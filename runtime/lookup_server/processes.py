@@ -86,11 +86,15 @@ class LookupProcess:
 
 
 class RedisProcess:
-    """Debian's `redis-server` on 127.0.0.1, no persistence, `allkeys-lru`, a temp dir."""
+    """Debian's `redis-server` on 127.0.0.1, no persistence, the eviction policy
+    docs/shared-tier.md recommends (`allkeys-lfu`) unless told, a temp dir."""
 
-    def __init__(self, maxmemory: str = "1gb", port: int | None = None) -> None:
+    def __init__(
+        self, maxmemory: str = "1gb", port: int | None = None, policy: str = "allkeys-lfu"
+    ) -> None:
         self.port = port or free_port()
         self.maxmemory = maxmemory
+        self.policy = policy
         self.dir = Path(tempfile.mkdtemp(prefix="holeblend-redis-"))
         self.process: subprocess.Popen | None = None
 
@@ -120,7 +124,7 @@ class RedisProcess:
                 "--maxmemory",
                 self.maxmemory,
                 "--maxmemory-policy",
-                "allkeys-lru",
+                self.policy,
                 "--loglevel",
                 "warning",
             ],
