@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,10 @@ from holeblend_runtime.kv.store import SegmentKV
 from holeblend_runtime.quality.inline_proxy import residual_deviation_share
 from holeblend_runtime.vllm_connector import metrics
 from holeblend_runtime.vllm_connector.metadata import LoadRequest, StoreRequest
+
+# Requests whose offered segments are remembered until their store step (older ones are
+# forgotten: a request whose holes needed no store step never asks).
+MAX_OFFERED_REQUESTS = 1024
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +210,9 @@ class BlendWorker:
         # Stores from the K/V the forward writes (store policy in-context); None: computed.
         self.capture = capture if capture is not None and capture.is_supported else None
         self._captured: tuple[StoreRequest, ...] = ()
+        # Per request, the segments its load offered the store from its blend, taken in or
+        # refused by the tier's admission: its store step does not compute them again.
+        self._offered: OrderedDict[str, frozenset[int]] = OrderedDict()
         # Take each blend's inline statistic (blend.json's qualityProxies): on an
         # accelerator reading it waits for the blend's device work.
         self.inline_statistic = inline_statistic
@@ -212,9 +220,12 @@ class BlendWorker:
     @torch.inference_mode()
     def store(self, request: StoreRequest) -> int:
         """Compute the request's missing segments that are still not stored (a load may
-        have stored them in context) in canonical context; the number stored."""
+        have stored them in context) in canonical context; the number stored. Segments its
+        load offered the store are left out: stored, or refused by the tier's admission
+        (computing them again would be refused too)."""
         keys = self.engine.segment_keys(request.prompt)
-        wanted = [i for i in request.segments if keys[i] is not None]
+        offered = self._offered.pop(request.request_id, frozenset())
+        wanted = [i for i in request.segments if keys[i] is not None and i not in offered]
         # Computing runs collectives under tensor parallelism: every rank computes what
         # any rank lacks.
         found = self._on_every_rank(self.engine.store.contains_many([keys[i] for i in wanted]))
@@ -340,6 +351,9 @@ class BlendWorker:
             holes = [i for i, key in enumerate(request.keys) if key and entries[i] is None]
             stored = self.engine.store_in_context(prompt, request.keys, holes, blended.k, blended.v)
             metrics.STORED_SEGMENTS.labels(source="blend").inc(stored)
+            self._offered[request.request_id] = frozenset(holes)
+            while len(self._offered) > MAX_OFFERED_REQUESTS:  # requests without a store step
+                self._offered.popitem(last=False)
         return LoadOutcome(
             request.request_id,
             num_reused_tokens=_count(reuse.hit_ranges, end),

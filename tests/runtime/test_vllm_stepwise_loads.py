@@ -169,6 +169,35 @@ def test_a_hole_store_waits_for_its_load_which_stores_it_from_the_blend(cached_e
     assert worker.store_many(released) == (0, 0) and computed == []  # nothing to compute
 
 
+def test_a_hole_the_tier_refused_is_not_computed_again_by_its_store_step(cached_engine, rag_texts):
+    """The node tier is full of segments used more often (frequency admission): the
+    load's offer of the hole is refused, and the released store computes nothing."""
+    from holeblend_runtime.kv.admission import FrequencyAdmission
+    from holeblend_runtime.kv.store import LocalKVStore
+
+    engine, prompt = cached_engine(rag_texts, hole=HOLE)
+    held = [engine.store.get(key) for key in engine.store.keys()]
+    full = LocalKVStore(sum(kv.num_bytes for kv in held), admission=FrequencyAdmission())
+    for kv in held:
+        full.put(kv)
+        full.get(kv.key)  # used twice: more than the hole will be
+    engine.store = full
+    _, worker, load, _ = _setup(engine, prompt)
+    loads = _loads(engine, 10_000)
+    loads.start(worker, load)
+    hole_store = StoreRequest("r", prompt, (HOLE,))
+    assert loads.due_stores([hole_store]) == []
+    computed = []
+    worker.engine.cache_segments = lambda *args: computed.append(args) or 0
+    assert [o.request_id for o in loads.advance(worker)] == ["r"]
+    assert full.contains_many([load.keys[HOLE]]) == [False] and full.num_refused == 1
+    assert worker.store_many(loads.due_stores([])) == (0, 0)
+    assert computed == []  # refused once from the blend; not computed to be refused again
+    # Another request's store of the same segment (no load offered it) is still computed.
+    assert worker.store_many([StoreRequest("other", prompt, (HOLE,))]) == (0, 0)
+    assert len(computed) == 1
+
+
 @pytest.mark.parametrize("stage", ["start", "advance"])
 def test_a_load_that_fails_is_reported_finished_and_its_blocks_failed(
     cached_engine, rag_texts, monkeypatch, stage
