@@ -153,8 +153,9 @@ def test_a_request_vllm_finished_first_is_dropped_and_reported_with_its_stores(
     assert loads.advance(worker) == []
 
 
-def test_a_hole_store_waits_for_its_load_which_stores_it_from_the_blend(cached_engine, rag_texts):
-    engine, prompt = cached_engine(rag_texts, hole=HOLE)
+def _hole_load_done(engine, prompt):
+    """Start a load whose prompt has a hole, hold the hole's store behind it, run the load
+    to its end: (worker, load, the released stores, the canonical computes recorded)."""
     _, worker, load, _ = _setup(engine, prompt)
     loads = _loads(engine, 10_000)
     loads.start(worker, load)
@@ -163,9 +164,15 @@ def test_a_hole_store_waits_for_its_load_which_stores_it_from_the_blend(cached_e
     computed = []
     worker.engine.cache_segments = lambda *args: computed.append(args) or 0
     assert [o.request_id for o in loads.advance(worker)] == ["r"]
-    assert engine.store.contains_many([load.keys[HOLE]]) == [True]  # from the blend
     released = loads.due_stores([])
     assert released == [hole_store]
+    return worker, load, released, computed
+
+
+def test_a_hole_store_waits_for_its_load_which_stores_it_from_the_blend(cached_engine, rag_texts):
+    engine, prompt = cached_engine(rag_texts, hole=HOLE)
+    worker, load, released, computed = _hole_load_done(engine, prompt)
+    assert engine.store.contains_many([load.keys[HOLE]]) == [True]  # from the blend
     assert worker.store_many(released) == (0, 0) and computed == []  # nothing to compute
 
 
@@ -176,22 +183,16 @@ def test_a_hole_the_tier_refused_is_not_computed_again_by_its_store_step(cached_
     from holeblend_runtime.kv.store import LocalKVStore
 
     engine, prompt = cached_engine(rag_texts, hole=HOLE)
-    held = [engine.store.get(key) for key in engine.store.keys()]
+    stored_keys = engine.store.keys()
+    held = [engine.store.get(key) for key in stored_keys]
     full = LocalKVStore(sum(kv.num_bytes for kv in held), admission=FrequencyAdmission())
     for kv in held:
         full.put(kv)
         full.get(kv.key)  # used twice: more than the hole will be
     engine.store = full
-    _, worker, load, _ = _setup(engine, prompt)
-    loads = _loads(engine, 10_000)
-    loads.start(worker, load)
-    hole_store = StoreRequest("r", prompt, (HOLE,))
-    assert loads.due_stores([hole_store]) == []
-    computed = []
-    worker.engine.cache_segments = lambda *args: computed.append(args) or 0
-    assert [o.request_id for o in loads.advance(worker)] == ["r"]
+    worker, load, released, computed = _hole_load_done(engine, prompt)
     assert full.contains_many([load.keys[HOLE]]) == [False] and full.num_refused == 1
-    assert worker.store_many(loads.due_stores([])) == (0, 0)
+    assert worker.store_many(released) == (0, 0)
     assert computed == []  # refused once from the blend; not computed to be refused again
     # Another request's store of the same segment (no load offered it) is still computed.
     assert worker.store_many([StoreRequest("other", prompt, (HOLE,))]) == (0, 0)
