@@ -121,13 +121,12 @@ class DirectoryKVStore:
         (their sizes less the new file's few header bytes)."""
         if self.admission is None:
             return True
-        files = [(p, _size(p)) for p in self._files_by_age()]
-        self._num_files = len(files)
-        self.admission.record(kv.key, len(files))
-        if self.contains(kv.key):
-            return True
-        entries = [(p.name.removesuffix(_SUFFIX), size) for p, size in files]
-        total = sum(size for _, size in files)
+        entries = [(p.name.removesuffix(_SUFFIX), _size(p)) for p in self._files_by_age()]
+        self._num_files = len(entries)
+        self.admission.record(kv.key, len(entries))
+        if any(key == kv.key for key, _ in entries):
+            return True  # a replacement
+        total = sum(size for _, size in entries)
         victims = lru_victims(entries, total, kv.num_bytes, self.capacity_bytes)
         return self.admission.admits(kv.key, victims)
 
