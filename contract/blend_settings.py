@@ -58,7 +58,9 @@ CONFIG_DIR = "/etc/holeblend"
 CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
 CONFIG_ENV = "HOLEBLEND_CONFIG"
 # Keys a running engine re-reads without a restart; every other key rolls the pods.
-LIVE_KEYS = frozenset({"recomputeRatio"})
+# The idle floor follows the tuner's minSamples and intervalSeconds, which change without
+# touching the engine.
+LIVE_KEYS = frozenset({"recomputeRatio", "shadowIdleSamples", "shadowIdleSeconds"})
 
 DEFAULT_SEPARATOR = " # #"
 DEFAULT_CHECK_LAYER = 2
@@ -72,6 +74,8 @@ DEFAULT_SHADOW_SAMPLE_RATE = 0.02
 # Most of the prefill tokens the shadow quality proxies may spend, as a share of the
 # prefill tokens of user requests (0: no shadow; the inline proxy still scores).
 DEFAULT_SHADOW_BUDGET = 0.05
+# The idle floor's window when blend.json names none (the tuner's default interval).
+DEFAULT_SHADOW_IDLE_SECONDS = 60.0
 # vLLM pods that score the proxies: the scheduler class (vLLM's --scheduler-cls) whose
 # shadow requests yield to user requests, and the most prompt tokens a shadow prefills in
 # a step beside decoding user requests (kv_connector_extra_config key).
@@ -243,6 +247,12 @@ class BlendSettings(_Settings):
     # proxy): on unless the BlendDeployment turned them off.
     quality_proxies: bool = True
     shadow_budget: float = Field(default=DEFAULT_SHADOW_BUDGET, ge=0, le=1)
+    # The idle floor: while no user request is in flight, a blended request is scored
+    # beyond `shadow_budget` (and its sample rate) as long as fewer than
+    # `shadow_idle_samples` shadows were admitted in the last `shadow_idle_seconds`. The
+    # operator renders the tuner's minSamples per intervalSeconds; 0: the budget alone.
+    shadow_idle_samples: int = Field(default=0, ge=0)
+    shadow_idle_seconds: float = Field(default=DEFAULT_SHADOW_IDLE_SECONDS, gt=0)
     # The pod's own OpenAI-compatible API server (vLLM pods' shadow requests go through
     # it), e.g. http://127.0.0.1:8000; None: not known (no shadow on vLLM pods).
     engine_url: str | None = None

@@ -67,21 +67,32 @@ class Server:
         return self.samples().get((name, tuple(sorted(labels.items()))), 0.0)
 
 
+# The shadow's idle floor the operator renders for a default BlendDeployment (tuning on:
+# spec.tuning.minSamples per intervalSeconds; tests/operator/test_quality_proxies.py holds
+# the two equal).
+DEFAULT_IDLE_FLOOR = (20, 60.0)
+
+
 def rendered_settings(
     ratio: float,
     quality_proxies: bool,
     shadow_sample_rate: float,
     engine_url: str,
     shadow_budget: float | None = None,
+    shadow_idle: tuple[int, float] | None = None,
 ) -> dict:
     """blend.json as the operator renders it for a vLLM pod: `engineUrl` only while the
-    proxies are on (null otherwise); `shadowBudget` the default unless given."""
+    proxies are on (null otherwise); `shadowBudget` the default unless given; the idle
+    floor (shadowIdleSamples, shadowIdleSeconds) the default's while the proxies are on
+    unless given (0 samples: none)."""
     settings = json.loads(blend_settings(ratio)) | {
         "shadowSampleRate": shadow_sample_rate,
         "qualityProxies": quality_proxies,
     }
     if shadow_budget is not None:
         settings["shadowBudget"] = shadow_budget
+    samples, seconds = shadow_idle or (DEFAULT_IDLE_FLOOR if quality_proxies else (0, 60.0))
+    settings["shadowIdleSamples"], settings["shadowIdleSeconds"] = samples, seconds
     settings["engineUrl"] = engine_url if quality_proxies else None
     return settings
 
@@ -109,6 +120,7 @@ def serve(
     kv_tier_bytes: int | None = None,
     blend_step_tokens: int | None = None,
     kv_admission: str | None = None,
+    shadow_idle: tuple[int, float] | None = None,
 ) -> Iterator[Server]:
     """Start the server on free ports, wait until healthy, stop it on exit.
 
@@ -116,12 +128,14 @@ def serve(
     no KV transfer, no holeblend flags); the same model, dtype, eager mode, context and KV
     cache. `kv_tier_bytes`: blend.json's kv.localCpuBytes (the node tier's budget).
     `blend_step_tokens`: the connector's asynchronous, stepwise loads (None: synchronous).
-    `kv_admission`: blend.json's kv.admission (None: as the operator renders it)."""
+    `kv_admission`: blend.json's kv.admission (None: as the operator renders it).
+    `shadow_idle`: the shadow's idle floor, (samples, seconds) (None: as rendered)."""
     work.mkdir(parents=True, exist_ok=True)
     port, metrics_port = free_port(), free_port()
     settings = rendered_settings(
-        ratio, quality_proxies, shadow_sample_rate, f"http://127.0.0.1:{port}", shadow_budget
-    )
+        ratio, quality_proxies, shadow_sample_rate, f"http://127.0.0.1:{port}", shadow_budget,
+        shadow_idle,
+    )  # fmt: skip
     if kv_tier_bytes is not None:
         settings["kv"] = (settings.get("kv") or {}) | {"localCpuBytes": kv_tier_bytes}
     if kv_admission is not None:

@@ -86,8 +86,19 @@ def blend_settings(bd: BlendDeployment) -> BlendSettings:
         shadow_sample_rate=bd.spec.tuning.shadow_sample_rate,
         quality_proxies=bd.spec.tuning.quality_proxies,
         shadow_budget=bd.spec.tuning.shadow_budget,
+        shadow_idle_samples=shadow_idle_samples(bd),
+        shadow_idle_seconds=float(bd.spec.tuning.interval_seconds),
         engine_url=engine_url(bd),
     )
+
+
+def shadow_idle_samples(bd: BlendDeployment) -> int:
+    """The idle floor (blend.json `shadowIdleSamples` per `shadowIdleSeconds`): while tuning
+    is on, the tuner's minSamples per intervalSeconds, so that after a change of ratio one
+    interval of a lightly loaded pod gives a reading; 0 with tuning off (nothing waits for
+    the samples; the budget alone bounds the shadows)."""
+    tuning = bd.spec.tuning
+    return tuning.min_samples if tuning.enabled and tuning.quality_proxies else 0
 
 
 def runs_vllm_with_connector(bd: BlendDeployment) -> bool:

@@ -7,7 +7,11 @@ and scores the blended request against it:
 1. `offer` samples the request and admits it when the shadow slot is free and the budget
    allows (`ShadowBudget`: the shadows' prefill tokens stay within `shadowBudget` x the
    user requests' prompt tokens, plus a small burst); otherwise it is dropped at once,
-   never queued. Load does not stop sampling: a saturated engine is scored too.
+   never queued. Load does not stop sampling: a saturated engine is scored too. A request
+   offered while no other user request is in flight passes the idle floor instead when
+   the budget refuses (or the sample rate skips) it: up to `shadowIdleSamples` shadows per
+   `shadowIdleSeconds` (the tuner's minSamples per interval), so a lightly loaded engine,
+   which earns little budget, still gives the tuner its readings.
 2. A worker thread at low CPU priority (nice 10) runs full prefill in chunks of
    `chunk_tokens` and passes a `ShadowGate` before every layer of a chunk and every
    decode step. While the engine is idle it runs freely; while the engine serves, the
@@ -141,8 +145,19 @@ class ShadowMetrics:
         )
         self.tokens = Counter(
             "holeblend_shadow_tokens",
-            "Prefill tokens spent by the shadow requests (within shadowBudget x user "
-            "prompt tokens).",
+            "Prefill tokens spent by the shadow requests shadowBudget admitted (within "
+            "shadowBudget x user prompt tokens).",
+            registry=registry,
+        )
+        self.idle_requests = Counter(
+            "holeblend_shadow_idle_requests",
+            "Shadow requests admitted beyond shadowBudget by the idle floor: offered while "
+            "no user request was in flight, up to shadowIdleSamples per shadowIdleSeconds.",
+            registry=registry,
+        )
+        self.idle_tokens = Counter(
+            "holeblend_shadow_idle_tokens",
+            "Prefill tokens spent by the shadow requests the idle floor admitted.",
             registry=registry,
         )
 
@@ -158,25 +173,46 @@ def ratio_label(ratio: float) -> str:
 
 
 class ShadowBudget:
-    """The running account of shadow prefill tokens against user prompt tokens.
+    """The running account of shadow prefill tokens against user prompt tokens, and the
+    idle floor.
 
     The account starts with `burst_tokens` of credit (a started engine gets its first
     samples soon) and each user prompt token earns `share` tokens more, banked up to
     `burst_tokens`; a shadow is admitted while the balance is not negative and is charged
     its tokens (the balance may go below zero by one shadow, repaid by later user
-    tokens). Over any stretch the shadows spend at most `share` x the user tokens +
-    `burst_tokens` + one shadow. Share 0: no shadow. Thread-safe."""
+    tokens). Over any stretch the shadows the budget admits spend at most `share` x the
+    user tokens + `burst_tokens` + one shadow. Share 0: no shadow.
 
-    def __init__(self, share: float, burst_tokens: int = BURST_TOKENS) -> None:
+    The idle floor: a shadow offered while no user request is in flight (`idle`) and
+    refused by the account is admitted anyway while fewer than `idle_samples` shadows (of
+    either kind) were admitted in the last `idle_seconds`. Such a shadow costs no user
+    latency when it starts, and yields to the requests that arrive while it runs (the
+    engine's gate or vLLM's scheduler class); its tokens are counted apart
+    (`idle_tokens`) and never charged to the account, so the budget under load stays what
+    it was. Thread-safe."""
+
+    def __init__(
+        self,
+        share: float,
+        burst_tokens: int = BURST_TOKENS,
+        *,
+        idle_samples: int = 0,
+        idle_seconds: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if not 0 <= share <= 1:
             raise ValueError(f"shadowBudget: must be within [0, 1], got {share}")
         if burst_tokens < 0:
             raise ValueError(f"burst_tokens: must be >= 0, got {burst_tokens}")
-        self.share, self.burst_tokens = share, burst_tokens
+        self.share, self.burst_tokens, self._clock = share, burst_tokens, clock
         self._lock = threading.Lock()
+        self.set_floor(idle_samples, idle_seconds)
         self._balance = float(burst_tokens)
+        self._admitted: collections.deque[float] = collections.deque()  # admission times
         self.user_tokens = 0
-        self.shadow_tokens = 0
+        self.shadow_tokens = 0  # admitted by the account
+        self.idle_tokens = 0  # admitted by the idle floor
+        self.num_idle = 0  # shadows the idle floor admitted
 
     @property
     def balance(self) -> float:
@@ -191,20 +227,57 @@ class ShadowBudget:
             self.user_tokens += num_tokens
             self._balance = min(self.burst_tokens, self._balance + self.share * num_tokens)
 
+    def set_floor(self, idle_samples: int, idle_seconds: float) -> None:
+        """The idle floor in force (blend.json's live keys); admissions already made count
+        in the new window."""
+        if idle_samples < 0:
+            raise ValueError(f"shadowIdleSamples: must be >= 0, got {idle_samples}")
+        if not idle_seconds > 0:
+            raise ValueError(f"shadowIdleSeconds: must be > 0, got {idle_seconds}")
+        with self._lock:
+            self.idle_samples, self.idle_seconds = idle_samples, idle_seconds
+
+    def floor_open(self) -> bool:
+        """Whether the idle floor would admit a shadow now (fewer than `idle_samples`
+        admitted in the last `idle_seconds`)."""
+        with self._lock:
+            return self._floor_open(self._clock())
+
     def try_spend(self, num_tokens: int) -> bool:
         """Admit a shadow of `num_tokens` (and charge it) if the account allows."""
-        with self._lock:
-            if self.share <= 0 or self._balance < 0:
-                return False
-            self._balance -= num_tokens
-            self.shadow_tokens += num_tokens
-            return True
+        return self.admit(num_tokens) == "budget"
 
-    def charge(self, num_tokens: int) -> None:
-        """Tokens an admitted shadow spent beyond its estimate (a continuation)."""
+    def admit(self, num_tokens: int, *, idle: bool = False) -> str | None:
+        """Admit a shadow of `num_tokens`: "budget" when the account allows (charged),
+        else "idle" when `idle` and the floor is open (counted apart), else None."""
         with self._lock:
+            now = self._clock()
+            if self.share > 0 and self._balance >= 0:
+                self._balance -= num_tokens
+                self.shadow_tokens += num_tokens
+                self._admitted.append(now)
+                return "budget"
+            if self.share > 0 and idle and self._floor_open(now):
+                self.idle_tokens += num_tokens
+                self.num_idle += 1
+                self._admitted.append(now)
+                return "idle"
+            return None
+
+    def charge(self, num_tokens: int, *, idle: bool = False) -> None:
+        """Tokens an admitted shadow spent beyond its estimate (a continuation); `idle`:
+        the shadow was the idle floor's."""
+        with self._lock:
+            if idle:
+                self.idle_tokens += num_tokens
+                return
             self._balance -= num_tokens
             self.shadow_tokens += num_tokens
+
+    def _floor_open(self, now: float) -> bool:
+        while self._admitted and self._admitted[0] <= now - self.idle_seconds:
+            self._admitted.popleft()
+        return len(self._admitted) < self.idle_samples
 
 
 class ShadowGate:
@@ -328,6 +401,7 @@ class ShadowSampler(abc.ABC):
         self._num_in_flight = 0
         self._idle = threading.Event()
         self._idle.set()
+        self._running_idle = False  # the running shadow is the idle floor's (worker thread)
         self.scores: list[ShadowScore] = []  # kept for benchmarks and tests (bounded below)
         self.outcomes: collections.Counter[str] = collections.Counter()  # offers by outcome
         self._thread = threading.Thread(target=self._work, name="shadow-prefill", daemon=True)
@@ -337,28 +411,37 @@ class ShadowSampler(abc.ABC):
     def score(self, request) -> ShadowScore:
         """Both proxies of one sampled request (on the worker thread)."""
 
-    def offer(self, request) -> str:
-        """Take the request for scoring or drop it; returns the outcome (never blocks)."""
-        if self._rng.random() >= self.sample_rate:
+    def offer(self, request, *, idle: bool = False) -> str:
+        """Take the request for scoring or drop it; returns the outcome (never blocks).
+        `idle`: no other user request is in flight (the idle floor may admit it)."""
+        floor = idle and self.budget is not None and self.budget.floor_open()
+        if not floor and self._rng.random() >= self.sample_rate:
             return self._count("not_sampled")
         with self._lock:
             if self._num_in_flight >= self.slots:  # queued or running
                 return self._count("dropped_full")
-            if self.budget is not None and not self.budget.try_spend(request.num_shadow_tokens):
-                return self._count("over_budget")
+            kind = "budget"
+            if self.budget is not None:
+                kind = self.budget.admit(request.num_shadow_tokens, idle=idle)
+                if kind is None:
+                    return self._count("over_budget")
             self._num_in_flight += 1
             self._idle.clear()
-        if self.budget is not None and self.metrics is not None:
+        if self.metrics is not None and kind == "idle":
+            self.metrics.idle_requests.inc()
+            self.metrics.idle_tokens.inc(request.num_shadow_tokens)
+        elif self.metrics is not None and self.budget is not None:
             self.metrics.tokens.inc(request.num_shadow_tokens)
-        self._jobs.put(request)
+        self._jobs.put((request, kind == "idle"))
         return "queued"
 
     def charge(self, num_tokens: int) -> None:
-        """Tokens a running shadow spends beyond its admission estimate."""
+        """Tokens a running shadow spends beyond its admission estimate (worker thread)."""
         if self.budget is not None and num_tokens > 0:
-            self.budget.charge(num_tokens)
+            self.budget.charge(num_tokens, idle=self._running_idle)
             if self.metrics is not None:
-                self.metrics.tokens.inc(num_tokens)
+                counter = self.metrics.idle_tokens if self._running_idle else self.metrics.tokens
+                counter.inc(num_tokens)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Until no shadow work is queued or running (tests, benchmarks)."""
@@ -370,7 +453,8 @@ class ShadowSampler(abc.ABC):
 
     def _work(self) -> None:
         _lower_own_priority()
-        while (request := self._jobs.get()) is not None:
+        while (job := self._jobs.get()) is not None:
+            request, self._running_idle = job
             try:
                 score = self.score(request)
                 self.scores = [*self.scores[-999:], score]
@@ -388,6 +472,7 @@ class ShadowSampler(abc.ABC):
                     self._num_in_flight -= 1
                     if self._num_in_flight == 0:
                         self._idle.set()
+                self._running_idle = False
 
     def _yield_to_serving(self) -> None:
         """Before a unit of shadow work: pass the gate."""

@@ -144,6 +144,9 @@ class Server:
     def _on_reload(self) -> None:
         self.metrics.config_reloads.inc()
         self.metrics.recompute_ratio.set(self.live.recompute_ratio)
+        if self.shadow_budget is not None:
+            current = self.live.current
+            self.shadow_budget.set_floor(current.shadow_idle_samples, current.shadow_idle_seconds)
 
     # --- life cycle -------------------------------------------------------------------
 
@@ -190,7 +193,11 @@ class Server:
             return
         worker = self.worker
         self.inline = InlineProxy(self.metrics.registry)
-        self.shadow_budget = ShadowBudget(settings.shadow_budget)
+        self.shadow_budget = ShadowBudget(
+            settings.shadow_budget,
+            idle_samples=settings.shadow_idle_samples,
+            idle_seconds=settings.shadow_idle_seconds,
+        )
         worker.on_prefilled = self._on_prefilled
         # Shadow metrics are exported (zero) even when no shadow runs: the tuner reads them.
         metrics = ShadowMetrics(self.metrics.registry)
@@ -221,12 +228,15 @@ class Server:
         return statistic
 
     def _on_answered(self, answered: Answered) -> None:
+        """Compute thread, as a request that blended ends (still counted as pending): it is
+        offered to the shadow, with the idle floor open to it when no other is pending."""
         self.shadow.offer(
             ShadowRequest(
                 answered.prompt, answered.answer, answered.ratio,
                 stopped_at_eos=answered.stopped_at_eos, max_tokens=answered.max_tokens,
                 inline_statistic=answered.inline_statistic,
-            )
+            ),
+            idle=self.worker.num_pending <= 1,
         )  # fmt: skip
 
     async def drain(self) -> None:

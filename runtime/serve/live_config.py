@@ -8,7 +8,7 @@ updates. The watcher therefore polls the path through the directory every
 On a change:
 1. parse it with the contract's parser; on any error (garbage, half-written, unknown key,
    newer formatVersion) keep the last good settings, log the error and count it;
-2. apply the live keys (`recomputeRatio`);
+2. apply the live keys (`LIVE_KEYS`: `recomputeRatio`, the shadow's idle floor);
 3. log, once per distinct file, that other keys changed and need a restart (the operator
    rolls the pods for those; until then this process keeps its start-up values).
 """
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 
 class LiveConfig:
-    """The settings in force; `recompute_ratio` follows the file, the rest is fixed."""
+    """The settings in force; the live keys follow the file, the rest is fixed."""
 
     def __init__(
         self,
@@ -77,7 +77,13 @@ class LiveConfig:
         if settings.restart_settings() != self.startup.restart_settings():
             log.warning("%s: keys other than the live ones changed; they apply after a restart",
                         self.path)  # fmt: skip
-        live = self.startup.model_copy(update={"recompute_ratio": settings.recompute_ratio})
+        live = self.startup.model_copy(
+            update={
+                "recompute_ratio": settings.recompute_ratio,
+                "shadow_idle_samples": settings.shadow_idle_samples,
+                "shadow_idle_seconds": settings.shadow_idle_seconds,
+            }
+        )
         with self._lock:
             self._current = live
         self._on_reload()

@@ -355,7 +355,18 @@ class _SchedulerSide:
         # The quality proxies (qualityProxies): the inline proxy of every blend and the
         # shadow within its token budget, which counts the user requests' prompt tokens.
         proxies = settings.quality_proxies and settings.mode != "off"
-        self.budget = ShadowBudget(settings.shadow_budget) if proxies else None
+        self.budget = (
+            ShadowBudget(
+                settings.shadow_budget,
+                idle_samples=settings.shadow_idle_samples,
+                idle_seconds=settings.shadow_idle_seconds,
+            )
+            if proxies
+            else None
+        )
+        # User requests from their first lookup to their end (shadow requests not
+        # counted): none besides a finishing one opens the shadow's idle floor to it.
+        self.in_flight: set[str] = set()
         self.inline = InlineProxy(metrics=metrics.INLINE) if proxies else None
         self.shadow = _shadow(vllm_config, settings, self.budget, self.inline)
         metrics.serve_metrics()
@@ -368,6 +379,7 @@ class _SchedulerSide:
         if is_shadow_request(getattr(request, "kv_transfer_params", None), TRANSFER_PARAMS_KEY):
             return 0  # a shadow full prefill: nothing reused, stored or counted
         request_id = request.request_id
+        self.in_flight.add(request_id)
         if not self.ledger.has_plan(request_id):
             token_ids = request.prompt_token_ids
             if self.lookups is None:
@@ -464,6 +476,7 @@ class _SchedulerSide:
         self.ledger.finished(request_id)
         is_load_failed = request_id in self.failed_loads
         self.failed_loads.discard(request_id)
+        self.in_flight.discard(request_id)
         if self.forward_stores is not None:
             self.forward_stores.forget(request_id)
         blended_at = self.ratios.pop(request_id, None)  # None: it never loaded
@@ -496,13 +509,16 @@ class _SchedulerSide:
         params = getattr(request, "sampling_params", None)
         max_tokens = getattr(params, "max_tokens", None)
         question = self.shadow.decode(plan.prompt.question.token_ids)
+        if self.budget is not None:
+            self.budget.set_floor(*self.ratio.idle_floor())
         self.shadow.offer(
             VllmShadowRequest(
                 tuple(plan.prompt.token_ids), tuple(answer), question, ratio,
                 stopped_at_eos=stopped_at_eos and reason == "stop",
                 max_tokens=max_tokens if isinstance(max_tokens, int) else None,
                 inline_statistic=statistic,
-            )
+            ),
+            idle=not self.in_flight,
         )  # fmt: skip
 
 

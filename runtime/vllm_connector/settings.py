@@ -68,6 +68,9 @@ class ConnectorSettings:
     quality_proxies: bool = True
     # Most shadow prefill tokens, as a share of user prompt tokens (shadowBudget).
     shadow_budget: float = contract.DEFAULT_SHADOW_BUDGET
+    # The idle floor (shadowIdleSamples per shadowIdleSeconds; 0: the budget alone).
+    shadow_idle_samples: int = 0
+    shadow_idle_seconds: float = contract.DEFAULT_SHADOW_IDLE_SECONDS
     # The pod's own API server the shadow requests go to (engineUrl); None: unknown.
     engine_url: str | None = None
     # With a lookup server or shared tier: how long a request's segment lookup may take,
@@ -126,6 +129,8 @@ def load_settings(extra_config: Mapping[str, Any]) -> ConnectorSettings:
         shadow_sample_rate=settings.shadow_sample_rate,
         quality_proxies=settings.quality_proxies,
         shadow_budget=settings.shadow_budget,
+        shadow_idle_samples=settings.shadow_idle_samples,
+        shadow_idle_seconds=settings.shadow_idle_seconds,
         engine_url=settings.engine_url,
         lookup_deadline_s=deadline_s,
         blend_step_tokens=step_tokens,
@@ -176,20 +181,41 @@ def _deadline_s(value: Any) -> float | None:
 
 
 class RatioSource:
-    """The live recompute ratio: the file's `recomputeRatio`, re-read when it changes.
+    """The live keys of blend.json (`LIVE_KEYS`): the recompute ratio and the shadow's idle
+    floor, re-read when the file changes.
 
-    A file that cannot be read or parsed keeps the last good value (logged): the kubelet
+    A file that cannot be read or parsed keeps the last good values (logged): the kubelet
     swaps the mounted file atomically, but serving never fails on it.
     """
 
     def __init__(self, settings: ConnectorSettings) -> None:
         self._path = settings.config_path
         self._ratio = settings.blend.ratio
+        self._floor = (settings.shadow_idle_samples, settings.shadow_idle_seconds)
         self._stamp: tuple[int, int] | None = None
 
     def ratio(self) -> float:
+        self._refresh()
+        return self._ratio
+
+    def idle_floor(self) -> tuple[int, float]:
+        """(shadowIdleSamples, shadowIdleSeconds) in force."""
+        self._refresh()
+        return self._floor
+
+    def _refresh(self) -> None:
         if self._path is None:
-            return self._ratio
+            return
+        try:
+            stat = self._path.stat()
+            stamp = (stat.st_mtime_ns, stat.st_size)
+            if stamp != self._stamp:
+                settings = contract.load_blend_settings(self._path)
+                self._ratio = check_ratio(settings.recompute_ratio)
+                self._floor = (settings.shadow_idle_samples, settings.shadow_idle_seconds)
+                self._stamp = stamp
+        except (OSError, ValueError) as error:
+            log.warning("keeping recompute ratio %s: %s", self._ratio, error)
         try:
             stat = self._path.stat()
             stamp = (stat.st_mtime_ns, stat.st_size)

@@ -106,7 +106,8 @@ def test_garbage_is_a_settings_error_not_a_crash(text):
 def test_restart_settings_leave_out_the_live_keys():
     settings = parse_blend_settings(minimal_file(recomputeRatio=0.3))
     assert "recomputeRatio" not in settings.restart_settings()
-    assert {"recomputeRatio"} == contract.LIVE_KEYS
+    assert {"recomputeRatio", "shadowIdleSamples", "shadowIdleSeconds"} == contract.LIVE_KEYS
+    assert not contract.LIVE_KEYS & settings.restart_settings().keys()
 
 
 def test_a_retired_key_from_an_older_operator_is_read_and_dropped():

@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from holeblend_contract.blend_settings import DEFAULT_SHADOW_CHUNK_TOKENS, SHADOW_SCHEDULER_CLS
+from holeblend_devtools.vllm_server import DEFAULT_IDLE_FLOOR
 from holeblend_operator.api import BlendDeployment, spec_notices
 from holeblend_operator.cli import main
 from holeblend_operator.render import config_hash, render_children
@@ -67,6 +68,21 @@ def test_the_default_vllm_deployment_scores_the_proxies_and_tunes_on_them():
     assert no_proxies(bd) is None
     assert tuned_code(bd) != "NoQualityProxies"
     assert spec_notices(manifest(accelerator=NVIDIA)["spec"]) == []
+
+
+def test_the_idle_floor_is_the_tuners_min_samples_per_interval_while_it_tunes():
+    settings = rendered_settings(vllm())
+    floor = (settings["shadowIdleSamples"], settings["shadowIdleSeconds"])
+    assert floor == (20, 60.0) == DEFAULT_IDLE_FLOOR  # what the vLLM benchmarks render
+    tuned = rendered_settings(vllm({"minSamples": 4, "intervalSeconds": 45}))
+    assert (tuned["shadowIdleSamples"], tuned["shadowIdleSeconds"]) == (4, 45.0)
+    serve = rendered_settings(bd_of(tuning={"minSamples": 6}))  # holeblend-serve pods too
+    assert serve["shadowIdleSamples"] == 6
+    # Nothing waits for the samples: the budget alone bounds the shadows.
+    assert rendered_settings(vllm({"enabled": False}))["shadowIdleSamples"] == 0
+    assert rendered_settings(vllm({"qualityProxies": False}))["shadowIdleSamples"] == 0
+    # Live keys, as the ratio: tuning the tuner does not restart the engine pods.
+    assert config_hash(vllm({"minSamples": 4, "intervalSeconds": 30})) == config_hash(vllm())
 
 
 def test_the_engine_url_follows_the_engine_port():

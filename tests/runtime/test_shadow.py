@@ -130,6 +130,52 @@ def test_the_budget_keeps_shadow_tokens_within_their_share_plus_a_burst():
         ShadowBudget(1.5)
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_idle_floor_admits_past_the_budget_only_while_idle_and_within_its_window():
+    clock = Clock()
+    budget = ShadowBudget(0.05, burst_tokens=0, idle_samples=2, idle_seconds=60, clock=clock)
+    assert budget.admit(500) == "budget"  # balance 0: admitted, now in debt
+    assert budget.admit(500) is None  # busy: the account alone decides
+    clock.now = 10.0
+    assert budget.admit(500, idle=True) == "idle"  # 1 admitted in the window, floor 2
+    assert budget.admit(500, idle=True) is None  # 2 in the window: the floor is met
+    assert not budget.floor_open()
+    # Idle shadows are counted apart and never charged to the account.
+    assert (budget.balance, budget.shadow_tokens, budget.idle_tokens) == (-500, 500, 500)
+    budget.charge(40, idle=True)
+    budget.charge(10)
+    assert (budget.balance, budget.shadow_tokens, budget.idle_tokens) == (-510, 510, 540)
+    assert budget.num_idle == 1
+    clock.now = 59.9
+    assert budget.admit(500, idle=True) is None  # both admissions still in the window
+    clock.now = 60.0  # the first admission (t=0) left the window: one place free
+    assert budget.floor_open() and budget.admit(500, idle=True) == "idle"
+    assert budget.admit(500, idle=True) is None
+    clock.now = 200.0  # a fresh window: the floor's whole count again, never more
+    assert [budget.admit(1, idle=True) for _ in range(3)] == ["idle", "idle", None]
+    # Users repay the account's debt, and the budget admits as before.
+    budget.add_user_tokens(20_000)
+    assert budget.admit(500) == "budget"
+    # No floor (the default), or no shadow at all (share 0): idle changes nothing.
+    assert ShadowBudget(0.05, burst_tokens=0).admit(1) == "budget"
+    assert ShadowBudget(0.05, burst_tokens=0, clock=clock).admit(1, idle=True) == "budget"
+    none = ShadowBudget(0.05, burst_tokens=0, clock=clock)
+    none.admit(1)
+    assert none.admit(1, idle=True) is None
+    assert ShadowBudget(0.0, idle_samples=5).admit(1, idle=True) is None
+    with pytest.raises(ValueError, match="shadowIdleSamples"):
+        ShadowBudget(0.05, idle_samples=-1)
+    with pytest.raises(ValueError, match="shadowIdleSeconds"):
+        ShadowBudget(0.05, idle_seconds=0)
+
+
 class RecordingGate(ShadowGate):
     """The gate, recording each unit of shadow work (start, end) as the shadow runs it."""
 

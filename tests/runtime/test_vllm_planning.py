@@ -103,6 +103,20 @@ def test_settings_come_from_blend_json_and_the_ratio_is_live(tmp_path):
     assert ratio.ratio() == 0.4  # the last good value
 
 
+def test_the_shadows_idle_floor_is_live_too(tmp_path):
+    path = tmp_path / "blend.json"
+    path.write_text(BlendSettings(model=ModelSettings(name="m")).to_json())
+    settings = load_settings({"holeblend_config": str(path), "kv_dir": str(tmp_path / "kv")})
+    live = RatioSource(settings)
+    assert live.idle_floor() == (0, 60.0)  # a file without the keys: the budget alone
+    floor = BlendSettings(model=ModelSettings(name="m"), shadow_idle_samples=4,
+                          shadow_idle_seconds=45)  # fmt: skip
+    path.write_text(floor.to_json())
+    os.utime(path, ns=(1, 10**18))
+    assert live.idle_floor() == (4, 45.0)
+    assert load_settings({"holeblend_config": str(path)}).shadow_idle_samples == 4
+
+
 def test_the_workers_directory_admits_as_blend_json_says_and_the_scheduler_never_refuses(
     tmp_path,
 ):

@@ -10,8 +10,9 @@ import logging
 import threading
 
 import pytest
+from prometheus_client import CollectorRegistry
 
-from holeblend_runtime.quality.shadow import ShadowBudget
+from holeblend_runtime.quality.shadow import ShadowBudget, ShadowMetrics
 from holeblend_runtime.vllm_connector import shadow as shadow_module
 from holeblend_runtime.vllm_connector.shadow import (
     ENGINE_URL_ENV,
@@ -264,6 +265,37 @@ def test_the_budget_admits_shadows_while_user_requests_run_and_counts_what_they_
         assert budget.shadow_tokens == (
             REQUEST.num_shadow_tokens + early.num_shadow_tokens + continuations
         )
+    finally:
+        server.close()
+
+
+def test_the_idle_floor_scores_past_the_budget_and_the_sample_rate_and_counts_apart():
+    server = FullPrefillServer()
+    budget = ShadowBudget(0.05, burst_tokens=0, idle_samples=2, idle_seconds=3600)
+    metrics = ShadowMetrics(CollectorRegistry())
+    try:
+        scorer = VllmShadow(
+            server.url, "m", 1e-9, words, eos_token_id=EOS, budget=budget, metrics=metrics
+        )
+        assert scorer.offer(REQUEST) == "not_sampled"  # busy: the sample rate decides
+        # Idle: the floor is open, so the sample rate does not skip it; the account
+        # (balance 0) admits this one and goes into debt.
+        assert scorer.offer(REQUEST, idle=True) == "queued" and scorer.wait_idle(10)
+        assert budget.num_idle == 0
+        early = VllmShadowRequest(PROMPT, FULL[:2], "q", 0.1, stopped_at_eos=True)
+        # In debt, idle: the floor admits it (1 of 2 in the window), with its continuation.
+        assert scorer.offer(early, idle=True) == "queued" and scorer.wait_idle(10)
+        assert budget.num_idle == 1
+        assert scorer.offer(REQUEST, idle=True) == "not_sampled"  # the floor is met
+        assert scorer.offer(REQUEST) == "not_sampled"
+        assert scorer.outcomes == {"scored": 2, "not_sampled": 3}
+        continuation = 3 + 3 + 15  # as in the budget test above
+        assert budget.idle_tokens == early.num_shadow_tokens + continuation
+        assert budget.shadow_tokens == REQUEST.num_shadow_tokens + (3 + 1 + 1)
+        assert budget.balance == -budget.shadow_tokens  # the idle one charged nothing
+        assert metrics.idle_requests._value.get() == 1
+        assert metrics.idle_tokens._value.get() == budget.idle_tokens
+        assert metrics.tokens._value.get() == budget.shadow_tokens
     finally:
         server.close()
 

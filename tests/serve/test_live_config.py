@@ -48,6 +48,15 @@ def test_a_symlink_swap_updates_the_live_ratio(volume):
     assert live.recompute_ratio == 0.4
 
 
+def test_a_symlink_swap_updates_the_shadows_idle_floor(volume):
+    live = LiveConfig(volume.path)
+    assert (live.current.shadow_idle_samples, live.current.shadow_idle_seconds) == (0, 60.0)
+    volume.publish(settings_text(shadowIdleSamples=4, shadowIdleSeconds=45))
+    assert live.check() is True
+    assert (live.current.shadow_idle_samples, live.current.shadow_idle_seconds) == (4, 45.0)
+    assert live.startup.shadow_idle_samples == 0  # what the process started with
+
+
 def test_an_unchanged_file_is_not_reapplied(volume):
     live = LiveConfig(volume.path)
     assert live.check() is False

@@ -5,6 +5,7 @@ engine serves: nothing waits for idle), the pairs that calibrate the inline prox
 
 from __future__ import annotations
 
+import threading
 import time
 
 from holeblend_devtools.serve_process import get
@@ -36,6 +37,52 @@ def test_blended_requests_get_the_inline_statistic_and_budgeted_shadows(tmp_path
         assert metric(server, "holeblend_shadow_tokens_total") > 0
         scored = metric(server, "holeblend_shadow_requests_total", outcome="scored")
         assert scored >= 1 and metric(server, "holeblend_inline_proxy_pairs") == scored
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+def wait_for(server, name: str, value: float, timeout_s: float = 120, **labels) -> None:
+    deadline = time.monotonic() + timeout_s
+    while metric(server, name, **labels) < value:
+        assert time.monotonic() < deadline, server.log()
+        time.sleep(0.2)
+
+
+def test_an_idle_engine_scores_past_the_sample_rate_up_to_the_idle_floor(tmp_path):
+    """A sample rate that samples nothing: every shadow here is the idle floor's doing,
+    and only requests that end with no other pending are offered to it."""
+    settings = example_settings_json(
+        shadowSampleRate=1e-9, shadowIdleSamples=3, shadowIdleSeconds=3600
+    )
+    server = start_server(tmp_path, settings)
+    try:
+        assert completion(server, DOCS)[0] == 200  # full miss: caches the documents
+        for scored, documents in enumerate(([DOCS[0], NEW_DOC, DOCS[2]], DOCS), start=1):
+            status, body, _ = completion(server, documents, max_tokens=6)  # blends
+            assert status == 200 and body["usage"]["holeblend"]["reused_tokens"] > 0
+            # It ended with the engine idle: scored although the sample rate skips all.
+            wait_for(server, "holeblend_shadow_requests_total", scored, outcome="scored")
+        # A blended request that ends while another runs is not idle: the sample rate
+        # decides, and skips it.
+        long = threading.Thread(
+            target=completion,
+            args=(server, [DOCS[0], NEW_DOC, DOCS[2]]),
+            kwargs={"max_tokens": 96, "ignore_eos": True},
+        )
+        long.start()
+        time.sleep(0.5)
+        status, body, _ = completion(server, [DOCS[0], NEW_DOC, DOCS[2]], max_tokens=1)
+        assert status == 200 and body["usage"]["holeblend"]["reused_tokens"] > 0
+        assert metric(server, "holeblend_shadow_requests_total", outcome="not_sampled") == 1
+        long.join(120)
+        # The long one ends with the engine idle: the floor's third place.
+        wait_for(server, "holeblend_shadow_requests_total", 3, outcome="scored")
+        time.sleep(0.5)
+        offers = {
+            outcome: metric(server, "holeblend_shadow_requests_total", outcome=outcome)
+            for outcome in ("scored", "not_sampled", "over_budget", "dropped_full")
+        }
+        assert offers == {"scored": 3, "not_sampled": 1, "over_budget": 0, "dropped_full": 0}
     finally:
         assert server.stop() == 0, server.log()
 

@@ -6,8 +6,11 @@ A hole request that blended cached documents is scored by shadow requests the co
 sends back to the server at once, within the default token budget; the scores (the end
 of the answer included) match the blend engine's own shadow scorer on the same
 prompt and answer, the shadow requests are not counted as traffic, and each blend's
-inline statistic is exported and paired with its shadow score."""
+inline statistic is exported and paired with its shadow score. With a sample rate that
+samples nothing, the idle floor alone scores the requests that end while no other user
+request is in flight."""
 
+import threading
 import time
 
 import pytest
@@ -26,23 +29,31 @@ def server(tmp_path_factory):
         yield server
 
 
+def wait_for_stores(server) -> None:
+    """A request's stores are written behind it: a later lookup finds them once written."""
+    deadline = time.monotonic() + 60
+    while server.sample("holeblend_store_queue_segments") > 0:
+        assert time.monotonic() < deadline, "the stores were never written"
+        time.sleep(0.05)
+
+
+def wait_for_scored(server, count: int) -> None:
+    deadline = time.monotonic() + 120
+    while server.sample("holeblend_shadow_requests_total", outcome="scored") < count:
+        assert time.monotonic() < deadline, "the hole request was never scored"
+        time.sleep(0.5)
+
+
 def test_hole_requests_are_scored_as_the_reference_engine_scores_them(server):
     pairs = build_prompts(ProbeConfig(is_connector=True, work_dir=None, num_questions=2))
     answers = []
     for first, second in pairs:
         server.complete(first, 1)  # caches the documents it has
-        # Its stores are written behind it: the lookup of `second` finds them once written.
-        deadline = time.monotonic() + 60
-        while server.sample("holeblend_store_queue_segments") > 0:
-            assert time.monotonic() < deadline, "the stores were never written"
-            time.sleep(0.05)
+        wait_for_stores(server)
         before = server.sample("holeblend_shadow_requests_total", outcome="scored")
         choice = server.complete(second, ANSWER_TOKENS)["choices"][0]
         answers.append((choice["token_ids"], choice["finish_reason"] == "stop"))
-        deadline = time.monotonic() + 120
-        while server.sample("holeblend_shadow_requests_total", outcome="scored") == before:
-            assert time.monotonic() < deadline, "the hole request was never scored"
-            time.sleep(0.5)
+        wait_for_scored(server, before + 1)
     found = server.samples()
 
     def value(name: str, **labels: str) -> float:
@@ -85,3 +96,31 @@ def test_hole_requests_are_scored_as_the_reference_engine_scores_them(server):
     assert value("holeblend_inline_proxy_pairs", ratio="0.15") == len(pairs)
     assert value("holeblend_inline_f1_proxy_count", ratio="0.15") == 0
     assert value("holeblend_shadow_tokens_total") > 0
+
+
+def test_the_idle_floor_scores_requests_that_end_with_no_other_in_flight(tmp_path):
+    pairs = build_prompts(ProbeConfig(is_connector=True, work_dir=None, num_questions=3))
+    with serve(tmp_path, ratio=0.15, shadow_sample_rate=1e-9, shadow_idle=(2, 3600.0)) as server:
+        for first, _ in pairs:
+            server.complete(first, 1)  # caches the documents it has
+        wait_for_stores(server)
+        server.complete(pairs[0][1], ANSWER_TOKENS)  # blends, and ends with nothing else
+        wait_for_scored(server, 1)  # in flight: scored though the sample rate skips all
+        # A hole request ends while another decodes: not idle, so the sample rate decides.
+        long = threading.Thread(
+            target=server.complete, args=(pairs[1][1], 160), kwargs={"ignore_eos": True}
+        )
+        long.start()
+        time.sleep(1.0)
+        short = server.complete(pairs[2][1], 1)
+        assert short["usage"]["prompt_tokens"] == len(pairs[2][1])
+        assert server.sample("holeblend_shadow_requests_total", outcome="not_sampled") == 1
+        long.join(180)
+        wait_for_scored(server, 2)  # the long one ended with the engine idle
+        outcomes = {
+            outcome: server.sample("holeblend_shadow_requests_total", outcome=outcome)
+            for outcome in ("scored", "not_sampled", "over_budget", "dropped_full", "failed")
+        }
+        assert outcomes == {
+            "scored": 2, "not_sampled": 1, "over_budget": 0, "dropped_full": 0, "failed": 0
+        }  # fmt: skip
