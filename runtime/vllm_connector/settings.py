@@ -215,14 +215,4 @@ class RatioSource:
                 self._floor = (settings.shadow_idle_samples, settings.shadow_idle_seconds)
                 self._stamp = stamp
         except (OSError, ValueError) as error:
-            log.warning("keeping recompute ratio %s: %s", self._ratio, error)
-        try:
-            stat = self._path.stat()
-            stamp = (stat.st_mtime_ns, stat.st_size)
-            if stamp != self._stamp:
-                settings = contract.load_blend_settings(self._path)
-                self._ratio = check_ratio(settings.recompute_ratio)
-                self._stamp = stamp
-        except (OSError, ValueError) as error:
-            log.warning("keeping recompute ratio %s: %s", self._ratio, error)
-        return self._ratio
+            log.warning("keeping recompute ratio %s and the idle floor: %s", self._ratio, error)
