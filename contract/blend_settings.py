@@ -180,8 +180,9 @@ class StorePolicy(StrEnum):
 
 
 class Admission(StrEnum):
-    # A segment that would evict others is admitted only if it was used more often,
-    # recently, than each of them (TinyLFU); least recently used entries are evicted.
+    # New segments enter a window of the most recently used bytes; what leaves the window
+    # stays only if it was used more often, recently, than what it would evict (W-TinyLFU,
+    # the window's size adapting); least recently used entries are evicted.
     FREQUENCY = "frequency"
     # Every segment is admitted, evicting the least recently used (plain LRU).
     ALWAYS = "always"

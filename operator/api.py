@@ -1029,11 +1029,11 @@ class KVTiers(ApiModel):
     """Byte budget of each engine pod's own tier (holeblend-serve: in-process; vLLM pods: the
     node directory); least recently used segments are evicted."""
     admission: Admission = Field(default=Admission.FREQUENCY, strict=False)
-    """Which segments that tier takes in once full. frequency: a segment that would evict
-    others only if it was asked for more often, recently, than each of them, so rarely used
-    documents do not push popular ones out (a Zipf RAG stream on vLLM: a quarter fewer
-    holes for the same bytes; docs/vllm-connector.md); always: every segment, plain LRU (traffic whose
-    documents are mostly new, each reused soon after)."""
+    """Which segments that tier keeps once full. frequency: new segments enter a window of
+    the most recently used bytes; what leaves the window stays only if it was asked for
+    more often, recently, than what it would evict, so rarely used documents do not push
+    popular ones out (a Zipf RAG stream on vLLM: a quarter fewer holes for the same bytes;
+    docs/vllm-connector.md); the window's size adapts to the traffic. always: plain LRU."""
     shared_url: SharedStoreUrl | None = None
     """Shared tier on Redis or Valkey, e.g. redis://kv-cache:6379/0; none when unset. No
     credentials: a password (user:password@ or ?password=), a credential query parameter or a

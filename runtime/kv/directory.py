@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from holeblend_runtime.kv.admission import FrequencyAdmission
-from holeblend_runtime.kv.store import SegmentKV, finite_flags, lru_victims
+from holeblend_runtime.kv.store import SegmentKV, finite_flags
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class DirectoryKVStore:
             return None
         os.utime(path)
         if self.admission is not None:
-            self.admission.record(key, self._num_files)
+            self.admission.record(key, self._num_files, hit=True)
         return kv
 
     def get_many(self, keys: Sequence[str]) -> list[SegmentKV | None]:
@@ -98,7 +98,8 @@ class DirectoryKVStore:
     def put(self, kv: SegmentKV) -> bool:
         if kv.num_bytes > self.capacity_bytes:
             return False
-        if not self._admits(kv):
+        evicted = self._admission_evictions(kv)
+        if evicted is None:
             self.num_refused += 1
             return False
         tensors = {"k": kv.k.contiguous(), "v": kv.v.contiguous(), "positions": kv.positions}
@@ -113,22 +114,30 @@ class DirectoryKVStore:
             os.replace(temporary, self.path(kv.key))
         finally:
             Path(temporary).unlink(missing_ok=True)
+        for key in evicted:
+            self.remove(key)
         self._evict()
         return True
 
-    def _admits(self, kv: SegmentKV) -> bool:
-        """Count the use; whether the admission rule lets `kv` evict the files it would
-        (their sizes less the new file's few header bytes)."""
+    def _admission_evictions(self, kv: SegmentKV) -> list[str] | None:
+        """Count the use; the files the admission rule evicts for `kv` (their sizes less
+        the new file's few header bytes; None: `kv` is refused). Without a rule, none:
+        `_evict` removes the least recently used after the write."""
         if self.admission is None:
-            return True
+            return []
         entries = [(p.name.removesuffix(_SUFFIX), _size(p)) for p in self._files_by_age()]
         self._num_files = len(entries)
         self.admission.record(kv.key, len(entries))
-        if any(key == kv.key for key, _ in entries):
-            return True  # a replacement
-        total = sum(size for _, size in entries)
-        victims = lru_victims(entries, total, kv.num_bytes, self.capacity_bytes)
-        return self.admission.admits(kv.key, victims)
+        entries = [(key, size) for key, size in entries if key != kv.key]  # a replacement
+        plan = self.admission.evictions(
+            entries, sum(size for _, size in entries), (kv.key, kv.num_bytes),
+            self.capacity_bytes,
+        )  # fmt: skip
+        if plan is None:
+            return None
+        evicted, losers = plan
+        self.num_refused += len(losers)
+        return evicted
 
     def remove(self, key: str) -> None:
         self.path(key).unlink(missing_ok=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
@@ -122,7 +122,8 @@ class LocalKVStore:
 
     @property
     def num_refused(self) -> int:
-        """Segments the admission rule kept out (the tier was full of more used ones)."""
+        """Segments the admission rule kept out of the tier's main part (they left the
+        window, or were refused, with the main part full of more used ones)."""
         return self._num_refused
 
     def __len__(self) -> int:
@@ -134,7 +135,7 @@ class LocalKVStore:
             if kv is not None:
                 self._entries.move_to_end(key)
                 if self.admission is not None:
-                    self.admission.record(key, len(self._entries))
+                    self.admission.record(key, len(self._entries), hit=True)
             return kv
 
     def get_many(self, keys: Sequence[str]) -> list[SegmentKV | None]:
@@ -149,11 +150,9 @@ class LocalKVStore:
             return [key in self._entries for key in keys]
 
     def put(self, kv: SegmentKV) -> bool:
-        """Store `kv`, evicting least recently used entries; False if it exceeds the budget
-        or the admission rule keeps it out."""
+        """Store `kv`, evicting least recently used entries (with admission: the windowed
+        rule's choice); False if it exceeds the budget or the admission rule keeps it out."""
         if kv.num_bytes > self.capacity_bytes:
-            return False
-        if not self._admits(kv):
             return False
         # The verdict is always taken afresh: an entry copied with new tensors
         # (dataclasses.replace) would carry its original's.
@@ -162,28 +161,24 @@ class LocalKVStore:
             kv = replace(kv, k=_in_host_memory(kv.k), v=_in_host_memory(kv.v))
         with self._lock:
             self._remove(kv.key)
+            if self.admission is not None:
+                self.admission.record(kv.key, len(self._entries))
+                plan = self.admission.evictions(
+                    [(key, e.num_bytes) for key, e in self._entries.items()],
+                    self._num_bytes, (kv.key, kv.num_bytes), self.capacity_bytes,
+                )  # fmt: skip
+                if plan is None:
+                    self._num_refused += 1
+                    return False
+                evicted, losers = plan
+                for key in evicted:
+                    self._num_evictions += self._remove(key)
+                self._num_refused += len(losers)
             while self._num_bytes + kv.num_bytes > self.capacity_bytes:
                 self._evict_oldest()
             self._entries[kv.key] = kv
             self._num_bytes += kv.num_bytes
             return True
-
-    def _admits(self, kv: SegmentKV) -> bool:
-        """Count the use; whether the admission rule lets `kv` evict what it would."""
-        if self.admission is None:
-            return True
-        with self._lock:
-            self.admission.record(kv.key, len(self._entries))
-            if kv.key in self._entries:
-                return True  # a replacement evicts nothing it does not free itself
-            victims = lru_victims(
-                ((key, e.num_bytes) for key, e in self._entries.items()),
-                self._num_bytes, kv.num_bytes, self.capacity_bytes,
-            )  # fmt: skip
-            if self.admission.admits(kv.key, victims):
-                return True
-            self._num_refused += 1
-            return False
 
     def remove(self, key: str) -> bool:
         """Drop `key`; False when it was not stored."""
@@ -206,20 +201,6 @@ class LocalKVStore:
         _, kv = self._entries.popitem(last=False)
         self._num_bytes -= kv.num_bytes
         self._num_evictions += 1
-
-
-def lru_victims(
-    entries: Iterable[tuple[str, int]], num_bytes: int, new_bytes: int, capacity_bytes: int
-) -> list[str]:
-    """The keys evicted, least recently used first, to fit `new_bytes` more into a tier
-    holding `num_bytes` of `capacity_bytes`; `entries` (key, bytes) oldest first."""
-    victims: list[str] = []
-    for key, size in entries:
-        if num_bytes + new_bytes <= capacity_bytes:
-            break
-        victims.append(key)
-        num_bytes -= size
-    return victims
 
 
 def _in_host_memory(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""Frequency admission of the KV tiers: the rule, both stores under it, and what it buys on
-a Zipf stream of RAG documents against plain LRU."""
+"""Frequency admission of the KV tiers: the rule (the window, the main part's admission, the
+window's hill climbing), both stores under it, and what it buys on a Zipf stream of RAG
+documents against plain LRU without losing a stream of short-lived documents."""
 
 import os
 import random
@@ -19,9 +20,11 @@ from holeblend_runtime.kv.admission import (
     AdmissionMetrics,
     FrequencyAdmission,
     admission_policy,
+    lru_victims,
+    windowed_evictions,
 )
 from holeblend_runtime.kv.directory import DirectoryKVStore
-from holeblend_runtime.kv.store import LocalKVStore, SegmentKV, lru_victims
+from holeblend_runtime.kv.store import LocalKVStore, SegmentKV
 
 
 def _kv(key: str, num_tokens: int = 4) -> SegmentKV:
@@ -88,6 +91,62 @@ def test_victims_are_the_least_recently_used_that_make_room():
     assert lru_victims(entries, 30, 15, 30) == ["a", "b"]
 
 
+def _used(policy: FrequencyAdmission, uses: dict[str, int]) -> FrequencyAdmission:
+    for key, count in uses.items():
+        for _ in range(count):
+            policy.record(key, num_entries=10)
+    return policy
+
+
+def test_the_window_takes_new_segments_and_its_oldest_meet_the_main_parts_oldest():
+    # Oldest first; the window is the newest 20 bytes (d, e).
+    entries = [("a", 10), ("b", 10), ("c", 10), ("d", 10), ("e", 10)]
+    fixed = {"window_share": 0.4, "adaptive": False}
+    # d, pushed out of the window by the new f, was used more than a (main's oldest): a goes.
+    policy = _used(FrequencyAdmission(**fixed), {"a": 1, "d": 2, "f": 1})
+    assert windowed_evictions(policy, entries, 50, ("f", 10), 50, 20) == (["a"], [])
+    # d was used as often as a: d goes (refused a place in main), a stays.
+    policy = _used(FrequencyAdmission(**fixed), {"a": 2, "d": 2})
+    assert windowed_evictions(policy, entries, 50, ("f", 10), 50, 20) == (["d"], ["d"])
+    # A new segment is taken even when it was never asked for before.
+    assert windowed_evictions(policy, entries, 50, ("g", 10), 50, 20) is not None
+    # Room: nothing evicted.
+    assert windowed_evictions(policy, entries, 50, ("f", 10), 60, 20) == ([], [])
+    # Larger than the window: it meets main's oldest itself (the unwindowed rule).
+    assert windowed_evictions(policy, entries, 50, ("h", 30), 60, 20) is None
+    policy.record("h", num_entries=10)
+    policy.record("h", num_entries=10)
+    policy.record("h", num_entries=10)
+    assert windowed_evictions(policy, entries, 50, ("h", 30), 60, 20) == (["a", "b"], [])
+    # A window reaching main's oldest (a tiny tier): plain LRU.
+    small = [("a", 10), ("b", 10)]
+    assert windowed_evictions(policy, small, 20, ("f", 10), 20, 20) == (["a"], [])
+    # The store's share sets the window.
+    policy = _used(FrequencyAdmission(**fixed), {"a": 2, "d": 2})
+    assert policy.evictions(entries, 50, ("f", 10), 50) == (["d"], ["d"])
+    with pytest.raises(ValueError, match="window_share"):
+        FrequencyAdmission(window_share=0.9)
+
+
+def test_the_window_climbs_towards_the_hit_share_and_turns_where_it_falls():
+    policy = FrequencyAdmission(min_sample=10, sample_factor=1)
+    assert policy.window_share == 0.2
+
+    def period(hit_share: float) -> None:
+        hits = round(10 * hit_share)
+        for i in range(10):
+            policy.record(f"k{i}", num_entries=1, hit=i < hits)
+
+    period(0.5)  # the first period: a first move down
+    assert policy.window_share == pytest.approx(0.1)
+    period(0.6)  # better: on down, by a smaller step
+    assert policy.window_share == pytest.approx(0.01)
+    period(0.3)  # worse by more than the noise and beyond the restart: back up, full step
+    assert policy.window_share == pytest.approx(0.11)
+    period(0.29)  # a fall within the noise keeps the direction
+    assert policy.window_share > 0.11
+
+
 # --- the stores ------------------------------------------------------------------------------
 
 
@@ -141,6 +200,23 @@ def test_the_directory_tier_applies_the_same_rule(tmp_path):
     assert registry.get_sample_value("holeblend_kv_store_refused_total") == 1
 
 
+def test_the_directory_tier_takes_new_segments_into_its_window(tmp_path):
+    probe = DirectoryKVStore(tmp_path / "probe", 1 << 20)
+    probe.put(_kv("p"))
+    size = probe.path("p").stat().st_size
+    policy = FrequencyAdmission(window_share=0.4, adaptive=False)
+    store = DirectoryKVStore(tmp_path / "kv", 5 * size, admission=policy)
+    for key in "abcde":
+        assert store.put(_kv(key))
+    for key in "ad":
+        assert store.get(key) is not None
+    _age(store, "abcde")  # the window: d, e; main's oldest: a
+    assert store.put(_kv("f"))  # never used before, taken all the same
+    # d, pushed out of the window, was used as often as a: d goes, a stays.
+    assert sorted(store.keys()) == ["a", "b", "c", "e", "f"]
+    assert store.num_refused == 1
+
+
 # --- what it buys ----------------------------------------------------------------------------
 
 
@@ -176,7 +252,38 @@ def test_on_a_zipf_rag_stream_frequency_admission_serves_more_from_the_same_byte
         capacity = sum(_kv(k, n).num_bytes for k, n in sizes.items()) // 2
         lru = _replay(stream, sizes, capacity, None)
         frequency = _replay(stream, sizes, capacity, FrequencyAdmission())
-        assert frequency > lru + 0.05, (seed, lru, frequency)
+        # Measured: LRU 0.698 / 0.679, this rule 0.760 / 0.730, the unwindowed 0.780 / 0.768.
+        assert frequency > lru + 0.03, (seed, lru, frequency)
+
+
+def _burst_stream(seed: int, num_questions: int = 300):
+    """Questions of 4 new documents of 60-100 tokens, sent twice in a row (without the
+    last, then whole, in new orders) and never again: the closed-loop benchmark's stream."""
+    rng = random.Random(seed)
+    stream, sizes = [], {}
+    for question in range(num_questions):
+        documents = [f"q{question}d{i}" for i in range(4)]
+        sizes.update({key: rng.randint(60, 100) for key in documents})
+        first, second = documents[:-1], list(documents)
+        rng.shuffle(first)
+        rng.shuffle(second)
+        stream += [first, second]
+    return stream, sizes
+
+
+def test_documents_used_twice_in_a_row_are_served_as_lru_serves_them():
+    """The unwindowed rule locked such a tier: once full, each new document (one use) lost
+    to the old ones (two uses), nothing new was stored, and every later request missed."""
+    stream, sizes = _burst_stream(0)
+    capacity = 40 * _kv("x", 80).num_bytes
+    lru = _replay(stream, sizes, capacity, None)
+    unwindowed = _replay(
+        stream, sizes, capacity, FrequencyAdmission(window_share=0, adaptive=False)
+    )
+    frequency = _replay(stream, sizes, capacity, FrequencyAdmission())
+    # Measured: LRU 0.429, the unwindowed rule 0.020, this rule 0.382.
+    assert unwindowed < 0.1 < lru - 0.2
+    assert frequency > lru - 0.08, (lru, frequency)
 
 
 def test_after_popularity_moves_the_tier_follows_it():
