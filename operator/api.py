@@ -1208,7 +1208,9 @@ class TuningSpec(ApiModel):
     cooldown_seconds: int = Field(default=300, ge=0, le=86400)
     """How long quality must stay above target before lowering the ratio."""
     min_samples: int = Field(default=20, ge=1, le=100000)
-    """Fewest F1-proxy samples in the window to act on."""
+    """Fewest F1-proxy samples in the window to act on. Also the shadow's idle floor: while
+    tuning, a pod scores up to this many requests per intervalSeconds past shadowBudget, of
+    those that end with no other user request in flight (docs/tuning.md)."""
     quality_proxies: bool = True
     """Score the quality proxies the tuner reads: a full-prefill shadow of a share
     shadowSampleRate of the requests (within shadowBudget), and the inline proxy, which
