@@ -177,14 +177,13 @@ def windowed_evictions(
     candidates = _pushed_out_of_window(entries, size, window_bytes)
     if not candidates:  # larger than the window: `new` contends with main itself
         return (victims, []) if policy.admits(key, victims) else None
-    if set(candidates) & set(victims) or all(
-        policy.admits(candidate, victims) for candidate in candidates
-    ):
+    leaving = set(candidates)
+    if leaving & set(victims) or all(policy.admits(candidate, victims) for candidate in candidates):
         return victims, []
     # The window's oldest lose to main's: they go, and as much of main as still needs to.
     sizes = dict(entries)
     freed = sum(sizes[c] for c in candidates)
-    rest = [(k, b) for k, b in entries if k not in set(candidates)]
+    rest = [(k, b) for k, b in entries if k not in leaving]
     more = lru_victims(rest, num_bytes - freed, size, capacity_bytes)
     return [*candidates, *more], list(candidates)
 
