@@ -449,18 +449,21 @@ class BlendEngine:
             for i in reuse.reused_segments
             if start <= prompt.segments[i].start < end
         ]
-        token_ids = torch.tensor(prompt.token_ids[:end], device=self.model.device)
-        empty = torch.empty(0, dtype=torch.int64, device=token_ids.device)
+        # On the host: the blend moves the ids it computes with its other indexes.
+        host_ids = torch.tensor(prompt.token_ids[:end])
+        device = self.model.device
+        empty = torch.empty(0, dtype=torch.int64, device=device)
         if spans:
             holes = [(s, min(e, end)) for s, e in reuse.hole_ranges if s < end]
             result = yield from self.blender.blend_steps(
-                token_ids, spans, ratio, holes, self.strategy, prefix, needs_logits,
+                host_ids, spans, ratio, holes, self.strategy, prefix, needs_logits,
                 query=question_range(prompt, end),
             )  # fmt: skip
             return Blended(
                 result.logits, result.k, result.v, result.deviation, result.recomputed,
                 result.selected, start - num_fresh_in_prefix,
             )  # fmt: skip
+        token_ids = to_device(host_ids, device)
         if prefix is None:  # nothing reusable in the range: computed in full
             k, v = self.model.new_kv(end)
             h = self.model.forward(token_ids, k, v, start=0)
@@ -552,9 +555,10 @@ class BlendEngine:
         num_rejected = 0
         stored = self._get_many(keys)
         problems = [
-            None if entry is None else self._shape_problem(entry, key, segment.num_tokens)
+            None if entry is None else self._layout_problem(entry, key, segment.num_tokens)
             for segment, key, entry in zip(prompt.segments, keys, stored, strict=True)
         ]
+        problems = self._position_problems(stored, problems)
         problems = _finite_problems(stored, problems)
         for key, entry, problem in zip(keys, stored, problems, strict=True):
             if problem is not None:
@@ -580,6 +584,31 @@ class BlendEngine:
 
     def _shape_problem(self, entry: SegmentKV, key: str, num_tokens: int) -> str | None:
         """`kv_problem` short of the values' finiteness (host metadata only)."""
+        problem = self._layout_problem(entry, key, num_tokens)
+        return problem or self._position_problems([entry], [None])[0]
+
+    def _position_problems(
+        self, entries: Sequence[SegmentKV | None], problems: Sequence[str | None]
+    ) -> list[str | None]:
+        """`problems` plus one for entries whose positions leave the model context: all
+        entries checked at once (a request's dozen cost one check, not a dozen), each
+        only when some position is out."""
+        result = list(problems)
+        checked = [i for i, e in enumerate(entries) if e is not None and problems[i] is None]
+        if not checked:
+            return result
+        limit = self.config.context_length
+        positions = torch.cat([entries[i].positions.cpu() for i in checked])
+        if not bool(((positions < 0) | (positions >= limit)).any()):
+            return result
+        for i in checked:
+            entry_positions = entries[i].positions
+            if bool(((entry_positions < 0) | (entry_positions >= limit)).any()):
+                result[i] = "positions outside the model context"
+        return result
+
+    def _layout_problem(self, entry: SegmentKV, key: str, num_tokens: int) -> str | None:
+        """Why an entry's metadata does not fit a segment of `num_tokens`, or None."""
         c = self.config
         expected = (c.num_layers, c.num_kv_heads, num_tokens, c.head_dim)
         if entry.key != key:
@@ -590,9 +619,6 @@ class BlendEngine:
             return f"dtype {entry.k.dtype}, expected {self.model.dtype}"
         if tuple(entry.k.shape) != expected:
             return f"shape {tuple(entry.k.shape)}, expected {expected}"
-        positions = entry.positions
-        if bool((positions < 0).any() or (positions >= c.context_length).any()):
-            return "positions outside the model context"
         return None
 
     def _store_missing(

@@ -43,9 +43,9 @@ from holeblend_runtime.blend.selection import (
 )
 from holeblend_runtime.kv.store import SegmentKV
 from holeblend_runtime.model.attention import AttentionPlan, plan_attention
-from holeblend_runtime.model.devices import to_device
+from holeblend_runtime.model.devices import to_device_many
 from holeblend_runtime.model.llama import Llama
-from holeblend_runtime.model.rope import RopeTable, apply_rope, rope_table
+from holeblend_runtime.model.rope import RopeCache, RopeTable, apply_rope, rope_table
 
 # On accelerators the recompute set is rounded up to a multiple of this many tokens by
 # picking the next cached tokens in the strategy's order: the sparse layers' matrix
@@ -108,6 +108,12 @@ class Blender:
             )
         self.model = model
         self.config = config
+        c = model.config
+        # Moved K is re-rotated by its offset, looked up in one table kept per blender.
+        self._rotations = RopeCache(
+            head_dim=c.head_dim, theta=c.rope_theta, dtype=model.dtype, device=model.device,
+            max_positions=c.context_length,
+        )  # fmt: skip
 
     def blend(
         self,
@@ -155,8 +161,7 @@ class Blender:
         layout = self._layout(
             is_cached, spans, prefix, ratio, tuple(hole_ranges), needs_logits, selector, query
         )
-        cache = self._cache(layout, spans, stored_at, prefix)
-        active = token_ids.to(self.model.device)[cache.on_device.active]
+        cache, active = self._cache(layout, spans, stored_at, prefix, token_ids)
         h = yield from self._full_layers(active, cache)
         check = self._check_layer(h, cache, selector)
         yield active.shape[0]
@@ -259,23 +264,63 @@ class Blender:
     ) -> SpanLoad:
         """Start copying the spans' KV into the buffers and re-rotating it;
         `SpanLoad.wait(layer)` before a layer reads it."""
-        rotation = self._rotation(stored_at, k_cache.dtype, k_cache.device)
-        return SpanLoad(k_cache, v_cache, spans, first_layer, rotation)
+        moves = self._moves(stored_at, spans, k_cache.dtype)
+        on_device = to_device_many(list(moves.host_tensors()), k_cache.device)
+        return self._load(k_cache, v_cache, spans, first_layer, moves, *on_device)
 
-    def _rotation(
-        self, stored_at: torch.Tensor, dtype: torch.dtype, device: torch.device
-    ) -> tuple[torch.Tensor, RopeTable] | None:
-        """Slots whose K moves (host arithmetic) and the RoPE table that moves them."""
+    def _moves(
+        self, stored_at: torch.Tensor, spans: Sequence[CachedSpan], dtype: torch.dtype
+    ) -> _Moves:
+        """The load's host numbers for buffers of `dtype`."""
         delta = torch.arange(stored_at.shape[0]) - stored_at
         moved = delta.nonzero().squeeze(1)
-        if moved.shape[0] == 0:
-            return None
-        c = self.model.config
-        table = rope_table(
-            to_device(delta[moved], device), head_dim=c.head_dim, theta=c.rope_theta,
-            dtype=dtype,
-        )  # fmt: skip
-        return to_device(moved, device), table
+        offsets = delta[moved]
+        table, lookup = None, offsets
+        rotations = self._rotations
+        if moved.shape[0] and dtype == rotations.dtype:
+            # |offset| < the context: entries with positions outside it are refused.
+            table, lookup = rotations.offsets_table(offsets)
+        batched = self._batches_copies(spans)
+        slots = torch.empty(0, dtype=torch.int64)
+        if batched:
+            slots = torch.cat([torch.arange(span.start, span.end) for span in spans])
+        return _Moves(moved, lookup, table, slots, batched)
+
+    def _batches_copies(self, spans: Sequence[CachedSpan]) -> bool:
+        """Whether the spans' KV is copied in one gather per K and V rather than one copy
+        per span: on an accelerator, where each copy costs the host a launch (~25 us)
+        and the device a few; on the CPU a copy is its bytes, and one per span is fewer."""
+        device = self.model.device
+        return (
+            device.type in ("cuda", "npu")
+            and len(spans) > 1
+            and all(_is_on(span.kv.k, device) for span in spans)
+        )
+
+    def _load(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        spans: Sequence[CachedSpan],
+        first_layer: int,
+        moves: _Moves,
+        moved: torch.Tensor,
+        lookup: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> SpanLoad:
+        """SpanLoad of the spans; `moved`, `lookup`, `slots`: `moves`' tensors on the device."""
+        rotation = None
+        if moves.moved.shape[0]:
+            if moves.table is not None:  # rows of the cached table
+                table = RopeTable(moves.table.cos[lookup], moves.table.sin[lookup])
+            else:  # the offsets themselves
+                c = self.model.config
+                table = rope_table(
+                    lookup, head_dim=c.head_dim, theta=c.rope_theta, dtype=k_cache.dtype
+                )
+            rotation = moved, table
+        batched = slots if moves.batched else None
+        return SpanLoad(k_cache, v_cache, spans, first_layer, rotation, batched)
 
     def _layout(
         self,
@@ -328,13 +373,27 @@ class Blender:
         spans: Sequence[CachedSpan],
         stored_at: torch.Tensor,
         prefix: PrefixKV | None,
-    ) -> _BlendCache:
+        token_ids: torch.Tensor,
+    ) -> tuple[_BlendCache, torch.Tensor]:
+        """The request's buffers with the reused KV on its way, and the token ids of the
+        active positions on the device. Every host index of the blend (the layout's,
+        the load's and, given on the host, the token ids) moves in one copy."""
         k, v = (prefix.k, prefix.v) if prefix is not None else self.model.new_kv(layout.num_tokens)
-        # Below the check layer every computed token's K/V is written fresh.
-        load = self._start_load(k, v, spans, stored_at, first_layer=self.config.check_layer)
         device = self.model.device
-        rope = self.model.rope(torch.arange(layout.num_tokens, device=device))
-        return _BlendCache(rope, k, v, layout, _to_device(layout, device), load)
+        moves = self._moves(stored_at, spans, k.dtype)
+        hosts = [*_host_indexes(layout), *moves.host_tensors()]
+        ids_on_host = token_ids.device.type == "cpu"
+        if ids_on_host:
+            hosts.append(token_ids[layout.active].long())
+        moved = to_device_many(hosts, device)
+        on_device = _on_device(layout, moved)
+        active_ids = moved[-1] if ids_on_host else token_ids.to(device)[on_device.active]
+        # Below the check layer every computed token's K/V is written fresh.
+        first_loaded = self.config.check_layer
+        first_move = _NUM_LAYOUT_INDEXES + len(layout.sections)
+        load = self._load(k, v, spans, first_loaded, moves, *moved[first_move : first_move + 3])
+        rope = self.model.rope_upto(layout.num_tokens)
+        return _BlendCache(rope, k, v, layout, on_device, load), active_ids
 
     def _check_span(self, span: CachedSpan, num_tokens: int) -> None:
         if not 0 <= span.start < span.end <= num_tokens:
@@ -692,7 +751,10 @@ class SpanLoad:
         spans: Sequence[CachedSpan],
         first_layer: int,
         rotation: tuple[torch.Tensor, RopeTable] | None,
+        slots: torch.Tensor | None = None,
     ) -> None:
+        """`slots` (on the device; device-resident KV only): every span's slots in span
+        order, to copy all spans in one gather and one scatter per K and V."""
         self.device = k_cache.device
         self.event: torch.cuda.Event | None = None
         layers = slice(first_layer, None)
@@ -700,8 +762,16 @@ class SpanLoad:
         if self.device.type == "cuda" and is_from_host:
             self.event = _copy_on_side_stream(k_cache, v_cache, spans, layers, rotation)
             return
-        for span in spans:
-            copy_span(k_cache, v_cache, span, layers)
+        if slots is not None:
+            for cache, stored in (
+                (k_cache, [s.kv.k for s in spans]),
+                (v_cache, [s.kv.v for s in spans]),
+            ):
+                gathered = torch.cat([entry[layers] for entry in stored], dim=2)
+                cache[layers].index_copy_(2, slots, gathered)
+        else:
+            for span in spans:
+                copy_span(k_cache, v_cache, span, layers)
         if rotation is not None and first_layer < k_cache.shape[0]:
             _rotate(k_cache[layers], *rotation)
 
@@ -792,17 +862,48 @@ class _OnDevice:
     offsets: torch.Tensor
 
 
-def _to_device(layout: _Layout, device: torch.device) -> _OnDevice:
-    def move(t: torch.Tensor) -> torch.Tensor:
-        return to_device(t, device)
-
+def _host_indexes(layout: _Layout) -> tuple[torch.Tensor, ...]:
+    """The layout's host index tensors `_on_device` takes back, in its order."""
     cached_rows = layout.is_active_cached.nonzero().squeeze(1)
     uncached = layout.active[~layout.is_active_cached]
-    return _OnDevice(
-        move(layout.active), move(layout.cached), move(cached_rows), move(uncached),
-        tuple(move(members) for members in layout.sections), move(layout.query_rows),
-        move(layout.offsets),
+    return (
+        layout.active, layout.cached, cached_rows, uncached, layout.query_rows, layout.offsets,
+        *layout.sections,
     )  # fmt: skip
+
+
+# Tensors of `_host_indexes` before the sections.
+_NUM_LAYOUT_INDEXES = 6
+
+
+def _on_device(layout: _Layout, moved: Sequence[torch.Tensor]) -> _OnDevice:
+    """`_OnDevice` of `_host_indexes(layout)` moved (`moved` may go on past them)."""
+    active, cached, cached_rows, uncached, query_rows, offsets = moved[:_NUM_LAYOUT_INDEXES]
+    sections = tuple(moved[_NUM_LAYOUT_INDEXES : _NUM_LAYOUT_INDEXES + len(layout.sections)])
+    return _OnDevice(active, cached, cached_rows, uncached, sections, query_rows, offsets)
+
+
+@dataclass(frozen=True, eq=False)
+class _Moves:
+    """Host numbers of the reused KV's load: the slots whose K moves, and for each the
+    row of its offset in `table` (None: the offset itself); with copies batched, every
+    span's slots in span order."""
+
+    moved: torch.Tensor
+    lookup: torch.Tensor
+    table: RopeTable | None
+    slots: torch.Tensor
+    batched: bool
+
+    def host_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.moved, self.lookup, self.slots
+
+
+def _is_on(tensor: torch.Tensor, device: torch.device) -> bool:
+    """Whether `tensor` is on `device`, which may name no index (`cuda`: the current one)."""
+    if tensor.device.type != device.type:
+        return False
+    return device.index is None or tensor.device.index == device.index
 
 
 @dataclass(frozen=True, eq=False)

@@ -26,3 +26,24 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type in ("cuda", "npu") and host.device.type == "cpu":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
+
+
+def to_device_many(hosts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """`to_device` of several small host int64 tensors in one copy: on an accelerator
+    they are packed into one pinned buffer, moved at once and split into views there (a
+    copy costs the host about as much to launch whatever its size, and these are a few
+    KiB each). Elsewhere one plain move each."""
+    if device.type not in ("cuda", "npu") or not hosts:
+        return [host.to(device) for host in hosts]
+    for i, host in enumerate(hosts):
+        if host.dtype != torch.int64 or host.device.type != "cpu":
+            raise ValueError(f"hosts[{i}]: expected a host int64 tensor, got {host.dtype}")
+    return _move_packed(hosts, device, pin=True)
+
+
+def _move_packed(hosts: list[torch.Tensor], device: torch.device, pin: bool) -> list[torch.Tensor]:
+    sizes = [host.numel() for host in hosts]
+    packed = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=pin)
+    torch.cat([host.reshape(-1) for host in hosts], out=packed)
+    moved = packed.to(device, non_blocking=pin)
+    return [part.view(host.shape) for part, host in zip(moved.split(sizes), hosts, strict=True)]

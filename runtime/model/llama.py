@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from holeblend_kernels import rope_qkv
 from holeblend_runtime.model.attention import AttentionPlan, attend, has_triton, plan_attention
 from holeblend_runtime.model.config import ModelConfig
-from holeblend_runtime.model.rope import RopeTable, rope_table
+from holeblend_runtime.model.rope import RopeCache, RopeTable, rope_table
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,6 +51,10 @@ class Llama:
         output_name = "token_embd.weight" if config.tie_word_embeddings else "output.weight"
         self.output = self._weight(weights, output_name)
         self.layers = [self._layer(weights, i) for i in range(config.num_layers)]
+        self.rope_cache = RopeCache(
+            head_dim=config.head_dim, theta=config.rope_theta, dtype=dtype, device=self.device,
+            max_positions=config.context_length,
+        )  # fmt: skip
 
     def _weight(self, weights: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
         if name not in weights:
@@ -87,6 +91,10 @@ class Llama:
     def rope(self, positions: torch.Tensor) -> RopeTable:
         c = self.config
         return rope_table(positions, head_dim=c.head_dim, theta=c.rope_theta, dtype=self.dtype)
+
+    def rope_upto(self, num_positions: int) -> RopeTable:
+        """`rope` of positions 0..num_positions-1, sliced from a table kept per model."""
+        return self.rope_cache.upto(num_positions)
 
     def reduce_shards(self, scores: torch.Tensor) -> torch.Tensor:
         """The sum of a per-token score over the model's tensor-parallel shards (each

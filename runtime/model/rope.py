@@ -27,6 +27,58 @@ def rope_table(
     return RopeTable(angles.cos().to(dtype), angles.sin().to(dtype))
 
 
+class RopeCache:
+    """`rope_table` computed once and kept on one device in one dtype: a prompt's table
+    is a slice of a table of positions 0.., and a re-rotation's (by signed offsets) a
+    gather from a table of positions -(n-1)..n-1, instead of the dozen small kernels
+    (float64 angles, cos, sin, casts) each would launch per request. The values are
+    `rope_table`'s, as an entry depends on its own position only. Both tables grow by
+    doubling up to `max_positions`; a growth replaces a table in one assignment, so a
+    reader on another thread sees the old table or the new one."""
+
+    def __init__(
+        self,
+        *,
+        head_dim: int,
+        theta: float,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        max_positions: int,
+    ) -> None:
+        self.head_dim, self.theta, self.dtype = head_dim, theta, dtype
+        self.device, self.max_positions = torch.device(device), max_positions
+        self._table: RopeTable | None = None
+        self._signed: RopeTable | None = None
+
+    def upto(self, num_positions: int) -> RopeTable:
+        """The table of positions 0..num_positions-1 (views: read-only by contract)."""
+        table = self._table
+        if table is None or table.cos.shape[0] < num_positions:
+            table = self._table = self._computed(0, self._size(num_positions))
+        return RopeTable(table.cos[:num_positions], table.sin[:num_positions])
+
+    def offsets_table(self, offsets: torch.Tensor) -> tuple[RopeTable, torch.Tensor]:
+        """For signed position offsets (host int64; |offsets| < `max_positions`): a table
+        of offsets -(n-1)..n-1 and each offset's row in it (host), so that the
+        re-rotation's table is one gather on the device (`cos[rows]`, `sin[rows]`)."""
+        bound = int(offsets.abs().max()) + 1 if offsets.numel() else 1
+        table = self._signed
+        if table is None or table.cos.shape[0] < 2 * bound - 1:
+            size = self._size(bound)
+            table = self._signed = self._computed(1 - size, size)
+        return table, offsets + table.cos.shape[0] // 2
+
+    def _size(self, num_positions: int) -> int:
+        if not 0 <= num_positions <= self.max_positions:
+            raise ValueError(f"positions: {num_positions} exceed the table's {self.max_positions}")
+        wanted = 1 << max(num_positions - 1, 0).bit_length()
+        return min(self.max_positions, max(1024, wanted))
+
+    def _computed(self, start: int, end: int) -> RopeTable:
+        positions = torch.arange(start, end, device=self.device)
+        return rope_table(positions, head_dim=self.head_dim, theta=self.theta, dtype=self.dtype)
+
+
 def apply_rope(x: torch.Tensor, table: RopeTable) -> torch.Tensor:
     """Rotate x [..., num_positions, head_dim] by the table's angles."""
     half = x.shape[-1] // 2

@@ -88,6 +88,10 @@ class VllmModelAdapter:
         cos, sin = cache.to(device=self.device, dtype=self.dtype).chunk(2, dim=-1)
         return RopeTable(torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1))
 
+    def rope_upto(self, num_positions: int) -> RopeTable:
+        """`rope` of positions 0..num_positions-1."""
+        return self.rope(torch.arange(num_positions, device=self.device))
+
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.model.model.embed_tokens(token_ids.to(self.device))
 

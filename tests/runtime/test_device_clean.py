@@ -202,3 +202,77 @@ def test_the_warm_up_runs_one_layer_at_every_bucketed_size(monkeypatch):
     # Queries at positions 1..m: the sparse kernel's plan, not plain causal attention.
     assert rows == [(0, m, m, False) for m in sizes]
     assert blender.warm_up(RECOMPUTE_BUCKET - 1) == 0
+
+
+def _device_spans(device: str) -> list[CachedSpan]:
+    spans = []
+    for start, end, at in SPANS:
+        kv = _host_kv(start, end, at)
+        on_device = SegmentKV("k", kv.k.to(device), kv.v.to(device), kv.positions, "tiny")
+        spans.append(CachedSpan(start, end, on_device))
+    return spans
+
+
+@pytest.mark.parametrize("check_layer", [1, 3])
+def test_batched_span_copies_blend_exactly_as_one_copy_per_span(monkeypatch, check_layer):
+    """On an accelerator the spans' KV is gathered in one copy per K and V (and the ids
+    and indexes move in one packed copy); the blend must be bit-identical to the CPU's
+    one copy per span, moved documents (re-rotation) included."""
+    model = Llama(CONFIG, random_weights(CONFIG, seed=2))
+    blender = Blender(model, BlendConfig(check_layer=check_layer))
+    spans = _device_spans("cpu")
+    token_ids = torch.randint(0, CONFIG.vocab_size, (NUM_TOKENS,))
+    expected = blender.blend(token_ids, spans, 0.2, HOLES)
+    calls = []
+
+    def batched(self, spans):
+        calls.append(len(spans))
+        return True
+
+    monkeypatch.setattr(Blender, "_batches_copies", batched)
+    got = blender.blend(token_ids, spans, 0.2, HOLES)
+    assert calls == [len(SPANS)]
+    for a, b in ((got.k, expected.k), (got.v, expected.v), (got.logits, expected.logits)):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert torch.equal(got.recomputed, expected.recomputed)
+
+
+def test_batched_span_copies_run_on_the_meta_device(monkeypatch):
+    monkeypatch.setattr(Blender, "_batches_copies", lambda self, spans: True)
+    model = Llama(CONFIG, random_weights(CONFIG), device="meta")
+    blender = Blender(model, BlendConfig(check_layer=1))
+    k, v = model.new_kv(NUM_TOKENS)
+    prefix = PrefixKV(k, v, PREFIX_END, FRESH_IN_PREFIX)
+    # Token ids on the host, as the engine passes them: moved with the indexes.
+    token_ids = torch.randint(0, CONFIG.vocab_size, (NUM_TOKENS,))
+    result = blender.blend(token_ids, _device_spans("meta"), 0.15, HOLES, prefix=prefix)
+    assert result.k.device.type == "meta" and result.logits.device.type == "meta"
+
+
+def test_packed_moves_split_back_into_the_tensors_given():
+    from holeblend_runtime.model.devices import _move_packed, to_device_many
+
+    hosts = [torch.arange(5), torch.empty(0, dtype=torch.int64), torch.arange(6).view(2, 3) - 9]
+    for moved in (_move_packed(hosts, torch.device("cpu"), pin=False),
+                  to_device_many(hosts, torch.device("cpu"))):  # fmt: skip
+        assert [tuple(t.shape) for t in moved] == [(5,), (0,), (2, 3)]
+        for a, b in zip(moved, hosts, strict=True):
+            assert torch.equal(a, b)
+    assert to_device_many([], torch.device("meta")) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_rope_cache_equals_the_table_computed_per_request(dtype):
+    from holeblend_runtime.model.rope import RopeCache, rope_table
+
+    cache = RopeCache(head_dim=16, theta=500000.0, dtype=dtype, device="cpu", max_positions=5000)
+    for n in (1, 700, 3000, 5000):  # grows past its first size, capped at the maximum
+        got = cache.upto(n)
+        want = rope_table(torch.arange(n), head_dim=16, theta=500000.0, dtype=dtype)
+        assert torch.equal(got.cos, want.cos) and torch.equal(got.sin, want.sin)
+    for offsets in (torch.tensor([-1, 0, 1, 37, -37]), torch.tensor([-4999, 12, 4999])):
+        table, rows = cache.offsets_table(offsets)  # the second grows the table
+        want = rope_table(offsets, head_dim=16, theta=500000.0, dtype=dtype)
+        assert torch.equal(table.cos[rows], want.cos) and torch.equal(table.sin[rows], want.sin)
+    with pytest.raises(ValueError, match="exceed the table's 5000"):
+        cache.upto(5001)
