@@ -150,6 +150,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="also time a plain SDPA forward of the same weights on pass 2's prompts",
     )
     add("--profile", action="store_true", help="device busy share of one prefill per mode")
+    add(
+        "--profile-trace",
+        type=Path,
+        metavar="DIR",
+        help="with --profile: write each profiled prefill's trace as DIR/MODE.json "
+        "(Chrome trace format: chrome://tracing, ui.perfetto.dev)",
+    )
     add("--store-gib", type=float, default=2.0, help="KV store size per engine, GiB")
     add(
         "--kv-store",
@@ -210,6 +217,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                         ("--sdpa-reference", args.sdpa_reference)) if on]  # fmt: skip
         if others:
             parser.error(f"{others[0]}: not part of the quality sweep; run it without --quality")
+    if args.profile_trace is not None and not args.profile:
+        parser.error("--profile-trace: traces the --profile prefills; add --profile")
     preset = QUICK if args.quick else DEFAULTS
     for name, value in preset.items():
         if getattr(args, name) is None:
@@ -338,7 +347,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         prompts = [runner.request(qa, pass_number=2).prompt for qa in workload]
         record["sdpa_reference"] = sdpa_reference_s(model, prompts)
     if args.profile:
-        record["profile"] = _profile(new_engine, config, runner, workload[0])
+        record["profile"] = _profile(new_engine, config, runner, workload[0], args.profile_trace)
     document = {"model": model.config.model_id, "config": record, "results": results}
     document["config"]["wall_s"] = time.perf_counter() - started
     if args.json is not None:
@@ -515,14 +524,23 @@ def _config_record(
 
 
 def _profile(
-    new_engine: Any, config: BenchConfig, runner: BenchRunner, qa: QAPrompt
+    new_engine: Any,
+    config: BenchConfig,
+    runner: BenchRunner,
+    qa: QAPrompt,
+    trace_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """Device busy share of one pass-2 prefill per mode (after its pass 1), warm."""
+    """Device busy share of one pass-2 prefill per mode (after its pass 1), warm; each
+    profiled prefill's trace written to `trace_dir`/MODE.json when given."""
+
+    def trace(mode: str) -> Path | None:
+        return None if trace_dir is None else trace_dir / f"{mode}.json"
+
     ratio = config.ratios[0]
     first, second = (runner.request(qa, pass_number=p).prompt for p in (1, 2))
     shares: dict[str, Any] = {"ratio": ratio}
     engine = new_engine(config.store_policies[0], config.selections[0])
-    shares["full"] = busy_share(lambda: engine.prefill(second, "full", 1.0))
+    shares["full"] = busy_share(lambda: engine.prefill(second, "full", 1.0), trace=trace("full"))
     for mode in config.modes:
         engine = new_engine(config.store_policies[0], config.selections[0])
         engine.prefill(first, mode, ratio)
@@ -534,7 +552,7 @@ def _profile(
             for key in set(engine.store.keys()) - snapshot:
                 engine.store.remove(key)
 
-        shares[mode] = busy_share(send)
+        shares[mode] = busy_share(send, trace=trace(mode))
         engine.close()
     return shares
 

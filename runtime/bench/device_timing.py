@@ -11,6 +11,7 @@ import collections
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,11 +55,14 @@ def sdpa_reference_s(model: Llama, prompts: Sequence[SegmentedPrompt]) -> dict[s
     }
 
 
-def busy_share(run: Callable[[], Any], device: torch.device | None = None) -> dict[str, Any]:
+def busy_share(
+    run: Callable[[], Any], device: torch.device | None = None, trace: Path | None = None
+) -> dict[str, Any]:
     """Share of a call's wall time during which the device runs a kernel: the union of
     kernel intervals of one profiled call (torch's profiler) over the median
     synchronized wall time of three unprofiled calls (the profiler's own host overhead
     would stretch the wall time of the profiled one). Called once first, untimed.
+    `trace`: where to write the profiled call's trace (Chrome trace format), if anywhere.
 
     None on a machine without CUDA: the CPU has no separate device to keep busy."""
     if not torch.cuda.is_available():
@@ -71,6 +75,9 @@ def busy_share(run: Callable[[], Any], device: torch.device | None = None) -> di
     with torch.profiler.profile(activities=activities) as profiler:
         run()
         synchronize(device)
+    if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(str(trace))
     kernels = [e for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     kernel_s = _union_length([(e.time_range.start, e.time_range.end) for e in kernels]) / 1e6
     counts = collections.Counter(e.name[:NAME_CHARS] for e in kernels)

@@ -26,7 +26,7 @@ recompute set stay on the model's device, and no layer reads a device value on t
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -157,12 +157,30 @@ class Blender:
         between layers and go on later (the vLLM connector spreads a blend over steps)."""
         check_ratio(ratio)
         selector = strategy or make_strategy(self.config)
-        is_cached, stored_at = self._slots(spans, token_ids.shape[0])
-        layout = self._layout(
-            is_cached, spans, prefix, ratio, tuple(hole_ranges), needs_logits, selector, query
+        num_tokens = token_ids.shape[0]
+        start = 0 if prefix is None else prefix.num_tokens
+        if any(span.start < start for span in spans):
+            raise ValueError(f"spans: a span starts inside the exact prefix of {start} tokens")
+        # The layers below the check layer compute every position after the exact prefix
+        # (and its fresh ones) whatever is cached: they are launched first, and the host
+        # lays out the rest of the blend while the device runs the first of them.
+        fresh = () if prefix is None else prefix.fresh_positions
+        active = torch.cat(
+            [torch.tensor(fresh, dtype=torch.int64), torch.arange(start, num_tokens)]
         )
-        cache, active = self._cache(layout, spans, stored_at, prefix, token_ids)
-        h = yield from self._full_layers(active, cache)
+        k, v = (prefix.k, prefix.v) if prefix is not None else self.model.new_kv(num_tokens)
+        rope = self.model.rope_upto(num_tokens)
+
+        def prepare(active_on_device: torch.Tensor) -> _BlendCache:
+            is_cached, stored_at = self._slots(spans, num_tokens)
+            layout = self._layout(
+                is_cached, active, spans, start, ratio, tuple(hole_ranges), needs_logits,
+                selector, query,
+            )  # fmt: skip
+            return self._cache(layout, active_on_device, spans, stored_at, k, v, rope)
+
+        full = _FullLayers(active, token_ids, k, v, rope, needs_logits)
+        h, cache = yield from self._full_layers(full, prepare, early=self._loads_early(spans))
         check = self._check_layer(h, cache, selector)
         yield active.shape[0]
         h = check.hidden
@@ -325,26 +343,22 @@ class Blender:
     def _layout(
         self,
         is_cached: torch.Tensor,
+        active: torch.Tensor,
         spans: Sequence[CachedSpan],
-        prefix: PrefixKV | None,
+        start: int,
         ratio: float,
         hole_ranges: tuple[tuple[int, int], ...],
         needs_logits: bool,
         selector: SelectionStrategy,
         query: tuple[int, int] | None,
     ) -> _Layout:
+        """The blend's host numbers: `is_cached` per slot (spans only), `active` the
+        positions the layers below the check layer compute, `start` the exact prefix."""
         num_tokens = is_cached.shape[0]
-        start = 0 if prefix is None else prefix.num_tokens
-        if any(span.start < start for span in spans):
-            raise ValueError(f"spans: a span starts inside the exact prefix of {start} tokens")
         # The last token's hidden state gives the logits: it is always computed.
         is_cached = is_cached.clone()
         if needs_logits:
             is_cached[-1] = False
-        fresh = () if prefix is None else prefix.fresh_positions
-        active = torch.cat(
-            [torch.tensor(fresh, dtype=torch.int64), torch.arange(start, num_tokens)]
-        )
         cached = is_cached.nonzero().squeeze(1)
         sections = self._sections(cached, hole_ranges)
         picks = tuple(num_to_select(members.shape[0], ratio) for members in sections)
@@ -370,30 +384,32 @@ class Blender:
     def _cache(
         self,
         layout: _Layout,
+        active: torch.Tensor,
         spans: Sequence[CachedSpan],
         stored_at: torch.Tensor,
-        prefix: PrefixKV | None,
-        token_ids: torch.Tensor,
-    ) -> tuple[_BlendCache, torch.Tensor]:
-        """The request's buffers with the reused KV on its way, and the token ids of the
-        active positions on the device. Every host index of the blend (the layout's,
-        the load's and, given on the host, the token ids) moves in one copy."""
-        k, v = (prefix.k, prefix.v) if prefix is not None else self.model.new_kv(layout.num_tokens)
-        device = self.model.device
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: RopeTable,
+    ) -> _BlendCache:
+        """The request's buffers with the reused KV on its way (`active`: the layout's
+        active positions, already on the device). Every other host index of the blend
+        (the layout's, the load's) moves in one copy."""
         moves = self._moves(stored_at, spans, k.dtype)
-        hosts = [*_host_indexes(layout), *moves.host_tensors()]
-        ids_on_host = token_ids.device.type == "cpu"
-        if ids_on_host:
-            hosts.append(token_ids[layout.active].long())
-        moved = to_device_many(hosts, device)
-        on_device = _on_device(layout, moved)
-        active_ids = moved[-1] if ids_on_host else token_ids.to(device)[on_device.active]
+        moved = to_device_many([*_host_indexes(layout), *moves.host_tensors()], self.model.device)
+        on_device = _on_device(layout, active, moved)
         # Below the check layer every computed token's K/V is written fresh.
-        first_loaded = self.config.check_layer
         first_move = _NUM_LAYOUT_INDEXES + len(layout.sections)
-        load = self._load(k, v, spans, first_loaded, moves, *moved[first_move : first_move + 3])
-        rope = self.model.rope_upto(layout.num_tokens)
-        return _BlendCache(rope, k, v, layout, on_device, load), active_ids
+        load = self._load(
+            k, v, spans, self.config.check_layer, moves, *moved[first_move : first_move + 3]
+        )
+        return _BlendCache(rope, k, v, layout, on_device, load)
+
+    def _loads_early(self, spans: Sequence[CachedSpan]) -> bool:
+        """Whether the reused KV's load starts before the first layer: KV in host memory
+        on a GPU is copied on a side stream that waits for the work queued before it,
+        which would otherwise include the first layer."""
+        device = self.model.device
+        return device.type == "cuda" and not all(_is_on(s.kv.k, device) for s in spans)
 
     def _check_span(self, span: CachedSpan, num_tokens: int) -> None:
         if not 0 <= span.start < span.end <= num_tokens:
@@ -404,19 +420,35 @@ class Blender:
             )
 
     def _full_layers(
-        self, token_ids: torch.Tensor, cache: _BlendCache
-    ) -> Generator[int, None, torch.Tensor]:
+        self,
+        full: _FullLayers,
+        prepare: Callable[[torch.Tensor], _BlendCache],
+        early: bool,
+    ) -> Generator[int, None, tuple[torch.Tensor, _BlendCache]]:
         """Layers below the check layer: every computed token (after the exact prefix and
-        the prefix's fresh positions), at its true position; yields after each layer."""
-        h = self.model.embed(token_ids)
-        active = cache.on_device.active
-        rope = cache.rope_at(active)
-        plan = self._plan(active, cache, h.dtype)
+        the prefix's fresh positions), at its true position; yields after each layer.
+        `prepare(active on the device)` (the blend's layout and the reused KV's load)
+        runs while the device computes the first layer, or before it when `early`."""
+        device = self.model.device
+        ids_on_host = full.token_ids.device.type == "cpu"
+        hosts = [full.active]
+        if ids_on_host:
+            hosts.append(full.token_ids[full.active].long())
+        moved = to_device_many(hosts, device)
+        active = moved[0]
+        ids = moved[1] if ids_on_host else full.token_ids.to(device)[active]
+        cache = prepare(active) if early else None
+        h = self.model.embed(ids)
+        rope = RopeTable(full.rope.cos[active], full.rope.sin[active])
+        plan = self._plan_for(active, full.token_ids.shape[0], h.dtype, full.needs_logits)
         for layer in range(self.config.check_layer):
-            q = self.model.qkv_into(layer, h, rope, cache.k[layer], cache.v[layer], active)
-            h = self.model.attend_and_mlp(layer, h, q, cache.k[layer], cache.v[layer], plan)
+            keys, values = full.k[layer], full.v[layer]
+            q = self.model.qkv_into(layer, h, rope, keys, values, active)
+            h = self.model.attend_and_mlp(layer, h, q, keys, values, plan)
+            if cache is None:
+                cache = prepare(active)
             yield active.shape[0]
-        return h
+        return h, (cache if cache is not None else prepare(active))
 
     def _check_layer(
         self, h: torch.Tensor, cache: _BlendCache, selector: SelectionStrategy
@@ -863,24 +895,39 @@ class _OnDevice:
 
 
 def _host_indexes(layout: _Layout) -> tuple[torch.Tensor, ...]:
-    """The layout's host index tensors `_on_device` takes back, in its order."""
+    """The layout's host index tensors `_on_device` takes back (all but the active
+    positions, moved before), in its order."""
     cached_rows = layout.is_active_cached.nonzero().squeeze(1)
     uncached = layout.active[~layout.is_active_cached]
     return (
-        layout.active, layout.cached, cached_rows, uncached, layout.query_rows, layout.offsets,
-        *layout.sections,
+        layout.cached, cached_rows, uncached, layout.query_rows, layout.offsets, *layout.sections
     )  # fmt: skip
 
 
 # Tensors of `_host_indexes` before the sections.
-_NUM_LAYOUT_INDEXES = 6
+_NUM_LAYOUT_INDEXES = 5
 
 
-def _on_device(layout: _Layout, moved: Sequence[torch.Tensor]) -> _OnDevice:
-    """`_OnDevice` of `_host_indexes(layout)` moved (`moved` may go on past them)."""
-    active, cached, cached_rows, uncached, query_rows, offsets = moved[:_NUM_LAYOUT_INDEXES]
+def _on_device(layout: _Layout, active: torch.Tensor, moved: Sequence[torch.Tensor]) -> _OnDevice:
+    """`_OnDevice` of `_host_indexes(layout)` moved (`moved` may go on past them) and the
+    active positions on the device."""
+    cached, cached_rows, uncached, query_rows, offsets = moved[:_NUM_LAYOUT_INDEXES]
     sections = tuple(moved[_NUM_LAYOUT_INDEXES : _NUM_LAYOUT_INDEXES + len(layout.sections)])
     return _OnDevice(active, cached, cached_rows, uncached, sections, query_rows, offsets)
+
+
+@dataclass(frozen=True, eq=False)
+class _FullLayers:
+    """What the layers below the check layer need, known before the blend's layout: the
+    active positions (host), the prompt's token ids (host or device), the buffers and the
+    prompt's RoPE table."""
+
+    active: torch.Tensor
+    token_ids: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    rope: RopeTable
+    needs_logits: bool
 
 
 @dataclass(frozen=True, eq=False)

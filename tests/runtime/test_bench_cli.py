@@ -80,3 +80,22 @@ def test_unknown_model_presets_and_dtypes_are_refused(capsys):
         with pytest.raises(SystemExit):
             parse_args(argv)
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_a_profile_trace_needs_the_profile(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        parse_args(["--profile-trace", str(tmp_path)])
+    assert (
+        "--profile-trace: traces the --profile prefills; add --profile" in capsys.readouterr().err
+    )
+    assert parse_args(["--profile", "--profile-trace", str(tmp_path)]).profile_trace == tmp_path
+
+
+def test_busy_share_writes_no_trace_without_a_gpu(tmp_path, monkeypatch):
+    """On a machine without CUDA the busy share is None and nothing is profiled."""
+    from holeblend_runtime.bench import device_timing
+
+    monkeypatch.setattr(device_timing.torch.cuda, "is_available", lambda: False)
+    calls = []
+    share = device_timing.busy_share(lambda: calls.append(1), trace=tmp_path / "hole.json")
+    assert share["busy_share"] is None and calls == [] and not (tmp_path / "hole.json").exists()
