@@ -295,8 +295,10 @@ class Blender:
         offsets = delta[moved]
         table, lookup = None, offsets
         rotations = self._rotations
-        if moved.shape[0] and dtype == rotations.dtype:
-            # |offset| < the context: entries with positions outside it are refused.
+        # The table covers offsets within the context (the engine refuses entries with
+        # positions outside it; anything else is rotated by a table of its own).
+        fits = moved.shape[0] and int(offsets.abs().max()) < rotations.max_positions
+        if fits and dtype == rotations.dtype:
             table, lookup = rotations.offsets_table(offsets)
         batched = self._batches_copies(spans)
         slots = torch.empty(0, dtype=torch.int64)

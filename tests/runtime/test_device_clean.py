@@ -276,3 +276,24 @@ def test_the_rope_cache_equals_the_table_computed_per_request(dtype):
         assert torch.equal(table.cos[rows], want.cos) and torch.equal(table.sin[rows], want.sin)
     with pytest.raises(ValueError, match="exceed the table's 5000"):
         cache.upto(5001)
+
+
+def test_offsets_beyond_the_rotation_table_are_rotated_by_a_table_of_their_own():
+    """A span stored past the model context (a shape the engine refuses, but the blender
+    takes what it is given) is re-rotated exactly as through the kept table."""
+    from holeblend_runtime.model.rope import RopeCache
+
+    model = Llama(CONFIG, random_weights(CONFIG, seed=4))
+    far = [CachedSpan(start, end, _host_kv(start, end, at + 600)) for start, end, at in SPANS]
+    token_ids = torch.randint(0, CONFIG.vocab_size, (NUM_TOKENS,))
+    beyond = Blender(model, BlendConfig(check_layer=1))
+    within = Blender(model, BlendConfig(check_layer=1))
+    within._rotations = RopeCache(
+        head_dim=CONFIG.head_dim, theta=CONFIG.rope_theta, dtype=model.dtype, device="cpu",
+        max_positions=4096,
+    )  # fmt: skip
+    a = beyond.blend(token_ids, far, 0.2, HOLES)
+    b = within.blend(token_ids, far, 0.2, HOLES)
+    assert beyond._rotations._signed is None and within._rotations._signed is not None
+    torch.testing.assert_close(a.k, b.k, atol=0, rtol=0)
+    torch.testing.assert_close(a.logits, b.logits, atol=0, rtol=0)
