@@ -295,16 +295,16 @@ class Blender:
         offsets = delta[moved]
         table, lookup = None, offsets
         rotations = self._rotations
-        # The table covers offsets within the context (the engine refuses entries with
-        # positions outside it; anything else is rotated by a table of its own).
-        fits = moved.shape[0] and int(offsets.abs().max()) < rotations.max_positions
-        if fits and dtype == rotations.dtype:
-            table, lookup = rotations.offsets_table(offsets)
-        batched = self._batches_copies(spans)
+        if moved.shape[0] and dtype == rotations.dtype:
+            # Offsets past the kept table (positions outside the context, which the engine
+            # refuses) are rotated by a table of their own.
+            found = rotations.offsets_table(offsets)
+            if found is not None:
+                table, lookup = found
         slots = torch.empty(0, dtype=torch.int64)
-        if batched:
+        if self._batches_copies(spans):
             slots = torch.cat([torch.arange(span.start, span.end) for span in spans])
-        return _Moves(moved, lookup, table, slots, batched)
+        return _Moves(moved, lookup, table, slots)
 
     def _batches_copies(self, spans: Sequence[CachedSpan]) -> bool:
         """Whether the spans' KV is copied in one gather per K and V rather than one copy
@@ -450,7 +450,8 @@ class Blender:
             if cache is None:
                 cache = prepare(active)
             yield active.shape[0]
-        return h, (cache if cache is not None else prepare(active))
+        assert cache is not None  # check_layer >= 1 (BlendConfig): the loop ran
+        return h, cache
 
     def _check_layer(
         self, h: torch.Tensor, cache: _BlendCache, selector: SelectionStrategy
@@ -942,7 +943,10 @@ class _Moves:
     lookup: torch.Tensor
     table: RopeTable | None
     slots: torch.Tensor
-    batched: bool
+
+    @property
+    def batched(self) -> bool:
+        return self.slots.shape[0] > 0
 
     def host_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.moved, self.lookup, self.slots

@@ -57,11 +57,14 @@ class RopeCache:
             table = self._table = self._computed(0, self._size(num_positions))
         return RopeTable(table.cos[:num_positions], table.sin[:num_positions])
 
-    def offsets_table(self, offsets: torch.Tensor) -> tuple[RopeTable, torch.Tensor]:
-        """For signed position offsets (host int64; |offsets| < `max_positions`): a table
-        of offsets -(n-1)..n-1 and each offset's row in it (host), so that the
-        re-rotation's table is one gather on the device (`cos[rows]`, `sin[rows]`)."""
+    def offsets_table(self, offsets: torch.Tensor) -> tuple[RopeTable, torch.Tensor] | None:
+        """For signed position offsets (host int64): a table of offsets -(n-1)..n-1 and
+        each offset's row in it (host), so that the re-rotation's table is one gather on
+        the device (`cos[rows]`, `sin[rows]`); None when an offset reaches
+        `max_positions` (the caller computes that table itself)."""
         bound = int(offsets.abs().max()) + 1 if offsets.numel() else 1
+        if bound > self.max_positions:
+            return None
         table = self._signed
         if table is None or table.cos.shape[0] < 2 * bound - 1:
             size = self._size(bound)
