@@ -10,7 +10,8 @@ the paced and saturated phases, the ABBA runs, the rows), on vLLM's OpenAI serve
 connector started as the operator renders a vLLM pod (`vllm_server.serve`): proxies on is
 blend.json's `qualityProxies: true` with `engineUrl` (the shadow requests go to the
 server's own API at the lowest priority), `--scheduling-policy priority`, the operator's
-scheduler class (`--scheduler-cls`) and the default `shadow_chunk_tokens`; off is `qualityProxies: false` and vLLM's default
+scheduler class (`--scheduler-cls`) and `shadow_chunk_tokens` (`--shadow-chunk-tokens`, the
+CRD's default unless given); off is `qualityProxies: false` and vLLM's default
 flags. The prompts are the same texts as holeblend-serve's rows, as token ids with the
 separator between segments.
 """
@@ -28,7 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from holeblend_devtools.vllm_probe import SEPARATOR
-from holeblend_devtools.vllm_server import MODEL, serve
+from holeblend_devtools.vllm_server import MODEL, SHADOW_CHUNK_TOKENS, serve
 from holeblend_runtime.bench import shadow_load
 from holeblend_runtime.bench.shadow_load import Target
 
@@ -40,7 +41,13 @@ KV_CACHE_BYTES = 256 << 20
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     shadow_load.add_plan_arguments(parser, sample_rate=0.2)
+    parser.add_argument(
+        "--shadow-chunk-tokens", type=int, default=SHADOW_CHUNK_TOKENS,
+        help="spec.tuning.shadowChunkTokens of the proxies-on server (default %(default)s)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.shadow_chunk_tokens < 16:
+        parser.error("--shadow-chunk-tokens: must be >= 16 (the CRD's minimum)")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the servers
     plan = shadow_load.build_plan(
         shadow_load.token_body_maker(SEPARATOR, MODEL), warm_questions=args.warm_questions,
@@ -56,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             with serve(
                 Path(scratch) / f"run{index}", args.ratio, args.sample_rate,
                 quality_proxies=arm == "on", kv_cache_bytes=KV_CACHE_BYTES,
+                chunk_tokens=args.shadow_chunk_tokens,
             ) as server:  # fmt: skip
                 yield Target(f"{server.url}/v1/completions", server.metrics_url)
 

@@ -1226,11 +1226,11 @@ class TuningSpec(ApiModel):
     shadow_chunk_tokens: int = Field(
         default=contract.DEFAULT_SHADOW_CHUNK_TOKENS, ge=16, le=1048576
     )
-    """vLLM pods while qualityProxies is on: most prompt tokens a shadow request prefills in
-    one vLLM step beside user requests that are decoding. The operator sets the scheduler
-    class under which a shadow sits out every step in which a user request waits or
-    prefills (so a user prompt waits for a shadow at most one such chunk, and is never
-    chunked on its account) and takes whole steps when nothing else runs. Smaller: less
+    """vLLM pods while qualityProxies is on: most prompt tokens the shadow requests prefill in
+    one vLLM step, beside user requests that are decoding or alone. The operator sets the
+    scheduler class under which a shadow sits out every step in which a user request waits
+    or prefills, so a user prompt waits for a shadow at most one such chunk (also one the
+    idle floor started on an idle pod), and is never chunked on its account. Smaller: less
     wait for users, slower shadows."""
     shadow_sample_rate: float = Field(default=contract.DEFAULT_SHADOW_SAMPLE_RATE, ge=0, le=1)
     """Share of requests also run with full prefill to score the F1 proxy (within

