@@ -27,7 +27,7 @@ from pathlib import Path
 from holeblend_contract import blend_settings as contract
 from holeblend_devtools.hf_export import export_smollm2
 from holeblend_devtools.vllm_probe import blend_settings
-from holeblend_runtime.bench.shadow_load import scrape, wait_ready
+from holeblend_runtime.bench.shadow_load import RENDERED_IDLE_FLOOR, scrape, wait_ready
 from holeblend_runtime.lookup_server.processes import free_port
 
 MODEL = "smollm2"
@@ -67,10 +67,8 @@ class Server:
         return self.samples().get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-# The shadow's idle floor the operator renders for a default BlendDeployment (tuning on:
-# spec.tuning.minSamples per intervalSeconds; tests/operator/test_quality_proxies.py holds
-# the two equal).
-DEFAULT_IDLE_FLOOR = (20, 60.0)
+# The shadow's idle floor the operator renders for a default BlendDeployment (tuning on).
+DEFAULT_IDLE_FLOOR = RENDERED_IDLE_FLOOR
 
 
 def rendered_settings(

@@ -76,6 +76,10 @@ from holeblend_runtime.bench.workload import QAPrompt, WorkloadConfig, generate_
 # off; at least 5 scored samples (shadow or calibrated inline) per tuning interval.
 GOALS = {"ttft_p99_ratio": 1.10, "itl_p99_ratio": 1.10, "samples_per_interval": 5.0}
 INTERVAL_S = 60.0  # the tuner's default interval (spec.tuning.intervalSeconds)
+# The shadow's idle floor the operator renders for a default BlendDeployment with the
+# proxies on (spec.tuning.minSamples per intervalSeconds; tests/operator/
+# test_quality_proxies.py holds the two equal): (shadowIdleSamples, shadowIdleSeconds).
+RENDERED_IDLE_FLOOR = (20, INTERVAL_S)
 # (arm, phase order) per run: ABBA on the arms, the phases swapped from run to run.
 ORDER = (
     ("off", ("paced", "saturated")),
@@ -631,13 +635,16 @@ def token_body_maker(separator: str, model: str = SERVED_NAME):
 
 
 def serve_settings(ratio: float, quality_proxies: bool, sample_rate: float) -> str:
-    """blend.json as the operator renders it for a CPU pod (engineUrl only on vLLM pods)."""
+    """blend.json as the operator renders it for a CPU pod (engineUrl only on vLLM pods):
+    with the proxies on, the default BlendDeployment's idle floor (RENDERED_IDLE_FLOOR)."""
     from holeblend_contract.blend_settings import BlendSettings, ModelSettings
 
     model = ModelSettings(name=SERVE_MODEL, served_name=SERVED_NAME, dtype="float32")
+    samples, seconds = RENDERED_IDLE_FLOOR if quality_proxies else (0, INTERVAL_S)
     return BlendSettings(
         model=model, recompute_ratio=ratio, quality_proxies=quality_proxies,
-        shadow_sample_rate=sample_rate,
+        shadow_sample_rate=sample_rate, shadow_idle_samples=samples,
+        shadow_idle_seconds=seconds,
     ).to_json()  # fmt: skip
 
 

@@ -192,7 +192,9 @@ class Selector:
                 continue
             ranked = strategy.score(scores).float().masked_fill(taken, float("-inf"))
             chosen = torch.topk(ranked, count, sorted=False).indices
-            taken[chosen] = True
+            # Not `taken[chosen] = True`: on CUDA that copies the scalar from the host, and
+            # the host waits for the layers before the check (torch's sync debug mode, H200).
+            taken.index_fill_(0, chosen, True)
             picks.append(chosen)
         return tuple(picks)
 

@@ -442,6 +442,9 @@ def test_holeblend_serve_is_driven_with_the_proxies_off_and_on(tmp_path):
     result = shadow_load.run_engine("serve", start, plan, load=0.5, clients=2, seed=0, order=order)
     assert settings["on"]["qualityProxies"] is True and settings["off"]["qualityProxies"] is False
     assert settings["on"]["engineUrl"] is None  # holeblend-serve scores in-process
+    # The idle floor as the operator renders it for a default BlendDeployment, on only.
+    floor = (settings["on"]["shadowIdleSamples"], settings["on"]["shadowIdleSeconds"])
+    assert floor == shadow_load.RENDERED_IDLE_FLOOR and settings["off"]["shadowIdleSamples"] == 0
     rows = shadow_load.summarize(result)
     assert [r["load"] for r in rows] == ["paced", "saturated"]
     for row in rows:

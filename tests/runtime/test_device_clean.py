@@ -9,6 +9,8 @@ CPU-only machine, where a GPU would only have become slower.
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from holeblend_runtime.blend.blender import Blender, CachedSpan, PrefixKV
 from holeblend_runtime.blend.config import RANDOM, BlendConfig
@@ -112,6 +114,62 @@ def test_a_host_tensor_mixed_into_the_layer_loop_is_caught():
     model.finish_layer = lambda layer, h, attn: finish(layer, h, attn) + torch.zeros(h.shape)
     with pytest.raises(RuntimeError, match="not on the expected device"):
         _meta_blend(BlendConfig(check_layer=1), 0.15, model)
+
+
+class _HostScalarCopies(TorchDispatchMode):
+    """Records the ops that copy a host scalar to the device, a copy from pageable memory
+    for which the host waits on a GPU (the meta device lets both pass: torch treats 0-dim
+    host tensors as scalars):
+    - a 0-dim host tensor given to an op on device tensors;
+    - `index_put_` of a 0-dim value, i.e. Python's `x[index] = scalar` on a device tensor:
+      on CUDA, torch builds the scalar on the host and copies it (on meta, where this test
+      runs, it builds it on meta; `index_fill_` takes the scalar as a kernel argument)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        on_device = any(t.device.type == "meta" for t in tensors)
+        host_scalar = any(t.device.type == "cpu" and t.dim() == 0 for t in tensors)
+        scalar_put = func is torch.ops.aten.index_put_.default and args[2].dim() == 0
+        if on_device and (host_scalar or scalar_put):
+            self.ops.append(str(func))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("selection", ["kDeviation", "query:0.3+sinks:0.2+kvDeviation"])
+def test_no_host_scalar_is_copied_into_the_blend_loop(selection):
+    config = BlendConfig(check_layer=1, selection=selection, filter_layers=(2,))
+    with _HostScalarCopies() as recorder:
+        _meta_blend(config, 0.3, query=(110, NUM_TOKENS - 1))
+    assert recorder.ops == []
+
+
+def test_a_host_scalar_copied_into_the_blend_loop_is_caught():
+    model = Llama(CONFIG, random_weights(CONFIG), device="meta")
+    finish = model.finish_layer
+
+    def finish_with(write):
+        def finish_and_write(layer, h, attn):
+            h = finish(layer, h, attn)
+            write(h)
+            return h
+
+        return finish_and_write
+
+    rows = torch.zeros(2, dtype=torch.int64, device="meta")
+    writes = {
+        "a host tensor": lambda h: h.mul_(torch.tensor(1.0)),
+        "a Python scalar through an index": lambda h: h.__setitem__(rows, 0.0),
+    }
+    for name, write in writes.items():
+        model.finish_layer = finish_with(write)
+        with _HostScalarCopies() as recorder:
+            _meta_blend(BlendConfig(check_layer=1), 0.15, model)
+        assert recorder.ops, name
 
 
 def test_a_causal_continuation_at_explicit_positions_runs_on_the_meta_device():
