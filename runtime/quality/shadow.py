@@ -247,12 +247,14 @@ class ShadowBudget:
         """Admit a shadow of `num_tokens` (and charge it) if the account allows."""
         return self.admit(num_tokens) == "budget"
 
-    def admit(self, num_tokens: int, *, idle: bool = False) -> str | None:
+    def admit(self, num_tokens: int, *, idle: bool = False, sampled: bool = True) -> str | None:
         """Admit a shadow of `num_tokens`: "budget" when the account allows (charged),
-        else "idle" when `idle` and the floor is open (counted apart), else None."""
+        else "idle" when `idle` and the floor is open (counted apart), else None.
+        `sampled`: the sample rate took the request; a request it passed over that the
+        floor offers is the floor's alone, never charged to the account."""
         with self._lock:
             now = self._clock()
-            if self.share > 0 and self._balance >= 0:
+            if sampled and self.share > 0 and self._balance >= 0:
                 self._balance -= num_tokens
                 self.shadow_tokens += num_tokens
                 self._admitted.append(now)
@@ -415,14 +417,15 @@ class ShadowSampler(abc.ABC):
         """Take the request for scoring or drop it; returns the outcome (never blocks).
         `idle`: no other user request is in flight (the idle floor may admit it)."""
         floor = idle and self.budget is not None and self.budget.floor_open()
-        if not floor and self._rng.random() >= self.sample_rate:
+        sampled = self._rng.random() < self.sample_rate
+        if not sampled and not floor:
             return self._count("not_sampled")
         with self._lock:
             if self._num_in_flight >= self.slots:  # queued or running
                 return self._count("dropped_full")
             kind = "budget"
             if self.budget is not None:
-                kind = self.budget.admit(request.num_shadow_tokens, idle=idle)
+                kind = self.budget.admit(request.num_shadow_tokens, idle=idle, sampled=sampled)
                 if kind is None:
                     return self._count("over_budget")
             self._num_in_flight += 1

@@ -163,6 +163,14 @@ def test_the_idle_floor_admits_past_the_budget_only_while_idle_and_within_its_wi
     # Users repay the account's debt, and the budget admits as before.
     budget.add_user_tokens(20_000)
     assert budget.admit(500) == "budget"
+    # A request the sample rate passed over is the floor's alone: never charged, even
+    # where the account has room (here a fresh one).
+    fresh = ShadowBudget(0.05, burst_tokens=1000, idle_samples=1, idle_seconds=60, clock=clock)
+    assert fresh.admit(500, idle=True, sampled=False) == "idle"
+    assert (fresh.balance, fresh.shadow_tokens, fresh.idle_tokens) == (1000, 0, 500)
+    assert fresh.admit(500, idle=True, sampled=False) is None  # the floor is met
+    assert fresh.admit(500, sampled=False) is None  # busy: nothing admits it
+    assert fresh.admit(500, idle=True) == "budget"  # sampled: the account, with room
     # No floor (the default), or no shadow at all (share 0): idle changes nothing.
     assert ShadowBudget(0.05, burst_tokens=0).admit(1) == "budget"
     assert ShadowBudget(0.05, burst_tokens=0, clock=clock).admit(1, idle=True) == "budget"

@@ -278,22 +278,22 @@ def test_the_idle_floor_scores_past_the_budget_and_the_sample_rate_and_counts_ap
             server.url, "m", 1e-9, words, eos_token_id=EOS, budget=budget, metrics=metrics
         )
         assert scorer.offer(REQUEST) == "not_sampled"  # busy: the sample rate decides
-        # Idle: the floor is open, so the sample rate does not skip it; the account
-        # (balance 0) admits this one and goes into debt.
+        # Idle: the floor is open, so the sample rate does not skip it; the sample rate
+        # passed it over, so it is the floor's (not charged, though the account has room).
         assert scorer.offer(REQUEST, idle=True) == "queued" and scorer.wait_idle(10)
-        assert budget.num_idle == 0
+        assert budget.num_idle == 1 and budget.shadow_tokens == 0 and budget.balance == 0
         early = VllmShadowRequest(PROMPT, FULL[:2], "q", 0.1, stopped_at_eos=True)
-        # In debt, idle: the floor admits it (1 of 2 in the window), with its continuation.
+        # Idle again: the floor admits it (2 of 2 in the window), with its continuation.
         assert scorer.offer(early, idle=True) == "queued" and scorer.wait_idle(10)
-        assert budget.num_idle == 1
+        assert budget.num_idle == 2
         assert scorer.offer(REQUEST, idle=True) == "not_sampled"  # the floor is met
         assert scorer.offer(REQUEST) == "not_sampled"
         assert scorer.outcomes == {"scored": 2, "not_sampled": 3}
         continuation = 3 + 3 + 15  # as in the budget test above
-        assert budget.idle_tokens == early.num_shadow_tokens + continuation
-        assert budget.shadow_tokens == REQUEST.num_shadow_tokens + (3 + 1 + 1)
-        assert budget.balance == -budget.shadow_tokens  # the idle one charged nothing
-        assert metrics.idle_requests._value.get() == 1
+        full = REQUEST.num_shadow_tokens + (3 + 1 + 1)
+        assert budget.idle_tokens == full + early.num_shadow_tokens + continuation
+        assert budget.shadow_tokens == 0 and budget.balance == 0  # the floor's charge nothing
+        assert metrics.idle_requests._value.get() == 2
         assert metrics.idle_tokens._value.get() == budget.idle_tokens
         assert metrics.tokens._value.get() == budget.shadow_tokens
     finally:
