@@ -159,8 +159,9 @@ class ShadowYieldingScheduler(Scheduler):
     def _alone(self, *args: Any, **kwargs: Any):
         """vLLM's step for the shadows alone, its token budget capped at
         `shadow_chunk_tokens` (vLLM lifts the per-request threshold for a lone request)."""
-        own = self.max_num_scheduled_tokens
-        if not self.scheduler_config.enable_chunked_prefill or own <= self.shadow_chunk_tokens:
+        own = getattr(self, "max_num_scheduled_tokens", None)  # the step's token budget
+        chunked = getattr(self.scheduler_config, "enable_chunked_prefill", False)
+        if own is None or not chunked or own <= self.shadow_chunk_tokens:
             return super().schedule(*args, **kwargs)
         self.max_num_scheduled_tokens = self.shadow_chunk_tokens
         try:
