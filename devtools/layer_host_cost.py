@@ -38,11 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        parser.error("needs CUDA: the host/device split only exists on an accelerator")
-    sizes = [int(n) for n in args.queries.split(",")]
+    try:
+        sizes = [int(n) for n in args.queries.split(",")]
+    except ValueError:
+        parser.error(f"--queries: expected comma-separated integers, got {args.queries!r}")
     if args.layers < 1 or args.calls < 1 or not all(0 < n <= args.keys for n in sizes):
         parser.error("--layers and --calls >= 1; each of --queries within 1..--keys")
+    if not torch.cuda.is_available():
+        parser.error("needs CUDA: the host/device split only exists on an accelerator")
     device, dtype = torch.device("cuda"), torch.bfloat16
     config = dataclasses.replace(preset_config(args.model), num_layers=args.layers)
     model = Llama(config, random_weights(config, device, dtype, seed=0), device=device, dtype=dtype)
