@@ -27,7 +27,7 @@ from pathlib import Path
 from holeblend_contract import blend_settings as contract
 from holeblend_devtools.hf_export import export_smollm2
 from holeblend_devtools.vllm_probe import blend_settings
-from holeblend_runtime.bench.shadow_load import RENDERED_IDLE_FLOOR, scrape, wait_ready
+from holeblend_runtime.bench.shadow_load import rendered_idle_floor, scrape, wait_ready
 from holeblend_runtime.lookup_server.processes import free_port
 
 MODEL = "smollm2"
@@ -67,10 +67,6 @@ class Server:
         return self.samples().get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-# The shadow's idle floor the operator renders for a default BlendDeployment (tuning on).
-DEFAULT_IDLE_FLOOR = RENDERED_IDLE_FLOOR
-
-
 def rendered_settings(
     ratio: float,
     quality_proxies: bool,
@@ -89,7 +85,7 @@ def rendered_settings(
     }
     if shadow_budget is not None:
         settings["shadowBudget"] = shadow_budget
-    samples, seconds = shadow_idle or (DEFAULT_IDLE_FLOOR if quality_proxies else (0, 60.0))
+    samples, seconds = shadow_idle or rendered_idle_floor(quality_proxies)
     settings["shadowIdleSamples"], settings["shadowIdleSeconds"] = samples, seconds
     settings["engineUrl"] = engine_url if quality_proxies else None
     return settings

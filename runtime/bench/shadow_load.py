@@ -80,6 +80,14 @@ INTERVAL_S = 60.0  # the tuner's default interval (spec.tuning.intervalSeconds)
 # proxies on (spec.tuning.minSamples per intervalSeconds; tests/operator/
 # test_quality_proxies.py holds the two equal): (shadowIdleSamples, shadowIdleSeconds).
 RENDERED_IDLE_FLOOR = (20, INTERVAL_S)
+
+
+def rendered_idle_floor(quality_proxies: bool) -> tuple[int, float]:
+    """(shadowIdleSamples, shadowIdleSeconds) as rendered: the default's floor while the
+    proxies are on, none (0 samples) while they are off."""
+    return RENDERED_IDLE_FLOOR if quality_proxies else (0, INTERVAL_S)
+
+
 # (arm, phase order) per run: ABBA on the arms, the phases swapped from run to run.
 ORDER = (
     ("off", ("paced", "saturated")),
@@ -640,7 +648,7 @@ def serve_settings(ratio: float, quality_proxies: bool, sample_rate: float) -> s
     from holeblend_contract.blend_settings import BlendSettings, ModelSettings
 
     model = ModelSettings(name=SERVE_MODEL, served_name=SERVED_NAME, dtype="float32")
-    samples, seconds = RENDERED_IDLE_FLOOR if quality_proxies else (0, INTERVAL_S)
+    samples, seconds = rendered_idle_floor(quality_proxies)
     return BlendSettings(
         model=model, recompute_ratio=ratio, quality_proxies=quality_proxies,
         shadow_sample_rate=sample_rate, shadow_idle_samples=samples,

@@ -147,14 +147,10 @@ class ShadowYieldingScheduler(Scheduler):
         vLLM lifts it when a shadow is the only request."""
         config = self.scheduler_config
         own = config.long_prefill_token_threshold
-        config.long_prefill_token_threshold = (
-            min(own, self.shadow_chunk_tokens) if own > 0 else self.shadow_chunk_tokens
+        cap = min(own, self.shadow_chunk_tokens) if own > 0 else self.shadow_chunk_tokens
+        return self._step_with(
+            config, "long_prefill_token_threshold", cap, "chunked", *args, **kwargs
         )
-        try:
-            return super().schedule(*args, **kwargs)
-        finally:
-            config.long_prefill_token_threshold = own
-            self._count("chunked")
 
     def _alone(self, *args: Any, **kwargs: Any):
         """vLLM's step for the shadows alone, its token budget capped at
@@ -163,12 +159,19 @@ class ShadowYieldingScheduler(Scheduler):
         chunked = getattr(self.scheduler_config, "enable_chunked_prefill", False)
         if own is None or not chunked or own <= self.shadow_chunk_tokens:
             return super().schedule(*args, **kwargs)
-        self.max_num_scheduled_tokens = self.shadow_chunk_tokens
+        cap = self.shadow_chunk_tokens
+        return self._step_with(self, "max_num_scheduled_tokens", cap, "alone", *args, **kwargs)
+
+    def _step_with(self, owner: Any, name: str, value: int, action: str, *args: Any, **kwargs: Any):
+        """vLLM's step with `owner.name` set to `value` for it (restored after), counted
+        as `action`."""
+        own = getattr(owner, name)
+        setattr(owner, name, value)
         try:
             return super().schedule(*args, **kwargs)
         finally:
-            self.max_num_scheduled_tokens = own
-            self._count("alone")
+            setattr(owner, name, own)
+            self._count(action)
 
     def _count(self, action: str, steps: int = 1) -> None:
         self.shadow_steps[action] += steps

@@ -8,13 +8,13 @@ import pytest
 import yaml
 
 from holeblend_contract.blend_settings import DEFAULT_SHADOW_CHUNK_TOKENS, SHADOW_SCHEDULER_CLS
-from holeblend_devtools.vllm_server import DEFAULT_IDLE_FLOOR
 from holeblend_operator.api import BlendDeployment, spec_notices
 from holeblend_operator.cli import main
 from holeblend_operator.render import config_hash, render_children
 from holeblend_operator.render.runtime_config import runtime_config
 from holeblend_operator.tuner import Reading, State, decide
 from holeblend_operator.tuning_loop import no_proxies, status_patch
+from holeblend_runtime.bench.shadow_load import RENDERED_IDLE_FLOOR
 from holeblend_runtime.vllm_connector.settings import shadow_chunk_tokens
 from tests.operator.crd_validation import api_server_errors
 from tests.operator.test_render import MINIMAL, engine_container, env_of, find
@@ -73,7 +73,7 @@ def test_the_default_vllm_deployment_scores_the_proxies_and_tunes_on_them():
 def test_the_idle_floor_is_the_tuners_min_samples_per_interval_while_it_tunes():
     settings = rendered_settings(vllm())
     floor = (settings["shadowIdleSamples"], settings["shadowIdleSeconds"])
-    assert floor == (20, 60.0) == DEFAULT_IDLE_FLOOR  # what the vLLM benchmarks render
+    assert floor == (20, 60.0) == RENDERED_IDLE_FLOOR  # what the benchmarks render
     tuned = rendered_settings(vllm({"minSamples": 4, "intervalSeconds": 45}))
     assert (tuned["shadowIdleSamples"], tuned["shadowIdleSeconds"]) == (4, 45.0)
     serve = rendered_settings(bd_of(tuning={"minSamples": 6}))  # holeblend-serve pods too
