@@ -17,11 +17,12 @@ load with the proxies off and on, on holeblend-serve (this module) and on vllm-c
    without its hole document and with its documents in another order (a full miss that
    caches them), then whole, `LAG` requests later (a blended request around a hole). A
    run sends `--warm-questions` such pairs one at a time (the first run measures the
-   service time there); a proxies-on run then waits until no shadow is in flight and
-   sends up to `--calibrate-questions` more pairs (pass 1 asking for one token) until the
-   inline proxy's calibration holds `MIN_PAIRS` pairs, as on a pod that has served a
-   while (`calibrate`; the JSON says what it took and whether it got there); then two
-   phases:
+   service time there); then every run sends `--calibrate-questions` more pairs one at
+   a time (pass 1 asking for one token), a proxies-on run waiting after each until its
+   shadow is done, so that its inline proxy's calibration holds `MIN_PAIRS` pairs as on
+   a pod that has served a while (`settle`; the JSON says what it took and whether the
+   calibration got there). Both arms send them, so the phases start from servers with
+   the same history and differ by the proxies alone; then two phases:
    - `paced`: open-loop arrivals (seeded exponential gaps) at `--load` of the service
      rate measured in the first run, each request in its own thread;
    - `saturated`: `--clients` closed-loop clients with no think time, each sending the
@@ -116,6 +117,9 @@ LOG = functools.partial(print, flush=True)  # progress lines (to a file: not buf
 # Pairs the inline proxy's calibration needs to estimate (inline_proxy.MIN_PAIRS, kept
 # here so that the vLLM environment need not import the runtime's torch code for it).
 MIN_PAIRS = 8
+# Pairs sent before the phases (`settle`): room for MIN_PAIRS shadow pairs with a few
+# requests the inline statistic does not cover.
+CALIBRATE_QUESTIONS = 12
 
 
 # --- requests -------------------------------------------------------------------------
@@ -128,8 +132,8 @@ class Plan:
     warm: tuple[dict, ...]
     phases: dict[str, tuple[dict, ...]]
     is_hole: dict[str, tuple[bool, ...]]  # per phase request: a whole (blended) prompt
-    # Proxies-on runs, before the phases: (first pass asking for one token, whole prompt)
-    # per question, sent until the inline proxy is calibrated (`calibrate`).
+    # Every run, before the phases: (first pass asking for one token, whole prompt) per
+    # question (`settle`).
     calibrate: tuple[tuple[dict, dict], ...] = ()
 
 
@@ -377,21 +381,23 @@ def wait_shadows_done(metrics_url: str, timeout_s: float = 60.0) -> bool:
     return True
 
 
-def calibrate(target: Target, pairs: Sequence[tuple[dict, dict]], min_pairs: int) -> dict:
-    """Sends the pairs one request at a time until the inline proxy's calibration holds
-    `min_pairs` pairs (a pod that has served a while); what it took."""
+def settle(
+    target: Target, pairs: Sequence[tuple[dict, dict]], min_pairs: int, *, proxies_on: bool
+) -> dict:
+    """Sends every pair one request at a time, as a pod that has served a while has; with
+    the proxies on it waits after each pair until its shadow is done (idle time in which a
+    pod's floor scores it), so the inline proxy's calibration fills. Both arms send the
+    same pairs, so that the measured phases start from servers with the same history
+    (stored documents, index, allocator) and differ by the proxies alone; what it took."""
     started, sent = time.monotonic(), 0
-    counts = proxy_counts(scrape(target.metrics_url))
     for first, whole in pairs:
-        if counts["inline_pairs"] >= min_pairs:
-            break
         for body in (first, whole):
             timing = stream(target.completions_url, body)
             if not timing.ok:
-                raise RuntimeError(f"calibration request failed: {timing.error}")
+                raise RuntimeError(f"settling request failed: {timing.error}")
             sent += 1
-        counts = proxy_counts(scrape(target.metrics_url))
-    wait_shadows_done(target.metrics_url)
+        if proxies_on:
+            wait_shadows_done(target.metrics_url)
     counts = proxy_counts(scrape(target.metrics_url))
     return {
         "requests": sent,
@@ -440,11 +446,9 @@ def run_engine(
                 service_s = service_time([t.return_s for t in warm])
                 count = max(len(plan.phases["paced"]), 1)
                 gaps = [rng.expovariate(load / service_s) for _ in range(count)]
-            calibration = None
             if arm == "on":
                 wait_shadows_done(target.metrics_url)
-                if plan.calibrate:
-                    calibration = calibrate(target, plan.calibrate, min_pairs)
+            calibration = settle(target, plan.calibrate, min_pairs, proxies_on=arm == "on")
             log(
                 f"{engine} run {index} ({arm}): warm-up {time.monotonic() - warm_started:.0f} s"
                 f" (service time {service_s:.3f} s), calibration {calibration}"
@@ -712,9 +716,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser, sample_rate: float) -> N
     parser.add_argument(
         "--calibrate-questions",
         type=int,
-        default=160,
-        help="proxies on: at most this many more pairs before the phases, until the inline "
-        "proxy is calibrated (0: none)",
+        default=CALIBRATE_QUESTIONS,
+        help="pairs both arms send one at a time before the phases (proxies on: each "
+        "followed by its shadow, calibrating the inline proxy); 0: none",
     )
     parser.add_argument("--load", type=float, default=0.6, help="paced: arrival / service rate")
     parser.add_argument("--clients", type=int, default=4, help="saturated: closed-loop clients")

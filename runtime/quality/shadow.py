@@ -17,7 +17,11 @@ and scores the blended request against it:
    decode step. While the engine is idle it runs freely; while the engine serves, the
    engine grants it one unit (a layer, a decode step) between its own steps, at most a
    `time_share` of the time, and waits for that unit: a user request waits for at most
-   one unit of shadow work, and the shadow still progresses under sustained load.
+   one unit of shadow work, and the shadow still progresses under sustained load. A
+   shadow the idle floor admitted gets no such share: it runs only while the engine is
+   idle (a unit running when a request arrives is finished first), and gives its slot up
+   (`expired`) when the engine serves for longer than `IDLE_PATIENCE_S` at one stretch,
+   so the floor costs a user request at most one unit and nothing beyond.
    Pausing inside the model rather than between small chunks keeps the chunks large: a
    512-token prompt prefilled 32 tokens at a time took twice as long on two CPU cores.
 3. Teacher-forced on the blended answer, full prefill's next-token argmax at each answer
@@ -75,6 +79,14 @@ RUN_ON_TOKENS = 16
 BURST_TOKENS = 2048
 # Most of the engine's time the shadow takes while the engine serves (`ShadowGate`).
 SHADOW_TIME_SHARE = 0.1
+# How long a shadow the idle floor admitted waits, at one stretch, for the engine to be
+# idle again before it gives its slot up (`ShadowGate.idle_only`): several service times
+# of a lightly loaded pod, well inside a tuning interval.
+IDLE_PATIENCE_S = 10.0
+
+
+class ShadowExpired(Exception):
+    """An idle-only shadow waited longer than its patience for the engine to be idle."""
 
 
 def serving_time_share(budget: float) -> float:
@@ -139,7 +151,7 @@ class ShadowMetrics:
         self.offers = Counter(
             "holeblend_shadow_requests",
             "Requests offered for shadow scoring, by outcome (scored, not_sampled, "
-            "over_budget, dropped_full, failed).",
+            "over_budget, dropped_full, expired, failed).",
             ["outcome"],
             registry=registry,
         )
@@ -295,6 +307,11 @@ class ShadowGate:
       beside the shadow.
     - Engine serving, not cooperative (nothing calls `between_steps`): the shadow runs a
       unit beside the engine at the same pacing.
+    - `idle_only` (set per shadow, `begin`; the idle floor's shadows): no unit while the
+      engine serves, granted or paced; a unit running when a request arrives is still
+      finished first. A wait longer than `idle_patience_s` at one stretch raises
+      `ShadowExpired` in the shadow's thread, so a floor shadow caught by sustained load
+      gives its slot up instead of holding it.
     """
 
     def __init__(
@@ -304,12 +321,18 @@ class ShadowGate:
         time_share: float = SHADOW_TIME_SHARE,
         cooperative: bool = False,
         max_unit_wait_s: float = 10.0,
+        idle_patience_s: float = IDLE_PATIENCE_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not 0 < time_share <= 1:
             raise ValueError(f"time_share: must be within (0, 1], got {time_share}")
+        if not idle_patience_s > 0:
+            raise ValueError(f"idle_patience_s: must be > 0, got {idle_patience_s}")
         self.is_busy, self.time_share, self.cooperative = is_busy, time_share, cooperative
-        self.max_unit_wait_s, self._clock = max_unit_wait_s, clock
+        self.max_unit_wait_s, self.idle_patience_s, self._clock = (
+            max_unit_wait_s, idle_patience_s, clock
+        )
+        self.idle_only = False  # the running shadow's units only while the engine is idle
         self._cond = threading.Condition()
         self._running_since: float | None = None  # a unit runs
         self._waiting = False  # the shadow waits for a grant
@@ -318,17 +341,30 @@ class ShadowGate:
         self.num_units = 0
         self.num_granted = 0  # units run while the engine served
 
+    def begin(self, *, idle_only: bool) -> None:
+        """Shadow thread, before a shadow's first unit: whether it runs only while the
+        engine is idle."""
+        with self._cond:
+            self.idle_only = idle_only
+
     def enter(self) -> None:
         """Shadow thread, before a unit: ends the previous unit; returns when this one
-        may run."""
+        may run (`ShadowExpired`: an idle-only shadow waited past its patience)."""
         with self._cond:
             self._end_unit()
             granted = False
+            waiting_since = self._clock()
             while self.is_busy():
-                if self._granted:
+                if self.idle_only:
+                    if self._clock() - waiting_since > self.idle_patience_s:
+                        self._waiting = self._granted = False
+                        raise ShadowExpired(
+                            f"the engine served for over {self.idle_patience_s:g} s"
+                        )
+                elif self._granted:
                     self._granted, granted = False, True
                     break
-                if not self.cooperative and self._clock() >= self._next_at:
+                elif not self.cooperative and self._clock() >= self._next_at:
                     granted = True
                     break
                 self._waiting = True
@@ -340,17 +376,17 @@ class ShadowGate:
             self.num_granted += granted
 
     def leave(self) -> None:
-        """Shadow thread: the shadow's work is over (scored, failed)."""
+        """Shadow thread: the shadow's work is over (scored, failed, expired)."""
         with self._cond:
             self._end_unit()
-            self._granted = False
+            self._granted = self.idle_only = False
 
     def between_steps(self) -> None:
         """Engine thread, before each step while it serves: finish a running unit, or
         grant a waiting one when the pacing allows and wait for it."""
         with self._cond:
             if self._running_since is None and not (
-                self._waiting and self._clock() >= self._next_at
+                self._waiting and not self.idle_only and self._clock() >= self._next_at
             ):
                 return
             if self._running_since is None:
@@ -459,6 +495,7 @@ class ShadowSampler(abc.ABC):
         while (job := self._jobs.get()) is not None:
             request, self._running_idle = job
             try:
+                self.gate.begin(idle_only=self._running_idle)
                 score = self.score(request)
                 self.scores = [*self.scores[-999:], score]
                 if self.metrics is not None:
@@ -466,6 +503,9 @@ class ShadowSampler(abc.ABC):
                 if self.inline is not None:
                     self.inline.add_pair(getattr(request, "inline_statistic", None), score)
                 self._count("scored")
+            except ShadowExpired as expired:
+                LOG.info("idle-floor shadow given up: %s", expired)
+                self._count("expired")
             except Exception:  # a shadow must never take the engine down
                 LOG.exception("shadow scoring failed")
                 self._count("failed")

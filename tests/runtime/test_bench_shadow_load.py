@@ -379,14 +379,14 @@ def fake_server(on: bool):
         server.server_close()
 
 
-def test_every_run_sends_the_same_requests_and_only_proxies_on_runs_calibrate(capsys):
+def test_every_run_sends_the_same_requests_and_proxies_on_runs_calibrate(capsys):
     def make_body(system, documents, question, max_tokens):
         # The workload's questions have 4 documents; pass 1 leaves the middle one out.
         return {"q": question, "hole": len(documents) == 4, "max_tokens": max_tokens}
 
     plan = shadow_load.build_plan(
         make_body, warm_questions=2, paced_questions=2, saturated_questions=2, max_tokens=3,
-        calibrate_questions=10,
+        calibrate_questions=4,
     )  # fmt: skip
     servers = []
 
@@ -399,13 +399,18 @@ def test_every_run_sends_the_same_requests_and_only_proxies_on_runs_calibrate(ca
     result = shadow_load.run_engine("fake", start, plan, load=0.5, clients=2, seed=0, min_pairs=3)
     assert [arm for arm, _ in servers] == ["off", "on", "on", "off"]
     sent = [[(b["q"], b["hole"]) for b in s.state["requests"]] for _, s in servers]
-    calibration = {q for pair in plan.calibrate for q in (pair[0]["q"],)}
-    measured = [[r for r in run if r[0] not in calibration] for run in sent]
-    assert all(sorted(m) == sorted(measured[0]) for m in measured)  # the same requests
-    assert [len(r) - len(m) for r, m in zip(sent, measured, strict=True)] == [0, 2, 2, 0]
-    # Proxies on: calibrated (3 pairs with the warm-up's 2) before the phases began.
-    on = [p for p in result["phases"] if p["arm"] == "on"]
-    assert all(p["calibration"]["calibrated"] and p["calibration"]["requests"] == 2 for p in on)
+    # Every run, proxies on or off, sends the same requests: the settling pairs in order
+    # before the phases (pass 1 first), then the phases.
+    assert all(sorted(run) == sorted(sent[0]) for run in sent)
+    settling = [(b["q"], b["hole"]) for pair in plan.calibrate for b in pair]
+    assert len(settling) == 8
+    assert all(run[4 : 4 + len(settling)] == settling for run in sent)  # after the warm-up
+    # Proxies on: calibrated (the warm-up's 2 pairs and the 4 settling ones) before the
+    # phases began; off: the same requests, no calibration.
+    calibrations = {p["arm"]: p["calibration"] for p in result["phases"]}
+    assert calibrations["on"]["calibrated"] and calibrations["on"]["inline_pairs"] == 6
+    assert calibrations["off"] == calibrations["off"] | {"requests": 8, "calibrated": False}
+    assert calibrations["on"]["requests"] == 8
     assert [p["load"] for p in result["phases"]] == [
         "paced", "saturated", "saturated", "paced", "paced", "saturated", "saturated", "paced",
     ]  # fmt: skip

@@ -271,6 +271,70 @@ def test_a_unit_running_when_a_request_arrives_is_the_only_one_it_waits_for():
     gate.leave()
 
 
+def test_an_idle_only_unit_waits_for_idle_and_is_never_granted_while_the_engine_serves():
+    busy = threading.Event()
+    gate = ShadowGate(busy.is_set, cooperative=True, time_share=1.0, idle_patience_s=30)
+    gate.begin(idle_only=True)
+    gate.enter()  # idle: the first unit runs at once
+    busy.set()  # a request arrives while it runs
+    entered = threading.Event()
+
+    def next_unit():
+        time.sleep(0.05)
+        gate.enter()  # the unit ends; the next one waits for the engine to be idle
+        entered.set()
+
+    worker = threading.Thread(target=next_unit, daemon=True)
+    worker.start()
+    started = time.monotonic()
+    gate.between_steps()  # the running unit is finished first (as for any shadow)
+    assert time.monotonic() - started < 0.6
+    # A time share of 1 would grant the next unit at once; idle-only gets none.
+    for _ in range(20):
+        started = time.monotonic()
+        gate.between_steps()
+        assert time.monotonic() - started < 0.05
+        time.sleep(0.01)
+    assert not entered.is_set() and gate.num_granted == 0
+    busy.clear()
+    assert entered.wait(2)  # idle again: the shadow goes on
+    gate.leave()
+    assert not gate.idle_only  # the next shadow starts as a budget one
+    gate.enter()  # ... and a budget shadow is paced, not held, while the engine serves
+    busy.set()
+    worker = threading.Thread(target=gate.enter, daemon=True)
+    worker.start()
+    time.sleep(0.05)
+    gate.between_steps()  # grants the waiting unit (share 1: no pause)
+    worker.join(2)
+    assert not worker.is_alive() and gate.num_granted == 1
+    gate.leave()
+
+
+def test_an_idle_only_shadow_under_sustained_load_expires_and_frees_the_slot(engine):
+    request = blended_request(engine)
+    busy = threading.Event()
+    gate = ShadowGate(busy.is_set, time_share=1.0, idle_patience_s=0.3)
+    budget = ShadowBudget(0.05, burst_tokens=0, idle_samples=5, idle_seconds=60)
+    budget.admit(request.num_shadow_tokens)  # the account in debt: only the floor admits
+    shadow = scorer(engine, gate=gate, budget=budget, chunk_tokens=64)
+    try:
+        assert shadow.offer(request, idle=True) == "queued"
+        busy.set()  # sustained load from now on
+        started = time.monotonic()
+        assert shadow.wait_idle(30), "the floor's shadow held its slot under load"
+        assert 0.3 <= time.monotonic() - started < 10
+        assert shadow.outcomes == {"expired": 1} and gate.num_granted == 0
+        assert shadow.offer(request, idle=True) == "queued"  # the slot is free again
+        busy.clear()
+        assert shadow.wait_idle(60)
+        assert shadow.outcomes == {"expired": 1, "scored": 1}
+    finally:
+        shadow.close()
+    with pytest.raises(ValueError, match="idle_patience_s"):
+        ShadowGate(busy.is_set, idle_patience_s=0)
+
+
 def test_the_shadow_checks_for_waiting_requests_before_every_layer(engine):
     # A request waits for at most one layer's work, not for a whole chunk of the prompt.
     request = blended_request(engine)
