@@ -330,7 +330,9 @@ class ShadowGate:
             raise ValueError(f"idle_patience_s: must be > 0, got {idle_patience_s}")
         self.is_busy, self.time_share, self.cooperative = is_busy, time_share, cooperative
         self.max_unit_wait_s, self.idle_patience_s, self._clock = (
-            max_unit_wait_s, idle_patience_s, clock
+            max_unit_wait_s,
+            idle_patience_s,
+            clock,
         )
         self.idle_only = False  # the running shadow's units only while the engine is idle
         self._cond = threading.Condition()
