@@ -19,9 +19,11 @@ and scores the blended request against it:
    `time_share` of the time, and waits for that unit: a user request waits for at most
    one unit of shadow work, and the shadow still progresses under sustained load. A
    shadow the idle floor admitted gets no such share: it runs only while the engine is
-   idle (a unit running when a request arrives is finished first), and gives its slot up
-   (`expired`) when the engine serves for longer than `IDLE_PATIENCE_S` at one stretch,
-   so the floor costs a user request at most one unit and nothing beyond.
+   idle (a unit running when a request arrives is finished first). When the engine
+   serves for longer than `IDLE_PATIENCE_S` at one stretch, the budget takes it over if
+   the account allows (charged then; it goes on as the budget's shadows do), else it
+   gives its slot up (`expired`). So the floor costs a user request at most one unit,
+   and what a shadow costs beyond that is the budget's.
    Pausing inside the model rather than between small chunks keeps the chunks large: a
    512-token prompt prefilled 32 tokens at a time took twice as long on two CPU cores.
 3. Teacher-forced on the blended answer, full prefill's next-token argmax at each answer
@@ -47,6 +49,7 @@ import abc
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import queue
@@ -172,6 +175,12 @@ class ShadowMetrics:
             "Prefill tokens spent by the shadow requests the idle floor admitted.",
             registry=registry,
         )
+        self.taken_over = Counter(
+            "holeblend_shadow_taken_over_requests",
+            "Idle-floor shadows that met sustained load and went on as shadowBudget's "
+            "(charged to it: their tokens count in holeblend_shadow_tokens_total too).",
+            registry=registry,
+        )
 
     def observe(self, score: ShadowScore) -> None:
         label = ratio_label(score.ratio)
@@ -278,6 +287,18 @@ class ShadowBudget:
                 return "idle"
             return None
 
+    def take_over(self, num_tokens: int) -> bool:
+        """An idle-floor shadow caught by sustained load goes on as one of the account's
+        when the account allows now (as `admit` would): charged its tokens, which move
+        from `idle_tokens` to `shadow_tokens`."""
+        with self._lock:
+            if not (self.share > 0 and self._balance >= 0):
+                return False
+            self._balance -= num_tokens
+            self.shadow_tokens += num_tokens
+            self.idle_tokens -= num_tokens
+            return True
+
     def charge(self, num_tokens: int, *, idle: bool = False) -> None:
         """Tokens an admitted shadow spent beyond its estimate (a continuation); `idle`:
         the shadow was the idle floor's."""
@@ -309,9 +330,10 @@ class ShadowGate:
       unit beside the engine at the same pacing.
     - `idle_only` (set per shadow, `begin`; the idle floor's shadows): no unit while the
       engine serves, granted or paced; a unit running when a request arrives is still
-      finished first. A wait longer than `idle_patience_s` at one stretch raises
-      `ShadowExpired` in the shadow's thread, so a floor shadow caught by sustained load
-      gives its slot up instead of holding it.
+      finished first. After a wait longer than `idle_patience_s` at one stretch the
+      shadow goes on as any shadow when `on_patience` says so (the budget took it over),
+      else `ShadowExpired` is raised in the shadow's thread, so a floor shadow caught by
+      sustained load gives its slot up instead of holding it.
     """
 
     def __init__(
@@ -335,6 +357,7 @@ class ShadowGate:
             clock,
         )
         self.idle_only = False  # the running shadow's units only while the engine is idle
+        self._on_patience: Callable[[], bool] | None = None
         self._cond = threading.Condition()
         self._running_since: float | None = None  # a unit runs
         self._waiting = False  # the shadow waits for a grant
@@ -343,11 +366,12 @@ class ShadowGate:
         self.num_units = 0
         self.num_granted = 0  # units run while the engine served
 
-    def begin(self, *, idle_only: bool) -> None:
+    def begin(self, *, idle_only: bool, on_patience: Callable[[], bool] | None = None) -> None:
         """Shadow thread, before a shadow's first unit: whether it runs only while the
-        engine is idle."""
+        engine is idle, and what decides, once its patience ran out, whether it goes on as
+        any shadow (True) or is given up."""
         with self._cond:
-            self.idle_only = idle_only
+            self.idle_only, self._on_patience = idle_only, on_patience
 
     def enter(self) -> None:
         """Shadow thread, before a unit: ends the previous unit; returns when this one
@@ -359,10 +383,12 @@ class ShadowGate:
             while self.is_busy():
                 if self.idle_only:
                     if self._clock() - waiting_since > self.idle_patience_s:
-                        self._waiting = self._granted = False
-                        raise ShadowExpired(
-                            f"the engine served for over {self.idle_patience_s:g} s"
-                        )
+                        if self._on_patience is None or not self._on_patience():
+                            self._waiting = self._granted = False
+                            raise ShadowExpired(
+                                f"the engine served for over {self.idle_patience_s:g} s"
+                            )
+                        self.idle_only = False  # taken over: paced as any shadow
                 elif self._granted:
                     self._granted, granted = False, True
                     break
@@ -382,6 +408,7 @@ class ShadowGate:
         with self._cond:
             self._end_unit()
             self._granted = self.idle_only = False
+            self._on_patience = None
 
     def between_steps(self) -> None:
         """Engine thread, before each step while it serves: finish a running unit, or
@@ -442,6 +469,9 @@ class ShadowSampler(abc.ABC):
         self._idle = threading.Event()
         self._idle.set()
         self._running_idle = False  # the running shadow is the idle floor's (worker thread)
+        # Worker thread, the running shadow's: whether the budget takes it over when its
+        # patience ran out (`_take_over`); subclasses that wait elsewhere call it too.
+        self._patience_out: Callable[[], bool] = lambda: False
         self.scores: list[ShadowScore] = []  # kept for benchmarks and tests (bounded below)
         self.outcomes: collections.Counter[str] = collections.Counter()  # offers by outcome
         self._thread = threading.Thread(target=self._work, name="shadow-prefill", daemon=True)
@@ -484,6 +514,18 @@ class ShadowSampler(abc.ABC):
                 counter = self.metrics.idle_tokens if self._running_idle else self.metrics.tokens
                 counter.inc(num_tokens)
 
+    def _take_over(self, request) -> bool:
+        """Worker thread: the running idle-floor shadow met sustained load; whether the
+        budget takes it over (then charged, and counted in the budget's tokens too)."""
+        tokens = request.num_shadow_tokens
+        if self.budget is None or not self.budget.take_over(tokens):
+            return False
+        self._running_idle = False
+        if self.metrics is not None:
+            self.metrics.tokens.inc(tokens)
+            self.metrics.taken_over.inc()
+        return True
+
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Until no shadow work is queued or running (tests, benchmarks)."""
         return self._idle.wait(timeout)
@@ -497,7 +539,8 @@ class ShadowSampler(abc.ABC):
         while (job := self._jobs.get()) is not None:
             request, self._running_idle = job
             try:
-                self.gate.begin(idle_only=self._running_idle)
+                self._patience_out = functools.partial(self._take_over, request)
+                self.gate.begin(idle_only=self._running_idle, on_patience=self._patience_out)
                 score = self.score(request)
                 self.scores = [*self.scores[-999:], score]
                 if self.metrics is not None:

@@ -16,6 +16,9 @@ on (docs/tuning.md). This scheduler decides each step, before vLLM's own schedul
   (kv_connector_extra_config `shadow_chunk_tokens`, from spec.tuning.shadowChunkTokens;
   default 128), so a prompt that arrives during that step waits
   for one small chunk, and the decodes beside it for as little.
+- **Only decoding user requests, and a shadow of the idle floor** (its transfer params
+  say `idle`; paid for by idle time, not by the budget): that shadow sits this step out as
+  well; only the budget's shadows take a chunk beside the decodes.
 - **Nothing else to run**: the shadows take at most `shadow_chunk_tokens` a step too (vLLM
   never cuts a request that runs alone, so the step's token budget is capped instead). A
   shadow admitted while the pod was idle (the idle floor) thus holds a user prompt that
@@ -37,7 +40,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -52,8 +55,10 @@ from holeblend_runtime.vllm_connector.shadow import is_shadow_request
 log = logging.getLogger(__name__)
 
 
-def is_shadow(request: Request) -> bool:
-    return is_shadow_request(getattr(request, "kv_transfer_params", None), TRANSFER_PARAMS_KEY)
+def is_shadow(request: Request, *, idle: bool = False) -> bool:
+    """A shadow request (`idle`: one the idle floor admitted)."""
+    params = getattr(request, "kv_transfer_params", None)
+    return is_shadow_request(params, TRANSFER_PARAMS_KEY, idle=idle)
 
 
 def _split(requests: Iterable[Request]) -> tuple[list[Request], list[Request]]:
@@ -106,6 +111,13 @@ class ShadowYieldingScheduler(Scheduler):
             return self._without(running_shadows, waiting_shadows, *args, **kwargs)
         if not users_running:
             return self._alone(*args, **kwargs)
+        idle_running = [r for r in running_shadows if is_shadow(r, idle=True)]
+        idle_waiting = [r for r in waiting_shadows if is_shadow(r, idle=True)]
+        if idle_running or idle_waiting:  # the floor's shadows only run alone
+            idle = len(idle_running) + len(idle_waiting)
+            budget = len(running_shadows) + len(waiting_shadows) - idle
+            step = self._chunked if budget else None  # the budget's beside the decodes
+            return self._without(idle_running, idle_waiting, *args, step=step, **kwargs)
         return self._chunked(*args, **kwargs)
 
     def _room_for(self, users_waiting: Iterable[Request]) -> bool:
@@ -129,12 +141,20 @@ class ShadowYieldingScheduler(Scheduler):
         self._count("preempted", len(shadows))
         log.debug("preempted %d shadow request(s) for user requests' KV blocks", len(shadows))
 
-    def _without(self, running: list[Request], waiting: list[Request], *args: Any, **kwargs: Any):
-        """vLLM's step with the shadows set aside: running ones keep their blocks."""
+    def _without(
+        self,
+        running: list[Request],
+        waiting: list[Request],
+        *args: Any,
+        step: Callable[..., Any] | None = None,
+        **kwargs: Any,
+    ):
+        """vLLM's step (or `step`) with these shadows set aside: running ones keep their
+        blocks."""
         self.running = [r for r in self.running if r not in running]
         self.waiting.remove_requests(waiting)
         try:
-            return super().schedule(*args, **kwargs)
+            return (step or super().schedule)(*args, **kwargs)
         finally:
             self.running.extend(running)  # the lowest priority: last
             for request in waiting:

@@ -30,6 +30,13 @@ would, and vLLM schedules the work with the rest:
    or prefills in and prefill one small chunk per step beside decoding ones. A server on the default FCFS policy may refuse a
    priority other than 0 (vLLM's API documents that): the shadow then logs a warning
    once and sends priority 0 from then on.
+5. A shadow the idle floor admitted is paid for by idle time, not by the budget: its
+   requests also carry `kv_transfer_params.holeblend.idle: true`, and the scheduler class
+   runs them only in steps no user request is in (not beside decoding ones). Such a
+   shadow waits at most `IDLE_PATIENCE_S` for an answer; past that (vLLM aborts the
+   request its client left) the budget takes it over when the account allows (sent
+   again unmarked, charged) or it is given up (`expired`), so it cannot hold the slot
+   through sustained load.
 
 Both proxies are observed by the ratio the request ran with, as in holeblend-serve.
 """
@@ -47,7 +54,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from holeblend_runtime.quality.scores import answer_f1, answer_words
-from holeblend_runtime.quality.shadow import ShadowSampler, ShadowScore, answer_budget, end_targets
+from holeblend_runtime.quality.shadow import (
+    IDLE_PATIENCE_S,
+    ShadowExpired,
+    ShadowSampler,
+    ShadowScore,
+    answer_budget,
+    end_targets,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,15 +70,20 @@ log = logging.getLogger(__name__)
 ENGINE_URL_ENV = "HOLEBLEND_ENGINE_URL"
 API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own: set when the server requires a key
 SHADOW_KEY = "shadow"  # kv_transfer_params["holeblend"]["shadow"]: a shadow request
+IDLE_KEY = "idle"  # kv_transfer_params["holeblend"]["idle"]: the idle floor's shadow
 # vLLM's priority scheduler serves smaller values first (ties by arrival) and preempts
 # the largest: the largest value its API accepts (int64) is served last.
 SHADOW_PRIORITY = (1 << 63) - 1
 _warned_env = False
 
 
-def is_shadow_request(kv_transfer_params: Any, key: str) -> bool:
+def is_shadow_request(kv_transfer_params: Any, key: str, *, idle: bool = False) -> bool:
+    """Whether a request's transfer params mark it a shadow (`idle`: one the idle floor
+    admitted)."""
     params = kv_transfer_params.get(key) if isinstance(kv_transfer_params, dict) else None
-    return isinstance(params, dict) and params.get(SHADOW_KEY) is True
+    if not (isinstance(params, dict) and params.get(SHADOW_KEY) is True):
+        return False
+    return params.get(IDLE_KEY) is True if idle else True
 
 
 def engine_url(configured: str | None) -> str | None:
@@ -213,7 +232,12 @@ class VllmShadow(ShadowSampler):
         """One greedy completion of token ids, marked as a shadow request at the lowest
         priority; its choice. A server that refuses the priority gets 0 from then on."""
         try:
-            return self._post(prompt, max_tokens, extra)
+            try:
+                return self._post(prompt, max_tokens, extra)
+            except ShadowExpired:
+                if not self._patience_out():  # the budget did not take it over
+                    raise
+                return self._post(prompt, max_tokens, extra)  # again, as the budget's
         except _PriorityRefused as refused:
             log.warning(
                 "the API server refused shadow priority %d (%s): run vLLM with "
@@ -235,15 +259,23 @@ class VllmShadow(ShadowSampler):
             "kv_transfer_params": {"holeblend": {SHADOW_KEY: True}},
             **extra,
         }
+        idle = self._running_idle
+        if idle:  # the idle floor's: only in steps no user request is in, and bounded
+            body["kv_transfer_params"]["holeblend"][IDLE_KEY] = True
         if self.priority:
             body["priority"] = self.priority
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         call = urllib.request.Request(self.url, json.dumps(body).encode(), headers, method="POST")
+        timeout_s = min(self.timeout_s, IDLE_PATIENCE_S) if idle else self.timeout_s
         try:
-            with urllib.request.urlopen(call, timeout=self.timeout_s) as response:
+            with urllib.request.urlopen(call, timeout=timeout_s) as response:
                 answer = json.loads(response.read())
+        except TimeoutError as exc:
+            if idle:
+                raise ShadowExpired(f"{self.url}: no answer within {timeout_s:g} s") from exc
+            raise ShadowFailed(f"{self.url}: {exc}") from exc
         except urllib.error.HTTPError as exc:
             detail = exc.read()[:500]
             if self.priority and exc.code in (400, 422) and b"priority" in detail.lower():

@@ -311,13 +311,16 @@ def test_an_idle_only_unit_waits_for_idle_and_is_never_granted_while_the_engine_
     gate.leave()
 
 
-def test_an_idle_only_shadow_under_sustained_load_expires_and_frees_the_slot(engine):
+def test_an_idle_only_shadow_under_sustained_load_is_taken_over_or_expires(engine):
     request = blended_request(engine)
+    tokens = request.num_shadow_tokens
     busy = threading.Event()
     gate = ShadowGate(busy.is_set, time_share=1.0, idle_patience_s=0.3)
     budget = ShadowBudget(0.05, burst_tokens=0, idle_samples=5, idle_seconds=60)
-    budget.admit(request.num_shadow_tokens)  # the account in debt: only the floor admits
-    shadow = scorer(engine, gate=gate, budget=budget, chunk_tokens=64)
+    budget.admit(tokens)  # the account in debt: it cannot take a shadow over
+    metrics = ShadowMetrics(CollectorRegistry())
+    # The sample rate takes nothing: every shadow here is the idle floor's.
+    shadow = scorer(engine, sample_rate=0.0, gate=gate, budget=budget, metrics=metrics)
     try:
         assert shadow.offer(request, idle=True) == "queued"
         busy.set()  # sustained load from now on
@@ -325,10 +328,23 @@ def test_an_idle_only_shadow_under_sustained_load_expires_and_frees_the_slot(eng
         assert shadow.wait_idle(30), "the floor's shadow held its slot under load"
         assert 0.3 <= time.monotonic() - started < 10
         assert shadow.outcomes == {"expired": 1} and gate.num_granted == 0
-        assert shadow.offer(request, idle=True) == "queued"  # the slot is free again
+        assert budget.idle_tokens == tokens and budget.shadow_tokens == tokens
+        # Users repaid the debt: the next floor shadow caught by load goes on as the
+        # account's, charged, paced as any shadow (units granted while the engine serves).
+        budget.add_user_tokens(10 * tokens / 0.05)
+        assert shadow.offer(request, idle=True) == "queued"
+        assert shadow.wait_idle(120), "the taken-over shadow made no progress"
+        assert shadow.outcomes == {"expired": 1, "scored": 1} and gate.num_granted > 0
+        # (A continuation past the blended answer is charged as it runs: >=.)
+        assert budget.idle_tokens == tokens and budget.shadow_tokens >= 2 * tokens
+        assert metrics.taken_over._value.get() == 1
+        assert metrics.tokens._value.get() >= tokens
+        # And one the engine gives idle time to is scored as the floor's alone.
         busy.clear()
-        assert shadow.wait_idle(60)
-        assert shadow.outcomes == {"expired": 1, "scored": 1}
+        granted = gate.num_granted
+        assert shadow.offer(request, idle=True) == "queued" and shadow.wait_idle(60)
+        assert shadow.outcomes["scored"] == 2 and gate.num_granted == granted
+        assert budget.idle_tokens >= 2 * tokens and metrics.taken_over._value.get() == 1
     finally:
         shadow.close()
     with pytest.raises(ValueError, match="idle_patience_s"):

@@ -324,3 +324,54 @@ def test_the_shadow_needs_the_engine_url_and_a_sample_rate(monkeypatch):
     assert VllmShadow.from_env("m", 0.5, str).url == made.url
     with pytest.raises(ValueError, match="shadowSampleRate"):
         VllmShadow("http://x", "m", 1.5, str)
+
+
+def test_the_idle_floors_shadow_is_marked_and_given_up_past_its_patience(monkeypatch):
+    bodies, release = [], threading.Event()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            release.wait(10)  # the pod serves others: no answer yet
+            self.send_response(503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *_):
+            pass
+
+    http_server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=http_server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{http_server.server_address[1]}"
+    monkeypatch.setattr(shadow_module, "IDLE_PATIENCE_S", 0.3)
+    try:
+        # The sample rate takes nothing: only the idle floor admits, and its shadow's
+        # request says so; without an answer within its patience, and with the account in
+        # debt (it cannot take the shadow over), it is given up.
+        in_debt = ShadowBudget(0.05, burst_tokens=0, idle_samples=2)
+        in_debt.admit(1)
+        floor = shadow(url, sample_rate=0.0, timeout_s=30, budget=in_debt)
+        assert floor.offer(REQUEST, idle=True) == "queued" and floor.wait_idle(10)
+        assert floor.outcomes == {"expired": 1}
+        assert bodies[-1]["kv_transfer_params"] == {"holeblend": {"shadow": True, "idle": True}}
+        assert is_shadow_request(bodies[-1]["kv_transfer_params"], "holeblend", idle=True)
+        # Past its patience with the account able to pay, the budget takes it over: sent
+        # again unmarked (here the server still does not answer: its own timeout fails it).
+        account = ShadowBudget(0.05, idle_samples=1)
+        floor = shadow(url, sample_rate=0.0, timeout_s=0.5, budget=account)
+        sent = len(bodies)
+        assert floor.offer(REQUEST, idle=True) == "queued" and floor.wait_idle(10)
+        assert floor.outcomes == {"failed": 1}
+        marks = [b["kv_transfer_params"]["holeblend"] for b in bodies[sent:]]
+        assert marks == [{"shadow": True, "idle": True}, {"shadow": True}]
+        assert account.shadow_tokens == REQUEST.num_shadow_tokens  # charged on take-over
+        # The budget's shadow: not marked idle, and its own timeout fails it, as before.
+        budget = shadow(url, timeout_s=0.3)
+        assert budget.offer(REQUEST) == "queued" and budget.wait_idle(10)
+        assert budget.outcomes == {"failed": 1}
+        assert bodies[-1]["kv_transfer_params"] == {"holeblend": {"shadow": True}}
+        assert not is_shadow_request(bodies[-1]["kv_transfer_params"], "holeblend", idle=True)
+    finally:
+        release.set()
+        http_server.shutdown()
+        http_server.server_close()

@@ -73,8 +73,11 @@ def scheduler(
     return engine
 
 
-def request(request_id: str, num_prompt: int, *, shadow: bool = False) -> Request:
-    extra = {"kv_transfer_params": {"holeblend": {"shadow": True}}} if shadow else None
+def request(
+    request_id: str, num_prompt: int, *, shadow: bool = False, idle: bool = False
+) -> Request:
+    marks = {"shadow": True, "idle": True} if idle else {"shadow": True}
+    extra = {"kv_transfer_params": {"holeblend": marks}} if shadow or idle else None
     params = SamplingParams(max_tokens=USER_TOKENS, temperature=0.0, extra_args=extra)
     priority = SHADOW_PRIORITY if shadow else 0
     return Request(request_id, list(range(10, 10 + num_prompt)), params, None, priority=priority)
@@ -171,6 +174,35 @@ def test_a_user_request_arriving_while_a_shadow_runs_alone_waits_one_chunk():
     seen = [step(engine) for _ in range(SHADOW_PROMPT // CHUNK + USER_TOKENS + 2)]
     assert all(s.get("shadow", 0) <= CHUNK for s in seen)
     assert engine.requests.get("shadow") is None
+
+
+def test_an_idle_floor_shadow_runs_only_in_steps_no_user_request_is_in():
+    engine = scheduler()
+    engine.add_request(request("decoder", 40))
+    engine.add_request(request("floor", SHADOW_PROMPT, idle=True))
+    engine.add_request(request("budget", SHADOW_PROMPT, shadow=True))
+    assert step(engine) == {"decoder": 40}  # both shadows wait behind the user's prefill
+    # While the user request decodes, the budget's shadow takes a chunk beside it; the
+    # floor's does not (paid for by idle time, it shares no step with a user request).
+    decoding = [step(engine) for _ in range(USER_TOKENS - 1)]
+    assert decoding == [{"decoder": 1, "budget": CHUNK}] * (USER_TOKENS - 1)
+    assert engine.requests.get("decoder") is None
+    # Alone, the shadows run within the lone step's capped budget, the floor's too.
+    alone = [step(engine) for _ in range(2 * SHADOW_PROMPT // CHUNK)]
+    assert all(sum(tokens.values()) <= CHUNK for tokens in alone)
+    assert any(tokens.get("floor", 0) > 0 for tokens in alone)
+    # A floor shadow alone beside a decoding user request: vLLM's own step without it.
+    engine = scheduler()
+    engine.add_request(request("floor", SHADOW_PROMPT, idle=True))
+    assert step(engine) == {"floor": CHUNK}  # idle: it runs, a chunk
+    engine.add_request(request("user", USER_PROMPT))
+    assert step(engine) == {"user": USER_PROMPT}
+    paused = engine.shadow_steps["paused"]
+    assert [step(engine) for _ in range(USER_TOKENS - 1)] == [{"user": 1}] * (USER_TOKENS - 1)
+    assert engine.shadow_steps["paused"] == paused + USER_TOKENS - 1
+    assert engine.shadow_steps["chunked"] == 0
+    assert step(engine) == {"floor": CHUNK}  # the user request ended: alone again
+    assert engine.requests["floor"].num_preemptions == 0
 
 
 def test_without_chunked_prefill_a_lone_shadow_keeps_whole_steps():
