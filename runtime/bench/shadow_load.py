@@ -117,6 +117,9 @@ LOG = functools.partial(print, flush=True)  # progress lines (to a file: not buf
 # Pairs the inline proxy's calibration needs to estimate (inline_proxy.MIN_PAIRS, kept
 # here so that the vLLM environment need not import the runtime's torch code for it).
 MIN_PAIRS = 8
+# How long the settling waits for a server to count a pair's blended request (vLLM's
+# connector counts it as the request finishes, which may be after its response).
+COUNT_WAIT_S = 2.0
 # Pairs sent before the phases (`settle`): room for MIN_PAIRS shadow pairs with a few
 # requests the inline statistic does not cover.
 CALIBRATE_QUESTIONS = 12
@@ -371,9 +374,24 @@ def shadows_in_flight(counts: dict[str, Any]) -> float:
     return counts["blended"] - sum(counts["offers"].values())
 
 
-def wait_shadows_done(metrics_url: str, timeout_s: float = 60.0) -> bool:
-    """Until no shadow is in flight (False: still some after `timeout_s`)."""
+def wait_shadows_done(
+    metrics_url: str,
+    timeout_s: float = 60.0,
+    *,
+    blended_over: float | None = None,
+    count_wait_s: float = COUNT_WAIT_S,
+) -> bool:
+    """Until no shadow is in flight (False: still some after `timeout_s`). `blended_over`:
+    first wait (up to `count_wait_s`) until the server counts more blended requests than
+    that, since an engine may count a request (and offer it to the shadow) only after
+    its response was sent; a request that did not blend leaves the count where it was."""
     deadline = time.monotonic() + timeout_s
+    if blended_over is not None:
+        counted = min(deadline, time.monotonic() + count_wait_s)
+        while proxy_counts(scrape(metrics_url))["blended"] <= blended_over:
+            if time.monotonic() >= counted:
+                break
+            time.sleep(0.1)
     while shadows_in_flight(proxy_counts(scrape(metrics_url))) > 0:
         if time.monotonic() >= deadline:
             return False
@@ -391,13 +409,14 @@ def settle(
     (stored documents, index, allocator) and differ by the proxies alone; what it took."""
     started, sent = time.monotonic(), 0
     for first, whole in pairs:
+        blended = proxy_counts(scrape(target.metrics_url))["blended"] if proxies_on else 0
         for body in (first, whole):
             timing = stream(target.completions_url, body)
             if not timing.ok:
                 raise RuntimeError(f"settling request failed: {timing.error}")
             sent += 1
         if proxies_on:
-            wait_shadows_done(target.metrics_url)
+            wait_shadows_done(target.metrics_url, blended_over=blended)
     counts = proxy_counts(scrape(target.metrics_url))
     return {
         "requests": sent,

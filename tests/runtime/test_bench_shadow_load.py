@@ -460,3 +460,29 @@ def test_holeblend_serve_is_driven_with_the_proxies_off_and_on(tmp_path):
     # Only the proxies-on server blends with an inline statistic and offers shadows.
     assert on[-1]["after"]["blended"] >= 1 and on[-1]["after"]["offers"]
     assert all(p["after"]["blended"] == 0 and not p["after"]["offers"] for p in off)
+
+
+def test_the_wait_for_a_shadow_first_waits_for_the_server_to_count_the_request(monkeypatch):
+    # An engine that counts a request (and offers it to the shadow) only after its
+    # response: first the old count, then the request counted with its shadow in flight,
+    # then the shadow done.
+    def script():
+        return iter(
+            [{"blended": 5, "offers": {"scored": 5}}] * 2
+            + [{"blended": 6, "offers": {"scored": 5}}] * 2
+            + [{"blended": 6, "offers": {"scored": 6}}] * 10
+        )
+
+    readings = script()
+    monkeypatch.setattr(shadow_load, "scrape", lambda url: None)
+    monkeypatch.setattr(shadow_load, "proxy_counts", lambda samples: next(readings))
+    assert shadow_load.wait_shadows_done("m", blended_over=5)
+    assert len(list(readings)) == 10 - 1  # it read on until the shadow was done
+    readings = script()
+    assert shadow_load.wait_shadows_done("m")  # without: the race returns at once
+    assert len(list(readings)) == 14 - 1
+    # A request that did not blend leaves the count: the wait gives up on it in time.
+    readings = iter([{"blended": 5, "offers": {"scored": 5}}] * 1000)
+    started = time.monotonic()
+    assert shadow_load.wait_shadows_done("m", blended_over=5, count_wait_s=0.3)
+    assert 0.3 <= time.monotonic() - started < 2
