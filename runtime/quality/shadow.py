@@ -275,9 +275,7 @@ class ShadowBudget:
         floor offers is the floor's alone, never charged to the account."""
         with self._lock:
             now = self._clock()
-            if sampled and self.share > 0 and self._balance >= 0:
-                self._balance -= num_tokens
-                self.shadow_tokens += num_tokens
+            if sampled and self._spend(num_tokens):
                 self._admitted.append(now)
                 return "budget"
             if self.share > 0 and idle and self._floor_open(now):
@@ -292,12 +290,19 @@ class ShadowBudget:
         when the account allows now (as `admit` would): charged its tokens, which move
         from `idle_tokens` to `shadow_tokens`."""
         with self._lock:
-            if not (self.share > 0 and self._balance >= 0):
+            if not self._spend(num_tokens):
                 return False
-            self._balance -= num_tokens
-            self.shadow_tokens += num_tokens
             self.idle_tokens -= num_tokens
             return True
+
+    def _spend(self, num_tokens: int) -> bool:
+        """Under the lock: charge the account when it allows (a share and a balance that
+        is not negative)."""
+        if not (self.share > 0 and self._balance >= 0):
+            return False
+        self._balance -= num_tokens
+        self.shadow_tokens += num_tokens
+        return True
 
     def charge(self, num_tokens: int, *, idle: bool = False) -> None:
         """Tokens an admitted shadow spent beyond its estimate (a continuation); `idle`:
@@ -351,11 +356,8 @@ class ShadowGate:
         if not idle_patience_s > 0:
             raise ValueError(f"idle_patience_s: must be > 0, got {idle_patience_s}")
         self.is_busy, self.time_share, self.cooperative = is_busy, time_share, cooperative
-        self.max_unit_wait_s, self.idle_patience_s, self._clock = (
-            max_unit_wait_s,
-            idle_patience_s,
-            clock,
-        )
+        self.max_unit_wait_s, self._clock = max_unit_wait_s, clock
+        self.idle_patience_s = idle_patience_s
         self.idle_only = False  # the running shadow's units only while the engine is idle
         self._on_patience: Callable[[], bool] | None = None
         self._cond = threading.Condition()
