@@ -54,7 +54,7 @@ from holeblend_runtime.kv.store_worker import (
 from holeblend_runtime.model import batch_decode
 from holeblend_runtime.model.batch_decode import DecodeSequence
 from holeblend_runtime.model.config import ModelConfig
-from holeblend_runtime.model.devices import synchronize, to_device
+from holeblend_runtime.model.devices import host_int64, synchronize, to_device
 from holeblend_runtime.model.gguf import load_model_files
 from holeblend_runtime.model.llama import Llama
 from holeblend_runtime.model.tokenizer import TextTokenizer
@@ -346,11 +346,17 @@ class BlendEngine:
         entries, num_rejected = self.fetch(prompt, keys)
         policy = ReusePolicy.PREFIX if mode is Mode.PREFIX else ReusePolicy.HOLE
         reuse = plan_reuse(prompt, [entry is not None for entry in entries], policy)
+        # The missing segments are stored before the first token is waited for: on an
+        # accelerator the store's copies queue behind the prefill (the store waits for
+        # nothing, see LocalKVStore.put) and its host work runs while the device still
+        # computes, instead of after it with the device idle. The first token's clock
+        # (`ttft_s`) then includes those copies' device time (tens of microseconds).
         if reuse.mode is ReuseMode.FULL_MISS:
-            result = self._full_prefill(prompt, started, mode, reuse, num_rejected)
+            result = self._full_prefill(prompt, started, mode, reuse, num_rejected, timed=False)
         else:
-            result = self._reuse_prefill(prompt, mode, ratio, reuse, entries, started, num_rejected)
-        return self._store_missing(result, keys, entries)
+            result = self._reuse_prefill(prompt, mode, ratio, reuse, entries, num_rejected)
+        result = self._store_missing(result, keys, entries)
+        return replace(result, ttft_s=self._elapsed(started))
 
     def _check_length(self, prompt: SegmentedPrompt) -> None:
         if prompt.num_tokens == 0:
@@ -368,9 +374,12 @@ class BlendEngine:
         mode: Mode = Mode.FULL,
         reuse: SegmentReuse | None = None,
         num_rejected: int = 0,
+        timed: bool = True,
     ) -> Prefill:
+        """Full prefill; `timed` False: `ttft_s` left at 0 for the caller to set (it
+        queues more work first)."""
         device = self.model.device
-        token_ids = torch.tensor(prompt.token_ids, device=device)
+        token_ids = to_device(host_int64(prompt.token_ids), device)
         k, v = self.model.new_kv(prompt.num_tokens)
         h = self.model.forward(token_ids, k, v, start=0)
         logits = self.model.logits(h[-1:])[0]
@@ -381,7 +390,7 @@ class BlendEngine:
             deviation=torch.empty(0, device=device),
             recomputed_positions=torch.arange(prompt.num_tokens, device=device),
             selected_positions=torch.empty(0, dtype=torch.int64, device=device),
-            ttft_s=self._elapsed(started),
+            ttft_s=self._elapsed(started) if timed else 0.0,
         )  # fmt: skip
 
     def _elapsed(self, started: float) -> float:
@@ -396,16 +405,16 @@ class BlendEngine:
         ratio: float,
         reuse: SegmentReuse,
         entries: Sequence[SegmentKV | None],
-        started: float,
         num_rejected: int,
     ) -> Prefill:
+        """A prefill that reuses cached segments; `ttft_s` left at 0 for the caller."""
         blended = self.blend_reused(prompt, reuse, entries, ratio)
         assert blended.logits is not None  # asked for: the whole prompt was blended
         return Prefill(
             prompt, mode, ratio, reuse, blended.logits, blended.k, blended.v,
             num_rejected_segments=num_rejected, num_stored_segments=0,
             deviation=blended.deviation, recomputed_positions=blended.recomputed,
-            selected_positions=blended.selected, ttft_s=self._elapsed(started),
+            selected_positions=blended.selected, ttft_s=0.0,
             num_exact_prefix_tokens=blended.num_exact_prefix_tokens,
         )  # fmt: skip
 
@@ -450,7 +459,7 @@ class BlendEngine:
             if start <= prompt.segments[i].start < end
         ]
         # On the host: the blend moves the ids it computes with its other indexes.
-        host_ids = torch.tensor(prompt.token_ids[:end])
+        host_ids = host_int64(prompt.token_ids[:end])
         device = self.model.device
         empty = torch.empty(0, dtype=torch.int64, device=device)
         if spans:
@@ -701,7 +710,7 @@ class BlendEngine:
         """KV of the tokens documents are cached after (system + separator, or nothing)."""
         offset = self.keyer.document_offset(prompt) or prompt.system.end
         k, v = self.model.new_kv(offset)
-        token_ids = torch.tensor(prompt.token_ids[:offset], device=self.model.device)
+        token_ids = to_device(host_int64(prompt.token_ids[:offset]), self.model.device)
         self.model.forward(token_ids, k, v, start=0, before_layer=before_layer)
         return k, v
 
@@ -721,7 +730,7 @@ class BlendEngine:
         offset = self.keyer.document_offset(prompt)
         k, v = self.model.new_kv(offset + segment.num_tokens)
         k[:, :, :offset], v[:, :, :offset] = context_k[:, :, :offset], context_v[:, :, :offset]
-        token_ids = torch.tensor(segment.token_ids, device=self.model.device)
+        token_ids = to_device(host_int64(segment.token_ids), self.model.device)
         self.model.forward(token_ids, k, v, start=offset, before_layer=before_layer)
         return self._segment_kv(key, k[:, :, offset:], v[:, :, offset:], start=offset)
 

@@ -430,7 +430,9 @@ class Blender:
         """Layers below the check layer: every computed token (after the exact prefix and
         the prefix's fresh positions), at its true position; yields after each layer.
         `prepare(active on the device)` (the blend's layout and the reused KV's load)
-        runs while the device computes the first layer, or before it when `early`."""
+        runs once these layers are launched, while the device computes them (the host's
+        layout takes about as long as one such layer at 2k tokens on a GPU: after the
+        first alone the device waited for it), or before them when `early`."""
         device = self.model.device
         ids_on_host = full.token_ids.device.type == "cpu"
         hosts = [full.active]
@@ -447,7 +449,7 @@ class Blender:
             keys, values = full.k[layer], full.v[layer]
             q = self.model.qkv_into(layer, h, rope, keys, values, active)
             h = self.model.attend_and_mlp(layer, h, q, keys, values, plan)
-            if cache is None:
+            if cache is None and layer == self.config.check_layer - 1:
                 cache = prepare(active)
             yield active.shape[0]
         assert cache is not None  # check_layer >= 1 (BlendConfig): the loop ran

@@ -107,6 +107,9 @@ class LocalKVStore:
         self.host_memory = host_memory
         self.admission = admission
         self._entries: OrderedDict[str, SegmentKV] = OrderedDict()
+        # Finiteness verdicts of stored entries not yet read (0-dim bool tensors where
+        # the KV is); `get` reads one into the entry's `is_finite`.
+        self._unsettled: dict[str, torch.Tensor] = {}
         self._num_bytes = 0
         self._num_evictions = 0
         self._num_refused = 0
@@ -133,6 +136,8 @@ class LocalKVStore:
         with self._lock:
             kv = self._entries.get(key)
             if kv is not None:
+                if key in self._unsettled:
+                    kv = self._entries[key] = replace(kv, is_finite=bool(self._unsettled.pop(key)))
                 self._entries.move_to_end(key)
                 if self.admission is not None:
                     self.admission.record(key, len(self._entries), hit=True)
@@ -154,11 +159,17 @@ class LocalKVStore:
         rule's choice); False if it exceeds the budget or the admission rule keeps it out."""
         if kv.num_bytes > self.capacity_bytes:
             return False
-        # The verdict is always taken afresh: an entry copied with new tensors
-        # (dataclasses.replace) would carry its original's.
-        kv = replace(kv, is_finite=finite_flags([kv])[0])
+        # The verdict is always taken afresh (an entry copied with new tensors by
+        # dataclasses.replace would carry its original's), where the KV is, and without
+        # waiting for it: a flag the entry's first `get` reads, by then long computed
+        # (a put right after a prefill would otherwise hold the host until the device
+        # finished it, and leave the device idle while the host did the rest). A copy
+        # into host memory waits for the device anyway: the verdict is read with it.
+        flag = _finite_flag(kv)
         if self.host_memory:
-            kv = replace(kv, k=_in_host_memory(kv.k), v=_in_host_memory(kv.v))
+            kv = replace(kv, k=_in_host_memory(kv.k), v=_in_host_memory(kv.v), is_finite=bool(flag))
+        else:
+            kv = replace(kv, is_finite=None)
         with self._lock:
             self._remove(kv.key)
             if self.admission is not None:
@@ -177,6 +188,8 @@ class LocalKVStore:
             while self._num_bytes + kv.num_bytes > self.capacity_bytes:
                 self._evict_oldest()
             self._entries[kv.key] = kv
+            if kv.is_finite is None:
+                self._unsettled[kv.key] = flag
             self._num_bytes += kv.num_bytes
             return True
 
@@ -191,6 +204,7 @@ class LocalKVStore:
             return tuple(self._entries)
 
     def _remove(self, key: str) -> bool:
+        self._unsettled.pop(key, None)
         kv = self._entries.pop(key, None)
         if kv is None:
             return False
@@ -198,7 +212,8 @@ class LocalKVStore:
         return True
 
     def _evict_oldest(self) -> None:
-        _, kv = self._entries.popitem(last=False)
+        key, kv = self._entries.popitem(last=False)
+        self._unsettled.pop(key, None)
         self._num_bytes -= kv.num_bytes
         self._num_evictions += 1
 
@@ -220,8 +235,18 @@ def finite_flags(entries: Sequence[SegmentKV]) -> list[bool]:
     flags = [True] * len(entries)
     for indexes in by_device.values():
         tensors = [t for i in indexes for t in (entries[i].k, entries[i].v)]
-        peaks = torch.stack(torch._foreach_norm(tensors, float("inf")))
-        checked = torch.isfinite(peaks).view(-1, 2).all(dim=1).tolist()
+        checked = _finite_peaks(tensors).view(-1, 2).all(dim=1).tolist()
         for i, is_finite in zip(indexes, checked, strict=True):
             flags[i] = is_finite
     return flags
+
+
+def _finite_flag(entry: SegmentKV) -> torch.Tensor:
+    """Whether the entry's K and V are all finite: a 0-dim bool tensor where they are,
+    not read (no wait for the device)."""
+    return _finite_peaks([entry.k, entry.v]).all()
+
+
+def _finite_peaks(tensors: list[torch.Tensor]) -> torch.Tensor:
+    # The largest magnitude of each tensor (NaN or inf if any value is), one kernel.
+    return torch.isfinite(torch.stack(torch._foreach_norm(tensors, float("inf"))))

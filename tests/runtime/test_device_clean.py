@@ -17,6 +17,7 @@ from holeblend_runtime.blend.config import RANDOM, BlendConfig
 from holeblend_runtime.blend.selection import num_to_select
 from holeblend_runtime.kv.store import SegmentKV
 from holeblend_runtime.model.config import ModelConfig
+from holeblend_runtime.model.devices import host_int64
 from holeblend_runtime.model.llama import Llama
 from holeblend_runtime.model.presets import random_weights
 
@@ -91,6 +92,32 @@ def test_mixed_selection_with_filter_layers_runs_on_the_meta_device(per_section)
     # Budget-neutral filtering keeps fewer deviation picks than the budget at the end.
     assert result.selected.device.type == "meta"
     assert 0 < result.selected.shape[0] < budget
+
+
+@pytest.mark.parametrize("check_layer", [1, 2, 3])
+def test_the_layout_runs_once_every_full_layer_is_launched(check_layer):
+    """The host lays out the blend (and queues the reused KV's load) after launching
+    every layer below the check layer and before the check layer: the device computes
+    all of them meanwhile (after only the first, it waited for the host at 2k tokens)."""
+    model = Llama(CONFIG, random_weights(CONFIG), device="meta")
+    blender = Blender(model, BlendConfig(check_layer=check_layer))
+    events = []
+    launch, lay_out = model.qkv_into, blender._layout
+
+    def qkv_into(layer, *args):
+        events.append(f"layer {layer}")
+        return launch(layer, *args)
+
+    def layout(*args):
+        events.append("layout")
+        return lay_out(*args)
+
+    model.qkv_into, blender._layout = qkv_into, layout
+    spans = [CachedSpan(start, end, _host_kv(start, end, at)) for start, end, at in SPANS]
+    token_ids = torch.randint(0, CONFIG.vocab_size, (NUM_TOKENS,)).to("meta")
+    blender.blend(token_ids, spans, 0.15, HOLES)
+    assert events.index("layout") == check_layer
+    assert events[:check_layer] == [f"layer {i}" for i in range(check_layer)]
 
 
 def test_a_host_read_in_the_layer_loop_is_caught():
@@ -355,3 +382,10 @@ def test_offsets_beyond_the_rotation_table_are_rotated_by_a_table_of_their_own()
     assert beyond._rotations._signed is None and within._rotations._signed is not None
     torch.testing.assert_close(a.k, b.k, atol=0, rtol=0)
     torch.testing.assert_close(a.logits, b.logits, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("values", [(), (7,), tuple(range(-3, 2500)), [2**62, -(2**62)]])
+def test_host_int64_equals_torch_tensor_of_the_values(values):
+    built = host_int64(values)
+    assert built.dtype == torch.int64 and built.device.type == "cpu"
+    assert torch.equal(built, torch.tensor(list(values), dtype=torch.int64))

@@ -51,6 +51,24 @@ def test_put_marks_entries_with_non_finite_values():
     assert store.put(kv) and store.get("a").is_finite is False
 
 
+def test_put_waits_for_no_device_value_and_get_reads_the_verdict():
+    # On the meta device any read of a value raises: a put that waited for the KV's
+    # finiteness (a host wait after every prefill on an accelerator) would fail here.
+    store = LocalKVStore(10 * ENTRY_BYTES)
+    meta = torch.zeros(2, 1, 3, 4, device="meta")
+    assert store.put(SegmentKV("m", meta, meta.clone(), torch.arange(3), "m"))
+    assert store.contains("m") and store.keys() == ("m",)
+    with pytest.raises(RuntimeError, match="meta"):
+        store.get("m")  # the verdict is read on the first get
+    # Taken from the tensors put, once: a later change to them is not seen.
+    kv = _kv("a")
+    assert store.put(kv)
+    kv.k[0, 0, 0, 0] = float("nan")
+    assert store.get("a").is_finite is True and store.get("a").is_finite is True
+    # Removed or evicted entries leave no verdict behind.
+    assert store.remove("a") and store.remove("m") and not store._unsettled
+
+
 def test_put_then_get_returns_the_entry():
     store = LocalKVStore(10 * ENTRY_BYTES)
     kv = _kv("a")
