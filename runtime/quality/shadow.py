@@ -17,13 +17,15 @@ and scores the blended request against it:
    decode step. While the engine is idle it runs freely; while the engine serves, the
    engine grants it one unit (a layer, a decode step) between its own steps, at most a
    `time_share` of the time, and waits for that unit: a user request waits for at most
-   one unit of shadow work, and the shadow still progresses under sustained load. A
-   shadow the idle floor admitted gets no such share: it runs only while the engine is
-   idle (a unit running when a request arrives is finished first). When the engine
-   serves for longer than `IDLE_PATIENCE_S` at one stretch, the budget takes it over if
-   the account allows (charged then; it goes on as the budget's shadows do), else it
-   gives its slot up (`expired`). So the floor costs a user request at most one unit,
-   and what a shadow costs beyond that is the budget's.
+   one unit of shadow work, and the shadow still progresses under sustained load. Every
+   shadow waits for idle time first: its units run only while the engine is idle (a unit
+   running when a request arrives is finished first), so under paced load, which leaves
+   the engine idle between requests, shadows take none of the serving time. Only when
+   the engine serves for longer than `IDLE_PATIENCE_S` at one stretch does a budget
+   shadow take its time share; a shadow the idle floor admitted is then taken over by
+   the budget if the account allows (charged then; it goes on as the budget's shadows
+   do), else it gives its slot up (`expired`). So the floor costs a user request at most
+   one unit, and what a shadow costs beyond that is the budget's, at saturation only.
    Pausing inside the model rather than between small chunks keeps the chunks large: a
    512-token prompt prefilled 32 tokens at a time took twice as long on two CPU cores.
 3. Teacher-forced on the blended answer, full prefill's next-token argmax at each answer
@@ -333,12 +335,13 @@ class ShadowGate:
       beside the shadow.
     - Engine serving, not cooperative (nothing calls `between_steps`): the shadow runs a
       unit beside the engine at the same pacing.
-    - `idle_only` (set per shadow, `begin`; the idle floor's shadows): no unit while the
-      engine serves, granted or paced; a unit running when a request arrives is still
-      finished first. After a wait longer than `idle_patience_s` at one stretch the
-      shadow goes on as any shadow when `on_patience` says so (the budget took it over),
-      else `ShadowExpired` is raised in the shadow's thread, so a floor shadow caught by
-      sustained load gives its slot up instead of holding it.
+    - `idle_only` (set per shadow, `begin`; every shadow of `ShadowSampler`): no unit
+      while the engine serves, granted or paced; a unit running when a request arrives
+      is still finished first. After a wait longer than `idle_patience_s` at one stretch
+      the shadow goes on as any shadow when `on_patience` says so (a budget shadow; a
+      floor shadow the budget took over), else `ShadowExpired` is raised in the shadow's
+      thread, so a floor shadow caught by sustained load gives its slot up instead of
+      holding it.
     """
 
     def __init__(
@@ -541,8 +544,12 @@ class ShadowSampler(abc.ABC):
         while (job := self._jobs.get()) is not None:
             request, self._running_idle = job
             try:
-                self._patience_out = functools.partial(self._take_over, request)
-                self.gate.begin(idle_only=self._running_idle, on_patience=self._patience_out)
+                # Idle time first for every shadow; past its patience a budget shadow
+                # goes on paced, a floor one only if the budget takes it over.
+                self._patience_out = (
+                    functools.partial(self._take_over, request) if self._running_idle else _goes_on
+                )
+                self.gate.begin(idle_only=True, on_patience=self._patience_out)
                 score = self.score(request)
                 self.scores = [*self.scores[-999:], score]
                 if self.metrics is not None:
@@ -573,6 +580,11 @@ class ShadowSampler(abc.ABC):
         if self.metrics is not None:
             self.metrics.offers.labels(outcome=outcome).inc()
         return outcome
+
+
+def _goes_on() -> bool:
+    # A budget shadow's patience ran out: it takes its time share (already charged).
+    return True
 
 
 def answer_budget(num_answer: int, stopped_at_eos: bool, max_tokens: int | None) -> int:

@@ -221,7 +221,9 @@ def test_under_sustained_load_the_shadow_progresses_and_delays_a_step_by_one_uni
     engine,
 ):
     request = blended_request(engine)
-    gate = RecordingGate(lambda: True, cooperative=True, time_share=0.5)
+    # Busy from the start: the budget's shadow waits out its patience for idle time,
+    # then takes its time share.
+    gate = RecordingGate(lambda: True, cooperative=True, time_share=0.5, idle_patience_s=0.2)
     shadow = scorer(engine, gate=gate, chunk_tokens=64)
     stop, waits = threading.Event(), []
     steps = threading.Thread(target=lambda: waits.extend(run_engine_steps(gate, stop, 0.002)))
@@ -244,6 +246,38 @@ def test_under_sustained_load_the_shadow_progresses_and_delays_a_step_by_one_uni
     granted = sum(end - start for start, end in gate.units)
     elapsed = gate.units[-1][1] - gate.units[0][0]
     assert granted <= 0.5 * elapsed + longest_unit  # the time share holds
+
+
+def test_under_paced_load_a_budget_shadow_runs_in_idle_time_only(engine):
+    """Requests that leave the engine idle between them: the budget's shadow takes no
+    serving time (a time share of 1 would grant it every unit it waits for)."""
+    request = blended_request(engine)
+    busy = threading.Event()
+    gate = RecordingGate(busy.is_set, cooperative=True, time_share=1.0, idle_patience_s=30)
+    shadow = scorer(engine, gate=gate, chunk_tokens=64)
+    stop = threading.Event()
+
+    def paced_engine():
+        while not stop.is_set():
+            busy.set()  # a request is served for 50 ms, its steps passing the gate
+            until = time.monotonic() + 0.05
+            while time.monotonic() < until:
+                gate.between_steps()
+                time.sleep(0.002)
+            busy.clear()
+            time.sleep(0.05)  # then the engine is idle until the next one
+
+    serving = threading.Thread(target=paced_engine, daemon=True)
+    serving.start()
+    try:
+        assert shadow.offer(request) == "queued"
+        assert shadow.wait_idle(120), "the shadow made no progress in the idle gaps"
+    finally:
+        stop.set()
+        serving.join()
+        shadow.close()
+    assert shadow.outcomes == {"scored": 1}
+    assert gate.num_units >= engine.model.num_layers and gate.num_granted == 0
 
 
 def test_a_unit_running_when_a_request_arrives_is_the_only_one_it_waits_for():
