@@ -5,6 +5,7 @@ metrics carry the ratio."""
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -217,6 +218,21 @@ def run_engine_steps(
     return waits
 
 
+def score_beside(shadow, request, serve: Callable[[threading.Event], object]) -> None:
+    """Offer `request` to `shadow` while `serve(stop)` plays the engine on another thread;
+    returns once the shadow is done (fails if it made no progress), the shadow closed."""
+    stop = threading.Event()
+    serving = threading.Thread(target=serve, args=(stop,), daemon=True)
+    serving.start()
+    try:
+        assert shadow.offer(request) == "queued"
+        assert shadow.wait_idle(120), "the shadow made no progress beside the engine"
+    finally:
+        stop.set()
+        serving.join()
+        shadow.close()
+
+
 def test_under_sustained_load_the_shadow_progresses_and_delays_a_step_by_one_unit_at_most(
     engine,
 ):
@@ -225,16 +241,8 @@ def test_under_sustained_load_the_shadow_progresses_and_delays_a_step_by_one_uni
     # then takes its time share.
     gate = RecordingGate(lambda: True, cooperative=True, time_share=0.5, idle_patience_s=0.2)
     shadow = scorer(engine, gate=gate, chunk_tokens=64)
-    stop, waits = threading.Event(), []
-    steps = threading.Thread(target=lambda: waits.extend(run_engine_steps(gate, stop, 0.002)))
-    steps.start()
-    try:
-        assert shadow.offer(request) == "queued"
-        assert shadow.wait_idle(120), "the shadow made no progress under sustained load"
-    finally:
-        stop.set()
-        steps.join()
-        shadow.close()
+    waits = []
+    score_beside(shadow, request, lambda stop: waits.extend(run_engine_steps(gate, stop, 0.002)))
     assert shadow.outcomes == {"scored": 1}
     assert gate.num_granted == gate.num_units >= engine.model.num_layers
     # While a step waits, at most one unit of shadow work starts: never two, never a chunk.
@@ -255,9 +263,8 @@ def test_under_paced_load_a_budget_shadow_runs_in_idle_time_only(engine):
     busy = threading.Event()
     gate = RecordingGate(busy.is_set, cooperative=True, time_share=1.0, idle_patience_s=30)
     shadow = scorer(engine, gate=gate, chunk_tokens=64)
-    stop = threading.Event()
 
-    def paced_engine():
+    def paced_engine(stop: threading.Event) -> None:
         while not stop.is_set():
             busy.set()  # a request is served for 50 ms, its steps passing the gate
             until = time.monotonic() + 0.05
@@ -267,15 +274,7 @@ def test_under_paced_load_a_budget_shadow_runs_in_idle_time_only(engine):
             busy.clear()
             time.sleep(0.05)  # then the engine is idle until the next one
 
-    serving = threading.Thread(target=paced_engine, daemon=True)
-    serving.start()
-    try:
-        assert shadow.offer(request) == "queued"
-        assert shadow.wait_idle(120), "the shadow made no progress in the idle gaps"
-    finally:
-        stop.set()
-        serving.join()
-        shadow.close()
+    score_beside(shadow, request, paced_engine)
     assert shadow.outcomes == {"scored": 1}
     assert gate.num_units >= engine.model.num_layers and gate.num_granted == 0
 
