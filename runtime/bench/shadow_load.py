@@ -120,6 +120,9 @@ MIN_PAIRS = 8
 # How long the settling waits for a server to count a pair's blended request (vLLM's
 # connector counts it as the request finishes, which may be after its response).
 COUNT_WAIT_S = 2.0
+# ... and, once it moved, how long it must stay put: both requests of a pair may blend,
+# and the second's count can land after the first's was read.
+COUNT_STABLE_S = 0.5
 # Pairs sent before the phases (`settle`): room for MIN_PAIRS shadow pairs with a few
 # requests the inline statistic does not cover.
 CALIBRATE_QUESTIONS = 12
@@ -380,16 +383,23 @@ def wait_shadows_done(
     *,
     blended_over: float | None = None,
     count_wait_s: float = COUNT_WAIT_S,
+    count_stable_s: float = COUNT_STABLE_S,
 ) -> bool:
     """Until no shadow is in flight (False: still some after `timeout_s`). `blended_over`:
     first wait (up to `count_wait_s`) until the server counts more blended requests than
-    that, since an engine may count a request (and offer it to the shadow) only after
-    its response was sent; a request that did not blend leaves the count where it was."""
+    that and the count stayed put for `count_stable_s`, since an engine may count a
+    request (and offer it to the shadow) only after its response was sent, and of two
+    requests that blended the second's count may come after the first's; a request that
+    did not blend leaves the count where it was."""
     deadline = time.monotonic() + timeout_s
     if blended_over is not None:
         counted = min(deadline, time.monotonic() + count_wait_s)
-        while proxy_counts(scrape(metrics_url))["blended"] <= blended_over:
-            if time.monotonic() >= counted:
+        last, moved_at = blended_over, None
+        while time.monotonic() < counted:
+            count = proxy_counts(scrape(metrics_url))["blended"]
+            if count != last:
+                last, moved_at = count, time.monotonic()
+            if moved_at is not None and time.monotonic() - moved_at >= count_stable_s:
                 break
             time.sleep(0.1)
     while shadows_in_flight(proxy_counts(scrape(metrics_url))) > 0:

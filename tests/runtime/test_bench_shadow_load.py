@@ -462,27 +462,45 @@ def test_holeblend_serve_is_driven_with_the_proxies_off_and_on(tmp_path):
     assert all(p["after"]["blended"] == 0 and not p["after"]["offers"] for p in off)
 
 
+def _counting_server(monkeypatch, *requests):
+    """A server's proxy counters over time: 5 blended requests scored before, then one
+    more per (counted at, outcome at) in `requests` (seconds from now): counted as
+    blended at the first, its offer's outcome (dropped, or its shadow done) at the second."""
+    started = time.monotonic()
+
+    def counts(samples):
+        elapsed = time.monotonic() - started
+        blended = 5 + sum(elapsed >= counted for counted, _ in requests)
+        done = 5 + sum(elapsed >= outcome for _, outcome in requests)
+        return {"blended": blended, "offers": {"scored": done}}
+
+    monkeypatch.setattr(shadow_load, "scrape", lambda url: None)
+    monkeypatch.setattr(shadow_load, "proxy_counts", counts)
+    return started
+
+
 def test_the_wait_for_a_shadow_first_waits_for_the_server_to_count_the_request(monkeypatch):
     # An engine that counts a request (and offers it to the shadow) only after its
-    # response: first the old count, then the request counted with its shadow in flight,
-    # then the shadow done.
-    def script():
-        return iter(
-            [{"blended": 5, "offers": {"scored": 5}}] * 2
-            + [{"blended": 6, "offers": {"scored": 5}}] * 2
-            + [{"blended": 6, "offers": {"scored": 6}}] * 10
-        )
-
-    readings = script()
-    monkeypatch.setattr(shadow_load, "scrape", lambda url: None)
-    monkeypatch.setattr(shadow_load, "proxy_counts", lambda samples: next(readings))
+    # response: the count moves at 0.2 s, its shadow ends at 0.9 s.
+    started = _counting_server(monkeypatch, (0.2, 0.9))
     assert shadow_load.wait_shadows_done("m", blended_over=5)
-    assert len(list(readings)) == 10 - 1  # it read on until the shadow was done
-    readings = script()
+    assert 0.9 <= time.monotonic() - started < 2.5  # it read on until the shadow was done
+    started = _counting_server(monkeypatch, (0.2, 0.9))
     assert shadow_load.wait_shadows_done("m")  # without: the race returns at once
-    assert len(list(readings)) == 14 - 1
+    assert time.monotonic() - started < 0.2
     # A request that did not blend leaves the count: the wait gives up on it in time.
-    readings = iter([{"blended": 5, "offers": {"scored": 5}}] * 1000)
-    started = time.monotonic()
+    started = _counting_server(monkeypatch)
     assert shadow_load.wait_shadows_done("m", blended_over=5, count_wait_s=0.3)
     assert 0.3 <= time.monotonic() - started < 2
+
+
+def test_the_wait_reads_on_until_both_requests_of_a_pair_are_counted(monkeypatch):
+    # Both requests of a pair blended: the first is counted at 0.1 s (its offer not
+    # taken), the second at 0.4 s with its shadow in flight until 1.2 s. A wait that
+    # stopped at the first count would let that shadow run into the next pair.
+    started = _counting_server(monkeypatch, (0.1, 0.1), (0.4, 1.2))
+    assert shadow_load.wait_shadows_done("m", blended_over=5)
+    assert time.monotonic() - started >= 1.2
+    started = _counting_server(monkeypatch, (0.1, 0.1), (0.4, 1.2))
+    assert shadow_load.wait_shadows_done("m", blended_over=5, count_stable_s=0.0)
+    assert time.monotonic() - started < 0.4  # the old wait: returned after the first count
