@@ -266,7 +266,7 @@ class BlendEngine:
         if len(documents) < 3 or prompt.num_tokens > self.config.context_length:
             return  # a context too short for a prompt with a hole
         keys = self.segment_keys(prompt)
-        full = self._full_prefill(prompt, time.perf_counter())
+        full = self._full_prefill(prompt)
 
         def entry(index: int, shift: int = 0) -> SegmentKV | None:
             segment, key = prompt.segments[index], keys[index]
@@ -341,7 +341,7 @@ class BlendEngine:
         ratio = check_ratio(self.blend_config.ratio if ratio is None else ratio)
         self._check_length(prompt)
         if mode is Mode.FULL:
-            return self._full_prefill(prompt, started)
+            return replace(self._full_prefill(prompt), ttft_s=self._elapsed(started))
         keys = self.segment_keys(prompt)
         entries, num_rejected = self.fetch(prompt, keys)
         policy = ReusePolicy.PREFIX if mode is Mode.PREFIX else ReusePolicy.HOLE
@@ -352,7 +352,7 @@ class BlendEngine:
         # computes, instead of after it with the device idle. The first token's clock
         # (`ttft_s`) then includes those copies' device time (tens of microseconds).
         if reuse.mode is ReuseMode.FULL_MISS:
-            result = self._full_prefill(prompt, started, mode, reuse, num_rejected, timed=False)
+            result = self._full_prefill(prompt, mode, reuse, num_rejected)
         else:
             result = self._reuse_prefill(prompt, mode, ratio, reuse, entries, num_rejected)
         result = self._store_missing(result, keys, entries)
@@ -370,14 +370,11 @@ class BlendEngine:
     def _full_prefill(
         self,
         prompt: SegmentedPrompt,
-        started: float,
         mode: Mode = Mode.FULL,
         reuse: SegmentReuse | None = None,
         num_rejected: int = 0,
-        timed: bool = True,
     ) -> Prefill:
-        """Full prefill; `timed` False: `ttft_s` left at 0 for the caller to set (it
-        queues more work first)."""
+        """Full prefill; `ttft_s` left at 0 for the caller (it may queue more work first)."""
         device = self.model.device
         token_ids = to_device(host_int64(prompt.token_ids), device)
         k, v = self.model.new_kv(prompt.num_tokens)
@@ -390,7 +387,7 @@ class BlendEngine:
             deviation=torch.empty(0, device=device),
             recomputed_positions=torch.arange(prompt.num_tokens, device=device),
             selected_positions=torch.empty(0, dtype=torch.int64, device=device),
-            ttft_s=self._elapsed(started) if timed else 0.0,
+            ttft_s=0.0,
         )  # fmt: skip
 
     def _elapsed(self, started: float) -> float:
