@@ -141,33 +141,19 @@ def offline_scores(
     Pass 1 and the shadow's full prefill do not depend on the ratio, so each runs once per
     question; every ratio's hole request finds the store as pass 1 left it."""
     from holeblend_runtime.engine import BlendEngine
-    from holeblend_runtime.kv.store import LocalKVStore
     from holeblend_runtime.quality.shadow import ShadowRequest, ShadowScorer
     from holeblend_runtime.serve.worker import is_blended
 
     base = BlendEngine.load(num_threads=2)
     scorer = ShadowScorer(base.model, base.tokenizer, 1.0, cache_prompt=True)
-    store = LocalKVStore(1 << 30)
-    engine = BlendEngine(base.model, base.tokenizer, base.blend_config, store)
     scores: dict[float, list[float]] = {ratio: [] for ratio in ratios}
-    for qa in generate_workload(workload)[: SWEEP_QUESTIONS * SWEEP_STRIDE : SWEEP_STRIDE]:
-        first = closed_loop.first_pass_or_hole(workload, qa, is_first=True)
-        # Pass 1 stores its documents' KV at prefill; its answer (the live stream asks for
-        # WARM_MAX_TOKENS) changes nothing in the store.
-        engine.generate(
-            engine.prefill(engine.build_prompt(qa.system, first, qa.question)), WARM_MAX_TOKENS
-        )
-        after_first_pass = set(store.keys())
-        whole = closed_loop.first_pass_or_hole(workload, qa, is_first=False)
-        prompt = engine.build_prompt(qa.system, whole, qa.question)
-        question: dict[float, float] = {}
-        for ratio in ratios:
-            prefill = engine.prefill(prompt, mode="hole", ratio=ratio)
-            answer = engine.generate(prefill, max_tokens)
-            for key in set(store.keys()) - after_first_pass:  # the hole this request stored
-                store.remove(key)
-            if is_blended(prefill):
-                question[ratio] = scorer.score(ShadowRequest(prompt, tuple(answer), ratio)).f1
+    questions = generate_workload(workload)[: SWEEP_QUESTIONS * SWEEP_STRIDE : SWEEP_STRIDE]
+    for prompt, answered in hole_requests(base, workload, questions, ratios, max_tokens):
+        question = {
+            ratio: scorer.score(ShadowRequest(prompt, tuple(answer), ratio)).f1
+            for ratio, prefill, answer in answered
+            if is_blended(prefill)
+        }
         if len(question) == len(ratios):  # scores line up across ratios, question by question
             for ratio, f1 in question.items():
                 scores[ratio].append(f1)
@@ -175,6 +161,34 @@ def offline_scores(
     for ratio, mean in sweep_means(scores).items():
         print(f"  ratio {ratio}: F1 proxy {mean:.3f} over {len(scores[ratio])}", flush=True)
     return scores
+
+
+def hole_requests(base, workload: WorkloadConfig, questions, ratios, max_tokens: int):
+    """Each question sent as the live stream sends it: pass 1 (without its hole documents,
+    in another order; its answer, WARM_MAX_TOKENS long, changes nothing in the store),
+    then the whole prompt in hole mode at each ratio, each finding the store as pass 1
+    left it. Yields (prompt, [(ratio, prefill, answer), ...]) per question; `base`: a
+    loaded `BlendEngine` whose model and tokenizer an engine on a fresh 1 GiB store uses."""
+    from holeblend_runtime.engine import BlendEngine
+    from holeblend_runtime.kv.store import LocalKVStore
+
+    store = LocalKVStore(1 << 30)
+    engine = BlendEngine(base.model, base.tokenizer, base.blend_config, store)
+    for qa in questions:
+        first = closed_loop.first_pass_or_hole(workload, qa, is_first=True)
+        engine.generate(
+            engine.prefill(engine.build_prompt(qa.system, first, qa.question)), WARM_MAX_TOKENS
+        )
+        after_first_pass = set(store.keys())
+        whole = closed_loop.first_pass_or_hole(workload, qa, is_first=False)
+        prompt = engine.build_prompt(qa.system, whole, qa.question)
+        answered = []
+        for ratio in ratios:
+            prefill = engine.prefill(prompt, mode="hole", ratio=ratio)
+            answered.append((ratio, prefill, engine.generate(prefill, max_tokens)))
+            for key in set(store.keys()) - after_first_pass:  # the hole this request stored
+                store.remove(key)
+        yield prompt, answered
 
 
 def target_of(sweep: dict[float, float]) -> float:

@@ -4,13 +4,16 @@ The shadow full prefill (shadow.py) measures quality, but only within its token 
 (blend.json `shadowBudget`); the inline proxy gives the tuner a signal for every blended
 request, at no cost beyond a sum over numbers the blend computed anyway:
 
-1. **The statistic** (`residual_deviation_share`): at the check layer the blend compares
-   each cached token's fresh K with its cached K and recomputes the tokens that moved
-   most. The share of the total squared deviation left in the cached tokens it did *not*
-   recompute (0: every deviating token was recomputed; 1: none was) says how much stale
-   KV the answer was computed on. It is taken where the shared reuse path returns
-   (`BlendEngine.blend_reused`: holeblend-serve's prefill, the vLLM connector's
-   worker).
+1. **The statistic** (`residual_deviation`): at the check layer the blend compares each
+   cached token's fresh K with its cached K and recomputes the tokens that moved most.
+   The squared deviation left in the cached tokens it did *not* recompute, per compared
+   token (0: every deviating token was recomputed), says how much stale KV the answer
+   was computed on. A mean, not a share of the total: a prompt whose cached KV barely
+   moved (its documents were stored next to the same neighbours) leaves little stale KV
+   even when the blend recomputes few of its tokens, and a share would read that as
+   mostly stale (measured: `python -m holeblend_devtools.inline_statistics`, whose
+   figures docs/tuning.md quotes). It is taken where the shared reuse path returns
+   (`BlendEngine.blend_reused`: holeblend-serve's prefill, the vLLM connector's worker).
 2. **Calibration** (`Calibration`): for requests that were both blended and shadowed, the
    pair (statistic, shadow score) is kept, per ratio (the last `MAX_PAIRS`). An isotonic
    fit (the score never rises with the statistic) maps a statistic to the expected shadow
@@ -60,19 +63,21 @@ MIN_PAIRS = 8
 MAX_PAIRS = 256
 # Ratios whose pairs are kept (the most recently used): the tuner moves among a few.
 MAX_RATIOS = 16
-STATISTIC_BUCKETS = tuple(round(0.05 * i, 2) for i in range(1, 21))
+# The statistic's scale is the model's (squared K at the check layer): buckets doubling
+# from 1/1024 to 64.
+STATISTIC_BUCKETS = tuple(2.0**e for e in range(-10, 7))
 
 
-def residual_deviation_share(
+def residual_deviation(
     prompt: SegmentedPrompt,
     reuse: SegmentReuse,
     deviation: torch.Tensor,
     selected: torch.Tensor,
     num_tokens: int | None = None,
 ) -> float | None:
-    """Share of the check-layer deviation mass left in the cached tokens the blend did not
-    recompute, in [0, 1]; None without a blend (no cached token was compared) or with a
-    deviation that is not finite.
+    """Mean check-layer deviation left in the cached tokens the blend did not recompute,
+    per compared cached token (>= 0); None without a blend (no cached token was compared)
+    or with a deviation that is not finite.
 
     `deviation` and `selected` are `Blended.deviation` / `Blended.selected` (or a
     `Prefill`'s `deviation` / `selected_positions`) of the prompt's first `num_tokens`
@@ -88,8 +93,6 @@ def residual_deviation_share(
     total = float(values.sum())
     if not math.isfinite(total):
         return None
-    if total <= 0:
-        return 0.0  # no cached token deviated: nothing stale was left
     picked = [int(p) for p in selected.detach().to("cpu").reshape(-1).tolist()]
     compared = _compared_positions(prompt, reuse, num_tokens)
     index = {p: i for i, p in enumerate(compared[-count:])} if len(compared) >= count else {}
@@ -97,7 +100,7 @@ def residual_deviation_share(
         recomputed = float(values[[index[p] for p in picked]].sum())
     else:
         recomputed = float(values.topk(min(len(picked), count)).values.sum()) if picked else 0.0
-    return min(1.0, max(0.0, (total - recomputed) / total))
+    return max(0.0, total - recomputed) / count
 
 
 def _compared_positions(
@@ -247,8 +250,8 @@ class InlineProxyMetrics:
         )
         self.statistic = Histogram(
             INLINE_STATISTIC_METRIC,
-            "Share of the check-layer deviation mass left in cached tokens not recomputed, "
-            "per blended request (uncalibrated), by ratio.",
+            "Check-layer squared K deviation left in the cached tokens not recomputed, per "
+            "compared token, of every blended request (uncalibrated), by ratio.",
             ["ratio"],
             buckets=STATISTIC_BUCKETS,
             registry=registry,

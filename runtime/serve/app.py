@@ -36,7 +36,7 @@ from holeblend_runtime.engine import BlendEngine, Mode, Prefill
 from holeblend_runtime.kv.admission import AdmissionMetrics, admission_policy
 from holeblend_runtime.kv.store import LocalKVStore
 from holeblend_runtime.kv.tiers import with_remote_tiers
-from holeblend_runtime.quality.inline_proxy import InlineProxy, residual_deviation_share
+from holeblend_runtime.quality.inline_proxy import InlineProxy, residual_deviation
 from holeblend_runtime.quality.shadow import (
     ShadowBudget,
     ShadowGate,
@@ -221,7 +221,7 @@ class Server:
         self.shadow_budget.add_user_tokens(prefill.num_prompt_tokens)
         if not is_blended(prefill) or prefill.reuse is None:
             return None
-        statistic = residual_deviation_share(
+        statistic = residual_deviation(
             prefill.prompt, prefill.reuse, prefill.deviation, prefill.selected_positions
         )
         self.inline.observe(prefill.ratio, statistic)

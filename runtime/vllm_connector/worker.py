@@ -36,7 +36,7 @@ from holeblend_runtime.blend.reuse import ReusePolicy, SegmentReuse, plan_reuse
 from holeblend_runtime.blend.segments import SegmentedPrompt
 from holeblend_runtime.engine import Blended, BlendEngine
 from holeblend_runtime.kv.store import SegmentKV
-from holeblend_runtime.quality.inline_proxy import residual_deviation_share
+from holeblend_runtime.quality.inline_proxy import residual_deviation
 from holeblend_runtime.vllm_connector import metrics
 from holeblend_runtime.vllm_connector.metadata import LoadRequest, StoreRequest
 
@@ -361,7 +361,7 @@ class BlendWorker:
             num_recomputed_tokens=int(blended.recomputed.shape[0]),
             num_rejected_segments=pending.num_unusable,
             blend_seconds=pending.seconds + time.perf_counter() - started,
-            inline_statistic=residual_deviation_share(
+            inline_statistic=residual_deviation(
                 prompt, reuse, blended.deviation, blended.selected, end
             )
             if self.inline_statistic

@@ -10,7 +10,7 @@ from holeblend_runtime.quality.inline_proxy import (
     MIN_PAIRS,
     Calibration,
     InlineProxy,
-    residual_deviation_share,
+    residual_deviation,
 )
 from holeblend_runtime.quality.shadow import ShadowScore
 
@@ -123,26 +123,33 @@ def test_a_ratio_without_pairs_borrows_the_pooled_fit_only_inside_its_span():
     assert proxy.observe(0.2, 0.7) is not None  # its own fit: flat beyond its pairs
 
 
-def test_the_statistic_is_the_deviation_share_of_the_tokens_not_recomputed(reference_engine):
+def test_the_statistic_is_the_deviation_left_in_tokens_not_recomputed_per_compared_token(
+    reference_engine,
+):
     prompt = reference_engine.build_prompt(SYSTEM, DOCS, QUESTION)
     # Documents 0 and 2 reused (system prompt not: no exact prefix), document 1 a hole.
     flags = [False, True, False, True, False]
     reuse = plan_reuse(prompt, flags, ReusePolicy.HOLE)
     positions = [p for i in reuse.reused_segments for p in range(*_range(prompt, i))]
-    deviation = torch.ones(len(positions))
+    count = len(positions)
+    deviation = torch.ones(count)
     deviation[3] = 7.0  # 7 of the mass sits on the 4th compared token
     total = float(deviation.sum())
     picked = torch.tensor([positions[3]])
-    share = residual_deviation_share(prompt, reuse, deviation, picked)
-    assert share == pytest.approx((total - 7.0) / total)
-    assert residual_deviation_share(prompt, reuse, deviation, picked[:0]) == 1.0
+    left = residual_deviation(prompt, reuse, deviation, picked)
+    assert left == pytest.approx((total - 7.0) / count)
+    assert residual_deviation(prompt, reuse, deviation, picked[:0]) == pytest.approx(total / count)
     everything = torch.tensor(positions)
-    assert residual_deviation_share(prompt, reuse, deviation, everything) == 0.0
-    assert residual_deviation_share(prompt, reuse, deviation[:0], picked[:0]) is None
-    assert residual_deviation_share(prompt, reuse, torch.zeros(len(positions)), picked) == 0.0
+    assert residual_deviation(prompt, reuse, deviation, everything) == 0.0
+    assert residual_deviation(prompt, reuse, deviation[:0], picked[:0]) is None
+    assert residual_deviation(prompt, reuse, torch.zeros(count), picked) == 0.0
+    assert residual_deviation(prompt, reuse, deviation * float("nan"), picked) is None
+    # A mean, not a share: the same picks on KV that moved ten times less leave ten
+    # times less (a share would read the same).
+    assert residual_deviation(prompt, reuse, deviation / 10, picked) == pytest.approx(left / 10)
     # A selected position the layout does not explain: the most deviating tokens are taken.
-    assert residual_deviation_share(prompt, reuse, deviation, torch.tensor([0])) == (
-        pytest.approx((total - 7.0) / total)
+    assert residual_deviation(prompt, reuse, deviation, torch.tensor([0])) == (
+        pytest.approx((total - 7.0) / count)
     )
 
 
@@ -151,16 +158,18 @@ def _range(prompt, i):
 
 
 def test_the_statistic_of_real_blends_falls_as_the_ratio_rises(new_engine):
-    shares = []
+    left = []
     for ratio in (0.0, 0.15, 0.5, 1.0):
         engine = new_engine(ratio=ratio)
         engine.prefill(engine.build_prompt(SYSTEM, [DOCS[0], DOCS[2]], QUESTION), mode="hole")
         prefill = engine.prefill(engine.build_prompt(SYSTEM, DOCS, QUESTION), mode="hole")
         assert prefill.deviation.numel() > 0
-        shares.append(
-            residual_deviation_share(
+        left.append(
+            residual_deviation(
                 prefill.prompt, prefill.reuse, prefill.deviation, prefill.selected_positions
             )
         )
-    assert shares[0] == 1.0 and shares[-1] == pytest.approx(0.0, abs=1e-9)
-    assert shares[0] > shares[1] > shares[2] > shares[3]
+        if ratio == 0.0:  # nothing recomputed: the mean deviation of every compared token
+            assert left[0] == pytest.approx(float(prefill.deviation.double().mean()))
+    assert left[-1] == pytest.approx(0.0, abs=1e-9)
+    assert left[0] > left[1] > left[2] > left[3]
