@@ -33,6 +33,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import random
 import statistics
 import sys
 import time
@@ -44,6 +46,7 @@ from holeblend_runtime.bench.workload import WorkloadConfig, generate_workload
 
 RATIOS = (0.02, 0.05, 0.15, 0.3)
 MAX_TOKENS = 8  # the closed loop's answers
+BASELINE = "share"  # the statistic until this was measured
 CANDIDATES: dict[str, Callable[[dict], float]] = {
     "share": lambda row: row["left"] / row["total"] if row["total"] > 0 else 0.0,
     "mean": lambda row: row["left"] / row["compared"],
@@ -113,27 +116,77 @@ def correlations(rows: list[dict], statistic: Callable[[dict], float]) -> dict:
 def tracking(calibration: list[dict], evaluated: list[dict], statistic) -> dict:
     """The pooled fit of `calibration`'s pairs applied to `evaluated`: per ratio the mean
     estimate (over blends inside the pairs' span) against the mean shadow F1."""
+    estimated = _estimated(calibration, evaluated, statistic)
+    per_ratio = {}
+    for ratio in _ratios(evaluated):
+        subset = [(row, e) for row, e in estimated if row["ratio"] == ratio]
+        known = [e for _, e in subset if e is not None]
+        per_ratio[str(ratio)] = {
+            "estimate": statistics.fmean(known) if known else None,
+            "shadow_f1": statistics.fmean(row["f1"] for row, _ in subset),
+            "blends": len(subset),
+        }
+    inside = sum(e is not None for _, e in estimated)
+    return {
+        "mean_abs_error": _tracking_error(estimated),
+        "inside_span": inside / len(evaluated) if evaluated else None,
+        "per_ratio": per_ratio,
+    }
+
+
+def error_difference(
+    calibration: list[dict], evaluated: list[dict], statistic, baseline, resamples: int = 1000
+) -> dict:
+    """`statistic`'s tracking error minus `baseline`'s on the same blends, with a 95 %
+    interval from resampling `evaluated`'s questions (the fits stay those of
+    `calibration`; both statistics see the same resampled questions)."""
+    ours = _estimated(calibration, evaluated, statistic)
+    theirs = _estimated(calibration, evaluated, baseline)
+    by_question: dict[int, list[int]] = {}
+    for at, row in enumerate(evaluated):
+        by_question.setdefault(row["question"], []).append(at)
+    questions = sorted(by_question)
+    rng = random.Random(0)
+    differences = []
+    for _ in range(resamples):
+        picked = [i for q in rng.choices(questions, k=len(questions)) for i in by_question[q]]
+        a = _tracking_error([ours[i] for i in picked])
+        b = _tracking_error([theirs[i] for i in picked])
+        if a is not None and b is not None:
+            differences.append(a - b)
+    differences.sort()
+    point_a, point_b = _tracking_error(ours), _tracking_error(theirs)
+    return {
+        "difference": None if point_a is None or point_b is None else point_a - point_b,
+        "interval_95": [
+            differences[int(0.025 * (len(differences) - 1))],
+            differences[int(0.975 * (len(differences) - 1))],
+        ]
+        if differences
+        else None,
+    }
+
+
+def _estimated(calibration: list[dict], evaluated: list[dict], statistic) -> list[tuple]:
+    """(row, the pooled fit's estimate or None outside the pairs' span) per evaluated row."""
     from holeblend_runtime.quality.inline_proxy import MIN_PAIRS, Calibration
 
     fit = Calibration(max_pairs=max(MIN_PAIRS, len(calibration)))
     for row in calibration:
         fit.add(statistic(row), row["f1"])
-    per_ratio, errors, inside = {}, [], 0
-    for ratio in _ratios(evaluated):
-        subset = [row for row in evaluated if row["ratio"] == ratio]
-        estimates = [fit.estimate(statistic(row), extrapolate=False) for row in subset]
-        known = [e for e in estimates if e is not None]
-        inside += len(known)
-        actual = statistics.fmean(row["f1"] for row in subset)
-        estimate = statistics.fmean(known) if known else None
-        per_ratio[str(ratio)] = {"estimate": estimate, "shadow_f1": actual, "blends": len(subset)}
-        if estimate is not None:
-            errors.append(abs(estimate - actual))
-    return {
-        "mean_abs_error": statistics.fmean(errors) if errors else None,
-        "inside_span": inside / len(evaluated) if evaluated else None,
-        "per_ratio": per_ratio,
-    }
+    return [(row, fit.estimate(statistic(row), extrapolate=False)) for row in evaluated]
+
+
+def _tracking_error(estimated: list[tuple]) -> float | None:
+    """Mean over ratios of |mean estimate - mean shadow F1|."""
+    errors = []
+    for ratio in {row["ratio"] for row, _ in estimated}:
+        subset = [(row, e) for row, e in estimated if row["ratio"] == ratio]
+        known = [e for _, e in subset if e is not None]
+        if known:
+            actual = statistics.fmean(row["f1"] for row, _ in subset)
+            errors.append(abs(statistics.fmean(known) - actual))
+    return statistics.fmean(errors) if errors else None
 
 
 def _pearson(xs: list[float], ys: list[float]) -> float | None:
@@ -159,6 +212,11 @@ def analyse(streams: dict[str, list[dict]]) -> dict:
                 for stream, rows in streams.items()
                 if stream != "calibration"
             },
+            f"tracking_minus_{BASELINE}": {
+                stream: error_difference(calibration, rows, statistic, CANDIDATES[BASELINE])
+                for stream, rows in streams.items()
+                if stream != "calibration"
+            },
         }
         for name, statistic in CANDIDATES.items()
     }
@@ -181,10 +239,30 @@ def print_summary(result: dict) -> None:
                 for r, t in track["per_ratio"].items()
             )
             error = track["mean_abs_error"]
+            versus = found[f"tracking_minus_{BASELINE}"][stream]
+            interval = versus["interval_95"] or [math.nan, math.nan]
             print(
                 f"  tracking {stream:10s} |error| {error if error is None else round(error, 3)}"
+                f" (minus {BASELINE}: {versus['difference']:+.3f}"
+                f" [{interval[0]:+.3f}, {interval[1]:+.3f}])"
                 f" inside {track['inside_span']:.2f}  {per}"
             )
+
+
+def _earlier(path: Path) -> dict:
+    try:
+        earlier = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"--rows-from {path}: not a readable JSON output ({error})") from None
+    if (
+        not isinstance(earlier, dict)
+        or set(earlier.get("rows", {})) != {"calibration", "held_out", "changed"}
+        or "config" not in earlier
+    ):
+        raise SystemExit(
+            f"--rows-from {path}: no rows of the three streams; give a file this tool wrote"
+        )
+    return earlier
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,6 +273,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--changed-seed", type=int, default=CHANGED.seed)
     parser.add_argument("--ratios", default=",".join(map(str, RATIOS)))
     parser.add_argument("--json", type=Path, default=Path("out/inline-statistics.json"))
+    parser.add_argument(
+        "--rows-from",
+        type=Path,
+        help="an earlier output: analyse its rows again instead of collecting new ones",
+    )
     args = parser.parse_args(argv)
     if args.questions < 3:
         parser.error(f"--questions: at least 3, got {args.questions}")
@@ -208,18 +291,23 @@ def main(argv: list[str] | None = None) -> int:
         "changed": dataclasses.replace(CHANGED, seed=args.changed_seed),
     }
     started = time.monotonic()
-    streams = {}
-    for name, workload in workloads.items():
-        print(f"{name}: seed {workload.seed}", flush=True)
-        streams[name] = collect(workload, args.questions, ratios)
-    result = {
-        "method": __doc__.split("\n\n")[1].strip(),
-        "config": {
+    if args.rows_from is not None:
+        earlier = _earlier(args.rows_from)
+        streams, config = earlier["rows"], earlier["config"]
+    else:
+        streams = {}
+        for name, workload in workloads.items():
+            print(f"{name}: seed {workload.seed}", flush=True)
+            streams[name] = collect(workload, args.questions, ratios)
+        config = {
             "questions": args.questions,
             "ratios": list(ratios),
             "max_tokens": MAX_TOKENS,
             "workloads": {name: dataclasses.asdict(w) for name, w in workloads.items()},
-        },
+        }
+    result = {
+        "method": __doc__.split("\n\n")[1].strip(),
+        "config": config,
         "candidates": analyse(streams),
         "rows": streams,
         "wall_s": time.monotonic() - started,

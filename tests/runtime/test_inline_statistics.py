@@ -2,6 +2,7 @@
 hole requests, real model) and what it computes from the rows (hand-built rows)."""
 
 import dataclasses
+import json
 
 import pytest
 
@@ -33,10 +34,10 @@ def test_each_ratio_finds_the_store_as_pass_one_left_it(reference_engine):
         assert first.num_prompt_tokens == prompt.num_tokens
 
 
-def _row(ratio, mean, f1, compared=10, total=None):
+def _row(ratio, mean, f1, compared=10, total=None, question=0):
     left = mean * compared
     return {
-        "ratio": ratio, "compared": compared, "left": left,
+        "question": question, "ratio": ratio, "compared": compared, "left": left,
         "total": left * 2 if total is None else total, "f1": f1, "top1": f1,
     }  # fmt: skip
 
@@ -78,8 +79,49 @@ def test_correlations_per_ratio_and_none_without_spread():
     assert set(analysed["mean"]["tracking"]) == {"held_out"}  # not itself
 
 
-def test_bad_arguments_name_the_flag():
+def test_the_error_difference_has_a_resampled_interval():
+    calibration = [_row(0.1, m, 1.0) for m in (0.1, 0.12, 0.14, 0.16)] + [
+        _row(0.1, m, 0.0) for m in (0.8, 0.82, 0.84, 0.86)
+    ]
+    # Ten questions at two ratios: F1 follows the mean deviation left; the share is 0.5
+    # everywhere (total twice the deviation left), so its fit reads 0.5 at both ratios.
+    evaluated = [_row(0.3, 0.12, 1.0, question=q) for q in range(10)]
+    evaluated += [_row(0.02, 0.84, 0.0, question=q) for q in range(10)]
+    mean, share = (inline_statistics.CANDIDATES[n] for n in ("mean", "share"))
+    found = inline_statistics.error_difference(calibration, evaluated, mean, share, resamples=200)
+    assert found["difference"] == pytest.approx(0.0 - 0.5)
+    low, high = found["interval_95"]
+    assert low <= -0.5 <= high < 0
+    same = inline_statistics.error_difference(calibration, evaluated, share, share, resamples=50)
+    assert same == {"difference": 0.0, "interval_95": [0.0, 0.0]}
+
+
+def test_bad_arguments_name_the_flag(tmp_path, capsys):
     with pytest.raises(SystemExit):
         inline_statistics.main(["--questions", "1"])
+    assert "--questions" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         inline_statistics.main(["--ratios", "0.1,x"])
+    assert "--ratios" in capsys.readouterr().err
+    other = tmp_path / "other.json"
+    other.write_text('{"rows": {"calibration": []}, "config": {}}')
+    with pytest.raises(SystemExit, match="--rows-from .*no rows of the three streams"):
+        inline_statistics.main(["--rows-from", str(other)])
+    with pytest.raises(SystemExit, match="--rows-from .*not a readable JSON"):
+        inline_statistics.main(["--rows-from", str(tmp_path / "missing.json")])
+
+
+def test_rows_from_an_earlier_output_are_analysed_again(tmp_path):
+    calibration = [_row(0.1, m, 1.0) for m in (0.1, 0.12, 0.14, 0.16)] + [
+        _row(0.1, m, 0.0) for m in (0.8, 0.82, 0.84, 0.86)
+    ]
+    rows = {"calibration": calibration, "held_out": calibration, "changed": calibration}
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"rows": rows, "config": {"questions": 8}}))
+    again = tmp_path / "again.json"
+    assert inline_statistics.main(["--rows-from", str(earlier), "--json", str(again)]) == 0
+    result = json.loads(again.read_text())
+    assert result["rows"] == rows and result["config"] == {"questions": 8}
+    # On its own calibration pairs the fit's mean estimate is the pairs' mean F1.
+    tracked = result["candidates"]["mean"]["tracking"]["held_out"]
+    assert tracked["mean_abs_error"] == pytest.approx(0.0)
