@@ -15,11 +15,9 @@ and scores the blended request against it:
 2. A worker thread at low CPU priority (nice 10) runs full prefill in chunks of
    `chunk_tokens` and passes a `ShadowGate` before every layer of a chunk and every
    decode step. While the engine is idle it runs freely; while the engine serves, the
-   engine grants it units (a layer, a decode step) between its own steps, at most a
-   `time_share` of the time, and waits for them: what the engine's last step earned of
-   the share, at most `SHADOW_CATCH_UP_S` (plus the unit that crosses it), so a user
-   step waits for at most that much shadow work, and the shadow still progresses under
-   sustained load. Every
+   engine grants it one unit (a layer, a decode step) between its own steps, at most a
+   `time_share` of the time, and waits for that unit: a user request waits for at most
+   one unit of shadow work, and the shadow still progresses under sustained load. Every
    shadow waits for idle time first: its units run only while the engine is idle (a unit
    running when a request arrives is finished first), so under paced load, which leaves
    the engine idle between requests, shadows take none of the serving time. Only when
@@ -86,13 +84,6 @@ RUN_ON_TOKENS = 16
 BURST_TOKENS = 2048
 # Most of the engine's time the shadow takes while the engine serves (`ShadowGate`).
 SHADOW_TIME_SHARE = 0.1
-# Most shadow time the engine grants between two of its steps (`ShadowGate`). Between
-# steps the shadow catches up what the engine's last stretch earned of the time share
-# (time_share / (1 - time_share) of it: ~5 % of a step at the default budget), where one
-# unit per step left most of the share unused at saturation, when long prefill steps
-# earn far more than a unit; this caps the catch-up after a very long step. Below a
-# decode step of holeblend-serve on a CPU.
-SHADOW_CATCH_UP_S = 0.05
 # How long a shadow the idle floor admitted waits, at one stretch, for the engine to be
 # idle again before it gives its slot up (`ShadowGate.idle_only`): several service times
 # of a lightly loaded pod, well inside a tuning interval.
@@ -336,22 +327,14 @@ class ShadowGate:
     prefill chunk, a decode step), each entered through the gate.
 
     - Engine idle: a unit runs at once.
-    - The time share is an account of shadow time (`_credit`, seconds): it grows by
-      time_share / (1 - time_share) of every second no unit runs, up to
-      `max_catch_up_s`, and each unit's duration is taken from it (a unit owes at most
-      its own duration: idle units do not pile up a debt); a unit may start while the
-      engine serves only when the account is not negative. So after a unit of
-      d seconds none starts for d x (1/time_share - 1), and over time the units take at
-      most `time_share` of the time, however long the engine's steps are.
     - Engine serving, `cooperative` (the engine calls `between_steps` between its own
-      steps): the engine grants the waiting shadow units while the account allows, and
-      waits for them, until `max_catch_up_s` of shadow time has run in that call (the
-      time share a long engine step, a prefill, earned; at 0 one unit per call at
-      most); a unit already running when a request arrives is finished first. Either
-      way a user step waits for at most `max_catch_up_s` plus one unit of shadow work,
-      and the engine never computes beside the shadow.
-    - Engine serving, not cooperative (nothing calls `between_steps`): the shadow runs
-      units beside the engine at the same pacing.
+      steps): the engine grants the waiting shadow one unit when the shadow's share of
+      the time allows (after a unit of d seconds, none for d x (1/time_share - 1)), and
+      waits for it; a unit already running when a request arrives is finished first.
+      Either way a user step waits for at most one unit, and the engine never computes
+      beside the shadow.
+    - Engine serving, not cooperative (nothing calls `between_steps`): the shadow runs a
+      unit beside the engine at the same pacing.
     - `idle_only` (set per shadow, `begin`; every shadow of `ShadowSampler`): no unit
       while the engine serves, granted or paced; a unit running when a request arrives
       is still finished first. After a wait longer than `idle_patience_s` at one stretch
@@ -369,18 +352,14 @@ class ShadowGate:
         cooperative: bool = False,
         max_unit_wait_s: float = 10.0,
         idle_patience_s: float = IDLE_PATIENCE_S,
-        max_catch_up_s: float = SHADOW_CATCH_UP_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not 0 < time_share <= 1:
             raise ValueError(f"time_share: must be within (0, 1], got {time_share}")
         if not idle_patience_s > 0:
             raise ValueError(f"idle_patience_s: must be > 0, got {idle_patience_s}")
-        if not max_catch_up_s >= 0:
-            raise ValueError(f"max_catch_up_s: must be >= 0, got {max_catch_up_s}")
         self.is_busy, self.time_share, self.cooperative = is_busy, time_share, cooperative
         self.max_unit_wait_s, self._clock = max_unit_wait_s, clock
-        self.max_catch_up_s = max_catch_up_s
         self.idle_patience_s = idle_patience_s
         self.idle_only = False  # the running shadow's units only while the engine is idle
         self._on_patience: Callable[[], bool] | None = None
@@ -388,8 +367,7 @@ class ShadowGate:
         self._running_since: float | None = None  # a unit runs
         self._waiting = False  # the shadow waits for a grant
         self._granted = False
-        # Shadow time the share allows now (seconds; negative: owed), as of `_credit_at`.
-        self._credit, self._credit_at = 0.0, clock()
+        self._next_at = 0.0  # earliest start of a unit while the engine serves
         self.num_units = 0
         self.num_granted = 0  # units run while the engine served
 
@@ -419,14 +397,13 @@ class ShadowGate:
                 elif self._granted:
                     self._granted, granted = False, True
                     break
-                elif not self.cooperative and self._allowed():
+                elif not self.cooperative and self._clock() >= self._next_at:
                     granted = True
                     break
                 self._waiting = True
                 self._cond.wait(0.005)
             # Whatever let this unit run, a grant given meanwhile is used by it.
             self._waiting = self._granted = False
-            self._refill()
             self._running_since = self._clock()
             self.num_units += 1
             self.num_granted += granted
@@ -439,53 +416,26 @@ class ShadowGate:
             self._on_patience = None
 
     def between_steps(self) -> None:
-        """Engine thread, before each step while it serves: finish a running unit, then
-        grant the waiting shadow units while the time share allows, until
-        `max_catch_up_s` of this call has passed (one unit at least), and wait for each."""
+        """Engine thread, before each step while it serves: finish a running unit, or
+        grant a waiting one when the pacing allows and wait for it."""
         with self._cond:
-            started, granted = self._clock(), False
-            while True:
-                if (self._running_since is not None or self._granted) and not (
-                    self._cond.wait_for(
-                        lambda: not self._granted and self._running_since is None,
-                        self.max_unit_wait_s,
-                    )
-                ):
-                    return  # a unit that overran its wait: the engine goes on
-                if granted and self._clock() - started >= self.max_catch_up_s:
-                    return
-                # A granted unit ends where the shadow enters its next one, so a shadow
-                # in the middle of a chunk is waiting again by now.
-                if not (self._waiting and not self.idle_only and self._allowed()):
-                    return
-                self._granted = granted = True
+            if self._running_since is None and not (
+                self._waiting and not self.idle_only and self._clock() >= self._next_at
+            ):
+                return
+            if self._running_since is None:
+                self._granted = True
                 self._cond.notify_all()
-
-    def _allowed(self) -> bool:
-        """The account is not negative (the lock held; no unit running)."""
-        self._refill()
-        return self._credit >= 0
-
-    def _refill(self) -> None:
-        now = self._clock()
-        if self._running_since is None:
-            if self.time_share >= 1:
-                self._credit = max(self._credit, 0.0)
-            else:
-                rate = self.time_share / (1 - self.time_share)
-                gained = (now - self._credit_at) * rate
-                self._credit = min(self.max_catch_up_s, self._credit + gained)
-        self._credit_at = now
+            self._cond.wait_for(
+                lambda: not self._granted and self._running_since is None,
+                self.max_unit_wait_s,
+            )
 
     def _end_unit(self) -> None:
         if self._running_since is None:
             return
         now = self._clock()
-        # A unit owes at most its own duration: units run while the engine was idle
-        # took none of its serving time, and a long run of them must not bar the next
-        # serving stretch (a paced unit starts with the account at 0 or more anyway).
-        self._credit = max(self._credit, 0.0) - (now - self._running_since)
-        self._credit_at = now
+        self._next_at = now + (now - self._running_since) * (1 / self.time_share - 1)
         self._running_since = None
         self._cond.notify_all()
 
