@@ -359,6 +359,15 @@ def proxy_counts(samples: dict[tuple[str, tuple], float]) -> dict[str, Any]:
         for (name, labels), value in samples.items()
         if name == "holeblend_inline_proxy_pairs"
     }
+    units = {
+        state: {
+            "units": samples.get(("holeblend_shadow_units_total", (("engine_state", state),)), 0.0),
+            "seconds": samples.get(
+                ("holeblend_shadow_unit_seconds_total", (("engine_state", state),)), 0.0
+            ),
+        }
+        for state in ("idle", "serving")
+    }
     best = max(pairs, key=pairs.get) if pairs else None
     correlation = samples.get(("holeblend_inline_proxy_correlation", (("ratio", best),)))
     return {
@@ -368,6 +377,7 @@ def proxy_counts(samples: dict[tuple[str, tuple], float]) -> dict[str, Any]:
         "offers": offers,
         "inline_pairs": pairs.get(best, 0.0) if best is not None else 0.0,
         "inline_f1_correlation": correlation,
+        "units": units,
     }
 
 
@@ -581,6 +591,19 @@ def summarize(result: dict) -> list[dict]:
             for outcome, after in p["after"]["offers"].items():
                 change = after - p["before"]["offers"].get(outcome, 0)
                 offers[outcome] = offers.get(outcome, 0) + change
+        # Shadow work units in the on phases, by the engine's state as each started
+        # (holeblend-serve's gate; absent from scrapes without it, e.g. vLLM's).
+        units = {
+            state: {
+                key: sum(
+                    p["after"].get("units", {}).get(state, {}).get(key, 0.0)
+                    - p["before"].get("units", {}).get(state, {}).get(key, 0.0)
+                    for p in arms["on"]
+                )
+                for key in ("units", "seconds")
+            }
+            for state in ("idle", "serving")
+        }
         # The calibration at the end of the on phase whose server held the most pairs.
         calibrated = max(arms["on"], key=lambda p: p["after"]["inline_pairs"], default=None)
         shadow_rate = per_interval(shadow, on_wall)
@@ -601,6 +624,7 @@ def summarize(result: dict) -> list[dict]:
             "inline_samples": inline,
             "blended_requests": blended,
             "shadow_offers": offers,
+            "shadow_units": units,
             "inline_f1_correlation": calibrated["after"]["inline_f1_correlation"]
             if calibrated
             else None,

@@ -183,6 +183,27 @@ class ShadowMetrics:
             "(charged to it: their tokens count in holeblend_shadow_tokens_total too).",
             registry=registry,
         )
+        self.units = Counter(
+            "holeblend_shadow_units",
+            "Units of shadow work (a layer of a prefill chunk, a decode step) run, by "
+            "whether the engine was idle when the unit started or serving (granted or "
+            "paced: user requests waited for it).",
+            ["engine_state"],
+            registry=registry,
+        )
+        self.unit_seconds = Counter(
+            "holeblend_shadow_unit_seconds",
+            "Seconds of shadow work units, by the engine's state when each started (idle "
+            "or serving): the serving ones are the time user requests waited for shadows.",
+            ["engine_state"],
+            registry=registry,
+        )
+
+    def observe_unit(self, seconds: float, serving: bool) -> None:
+        """One unit of shadow work ended (`ShadowGate`'s `on_unit`)."""
+        state = "serving" if serving else "idle"
+        self.units.labels(engine_state=state).inc()
+        self.unit_seconds.labels(engine_state=state).inc(max(0.0, seconds))
 
     def observe(self, score: ShadowScore) -> None:
         label = ratio_label(score.ratio)
@@ -353,7 +374,10 @@ class ShadowGate:
         max_unit_wait_s: float = 10.0,
         idle_patience_s: float = IDLE_PATIENCE_S,
         clock: Callable[[], float] = time.monotonic,
+        on_unit: Callable[[float, bool], None] | None = None,
     ) -> None:
+        """`on_unit(seconds, serving)`: called as each unit ends (under the gate's lock:
+        keep it short), `serving` when the engine was serving as it started."""
         if not 0 < time_share <= 1:
             raise ValueError(f"time_share: must be within (0, 1], got {time_share}")
         if not idle_patience_s > 0:
@@ -361,6 +385,8 @@ class ShadowGate:
         self.is_busy, self.time_share, self.cooperative = is_busy, time_share, cooperative
         self.max_unit_wait_s, self._clock = max_unit_wait_s, clock
         self.idle_patience_s = idle_patience_s
+        self.on_unit = on_unit
+        self._unit_serving = False  # the running unit started while the engine served
         self.idle_only = False  # the running shadow's units only while the engine is idle
         self._on_patience: Callable[[], bool] | None = None
         self._cond = threading.Condition()
@@ -405,6 +431,7 @@ class ShadowGate:
             # Whatever let this unit run, a grant given meanwhile is used by it.
             self._waiting = self._granted = False
             self._running_since = self._clock()
+            self._unit_serving = granted or self.is_busy()
             self.num_units += 1
             self.num_granted += granted
 
@@ -436,6 +463,11 @@ class ShadowGate:
             return
         now = self._clock()
         self._next_at = now + (now - self._running_since) * (1 / self.time_share - 1)
+        if self.on_unit is not None:
+            try:
+                self.on_unit(now - self._running_since, self._unit_serving)
+            except Exception:  # a metric never stops the shadow or the engine
+                LOG.exception("on_unit hook failed")
         self._running_since = None
         self._cond.notify_all()
 

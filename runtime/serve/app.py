@@ -207,6 +207,7 @@ class Server:
             lambda: worker.num_pending > 0,
             time_share=serving_time_share(settings.shadow_budget),
             cooperative=True,
+            on_unit=metrics.observe_unit,
         )
         self.shadow = ShadowScorer(
             self.engine.model, self.engine.tokenizer, settings.shadow_sample_rate,

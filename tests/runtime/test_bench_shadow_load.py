@@ -196,6 +196,30 @@ def test_the_proxy_counters_sum_over_ratios_and_take_the_calibration_with_the_mo
     assert (none["inline_pairs"], none["inline_f1_correlation"], none["offers"]) == (0, None, {})
 
 
+def test_the_shadow_units_are_read_by_the_engines_state_and_summed_over_the_on_phases():
+    found = metrics()
+    found[("holeblend_shadow_units_total", (("engine_state", "serving"),))] = 7.0
+    found[("holeblend_shadow_unit_seconds_total", (("engine_state", "serving"),))] = 0.5
+    units = shadow_load.proxy_counts(found)["units"]
+    assert units == {
+        "idle": {"units": 0.0, "seconds": 0.0},
+        "serving": {"units": 7.0, "seconds": 0.5},
+    }
+    result = fake_result()
+    on_paced = [p for p in result["phases"] if p["arm"] == "on" and p["load"] == "paced"]
+    for i, p in enumerate(on_paced):
+        p["before"]["units"] = {"idle": {"units": 10.0 * i, "seconds": float(i)}}
+        p["after"]["units"] = {
+            "idle": {"units": 10.0 * i + 30, "seconds": i + 0.3},
+            "serving": {"units": 2.0, "seconds": 0.02},
+        }
+    paced, saturated = shadow_load.summarize(result)
+    assert paced["shadow_units"]["idle"] == {"units": 60.0, "seconds": pytest.approx(0.6)}
+    assert paced["shadow_units"]["serving"] == {"units": 4.0, "seconds": pytest.approx(0.04)}
+    # Scrapes without the gate's series (vLLM, older servers): zero, not an error.
+    assert saturated["shadow_units"]["serving"] == {"units": 0.0, "seconds": 0.0}
+
+
 def test_a_shadow_is_in_flight_while_a_blended_request_has_no_outcome_yet():
     counts = shadow_load.proxy_counts(metrics(f1=2, blended=5, scored=2, over_budget=2))
     assert shadow_load.shadows_in_flight(counts) == 1

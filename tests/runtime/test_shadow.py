@@ -485,6 +485,27 @@ def test_bad_settings_are_refused_with_the_field_named(engine):
         scorer(engine, slots=0)
 
 
+def test_each_unit_is_reported_with_its_duration_and_the_engines_state():
+    now, seen = [0.0], []
+    busy = threading.Event()
+    gate = ShadowGate(
+        busy.is_set, time_share=1.0, clock=lambda: now[0],
+        on_unit=lambda seconds, serving: seen.append((seconds, serving)),
+    )  # fmt: skip
+    gate.enter()  # idle
+    now[0] += 0.25
+    busy.set()
+    gate.enter()  # the first ends; the next is paced beside the serving engine
+    now[0] += 0.5
+    gate.leave()
+    assert seen == [(0.25, False), (0.5, True)]
+    metrics = ShadowMetrics(CollectorRegistry())
+    for seconds, serving in seen:
+        metrics.observe_unit(seconds, serving)
+    assert metrics.unit_seconds.labels(engine_state="serving")._value.get() == 0.5
+    assert metrics.units.labels(engine_state="idle")._value.get() == 1
+
+
 def test_the_shadow_takes_its_budget_of_a_serving_engines_time_at_most_a_tenth():
     """The token budget is also the time share while the engine serves (a shadow's full
     prefill costs several times a blend per token), capped at SHADOW_TIME_SHARE."""

@@ -37,6 +37,10 @@ def test_blended_requests_get_the_inline_statistic_and_budgeted_shadows(tmp_path
         assert metric(server, "holeblend_shadow_tokens_total") > 0
         scored = metric(server, "holeblend_shadow_requests_total", outcome="scored")
         assert scored >= 1 and metric(server, "holeblend_inline_proxy_pairs") == scored
+        # Its work ran in units through the gate (at least a layer each), counted by the
+        # engine's state as each started.
+        units = metric(server, "holeblend_shadow_units_total")
+        assert units >= 30 and metric(server, "holeblend_shadow_unit_seconds_total") > 0
     finally:
         assert server.stop() == 0, server.log()
 
