@@ -358,8 +358,11 @@ class ShadowGate:
       unit beside the engine at the same pacing.
     - `idle_only` (set per shadow, `begin`; every shadow of `ShadowSampler`): no unit
       while the engine serves, granted or paced; a unit running when a request arrives
-      is still finished first. After a wait longer than `idle_patience_s` at one stretch
-      the shadow goes on as any shadow when `on_patience` says so (a budget shadow; a
+      is still finished first. After a wait longer than `idle_patience_s` at one stretch,
+      or once `idle_patience_s` have passed since `begin` while its units so far took
+      less than `time_share` of that time (an engine that is idle only in brief gaps
+      between requests, one unit per gap, never waits a whole stretch), the shadow goes on
+      as any shadow when `on_patience` says so (a budget shadow; a
       floor shadow the budget took over), else `ShadowExpired` is raised in the shadow's
       thread, so a floor shadow caught by sustained load gives its slot up instead of
       holding it.
@@ -387,6 +390,8 @@ class ShadowGate:
         self.idle_patience_s = idle_patience_s
         self.on_unit = on_unit
         self._unit_serving = False  # the running unit started while the engine served
+        # The running shadow's start (`begin`) and the seconds its units took since.
+        self._began_at, self._units_s = clock(), 0.0
         self.idle_only = False  # the running shadow's units only while the engine is idle
         self._on_patience: Callable[[], bool] | None = None
         self._cond = threading.Condition()
@@ -403,6 +408,7 @@ class ShadowGate:
         any shadow (True) or is given up."""
         with self._cond:
             self.idle_only, self._on_patience = idle_only, on_patience
+            self._began_at, self._units_s = self._clock(), 0.0
 
     def enter(self) -> None:
         """Shadow thread, before a unit: ends the previous unit; returns when this one
@@ -413,11 +419,12 @@ class ShadowGate:
             waiting_since = self._clock()
             while self.is_busy():
                 if self.idle_only:
-                    if self._clock() - waiting_since > self.idle_patience_s:
+                    if self._out_of_patience(waiting_since):
                         if self._on_patience is None or not self._on_patience():
                             self._waiting = self._granted = False
                             raise ShadowExpired(
-                                f"the engine served for over {self.idle_patience_s:g} s"
+                                "idle time gave it less than its time share for over "
+                                f"{self.idle_patience_s:g} s"
                             )
                         self.idle_only = False  # taken over: paced as any shadow
                 elif self._granted:
@@ -434,6 +441,15 @@ class ShadowGate:
             self._unit_serving = granted or self.is_busy()
             self.num_units += 1
             self.num_granted += granted
+
+    def _out_of_patience(self, waiting_since: float) -> bool:
+        """An idle-only shadow waited `idle_patience_s` at one stretch, or has been going
+        that long while idle time gave it less than its time share."""
+        now = self._clock()
+        if now - waiting_since > self.idle_patience_s:
+            return True
+        going = now - self._began_at
+        return going > self.idle_patience_s and self._units_s < self.time_share * going
 
     def leave(self) -> None:
         """Shadow thread: the shadow's work is over (scored, failed, expired)."""
@@ -463,6 +479,7 @@ class ShadowGate:
             return
         now = self._clock()
         self._next_at = now + (now - self._running_since) * (1 / self.time_share - 1)
+        self._units_s += now - self._running_since
         if self.on_unit is not None:
             try:
                 self.on_unit(now - self._running_since, self._unit_serving)

@@ -15,6 +15,7 @@ from holeblend_runtime.quality.shadow import (
     RUN_ON_TOKENS,
     SHADOW_TIME_SHARE,
     ShadowBudget,
+    ShadowExpired,
     ShadowGate,
     ShadowMetrics,
     ShadowRequest,
@@ -483,6 +484,52 @@ def test_bad_settings_are_refused_with_the_field_named(engine):
         scorer(engine, chunk_tokens=0)
     with pytest.raises(ValueError, match="slots"):
         scorer(engine, slots=0)
+
+
+def _units_beside_blips(on_patience) -> tuple[RecordingGate, list[str]]:
+    """An idle-only shadow of 10 ms units beside an engine that serves 150 ms, then is
+    idle for 2 ms (a closed loop of clients), for 1.5 s; 0.3 s of patience, 50 % share."""
+    busy = threading.Event()
+    busy.set()
+    gate = RecordingGate(busy.is_set, time_share=0.5, idle_patience_s=0.3)
+    stop, ended = threading.Event(), []
+
+    def shadow_units():
+        gate.begin(idle_only=True, on_patience=on_patience)
+        try:
+            while not stop.is_set():
+                gate.enter()
+                time.sleep(0.01)
+            ended.append("stopped")
+        except ShadowExpired:
+            ended.append("expired")
+        finally:
+            gate.leave()
+
+    worker = threading.Thread(target=shadow_units, daemon=True)
+    worker.start()
+    until = time.monotonic() + 1.5
+    while time.monotonic() < until and not ended:
+        time.sleep(0.15)
+        busy.clear()
+        time.sleep(0.002)
+        busy.set()
+    stop.set()
+    busy.clear()
+    worker.join(2)
+    return gate, ended
+
+
+def test_an_idle_only_shadow_that_idle_gaps_starve_goes_on_or_expires():
+    """Idle only in brief gaps between requests: no wait lasts a whole patience, yet the
+    gaps give the shadow a unit each, far below its share; past its patience it goes on
+    as any shadow (a budget one) or gives its slot up (a floor one)."""
+    gate, ended = _units_beside_blips(lambda: True)
+    assert ended == ["stopped"]
+    assert gate.num_granted >= 10  # units beside the serving engine once patience ran out
+    assert gate.num_units > 25  # one unit per gap alone: about 10 in 1.5 s
+    gate, ended = _units_beside_blips(lambda: False)
+    assert ended == ["expired"] and gate.num_granted == 0
 
 
 def test_each_unit_is_reported_with_its_duration_and_the_engines_state():
