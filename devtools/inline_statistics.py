@@ -117,15 +117,7 @@ def tracking(calibration: list[dict], evaluated: list[dict], statistic) -> dict:
     """The pooled fit of `calibration`'s pairs applied to `evaluated`: per ratio the mean
     estimate (over blends inside the pairs' span) against the mean shadow F1."""
     estimated = _estimated(calibration, evaluated, statistic)
-    per_ratio = {}
-    for ratio in _ratios(evaluated):
-        subset = [(row, e) for row, e in estimated if row["ratio"] == ratio]
-        known = [e for _, e in subset if e is not None]
-        per_ratio[str(ratio)] = {
-            "estimate": statistics.fmean(known) if known else None,
-            "shadow_f1": statistics.fmean(row["f1"] for row, _ in subset),
-            "blends": len(subset),
-        }
+    per_ratio = {str(ratio): means for ratio, means in _per_ratio(estimated).items()}
     inside = sum(e is not None for _, e in estimated)
     return {
         "mean_abs_error": _tracking_error(estimated),
@@ -177,15 +169,28 @@ def _estimated(calibration: list[dict], evaluated: list[dict], statistic) -> lis
     return [(row, fit.estimate(statistic(row), extrapolate=False)) for row in evaluated]
 
 
-def _tracking_error(estimated: list[tuple]) -> float | None:
-    """Mean over ratios of |mean estimate - mean shadow F1|."""
-    errors = []
-    for ratio in {row["ratio"] for row, _ in estimated}:
+def _per_ratio(estimated: list[tuple]) -> dict[float, dict]:
+    """Per ratio (ascending): the mean estimate (None: no blend inside the span), the
+    mean shadow F1 and the number of blends."""
+    means = {}
+    for ratio in sorted({row["ratio"] for row, _ in estimated}):
         subset = [(row, e) for row, e in estimated if row["ratio"] == ratio]
         known = [e for _, e in subset if e is not None]
-        if known:
-            actual = statistics.fmean(row["f1"] for row, _ in subset)
-            errors.append(abs(statistics.fmean(known) - actual))
+        means[ratio] = {
+            "estimate": statistics.fmean(known) if known else None,
+            "shadow_f1": statistics.fmean(row["f1"] for row, _ in subset),
+            "blends": len(subset),
+        }
+    return means
+
+
+def _tracking_error(estimated: list[tuple]) -> float | None:
+    """Mean over ratios of |mean estimate - mean shadow F1|."""
+    errors = [
+        abs(m["estimate"] - m["shadow_f1"])
+        for m in _per_ratio(estimated).values()
+        if m["estimate"] is not None
+    ]
     return statistics.fmean(errors) if errors else None
 
 

@@ -477,12 +477,12 @@ class ShadowGate:
     def _end_unit(self) -> None:
         if self._running_since is None:
             return
-        now = self._clock()
-        self._next_at = now + (now - self._running_since) * (1 / self.time_share - 1)
-        self._units_s += now - self._running_since
+        duration = self._clock() - self._running_since
+        self._next_at = self._running_since + duration / self.time_share
+        self._units_s += duration
         if self.on_unit is not None:
             try:
-                self.on_unit(now - self._running_since, self._unit_serving)
+                self.on_unit(duration, self._unit_serving)
             except Exception:  # a metric never stops the shadow or the engine
                 LOG.exception("on_unit hook failed")
         self._running_since = None
