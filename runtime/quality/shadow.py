@@ -15,13 +15,18 @@ and scores the blended request against it:
 2. A worker thread at low CPU priority (nice 10) runs full prefill in chunks of
    `chunk_tokens` and passes a `ShadowGate` before every layer of a chunk and every
    decode step. While the engine is idle it runs freely; while the engine serves, the
-   engine grants it one unit (a layer, a decode step) between its own steps, at most a
-   `time_share` of the time, and waits for that unit: a user request waits for at most
-   one unit of shadow work, and the shadow still progresses under sustained load. Every
+   engine grants it units (a layer, a decode step) between its own steps, at most a
+   `time_share` of the time, and waits for them: what the engine's last stretch earned of
+   the share, at most `SHADOW_CATCH_UP_S` (plus the unit that crosses it), so a user step
+   waits for at most that much shadow work, and the shadow still progresses under
+   sustained load. The share is the budget's (`serving_time_share`), larger while the
+   inline proxy is blind (holeblend-serve: no estimate for the requests it serves, so the
+   shadow is the tuner's only signal). Every
    shadow waits for idle time first: its units run only while the engine is idle (a unit
    running when a request arrives is finished first), so under paced load, which leaves
    the engine idle between requests, shadows take none of the serving time. Only when
-   the engine serves for longer than `IDLE_PATIENCE_S` at one stretch does a budget
+   the engine serves for longer than `IDLE_PATIENCE_S` at one stretch (or a shadow that
+   did so ended moments ago) does a budget
    shadow take its time share; a shadow the idle floor admitted is then taken over by
    the budget if the account allows (charged then; it goes on as the budget's shadows
    do), else it gives its slot up (`expired`). So the floor costs a user request at most
@@ -84,6 +89,19 @@ RUN_ON_TOKENS = 16
 BURST_TOKENS = 2048
 # Most of the engine's time the shadow takes while the engine serves (`ShadowGate`).
 SHADOW_TIME_SHARE = 0.1
+# While the inline proxy is blind (`serving_time_share`), the shadow's time share: this
+# many times its budget, at most BLIND_TIME_SHARE (about what the token budget lets a
+# full prefill take, at several times a blend's cost per token). A pod that starts at
+# saturation otherwise needs some 8 intervals to gather the pairs that calibrate it.
+BLIND_TIME_SHARE_FACTOR = 4.0
+BLIND_TIME_SHARE = 0.2
+# Most shadow time the engine grants between two of its steps (`ShadowGate`). Between
+# steps the shadow catches up what the engine's last stretch earned of the time share
+# (time_share / (1 - time_share) of it: ~5 % of a step at the default budget): one unit
+# per step left most of the share unused at saturation, where holeblend-serve's steps are
+# mostly prefills of about a second and a unit (a layer) takes 10-20 ms (measured: 1.6 %
+# of the time at a 5 % share). This caps the catch-up after a long step.
+SHADOW_CATCH_UP_S = 0.05
 # How long a shadow the idle floor admitted waits, at one stretch, for the engine to be
 # idle again before it gives its slot up (`ShadowGate.idle_only`): several service times
 # of a lightly loaded pod, well inside a tuning interval.
@@ -94,14 +112,21 @@ class ShadowExpired(Exception):
     """An idle-only shadow waited longer than its patience for the engine to be idle."""
 
 
-def serving_time_share(budget: float) -> float:
+def serving_time_share(budget: float, *, blind: bool = False) -> float:
     """The share of the engine's time the shadow may take while the engine serves: its
     budget (`shadowBudget`), at most SHADOW_TIME_SHARE. The budget counts prompt tokens,
     and a shadow's full prefill costs several times a blend per token, so the tokens alone
     would let it take several times its share of a saturated engine's time (measured:
-    requests/s 12 % lower at a 5 % budget with a 10 % time share)."""
+    requests/s 12 % lower at a 5 % budget with a 10 % time share).
+
+    `blind`: the inline proxy gives no estimate for the requests being served (too few
+    calibration pairs, or statistics outside the ones its pairs span), so the tuner has
+    no signal at saturation but the shadow's: then up to BLIND_TIME_SHARE_FACTOR times
+    that, at most BLIND_TIME_SHARE, which the token budget still bounds."""
     if not 0 < budget <= 1:
         raise ValueError(f"shadowBudget: must be within (0, 1] for a shadow to run, got {budget}")
+    if blind:
+        return min(BLIND_TIME_SHARE, BLIND_TIME_SHARE_FACTOR * budget)
     return min(SHADOW_TIME_SHARE, budget)
 
 
@@ -348,14 +373,22 @@ class ShadowGate:
     prefill chunk, a decode step), each entered through the gate.
 
     - Engine idle: a unit runs at once.
+    - The time share is an account of shadow time (`_credit`, seconds): it grows by
+      time_share / (1 - time_share) of every second no unit runs, up to
+      `max_catch_up_s`, and each unit's duration is taken from it (a unit owes at most
+      its own duration: idle units do not pile up a debt); a unit may start while the
+      engine serves only when the account is not negative. So after a unit of
+      d seconds none starts for d x (1/time_share - 1), and over time the units take at
+      most `time_share` of the time, however long the engine's steps are.
     - Engine serving, `cooperative` (the engine calls `between_steps` between its own
-      steps): the engine grants the waiting shadow one unit when the shadow's share of
-      the time allows (after a unit of d seconds, none for d x (1/time_share - 1)), and
-      waits for it; a unit already running when a request arrives is finished first.
-      Either way a user step waits for at most one unit, and the engine never computes
-      beside the shadow.
-    - Engine serving, not cooperative (nothing calls `between_steps`): the shadow runs a
-      unit beside the engine at the same pacing.
+      steps): the engine grants the waiting shadow units while the account allows, and
+      waits for them, until `max_catch_up_s` of shadow time has run in that call (what a
+      long engine step, a prefill, earned; at 0, one unit per call at most); a unit
+      already running when a request arrives is finished first. Either way a user step
+      waits for at most `max_catch_up_s` plus one unit of shadow work, and the engine
+      never computes beside the shadow.
+    - Engine serving, not cooperative (nothing calls `between_steps`): the shadow runs
+      units beside the engine at the same pacing.
     - `idle_only` (set per shadow, `begin`; every shadow of `ShadowSampler`): no unit
       while the engine serves, granted or paced; a unit running when a request arrives
       is still finished first. After a wait longer than `idle_patience_s` at one stretch,
@@ -365,7 +398,11 @@ class ShadowGate:
       as any shadow when `on_patience` says so (a budget shadow; a
       floor shadow the budget took over), else `ShadowExpired` is raised in the shadow's
       thread, so a floor shadow caught by sustained load gives its slot up instead of
-      holding it.
+      holding it. A shadow that begins within `idle_patience_s` of the end of one that
+      went on so starts with its patience spent: the load most likely goes on, and
+      waiting it out again would cost every shadow at saturation `idle_patience_s`.
+    - `set_time_share`: the share can change as the engine serves (holeblend-serve raises
+      it while the inline proxy is blind, `serving_time_share`).
     """
 
     def __init__(
@@ -376,6 +413,7 @@ class ShadowGate:
         cooperative: bool = False,
         max_unit_wait_s: float = 10.0,
         idle_patience_s: float = IDLE_PATIENCE_S,
+        max_catch_up_s: float = SHADOW_CATCH_UP_S,
         clock: Callable[[], float] = time.monotonic,
         on_unit: Callable[[float, bool], None] | None = None,
     ) -> None:
@@ -385,6 +423,9 @@ class ShadowGate:
             raise ValueError(f"time_share: must be within (0, 1], got {time_share}")
         if not idle_patience_s > 0:
             raise ValueError(f"idle_patience_s: must be > 0, got {idle_patience_s}")
+        if not max_catch_up_s >= 0:
+            raise ValueError(f"max_catch_up_s: must be >= 0, got {max_catch_up_s}")
+        self.max_catch_up_s = max_catch_up_s
         self.is_busy, self.time_share, self.cooperative = is_busy, time_share, cooperative
         self.max_unit_wait_s, self._clock = max_unit_wait_s, clock
         self.idle_patience_s = idle_patience_s
@@ -394,11 +435,16 @@ class ShadowGate:
         self._began_at, self._units_s = clock(), 0.0
         self.idle_only = False  # the running shadow's units only while the engine is idle
         self._on_patience: Callable[[], bool] | None = None
+        # When the last shadow that went on past its patience ended (sustained load then),
+        # and whether the running one starts with its patience spent because of it.
+        self._left_going_on_at: float | None = None
+        self._went_on = self._patience_spent = False
         self._cond = threading.Condition()
         self._running_since: float | None = None  # a unit runs
         self._waiting = False  # the shadow waits for a grant
         self._granted = False
-        self._next_at = 0.0  # earliest start of a unit while the engine serves
+        # Shadow time the share allows now (seconds; negative: owed), as of `_credit_at`.
+        self._credit, self._credit_at = 0.0, clock()
         self.num_units = 0
         self.num_granted = 0  # units run while the engine served
 
@@ -409,6 +455,22 @@ class ShadowGate:
         with self._cond:
             self.idle_only, self._on_patience = idle_only, on_patience
             self._began_at, self._units_s = self._clock(), 0.0
+            # The shadow before went on past its patience and ended moments ago: the load
+            # that spent its patience most likely goes on, and waiting out the patience
+            # again would idle the shadow for idle_patience_s per shadow at saturation.
+            left = self._left_going_on_at
+            self._patience_spent = (
+                idle_only and left is not None and self._began_at - left <= self.idle_patience_s
+            )
+            self._went_on = False
+
+    def set_time_share(self, time_share: float) -> None:
+        """Any thread: the share in force from now on (`serving_time_share`)."""
+        if not 0 < time_share <= 1:
+            raise ValueError(f"time_share: must be within (0, 1], got {time_share}")
+        with self._cond:
+            self._refill()  # the time so far earns at the old share
+            self.time_share = time_share
 
     def enter(self) -> None:
         """Shadow thread, before a unit: ends the previous unit; returns when this one
@@ -423,20 +485,22 @@ class ShadowGate:
                         if self._on_patience is None or not self._on_patience():
                             self._waiting = self._granted = False
                             raise ShadowExpired(
-                                "idle time gave it less than its time share for over "
-                                f"{self.idle_patience_s:g} s"
+                                "sustained load: idle time gave it less than its time "
+                                f"share for over {self.idle_patience_s:g} s"
                             )
                         self.idle_only = False  # taken over: paced as any shadow
+                        self._went_on = True
                 elif self._granted:
                     self._granted, granted = False, True
                     break
-                elif not self.cooperative and self._clock() >= self._next_at:
+                elif not self.cooperative and self._allowed():
                     granted = True
                     break
                 self._waiting = True
                 self._cond.wait(0.005)
             # Whatever let this unit run, a grant given meanwhile is used by it.
             self._waiting = self._granted = False
+            self._refill()
             self._running_since = self._clock()
             self._unit_serving = granted or self.is_busy()
             self.num_units += 1
@@ -445,6 +509,8 @@ class ShadowGate:
     def _out_of_patience(self, waiting_since: float) -> bool:
         """An idle-only shadow waited `idle_patience_s` at one stretch, or has been going
         that long while idle time gave it less than its time share."""
+        if self._patience_spent:
+            return True
         now = self._clock()
         if now - waiting_since > self.idle_patience_s:
             return True
@@ -455,30 +521,58 @@ class ShadowGate:
         """Shadow thread: the shadow's work is over (scored, failed, expired)."""
         with self._cond:
             self._end_unit()
-            self._granted = self.idle_only = False
+            self._left_going_on_at = self._clock() if self._went_on else None
+            self._granted = self.idle_only = self._went_on = self._patience_spent = False
             self._on_patience = None
 
     def between_steps(self) -> None:
-        """Engine thread, before each step while it serves: finish a running unit, or
-        grant a waiting one when the pacing allows and wait for it."""
+        """Engine thread, before each step while it serves: finish a running unit, then
+        grant the waiting shadow units while the time share allows, until
+        `max_catch_up_s` of this call has passed (one unit at least), and wait for each."""
         with self._cond:
-            if self._running_since is None and not (
-                self._waiting and not self.idle_only and self._clock() >= self._next_at
-            ):
-                return
-            if self._running_since is None:
-                self._granted = True
+            started, granted = self._clock(), False
+            while True:
+                if (self._running_since is not None or self._granted) and not (
+                    self._cond.wait_for(
+                        lambda: not self._granted and self._running_since is None,
+                        self.max_unit_wait_s,
+                    )
+                ):
+                    return  # a unit that overran its wait: the engine goes on
+                if granted and self._clock() - started >= self.max_catch_up_s:
+                    return
+                # A granted unit ends where the shadow enters its next one, so a shadow
+                # in the middle of a chunk is waiting again by now.
+                if not (self._waiting and not self.idle_only and self._allowed()):
+                    return
+                self._granted = granted = True
                 self._cond.notify_all()
-            self._cond.wait_for(
-                lambda: not self._granted and self._running_since is None,
-                self.max_unit_wait_s,
-            )
+
+    def _allowed(self) -> bool:
+        """The account is not negative (the lock held; no unit running)."""
+        self._refill()
+        return self._credit >= 0
+
+    def _refill(self) -> None:
+        now = self._clock()
+        if self._running_since is None:
+            if self.time_share >= 1:
+                self._credit = max(self._credit, 0.0)
+            else:
+                rate = self.time_share / (1 - self.time_share)
+                gained = (now - self._credit_at) * rate
+                self._credit = min(self.max_catch_up_s, self._credit + gained)
+        self._credit_at = now
 
     def _end_unit(self) -> None:
         if self._running_since is None:
             return
-        duration = self._clock() - self._running_since
-        self._next_at = self._running_since + duration / self.time_share
+        now = self._clock()
+        duration = now - self._running_since
+        # A unit owes at most its own duration: units run while the engine was idle took
+        # none of its serving time, and a long run of them must not bar the next serving
+        # stretch (a paced unit starts with the account at 0 or more anyway).
+        self._credit, self._credit_at = max(self._credit, 0.0) - duration, now
         self._units_s += duration
         if self.on_unit is not None:
             try:

@@ -135,6 +135,7 @@ class Server:
         self.shadow: ShadowScorer | None = None
         self.inline: InlineProxy | None = None
         self.shadow_budget: ShadowBudget | None = None
+        self.shadow_gate: ShadowGate | None = None
         self.is_ready = False
         self.is_draining = False
         # Requests with a parsed body, not yet answered (what a drain waits for).
@@ -203,12 +204,16 @@ class Server:
         metrics = ShadowMetrics(self.metrics.registry)
         if settings.shadow_sample_rate <= 0 or settings.shadow_budget <= 0:
             return
+        # Blind until the inline proxy estimates what the engine serves (it has no
+        # calibration yet): the shadow is then the tuner's only signal at saturation.
         gate = ShadowGate(
             lambda: worker.num_pending > 0,
-            time_share=serving_time_share(settings.shadow_budget),
+            time_share=serving_time_share(settings.shadow_budget, blind=True),
             cooperative=True,
             on_unit=metrics.observe_unit,
         )
+        self.shadow_gate = gate
+        self.metrics.shadow_time_share.set(gate.time_share)
         self.shadow = ShadowScorer(
             self.engine.model, self.engine.tokenizer, settings.shadow_sample_rate,
             gate=gate, budget=self.shadow_budget, inline=self.inline, metrics=metrics,
@@ -225,7 +230,12 @@ class Server:
         statistic = residual_deviation(
             prefill.prompt, prefill.reuse, prefill.deviation, prefill.selected_positions
         )
-        self.inline.observe(prefill.ratio, statistic)
+        estimates = self.inline.observe(prefill.ratio, statistic)
+        if self.shadow_gate is not None:
+            budget = self.live.startup.shadow_budget
+            share = serving_time_share(budget, blind=estimates is None)
+            self.shadow_gate.set_time_share(share)
+            self.metrics.shadow_time_share.set(share)
         return statistic
 
     def _on_answered(self, answered: Answered) -> None:

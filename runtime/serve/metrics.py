@@ -74,6 +74,13 @@ class ServeMetrics:
         self.kv_store_entries = Gauge(
             "holeblend_kv_store_entries", "Segments held by the local KV tier.", registry=registry
         )
+        self.shadow_time_share = Gauge(
+            "holeblend_shadow_time_share",
+            "Most of the engine's time the shadow may take while the engine serves, now: "
+            "shadowBudget (at most 0.1), raised while the inline proxy gives no estimate "
+            "for the requests served (0: no shadow).",
+            registry=registry,
+        )
         self.queue_depth = Gauge(
             "holeblend_queue_depth", "Requests waiting for the compute thread.", registry=registry
         )

@@ -23,7 +23,8 @@ continuous batching of the decode steps):
    every completed prefill (the shadow budget counts its tokens, the inline proxy reads
    its blend's statistic), `on_answered` every answered request that blended
    (`Answered`, offered to the shadow), and `between_steps` runs before every prefill and
-   decode step (the shadow gate: a user step waits for at most one unit of shadow work).
+   decode step (the shadow gate: a user step waits for at most a catch-up slice of
+   shadow work, `SHADOW_CATCH_UP_S`, plus the unit that crosses it).
 
 `max_batch` 1 serves one request at a time: prefill, then its whole answer.
 """

@@ -1,6 +1,6 @@
 """Shadow full prefill on the real model: the proxies agree with the engine's own full
 prefill, score where and whether the answer ends, the work stays within its token budget
-and yields to serving one unit at a time yet progresses under sustained load, and the
+and yields to serving a slice at a time yet progresses under sustained load, and the
 metrics carry the ratio."""
 
 import threading
@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from holeblend_runtime.quality.scores import answer_f1, answer_words
 from holeblend_runtime.quality.shadow import (
+    BLIND_TIME_SHARE,
     RUN_ON_TOKENS,
     SHADOW_TIME_SHARE,
     ShadowBudget,
@@ -234,7 +235,7 @@ def score_beside(shadow, request, serve: Callable[[threading.Event], object]) ->
         shadow.close()
 
 
-def test_under_sustained_load_the_shadow_progresses_and_delays_a_step_by_one_unit_at_most(
+def test_under_sustained_load_the_shadow_progresses_and_delays_a_step_by_a_slice_at_most(
     engine,
 ):
     request = blended_request(engine)
@@ -246,15 +247,85 @@ def test_under_sustained_load_the_shadow_progresses_and_delays_a_step_by_one_uni
     score_beside(shadow, request, lambda stop: waits.extend(run_engine_steps(gate, stop, 0.002)))
     assert shadow.outcomes == {"scored": 1}
     assert gate.num_granted == gate.num_units >= engine.model.num_layers
-    # While a step waits, at most one unit of shadow work starts: never two, never a chunk.
-    starts = [start for start, _ in gate.units]
-    for began, ended in waits:
-        assert sum(began <= start <= ended for start in starts) <= 1
+    # While a step waits, the shadow's units started in it start within the catch-up
+    # slice, and the wait ends within the slice plus the unit that crosses it.
     longest_unit = max(end - start for start, end in gate.units)
-    assert max(ended - began for began, ended in waits) <= longest_unit + 0.25
+    for began, ended in waits:
+        inside = [start for start, _ in gate.units if began <= start <= ended]
+        if inside:
+            assert inside[-1] - began <= gate.max_catch_up_s + 0.25
+    assert max(ended - began for began, ended in waits) <= (
+        gate.max_catch_up_s + longest_unit + 0.25
+    )
     granted = sum(end - start for start, end in gate.units)
     elapsed = gate.units[-1][1] - gate.units[0][0]
-    assert granted <= 0.5 * elapsed + longest_unit  # the time share holds
+    # The time share holds (the account starts with at most one slice in it).
+    assert granted <= 0.5 * elapsed + gate.max_catch_up_s + longest_unit
+
+
+def _share_beside_long_steps(max_catch_up_s: float) -> tuple[float, list[float]]:
+    """A shadow of 5 ms units beside an engine of 100 ms steps at a 20 % time share, for
+    about 1.5 s: the shadow's share of the time and each step's wait."""
+    gate = ShadowGate(lambda: True, cooperative=True, time_share=0.2, max_catch_up_s=max_catch_up_s)
+    stop, units = threading.Event(), []
+
+    def shadow_units():
+        while not stop.is_set():
+            gate.enter()
+            started = time.monotonic()
+            time.sleep(0.005)
+            units.append(time.monotonic() - started)
+        gate.leave()
+
+    worker = threading.Thread(target=shadow_units, daemon=True)
+    worker.start()
+    began = time.monotonic()
+    waits = []
+    while time.monotonic() - began < 1.5:
+        waits.append(-time.monotonic())
+        gate.between_steps()
+        waits[-1] += time.monotonic()
+        time.sleep(0.1)  # a long step: a prefill
+    elapsed = time.monotonic() - began
+    stop.set()
+    gate.between_steps()  # let the last unit finish
+    worker.join(2)
+    return sum(units) / elapsed, waits
+
+
+def test_between_long_steps_the_shadow_catches_up_its_time_share():
+    """One unit per step left most of the share unused where the engine's steps are long
+    (prefills at saturation); the catch-up slice takes what each step earned."""
+    share, waits = _share_beside_long_steps(max_catch_up_s=0.05)
+    # Each 100 ms step earns 25 ms at a 20 % share: about five 5 ms units per wait.
+    assert 0.1 <= share <= 0.2 + 0.05
+    assert max(waits) <= 0.05 + 0.03  # the slice, plus the unit crossing it (and noise)
+    one_unit, _ = _share_beside_long_steps(max_catch_up_s=0.0)  # one unit per step
+    assert one_unit < 0.08 and one_unit < share / 2
+
+
+def test_the_time_share_account_on_a_clock():
+    now = [0.0]
+    busy = threading.Event()
+    gate = ShadowGate(busy.is_set, cooperative=True, time_share=0.1, clock=lambda: now[0])
+    for _ in range(3):  # three idle units of 1 s each
+        gate.enter()
+        now[0] += 1.0
+    gate.leave()
+    busy.set()
+    # They owe the last unit's second only: 9 s at a 10 % share (three would owe 27 s).
+    now[0] += 8.9
+    assert not gate._allowed()
+    now[0] += 0.2
+    assert gate._allowed()
+    # A long serving stretch earns at most the catch-up slice.
+    now[0] += 100.0
+    assert gate._allowed() and gate._credit == pytest.approx(gate.max_catch_up_s)
+
+
+def test_bad_catch_up_is_refused():
+    with pytest.raises(ValueError, match="max_catch_up_s"):
+        ShadowGate(lambda: True, max_catch_up_s=-0.1)
 
 
 def test_under_paced_load_a_budget_shadow_runs_in_idle_time_only(engine):
@@ -559,5 +630,101 @@ def test_the_shadow_takes_its_budget_of_a_serving_engines_time_at_most_a_tenth()
     assert serving_time_share(0.05) == 0.05
     assert serving_time_share(0.5) == SHADOW_TIME_SHARE == 0.1
     for bad in (0.0, -0.1, 1.5):
-        with pytest.raises(ValueError, match="shadowBudget"):
-            serving_time_share(bad)
+        for blind in (False, True):
+            with pytest.raises(ValueError, match="shadowBudget"):
+                serving_time_share(bad, blind=blind)
+
+
+def test_while_the_inline_proxy_is_blind_the_share_is_four_times_the_budget_at_most_a_fifth():
+    assert serving_time_share(0.05, blind=True) == pytest.approx(0.2) == BLIND_TIME_SHARE
+    assert serving_time_share(0.01, blind=True) == pytest.approx(0.04)
+    assert serving_time_share(1.0, blind=True) == BLIND_TIME_SHARE
+    for budget in (0.01, 0.05, 0.5):
+        assert serving_time_share(budget, blind=True) > serving_time_share(budget)
+
+
+def test_a_new_time_share_paces_the_units_from_then_on():
+    now = [0.0]
+    gate = ShadowGate(lambda: True, time_share=0.1, clock=lambda: now[0])
+    gate.enter()  # serving: the account (0) allows one unit
+    now[0] += 1.0
+    gate.leave()  # it owes 1 s: 9 s at a 10 % share
+    now[0] += 1.0
+    assert not gate._allowed()
+    gate.set_time_share(0.5)  # from now on 1 s per second (the 1 s before: 0.11 s)
+    now[0] += 0.8
+    assert not gate._allowed()
+    now[0] += 0.2
+    assert gate._allowed()
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="time_share"):
+            gate.set_time_share(bad)
+
+
+def _enter_in_thread(gate: ShadowGate) -> tuple[threading.Thread, list]:
+    ended: list = []
+
+    def run():
+        try:
+            gate.enter()
+            ended.append("entered")
+        except ShadowExpired:
+            ended.append("expired")
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, ended
+
+
+def test_a_shadow_right_after_one_that_went_on_under_load_starts_with_its_patience_spent():
+    now, calls = [0.0], []
+    busy = threading.Event()
+    busy.set()
+    gate = ShadowGate(busy.is_set, time_share=1.0, idle_patience_s=10, clock=lambda: now[0])
+
+    def goes_on():
+        calls.append(now[0])
+        return True
+
+    # The first waits its patience out (10 s of sustained load), then goes on.
+    gate.begin(idle_only=True, on_patience=goes_on)
+    now[0] = 10.5
+    gate.enter()
+    assert calls == [10.5] and not gate.idle_only
+    now[0] = 11.0
+    gate.leave()
+    # The next begins 4 s later under the same load: it goes on at its first unit.
+    now[0] = 15.0
+    gate.begin(idle_only=True, on_patience=goes_on)
+    gate.enter()
+    assert calls == [10.5, 15.0] and gate.num_granted == 2
+    now[0] = 16.0
+    gate.leave()
+    # One that begins more than the patience after: it waits for idle time again.
+    now[0] = 30.0
+    gate.begin(idle_only=True, on_patience=goes_on)
+    thread, ended = _enter_in_thread(gate)
+    thread.join(0.2)
+    assert ended == [] and calls == [10.5, 15.0]
+    busy.clear()  # idle: the unit runs as an idle one
+    thread.join(2)
+    assert ended == ["entered"] and gate.num_granted == 2
+    gate.leave()
+    # A floor shadow the budget does not take over, right after one that went on, gives
+    # its slot up at once; it passes nothing on.
+    gate.begin(idle_only=True, on_patience=goes_on)
+    busy.set()
+    now[0] = 45.0  # 15 s of sustained load: patience out, it goes on
+    gate.enter()
+    gate.leave()
+    gate.begin(idle_only=True, on_patience=lambda: False)
+    with pytest.raises(ShadowExpired, match="sustained load"):
+        gate.enter()
+    gate.leave()
+    gate.begin(idle_only=True, on_patience=goes_on)
+    thread, ended = _enter_in_thread(gate)
+    thread.join(0.2)
+    assert ended == []  # waiting for idle time again
+    busy.clear()
+    thread.join(2)
+    gate.leave()

@@ -9,6 +9,8 @@ import threading
 import time
 
 from holeblend_devtools.serve_process import get
+from holeblend_runtime.quality.inline_proxy import MIN_PAIRS
+from holeblend_runtime.quality.shadow import serving_time_share
 from tests.serve.conftest import example_settings_json, start_server
 from tests.serve.test_server import DOCS, NEW_DOC, completion, metric
 
@@ -41,6 +43,28 @@ def test_blended_requests_get_the_inline_statistic_and_budgeted_shadows(tmp_path
         # engine's state as each started.
         units = metric(server, "holeblend_shadow_units_total")
         assert units >= 30 and metric(server, "holeblend_shadow_unit_seconds_total") > 0
+        # The inline proxy is blind (one pair): the shadow may take the larger share.
+        assert metric(server, "holeblend_shadow_time_share") == serving_time_share(1.0, blind=True)
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+def test_the_shadows_time_share_falls_to_its_budget_once_the_inline_proxy_estimates(tmp_path):
+    settings = example_settings_json(shadowSampleRate=1.0, shadowBudget=0.05)
+    server = start_server(tmp_path, settings)
+    blind, calibrated = serving_time_share(0.05, blind=True), serving_time_share(0.05)
+    try:
+        assert metric(server, "holeblend_shadow_time_share") == blind  # nothing calibrated
+        assert completion(server, DOCS)[0] == 200  # full miss: caches the documents
+        for scored in range(1, MIN_PAIRS + 1):  # the same cached prompt: the same statistic
+            status, body, _ = completion(server, DOCS, max_tokens=6)
+            assert status == 200 and body["usage"]["holeblend"]["lookup_mode"] == "pure-hit"
+            assert metric(server, "holeblend_shadow_time_share") == blind
+            wait_for(server, "holeblend_shadow_requests_total", scored, outcome="scored")
+        assert metric(server, "holeblend_inline_f1_proxy_count") == 0
+        status, _, _ = completion(server, DOCS, max_tokens=6)
+        assert status == 200 and metric(server, "holeblend_inline_f1_proxy_count") == 1
+        assert metric(server, "holeblend_shadow_time_share") == calibrated < blind
     finally:
         assert server.stop() == 0, server.log()
 
