@@ -4,6 +4,7 @@ tuner (through a real Prometheus when installed), the tuner decides on them, and
 ratio reaches the running engine live."""
 
 import dataclasses
+import functools
 import json
 import time
 import urllib.request
@@ -303,11 +304,15 @@ def test_on_vllm_pods_the_tuner_decides_on_their_proxies_and_the_pods_take_a_new
 
 def patch_out_of_bounds_until_clamped(stack, engine, max_ratio: float, timeout_s: float) -> bool:
     """Patch status.recomputeRatio to 0.95 (above the bounds) until the engine runs the
-    clamped ratio. A hand patch can race with a tuner write of the same field, and the
-    last writer wins (as on a real API server), so a patch the tuner overwrote is sent
-    again; the tuner must then clamp it, never keep it."""
+    clamped ratio and the tuner recorded the clamp. A hand patch can race with a tuner
+    write of the same field, and the last writer wins (as on a real API server), so a
+    patch the tuner overwrote is sent again; the tuner must then clamp it, never keep it.
+    The engine's ratio alone does not tell: the tuner's own decisions may raise it to
+    maxRatio too (this test's target is above what low ratios give), and a patch that
+    such a write overwrote leaves nothing to clamp."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        clamps = reasons(stack).count("ClampedToBounds")
         stack.cluster.call(
             stack.cluster.api.edit_object(
                 closed_loop.BD,
@@ -316,9 +321,22 @@ def patch_out_of_bounds_until_clamped(stack, engine, max_ratio: float, timeout_s
                 {"status": {"recomputeRatio": 0.95}},
             )
         )
-        if wait_for(lambda: engine_ratio(engine) == max_ratio, 20):
+        if wait_for(functools.partial(_clamped, stack, engine, max_ratio, clamps), 20):
             return True
     return False
+
+
+def _clamped(stack, engine, max_ratio: float, clamps_before: int) -> bool:
+    """The engine runs maxRatio and the tuner recorded a clamp since `clamps_before`."""
+    return (
+        engine_ratio(engine) == max_ratio
+        and reasons(stack).count("ClampedToBounds") > clamps_before
+    )
+
+
+def reasons(stack) -> list[str]:
+    """The reason code of each history entry."""
+    return [entry["reason"].split(":")[0] for entry in history(stack)]
 
 
 def history(stack) -> list[dict]:
