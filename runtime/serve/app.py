@@ -43,6 +43,7 @@ from holeblend_runtime.quality.shadow import (
     ShadowMetrics,
     ShadowRequest,
     ShadowScorer,
+    serving_catch_up_s,
     serving_time_share,
 )
 from holeblend_runtime.serve import requests as parsing
@@ -209,6 +210,7 @@ class Server:
         gate = ShadowGate(
             lambda: worker.num_pending > 0,
             time_share=serving_time_share(settings.shadow_budget, blind=True),
+            max_catch_up_s=serving_catch_up_s(blind=True),
             cooperative=True,
             on_unit=metrics.observe_unit,
         )
@@ -233,8 +235,9 @@ class Server:
         estimates = self.inline.observe(prefill.ratio, statistic)
         if self.shadow_gate is not None:
             budget = self.live.startup.shadow_budget
-            share = serving_time_share(budget, blind=estimates is None)
-            self.shadow_gate.set_time_share(share)
+            blind = estimates is None
+            share = serving_time_share(budget, blind=blind)
+            self.shadow_gate.set_time_share(share, serving_catch_up_s(blind=blind))
             self.metrics.shadow_time_share.set(share)
         return statistic
 

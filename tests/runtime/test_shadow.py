@@ -14,6 +14,7 @@ from holeblend_runtime.quality.scores import answer_f1, answer_words
 from holeblend_runtime.quality.shadow import (
     BLIND_TIME_SHARE,
     RUN_ON_TOKENS,
+    SHADOW_CATCH_UP_S,
     SHADOW_TIME_SHARE,
     ShadowBudget,
     ShadowExpired,
@@ -22,6 +23,7 @@ from holeblend_runtime.quality.shadow import (
     ShadowRequest,
     ShadowScorer,
     answer_budget,
+    serving_catch_up_s,
     serving_time_share,
 )
 
@@ -659,6 +661,24 @@ def test_a_new_time_share_paces_the_units_from_then_on():
     for bad in (0.0, 1.5):
         with pytest.raises(ValueError, match="time_share"):
             gate.set_time_share(bad)
+    with pytest.raises(ValueError, match="max_catch_up_s"):
+        gate.set_time_share(0.5, -1.0)
+
+
+def test_the_catch_up_slice_is_granted_only_while_the_inline_proxy_is_blind():
+    assert serving_catch_up_s(blind=True) == SHADOW_CATCH_UP_S > 0
+    assert serving_catch_up_s(blind=False) == 0.0
+    now = [0.0]
+    gate = ShadowGate(lambda: True, time_share=0.2, clock=lambda: now[0])
+    now[0] += 10.0  # a long serving stretch earns the slice
+    assert gate._allowed() and gate._credit == pytest.approx(SHADOW_CATCH_UP_S)
+    gate.set_time_share(0.05, serving_catch_up_s(blind=False))
+    assert gate._credit == 0.0 and gate.max_catch_up_s == 0.0  # what it had is dropped
+    now[0] += 10.0
+    assert gate._allowed() and gate._credit == 0.0  # one unit at a time from now on
+    gate.set_time_share(0.2, serving_catch_up_s(blind=True))  # blind again
+    now[0] += 10.0
+    assert gate._allowed() and gate._credit == pytest.approx(SHADOW_CATCH_UP_S)
 
 
 def _enter_in_thread(gate: ShadowGate) -> tuple[threading.Thread, list]:
