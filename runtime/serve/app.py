@@ -137,6 +137,7 @@ class Server:
         self.inline: InlineProxy | None = None
         self.shadow_budget: ShadowBudget | None = None
         self.shadow_gate: ShadowGate | None = None
+        self._shadow_blind: bool | None = None  # the pacing the gate was last given
         self.is_ready = False
         self.is_draining = False
         # Requests with a parsed body, not yet answered (what a drain waits for).
@@ -208,14 +209,10 @@ class Server:
         # Blind until the inline proxy estimates what the engine serves (it has no
         # calibration yet): the shadow is then the tuner's only signal at saturation.
         gate = ShadowGate(
-            lambda: worker.num_pending > 0,
-            time_share=serving_time_share(settings.shadow_budget, blind=True),
-            max_catch_up_s=serving_catch_up_s(blind=True),
-            cooperative=True,
-            on_unit=metrics.observe_unit,
+            lambda: worker.num_pending > 0, cooperative=True, on_unit=metrics.observe_unit
         )
         self.shadow_gate = gate
-        self.metrics.shadow_time_share.set(gate.time_share)
+        self._pace_shadow(blind=True)
         self.shadow = ShadowScorer(
             self.engine.model, self.engine.tokenizer, settings.shadow_sample_rate,
             gate=gate, budget=self.shadow_budget, inline=self.inline, metrics=metrics,
@@ -233,13 +230,18 @@ class Server:
             prefill.prompt, prefill.reuse, prefill.deviation, prefill.selected_positions
         )
         estimates = self.inline.observe(prefill.ratio, statistic)
-        if self.shadow_gate is not None:
-            budget = self.live.startup.shadow_budget
-            blind = estimates is None
-            share = serving_time_share(budget, blind=blind)
-            self.shadow_gate.set_time_share(share, serving_catch_up_s(blind=blind))
-            self.metrics.shadow_time_share.set(share)
+        self._pace_shadow(blind=estimates is None)
         return statistic
+
+    def _pace_shadow(self, *, blind: bool) -> None:
+        """The gate's share and catch-up slice for whether the inline proxy is blind (set
+        on a change only, not on every prefill)."""
+        if self.shadow_gate is None or blind == self._shadow_blind:
+            return
+        share = serving_time_share(self.live.startup.shadow_budget, blind=blind)
+        self.shadow_gate.set_time_share(share, serving_catch_up_s(blind=blind))
+        self.metrics.shadow_time_share.set(share)
+        self._shadow_blind = blind
 
     def _on_answered(self, answered: Answered) -> None:
         """Compute thread, as a request that blended ends (still counted as pending): it is
