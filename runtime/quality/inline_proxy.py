@@ -18,16 +18,20 @@ request, at no cost beyond a sum over numbers the blend computed anyway:
    pair (statistic, shadow score) is kept, per ratio (the last `MAX_PAIRS`). An isotonic
    fit (the score never rises with the statistic) maps a statistic to the expected shadow
    F1 and top-1 agreement. A ratio with fewer than `MIN_PAIRS` pairs of its own (the
-   tuner just moved to it) borrows the fit of the pairs of every ratio (the statistic
-   already measures what the ratio left stale), but only inside the statistics those
-   pairs span: beyond them a fit would extrapolate, e.g. flatter than the truth at a lower
-   ratio. Fewer pairs than that in all, or a statistic outside their span: no estimate at
-   all, no signal rather than a guess.
+   tuner just moved to it) borrows the fit of the pairs scored at it and at *lower*
+   ratios only, and only inside the statistics those pairs span: beyond them a fit would
+   extrapolate. Never from higher ratios: the statistic measures only part of what a
+   lower ratio leaves stale, so their pairs read a lower ratio too high (measured in a
+   saturated closed loop: 0.98 at ratio 0.02 from pairs scored at 0.2-0.8, where the
+   shadows read 0.75 and an offline sweep 0.61), and a tuner that steps down on such a
+   reading settles below its target. Pairs of lower ratios err the other way, which costs
+   at most a raise that more samples undo. Fewer pairs than that, or a statistic outside
+   their span: no estimate at all, no signal rather than a guess.
 3. **Export** (`InlineProxy`): every blended request's calibrated estimates are observed
    in `holeblend_inline_f1_proxy{ratio}` and `holeblend_inline_top1_proxy{ratio}` (the
    shadow's buckets), only when calibrated; `holeblend_inline_proxy_pairs{ratio}` holds
    the pairs each calibration has, `holeblend_inline_proxy_pooled{ratio}` whether the
-   ratio's last estimate came from the pooled fit (1) or its own (0), `holeblend_inline_proxy_correlation{ratio}` the
+   ratio's last estimate came from the borrowed fit (1) or its own (0), `holeblend_inline_proxy_correlation{ratio}` the
    Pearson correlation of statistic and shadow F1 (absent with too few pairs or no
    spread), and `holeblend_inline_residual_deviation{ratio}` the raw statistic of every
    blended request (observed whether or not calibrated).
@@ -172,6 +176,10 @@ class Calibration:
             value = left.y + weight * (right.y - left.y)
         return min(1.0, max(0.0, value))
 
+    def pairs(self) -> list[tuple[float, float]]:
+        """The (statistic, score) pairs held, oldest first."""
+        return list(self._pairs)
+
     def correlation(self) -> float | None:
         """Pearson correlation of statistic and score; None with too few pairs or no
         spread in either."""
@@ -243,8 +251,8 @@ class InlineProxyMetrics:
         )
         self.pooled = Gauge(
             INLINE_POOLED_METRIC,
-            "1 when the ratio's last inline estimate came from the fit of every ratio's "
-            "pairs (its own had too few), 0 when from its own.",
+            "1 when the ratio's last inline estimate came from the fit borrowed from its "
+            "own and lower ratios' pairs (its own had too few), 0 when from its own.",
             ["ratio"],
             registry=registry,
         )
@@ -270,9 +278,10 @@ class _RatioState:
 
 
 class InlineProxy:
-    """Per-ratio calibrations of the statistic and a pooled one of every ratio's pairs,
-    fed by the shadow and read for every blended request; thread-safe (the serving
-    thread observes, the shadow's adds)."""
+    """Per-ratio calibrations of the statistic, and for a ratio with too few pairs of its
+    own the fit of the pairs of it and every lower ratio (built when first needed after a
+    pair was added), fed by the shadow and read for every blended request; thread-safe
+    (the serving thread observes, the shadow's adds)."""
 
     def __init__(
         self,
@@ -290,8 +299,9 @@ class InlineProxy:
         self.metrics = metrics
         self._lock = threading.Lock()
         self._ratios: collections.OrderedDict[str, _RatioState] = collections.OrderedDict()
-        # Every ratio's pairs: the fit a ratio without enough of its own borrows.
-        self._pooled = self._new_state()
+        # The fit a ratio without enough pairs of its own borrows (its pairs and those of
+        # every lower ratio), by ratio label; emptied whenever a pair is added.
+        self._borrowed: dict[str, _RatioState] = {}
 
     def observe(self, ratio: float, statistic: float | None) -> tuple[float, float] | None:
         """One blended request's statistic: the raw value is exported; the calibrated
@@ -304,7 +314,7 @@ class InlineProxy:
             estimates = None if state is None else state.estimates(statistic)
             pooled = estimates is None
             if pooled:
-                estimates = self._pooled.estimates(statistic, extrapolate=False)
+                estimates = self._borrowed_fit(label).estimates(statistic, extrapolate=False)
         if self.metrics is not None:
             self.metrics.statistic.labels(ratio=label).observe(statistic)
             if estimates is not None:
@@ -320,9 +330,9 @@ class InlineProxy:
         label = ratio_label(score.ratio)
         with self._lock:
             own = self._state(label)
-            for state in (own, self._pooled):
-                state.f1.add(statistic, score.f1)
-                state.top1.add(statistic, score.top1)
+            own.f1.add(statistic, score.f1)
+            own.top1.add(statistic, score.top1)
+            self._borrowed.clear()
             num_pairs, correlation = len(own.f1), own.f1.correlation()
         if self.metrics is not None:
             self.metrics.pairs.labels(ratio=label).set(num_pairs)
@@ -340,6 +350,21 @@ class InlineProxy:
         with self._lock:
             state = self._ratios.get(ratio_label(ratio))
             return None if state is None else state.f1.correlation()
+
+    def _borrowed_fit(self, label: str) -> _RatioState:
+        """The fit of the pairs of `label`'s ratio and every lower one (under the lock)."""
+        fit = self._borrowed.get(label)
+        if fit is None:
+            ratio = float(label)
+            lenders = [s for r, s in self._ratios.items() if float(r) <= ratio]
+            size = max(self.max_pairs, sum(len(s.f1) for s in lenders))
+            fit = _RatioState(Calibration(self.min_pairs, size), Calibration(self.min_pairs, size))
+            for lender in lenders:
+                for mine, theirs in ((fit.f1, lender.f1), (fit.top1, lender.top1)):
+                    for x, y in theirs.pairs():
+                        mine.add(x, y)
+            self._borrowed[label] = fit
+        return fit
 
     def _state(self, label: str) -> _RatioState:
         state = self._ratios.get(label)

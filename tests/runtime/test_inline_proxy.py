@@ -94,33 +94,66 @@ def test_only_calibrated_estimates_are_exported_by_ratio():
     assert value("holeblend_inline_f1_proxy_sum", ratio="0.15") == pytest.approx(0.5)
     assert value("holeblend_inline_top1_proxy_sum", ratio="0.15") == pytest.approx(0.75)
     assert value("holeblend_inline_proxy_pooled", ratio="0.15") == 0
-    # Another ratio has no pairs of its own: it borrows the fit of every ratio's pairs.
+    # A higher ratio has no pairs of its own: it borrows the fit of the lower one's.
     assert proxy.observe(0.3, 0.5) == (pytest.approx(0.5), pytest.approx(0.75))
     assert value("holeblend_inline_f1_proxy_count", ratio="0.3") == 1
     assert value("holeblend_inline_proxy_pooled", ratio="0.3") == 1
     assert proxy.num_pairs(0.15) == MIN_PAIRS and proxy.num_pairs(0.3) == 0
 
 
-def test_a_ratio_without_pairs_borrows_the_pooled_fit_only_inside_its_span():
-    """The pooled fit never extrapolates: a statistic beyond the pairs' span (a lower
-    ratio leaves more stale KV than any scored request had) gets no estimate; a ratio's
-    own calibration, once it has enough pairs, wins over the pooled one."""
+def test_a_ratio_without_pairs_borrows_the_fit_of_lower_ratios_only_inside_its_span():
+    """The borrowed fit never extrapolates: a statistic beyond the pairs' span gets no
+    estimate; a ratio borrows from its own pairs and lower ratios' only; its own
+    calibration, once it has enough pairs, wins over the borrowed one."""
     proxy = InlineProxy()
     for i in range(MIN_PAIRS - 1):  # one short in all: nothing anywhere
         x = 0.2 + 0.4 * i / (MIN_PAIRS - 1)
         proxy.add_pair(x, ShadowScore(f1=1 - x, top1=1.0, ratio=0.15, seconds=1.0))
     assert proxy.observe(0.3, 0.4) is None and proxy.observe(0.15, 0.4) is None
     proxy.add_pair(0.6, ShadowScore(f1=0.4, top1=1.0, ratio=0.2, seconds=1.0))
-    # 0.15 has 7 pairs, 0.2 one: both borrow the pooled fit of all 8, inside 0.2..0.6.
-    for ratio in (0.15, 0.2, 0.05):
+    # 0.2 borrows the fit of all 8 (0.15's 7 and its own), inside 0.2..0.6; 0.15 has only
+    # its own 7 below it, and 0.05 none.
+    for ratio in (0.2, 0.3):
         assert proxy.observe(ratio, 0.4)[0] == pytest.approx(0.6)
         assert proxy.observe(ratio, 0.19) is None and proxy.observe(ratio, 0.61) is None
+    assert proxy.observe(0.15, 0.4) is None and proxy.observe(0.05, 0.4) is None
     for _ in range(MIN_PAIRS):  # 0.2's own pairs say otherwise: they win for 0.2
         proxy.add_pair(0.4, ShadowScore(f1=0.9, top1=0.9, ratio=0.2, seconds=1.0))
     # Its own fit (one pair at 0.6, eight at 0.4): F1 0.9 at 0.4; top-1 rises from 0.9
     # to 1.0 there, so it is pooled into one block.
     assert proxy.observe(0.2, 0.4) == (pytest.approx(0.9), pytest.approx((8 * 0.9 + 1) / 9))
     assert proxy.observe(0.2, 0.7) is not None  # its own fit: flat beyond its pairs
+    # 0.3 now borrows all 16 pairs (the fit is rebuilt after each new pair): 0.2's new
+    # ones lift its estimate above the 0.6 it read before them.
+    assert 0.6 < proxy.observe(0.3, 0.4)[0] < 0.9
+
+
+def test_pairs_of_higher_ratios_never_lend_a_lower_ratio_an_estimate():
+    """After a step down (from-high), the pairs scored at the higher ratios read the new
+    ratio too high; the lower ratio gets no estimate until it has pairs of its own, and
+    then its own fit, not theirs."""
+    registry = CollectorRegistry()
+    proxy = InlineProxy(registry)
+    for ratio in (0.8, 0.6, 0.4):
+        for i in range(MIN_PAIRS):
+            x = 0.1 + 0.9 * i / (MIN_PAIRS - 1)  # statistics spanning 0.1..1.0
+            proxy.add_pair(x, ShadowScore(f1=1.0, top1=1.0, ratio=ratio, seconds=1.0))
+    assert proxy.observe(0.6, 0.5) == (1.0, 1.0)  # its own fit
+    assert proxy.observe(0.02, 0.5) is None  # inside their span, yet no estimate
+    assert registry.get_sample_value("holeblend_inline_f1_proxy_count", {"ratio": "0.02"}) is None
+    for i in range(MIN_PAIRS - 1):
+        x = 0.2 + 0.6 * i / (MIN_PAIRS - 2)
+        proxy.add_pair(x, ShadowScore(f1=0.5, top1=0.8, ratio=0.02, seconds=1.0))
+    assert proxy.observe(0.02, 0.5) is None  # 7 pairs of its own, none lower
+    # A ratio between borrows from 0.02's 7 pairs and its own one: the lower ratio's
+    # reading, not the higher ones' 1.0.
+    proxy.add_pair(0.5, ShadowScore(f1=0.7, top1=0.9, ratio=0.1, seconds=1.0))
+    f1, _ = proxy.observe(0.1, 0.5)
+    assert 0.5 <= f1 < 0.6
+    assert registry.get_sample_value("holeblend_inline_proxy_pooled", {"ratio": "0.1"}) == 1
+    proxy.add_pair(0.5, ShadowScore(f1=0.5, top1=0.8, ratio=0.02, seconds=1.0))
+    assert proxy.observe(0.02, 0.5) == (pytest.approx(0.5), pytest.approx(0.8))
+    assert registry.get_sample_value("holeblend_inline_proxy_pooled", {"ratio": "0.02"}) == 0
 
 
 def test_the_statistic_is_the_deviation_left_in_tokens_not_recomputed_per_compared_token(
