@@ -7,7 +7,15 @@
    after block, each block to every mode's server in turn through `num_clients`
    closed-loop streaming clients. Only one server works at a time, and background load
    on a shared machine falls on all modes alike (as the offline bench interleaves).
-4. One result row per mode: throughput over its blocks' wall time, TTFT percentiles, the
+4. The blending modes run their quality proxies as a BlendDeployment does by default (a
+   shadow full prefill for a sampled share of requests, within a budget). A shadow still
+   running when its mode's block ends would go on in the idle time of the next mode's
+   block, on that mode's clock. So after each block the bench waits until that server's
+   shadows are done, and adds the shadow work they did meanwhile (its idle units'
+   seconds) to the mode's wall time: at saturation that work would have taken the
+   engine's time. `shadow_s` is every shadow second of the mode's blocks, `shadow_drain_s`
+   the part added after them.
+5. One result row per mode: throughput over its blocks' wall time, TTFT percentiles, the
    reused share the server reports in `usage`, and agreement of the greedy answers with
    full prefill's (full's answers are the reference). Servers stop with SIGTERM.
 """
@@ -25,6 +33,7 @@ from holeblend_contract.blend_settings import BlendMode, BlendSettings, ModelSet
 from holeblend_runtime.bench.load_client import Outcome, ServeProcess, drive
 from holeblend_runtime.bench.load_workload import LoadRequest, LoadWorkloadConfig
 from holeblend_runtime.bench.report import percentile
+from holeblend_runtime.bench.shadow_load import metric_total, scrape, wait_shadows_done
 from holeblend_runtime.quality.scores import answer_f1, answer_words
 
 FULL = "full"
@@ -48,7 +57,13 @@ LOAD_RESULT_KEYS = (
     "f1_vs_full",
     "num_errors",
     "num_rejected",
+    "shadow_s",
+    "shadow_drain_s",
 )
+# The shadow's work units, in seconds, by the engine's state when each began.
+UNIT_SECONDS = "holeblend_shadow_unit_seconds_total"
+# How long the bench waits after a block for a server's shadows to finish.
+DRAIN_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -93,6 +108,7 @@ def run_load(
     modes = [m for m in LOAD_MODES if m in config.modes]
     outcomes: dict[str, list[Outcome]] = {mode: [] for mode in modes}
     wall_s = dict.fromkeys(modes, 0.0)
+    shadow = {mode: ShadowSeconds() for mode in modes}
     with ExitStack() as stack:
         servers = {mode: stack.enter_context(_server(config, mode, workdir)) for mode in modes}
         for server in servers.values():
@@ -100,18 +116,69 @@ def run_load(
         models = {mode: server.model_name() for mode, server in servers.items()}
         for block in [[r for r in requests if r.is_warmup], *_blocks(requests, config)]:
             for mode, server in servers.items():
+                metrics_url = f"http://127.0.0.1:{server.port}/metrics"
+                before = scrape(metrics_url) if mode != FULL else None
                 done, seconds = drive(server.port, block, models[mode], config.num_clients,
                                       config.max_tokens, config.timeout_s)  # fmt: skip
+                if before is not None:
+                    ended = scrape(metrics_url)
+                    if not wait_shadows_done(
+                        metrics_url,
+                        DRAIN_TIMEOUT_S,
+                        blended_over=metric_total(before, BLENDED),
+                    ):
+                        raise RuntimeError(
+                            f"{mode}: shadows still running {DRAIN_TIMEOUT_S:.0f} s after a block"
+                        )
+                    drained = ShadowSeconds.between(ended, scrape(metrics_url))
+                    during = ShadowSeconds.between(before, ended)
                 if not block[0].is_warmup:
                     outcomes[mode] += done
                     wall_s[mode] += seconds
+                    if before is not None:
+                        shadow[mode].add(during.total + drained.total, drained.idle)
+                        wall_s[mode] += drained.idle
     references = {o.index: o.text for o in outcomes.get(FULL, ()) if o.is_ok} or None
     questions = {r.index: r.question for r in requests}
     return [
         summarize_load(mode, None if mode == FULL else config.ratio, config.num_clients,
-                       outcomes[mode], wall_s[mode], references, tokenize, questions)
+                       outcomes[mode], wall_s[mode], references, tokenize, questions,
+                       shadow[mode])
         for mode in modes
     ]  # fmt: skip
+
+
+# Blended requests the server counted (each is offered to the shadow).
+BLENDED = "holeblend_inline_residual_deviation_count"
+
+
+@dataclass
+class ShadowSeconds:
+    """Seconds of shadow work of one mode's blocks: all of it, and the part done after
+    the blocks ended (added to the mode's wall time)."""
+
+    total: float = 0.0
+    idle: float = 0.0
+
+    @classmethod
+    def between(cls, before: dict, after: dict) -> ShadowSeconds:
+        """The shadow seconds between two scrapes: every unit's, and the idle units'."""
+
+        def seconds(samples: dict, state: str | None = None) -> float:
+            return sum(
+                v
+                for (name, labels), v in samples.items()
+                if name == UNIT_SECONDS and (state is None or ("engine_state", state) in labels)
+            )
+
+        return cls(
+            max(0.0, seconds(after) - seconds(before)),
+            max(0.0, seconds(after, "idle") - seconds(before, "idle")),
+        )
+
+    def add(self, total: float, drained: float) -> None:
+        self.total += total
+        self.idle += drained
 
 
 def _server(config: LoadConfig, mode: str, workdir: Path) -> ServeProcess:
@@ -135,8 +202,10 @@ def summarize_load(
     references: dict[int, str] | None,
     tokenize: Callable[[str], list[int]],
     questions: dict[int, str],
+    shadow: ShadowSeconds | None = None,
 ) -> dict[str, Any]:
-    """One result row; quality keys are None without full-prefill references."""
+    """One result row; quality keys are None without full-prefill references; the shadow
+    keys 0 without `shadow`."""
     ok = [o for o in outcomes if o.is_ok]
     ttfts = [o.ttft_s for o in ok if o.ttft_s is not None]
     row: dict[str, Any] = {
@@ -153,6 +222,8 @@ def summarize_load(
         "f1_vs_full": None,
         "num_errors": len(outcomes) - len(ok),
         "num_rejected": sum(o.num_rejected for o in outcomes),
+        "shadow_s": shadow.total if shadow is not None else 0.0,
+        "shadow_drain_s": shadow.idle if shadow is not None else 0.0,
     }
     compared = [o for o in ok if references is not None and o.index in references]
     if compared:

@@ -10,6 +10,7 @@ import pytest
 from holeblend_contract.blend_settings import parse_blend_settings
 from holeblend_runtime.bench.load import (
     LOAD_RESULT_KEYS,
+    ShadowSeconds,
     blend_settings,
     greedy_agreement,
     summarize_load,
@@ -125,6 +126,27 @@ def test_load_row_has_every_key_and_token_weighted_reuse():
     assert row["top1_vs_full"] == pytest.approx(0.75)
 
 
+def test_shadow_seconds_between_scrapes_count_every_unit_and_the_idle_ones_apart():
+    def scrape(idle, serving):
+        return {
+            ("holeblend_shadow_unit_seconds_total", (("engine_state", "idle"),)): idle,
+            ("holeblend_shadow_unit_seconds_total", (("engine_state", "serving"),)): serving,
+            ("holeblend_shadow_units_total", (("engine_state", "idle"),)): 99.0,
+        }
+
+    moved = ShadowSeconds.between(scrape(1.0, 2.0), scrape(1.5, 4.0))
+    assert (moved.total, moved.idle) == (pytest.approx(2.5), pytest.approx(0.5))
+    assert ShadowSeconds.between({}, {}) == ShadowSeconds(0.0, 0.0)
+    # A server that restarted (counters back to 0) adds nothing rather than a negative.
+    assert ShadowSeconds.between(scrape(3.0, 3.0), scrape(0.0, 0.0)) == ShadowSeconds(0.0, 0.0)
+    shadow = ShadowSeconds()
+    shadow.add(2.5, 0.5)
+    shadow.add(1.0, 1.0)
+    row = summarize_load("hole", 0.15, 1, [_outcome(0, 1.0, 80)], 2.0, None, str.split, {}, shadow)
+    assert (row["shadow_s"], row["shadow_drain_s"]) == (pytest.approx(3.5), pytest.approx(1.5))
+    assert summarize_load("full", None, 1, [], 1.0, None, str.split, {})["shadow_s"] == 0.0
+
+
 class _Handler(BaseHTTPRequestHandler):
     num_busy = [1]  # the first request is told to come back
 
@@ -185,5 +207,7 @@ def test_load_bench_through_real_servers_writes_one_row_per_mode(tmp_path):
         assert row["requests"] == 2 and row["num_errors"] == 0 and row["requests_per_s"] > 0
     assert rows["full"]["reused_share"] == 0.0 and rows["full"]["top1_vs_full"] == 1.0
     assert rows["hole"]["reused_share"] > 0.0
+    assert rows["full"]["shadow_s"] == 0.0  # nothing blended, no shadow
+    assert 0.0 <= rows["hole"]["shadow_drain_s"] <= rows["hole"]["shadow_s"]
     for mode in rows:  # SIGTERM drained and stopped each server
         assert "stopped" in (tmp_path / f"serve-{mode}.log").read_text()
