@@ -164,6 +164,23 @@ def test_a_higher_ratio_meeting_the_target_becomes_the_rung_if_it_is_closer():
     assert (state.good, state.good_above) == (0.2, 0.3)
 
 
+def test_a_step_down_on_a_reading_above_by_less_than_its_noise_waits_for_more_samples():
+    """The live from-high run at saturation lowered 0.2 (offline F1 0.73, in band) to 0.02
+    (0.61) on 0.833 over 6 shadow samples: above 0.78 by less than one standard error."""
+    spec = SpecWith(minSamples=4, band=0.05, targetF1Proxy=0.73, cooldownSeconds=45)
+    above = State(above_since=0)
+    wait = decide(spec, 0.2, reading(f1=0.833, n=6), above, now=90)
+    assert (wait.direction, wait.code, wait.is_tuned) == ("hold", "ConfirmingAboveTarget", True)
+    assert "8 samples" in wait.reason and "0.833 over 6 samples" in wait.reason
+    # Clearly above (1.0 has no spread; 0.95 - 0.08 over 7 > 0.78): lowered at once.
+    assert decide(spec, 0.2, reading(f1=1.0, n=4), above, now=90).code == "AboveTarget"
+    assert decide(spec, 0.4, reading(f1=0.95, n=7), above, now=90).direction == "down"
+    # With 2 x minSamples the same mean is trusted.
+    assert decide(spec, 0.2, reading(f1=0.833, n=8), wait.state, now=135).direction == "down"
+    # Still cooling down first: the cooldown's code, not this one.
+    assert decide(spec, 0.2, reading(f1=0.833, n=6), State(), now=0).code == "AboveTargetCooling"
+
+
 def test_a_step_down_that_reads_below_by_less_than_its_noise_is_confirmed_before_undone():
     spec = SpecWith(minSamples=4, band=0.05, targetF1Proxy=0.73)  # below the band: < 0.68
     known = decide(spec, 0.6, reading(f1=0.9, n=30), State(), now=0).state  # 0.6 meets it
