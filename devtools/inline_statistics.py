@@ -14,9 +14,9 @@ engine's own blend and shadow scorer:
    seed (`--held-out-seed`) and the changed workload of the `workload-change` scenario
    (`--changed-seed`).
 2. Per candidate: the Pearson correlation with the shadow F1 and top-1 per stream and
-   ratio; and a pooled fit of every ratio's calibration pairs (what `InlineProxy` lent
-   a ratio without pairs of its own until it lent only lower ratios' pairs), applied to the other streams' blends,
-   its mean estimate per ratio against the mean shadow F1 there (`tracking`: mean absolute
+   ratio; and a pooled fit of every ratio's calibration pairs (what `InlineProxy` lent a
+   ratio without pairs of its own until it lent only lower ratios' pairs), applied to the
+   other streams' blends, its mean estimate per ratio against the mean shadow F1 there (`tracking`: mean absolute
    error over the ratios, and the share of blends inside the pairs' span, where the proxy
    answers at all). A statistic that tracks quality moves its estimate when the workload or
    the ratio moves the quality; one that does not reads the calibration's mean everywhere.

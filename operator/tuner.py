@@ -79,9 +79,9 @@ CONFIRM_FACTOR = 4
 CONFIRM_Z = 1.0
 # The same for a step down: a reading above the band by less than CONFIRM_DOWN_Z standard
 # errors waits for CONFIRM_DOWN_FACTOR x minSamples samples before the ratio is lowered.
-# (In simulation, from-high runs that end below target: 10.7 % -> 5.4 % at 2.8 samples
-# per interval, 5.8 % -> 0.9 % at 1.75, with every goal met as often as before within
-# 1.2 points; a factor of 4 cut more but met the goals less often; docs/tuning.md.)
+# (In simulation, from-high runs that end below target: 12.0 % -> 5.8 % at 2.8 samples
+# per interval, 5.4 % -> 0.8 % at 1.75, for 1-4 points of runs meeting every goal; a
+# factor of 4 cut more but met the goals less often; docs/tuning.md.)
 CONFIRM_DOWN_FACTOR = 2
 CONFIRM_DOWN_Z = 1.0
 # The window is long (tuning_loop.window_seconds) so that a held ratio reads many samples,
@@ -351,20 +351,23 @@ def _is_unconfirmed(
     if reading.num_samples >= CONFIRM_FACTOR * spec.min_samples:
         return False
     f1 = reading.f1_proxy
-    error = math.sqrt(max(f1 * (1 - f1), 0.0) / reading.num_samples)
-    return f1 + CONFIRM_Z * error >= low
+    return f1 + CONFIRM_Z * _largest_error(f1, reading.num_samples) >= low
 
 
 def _is_within_noise(spec: TuningSpec, reading: Reading, high: float) -> bool:
     """A reading above the band that does not yet justify a step down: fewer than
-    CONFIRM_FACTOR x minSamples samples, and the mean within CONFIRM_Z standard errors of
-    the band (as `_is_unconfirmed`, the largest standard error a proxy with this mean can
-    have)."""
+    CONFIRM_DOWN_FACTOR x minSamples samples, and the mean within CONFIRM_DOWN_Z standard
+    errors of the band (`_largest_error`)."""
     if reading.f1_proxy is None or reading.num_samples >= CONFIRM_DOWN_FACTOR * spec.min_samples:
         return False
     f1 = reading.f1_proxy
-    error = math.sqrt(max(f1 * (1 - f1), 0.0) / reading.num_samples)
-    return f1 - CONFIRM_DOWN_Z * error <= high
+    return f1 - CONFIRM_DOWN_Z * _largest_error(f1, reading.num_samples) <= high
+
+
+def _largest_error(mean: float, num_samples: int) -> float:
+    """The largest standard error a mean of `num_samples` proxies in [0, 1] can have:
+    sqrt(m (1 - m) / n)."""
+    return math.sqrt(max(mean * (1 - mean), 0.0) / num_samples)
 
 
 def _raise(spec: TuningSpec, ratio: float, seen: str, state: State, now: float) -> Decision:

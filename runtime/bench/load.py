@@ -33,7 +33,7 @@ from holeblend_contract.blend_settings import BlendMode, BlendSettings, ModelSet
 from holeblend_runtime.bench.load_client import Outcome, ServeProcess, drive
 from holeblend_runtime.bench.load_workload import LoadRequest, LoadWorkloadConfig
 from holeblend_runtime.bench.report import percentile
-from holeblend_runtime.bench.shadow_load import metric_total, scrape, wait_shadows_done
+from holeblend_runtime.bench.shadow_load import proxy_counts, scrape, wait_shadows_done
 from holeblend_runtime.quality.scores import answer_f1, answer_words
 
 FULL = "full"
@@ -60,8 +60,6 @@ LOAD_RESULT_KEYS = (
     "shadow_s",
     "shadow_drain_s",
 )
-# The shadow's work units, in seconds, by the engine's state when each began.
-UNIT_SECONDS = "holeblend_shadow_unit_seconds_total"
 # How long the bench waits after a block for a server's shadows to finish.
 DRAIN_TIMEOUT_S = 300.0
 
@@ -116,28 +114,11 @@ def run_load(
         models = {mode: server.model_name() for mode, server in servers.items()}
         for block in [[r for r in requests if r.is_warmup], *_blocks(requests, config)]:
             for mode, server in servers.items():
-                metrics_url = f"http://127.0.0.1:{server.port}/metrics"
-                before = scrape(metrics_url) if mode != FULL else None
-                done, seconds = drive(server.port, block, models[mode], config.num_clients,
-                                      config.max_tokens, config.timeout_s)  # fmt: skip
-                if before is not None:
-                    ended = scrape(metrics_url)
-                    if not wait_shadows_done(
-                        metrics_url,
-                        DRAIN_TIMEOUT_S,
-                        blended_over=metric_total(before, BLENDED),
-                    ):
-                        raise RuntimeError(
-                            f"{mode}: shadows still running {DRAIN_TIMEOUT_S:.0f} s after a block"
-                        )
-                    drained = ShadowSeconds.between(ended, scrape(metrics_url))
-                    during = ShadowSeconds.between(before, ended)
+                done, seconds, moved = _run_block(config, mode, server, models[mode], block)
                 if not block[0].is_warmup:
                     outcomes[mode] += done
-                    wall_s[mode] += seconds
-                    if before is not None:
-                        shadow[mode].add(during.total + drained.total, drained.idle)
-                        wall_s[mode] += drained.idle
+                    wall_s[mode] += seconds + moved.idle
+                    shadow[mode].add(moved)
     references = {o.index: o.text for o in outcomes.get(FULL, ()) if o.is_ok} or None
     questions = {r.index: r.question for r in requests}
     return [
@@ -148,8 +129,27 @@ def run_load(
     ]  # fmt: skip
 
 
-# Blended requests the server counted (each is offered to the shadow).
-BLENDED = "holeblend_inline_residual_deviation_count"
+def _run_block(
+    config: LoadConfig, mode: str, server: ServeProcess, model: str, block: list[LoadRequest]
+) -> tuple[list[Outcome], float, ShadowSeconds]:
+    """One block to one server: its outcomes, its wall time, and (a blending mode) the
+    shadow work of the block and of the wait after it, in which its shadows finished."""
+    if mode == FULL:  # nothing blended, no shadow
+        done, seconds = drive(server.port, block, model, config.num_clients,
+                              config.max_tokens, config.timeout_s)  # fmt: skip
+        return done, seconds, ShadowSeconds()
+    metrics_url = f"http://127.0.0.1:{server.port}/metrics"
+    before = scrape(metrics_url)
+    done, seconds = drive(server.port, block, model, config.num_clients,
+                          config.max_tokens, config.timeout_s)  # fmt: skip
+    ended = scrape(metrics_url)
+    if not wait_shadows_done(
+        metrics_url, DRAIN_TIMEOUT_S, blended_over=proxy_counts(before)["blended"]
+    ):
+        raise RuntimeError(f"{mode}: shadows still running {DRAIN_TIMEOUT_S:.0f} s after a block")
+    drained = ShadowSeconds.between(ended, scrape(metrics_url))
+    during = ShadowSeconds.between(before, ended)
+    return done, seconds, ShadowSeconds(during.total + drained.total, drained.idle)
 
 
 @dataclass
@@ -163,22 +163,16 @@ class ShadowSeconds:
     @classmethod
     def between(cls, before: dict, after: dict) -> ShadowSeconds:
         """The shadow seconds between two scrapes: every unit's, and the idle units'."""
+        start, end = proxy_counts(before)["units"], proxy_counts(after)["units"]
 
-        def seconds(samples: dict, state: str | None = None) -> float:
-            return sum(
-                v
-                for (name, labels), v in samples.items()
-                if name == UNIT_SECONDS and (state is None or ("engine_state", state) in labels)
-            )
+        def moved(state: str) -> float:
+            return max(0.0, end[state]["seconds"] - start[state]["seconds"])
 
-        return cls(
-            max(0.0, seconds(after) - seconds(before)),
-            max(0.0, seconds(after, "idle") - seconds(before, "idle")),
-        )
+        return cls(moved("idle") + moved("serving"), moved("idle"))
 
-    def add(self, total: float, drained: float) -> None:
-        self.total += total
-        self.idle += drained
+    def add(self, other: ShadowSeconds) -> None:
+        self.total += other.total
+        self.idle += other.idle
 
 
 def _server(config: LoadConfig, mode: str, workdir: Path) -> ServeProcess:

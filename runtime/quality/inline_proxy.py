@@ -31,9 +31,9 @@ request, at no cost beyond a sum over numbers the blend computed anyway:
    in `holeblend_inline_f1_proxy{ratio}` and `holeblend_inline_top1_proxy{ratio}` (the
    shadow's buckets), only when calibrated; `holeblend_inline_proxy_pairs{ratio}` holds
    the pairs each calibration has, `holeblend_inline_proxy_pooled{ratio}` whether the
-   ratio's last estimate came from the borrowed fit (1) or its own (0), `holeblend_inline_proxy_correlation{ratio}` the
-   Pearson correlation of statistic and shadow F1 (absent with too few pairs or no
-   spread), and `holeblend_inline_residual_deviation{ratio}` the raw statistic of every
+   ratio's last estimate came from the borrowed fit (1) or its own (0),
+   `holeblend_inline_proxy_correlation{ratio}` the Pearson correlation of statistic and
+   shadow F1 (absent with too few pairs or no spread), and `holeblend_inline_residual_deviation{ratio}` the raw statistic of every
    blended request (observed whether or not calibrated).
 """
 

@@ -140,8 +140,8 @@ def test_shadow_seconds_between_scrapes_count_every_unit_and_the_idle_ones_apart
     # A server that restarted (counters back to 0) adds nothing rather than a negative.
     assert ShadowSeconds.between(scrape(3.0, 3.0), scrape(0.0, 0.0)) == ShadowSeconds(0.0, 0.0)
     shadow = ShadowSeconds()
-    shadow.add(2.5, 0.5)
-    shadow.add(1.0, 1.0)
+    shadow.add(ShadowSeconds(2.5, 0.5))
+    shadow.add(ShadowSeconds(1.0, 1.0))
     row = summarize_load("hole", 0.15, 1, [_outcome(0, 1.0, 80)], 2.0, None, str.split, {}, shadow)
     assert (row["shadow_s"], row["shadow_drain_s"]) == (pytest.approx(3.5), pytest.approx(1.5))
     assert summarize_load("full", None, 1, [], 1.0, None, str.split, {})["shadow_s"] == 0.0
