@@ -346,7 +346,9 @@ MAX_STEPS = 3000
 
 def agreement(probe: Probe, prompt: list[int], answer: list[int]) -> float:
     """Share of answer positions where this engine's top-1 is the reference token."""
-    output = probe.generate(prompt + answer, 1, prompt_logprobs=1)
+    # Token ids only: vLLM leaves the rows of positions the connector loaded (no logits)
+    # uninitialized, and decoding their ids to text can fail on garbage.
+    output = probe.generate(prompt + answer, 1, prompt_logprobs=1, detokenize=False)
     rows = output.prompt_logprobs[len(prompt) :]
     hits = [_is_top1(row, token) for row, token in zip(rows, answer, strict=True)]
     return sum(hits) / len(hits)

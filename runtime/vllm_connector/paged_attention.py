@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from holeblend_runtime.model.attention import BACKEND_ENV, AttentionPlan
+from holeblend_runtime.vllm_connector import compat
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class PagedBlendAttention:
         self.head_dim = head_dim
         self.dtype = dtype
         self.scale = head_dim**-0.5
+        self.no_window = compat.no_window(ops.cpu_attention_with_kv_cache)
         # As vLLM's own metadata builder sets it.
         self.enable_kv_split = bool(_vllm_env("VLLM_CPU_ATTN_SPLIT_KV", False))
         # Batches of the plans in use (blends interleave across steps); freed with them.
@@ -90,13 +92,14 @@ class PagedBlendAttention:
         modules = adapter.attention_modules()
         if not all(isinstance(getattr(m, "impl", None), CPUAttentionBackendImpl) for m in modules):
             return None
-        isa = getattr(modules[0], "isa", None)
-        if isa is None or not all(getattr(m, "isa", None) == isa for m in modules):
-            return None
         impl, config = modules[0].impl, adapter.config
+        isas = {compat.cpu_isa(m, adapter.dtype, block_size, config.head_dim) for m in modules}
+        if len(isas) != 1 or None in isas:
+            return None
+        (isa,) = isas
         if impl.alibi_slopes is not None or impl.sinks is not None:
             return None
-        if (impl.sliding_window or -1) != -1 or impl.logits_soft_cap:
+        if not compat.window_off(impl.sliding_window) or impl.logits_soft_cap:
             return None
         if impl.kv_cache_dtype != "auto":
             return None
@@ -123,7 +126,7 @@ class PagedBlendAttention:
         self._ops.cpu_attention_with_kv_cache(
             query=queries, key_cache=batch.key_cache, value_cache=batch.value_cache,
             output=output, query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
-            scale=self.scale, causal=True, alibi_slopes=None, sliding_window=-1,
+            scale=self.scale, causal=True, alibi_slopes=None, sliding_window=self.no_window,
             block_table=batch.block_table, softcap=0.0,
             scheduler_metadata=batch.scheduler_metadata, s_aux=None,
         )  # fmt: skip

