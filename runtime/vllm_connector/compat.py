@@ -5,7 +5,8 @@
 | cache update | every backend has `impl.do_kv_cache_update` | the CPU backend writes the cache inside `impl.forward` |
 | CPU kernel ISA | on the attention layer (`layer.isa`) | on the step's metadata only; derived here as vLLM does |
 | CPU kernel window | `sliding_window: int`, -1 off | `sliding_window: tuple[int, int]`, (-1, -1) off |
-| `Scheduler._preempt_request` | takes `drop_stale_output=` | `(request, timestamp)` only |
+| `Scheduler._preempt_request` | takes `drop_stale_output=`, set from `requires_kv_delivery` | `(request, timestamp)` only |
+| requests waiting with KV blocks (remote loads) | their own queue, `kv_holding_waiting` | in `waiting` |
 
 Every function takes what it inspects as an argument and imports vLLM only when it needs one
 of vLLM's own ops, so the worker stays testable without vLLM (the fakes in the tests have a
@@ -117,13 +118,22 @@ def no_window(kernel: Callable[..., Any]) -> Any:
     return (-1, -1) if "tuple" in str(annotation).lower() else -1
 
 
-def preempt(scheduler: Any, request: Any, timestamp: float, drop_stale_output: bool) -> None:
-    """`scheduler._preempt_request`, with `drop_stale_output` where vLLM takes it."""
+def preempt(scheduler: Any, request: Any, timestamp: float) -> None:
+    """`scheduler._preempt_request` as vLLM's own preemption calls it: where it takes
+    `drop_stale_output`, that is set when a connector has a KV hand-off pending
+    (`requires_kv_delivery`), which drops the request's in-flight output."""
     method = scheduler._preempt_request
     if _takes(type(scheduler)._preempt_request, "drop_stale_output"):
-        method(request, timestamp, drop_stale_output=drop_stale_output)
+        drop = bool(getattr(scheduler, "requires_kv_delivery", False))
+        method(request, timestamp, drop_stale_output=drop)
     else:
         method(request, timestamp)
+
+
+def waiting_holding_kv(scheduler: Any) -> list[Any]:
+    """The requests that wait holding KV blocks in a queue of their own (vLLM 0.32's
+    `kv_holding_waiting`); empty where vLLM keeps them in `waiting` (0.23)."""
+    return list(getattr(scheduler, "kv_holding_waiting", ()))
 
 
 @functools.cache

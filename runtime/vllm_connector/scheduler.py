@@ -101,10 +101,8 @@ class ShadowYieldingScheduler(Scheduler):
         waiting_shadows, users_waiting = _split(self.waiting)
         if not running_shadows and not waiting_shadows:
             return super().schedule(*args, **kwargs)
-        # Requests that wait holding KV blocks (remote loads) have their own queue in vLLM
-        # 0.32; older versions keep them in `waiting`.
-        holding = getattr(self, "kv_holding_waiting", ())
-        users_waiting += [r for r in holding if not is_shadow(r)]
+        # Requests that wait holding KV blocks (remote loads) count as waiting users too.
+        users_waiting += [r for r in compat.waiting_holding_kv(self) if not is_shadow(r)]
         if users_waiting or any(_prefilling(r) for r in users_running):
             if running_shadows and not self._room_for(users_waiting):
                 self._preempt(running_shadows)
@@ -136,10 +134,7 @@ class ShadowYieldingScheduler(Scheduler):
         now = time.monotonic()
         for request in shadows:
             self.running.remove(request)
-            # As vLLM's own preemption does: a connector with a KV hand-off pending drops
-            # the request's in-flight output.
-            drop = getattr(self, "requires_kv_delivery", False)
-            compat.preempt(self, request, now, drop_stale_output=drop)
+            compat.preempt(self, request, now)
         self._count("preempted", len(shadows))
         log.debug("preempted %d shadow request(s) for user requests' KV blocks", len(shadows))
 

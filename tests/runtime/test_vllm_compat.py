@@ -102,9 +102,24 @@ class _Scheduler023:
         self.calls.append((request, timestamp))
 
 
-def test_preemption_passes_drop_stale_output_only_where_vllm_takes_it():
+@pytest.mark.parametrize("delivery", [True, False])
+def test_preemption_passes_drop_stale_output_only_where_vllm_takes_it(delivery):
     new, old = _Scheduler032(), _Scheduler023()
-    compat.preempt(new, "r", 1.0, drop_stale_output=True)
-    compat.preempt(old, "r", 1.0, drop_stale_output=True)
-    assert new.calls == [("r", 1.0, True)]
+    new.requires_kv_delivery = old.requires_kv_delivery = delivery
+    compat.preempt(new, "r", 1.0)
+    compat.preempt(old, "r", 1.0)
+    assert new.calls == [("r", 1.0, delivery)]
     assert old.calls == [("r", 1.0)]
+
+
+def test_preemption_keeps_output_where_the_scheduler_has_no_delivery_flag():
+    new = _Scheduler032()
+    compat.preempt(new, "r", 2.0)
+    assert new.calls == [("r", 2.0, False)]
+
+
+def test_requests_holding_kv_come_from_their_own_queue_or_none():
+    new, old = _Scheduler032(), _Scheduler023()
+    new.kv_holding_waiting = ("a", "b")
+    assert compat.waiting_holding_kv(new) == ["a", "b"]
+    assert compat.waiting_holding_kv(old) == []
