@@ -7,6 +7,7 @@
 | CPU kernel window | `sliding_window: int`, -1 off | `sliding_window: tuple[int, int]`, (-1, -1) off |
 | `Scheduler._preempt_request` | takes `drop_stale_output=`, set from `requires_kv_delivery` | `(request, timestamp)` only |
 | requests waiting with KV blocks (remote loads) | their own queue, `kv_holding_waiting` | in `waiting` |
+| `vllm serve`'s argument parser | `vllm.entrypoints.launchers.cli_args` | `vllm.entrypoints.openai.cli_args` |
 
 Every function takes what it inspects as an argument and imports vLLM only when it needs one
 of vLLM's own ops, so the worker stays testable without vLLM (the fakes in the tests have a
@@ -134,6 +135,17 @@ def waiting_holding_kv(scheduler: Any) -> list[Any]:
     """The requests that wait holding KV blocks in a queue of their own (vLLM 0.32's
     `kv_holding_waiting`); empty where vLLM keeps them in `waiting` (0.23)."""
     return list(getattr(scheduler, "kv_holding_waiting", ()))
+
+
+def serve_arg_parser() -> Any:
+    """`vllm serve`'s own argument parser, from wherever the installed vLLM defines it."""
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    try:
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    except ImportError:  # vLLM 0.23
+        from vllm.entrypoints.openai.cli_args import make_arg_parser
+    return make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
 
 
 @functools.cache

@@ -19,6 +19,27 @@ from holeblend_runtime.lookup_server.processes import LookupProcess, RedisProces
 if importlib.util.find_spec("vllm") is None:
     collect_ignore_glob = ["test_*.py"]
 
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """With vLLM installed, a skipped vLLM test fails the run: it means a module or class
+    these tests need is not where this vLLM version keeps it (a seam for compat.py), not a
+    test that may quietly go unrun on one of the versions `make test-vllm` covers."""
+    if importlib.util.find_spec("vllm") is None or exitstatus != pytest.ExitCode.OK:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    here = Path(__file__).parent.resolve()
+    skipped = [
+        report.nodeid
+        for report in (reporter.stats.get("skipped", []) if reporter else [])
+        if here in Path(str(report.fspath)).resolve().parents
+        or Path(str(report.fspath)).resolve() == here
+    ]
+    if skipped:
+        names = ", ".join(skipped)
+        reporter.write_line(f"vLLM tests skipped with vLLM installed (fails the run): {names}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 # A small KV cache (13 blocks of 128 tokens on the CPU backend) so that two long
 # requests at once make vLLM preempt one.
 PROBE_ARGS = ["--num-questions", "2", "--max-model-len", "1536", "--kv-cache-mib", "80"]

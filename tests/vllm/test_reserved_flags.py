@@ -4,12 +4,12 @@ import pytest
 
 from holeblend_operator import reserved
 
-cli_args = pytest.importorskip("vllm.entrypoints.launchers.cli_args")
-argparse_utils = pytest.importorskip("vllm.utils.argparse_utils")
+pytest.importorskip("vllm")
+from holeblend_runtime.vllm_connector import compat  # noqa: E402
 
 
 def _options_by_dest() -> dict[str, list[str]]:
-    parser = cli_args.make_arg_parser(argparse_utils.FlexibleArgumentParser(prog="vllm serve"))
+    parser = compat.serve_arg_parser()
     options: dict[str, list[str]] = {}
     for action in parser._actions:
         options.setdefault(action.dest, []).extend(action.option_strings)
