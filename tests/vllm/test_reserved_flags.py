@@ -1,11 +1,7 @@
 """The reserved-flag table against the installed vLLM's own `vllm serve` parser."""
 
-import pytest
-
 from holeblend_operator import reserved
-
-pytest.importorskip("vllm")
-from holeblend_runtime.vllm_connector import compat  # noqa: E402
+from holeblend_runtime.vllm_connector import compat
 
 
 def _options_by_dest() -> dict[str, list[str]]:
