@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from holeblend_runtime.model.attention import attend_one_query
 from holeblend_runtime.model.llama import Llama
 
 
@@ -86,17 +86,10 @@ def decode_step(model: Llama, sequences: Sequence[DecodeSequence], tokens: Seque
             end = sequence.position + 1
             keys[:, sequence.position] = k[:, row]
             values[:, sequence.position] = v[:, row]
-            outputs.append(_attend_one(q[:, row : row + 1], keys[:, :end], values[:, :end]))
+            outputs.append(attend_one_query(q[:, row : row + 1], keys[:, :end], values[:, :end]))
         attn = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
         h = model.finish_layer(layer, h, attn)
     logits = model.logits(h)
     for row, sequence in enumerate(sequences):
         sequence.logits = logits[row]
         sequence.position += 1
-
-
-def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """One query [heads, 1, d] over every key [kv_heads, n, d] -> [heads, 1, d]."""
-    # A batch dimension of 1, as the single-sequence path does: 3-D inputs take a
-    # slower SDPA path on CPU.
-    return F.scaled_dot_product_attention(q[None], k[None], v[None], enable_gqa=True)[0]

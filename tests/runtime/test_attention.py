@@ -16,6 +16,7 @@ from holeblend_runtime.model.attention import (
     SDPA,
     TRITON,
     attend,
+    attend_one_query,
     causal_mask,
     plan_attention,
     select_backend,
@@ -159,6 +160,23 @@ def test_a_forced_backend_is_used_and_a_misspelled_one_refused(monkeypatch):
 def test_a_single_query_reads_every_key_without_a_mask():
     plan = plan_attention(torch.tensor([19]), 20, backend=CHUNKED)
     assert plan.backend == SDPA and plan.mask is None and not plan.is_causal
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("num_keys", [1, 67, 1500])
+def test_one_query_grouped_by_kv_head_equals_the_reference(group, num_keys):
+    """A decode step's query heads read as their KV head's queries: head h still attends
+    with KV head h // group, over every key, and the keys' slice of a longer cache
+    buffer is read in place."""
+    generator = torch.Generator().manual_seed(num_keys + group)
+    q, k, v = _inputs(2 * group, 2, 1, num_keys + 5, 64, torch.float32, generator)
+    k, v = k[:, :num_keys], v[:, :num_keys]
+    expected = _written_out(q, k, v, torch.tensor([num_keys - 1], device=DEVICE))
+    torch.testing.assert_close(attend_one_query(q, k, v), expected, atol=1e-5, rtol=0)
+    # A row of a batched step's query tensor [heads, rows, d] (strided), through a plan.
+    rows = torch.cat([torch.zeros_like(q), q, torch.zeros_like(q)], dim=1)[:, 1:2]
+    plan = plan_attention(torch.tensor([num_keys - 1], device=DEVICE), num_keys)
+    torch.testing.assert_close(attend(rows, k, v, plan), expected, atol=1e-5, rtol=0)
 
 
 def test_causal_mask_follows_true_positions():

@@ -1,5 +1,6 @@
 """The GGUF is read into the right config, weights and tokenizer, and cached on disk."""
 
+import dataclasses
 import os
 
 import pytest
@@ -12,6 +13,8 @@ from holeblend_runtime.model.gguf import (
     prune_cache,
     unpermute_qk,
 )
+from holeblend_runtime.model.llama import Llama
+from holeblend_runtime.model.presets import preset_config, random_weights
 from holeblend_runtime.model.rope import apply_rope, rope_table
 
 
@@ -119,3 +122,46 @@ def test_pruning_keeps_the_newest_entries_of_one_model_only(tmp_path):
     assert mine[1].is_dir() and mine[2].is_dir() and not mine[0].exists()
     assert other.is_dir() and old_format.is_dir() and live_build.is_dir()
     assert prune_cache(tmp_path, stem) == []
+
+
+def test_cpu_projections_are_stored_transposed_with_the_checkpoints_values():
+    """On the CPU each projection's storage is [in, out] (`x @ w.T` reads it contiguously,
+    faster for a decode step's few rows); shapes, values and the forward are unchanged."""
+    config = dataclasses.replace(
+        preset_config("smollm2-135m"), num_layers=2, vocab_size=500, context_length=64
+    )
+    weights = random_weights(config)
+    model = Llama(config, weights)
+    checkpoint_layout = {
+        "qkv": torch.cat([weights[f"blk.1.attn_{n}.weight"] for n in "qkv"]),
+        "out": weights["blk.1.attn_output.weight"],
+        "gate_up": torch.cat([weights["blk.1.ffn_gate.weight"], weights["blk.1.ffn_up.weight"]]),
+        "down": weights["blk.1.ffn_down.weight"],
+    }
+    for name, expected in checkpoint_layout.items():
+        stored = getattr(model.layers[1], name)
+        assert stored.T.is_contiguous(), name
+        assert torch.equal(stored, expected), name
+    assert model.output.T.is_contiguous() and torch.equal(model.output, model.embedding)
+    assert model.embedding.is_contiguous()  # lookups read rows
+
+    # The same forward as with the checkpoint's layout.
+    plain = Llama(config, weights)
+    plain.layers = [
+        dataclasses.replace(w, **{n: getattr(w, n).contiguous() for n in checkpoint_layout})
+        for w in plain.layers
+    ]
+    plain.output = plain.output.contiguous()
+    ids = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
+    logits = [
+        m.logits(m.forward(ids, *m.new_kv(41), 0)) for m in (model, plain)
+    ]  # fmt: skip
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
+
+
+def test_accelerators_keep_the_checkpoints_layout():
+    config = dataclasses.replace(
+        preset_config("smollm2-135m"), num_layers=1, vocab_size=500, context_length=64
+    )
+    model = Llama(config, random_weights(config), device="meta")
+    assert model.layers[0].qkv.is_contiguous() and model.output.is_contiguous()
