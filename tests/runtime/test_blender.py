@@ -1,9 +1,16 @@
 """Blending on the real model: exactness at ratio 1, re-rotation, the recompute set."""
 
+import dataclasses
+
 import pytest
 import torch
 
-from holeblend_runtime.blend.blender import CachedSpan
+from holeblend_runtime.blend import blender as blender_module
+from holeblend_runtime.blend.blender import Blender, CachedSpan
+from holeblend_runtime.blend.config import BlendConfig
+from holeblend_runtime.kv.store import SegmentKV
+from holeblend_runtime.model.llama import Llama
+from holeblend_runtime.model.presets import preset_config, random_weights
 from holeblend_runtime.model.rope import apply_rope, rerotate, rope_table
 
 HOLE = 2  # segment index of the second document
@@ -146,3 +153,42 @@ def test_random_selection_is_reproducible_and_not_top_k(cached_engine, rag_texts
     top_k = top_k_engine.prefill(prompt, "hole", ratio=0.2).selected_positions
     assert torch.equal(first, again)
     assert first.shape == top_k.shape and not torch.equal(first, top_k)
+
+
+def test_cpu_load_rotates_evenly_moved_spans_on_the_copy_bit_for_bit(monkeypatch):
+    """A span stored at consecutive positions moves by one offset: on the CPU its K is
+    re-rotated while it is copied. The buffers equal a copy followed by `apply_rope` of
+    each moved slot by its offset, bit for bit, next to spans that did not move and one
+    stored at scattered positions (re-rotated slot by slot as before)."""
+    config = dataclasses.replace(
+        preset_config("smollm2-135m"), num_layers=4, vocab_size=100, context_length=256
+    )
+    blender = Blender(Llama(config, random_weights(config)), BlendConfig(check_layer=1))
+    generator = torch.Generator().manual_seed(5)
+
+    def entry(positions: list[int]) -> SegmentKV:
+        shape = (4, config.num_kv_heads, len(positions), config.head_dim)
+        k, v = (torch.randn(shape, generator=generator) for _ in range(2))
+        return SegmentKV("key", k, v, torch.tensor(positions), config.model_id)
+
+    spans = [
+        CachedSpan(10, 40, entry(list(range(0, 30)))),  # moved by +10
+        CachedSpan(40, 60, entry(list(range(40, 60)))),  # in place
+        CachedSpan(70, 90, entry(list(range(150, 170)))),  # moved by -80
+        CachedSpan(95, 99, entry([3, 9, 4, 30])),  # scattered: one offset per slot
+    ]
+    rotated_on_copy = []
+    original = blender_module._copy_span_rotated
+    monkeypatch.setattr(
+        blender_module, "_copy_span_rotated",
+        lambda k, v, span, *rest: (rotated_on_copy.append(span.start), original(k, v, span, *rest)),
+    )  # fmt: skip
+    k, v, _ = blender.assemble_cached_kv(spans, 120, first_layer=1)
+    assert rotated_on_copy == [10, 70]
+    for span in spans:
+        offsets = torch.arange(span.start, span.end) - span.kv.positions
+        table = rope_table(offsets, head_dim=config.head_dim, theta=config.rope_theta,
+                           dtype=torch.float32)  # fmt: skip
+        expected = span.kv.k[1:] if not offsets.any() else apply_rope(span.kv.k[1:], table)
+        assert torch.equal(k[1:, :, span.start : span.end], expected), span.start
+        assert torch.equal(v[1:, :, span.start : span.end], span.kv.v[1:]), span.start
