@@ -871,18 +871,18 @@ def _copy_rotating_shifted_spans(
     moved, table = rotation
     left, is_left = [], torch.ones(moved.shape[0], dtype=torch.bool)
     for span in spans:
-        first, last = torch.searchsorted(moved, torch.tensor([span.start, span.end])).tolist()
-        cos, sin = table.cos[first:last], table.sin[first:last]
+        offsets = torch.arange(span.start, span.end) - span.kv.positions
         if not (
-            last - first == span.end - span.start > 0
+            offsets[0] != 0
+            and torch.equal(offsets, offsets[:1].expand_as(offsets))
             and span.kv.k.dtype == k_cache.dtype
-            and torch.equal(cos, cos[:1].expand_as(cos))
-            and torch.equal(sin, sin[:1].expand_as(sin))
         ):
             left.append(span)
             continue
-        _copy_span_rotated(k_cache, v_cache, span, layers, cos[0], sin[0])
-        is_left[first:last] = False
+        # Every slot of the span moved: its rows of the table are one run from `first`.
+        first = int(torch.searchsorted(moved, span.start))
+        _copy_span_rotated(k_cache, v_cache, span, layers, table.cos[first], table.sin[first])
+        is_left[first : first + offsets.shape[0]] = False
     if not is_left.any():
         return left, None
     return left, (moved[is_left], RopeTable(table.cos[is_left], table.sin[is_left]))

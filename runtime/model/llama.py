@@ -53,34 +53,38 @@ class Llama:
         output_name = "token_embd.weight" if config.tie_word_embeddings else "output.weight"
         # Tied to the embedding, the CPU's transposed copy is a second tensor (113 MB for
         # SmolLM2-135M in float32): the embedding's lookups read rows.
-        self.output = self._matrix(self._weight(weights, output_name))
+        self.output = self._matrix(self._weight(weights, output_name, copied_later=True))
         self.layers = [self._layer(weights, i) for i in range(config.num_layers)]
         self.rope_cache = RopeCache(
             head_dim=config.head_dim, theta=config.rope_theta, dtype=dtype, device=self.device,
             max_positions=config.context_length,
         )  # fmt: skip
 
-    def _weight(self, weights: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    def _weight(
+        self, weights: Mapping[str, torch.Tensor], name: str, copied_later: bool = False
+    ) -> torch.Tensor:
+        """`name` on the model's device and dtype. Owned on the CPU, never a view of the
+        caller's tensor: the weight cache's tensors are read lazily from one mapped file,
+        which stays mapped, its pages resident, while any of them lives (+540 MB for
+        SmolLM2 when the norms alone kept it). `copied_later`: the caller copies it anyway
+        (a projection, `_matrix` on the CPU)."""
         if name not in weights:
             raise ValueError(f"weights: missing tensor {name}")
         given = weights[name]
         weight = given.to(device=self.device, dtype=self.dtype)
-        # Owned on the CPU, never a view of the caller's tensor: the weight cache's tensors
-        # are read lazily from one mapped file, which stays mapped, its pages resident,
-        # while any of them lives (+540 MB for SmolLM2 when the norms alone kept it).
-        if self.device.type == "cpu" and weight.data_ptr() == given.data_ptr():
-            return weight.clone()
-        return weight
+        if copied_later or self.device.type != "cpu" or weight.data_ptr() != given.data_ptr():
+            return weight
+        return weight.clone()
 
     def _layer(self, weights: Mapping[str, torch.Tensor], i: int) -> LayerWeights:
-        def get(name: str) -> torch.Tensor:
-            return self._weight(weights, f"blk.{i}.{name}.weight")
+        def get(name: str, copied_later: bool = True) -> torch.Tensor:
+            return self._weight(weights, f"blk.{i}.{name}.weight", copied_later)
 
         return LayerWeights(
-            attn_norm=get("attn_norm"),
+            attn_norm=get("attn_norm", copied_later=False),
             qkv=self._matrix(torch.cat([get("attn_q"), get("attn_k"), get("attn_v")])),
             out=self._matrix(get("attn_output")),
-            ffn_norm=get("ffn_norm"),
+            ffn_norm=get("ffn_norm", copied_later=False),
             gate_up=self._matrix(torch.cat([get("ffn_gate"), get("ffn_up")])),
             down=self._matrix(get("ffn_down")),
         )
