@@ -9,9 +9,9 @@ copy); K rotated and V written at cache slots `slots` of `k_out` / `v_out`
 [kv_heads, slots, head_dim] (or, without `slots`, into new [kv_heads, tokens, head_dim]
 tensors).
 
-In torch that is four products and sums for the rotation (`rotate_half_into`) and one
-index copy each for K and V, each a launch with its own host overhead; on a GPU at a few
-thousand tokens the host, not the device, sets the pace of those layers.
+In torch that is a negation, a concatenation, two products and a sum for the rotation
+and one index copy each for K and V, each a launch with its own host overhead; on a GPU
+at a few thousand tokens the host, not the device, sets the pace of those layers.
 
 Two implementations, equal within rounding (tests): `reference_rope_qkv` (plain torch,
 any device) and `triton_rope_qkv` (CUDA, or the CPU under TRITON_INTERPRET=1). The
@@ -45,38 +45,16 @@ def reference_rope_qkv(
     `slots`), else new [kv_heads, n, d] tensors."""
     head_dim = _check(x, cos, sin, num_heads, num_kv_heads, k_out, v_out, slots)
     qk, v = x.split([(num_heads + num_kv_heads) * head_dim, num_kv_heads * head_dim], dim=-1)
-    qk = qk.view(-1, num_heads + num_kv_heads, head_dim)
-    # Token-major like the Triton kernel's: Q is a [heads, n, d] view of [n, heads, d].
-    dtype = torch.promote_types(x.dtype, cos.dtype)
-    rotated = torch.empty(qk.shape, dtype=dtype, device=x.device)
-    rotated = rotate_half_into(qk, cos[:, None], sin[:, None], rotated).transpose(0, 1)
+    qk = qk.view(-1, num_heads + num_kv_heads, head_dim).transpose(0, 1)
+    half = head_dim // 2
+    qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin
     v = v.view(-1, num_kv_heads, head_dim).transpose(0, 1)
-    q, k = rotated[:num_heads], rotated[num_heads:]
+    q, k = qk[:num_heads], qk[num_heads:]
     if k_out is None or v_out is None or slots is None:
         return q, k, v
     k_out.index_copy_(1, slots, k)
     v_out.index_copy_(1, slots, v)
     return q, k_out, v_out
-
-
-def rotate_half_into(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor
-) -> torch.Tensor:
-    """RoPE in the rotate-half layout, written into `out` (a tensor or view of the
-    broadcast shape of x, cos and sin; returned): x * cos + cat(-x2, x1) * sin, where x1
-    and x2 are the halves of the last dimension.
-
-    Each half is computed as the textbook form computes it (x1 * cos - x2 * sin and
-    x2 * cos + x1 * sin: the same products and sums, and -a * b is -(a * b) exactly), so
-    the result is equal bit for bit in every dtype, without the negation and concatenation
-    passes and the strided reads of a transposed input: on the CPU 4-5x less time for a
-    layer's Q and K (float32; docs/accelerators.md)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x.split(half, dim=-1)
-    out1, out2 = out.split(half, dim=-1)
-    torch.mul(x1, cos[..., :half], out=out1).sub_(x2 * sin[..., :half])
-    torch.mul(x2, cos[..., half:], out=out2).add_(x1 * sin[..., half:])
-    return out
 
 
 def is_triton_supported(x: torch.Tensor, head_dim: int) -> bool:

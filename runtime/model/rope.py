@@ -6,8 +6,6 @@ from dataclasses import dataclass
 
 import torch
 
-from holeblend_kernels.rope_qkv import rotate_half_into
-
 
 @dataclass(frozen=True)
 class RopeTable:
@@ -85,11 +83,10 @@ class RopeCache:
 
 
 def apply_rope(x: torch.Tensor, table: RopeTable) -> torch.Tensor:
-    """Rotate x [..., num_positions, head_dim] by the table's angles (a new tensor)."""
-    shape = torch.broadcast_shapes(x.shape, table.cos.shape)
-    dtype = torch.promote_types(x.dtype, table.cos.dtype)
-    out = torch.empty(shape, dtype=dtype, device=x.device)
-    return rotate_half_into(x, table.cos, table.sin, out)
+    """Rotate x [..., num_positions, head_dim] by the table's angles."""
+    half = x.shape[-1] // 2
+    rotated_half = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * table.cos + rotated_half * table.sin
 
 
 def rerotate(

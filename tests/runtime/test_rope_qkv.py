@@ -82,42 +82,6 @@ def test_k_and_v_land_at_their_slots_and_nowhere_else(heads, kv_heads, head_dim)
     assert not bool((k_out[:, slots] == 7.0).all(-1).any())
 
 
-def _textbook_rope(x, cos, sin):
-    """RoPE as the rotate-half convention writes it (negation, concatenation)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("heads, kv_heads, head_dim", SHAPES)
-def test_the_reference_and_apply_rope_equal_the_textbook_form_bit_for_bit(
-    heads, kv_heads, head_dim, dtype
-):
-    """The halves computed into a buffer (`rotate_half_into`) give what the negation and
-    concatenation give, to the last bit, in every dtype: stored K re-rotated later and K
-    computed now stay comparable."""
-    positions = _positions(23)
-    x, table = _inputs(heads, kv_heads, head_dim, positions, dtype)
-    q, k, v = reference_rope_qkv(x, table.cos, table.sin, heads, kv_heads)
-    split = x.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    q_raw, k_raw, v_raw = (
-        part.reshape(-1, n, head_dim).transpose(0, 1)
-        for part, n in zip(split, (heads, kv_heads, kv_heads), strict=True)
-    )
-    for raw, got in ((q_raw, q), (k_raw, k)):
-        want = _textbook_rope(raw, table.cos, table.sin)
-        assert got.dtype == want.dtype and torch.equal(got, want)
-        assert torch.equal(apply_rope(raw, table), want)
-    assert torch.equal(v, v_raw)
-    # Q token-major, as the Triton kernel returns it.
-    assert q.transpose(0, 1).stride(-1) == 1 and q.stride(0) == head_dim
-    # A table in a wider dtype promotes, as the textbook products do.
-    wide = rope_table(positions.to(DEVICE), head_dim=head_dim, theta=5e5, dtype=torch.float32)
-    rotated = apply_rope(k_raw, wide)
-    assert rotated.dtype == torch.float32
-    assert torch.equal(rotated, _textbook_rope(k_raw, wide.cos, wide.sin))
-
-
 def test_the_reference_is_the_layer_codes_rope():
     """The packed reference rotates exactly as `apply_rope` per head (what the blender's
     re-rotation of cached K composes with)."""
