@@ -53,6 +53,8 @@ def _position_sets(num_keys, generator):
             ]
         ),  # fmt: skip
         "after a prefix": torch.arange(prefix, num_keys),
+        "after a short prefix": torch.arange(num_keys // 5, num_keys),
+        "after one token": torch.arange(1, num_keys),
     }
 
 
@@ -147,6 +149,29 @@ def test_the_cpu_uses_chunks_and_plans_no_mask_for_plain_causal_attention(monkey
     assert select_backend(torch.device("meta")) == SDPA
     plan = plan_attention(torch.arange(12), 12)
     assert plan.is_causal and plan.mask is None and not plan.chunks
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_the_cpu_pads_a_short_prefix_and_chunks_a_long_one(group):
+    """Every position after a prefix of at most a quarter of the keys: plain causal attention
+    behind zero rows (no chunk, no mask), equal to the reference; a longer prefix, or a gap,
+    keeps the chunks."""
+    generator = torch.Generator().manual_seed(5)
+    num_keys = 200
+    for start in (1, 13, 50):
+        positions = torch.arange(start, num_keys)
+        plan = plan_attention(positions, num_keys, backend=CHUNKED, chunk_size=16)
+        assert plan.padded_rows == start and not plan.chunks and plan.mask is None
+        q, k, v = _inputs(2 * group, 2, positions.shape[0], num_keys, 16, torch.float32, generator)
+        torch.testing.assert_close(
+            attend(q, k, v, plan), _written_out(q, k, v, positions), atol=1e-5, rtol=1e-5
+        )
+    for positions in (
+        torch.arange(51, num_keys),
+        torch.cat([torch.arange(13, 90), torch.arange(91, num_keys)]),
+    ):
+        plan = plan_attention(positions, num_keys, backend=CHUNKED, chunk_size=16)
+        assert plan.padded_rows == 0 and plan.chunks
 
 
 def test_a_forced_backend_is_used_and_a_misspelled_one_refused(monkeypatch):
