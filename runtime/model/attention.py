@@ -20,8 +20,9 @@ per request and then calls `attend` once per layer:
      docs/accelerators.md). Queries that are every position after a short cached prefix
      (the continuation after an exact prefix, the layers below the check layer, ratio
      1.0) instead run as SDPA's causal attention behind zero rows for the prefix: the
-     padding rows are the shortest causal rows, and no mask is read (at 6,000 keys a
-     layer's attention takes 0.79x the chunks' time).
+     padding rows are the shortest causal rows, and no mask is read (a layer's attention
+     0.69-0.76x the chunks' time at 6,000 keys, 0.86-0.95x at 1,300-1,650:
+     docs/accelerators.md).
    Plain causal prefill from position 0 (every query, every key) uses SDPA's own causal
    path; on CUDA restricted to FlashAttention / memory-efficient kernels (cuDNN's
    would build a plan, ~1 s, for every new prompt length). One query that sees every
