@@ -28,6 +28,7 @@ import torch
 from holeblend_runtime.model.attention import (
     CHUNKED,
     DEFAULT_CHUNK_SIZE,
+    MAX_PADDED_PREFIX_SHARE,
     AttentionPlan,
     _chunks,
     attend,
@@ -54,16 +55,19 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError
     except ValueError:
         parser.error(f"--cases: expected KEYS:PREFIX pairs, got {args.cases!r}")
-    if args.rounds < 1 or any(not 0 < prefix <= keys // 4 for keys, prefix in cases):
-        parser.error("--rounds must be >= 1 and each PREFIX within 1..KEYS/4")
+    if args.rounds < 1 or any(
+        not 0 < prefix <= MAX_PADDED_PREFIX_SHARE * keys for keys, prefix in cases
+    ):
+        parser.error(
+            f"--rounds must be >= 1 and each PREFIX within 1..KEYS x {MAX_PADDED_PREFIX_SHARE}"
+        )
     torch.set_num_threads(args.threads)
     config = preset_config(args.model)
     rows = []
     for keys, prefix in cases:
         generator = torch.Generator().manual_seed(keys + prefix)
-        c = config
-        q = torch.randn(c.num_heads, keys - prefix, c.head_dim, generator=generator)
-        k, v = torch.randn(2, c.num_kv_heads, keys, c.head_dim, generator=generator)
+        q = torch.randn(config.num_heads, keys - prefix, config.head_dim, generator=generator)
+        k, v = torch.randn(2, config.num_kv_heads, keys, config.head_dim, generator=generator)
         padded = plan_attention(torch.arange(prefix, keys), keys, backend=CHUNKED)
         assert padded.padded_rows == prefix
         plans = {"padded": padded, "chunks": _chunked(padded, keys, prefix)}

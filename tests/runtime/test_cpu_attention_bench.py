@@ -24,7 +24,7 @@ def test_rows_per_case_and_arm_against_the_chunks(tmp_path):
 
 @pytest.mark.parametrize(
     "cases, message",
-    [("40-3", "--cases: expected"), ("40:11", "within 1..KEYS/4"), ("40:0", "within 1..KEYS/4")],
+    [("40-3", "--cases: expected"), ("40:11", "within 1..KEYS x 0.25"), ("40:0", "within 1..KEYS")],
 )
 def test_bad_cases_are_named(cases, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
