@@ -209,9 +209,10 @@ def _chunks(positions: torch.Tensor, chunk_size: int, dtype: torch.dtype) -> tup
 
 
 def _is_tail(positions: torch.Tensor, start: int) -> bool:
-    """Whether sorted, distinct positions below num_keys are start..num_keys-1 (CPU only:
-    reading the first one is free)."""
-    return positions.shape[0] > 0 and int(positions[0]) == start
+    """Whether sorted, distinct positions below num_keys, start = num_keys - their count,
+    are start..num_keys-1 (CPU only: reading the first one is free). Never empty here: an
+    empty set is plain causal at 0 keys, and past a quarter of the keys otherwise."""
+    return int(positions[0]) == start
 
 
 def _attend_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int) -> torch.Tensor:
