@@ -34,6 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from holeblend_runtime.kv.store import KVStore, SegmentKV
+from holeblend_runtime.model.threads import serial_torch
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,10 @@ class AsyncKVStore:
         self.num_written = 0
         self.num_failed = 0
         self._prefetched: OrderedDict[str, Future[SegmentKV | None]] = OrderedDict()
-        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="holeblend-kv-read")
+        # Both threads copy tensors serially, beside the engine's thread (model/threads.py).
+        self._reader = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="holeblend-kv-read", initializer=serial_torch
+        )
         self._writer = threading.Thread(
             target=self._write_loop, name="holeblend-kv-write", daemon=True
         )
@@ -119,6 +123,7 @@ class AsyncKVStore:
             return len(self._prefetched)
 
     def _write_loop(self) -> None:
+        serial_torch()
         while True:
             with self._condition:
                 while not self._queue and not self._is_closed:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from holeblend_runtime.kv.store import KVStore, SegmentKV
+from holeblend_runtime.model.threads import serial_torch
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +190,9 @@ class IsolatedStoreWorker:
             self._thread.start()
 
     def _run(self) -> None:
+        # Serially, beside the engine's thread (model/threads.py): half the speed of a
+        # background store, none of the engine's.
+        serial_torch()
         while (job := self._next_job()) is not None:
             outcome = "failed"
             try:

@@ -70,6 +70,7 @@ import torch
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
 from holeblend_runtime.blend.segments import SegmentedPrompt
+from holeblend_runtime.model.threads import serial_torch
 from holeblend_runtime.quality.scores import answer_f1, answer_words
 
 if TYPE_CHECKING:
@@ -701,6 +702,9 @@ class ShadowSampler(abc.ABC):
 
     def _work(self) -> None:
         _lower_own_priority()
+        # Serially: a second OpenMP team in the process would slow every forward of the
+        # engine's thread for as long as this thread lives (model/threads.py).
+        serial_torch()
         while (job := self._jobs.get()) is not None:
             request, self._running_idle = job
             try:

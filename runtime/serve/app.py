@@ -36,6 +36,7 @@ from holeblend_runtime.engine import BlendEngine, Mode, Prefill
 from holeblend_runtime.kv.admission import AdmissionMetrics, admission_policy
 from holeblend_runtime.kv.store import LocalKVStore
 from holeblend_runtime.kv.tiers import with_remote_tiers
+from holeblend_runtime.model.threads import serial_torch
 from holeblend_runtime.quality.inline_proxy import InlineProxy, residual_deviation
 from holeblend_runtime.quality.shadow import (
     ShadowBudget,
@@ -142,7 +143,9 @@ class Server:
         self.is_draining = False
         # Requests with a parsed body, not yet answered (what a drain waits for).
         self.num_active = 0
-        self._parse_pool = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="holeblend-parse")
+        self._parse_pool = ThreadPoolExecutor(
+            PARSE_THREADS, thread_name_prefix="holeblend-parse", initializer=serial_torch
+        )
 
     def _on_reload(self) -> None:
         self.metrics.config_reloads.inc()
@@ -182,7 +185,7 @@ class Server:
         self.engine.tokenizer.max_token_bytes  # noqa: B018 (computed once, here, off the loop)
         self.worker = EngineWorker(
             self.engine, self.live, self.metrics, self.settings.queue_size,
-            self.settings.max_batch,
+            self.settings.max_batch, self.settings.torch_threads,
         )  # fmt: skip
         self._start_quality_proxies()
         self.worker.start()

@@ -11,6 +11,7 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 
@@ -82,12 +83,18 @@ def _stop_threads(server: Server) -> None:
 
 
 async def _load(server: Server, stop: asyncio.Event) -> int:
+    # On a thread of its own that ends with the load: the load computes (warm-up) with
+    # torch's threads, and a thread that did so and lives on (asyncio's default executor)
+    # would slow every forward of the engine's thread (model/threads.py).
+    loader = ThreadPoolExecutor(1, thread_name_prefix="holeblend-load")
     try:
-        await asyncio.to_thread(server.load)
+        await asyncio.get_running_loop().run_in_executor(loader, server.load)
     except Exception:
         log.exception("cannot load the model")
         stop.set()
         return 1
+    finally:
+        loader.shutdown(wait=False)  # its thread ends once the load returned
     server.is_ready = True
     log.info("ready: model %s", server.model_name)
     return 0

@@ -41,10 +41,13 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
+import torch
+
 from holeblend_contract.blend_settings import BlendMode
 from holeblend_runtime.blend.segments import SegmentedPrompt
 from holeblend_runtime.engine import BlendEngine, Mode, Prefill
 from holeblend_runtime.model.batch_decode import DecodeSequence
+from holeblend_runtime.model.threads import compute_threads
 from holeblend_runtime.serve.live_config import LiveConfig
 from holeblend_runtime.serve.metrics import ServeMetrics
 
@@ -184,11 +187,17 @@ class EngineWorker:
         metrics: ServeMetrics,
         queue_size: int,
         max_batch: int = 8,
+        torch_threads: int | None = None,
     ) -> None:
+        """`torch_threads`: the engine thread's torch threads (None: the count of the
+        thread that builds the worker, i.e. the one the engine was loaded with)."""
         if max_batch < 1:
             raise ValueError(f"max_batch: must be >= 1, got {max_batch}")
         self.engine, self.live, self.metrics = engine, live, metrics
         self.queue_size, self.max_batch = queue_size, max_batch
+        self.torch_threads = torch.get_num_threads() if torch_threads is None else torch_threads
+        if self.torch_threads < 1:
+            raise ValueError(f"torch_threads: must be >= 1, got {self.torch_threads}")
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._num_waiting = 0
@@ -235,6 +244,9 @@ class EngineWorker:
         self._jobs.put(job)
 
     def _run(self) -> None:
+        # Set here, not inherited: a thread that never ran torch starts with the count the
+        # last `torch.set_num_threads` anywhere left, 1 after a serial thread's.
+        compute_threads(self.torch_threads)
         while (job := self._jobs.get()) is not None:
             # Busy (background stores wait) from the first job in flight until none is.
             with self.engine.busy():

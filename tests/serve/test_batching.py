@@ -13,8 +13,10 @@ import time
 from collections.abc import Callable
 
 import pytest
+import torch
 
 from holeblend_runtime.engine import BlendEngine
+from holeblend_runtime.model.threads import serial_torch
 from holeblend_runtime.serve.live_config import LiveConfig
 from holeblend_runtime.serve.metrics import ServeMetrics
 from holeblend_runtime.serve.worker import EngineWorker, Finished, Job, PrefillDone
@@ -287,3 +289,34 @@ def test_the_batch_holds_at_most_max_batch_jobs(make_worker, engine, prompts, mo
     worker = make_worker(max_batch=2)
     run_jobs(worker, prompts, {name: (i, 4) for i, name in enumerate("abcd")})
     assert max(sizes) == 2 and sum(sizes) == 4 * 3  # each job fed 3 of its 4 tokens
+
+
+def test_the_engine_thread_computes_with_its_own_thread_count(
+    engine, prompts, tmp_path, monkeypatch
+):
+    """The worker's thread sets its torch threads itself (runtime/model/threads.py): a
+    serial thread that left the process default at 1 before it started does not make the
+    engine's forwards serial."""
+    counts: list[int] = []
+    prefill = engine.prefill
+
+    def recording(prompt, *args, **kwargs):
+        counts.append(torch.get_num_threads())
+        return prefill(prompt, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "prefill", recording)
+    serial = threading.Thread(target=serial_torch)  # leaves the default at 1
+    serial.start()
+    serial.join()
+    config = tmp_path / "blend.json"
+    config.write_text(example_settings_json(mode="off"))
+    worker = EngineWorker(engine, LiveConfig(config), ServeMetrics(), 8, 8, torch_threads=2)
+    worker.start()
+    try:
+        log = run_jobs(worker, prompts, {"a": (0, 2)})
+    finally:
+        worker.stop()
+    assert end_of(log, "a") == Finished("length")
+    assert counts == [2]
+    with pytest.raises(ValueError, match="torch_threads: must be >= 1, got 0"):
+        EngineWorker(engine, LiveConfig(config), ServeMetrics(), 8, 8, torch_threads=0)
