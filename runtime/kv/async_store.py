@@ -34,7 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from holeblend_runtime.kv.store import KVStore, SegmentKV
-from holeblend_runtime.model.threads import serial_torch
+from holeblend_runtime.model.threads import keep_thread_count, serial_torch
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,9 @@ class AsyncKVStore:
         self.num_written = 0
         self.num_failed = 0
         self._prefetched: OrderedDict[str, Future[SegmentKV | None]] = OrderedDict()
-        # Both threads copy tensors serially, beside the engine's thread (model/threads.py).
+        # Both threads copy tensors serially, beside the engine's thread (model/threads.py),
+        # which is most likely this one.
+        keep_thread_count()
         self._reader = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="holeblend-kv-read", initializer=serial_torch
         )

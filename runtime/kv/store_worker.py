@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from holeblend_runtime.kv.store import KVStore, SegmentKV
-from holeblend_runtime.model.threads import serial_torch
+from holeblend_runtime.model.threads import keep_thread_count, serial_torch
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +184,7 @@ class IsolatedStoreWorker:
 
     def _start_thread(self) -> None:
         if self._thread is None:
+            keep_thread_count()  # the engine's thread, most likely (model/threads.py)
             self._thread = threading.Thread(
                 target=self._run, name="holeblend-isolated-store", daemon=True
             )

@@ -23,7 +23,9 @@ only for a while (the model load) ends when it is done.
 process default that every thread takes before its first parallel loop (unless it took it
 already). So both helpers take the default first and then set their own count: a compute
 thread does not inherit the 1 a serial thread left as the default, and a serial thread
-does not inherit a compute thread's count.
+does not inherit a compute thread's count. A thread that starts serial threads and computes
+itself without setting its count (vLLM's model thread creates the KV tier's reader and
+writer) calls `keep_thread_count` before it starts them.
 """
 
 from __future__ import annotations
@@ -43,6 +45,12 @@ def compute_threads(num_threads: int) -> None:
     if num_threads < 1:
         raise ValueError(f"num_threads: must be >= 1, got {num_threads}")
     _pin_threads(num_threads)
+
+
+def keep_thread_count() -> None:
+    """Take the process default as this thread's count now, if it has not yet: before this
+    thread starts threads that call `serial_torch` (which sets the default to 1)."""
+    torch.get_num_threads()
 
 
 def _pin_threads(num_threads: int) -> None:

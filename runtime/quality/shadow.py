@@ -70,7 +70,7 @@ import torch
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
 from holeblend_runtime.blend.segments import SegmentedPrompt
-from holeblend_runtime.model.threads import serial_torch
+from holeblend_runtime.model.threads import keep_thread_count, serial_torch
 from holeblend_runtime.quality.scores import answer_f1, answer_words
 
 if TYPE_CHECKING:
@@ -640,6 +640,7 @@ class ShadowSampler(abc.ABC):
         self._patience_out: Callable[[], bool] = lambda: False
         self.scores: list[ShadowScore] = []  # kept for benchmarks and tests (bounded below)
         self.outcomes: collections.Counter[str] = collections.Counter()  # offers by outcome
+        keep_thread_count()  # its thread sets the process default to 1 (model/threads.py)
         self._thread = threading.Thread(target=self._work, name="shadow-prefill", daemon=True)
         self._thread.start()
 

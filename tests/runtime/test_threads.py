@@ -175,3 +175,23 @@ def test_holeblend_serve_loads_on_a_thread_that_ends(tmp_path: Path) -> None:
     assert len(loaders) == 1 and loaders[0] is not threading.main_thread()
     loaders[0].join(10)
     assert not loaders[0].is_alive()
+
+
+def test_the_thread_that_starts_serial_threads_keeps_the_count_it_had(default_of_two) -> None:
+    """A thread that has not run torch yet (vLLM's model thread when it builds the KV tier)
+    starts the tier's serial reader and writer, whose start sets the process default to 1:
+    it still computes with the 2 threads the default gave it before."""
+    from holeblend_runtime.kv.async_store import AsyncKVStore
+    from holeblend_runtime.kv.store import LocalKVStore, SegmentKV
+
+    def build_then_compute() -> None:
+        store = AsyncKVStore(LocalKVStore(1 << 20))
+        try:
+            zeros = torch.zeros(2, 1, 3, 4)
+            assert store.put(SegmentKV("a", zeros, zeros.clone(), torch.arange(3), "model"))
+            assert store.flush(30)  # the writer has started (and set the default to 1)
+        finally:
+            store.close()
+
+    seen = _in_thread(build_then_compute)
+    assert seen["threads"] == 2
