@@ -29,12 +29,12 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
 from holeblend_runtime.kv.store import KVStore, SegmentKV
-from holeblend_runtime.model.threads import keep_thread_count, serial_torch
+from holeblend_runtime.model.threads import serial_pool, serial_thread
 
 log = logging.getLogger(__name__)
 
@@ -75,14 +75,8 @@ class AsyncKVStore:
         self._prefetched: OrderedDict[str, Future[SegmentKV | None]] = OrderedDict()
         # Both threads copy tensors serially, beside the engine's thread (model/threads.py),
         # which is most likely this one.
-        keep_thread_count()
-        self._reader = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="holeblend-kv-read", initializer=serial_torch
-        )
-        self._writer = threading.Thread(
-            target=self._write_loop, name="holeblend-kv-write", daemon=True
-        )
-        self._writer.start()
+        self._reader = serial_pool(1, "holeblend-kv-read")
+        self._writer = serial_thread(self._write_loop, "holeblend-kv-write")
 
     # --- writes -------------------------------------------------------------------------
 
@@ -125,7 +119,6 @@ class AsyncKVStore:
             return len(self._prefetched)
 
     def _write_loop(self) -> None:
-        serial_torch()
         while True:
             with self._condition:
                 while not self._queue and not self._is_closed:

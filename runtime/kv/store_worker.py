@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from holeblend_runtime.kv.store import KVStore, SegmentKV
-from holeblend_runtime.model.threads import keep_thread_count, serial_torch
+from holeblend_runtime.model.threads import serial_thread
 
 log = logging.getLogger(__name__)
 
@@ -184,16 +184,11 @@ class IsolatedStoreWorker:
 
     def _start_thread(self) -> None:
         if self._thread is None:
-            keep_thread_count()  # the engine's thread, most likely (model/threads.py)
-            self._thread = threading.Thread(
-                target=self._run, name="holeblend-isolated-store", daemon=True
-            )
-            self._thread.start()
+            # Serially, beside the engine's thread (model/threads.py): half the speed of a
+            # background store, none of the engine's.
+            self._thread = serial_thread(self._run, "holeblend-isolated-store")
 
     def _run(self) -> None:
-        # Serially, beside the engine's thread (model/threads.py): half the speed of a
-        # background store, none of the engine's.
-        serial_torch()
         while (job := self._next_job()) is not None:
             outcome = "failed"
             try:

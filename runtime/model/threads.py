@@ -16,19 +16,24 @@ thread had exited.
 
 Hence the rule: the thread that computes for the engine (holeblend-serve's engine thread,
 the benchmark's main thread, vLLM's model thread) runs torch with `compute_threads`; every
-other thread that may touch tensors calls `serial_torch` first, and a thread that computes
-only for a while (the model load) ends when it is done.
+other thread that may touch tensors is made by `serial_thread` or `serial_pool` (it calls
+`serial_torch` first), and a thread that computes only for a while (the model load) ends
+when it is done.
 
 `torch.set_num_threads` sets the calling thread's OpenMP and MKL thread counts, and also the
 process default that every thread takes before its first parallel loop (unless it took it
 already). So both helpers take the default first and then set their own count: a compute
 thread does not inherit the 1 a serial thread left as the default, and a serial thread
-does not inherit a compute thread's count. A thread that starts serial threads and computes
-itself without setting its count (vLLM's model thread creates the KV tier's reader and
-writer) calls `keep_thread_count` before it starts them.
+does not inherit a compute thread's count. And the thread that starts a serial thread takes
+its own count before it does (`serial_thread`, `serial_pool`): it may compute itself without
+having set one (vLLM's model thread creates the KV tier's reader and writer).
 """
 
 from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -47,9 +52,28 @@ def compute_threads(num_threads: int) -> None:
     _pin_threads(num_threads)
 
 
-def keep_thread_count() -> None:
-    """Take the process default as this thread's count now, if it has not yet: before this
-    thread starts threads that call `serial_torch` (which sets the default to 1)."""
+def serial_thread(target: Callable[[], object], name: str) -> threading.Thread:
+    """A started daemon thread that runs `target` serially."""
+
+    def run() -> None:
+        serial_torch()
+        target()
+
+    _keep_thread_count()
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+def serial_pool(max_workers: int, thread_name_prefix: str) -> ThreadPoolExecutor:
+    """A thread pool whose threads run serially."""
+    _keep_thread_count()
+    return ThreadPoolExecutor(max_workers, thread_name_prefix, initializer=serial_torch)
+
+
+def _keep_thread_count() -> None:
+    # The calling thread takes the process default as its count now, if it has not yet:
+    # the serial thread it is about to start sets the default to 1.
     torch.get_num_threads()
 
 

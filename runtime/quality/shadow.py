@@ -70,7 +70,7 @@ import torch
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
 from holeblend_runtime.blend.segments import SegmentedPrompt
-from holeblend_runtime.model.threads import keep_thread_count, serial_torch
+from holeblend_runtime.model.threads import serial_thread
 from holeblend_runtime.quality.scores import answer_f1, answer_words
 
 if TYPE_CHECKING:
@@ -640,9 +640,9 @@ class ShadowSampler(abc.ABC):
         self._patience_out: Callable[[], bool] = lambda: False
         self.scores: list[ShadowScore] = []  # kept for benchmarks and tests (bounded below)
         self.outcomes: collections.Counter[str] = collections.Counter()  # offers by outcome
-        keep_thread_count()  # its thread sets the process default to 1 (model/threads.py)
-        self._thread = threading.Thread(target=self._work, name="shadow-prefill", daemon=True)
-        self._thread.start()
+        # Serially: a second OpenMP team in the process would slow every forward of the
+        # engine's thread for as long as this thread lives (model/threads.py).
+        self._thread = serial_thread(self._work, "shadow-prefill")
 
     @abc.abstractmethod
     def score(self, request) -> ShadowScore:
@@ -703,9 +703,6 @@ class ShadowSampler(abc.ABC):
 
     def _work(self) -> None:
         _lower_own_priority()
-        # Serially: a second OpenMP team in the process would slow every forward of the
-        # engine's thread for as long as this thread lives (model/threads.py).
-        serial_torch()
         while (job := self._jobs.get()) is not None:
             request, self._running_idle = job
             try:

@@ -24,7 +24,6 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -36,7 +35,7 @@ from holeblend_runtime.engine import BlendEngine, Mode, Prefill
 from holeblend_runtime.kv.admission import AdmissionMetrics, admission_policy
 from holeblend_runtime.kv.store import LocalKVStore
 from holeblend_runtime.kv.tiers import with_remote_tiers
-from holeblend_runtime.model.threads import serial_torch
+from holeblend_runtime.model.threads import serial_pool
 from holeblend_runtime.quality.inline_proxy import InlineProxy, residual_deviation
 from holeblend_runtime.quality.shadow import (
     ShadowBudget,
@@ -143,9 +142,7 @@ class Server:
         self.is_draining = False
         # Requests with a parsed body, not yet answered (what a drain waits for).
         self.num_active = 0
-        self._parse_pool = ThreadPoolExecutor(
-            PARSE_THREADS, thread_name_prefix="holeblend-parse", initializer=serial_torch
-        )
+        self._parse_pool = serial_pool(PARSE_THREADS, "holeblend-parse")
 
     def _on_reload(self) -> None:
         self.metrics.config_reloads.inc()

@@ -1,11 +1,9 @@
 """Store policies on the real model, and the exact prefix that skips the blend."""
 
-import threading
-
 import pytest
 import torch
 
-from holeblend_runtime.model.threads import serial_torch
+from holeblend_runtime.model.threads import serial_thread
 
 HOLE = 2  # segment index of the second document
 
@@ -45,9 +43,7 @@ def test_isolated_queues_and_the_worker_stores_canonical_kv(new_engine, rag_text
     assert engine.wait_for_stores(timeout=60)
     # As the worker computes: serially (runtime/model/threads.py); the float sums of two
     # threads differ from one's by up to ~2e-5 here.
-    canonical = threading.Thread(target=lambda: (serial_torch(), reference.cache_segments(prompt)))
-    canonical.start()
-    canonical.join()
+    serial_thread(lambda: reference.cache_segments(prompt), "canonical").join()
     for key in filter(None, engine.segment_keys(prompt)):
         expected = reference.store.get(key)
         torch.testing.assert_close(engine.store.get(key).k, expected.k, atol=1e-5, rtol=0)
