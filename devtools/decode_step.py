@@ -1,5 +1,5 @@
-"""One batched greedy decode step on the CPU: the weights' layout and the one-query
-attention against the forms they replaced, side by side in one run.
+"""One batched greedy decode step on the CPU: the weights' layout and the step's attention
+against the forms they replaced, side by side in one run.
 
 `python -m holeblend_devtools.decode_step --json out/decode-step.json`. A model of the
 preset's shape with random weights (a step's time depends on shapes, not values), B
@@ -10,8 +10,11 @@ by round so that the machine's drift falls on all alike:
 - `layout`: `cpu` is the projections as `Llama` stores them on the CPU ([in, out]
   contiguous), `checkpoint` the same values in the checkpoint's [out, in] storage (what
   the model used before).
-- `attention`: `grouped` is `attend_one_query` (the query heads of a KV head read as its
-  queries), `gqa` SDPA's own GQA path (`enable_gqa`, what the step used before).
+- `attention`: `pooled` is the step as it runs (the sequences' KV rows of one pool, one
+  attention call per layer for all of them); `grouped` one call per sequence, each
+  `attend_one_query` (the query heads of a KV head read as its queries: what the step did
+  before the pool); `gqa` one call per sequence on SDPA's own GQA path (`enable_gqa`, what
+  it did before that).
 
 Each row gives the median step time over `--steps` steps per round and its ratio to the
 `checkpoint` + `gqa` arm of the same batch size.
@@ -37,7 +40,7 @@ from holeblend_runtime.model.llama import Llama
 from holeblend_runtime.model.presets import PRESETS, preset_config, random_weights
 
 LAYOUTS = ("checkpoint", "cpu")
-ATTENTIONS = ("gqa", "grouped")
+ATTENTIONS = ("gqa", "grouped", "pooled")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,11 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         for batch in batches:
             times: dict[tuple[str, str], list[float]] = {}
-            sequences = _sequences(model, batch, args.keys, args.steps)
+            # One pool per sequence (a call each) and one pool for all, the same KV.
+            alone = _sequences(model, batch, args.keys, args.steps, shared=False)
+            pooled = _sequences(model, batch, args.keys, args.steps, shared=True)
             for _ in range(args.rounds):
                 for layout in LAYOUTS:
                     model.layers, model.output = layouts[layout]
                     for attention in ATTENTIONS:
+                        sequences = pooled if attention == "pooled" else alone
                         with _attention(attention):
                             step = _time_steps(model, sequences, args.steps)
                         times.setdefault((layout, attention), []).extend(step)
@@ -99,13 +105,20 @@ def _checkpoint_layout(model: Llama) -> tuple[list, torch.Tensor]:
     return layers, model.output.contiguous()
 
 
-def _sequences(model: Llama, batch: int, keys: int, steps: int) -> list[DecodeSequence]:
+def _sequences(
+    model: Llama, batch: int, keys: int, steps: int, shared: bool
+) -> list[DecodeSequence]:
+    """B sequences of random KV, `keys + 64 * row` tokens each (the same values whether
+    `shared` puts them in one pool or each in its own)."""
+    generator = torch.Generator().manual_seed(0)
+    pool = batch_decode.KVPool(model)
     sequences = []
     for row in range(batch):
-        k, v = model.new_kv(keys + 64 * batch + steps)
-        k.normal_(), v.normal_()
+        k, v = model.new_kv(keys + 64 * row)
+        k.normal_(generator=generator), v.normal_(generator=generator)
         logits = torch.zeros(model.config.vocab_size)
-        sequences.append(DecodeSequence(k, v, keys + 64 * row, logits, steps))
+        own = pool if shared else batch_decode.KVPool(model)
+        sequences.append(batch_decode.start_sequence(own, k, v, logits, steps + 2))
     return sequences
 
 
@@ -124,7 +137,7 @@ def _time_steps(model: Llama, sequences: list[DecodeSequence], steps: int) -> li
 
 @contextlib.contextmanager
 def _attention(name: str) -> Iterator[None]:
-    if name == "grouped":
+    if name != "gqa":
         yield
         return
     grouped = batch_decode.attend_one_query

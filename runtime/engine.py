@@ -788,20 +788,27 @@ class BlendEngine:
     # --- batched greedy decoding (runtime/model/batch_decode.py) -----------------------------
 
     def start_decode(self, prefill: Prefill, max_new_tokens: int) -> DecodeSequence:
-        """A sequence to decode greedily with others (`decode_step`): the prefill's KV in
-        buffers with room for the answer, at most `max_new_tokens` tokens (fewer where
-        the context ends). Its first token is `next_token()` of the prefill's logits."""
+        """A sequence to decode greedily with others (`decode_step`): the prefill's KV
+        copied into a row of the engine's decode pool with room for the answer, at most
+        `max_new_tokens` tokens (fewer where the context ends). Its first token is
+        `next_token()` of the prefill's logits. Its row is freed by `close()` or when the
+        sequence is dropped. Sequences are decoded by one thread at a time."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
-        position = prefill.num_prompt_tokens
-        max_new_tokens = min(max_new_tokens, self.config.context_length - position)
-        if max_new_tokens <= 1:  # nothing is ever fed: the prefill's buffers are read only
-            k, v = prefill.k, prefill.v
-        else:
-            with torch.inference_mode():
-                # Every produced token but the last is fed back.
-                k, v = self._grow_kv(prefill, max_new_tokens - 1)
-        return DecodeSequence(k, v, position, prefill.logits, max_new_tokens)
+        n = prefill.num_prompt_tokens
+        max_new_tokens = min(max_new_tokens, self.config.context_length - n)
+        with torch.inference_mode():
+            return batch_decode.start_sequence(
+                self.decode_pool, prefill.k[:, :, :n], prefill.v[:, :, :n], prefill.logits,
+                max_new_tokens,
+            )  # fmt: skip
+
+    @functools.cached_property
+    def decode_pool(self) -> batch_decode.KVPool:
+        """The KV rows of the sequences this engine decodes (`start_decode`): one
+        attention call per layer for all of them. It keeps its buffers between batches
+        (`KVPool.clear` frees them when nothing is decoding)."""
+        return batch_decode.KVPool(self.model)
 
     def decode_step(self, sequences: Sequence[DecodeSequence], tokens: Sequence[int]) -> None:
         """Feed `tokens[i]` to `sequences[i]`, all in one batched forward pass; each
@@ -828,19 +835,26 @@ class BlendEngine:
         sequences = [self.start_decode(p, n) for p, n in zip(prefills, limits, strict=True)]
         answers: list[list[int]] = [[] for _ in prefills]
         going = list(range(len(prefills)))
-        while going:
-            fed: list[int] = []
-            for i in going:
-                sequence = sequences[i]
-                token = sequence.next_token()
-                if token == self.config.eos_token_id and not ignore_eos:
-                    continue
-                answers[i].append(token)
-                sequence.produced()
-                if not sequence.is_at_limit:
-                    fed.append(i)
-            self.decode_step([sequences[i] for i in fed], [answers[i][-1] for i in fed])
-            going = fed
+        try:
+            while going:
+                fed: list[int] = []
+                for i in going:
+                    sequence = sequences[i]
+                    token = sequence.next_token()
+                    if token == self.config.eos_token_id and not ignore_eos:
+                        sequence.close()
+                        continue
+                    answers[i].append(token)
+                    sequence.produced()
+                    if sequence.is_at_limit:
+                        sequence.close()
+                    else:
+                        fed.append(i)
+                self.decode_step([sequences[i] for i in fed], [answers[i][-1] for i in fed])
+                going = fed
+        finally:
+            for sequence in sequences:
+                sequence.close()
         return answers
 
     def _grow_kv(self, prefill: Prefill, num_more: int) -> tuple[torch.Tensor, torch.Tensor]:

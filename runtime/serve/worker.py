@@ -325,6 +325,7 @@ class EngineWorker:
         except Exception as error:  # fails the jobs of this step; the thread serves on
             log.exception("decode step failed for %d requests", len(batch))
             for running in batch:
+                running.sequence.close()
                 running.job.emit(error)
                 self._finish(running.job)
             return []
@@ -363,6 +364,7 @@ class EngineWorker:
         return "length" if len(running.answer) == running.job.max_tokens else "stop"
 
     def _end(self, running: _Running, reason: str, at_eos: bool = False) -> bool:
+        running.sequence.close()  # its KV row goes back to the decode pool
         running.job.emit(Finished(reason))
         prefill = running.prefill
         if self.on_answered is not None and is_blended(prefill) and reason != "cancelled":

@@ -125,3 +125,119 @@ def test_bad_steps_are_refused(prefills):
         engine.decode_step([sequence], [sequence.next_token()])
     with pytest.raises(ValueError, match="max_new_tokens: must be >= 1"):
         engine.start_decode(prefilled[0], 0)
+
+
+def _pooled_and_alone(engine, prefilled, limit=6):
+    """Each prefill decoded in the engine's pool and, the same KV, in a pool of its own."""
+    pooled = [engine.start_decode(p, limit) for p in prefilled]
+    alone = []
+    for p in prefilled:
+        n = p.num_prompt_tokens
+        own = batch_decode.KVPool(engine.model)
+        alone.append(
+            batch_decode.start_sequence(own, p.k[:, :, :n], p.v[:, :, :n], p.logits, limit)
+        )
+    return pooled, alone
+
+
+def _step_both(engine, pooled, alone, steps):
+    for _ in range(steps):
+        tokens = [s.next_token() for s in alone]
+        engine.decode_step(pooled, tokens)
+        engine.decode_step(alone, tokens)  # one pool each: one call per sequence
+        for p, a in zip(pooled, alone, strict=True):
+            torch.testing.assert_close(p.logits, a.logits, atol=1e-4, rtol=0.0)
+
+
+def test_one_attention_call_per_layer_for_the_pool_equals_one_per_sequence(prefills, monkeypatch):
+    engine, prefilled = prefills
+    pooled, alone = _pooled_and_alone(engine, prefilled)
+    assert len({s.row for s in pooled}) == len(pooled) and all(s.row == 0 for s in alone)
+    calls = []
+    sdpa = batch_decode.F.scaled_dot_product_attention
+
+    def counting(q, *args, **kwargs):
+        calls.append(q.shape[0])
+        return sdpa(q, *args, **kwargs)
+
+    monkeypatch.setattr(batch_decode.F, "scaled_dot_product_attention", counting)
+    engine.decode_step(pooled, [s.next_token() for s in pooled])
+    assert calls == [len(pooled)] * engine.model.num_layers  # one call, the four rows
+    monkeypatch.undo()
+    for s in pooled:
+        s.position -= 1  # the same token again, now beside the per-sequence pools
+    _step_both(engine, pooled, alone, steps=3)
+
+
+def test_rows_left_free_or_outside_the_step_change_nothing(prefills):
+    """A step over rows 0 and 2 of a pool whose row 1 ended (its slots NaN) and whose
+    row 3 decodes in another step: the same logits as each sequence in its own pool."""
+    engine, prefilled = prefills
+    pooled, alone = _pooled_and_alone(engine, prefilled)
+    pool = engine.decode_pool
+    ended = pooled[1]
+    row = ended.row
+    ended.close()
+    assert row not in pool.live_rows and ended.room == 0
+    with torch.inference_mode():  # the pool's buffers are inference tensors
+        pool.k[:, row] = float("nan")
+        pool.v[:, row] = float("nan")
+    _step_both(engine, [pooled[2], pooled[0]], [alone[2], alone[0]], steps=3)  # out of order
+    _step_both(engine, [pooled[3]], [alone[3]], steps=1)
+    assert all(bool(torch.isfinite(s.logits).all()) for s in (pooled[0], pooled[2], pooled[3]))
+
+
+def test_the_pool_reuses_rows_grows_and_shrinks_keeping_live_kv(new_engine):
+    engine = new_engine()
+    model, pool = engine.model, batch_decode.KVPool(engine.model)
+    generator = torch.Generator().manual_seed(1)
+
+    def kv(tokens):
+        k, v = model.new_kv(tokens)
+        return k.normal_(generator=generator), v.normal_(generator=generator)
+
+    given = {}
+    for tokens in (100, 300, 200):
+        row = pool.add(*kv(tokens), num_slots=tokens + 10)
+        given[row] = (pool.k[:, row, :, :tokens].clone(), tokens)
+    assert sorted(given) == [0, 1, 2] and pool.num_slots == batch_decode.SLOT_QUANTUM * 2
+
+    def live_kv_kept():
+        for row in pool.live_rows:
+            kept, tokens = given[row]
+            torch.testing.assert_close(pool.k[:, row, :, :tokens], kept, atol=0, rtol=0)
+            assert not pool.k[:, row, :, tokens:].any()  # beyond the prompt: zeros
+
+    pool.release(1)
+    row = pool.add(*kv(50), num_slots=60)  # the lowest free row, no reallocation
+    assert row == 1 and pool.num_rows == 3
+    given[1] = (pool.k[:, 1, :, :50].clone(), 50)
+    live_kv_kept()
+    row = pool.add(*kv(1000), num_slots=1100)  # more rows and slots: reallocated
+    given[row] = (pool.k[:, row, :, :1000].clone(), 1000)
+    assert row == 3 and pool.num_rows >= 4 and pool.num_slots == 1280
+    live_kv_kept()
+    for row in (1, 2, 3):
+        pool.release(row)
+    row = pool.add(*kv(40), num_slots=60)  # a quarter or less in use: shrunk
+    given[row] = (pool.k[:, row, :, :40].clone(), 40)
+    assert row == 1 and (pool.num_rows, pool.num_slots) == (2, batch_decode.SLOT_QUANTUM)
+    live_kv_kept()
+    with pytest.raises(RuntimeError, match=r"rows \[0, 1\] are still in use"):
+        pool.clear()
+    pool.release(0), pool.release(1)
+    pool.clear()
+    assert pool.k is None and pool.num_rows == 0
+    with pytest.raises(ValueError, match="num_slots: 5 is fewer than the 10 tokens"):
+        pool.add(*kv(10), num_slots=5)
+
+
+def test_a_dropped_sequence_gives_its_row_back(prefills):
+    engine, prefilled = prefills
+    sequence = engine.start_decode(prefilled[0], 4)
+    row = sequence.row
+    assert row in engine.decode_pool.live_rows
+    del sequence
+    assert row not in engine.decode_pool.live_rows
+    answers = engine.generate_batch(prefilled[:2], [3, 3])
+    assert len(answers) == 2 and engine.decode_pool.live_rows == []
