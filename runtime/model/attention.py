@@ -26,8 +26,9 @@ per request and then calls `attend` once per layer:
    Plain causal prefill from position 0 (every query, every key) uses SDPA's own causal
    path; on CUDA restricted to FlashAttention / memory-efficient kernels (cuDNN's
    would build a plan, ~1 s, for every new prompt length). One query that sees every
-   key (a decode step; the batched step calls it per sequence) is `attend_one_query`:
-   its query heads grouped by KV head, each KV head read once.
+   key (a decode step of one sequence) is `attend_one_query`: its query heads grouped by
+   KV head, each KV head read once. The batched decode step groups the same way and runs
+   one call for all its sequences' rows (`runtime/model/batch_decode.py`).
 
 `HOLEBLEND_ATTENTION=triton|sdpa|chunked` forces a backend (tests, benchmarks).
 """
