@@ -192,7 +192,9 @@ def stop_after(n: int) -> Callable:
     return hook
 
 
-def test_a_cancelled_and_a_stopped_job_leave_the_others_unchanged(make_worker, prompts, alone):
+def test_a_cancelled_and_a_stopped_job_leave_the_others_unchanged(
+    make_worker, engine, prompts, alone
+):
     worker = make_worker(max_batch=8)
     specs = {
         "a": (0, 10),
@@ -212,6 +214,7 @@ def test_a_cancelled_and_a_stopped_job_leave_the_others_unchanged(make_worker, p
     last_early_end = max(first_index(log, n, Finished) for n in ("cancelled", "stopped"))
     assert last_early_end < min(first_index(log, n, Finished) for n in "ad")
     assert settles_to_zero(worker)
+    assert engine.decode_pool.live_rows == []  # every job's KV row went back to the pool
 
 
 def test_a_failing_prefill_fails_only_its_job(make_worker, engine, prompts, alone, monkeypatch):
@@ -252,6 +255,8 @@ def test_a_failing_decode_step_fails_its_jobs_and_the_worker_serves_on(
         assert str(end_of(log, name)) == "step broke"
         got = tokens_of(log, name)
         assert 1 <= len(got) < 8 and got == alone(index, len(got))
+    assert settles_to_zero(worker)
+    assert engine.decode_pool.live_rows == []  # the failed step's rows went back too
     log = run_jobs(worker, prompts, {"after": (2, 6)})
     assert tokens_of(log, "after") == alone(2, 6)
     assert end_of(log, "after") == Finished("length")
