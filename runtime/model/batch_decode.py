@@ -273,6 +273,7 @@ class _PoolBatch:
     pool: KVPool
     indices: list[int]  # the sequences' places in the step's batch
     is_in_order: bool  # indices are 0..B-1: the step's whole batch, in order
+    order: torch.Tensor | None  # indices on the device (None when in order)
     rows: torch.Tensor  # [n] pool rows, in the order of indices
     positions: torch.Tensor  # [n] the slot each new token's K/V goes to
     first_row: int
@@ -296,6 +297,7 @@ class _PoolBatch:
         ends = [s.position + 1 for s in members]
         num_keys = max(ends)
         contiguous = rows == list(range(first, first + span))
+        in_order = indices == list(range(batch_size))
         # Rows of the span outside this batch (free, or decoding in another call) see
         # key 0 only: finite, read and dropped.
         row_ends = [1] * span
@@ -312,7 +314,8 @@ class _PoolBatch:
         return cls(
             pool=pool,
             indices=indices,
-            is_in_order=indices == list(range(batch_size)),
+            is_in_order=in_order,
+            order=None if in_order else torch.tensor(indices, device=device),
             rows=torch.tensor(rows, dtype=torch.int64, device=device),
             positions=torch.tensor([s.position for s in members], dtype=torch.int64, device=device),
             first_row=first,
@@ -327,9 +330,8 @@ class _PoolBatch:
         whole step's), k, v [kv_heads, B, d] -> [heads, n, d] for this batch's sequences."""
         assert self.pool.k is not None and self.pool.v is not None
         pool_k, pool_v = self.pool.k[layer], self.pool.v[layer]  # [rows, kv_heads, slots, d]
-        if not self.is_in_order:
-            index = torch.tensor(self.indices, device=q.device)
-            q, k, v = q[:, index], k[:, index], v[:, index]
+        if self.order is not None:
+            q, k, v = q[:, self.order], k[:, self.order], v[:, self.order]
         pool_k[self.rows, :, self.positions] = k.transpose(0, 1)
         pool_v[self.rows, :, self.positions] = v.transpose(0, 1)
         lo, hi, n = self.first_row, self.first_row + self.span, self.num_keys

@@ -16,6 +16,7 @@ from holeblend_runtime.blend.blender import Blender, CachedSpan, PrefixKV
 from holeblend_runtime.blend.config import RANDOM, BlendConfig
 from holeblend_runtime.blend.selection import num_to_select
 from holeblend_runtime.kv.store import SegmentKV
+from holeblend_runtime.model import batch_decode
 from holeblend_runtime.model.config import ModelConfig
 from holeblend_runtime.model.devices import host_int64
 from holeblend_runtime.model.llama import Llama
@@ -389,3 +390,21 @@ def test_host_int64_equals_torch_tensor_of_the_values(values):
     built = host_int64(values)
     assert built.dtype == torch.int64 and built.device.type == "cpu"
     assert torch.equal(built, torch.tensor(list(values), dtype=torch.int64))
+
+
+def test_a_batched_decode_step_runs_on_the_meta_device():
+    """The pooled step (rows out of order, a free row between live ones) takes no host
+    read and mixes no host tensor: on a GPU, one launch per layer for the batch."""
+    model = Llama(CONFIG, random_weights(CONFIG), device="meta")
+    pool = batch_decode.KVPool(model)
+    logits = torch.empty(CONFIG.vocab_size, device="meta")
+    sequences = []
+    for tokens in (30, 45, 60):
+        k, v = model.new_kv(tokens)
+        sequences.append(batch_decode.start_sequence(pool, k, v, logits, 4))
+    sequences[1].close()
+    live = [sequences[2], sequences[0]]
+    batch_decode.decode_step(model, live, [5, 6])
+    assert [s.position for s in live] == [61, 31]
+    assert all(s.logits.device.type == "meta" for s in live)
+    assert pool.k is not None and pool.k.device.type == "meta"
