@@ -115,14 +115,18 @@ class KVPool:
             rows = max(rows, have_rows + (have_rows + 1) // 2)
         c = self.model.config
         shape = (c.num_layers, rows, c.num_kv_heads, slots, c.head_dim)
-        # Zeros: a step reads every row's keys up to the longest sequence's, masked where
-        # a row's sequence is shorter, and a masked NaN would still poison the row.
-        new_k = torch.zeros(shape, device=self.model.device, dtype=self.model.dtype)
-        new_v = torch.zeros(shape, device=self.model.device, dtype=self.model.dtype)
-        for row, need in self._needs.items():  # the live rows; free ones need no copy
+        new_k = torch.empty(shape, device=self.model.device, dtype=self.model.dtype)
+        new_v = torch.empty(shape, device=self.model.device, dtype=self.model.dtype)
+        # A step reads every row of its span up to the longest sequence's keys, masked
+        # where a row's sequence is shorter, and a masked NaN would still poison the row:
+        # a live row is zero past what it holds (`add` does the same for a new one). A
+        # free row's output is dropped, so its slots may hold anything.
+        for row, need in self._needs.items():
             kept = min(need, have_slots)
             new_k[:, row, :, :kept] = self.k[:, row, :, :kept]  # type: ignore[index]
             new_v[:, row, :, :kept] = self.v[:, row, :, :kept]  # type: ignore[index]
+            new_k[:, row, :, kept:] = 0
+            new_v[:, row, :, kept:] = 0
         self.k, self.v = new_k, new_v
 
 
