@@ -6,17 +6,18 @@ B sequences into hidden states [B, hidden] reads the weights once for the B rows
 answers advance for about the cost of one.
 
 The sequences' KV caches are rows of one pool (`KVPool`: [layers, rows, kv_heads, slots,
-head_dim]), so attention is batched too: per layer the step computes Q, K and V of all B
-tokens in one matmul, writes the B new K/V rows into the pool in one indexed copy, runs
-one attention call for the B queries over their rows (each query sees its own row's keys
-0..position: a key mask per row, built once per step; the query heads of a KV head read
-as that head's queries, so each KV head is read once), and runs the output projection and
-the MLP for all B at once. One call instead of one per sequence: on the CPU the whole
-step takes 0.82x the time at 4 sequences of 1,400 keys, on an accelerator one launch per
-layer instead of B (docs/accelerators.md, "One attention call for the batch").
+head_dim]), so on the CPU attention is batched too: per layer the step computes Q, K and
+V of all B tokens in one matmul, writes the B new K/V rows into the pool in one indexed
+copy, runs one attention call for the B queries over their rows (each query sees its own
+row's keys 0..position: a key mask per row, built once per step; the query heads of a KV
+head read as that head's queries, so each KV head is read once), and runs the output
+projection and the MLP for all B at once. One call instead of one per sequence: the whole
+step takes 0.82x the time at 4 sequences of 1,400 keys (docs/accelerators.md, "One
+attention call for the batch"). Other devices keep one unmasked call per sequence over
+its row (`one_call_on`) until the masked call is measured there.
 
 `DecodeSequence` is one sequence's state (a pool row); `decode_step` advances a list of
-them by one token each, one attention call per layer for the sequences of each pool.
+them by one token each.
 The engine starts sequences from prefills in its own pool (`BlendEngine.start_decode`)
 and wraps the step (`BlendEngine.decode_step`); the server's compute thread runs the
 requests in flight as one batch (`holeblend_runtime.serve.worker`).
@@ -128,6 +129,15 @@ class KVPool:
             new_k[:, row, :, kept:] = 0
             new_v[:, row, :, kept:] = 0
         self.k, self.v = new_k, new_v
+
+
+def one_call_on(device: torch.device) -> bool:
+    """Whether a step runs one masked attention call for a pool's rows on `device`: on
+    the CPU (measured: docs/accelerators.md). Elsewhere one unmasked call per sequence,
+    as before the pool, until measured there: with a mask, SDPA on CUDA may pick cuDNN,
+    which plans every new key count (~1 s each), and a decode step's key count is new at
+    every step."""
+    return device.type == "cpu"
 
 
 def _round_up(n: int, quantum: int) -> int:
@@ -285,6 +295,9 @@ class _PoolBatch:
     num_keys: int  # keys read per row: the longest sequence's, its new token included
     places: torch.Tensor | None  # [n] the sequences' rows within the span (None: all, in order)
     mask: torch.Tensor | None  # [span, 1, 1, num_keys] additive; None when every row sees all
+    host_rows: list[int]  # rows and key counts, for one call per sequence
+    host_ends: list[int]
+    is_one_call: bool  # one attention call for the span, else one per sequence
 
     @classmethod
     def of(
@@ -308,7 +321,8 @@ class _PoolBatch:
         for row, end in zip(rows, ends, strict=True):
             row_ends[row - first] = end
         mask = None
-        if min(row_ends) < num_keys:
+        is_one_call = span > 1 and one_call_on(device)
+        if is_one_call and min(row_ends) < num_keys:
             visible = (
                 torch.arange(num_keys, device=device)[None, :]
                 < torch.tensor(row_ends, device=device)[:, None]
@@ -327,6 +341,9 @@ class _PoolBatch:
             num_keys=num_keys,
             places=None if contiguous else torch.tensor([r - first for r in rows], device=device),
             mask=mask,
+            host_rows=rows,
+            host_ends=ends,
+            is_one_call=is_one_call,
         )
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -342,6 +359,12 @@ class _PoolBatch:
         keys, values = pool_k[lo:hi, :, :n], pool_v[lo:hi, :, :n]
         if self.span == 1:
             return attend_one_query(q, keys[0], values[0])
+        if not self.is_one_call:
+            outputs = [
+                attend_one_query(q[:, i : i + 1], pool_k[row, :, :end], pool_v[row, :, :end])
+                for i, (row, end) in enumerate(zip(self.host_rows, self.host_ends, strict=True))
+            ]
+            return torch.cat(outputs, dim=1)
         heads, batch, d = q.shape
         kv_heads = keys.shape[1]
         # [B, heads, d] -> [B, kv_heads, group, d]: a KV head's query heads as its queries.

@@ -151,6 +151,8 @@ def _step_both(engine, pooled, alone, steps):
 
 def test_one_attention_call_per_layer_for_the_pool_equals_one_per_sequence(prefills, monkeypatch):
     engine, prefilled = prefills
+    assert batch_decode.one_call_on(engine.model.device)  # the CPU
+    assert not batch_decode.one_call_on(torch.device("cuda"))
     pooled, alone = _pooled_and_alone(engine, prefilled)
     assert len({s.row for s in pooled}) == len(pooled) and all(s.row == 0 for s in alone)
     calls = []
@@ -169,9 +171,13 @@ def test_one_attention_call_per_layer_for_the_pool_equals_one_per_sequence(prefi
     _step_both(engine, pooled, alone, steps=3)
 
 
-def test_rows_left_free_or_outside_the_step_change_nothing(prefills):
+@pytest.mark.parametrize("one_call", [True, False])
+def test_rows_left_free_or_outside_the_step_change_nothing(prefills, one_call, monkeypatch):
     """A step over rows 0 and 2 of a pool whose row 1 ended (its slots NaN) and whose
-    row 3 decodes in another step: the same logits as each sequence in its own pool."""
+    row 3 decodes in another step: the same logits as each sequence in its own pool,
+    with one attention call for the rows (the CPU's way) or one per sequence (other
+    devices')."""
+    monkeypatch.setattr(batch_decode, "one_call_on", lambda device: one_call)
     engine, prefilled = prefills
     pooled, alone = _pooled_and_alone(engine, prefilled)
     pool = engine.decode_pool

@@ -392,9 +392,12 @@ def test_host_int64_equals_torch_tensor_of_the_values(values):
     assert torch.equal(built, torch.tensor(list(values), dtype=torch.int64))
 
 
-def test_a_batched_decode_step_runs_on_the_meta_device():
+@pytest.mark.parametrize("one_call", [True, False])
+def test_a_batched_decode_step_runs_on_the_meta_device(one_call, monkeypatch):
     """The pooled step (rows out of order, a free row between live ones) takes no host
-    read and mixes no host tensor: on a GPU, one launch per layer for the batch."""
+    read and mixes no host tensor, with one attention call for the rows (the CPU's) or
+    one per sequence (other devices')."""
+    monkeypatch.setattr(batch_decode, "one_call_on", lambda device: one_call)
     model = Llama(CONFIG, random_weights(CONFIG), device="meta")
     pool = batch_decode.KVPool(model)
     logits = torch.empty(CONFIG.vocab_size, device="meta")
