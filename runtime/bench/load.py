@@ -51,6 +51,8 @@ LOAD_RESULT_KEYS = (
     "requests_per_s",
     "ttft_p50_s",
     "ttft_p99_s",
+    "itl_p50_s",
+    "itl_p99_s",
     "request_s_mean",
     "reused_share",
     "top1_vs_full",
@@ -202,6 +204,7 @@ def summarize_load(
     keys 0 without `shadow`."""
     ok = [o for o in outcomes if o.is_ok]
     ttfts = [o.ttft_s for o in ok if o.ttft_s is not None]
+    itls = [gap for o in ok for gap in o.itls_s]
     row: dict[str, Any] = {
         "mode": mode,
         "ratio": ratio,
@@ -210,6 +213,8 @@ def summarize_load(
         "requests_per_s": len(ok) / wall_s if wall_s > 0 else None,
         "ttft_p50_s": percentile(ttfts, 0.5) if ttfts else None,
         "ttft_p99_s": percentile(ttfts, 0.99) if ttfts else None,
+        "itl_p50_s": percentile(itls, 0.5) if itls else None,
+        "itl_p99_s": percentile(itls, 0.99) if itls else None,
         "request_s_mean": statistics.fmean(o.request_s for o in ok) if ok else None,
         "reused_share": reused_share(ok),
         "top1_vs_full": None,

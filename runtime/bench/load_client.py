@@ -50,6 +50,8 @@ class Outcome:
     error: str | None = None
     # A 429's Retry-After, seconds.
     retry_after_s: float | None = None
+    # Inter-token latencies: the gaps between successive chunks with text.
+    itls_s: tuple[float, ...] = ()
 
     @property
     def is_ok(self) -> bool:
@@ -222,14 +224,20 @@ def _attempt(port: int, index: int, body: bytes, timeout_s: float) -> Outcome:
 
 
 def _read_stream(index: int, response: http.client.HTTPResponse, started: float) -> Outcome:
-    ttft_s, pieces, usage = None, [], None
+    ttft_s, pieces, usage, itls, last = None, [], None, [], None
     for chunk in parse_sse(response):
+        now = time.perf_counter()
         if ttft_s is None:
-            ttft_s = time.perf_counter() - started
-        for choice in chunk.get("choices") or ():
-            pieces.append(choice.get("text") or "")
+            ttft_s = now - started
+        text = "".join(choice.get("text") or "" for choice in chunk.get("choices") or ())
+        if text:
+            if last is not None:
+                itls.append(now - last)
+            last = now
+            pieces.append(text)
         usage = chunk.get("usage") or usage
-    return Outcome(index, 200, ttft_s, time.perf_counter() - started, "".join(pieces), usage)
+    request_s = time.perf_counter() - started
+    return Outcome(index, 200, ttft_s, request_s, "".join(pieces), usage, itls_s=tuple(itls))
 
 
 def _with_rejected(outcome: Outcome, num_rejected: int) -> Outcome:

@@ -104,16 +104,16 @@ def test_greedy_agreement_counts_up_to_the_first_difference():
     assert greedy_agreement([], []) == 1.0 and greedy_agreement([1], []) == 0.0
 
 
-def _outcome(index, ttft, cached, text="a b", status=200):
+def _outcome(index, ttft, cached, text="a b", status=200, itls=()):
     usage = {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": cached}}
-    return Outcome(index, status, ttft, ttft + 0.5, text, usage)
+    return Outcome(index, status, ttft, ttft + 0.5, text, usage, itls_s=itls)
 
 
 def test_load_row_has_every_key_and_token_weighted_reuse():
     outcomes = [
-        _outcome(0, 1.0, 80),
-        _outcome(1, 3.0, 20, text="a c"),
-        _outcome(2, 9.0, 0, status=500),
+        _outcome(0, 1.0, 80, itls=(0.1, 0.3)),
+        _outcome(1, 3.0, 20, text="a c", itls=(0.2,)),
+        _outcome(2, 9.0, 0, status=500, itls=(5.0,)),  # a failed request's gaps do not count
     ]
     row = summarize_load(
         "hole", 0.15, 4, outcomes, 2.0, {0: "a b", 1: "a b"}, str.split, {0: "q", 1: "q"}
@@ -123,7 +123,11 @@ def test_load_row_has_every_key_and_token_weighted_reuse():
     assert row["requests_per_s"] == pytest.approx(1.0)
     assert row["reused_share"] == pytest.approx(0.5)
     assert row["ttft_p50_s"] == pytest.approx(2.0)
+    # Inter-token latency over every gap of the requests that succeeded (interpolated).
+    assert row["itl_p50_s"] == pytest.approx(0.2) and row["itl_p99_s"] == pytest.approx(0.298)
     assert row["top1_vs_full"] == pytest.approx(0.75)
+    no_gaps = summarize_load("hole", 0.15, 1, [_outcome(0, 1.0, 80)], 1.0, None, str.split, {})
+    assert no_gaps["itl_p50_s"] is None and no_gaps["itl_p99_s"] is None
 
 
 def test_shadow_seconds_between_scrapes_count_every_unit_and_the_idle_ones_apart():
@@ -185,6 +189,8 @@ def test_clients_stream_time_the_first_chunk_and_retry_a_429(stream):
     assert [o.index for o in outcomes] == list(range(6)) and wall_s > 0
     assert all(o.is_ok and o.text == "Oskeby harbour" for o in outcomes)
     assert all(0 < o.ttft_s <= o.request_s for o in outcomes)
+    # Two chunks with text (the usage chunk has none): one inter-token gap each.
+    assert all(len(o.itls_s) == 1 and 0 <= o.itls_s[0] <= o.request_s for o in outcomes)
     assert outcomes[0].usage["prompt_tokens"] == 60
     assert sum(o.num_rejected for o in outcomes) == 1
 
@@ -205,6 +211,7 @@ def test_load_bench_through_real_servers_writes_one_row_per_mode(tmp_path):
     for row in rows.values():
         assert set(LOAD_RESULT_KEYS) <= set(row)
         assert row["requests"] == 2 and row["num_errors"] == 0 and row["requests_per_s"] > 0
+        assert 0 < row["itl_p50_s"] <= row["itl_p99_s"]  # 3-token answers: 2 gaps each
     assert rows["full"]["reused_share"] == 0.0 and rows["full"]["top1_vs_full"] == 1.0
     assert rows["hole"]["reused_share"] > 0.0
     assert rows["full"]["shadow_s"] == 0.0  # nothing blended, no shadow
