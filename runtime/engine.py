@@ -805,9 +805,9 @@ class BlendEngine:
 
     @functools.cached_property
     def decode_pool(self) -> batch_decode.KVPool:
-        """The KV rows of the sequences this engine decodes (`start_decode`): one
-        attention call per layer for all of them. It keeps its buffers between batches
-        (`KVPool.clear` frees them when nothing is decoding)."""
+        """The KV rows of the sequences this engine decodes (`start_decode`): on the CPU
+        one attention call per layer for all of them. It keeps its buffers between
+        batches (`KVPool.clear` frees them when nothing is decoding)."""
         return batch_decode.KVPool(self.model)
 
     def decode_step(self, sequences: Sequence[DecodeSequence], tokens: Sequence[int]) -> None:
