@@ -233,17 +233,15 @@ def decode_step(model: Llama, sequences: Sequence[DecodeSequence], tokens: Seque
     for i, sequence in enumerate(sequences):
         if sequence.room < 1:
             raise ValueError(f"sequences[{i}]: the KV cache is full at {sequence.position}")
-    groups: dict[int, list[int]] = {}
-    pools: dict[int, KVPool] = {}
+    groups: dict[KVPool, list[int]] = {}  # pools compare by identity
     for i, sequence in enumerate(sequences):
         assert sequence.pool is not None
-        groups.setdefault(id(sequence.pool), []).append(i)
-        pools[id(sequence.pool)] = sequence.pool
-    locks = [pools[key].lock for key in sorted(groups)]  # one order: no deadlock
+        groups.setdefault(sequence.pool, []).append(i)
+    locks = [pool.lock for pool in sorted(groups, key=id)]  # one order: no deadlock
     for lock in locks:
         lock.acquire()
     try:
-        _step(model, sequences, tokens, [(pools[key], members) for key, members in groups.items()])
+        _step(model, sequences, tokens, list(groups.items()))
     finally:
         for lock in locks:
             lock.release()
@@ -266,7 +264,7 @@ def _step(
     for layer in range(model.num_layers):
         q, k, v = model.qkv(layer, h, rope)  # q [heads, B, d]; k, v [kv_heads, B, d]
         outputs = [batch.attend(layer, q, k, v) for batch in batches]
-        if len(batches) == 1 and batches[0].is_in_order:
+        if len(batches) == 1 and batches[0].order is None:
             attn = outputs[0]
         else:
             attn = torch.empty_like(q)
@@ -286,8 +284,8 @@ class _PoolBatch:
 
     pool: KVPool
     indices: list[int]  # the sequences' places in the step's batch
-    is_in_order: bool  # indices are 0..B-1: the step's whole batch, in order
-    order: torch.Tensor | None  # indices on the device (None when in order)
+    # indices on the device; None when they are 0..B-1 (the step's whole batch, in order)
+    order: torch.Tensor | None
     rows: torch.Tensor  # [n] pool rows, in the order of indices
     positions: torch.Tensor  # [n] the slot each new token's K/V goes to
     first_row: int
@@ -314,7 +312,6 @@ class _PoolBatch:
         ends = [s.position + 1 for s in members]
         num_keys = max(ends)
         contiguous = rows == list(range(first, first + span))
-        in_order = indices == list(range(batch_size))
         # Rows of the span outside this batch (free, or decoding in another call) see
         # key 0 only: finite, read and dropped.
         row_ends = [1] * span
@@ -332,8 +329,9 @@ class _PoolBatch:
         return cls(
             pool=pool,
             indices=indices,
-            is_in_order=in_order,
-            order=None if in_order else torch.tensor(indices, device=device),
+            order=None
+            if indices == list(range(batch_size))
+            else torch.tensor(indices, device=device),
             rows=torch.tensor(rows, dtype=torch.int64, device=device),
             positions=torch.tensor([s.position for s in members], dtype=torch.int64, device=device),
             first_row=first,
