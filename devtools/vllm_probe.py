@@ -439,6 +439,18 @@ def connector_metrics() -> dict[str, float]:
     values["lookup_degraded"] = metrics.sample("holeblend_lookup_client_degraded_total")
     values["hole_requests"] = metrics.sample("holeblend_requests_total", {"mode": "hole"})
     values["load_failures"] = metrics.sample("holeblend_load_failures_total")
+    # The inline proxy's calibration pairs from the deployment's lookup server, and its
+    # estimates (every ratio's).
+    values["inline_pairs_received"] = metrics.sample(
+        "holeblend_inline_proxy_shared_pairs_total", {"direction": "received"}
+    )
+    values["inline_estimates"] = sum(
+        sample.value
+        for family in metrics.REGISTRY.collect()
+        if family.name == "holeblend_inline_f1_proxy"
+        for sample in family.samples
+        if sample.name == "holeblend_inline_f1_proxy_count"
+    )
     for source in ("blend", "forward", "computed"):
         labels = {"source": source}
         values[f"stored_{source}"] = metrics.sample("holeblend_stored_segments_total", labels)

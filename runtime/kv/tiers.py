@@ -335,8 +335,12 @@ class TierSettings:
     ) -> TierSettings:
         """Settings with the deployment and pod name the operator renders into the env."""
         deployment = os.environ.get(DEPLOYMENT_ENV) or "default/holeblend"
-        pod = f"{socket.gethostname()}-{os.getpid()}"
-        return cls(local_bytes, shared_url, lookup_url, deployment, pod, **more)
+        return cls(local_bytes, shared_url, lookup_url, deployment, pod_name(), **more)
+
+
+def pod_name() -> str:
+    """This process's name towards the lookup server: host (the pod's name) and pid."""
+    return f"{socket.gethostname()}-{os.getpid()}"
 
 
 def open_tiered_store(
@@ -357,7 +361,7 @@ def open_tiered_store(
         shared = SharedTier(config)
     if not settings.lookup_url:
         return TieredKVStore(local, layout, shared)
-    pod = settings.pod or f"{socket.gethostname()}-{os.getpid()}"
+    pod = settings.pod or pod_name()
     # Two connections: announcements never hold up a request's lookup.
     lookup = LookupClient(settings.lookup_url, settings.client, model=layout.model_id)
     announcing = LookupClient(settings.lookup_url, settings.client)

@@ -1,29 +1,32 @@
 """Prometheus metrics of the lookup server, on its own registry.
 
-Index sizes and the lookup/hit counters are read from the index at scrape time (no
-work on the hot path); request latency is a histogram per operation; error replies are
-counted by their wire error code.
+Index sizes, the lookup/hit counters and the shared calibration's pair counts are read
+from the server's `stats()` at scrape time (no work on the hot path); request latency is
+a histogram per operation; error replies are counted by their wire error code.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from holeblend_runtime.lookup_server.index import SegmentIndex
 from holeblend_runtime.lookup_server.wire import OPS
 
 # Lookups answer in tens of microseconds; the buckets resolve that range.
 LATENCY_BUCKETS = (5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.25)
 
 
-class _IndexCollector:
-    def __init__(self, index: SegmentIndex) -> None:
-        self.index = index
+class _StatsCollector:
+    """The server's `stats()` (the index's and the shared calibration's), read at scrape."""
+
+    def __init__(self, stats: Callable[[], dict]) -> None:
+        self.stats = stats
 
     def collect(self):
-        stats = self.index.stats()
+        stats = self.stats()
         yield _gauge("holeblend_lookup_index_entries", "Segments in the index.", stats["entries"])
         yield _gauge(
             "holeblend_lookup_index_bytes", "KV bytes of the indexed segments.", stats["bytes"]
@@ -34,6 +37,11 @@ class _IndexCollector:
             "Indexed segments in the shared tier.",
             stats["shared_entries"],
         )
+        yield _gauge(
+            "holeblend_lookup_calibration_pairs",
+            "Quality-proxy calibration pairs held for the pods (all scopes).",
+            stats["calibration_pairs"],
+        )
         for name, help_text in (
             ("lookups", "Keys looked up."),
             ("hits", "Keys found."),
@@ -41,6 +49,7 @@ class _IndexCollector:
             ("evicts", "Segments evicted by pods."),
             ("capacity_evictions", "Segments dropped to stay within the index capacity."),
             ("pods_dropped", "Pods dropped after they stopped heartbeating."),
+            ("calibration_pairs_added", "Quality-proxy calibration pairs pods published."),
         ):
             counter = CounterMetricFamily(f"holeblend_lookup_{name}", help_text)
             counter.add_metric([], stats[name])
@@ -56,9 +65,9 @@ def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, index: SegmentIndex) -> None:
+    def __init__(self, stats: Callable[[], dict]) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_IndexCollector(index))
+        self.registry.register(_StatsCollector(stats))
         latency = Histogram(
             "holeblend_lookup_request_seconds",
             "Time to answer one wire request, by operation.",

@@ -37,6 +37,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from holeblend_runtime.lookup_server import wire
+from holeblend_runtime.lookup_server.calibration import CalibrationLimits, CalibrationPairs
 from holeblend_runtime.lookup_server.index import IndexLimits, SegmentIndex
 from holeblend_runtime.lookup_server.metrics import ServerMetrics
 
@@ -93,6 +94,8 @@ class ServerConfig:
     max_buffer_bytes: int = 64 << 20
     # Requests answered on one connection per event-loop turn before others get theirs.
     requests_per_turn: int = 16
+    # The shared calibration pairs of the quality proxies (`calibration.py`).
+    calibration: CalibrationLimits = field(default_factory=CalibrationLimits)
 
     def __post_init__(self) -> None:
         for name in ("header_timeout_s", "body_timeout_s", "idle_timeout_s", "write_timeout_s"):
@@ -134,7 +137,8 @@ class LookupServer:
     def __init__(self, config: ServerConfig | None = None) -> None:
         self.config = config or ServerConfig()
         self.index = SegmentIndex(self.config.index)
-        self.metrics = ServerMetrics(self.index)
+        self.calibration = CalibrationPairs(self.config.calibration)
+        self.metrics = ServerMetrics(self.stats)
         self._server: asyncio.AbstractServer | None = None
         self._stopped = asyncio.Event()
         self._sweeper: asyncio.Task | None = None
@@ -209,7 +213,7 @@ class LookupServer:
         if path == "/metrics":
             return 200, self.metrics.content_type, self.metrics.render()
         if path == "/stats":
-            return 200, "application/json", json.dumps(self.index.stats()).encode()
+            return 200, "application/json", json.dumps(self.stats()).encode()
         raise _HttpError(404, f"no such path {path!a}; the API is POST {wire.RPC_PATH}")
 
     def _rpc(self, body: bytes) -> tuple[int, str, bytes]:
@@ -251,7 +255,26 @@ class LookupServer:
         return {"admitted": self.index.resync(pod, entries, reset)}
 
     def _op_stats(self, message: dict) -> dict:
-        return {"stats": self.index.stats()}
+        return {"stats": self.stats()}
+
+    def stats(self) -> dict:
+        """The index's counters and sizes and the shared calibration's."""
+        return {**self.index.stats(), **self.calibration.stats()}
+
+    def _op_pairs_add(self, message: dict) -> dict:
+        limits = self.config.limits
+        scope = wire.name_field(message, "scope", limits)
+        pod = wire.name_field(message, "pod", limits)
+        pairs = wire.pairs_field(message, limits)
+        return {"added": self.calibration.add(scope, pod, pairs)}
+
+    def _op_pairs_get(self, message: dict) -> dict:
+        limits = self.config.limits
+        scope = wire.name_field(message, "scope", limits)
+        pod = wire.name_field(message, "pod", limits)
+        after = wire.count_field(message, "after")
+        pairs, last, more = self.calibration.since(scope, pod, after)
+        return {"pairs": pairs, "last": last, "more": more, "epoch": self.calibration.epoch}
 
 
 class _Connection(asyncio.Protocol):

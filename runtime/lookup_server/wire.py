@@ -16,6 +16,14 @@ Operations (fields of the request -> fields of the reply):
 - `resync`: `pod`, `entries`, `reset` (bool: forget what this pod held before; the first
   chunk of a full resync) -> `admitted`.
 - `stats` -> `stats` (map of counters and sizes).
+- `pairs_add`: `scope` (str), `pod` (str), `pairs` (list of `[ratio, statistic, f1,
+  top1]`, at most `Limits.max_entries`: ratio in (0, 1], statistic finite and >= 0, the
+  scores in [0, 1]) -> `added` (int). The inline quality proxy's calibration pairs,
+  shared by a deployment's pods (`calibration.py`).
+- `pairs_get`: `scope`, `pod`, `after` (int, 0: from the start) -> `pairs` (the other
+  pods' pairs numbered after `after`, oldest first), `last` (int: the `after` of the next
+  call), `more` (bool: more wait), `epoch` (str: changes when the server restarts, and
+  with it the numbering).
 
 A new field may be added within a version; a change of meaning bumps `v`, and a server
 answers a version it does not speak with `unsupported_version` naming the ones it does.
@@ -23,6 +31,7 @@ answers a version it does not speak with `unsupported_version` naming the ones i
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +43,7 @@ SUPPORTED_VERSIONS = (WIRE_VERSION,)
 RPC_PATH = "/v1"
 CONTENT_TYPE = "application/msgpack"
 
-OPS = ("lookup", "admit", "evict", "heartbeat", "resync", "stats")
+OPS = ("lookup", "admit", "evict", "heartbeat", "resync", "stats", "pairs_add", "pairs_get")
 
 
 class WireError(ValueError):
@@ -255,3 +264,38 @@ def _flag(item: dict, field: str, where: str) -> bool:
 
 def flag_field(message: Mapping, field: str) -> bool:
     return _flag(dict(message), field, "request")
+
+
+def count_field(message: Mapping, field: str) -> int:
+    return _count(dict(message), field, "request")
+
+
+def pairs_field(message: Mapping, limits: Limits) -> list[tuple[float, float, float, float]]:
+    """`pairs`: [ratio, statistic, f1, top1] each, checked (a pair off its range would
+    bend every pod's calibration)."""
+    pairs = message.get("pairs")
+    if not isinstance(pairs, list):
+        raise WireError("bad_request", "pairs: expected a list of [ratio, statistic, f1, top1]")
+    if len(pairs) > limits.max_entries:
+        raise WireError(
+            "too_many_entries", f"pairs: {len(pairs)} pairs, at most {limits.max_entries}", 413
+        )
+    return [_pair(item, f"pairs[{i}]") for i, item in enumerate(pairs)]
+
+
+def _pair(item: Any, where: str) -> tuple[float, float, float, float]:
+    if not isinstance(item, list) or len(item) != 4:
+        raise WireError("bad_request", f"{where}: expected [ratio, statistic, f1, top1]")
+    if any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in item):
+        raise WireError("bad_request", f"{where}: expected four numbers, got {item!a}")
+    ratio, statistic, f1, top1 = (float(x) for x in item)
+    if not 0 < ratio <= 1:
+        raise WireError("bad_request", f"{where}: ratio must be in (0, 1], got {ratio!r}")
+    if not (math.isfinite(statistic) and statistic >= 0):
+        raise WireError(
+            "bad_request", f"{where}: statistic must be finite and >= 0, got {statistic!r}"
+        )
+    for name, score in (("f1", f1), ("top1", top1)):
+        if not 0 <= score <= 1:
+            raise WireError("bad_request", f"{where}: {name} must be in [0, 1], got {score!r}")
+    return ratio, statistic, f1, top1

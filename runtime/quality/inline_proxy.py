@@ -35,6 +35,10 @@ request, at no cost beyond a sum over numbers the blend computed anyway:
    `holeblend_inline_proxy_correlation{ratio}` the Pearson correlation of statistic and
    shadow F1 (absent with too few pairs or no spread), and `holeblend_inline_residual_deviation{ratio}` the raw statistic of every
    blended request (observed whether or not calibrated).
+4. **Sharing** (shared_calibration.py): with a lookup server, the pods of a deployment
+   share their pairs through it (`on_pair` publishes this pod's, `add_shared` keeps the
+   others'), so a pod that starts is calibrated as soon as its deployment is;
+   `holeblend_inline_proxy_shared_pairs_total{direction}` counts them.
 """
 
 from __future__ import annotations
@@ -44,11 +48,11 @@ import collections
 import contextlib
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from holeblend_runtime.blend.reuse import SegmentReuse
 from holeblend_runtime.blend.segments import SegmentedPrompt
@@ -61,6 +65,8 @@ INLINE_PAIRS_METRIC = "holeblend_inline_proxy_pairs"
 INLINE_CORRELATION_METRIC = "holeblend_inline_proxy_correlation"
 INLINE_STATISTIC_METRIC = "holeblend_inline_residual_deviation"
 INLINE_POOLED_METRIC = "holeblend_inline_proxy_pooled"
+INLINE_SHARED_METRIC = "holeblend_inline_proxy_shared_pairs"
+INLINE_SHARE_FAILURES_METRIC = "holeblend_inline_proxy_share_failures"
 # A calibration needs this many (statistic, shadow score) pairs at a ratio to estimate.
 MIN_PAIRS = 8
 # Pairs kept per ratio (the newest): the fit follows a workload that changes.
@@ -264,6 +270,19 @@ class InlineProxyMetrics:
             buckets=STATISTIC_BUCKETS,
             registry=registry,
         )
+        self.shared_pairs = Counter(
+            INLINE_SHARED_METRIC,
+            "Calibration pairs shared through the deployment's lookup server: published "
+            "(scored by this pod's shadow) and received (scored by the other pods').",
+            ["direction"],
+            registry=registry,
+        )
+        self.share_failures = Counter(
+            INLINE_SHARE_FAILURES_METRIC,
+            "Exchanges of calibration pairs the lookup server did not answer (the pod "
+            "calibrates on its own pairs meanwhile; unsent ones are kept).",
+            registry=registry,
+        )
 
 
 @dataclass
@@ -302,6 +321,9 @@ class InlineProxy:
         # The fit a ratio without enough pairs of its own borrows (its pairs and those of
         # every lower ratio), by ratio label; emptied whenever a pair is added.
         self._borrowed: dict[str, _RatioState] = {}
+        # Called with (ratio, statistic, f1, top1) after each pair this pod's shadow
+        # scored is kept (outside the lock): `SharedCalibration.publish`.
+        self.on_pair: Callable[[float, float, float, float], None] | None = None
 
     def observe(self, ratio: float, statistic: float | None) -> tuple[float, float] | None:
         """One blended request's statistic: the raw value is exported; the calibrated
@@ -324,14 +346,26 @@ class InlineProxy:
         return estimates
 
     def add_pair(self, statistic: float | None, score: ShadowScore) -> None:
-        """A request that was blended (with `statistic`) and scored by the shadow."""
+        """A request that was blended (with `statistic`) and scored by the shadow; passed
+        on to `on_pair` (the deployment's shared calibration) once kept."""
         if statistic is None or not math.isfinite(statistic):
             return
-        label = ratio_label(score.ratio)
+        self._add(score.ratio, statistic, score.f1, score.top1)
+        if self.on_pair is not None:
+            self.on_pair(float(score.ratio), float(statistic), score.f1, score.top1)
+
+    def add_shared(self, ratio: float, statistic: float, f1: float, top1: float) -> None:
+        """A pair another pod of the deployment scored (`SharedCalibration`): kept as
+        this pod's own are, not passed on again."""
+        if math.isfinite(statistic):
+            self._add(ratio, statistic, f1, top1)
+
+    def _add(self, ratio: float, statistic: float, f1: float, top1: float) -> None:
+        label = ratio_label(ratio)
         with self._lock:
             own = self._state(label)
-            own.f1.add(statistic, score.f1)
-            own.top1.add(statistic, score.top1)
+            own.f1.add(statistic, f1)
+            own.top1.add(statistic, top1)
             self._borrowed.clear()
             num_pairs, correlation = len(own.f1), own.f1.correlation()
         if self.metrics is not None:

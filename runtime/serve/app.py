@@ -34,7 +34,7 @@ from holeblend_runtime.blend.segments import SegmentedPrompt
 from holeblend_runtime.engine import BlendEngine, Mode, Prefill
 from holeblend_runtime.kv.admission import AdmissionMetrics, admission_policy
 from holeblend_runtime.kv.store import LocalKVStore
-from holeblend_runtime.kv.tiers import with_remote_tiers
+from holeblend_runtime.kv.tiers import pod_name, with_remote_tiers
 from holeblend_runtime.model.threads import serial_pool
 from holeblend_runtime.quality.inline_proxy import InlineProxy, residual_deviation
 from holeblend_runtime.quality.shadow import (
@@ -46,6 +46,7 @@ from holeblend_runtime.quality.shadow import (
     serving_catch_up_s,
     serving_time_share,
 )
+from holeblend_runtime.quality.shared_calibration import SharedCalibration, calibration_scope
 from holeblend_runtime.serve import requests as parsing
 from holeblend_runtime.serve.live_config import LiveConfig
 from holeblend_runtime.serve.metrics import ServeMetrics
@@ -135,6 +136,7 @@ class Server:
         self.worker: EngineWorker | None = None
         self.shadow: ShadowScorer | None = None
         self.inline: InlineProxy | None = None
+        self.shared_calibration: SharedCalibration | None = None
         self.shadow_budget: ShadowBudget | None = None
         self.shadow_gate: ShadowGate | None = None
         self._shadow_blind: bool | None = None  # the pacing the gate was last given
@@ -196,6 +198,14 @@ class Server:
             return
         worker = self.worker
         self.inline = InlineProxy(self.metrics.registry)
+        if settings.lookup_server_url:
+            # The deployment's pods share their calibration pairs through the lookup server.
+            scope = calibration_scope(
+                self.engine.config.model_id, self.engine.kv_dtype, 1, settings
+            )
+            self.shared_calibration = SharedCalibration.to(
+                settings.lookup_server_url, scope, pod_name(), self.inline
+            ).start()
         self.shadow_budget = ShadowBudget(
             settings.shadow_budget,
             idle_samples=settings.shadow_idle_samples,

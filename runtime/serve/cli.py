@@ -76,6 +76,8 @@ def _stop_threads(server: Server) -> None:
         server.worker.stop()
     if server.shadow is not None:
         server.shadow.close()
+    if server.shared_calibration is not None:
+        server.shared_calibration.stop()  # its last pairs go out
     if server.engine is not None:
         server.engine.close()  # the background store worker
         if isinstance(server.engine.store, TieredKVStore):

@@ -54,10 +54,11 @@ from holeblend_runtime.blend.selection import num_to_select
 from holeblend_runtime.engine import BlendEngine
 from holeblend_runtime.kv.async_store import AsyncKVStore
 from holeblend_runtime.kv.store import KVStore, SegmentKV
-from holeblend_runtime.kv.tiers import KVLayout, TieredKVStore
+from holeblend_runtime.kv.tiers import KVLayout, TieredKVStore, pod_name
 from holeblend_runtime.model.tokenizer import TextTokenizer
 from holeblend_runtime.quality.inline_proxy import InlineProxy
 from holeblend_runtime.quality.shadow import ShadowBudget
+from holeblend_runtime.quality.shared_calibration import SharedCalibration, calibration_scope
 from holeblend_runtime.vllm_connector import metrics, plugin
 from holeblend_runtime.vllm_connector.accounting import LoadLedger
 from holeblend_runtime.vllm_connector.forward_stores import ForwardStores
@@ -311,6 +312,8 @@ class HoleBlendConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._scheduler is not None and self._scheduler.lookups is not None:
             self._scheduler.lookups.shutdown()
+        if self._scheduler is not None and self._scheduler.shared_calibration is not None:
+            self._scheduler.shared_calibration.stop()  # its last pairs go out
         if self._worker is not None:
             self._worker.close()  # what was accepted for storing is written first
         close_store(self.store)
@@ -368,6 +371,15 @@ class _SchedulerSide:
         # counted): none besides a finishing one opens the shadow's idle floor to it.
         self.in_flight: set[str] = set()
         self.inline = InlineProxy(metrics=metrics.INLINE) if proxies else None
+        # The deployment's pods share the inline proxy's calibration pairs through the
+        # lookup server (the scheduler side holds the proxy and the shadow).
+        self.shared_calibration = None
+        if self.inline is not None and settings.lookup_url:
+            num_shards = vllm_config.parallel_config.tensor_parallel_size
+            scope = calibration_scope(model_id, kv_dtype, num_shards, settings.blend)
+            self.shared_calibration = SharedCalibration.to(
+                settings.lookup_url, scope, pod_name(), self.inline
+            ).start()
         self.shadow = _shadow(vllm_config, settings, self.budget, self.inline)
         metrics.serve_metrics()
 

@@ -17,7 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from holeblend_runtime.blend.config import BlendConfig
+from holeblend_runtime.lookup_server.client import LookupClient
 from holeblend_runtime.lookup_server.processes import free_port
+from holeblend_runtime.model.gguf import find_smollm2_gguf
+from holeblend_runtime.quality.inline_proxy import MIN_PAIRS
+from holeblend_runtime.quality.shared_calibration import calibration_scope
 
 # Six documents of about 80 tokens; A's two requests contain every one of them.
 PEOPLE = [
@@ -97,6 +102,32 @@ def blend_json(path: Path, lookup_url: str, redis_url: str) -> Path:
     return path
 
 
+def publish_pairs(lookup_url: str) -> None:
+    """`MIN_PAIRS` calibration pairs at ratio 1.0 under the scope of these pods (SmolLM2,
+    float32, one rank, the default selection) from a pod that is neither A nor B."""
+    gguf = find_smollm2_gguf()
+    scope = calibration_scope(f"{gguf.stem}:{gguf.stat().st_size}", "float32", 1, BlendConfig())
+    pairs = [[1.0, 0.01 * i, 1.0 - 0.01 * i, 1.0] for i in range(MIN_PAIRS)]
+    reply = LookupClient(lookup_url).call(
+        {"op": "pairs_add", "scope": scope, "pod": "earlier-pod", "pairs": pairs}
+    )
+    assert reply == {"v": 1, "ok": True, "added": MIN_PAIRS}
+
+
+def metric_value(text: str, series: str) -> float | None:
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    return None
+
+
+def wait_for_metric(server: ServeProcess, series: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not metric_value(server.metrics(), series):
+        assert time.monotonic() < deadline, f"{series} never appeared"
+        time.sleep(0.1)
+
+
 def index_entries(lookup_url: str) -> int:
     with urllib.request.urlopen(f"{lookup_url}/stats") as reply:
         return json.load(reply)["entries"]
@@ -114,7 +145,11 @@ def test_process_b_reuses_what_process_a_computed(lookup_server, redis_server, t
         while index_entries(lookup_server.url) < len(DOCUMENTS) + 1:  # documents + system
             assert time.monotonic() < deadline, "A's segments never reached the lookup server"
             time.sleep(0.1)
+        # The deployment's calibration pairs (as A's shadows would have scored them at the
+        # ratio in force): B, which scores none before its first requests, starts with them.
+        publish_pairs(lookup_server.url)
         b.wait_ready()
+        wait_for_metric(b, 'holeblend_inline_proxy_shared_pairs_total{direction="received"}')
         answers_b = [b.complete([DOCUMENTS[i] for i in docs]) for docs in REUSE_SETS]
         metrics = b.metrics()
         # Both remote services gone: B still answers, from its local tier.
@@ -139,6 +174,12 @@ def test_process_b_reuses_what_process_a_computed(lookup_server, redis_server, t
         alone["usage"]["prompt_tokens_details"]["cached_tokens"]
         == (answers_b[2]["usage"]["prompt_tokens_details"]["cached_tokens"])
     )
+    # Every blended request of B got an inline estimate from the shared calibration.
+    received = metric_value(
+        metrics, 'holeblend_inline_proxy_shared_pairs_total{direction="received"}'
+    )
+    assert received == MIN_PAIRS
+    assert metric_value(metrics, 'holeblend_inline_f1_proxy_count{ratio="1.0"}') == len(REUSE_SETS)
     # Ratio 1.0 recomputes every reused token: B's answers are A's full-prefill answers.
     for answer_a, answer_b in zip(answers_a, answers_b, strict=False):
         assert answer_b["choices"][0]["text"] == answer_a["choices"][0]["text"]

@@ -146,7 +146,24 @@ def with_shared_tier(baseline_file, redis_server, tmp_path_factory) -> dict:
     documents through the lookup server and loads them from the shared tier."""
     work = tmp_path_factory.mktemp("shared")
     with LookupProcess() as lookup:
+        publish_calibration_pairs(lookup.url)
         return run_tiered_probe(work, baseline_file, redis_server.url, lookup.url)
+
+
+def publish_calibration_pairs(lookup_url: str) -> None:
+    """`MIN_PAIRS` pairs at ratio 0.15 under the scope of the probe's connector (the
+    exported SmolLM2 it serves, float32, one rank, the default selection), as an earlier
+    pod of the deployment published them."""
+    from holeblend_devtools.hf_export import export_smollm2
+    from holeblend_runtime.blend.config import BlendConfig
+    from holeblend_runtime.lookup_server.client import LookupClient
+    from holeblend_runtime.quality.inline_proxy import MIN_PAIRS
+    from holeblend_runtime.quality.shared_calibration import calibration_scope
+
+    scope = calibration_scope(f"{export_smollm2()}@main", "float32", 1, BlendConfig())
+    pairs = [[0.15, 0.01 * i, 1.0 - 0.01 * i, 1.0] for i in range(MIN_PAIRS)]
+    message = {"op": "pairs_add", "scope": scope, "pod": "earlier-pod", "pairs": pairs}
+    assert LookupClient(lookup_url).call(message) == {"v": 1, "ok": True, "added": MIN_PAIRS}
 
 
 @pytest.fixture(scope="session")

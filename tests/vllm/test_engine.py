@@ -10,6 +10,7 @@ import torch
 
 from holeblend_devtools.vllm_probe import ProbeConfig, build_prompts
 from holeblend_runtime.engine import BlendEngine
+from holeblend_runtime.quality.inline_proxy import MIN_PAIRS
 from holeblend_runtime.quality.scores import top1_agreement
 
 # Each fixture starts a vLLM engine in a subprocess: ~1-2 min on a quiet 2-core machine,
@@ -169,6 +170,10 @@ def test_documents_another_node_stored_are_found_by_the_lookup_server_and_loaded
     assert tiers["worker"]["shared_hits"] > 0 and tiers["worker"]["shared_stores"] > 0
     assert tiers["scheduler"]["lookup_degraded"] == 0
     assert with_shared_tier["metrics"]["shared_hits"] == tiers["worker"]["shared_hits"]
+    # The deployment's calibration pairs reached the connector's inline proxy through the
+    # lookup server, so its first blends were estimated (it scored no shadow itself).
+    assert with_shared_tier["metrics"]["inline_pairs_received"] == MIN_PAIRS
+    assert with_shared_tier["metrics"]["inline_estimates"] >= len(with_shared_tier["results"])
 
 
 def test_with_the_lookup_server_down_requests_run_as_full_misses_and_answer_as_without_it(

@@ -1,0 +1,211 @@
+"""The inline proxy's calibration, shared by a deployment's pods through its lookup server.
+
+The inline proxy (inline_proxy.py) estimates quality from each blend's own statistic
+once it holds `MIN_PAIRS` (statistic, shadow score) pairs at a ratio. On its own a pod
+that starts has none, and at saturation its shadows score a few a minute: it would give
+the tuner nothing for minutes after every start, restart or scale-out. The pods of a
+deployment already share a lookup server (the segment index); it keeps their pairs too
+(lookup_server/calibration.py), so a new pod starts with the deployment's calibration.
+
+1. `calibration_scope`: what two pods' pairs must share to be comparable. The statistic
+   is a squared K deviation at the check layer, so its scale is the model's, the KV
+   dtype's and, at tensor parallelism, the head shard's; which tokens are left
+   unrecomputed depends on the selection and the filter layers.
+2. `SharedCalibration`, a daemon thread (never on the request path): at start, then
+   every `interval_s` and soon after this pod's shadow scored a pair, it publishes the
+   pairs scored here since the last call (`pairs_add`) and merges the other pods' new
+   pairs into the inline proxy (`pairs_get`, from where it left off). A lookup server
+   that is down or slow costs nothing but the sharing: the pod calibrates on its own
+   pairs, and keeps the unsent ones (at most `MAX_PENDING`) until the server answers. A
+   server that restarted (a new `epoch`) lost the pairs: the pod publishes its own recent
+   ones again and reads the others' from the start, keeping only those it did not
+   receive before.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import secrets
+import threading
+
+from holeblend_runtime.lookup_server.client import ClientConfig, LookupClient
+from holeblend_runtime.model.threads import serial_thread
+from holeblend_runtime.quality.inline_proxy import InlineProxy
+
+log = logging.getLogger(__name__)
+
+# Seconds between two exchanges with the lookup server (a pair scored here wakes it).
+INTERVAL_S = 30.0
+# Pairs scored here and not yet published, kept at most (the oldest go first).
+MAX_PENDING = 4096
+# This pod's own published pairs kept to publish again to a restarted server.
+MAX_OWN = 1024
+# Pairs received remembered at most, so that a restarted server's pairs, which the other
+# pods publish again, are not counted twice.
+MAX_SEEN = 16384
+# `pairs_get` calls in one exchange at most (each answers up to the server's max_reply).
+MAX_READS = 8
+# The lookup client of the exchange: off the request path, so a slow server may take a
+# second before the exchange gives up until the next one.
+CLIENT = ClientConfig(timeout_ms=1000.0, retries=1, breaker_failures=3, breaker_open_s=30.0)
+
+Pair = tuple[float, float, float, float]  # ratio, statistic, f1, top1
+
+
+def calibration_scope(model_id: str, kv_dtype: str, tensor_parallel_size: int, blend) -> str:
+    """The scope under which pods share pairs: equal only where statistics compare.
+    `blend`: the blend's settings (`selection`, `check_layer`, `filter_layers`: the
+    contract's `BlendSettings` or the runtime's `BlendConfig`)."""
+    filters = ",".join(str(layer) for layer in blend.filter_layers) or "-"
+    return (
+        f"{model_id}|{kv_dtype}|tp{tensor_parallel_size}|{blend.selection}"
+        f"|check{blend.check_layer}|filter{filters}"
+    )
+
+
+class SharedCalibration:
+    """Publishes this pod's pairs and merges the other pods' into `inline` (it takes
+    over `inline.on_pair`); `start` runs the exchange on a daemon thread, `exchange` is
+    one round (the thread's, or a caller's when no thread runs)."""
+
+    def __init__(
+        self,
+        client: LookupClient,
+        scope: str,
+        pod: str,
+        inline: InlineProxy,
+        interval_s: float = INTERVAL_S,
+    ) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"interval_s: must be > 0, got {interval_s}")
+        self.client, self.scope, self.pod, self.inline = client, scope, pod, inline
+        self.interval_s = interval_s
+        self._lock = threading.Lock()
+        self._pending: collections.deque[Pair] = collections.deque(maxlen=MAX_PENDING)
+        self._own: collections.deque[Pair] = collections.deque(maxlen=MAX_OWN)
+        self._after = 0
+        self._epoch: str | None = None
+        self._seen: dict[Pair, None] = {}  # pairs received, oldest first
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        inline.on_pair = self.publish
+
+    @classmethod
+    def to(
+        cls, url: str, scope: str, pod: str, inline: InlineProxy, **options
+    ) -> SharedCalibration:
+        """Sharing through the lookup server at `url`, on a connection of its own. The
+        name it publishes under is `pod` and a random suffix: a container that restarts
+        keeps its host name and may keep its pid, and must still read back the pairs its
+        earlier life published (a pod never reads its own)."""
+        name = f"{pod}-{secrets.token_hex(4)}"
+        return cls(LookupClient(url, CLIENT), scope, name, inline, **options)
+
+    def start(self) -> SharedCalibration:
+        self._thread = serial_thread(self._run, "holeblend-calibration")
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """End the thread after a last exchange (this pod's unsent pairs go out)."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self.client.close()
+
+    def publish(self, ratio: float, statistic: float, f1: float, top1: float) -> None:
+        """A pair this pod's shadow scored (the inline proxy's `on_pair`): sent soon."""
+        with self._lock:
+            self._pending.append((ratio, statistic, f1, top1))
+        self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.exchange()
+            except Exception:  # sharing never stops the pod
+                log.exception("sharing the quality proxies' calibration failed")
+            if self._stopping:
+                return
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+
+    def exchange(self) -> bool:
+        """Publish the pending pairs, then read the other pods' new ones; False when the
+        lookup server did not answer (what is unsent stays pending)."""
+        return self._send() and self._receive()
+
+    def _send(self) -> bool:
+        with self._lock:
+            pairs = list(self._pending)
+            self._pending.clear()
+        if not pairs:
+            return True
+        reply = self.client.call(
+            {
+                "op": "pairs_add",
+                "scope": self.scope,
+                "pod": self.pod,
+                "pairs": [list(p) for p in pairs],
+            }
+        )
+        with self._lock:
+            if reply is None:  # back in front of those published meanwhile
+                self._pending.extendleft(reversed(pairs))
+            else:
+                self._own.extend(pairs)
+        if reply is None:
+            self._count_failure()
+            return False
+        self._count("published", len(pairs))
+        return True
+
+    def _receive(self) -> bool:
+        for _ in range(MAX_READS):
+            reply = self.client.call(
+                {"op": "pairs_get", "scope": self.scope, "pod": self.pod, "after": self._after}
+            )
+            if reply is None:
+                self._count_failure()
+                return False
+            if reply["epoch"] != self._epoch:
+                restarted = self._epoch is not None
+                self._epoch, self._after = reply["epoch"], 0
+                if restarted:
+                    # The server lost every pair (and numbers them anew): publish this
+                    # pod's own again and read from the start; this reply was for the
+                    # old numbering.
+                    log.info("the lookup server restarted; publishing calibration pairs again")
+                    with self._lock:
+                        self._pending.extendleft(reversed(self._own))
+                        self._own.clear()
+                    return self._send() and self._receive()
+            fresh = [pair for pair in map(tuple, reply["pairs"]) if self._is_new(pair)]
+            for ratio, statistic, f1, top1 in fresh:
+                self.inline.add_shared(ratio, statistic, f1, top1)
+            self._count("received", len(fresh))
+            self._after = reply["last"]
+            if not reply["more"]:
+                break
+        return True
+
+    def _is_new(self, pair: Pair) -> bool:
+        """Whether `pair` was not received before: after a server restart the others'
+        pairs come again (they publish them anew). A pair is known by its values (a
+        statistic is a float mean over a whole prompt: two requests do not share one)."""
+        if pair in self._seen:
+            return False
+        self._seen[pair] = None
+        if len(self._seen) > MAX_SEEN:
+            del self._seen[next(iter(self._seen))]
+        return True
+
+    def _count(self, direction: str, n: int) -> None:
+        if n and self.inline.metrics is not None:
+            self.inline.metrics.shared_pairs.labels(direction=direction).inc(n)
+
+    def _count_failure(self) -> None:
+        if self.inline.metrics is not None:
+            self.inline.metrics.share_failures.inc()

@@ -1,0 +1,228 @@
+"""The inline proxy's calibration pairs shared by a deployment's pods through the lookup
+server: the server's store and wire checks, and pods exchanging pairs through a real
+lookup server process (down, restarted, a pod that starts late)."""
+
+import math
+import time
+
+import msgpack
+import pytest
+from prometheus_client import CollectorRegistry
+
+from holeblend_runtime.lookup_server import wire
+from holeblend_runtime.lookup_server.calibration import CalibrationLimits, CalibrationPairs
+from holeblend_runtime.lookup_server.client import ClientConfig, LookupClient
+from holeblend_runtime.lookup_server.processes import LookupProcess
+from holeblend_runtime.lookup_server.server import LookupServer, ServerConfig
+from holeblend_runtime.quality.inline_proxy import MIN_PAIRS, InlineProxy
+from holeblend_runtime.quality.shadow import ShadowScore
+from holeblend_runtime.quality.shared_calibration import (
+    SharedCalibration,
+    calibration_scope,
+)
+
+SCOPE = "smollm2|float32|tp1|kvDeviation|check2|filter-"
+
+
+# --- the server's store ----------------------------------------------------------------
+
+
+def test_a_pod_reads_the_other_pods_pairs_after_where_it_left_off_never_its_own():
+    store = CalibrationPairs()
+    assert store.add(SCOPE, "a", [(0.15, 0.1, 0.9, 0.95), (0.15, 0.2, 0.8, 0.9)]) == 2
+    store.add(SCOPE, "b", [(0.3, 0.05, 1.0, 1.0)])
+    pairs, last, more = store.since(SCOPE, "b", 0)
+    assert pairs == [[0.15, 0.1, 0.9, 0.95], [0.15, 0.2, 0.8, 0.9]] and not more
+    assert last == 3  # its own pair was passed over, not answered
+    store.add(SCOPE, "a", [(0.15, 0.3, 0.7, 0.8)])
+    assert store.since(SCOPE, "b", last)[0] == [[0.15, 0.3, 0.7, 0.8]]
+    assert store.since(SCOPE, "a", 0)[0] == [[0.3, 0.05, 1.0, 1.0]]
+    assert store.since("another scope", "b", 0) == ([], 0, False)
+
+
+def test_replies_are_bounded_and_continue_where_they_stopped():
+    store = CalibrationPairs(CalibrationLimits(max_reply=2))
+    store.add(SCOPE, "a", [(0.15, float(i), 0.5, 0.5) for i in range(5)])
+    seen, after, rounds = [], 0, 0
+    while True:
+        pairs, after, more = store.since(SCOPE, "b", after)
+        seen += [p[1] for p in pairs]
+        rounds += 1
+        if not more:
+            break
+    assert seen == [0.0, 1.0, 2.0, 3.0, 4.0] and rounds == 3
+
+
+def test_the_store_keeps_the_newest_pairs_and_the_scopes_written_last():
+    store = CalibrationPairs(CalibrationLimits(max_scopes=2, max_pairs=3))
+    store.add("s1", "a", [(0.15, float(i), 0.5, 0.5) for i in range(5)])
+    assert [p[1] for p in store.since("s1", "b", 0)[0]] == [2.0, 3.0, 4.0]
+    store.add("s2", "a", [(0.15, 0.0, 0.5, 0.5)])
+    store.add("s1", "a", [(0.15, 9.0, 0.5, 0.5)])  # s1 written last: s2 goes first
+    store.add("s3", "a", [(0.15, 0.0, 0.5, 0.5)])
+    assert store.since("s2", "b", 0)[0] == []
+    assert [p[1] for p in store.since("s1", "b", 0)[0]] == [3.0, 4.0, 9.0]
+    assert store.stats()["calibration_scopes"] == 2
+    assert store.stats()["calibration_pairs"] == 4
+
+
+# --- the wire -----------------------------------------------------------------------
+
+
+def _rpc(server: LookupServer, **message) -> tuple[int, dict]:
+    status, _, body = server.handle("POST", wire.RPC_PATH, wire.encode(message))
+    return status, msgpack.unpackb(body, raw=False)
+
+
+@pytest.mark.parametrize(
+    ("pairs", "says"),
+    [
+        ([[0.0, 0.1, 0.5, 0.5]], "pairs[0]: ratio must be in (0, 1]"),
+        ([[0.15, 0.1, 0.5, 0.5], [1.5, 0.1, 0.5, 0.5]], "pairs[1]: ratio must be in (0, 1]"),
+        ([[0.15, math.nan, 0.5, 0.5]], "pairs[0]: statistic must be finite and >= 0"),
+        ([[0.15, -1.0, 0.5, 0.5]], "pairs[0]: statistic must be finite and >= 0"),
+        ([[0.15, 0.1, 1.2, 0.5]], "pairs[0]: f1 must be in [0, 1]"),
+        ([[0.15, 0.1, 0.5, math.nan]], "pairs[0]: top1 must be in [0, 1]"),
+        ([[0.15, 0.1, 0.5]], "pairs[0]: expected [ratio, statistic, f1, top1]"),
+        ([[0.15, True, 0.5, 0.5]], "pairs[0]: expected four numbers"),
+        ([[0.15, "0.1", 0.5, 0.5]], "pairs[0]: expected four numbers"),
+        ({"ratio": 0.15}, "pairs: expected a list"),
+    ],
+)
+def test_pairs_off_their_range_are_refused_naming_the_pair_and_the_field(pairs, says):
+    server = LookupServer()
+    status, reply = _rpc(server, op="pairs_add", scope=SCOPE, pod="a", pairs=pairs)
+    assert status == 400 and reply["error"]["code"] == "bad_request"
+    assert reply["error"]["message"].startswith(says)
+    assert server.calibration.stats()["calibration_pairs"] == 0  # nothing of it kept
+
+
+def test_pairs_over_the_limit_and_bad_names_are_refused():
+    server = LookupServer(ServerConfig(limits=wire.Limits(max_entries=2)))
+    status, reply = _rpc(server, op="pairs_add", scope=SCOPE, pod="a", pairs=[[0.1, 0, 0, 0]] * 3)
+    assert status == 413 and reply["error"]["code"] in ("too_many_entries", "too_many_keys")
+    status, reply = _rpc(server, op="pairs_add", scope="a\nforged", pod="a", pairs=[])
+    assert status == 400 and reply["error"]["message"].startswith("scope: control characters")
+    status, reply = _rpc(server, op="pairs_get", scope=SCOPE, pod="a", after=-1)
+    assert status == 400 and "after" in reply["error"]["message"]
+
+
+def test_pairs_round_trip_on_the_wire_with_the_servers_epoch_and_stats():
+    server = LookupServer()
+    assert _rpc(server, op="pairs_add", scope=SCOPE, pod="a", pairs=[[0.15, 0.1, 1, 0.5]]) == (
+        200,
+        {"v": 1, "ok": True, "added": 1},
+    )
+    status, reply = _rpc(server, op="pairs_get", scope=SCOPE, pod="b", after=0)
+    assert status == 200
+    assert reply["pairs"] == [[0.15, 0.1, 1.0, 0.5]] and reply["last"] == 1
+    assert reply["more"] is False and reply["epoch"] == server.calibration.epoch
+    assert LookupServer().calibration.epoch != server.calibration.epoch
+    _, stats = _rpc(server, op="stats")
+    assert stats["stats"]["calibration_pairs"] == 1
+    assert b"holeblend_lookup_calibration_pairs 1.0" in server.metrics.render()
+
+
+# --- pods exchanging pairs through a real lookup server ------------------------------
+
+
+def _score(ratio: float, f1: float) -> ShadowScore:
+    return ShadowScore(f1=f1, top1=f1, ratio=ratio, seconds=1.0)
+
+
+def _pod(url: str, name: str, registry=None) -> tuple[InlineProxy, SharedCalibration]:
+    inline = InlineProxy(registry)
+    client = LookupClient(url, ClientConfig(timeout_ms=2000, retries=0, breaker_failures=100))
+    return inline, SharedCalibration(client, SCOPE, name, inline)
+
+
+def _calibrate(inline: InlineProxy, ratio: float = 0.15) -> None:
+    # Statistic up, F1 down: what the proxy expects.
+    for i in range(MIN_PAIRS):
+        inline.add_pair(0.1 * (i + 1), _score(ratio, 1.0 - 0.05 * i))
+
+
+def test_a_pod_that_starts_is_calibrated_by_the_pairs_its_deployment_scored(lookup_server):
+    registry = CollectorRegistry()
+    first, first_sharing = _pod(lookup_server.url, "pod-a", registry)
+    _calibrate(first)
+    assert first_sharing.exchange()
+    late, late_sharing = _pod(lookup_server.url, "pod-b")
+    assert late.observe(0.15, 0.3) is None  # on its own: no pair, no estimate
+    assert late_sharing.exchange()
+    assert late.num_pairs(0.15) == MIN_PAIRS
+    assert late.observe(0.15, 0.3) == first.observe(0.15, 0.3) is not None
+    # The first pod never reads its own back; what it sent is counted.
+    assert first_sharing.exchange() and first.num_pairs(0.15) == MIN_PAIRS
+    sent = registry.get_sample_value(
+        "holeblend_inline_proxy_shared_pairs_total", {"direction": "published"}
+    )
+    assert sent == MIN_PAIRS
+    # The late pod's own pair goes to the first, and not back to the late one.
+    late.add_pair(0.05, _score(0.15, 1.0))
+    assert late_sharing.exchange() and first_sharing.exchange()
+    assert first.num_pairs(0.15) == late.num_pairs(0.15) == MIN_PAIRS + 1
+
+
+def test_pairs_wait_for_a_lookup_server_that_is_down_and_survive_its_restart():
+    with LookupProcess() as server:
+        registry = CollectorRegistry()
+        pod, sharing = _pod(server.url, "pod-a", registry)
+        server.kill()
+        _calibrate(pod)  # scored while the server is down: nothing lost
+        assert not sharing.exchange()
+        assert registry.get_sample_value("holeblend_inline_proxy_share_failures_total") == 1
+        assert pod.num_pairs(0.15) == MIN_PAIRS  # the pod calibrates on its own meanwhile
+        server.start()
+        assert sharing.exchange()
+        other, other_sharing = _pod(server.url, "pod-b")
+        assert other_sharing.exchange() and other.num_pairs(0.15) == MIN_PAIRS
+        # The server restarts and loses every pair: the pods publish theirs again, and
+        # a pod that starts then still finds them.
+        server.kill()
+        server.start()
+        assert sharing.exchange() and other_sharing.exchange()
+        assert other.num_pairs(0.15) == MIN_PAIRS  # not counted twice
+        new, new_sharing = _pod(server.url, "pod-c")
+        assert new_sharing.exchange() and new.num_pairs(0.15) == MIN_PAIRS
+
+
+def test_the_thread_publishes_a_scored_pair_soon_and_its_last_ones_on_stop(lookup_server):
+    pod, sharing = _pod(lookup_server.url, "pod-a")
+    sharing.interval_s = 3600.0  # only a scored pair or the stop wakes it
+    sharing.start()
+    reader, reader_sharing = _pod(lookup_server.url, "pod-b")
+    pod.add_pair(0.2, _score(0.15, 0.9))
+    for _ in range(100):
+        assert reader_sharing.exchange()
+        if reader.num_pairs(0.15):
+            break
+        time.sleep(0.05)
+    assert reader.num_pairs(0.15) == 1
+    sharing.stop()
+    pod.add_pair(0.3, _score(0.15, 0.8))  # after the stop: kept here, not sent
+    assert reader_sharing.exchange() and reader.num_pairs(0.15) == 1
+
+
+def test_pods_share_only_within_one_scope(lookup_server):
+    from holeblend_runtime.blend.config import BlendConfig
+
+    blend = BlendConfig()
+    scopes = {
+        calibration_scope("m@main", "float32", 1, blend),
+        calibration_scope("m@main", "bfloat16", 1, blend),
+        calibration_scope("m@main", "float32", 2, blend),
+        calibration_scope("other@main", "float32", 1, blend),
+        calibration_scope("m@main", "float32", 1, BlendConfig(check_layer=3)),
+        calibration_scope("m@main", "float32", 1, BlendConfig(selection="kDeviation")),
+        calibration_scope("m@main", "float32", 1, BlendConfig(filter_layers=(4,))),
+    }
+    assert len(scopes) == 7
+    writer = InlineProxy()
+    client = LookupClient(lookup_server.url)
+    sharing = SharedCalibration(client, "scope-1", "pod-a", writer)
+    _calibrate(writer)
+    assert sharing.exchange()
+    reader = InlineProxy()
+    other = SharedCalibration(LookupClient(lookup_server.url), "scope-2", "pod-b", reader)
+    assert other.exchange() and reader.num_pairs(0.15) == 0
