@@ -1155,10 +1155,12 @@ class BlendSpec(ApiModel):
 
 
 class LookupServerSpec(ApiModel):
-    """The shared index of cached segments, one per BlendDeployment."""
+    """The shared index of cached segments, one per BlendDeployment; it also keeps the
+    calibration pairs the pods share for their inline quality proxies."""
 
     enabled: bool = True
-    """Run the lookup server; without it each pod only knows its own cache."""
+    """Run the lookup server; without it each pod only knows its own cache and calibrates its
+    inline quality proxy on its own shadows only (no pairs shared by the deployment)."""
     replicas: int = Field(default=1, ge=1, le=16)
     """Lookup server pods. Each holds its own index, so more than one gives pods fewer
     hits (never a wrong one); see docs/lookup-server.md."""

@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 
 # Seconds between two exchanges with the lookup server (a pair scored here wakes it).
 INTERVAL_S = 30.0
-# Pairs scored here and not yet published, kept at most (the oldest go first).
+# Pairs scored here and not yet published, kept at most while the server does not answer
+# (beyond that some are dropped; a calibration keeps only the newest 256 per ratio anyway).
 MAX_PENDING = 4096
 # This pod's own published pairs kept to publish again to a restarted server.
 MAX_OWN = 1024
