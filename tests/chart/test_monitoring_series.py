@@ -17,10 +17,16 @@ from pathlib import Path
 import prometheus_client
 import pytest
 
+from holeblend_contract.blend_settings import BlendSettings
 from holeblend_devtools import prometheus
 from holeblend_operator import tuning_loop
 from holeblend_operator.api import TuningSpec
 from holeblend_operator.tuner import Decision, State
+from holeblend_runtime.lookup_server.client import LookupClient
+from holeblend_runtime.lookup_server.processes import LookupProcess
+from holeblend_runtime.model.gguf import find_smollm2_gguf
+from holeblend_runtime.quality.inline_proxy import MIN_PAIRS
+from holeblend_runtime.quality.shared_calibration import calibration_scope
 from tests.chart.test_monitoring import (
     dashboard,
     dashboard_expressions,
@@ -117,24 +123,44 @@ def test_engine_expressions_return_series_from_the_real_engine(tmp_path):
     )
     configmap = next(o for o in json.loads(rendered.stdout)["items"] if o["kind"] == "ConfigMap")
     settings = json.loads(configmap["data"]["blend.json"]) | {"shadowSampleRate": 1.0}
-    config = tmp_path / "blend.json"
-    config.write_text(json.dumps(settings))
-    port = prometheus.free_port()
-    command = [str(serve), "--config", str(config), "--port", str(port)]
-    engine = subprocess.Popen([*command, "--queue-size", "1", "--torch-threads", "1"])
-    try:
-        _wait_ready(f"http://127.0.0.1:{port}/ready")
-        labels = {"namespace": NAMESPACE, "service": f"{NAME}-engine", "pod": f"{NAME}-engine-0"}
-        target = prometheus.ScrapeTarget(f"127.0.0.1:{port}", labels)
-        with prometheus.running_prometheus([target]) as url:
-            _send_requests(port)
-            missing = [
-                e for e in ENGINE_EXPRESSIONS if not wait_for_series(url, substituted(e), 15)
-            ]
-            assert not missing, missing
-    finally:
-        engine.send_signal(signal.SIGTERM)
-        engine.wait(timeout=60)
+    # The inline proxy's series need a calibration: pairs the deployment's pods published
+    # to its lookup server (here a real one, standing in for the rendered Service).
+    with LookupProcess() as lookup:
+        settings["lookupServerUrl"] = lookup.url
+        _publish_pairs(lookup.url, settings)
+        config = tmp_path / "blend.json"
+        config.write_text(json.dumps(settings))
+        port = prometheus.free_port()
+        command = [str(serve), "--config", str(config), "--port", str(port)]
+        engine = subprocess.Popen([*command, "--queue-size", "1", "--torch-threads", "1"])
+        try:
+            _wait_ready(f"http://127.0.0.1:{port}/ready")
+            labels = {
+                "namespace": NAMESPACE,
+                "service": f"{NAME}-engine",
+                "pod": f"{NAME}-engine-0",
+            }
+            target = prometheus.ScrapeTarget(f"127.0.0.1:{port}", labels)
+            with prometheus.running_prometheus([target]) as url:
+                _send_requests(port)
+                missing = [
+                    e for e in ENGINE_EXPRESSIONS if not wait_for_series(url, substituted(e), 15)
+                ]
+                assert not missing, missing
+        finally:
+            engine.send_signal(signal.SIGTERM)
+            engine.wait(timeout=60)
+
+
+def _publish_pairs(lookup_url: str, settings: dict) -> None:
+    """`MIN_PAIRS` calibration pairs at the rendered ratio, under the scope of this engine
+    (SmolLM2's GGUF, float32, one rank, the rendered selection and check layer)."""
+    gguf = find_smollm2_gguf()
+    blend = BlendSettings.model_validate(settings)
+    scope = calibration_scope(f"{gguf.stem}:{gguf.stat().st_size}", "float32", 1, blend)
+    pairs = [[blend.recompute_ratio, 0.01 * i, 1.0 - 0.01 * i, 1.0] for i in range(MIN_PAIRS)]
+    message = {"op": "pairs_add", "scope": scope, "pod": "earlier-pod", "pairs": pairs}
+    assert LookupClient(lookup_url).call(message) == {"v": 1, "ok": True, "added": MIN_PAIRS}
 
 
 def _wait_ready(url: str, timeout_s: float = 180) -> None:
