@@ -17,7 +17,7 @@ Operations (fields of the request -> fields of the reply):
   chunk of a full resync) -> `admitted`.
 - `stats` -> `stats` (map of counters and sizes).
 - `pairs_add`: `scope` (str), `pod` (str), `pairs` (list of `[ratio, statistic, f1,
-  top1]`, at most `Limits.max_entries`: ratio in (0, 1], statistic finite and >= 0, the
+  top1]`, at most `Limits.max_entries`: ratio in [0, 1], statistic finite and >= 0, the
   scores in [0, 1]) -> `added` (int). The inline quality proxy's calibration pairs,
   shared by a deployment's pods (`calibration.py`).
 - `pairs_get`: `scope`, `pod`, `after` (int, 0: from the start) -> `pairs` (the other
@@ -280,17 +280,19 @@ def pairs_field(message: Mapping, limits: Limits) -> list[tuple[float, float, fl
         raise WireError(
             "too_many_entries", f"pairs: {len(pairs)} pairs, at most {limits.max_entries}", 413
         )
-    return [_pair(item, f"pairs[{i}]") for i, item in enumerate(pairs)]
+    return [check_pair(item, f"pairs[{i}]") for i, item in enumerate(pairs)]
 
 
-def _pair(item: Any, where: str) -> tuple[float, float, float, float]:
-    if not isinstance(item, list) or len(item) != 4:
+def check_pair(item: Any, where: str = "pair") -> tuple[float, float, float, float]:
+    """One [ratio, statistic, f1, top1] as floats; WireError naming `where` and the field
+    when it is off its range (the server's check, which a pod also runs before sending)."""
+    if not isinstance(item, (list, tuple)) or len(item) != 4:
         raise WireError("bad_request", f"{where}: expected [ratio, statistic, f1, top1]")
     if any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in item):
         raise WireError("bad_request", f"{where}: expected four numbers, got {item!a}")
     ratio, statistic, f1, top1 = (float(x) for x in item)
-    if not 0 < ratio <= 1:
-        raise WireError("bad_request", f"{where}: ratio must be in (0, 1], got {ratio!r}")
+    if not 0 <= ratio <= 1:
+        raise WireError("bad_request", f"{where}: ratio must be in [0, 1], got {ratio!r}")
     if not (math.isfinite(statistic) and statistic >= 0):
         raise WireError(
             "bad_request", f"{where}: statistic must be finite and >= 0, got {statistic!r}"

@@ -29,6 +29,7 @@ import logging
 import secrets
 import threading
 
+from holeblend_runtime.lookup_server import wire
 from holeblend_runtime.lookup_server.client import ClientConfig, LookupClient
 from holeblend_runtime.model.threads import serial_thread
 from holeblend_runtime.quality.inline_proxy import InlineProxy
@@ -117,9 +118,16 @@ class SharedCalibration:
         self.client.close()
 
     def publish(self, ratio: float, statistic: float, f1: float, top1: float) -> None:
-        """A pair this pod's shadow scored (the inline proxy's `on_pair`): sent soon."""
+        """A pair this pod's shadow scored (the inline proxy's `on_pair`): sent soon. One
+        the server would refuse (off its range) is dropped here: sent, it would refuse
+        the whole batch, again at every exchange."""
+        try:
+            pair = wire.check_pair((ratio, statistic, f1, top1))
+        except wire.WireError as error:
+            log.warning("calibration pair not shared: %s", error.message)
+            return
         with self._lock:
-            self._pending.append((ratio, statistic, f1, top1))
+            self._pending.append(pair)
         self._wake.set()
 
     def _run(self) -> None:

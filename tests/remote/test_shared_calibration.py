@@ -77,8 +77,8 @@ def _rpc(server: LookupServer, **message) -> tuple[int, dict]:
 @pytest.mark.parametrize(
     ("pairs", "says"),
     [
-        ([[0.0, 0.1, 0.5, 0.5]], "pairs[0]: ratio must be in (0, 1]"),
-        ([[0.15, 0.1, 0.5, 0.5], [1.5, 0.1, 0.5, 0.5]], "pairs[1]: ratio must be in (0, 1]"),
+        ([[-0.1, 0.1, 0.5, 0.5]], "pairs[0]: ratio must be in [0, 1]"),
+        ([[0.15, 0.1, 0.5, 0.5], [1.5, 0.1, 0.5, 0.5]], "pairs[1]: ratio must be in [0, 1]"),
         ([[0.15, math.nan, 0.5, 0.5]], "pairs[0]: statistic must be finite and >= 0"),
         ([[0.15, -1.0, 0.5, 0.5]], "pairs[0]: statistic must be finite and >= 0"),
         ([[0.15, 0.1, 1.2, 0.5]], "pairs[0]: f1 must be in [0, 1]"),
@@ -202,6 +202,18 @@ def test_the_thread_publishes_a_scored_pair_soon_and_its_last_ones_on_stop(looku
     sharing.stop()
     pod.add_pair(0.3, _score(0.15, 0.8))  # after the stop: kept here, not sent
     assert reader_sharing.exchange() and reader.num_pairs(0.15) == 1
+
+
+def test_a_pair_off_its_range_is_dropped_before_sending_and_does_not_block_the_rest(
+    lookup_server,
+):
+    pod, sharing = _pod(lookup_server.url, "pod-a")
+    sharing.publish(0.15, 0.1, 1.5, 0.5)  # an F1 above 1: the server would refuse the batch
+    sharing.publish(0.0, 0.2, 0.9, 0.9)  # ratio 0 is a ratio like any other
+    assert sharing.exchange()
+    reader, reader_sharing = _pod(lookup_server.url, "pod-b")
+    assert reader_sharing.exchange()
+    assert reader.num_pairs(0.0) == 1 and reader.num_pairs(0.15) == 0
 
 
 def test_pods_share_only_within_one_scope(lookup_server):
