@@ -160,14 +160,13 @@ class SharedCalibration:
                 "pairs": [list(p) for p in pairs],
             }
         )
-        with self._lock:
-            if reply is None:  # back in front of those published meanwhile
-                self._pending.extendleft(reversed(pairs))
-            else:
-                self._own.extend(pairs)
         if reply is None:
+            with self._lock:  # back in front of those published meanwhile
+                self._pending.extendleft(reversed(pairs))
             self._count_failure()
             return False
+        with self._lock:
+            self._own.extend(pairs)
         self._count("published", len(pairs))
         return True
 
