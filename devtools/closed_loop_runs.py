@@ -31,7 +31,9 @@
    `ever_out_of_bounds` (any ratio seen in status or decided outside [minRatio, maxRatio]),
    and `offline_f1_at_final`: the offline sweep's F1 proxy at the final ratio (linear
    between grid ratios), which says whether the ratio the loop settled at really meets the
-   target or only read so from its last few samples. `requests` says what the stream sent
+   target or only read so from its last few samples (the sweep's questions are few and
+   score near 0 or 1: `python -m holeblend_devtools.closed_loop_report FILE` gives its 95 %
+   interval there and reads each run against the goals). `requests` says what the stream sent
    and how many quality samples per interval the engine gave: shadow scores
    (`quality_samples_per_interval`) and calibrated inline estimates
    (`inline_samples_per_interval`); `proxy_signal` is the signal the tuner read last.
