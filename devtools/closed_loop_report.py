@@ -31,27 +31,25 @@ from pathlib import Path
 
 import numpy
 
-from holeblend_devtools.closed_loop_sim import GOAL_DIRECTION_CHANGES, GOAL_INTERVALS
+from holeblend_devtools.closed_loop_sim import Workload, loop_goals
 
 LEVEL = 0.95
 RESAMPLES = 4000
 
 
 def offline_interval(
-    scores: dict[float, Sequence[float]],
+    scores: dict,
     ratio: float,
     level: float = LEVEL,
     resamples: int = RESAMPLES,
     seed: int = 0,
 ) -> tuple[float, float, float]:
-    """(mean, low, high) of the sweep's F1 proxy at `ratio` (linear between grid ratios):
+    """(mean, low, high) of the sweep's F1 proxy at `ratio` (`scores`: per grid ratio, as a
+    float or its string, each question's score; linear between grid ratios):
     a percentile bootstrap over the sweep's questions, each resampled with its scores at
     every ratio."""
-    grid = sorted(scores)
-    table = numpy.array([scores[r] for r in grid], dtype=float).T  # [question, ratio]
-    if table.ndim != 2 or table.shape[0] == 0:
-        raise ValueError("offline scores: at least one question per ratio")
-    at_ratio = numpy.array([numpy.interp(ratio, grid, row) for row in table])
+    workload = Workload.of(scores)
+    at_ratio = numpy.array([workload.quality(q, ratio) for q in range(len(workload.scores))])
     rng = random.Random(seed)
     count = len(at_ratio)
     means = sorted(
@@ -62,17 +60,6 @@ def offline_interval(
     low = means[int(tail * (resamples - 1))]
     high = means[int((1 - tail) * (resamples - 1))]
     return float(at_ratio.mean()), low, high
-
-
-def loop_goals(run: dict) -> dict[str, bool]:
-    """The issue's goals for the loop itself, from one run of `closed_loop_runs`."""
-    converge = run.get("intervals_to_converge")
-    goals = {
-        "converged": converge is not None and converge <= GOAL_INTERVALS,
-        "direction_changes": run["direction_changes"] <= GOAL_DIRECTION_CHANGES,
-        "in_bounds": not run["ever_out_of_bounds"],
-    }
-    return goals | {"met": all(goals.values())}
 
 
 def verdict(run: dict, output: dict) -> dict:
@@ -96,7 +83,7 @@ def verdict(run: dict, output: dict) -> dict:
     scores = output.get(key)
     if not scores or run.get("final_ratio") is None:
         return row | {"offline_f1_at_final": None, "final_vs_target": None}
-    mean, low, high = offline_interval({float(r): s for r, s in scores.items()}, run["final_ratio"])
+    mean, low, high = offline_interval(scores, run["final_ratio"])
     judged = "meets" if low >= floor else "below" if high < floor else "unresolved"
     return row | {
         "offline_f1_at_final": [round(mean, 3), round(low, 3), round(high, 3)],

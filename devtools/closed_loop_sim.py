@@ -205,17 +205,27 @@ def direction_changes(directions: Sequence[str]) -> int:
     return sum(1 for a, b in zip(directions, directions[1:], strict=False) if a != b)
 
 
+def loop_goals(run: dict) -> dict[str, bool]:
+    """The issue's goals for the loop itself, from a run's figures (simulated, or live as
+    `closed_loop_runs` writes them): settled within GOAL_INTERVALS, at most
+    GOAL_DIRECTION_CHANGES, never out of bounds; `met`: all of them."""
+    converge = run.get("intervals_to_converge")
+    goals = {
+        "converged": converge is not None and converge <= GOAL_INTERVALS,
+        "direction_changes": run["direction_changes"] <= GOAL_DIRECTION_CHANGES,
+        "in_bounds": not run["ever_out_of_bounds"],
+    }
+    return goals | {"met": all(goals.values())}
+
+
 def met_goals(
     spec: TuningSpec, scenario: Scenario, run: dict, workload: Workload, floor: float
 ) -> bool:
-    """The issue's goals for one run: settled within GOAL_INTERVALS (from the change, if
-    any), at most GOAL_DIRECTION_CHANGES, never out of bounds, a final ratio that really
+    """The issue's goals for one run: the loop's (`loop_goals`, counted from the change,
+    if any), a final ratio that really
     meets the target (`floor` = target - band, on the measured quality), and from-high
     within one step of the smallest grid ratio that meets it."""
-    converged = run["intervals_to_converge"]
-    if converged is None or converged > GOAL_INTERVALS:
-        return False
-    if run["direction_changes"] > GOAL_DIRECTION_CHANGES or run["ever_out_of_bounds"]:
+    if not loop_goals(run)["met"]:
         return False
     if workload.mean(run["final_ratio"]) < floor:
         return False
