@@ -18,7 +18,11 @@ ignored). The same stream goes to two servers, one after the other (`vllm_server
   before its step's forward);
 - with `--kv-admission A[,B...]`, one more connector arm per value of blend.json's
   `kv.admission` (`connector-always`: the node tier as plain LRU; `kv_admission` in the
-  row; the `connector` arm has the operator's default, `frequency`).
+  row; the `connector` arm has the operator's default, `frequency`);
+- with `--kv-store-dtype D[,E...]`, one more connector arm per value of blend.json's
+  `kv.storeDtype` (`connector-bfloat16`: the tiers hold the float32 model's KV in bfloat16,
+  half the bytes per document; `kv_store_dtype` in the row; the `connector` arm has the
+  default, `auto`).
 
 `--connector-only` leaves vLLM alone out (reuse over a long stream needs no baseline; no
 ratios then). `--windows W` sends the stream to each server in W consecutive parts and
@@ -49,7 +53,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from holeblend_contract.blend_settings import Admission
+from holeblend_contract.blend_settings import Admission, Dtype
 from holeblend_devtools.hf_export import export_smollm2
 from holeblend_devtools.vllm_probe import SEPARATOR
 from holeblend_devtools.vllm_server import MODEL, Server, serve
@@ -261,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
         "--kv-admission", default="",
         help="comma-separated kv.admission values (frequency, always): one more connector arm each",
     )  # fmt: skip
+    parser.add_argument(
+        "--kv-store-dtype", default="",
+        help="comma-separated kv.storeDtype values (bfloat16, float16): one more connector arm each",
+    )  # fmt: skip
     parser.add_argument("--connector-only", action="store_true", help="no vLLM-alone arm")
     parser.add_argument("--windows", type=int, default=1, help="stream parts, reuse of each")
     args = parser.parse_args(argv)
@@ -271,6 +279,13 @@ def main(argv: list[str] | None = None) -> int:
     for value in admissions:
         if value not in {a.value for a in Admission}:
             parser.error(f"--kv-admission: expected frequency or always, got {value!r}")
+    store_dtypes = [value for value in args.kv_store_dtype.split(",") if value]
+    for value in store_dtypes:
+        if value not in {d.value for d in Dtype}:
+            parser.error(
+                f"--kv-store-dtype: expected one of {', '.join(d.value for d in Dtype)}, "
+                f"got {value!r}"
+            )
     workload = LoadWorkloadConfig(
         seed=args.seed, num_corpus_documents=args.corpus, documents_per_request=args.documents,
         num_warmup=0, num_requests=args.num_requests,
@@ -281,16 +296,18 @@ def main(argv: list[str] | None = None) -> int:
     parts = write_parts(prompts, args.windows, args.work_dir)
     started = time.perf_counter()
     rows = []
-    arms = [] if args.connector_only else [("plain", False, None, None)]
-    arms += [("connector", True, None, None)]
-    arms += [(f"connector-step{n}", True, n, None) for n in step_budgets]
-    arms += [(f"connector-{a}", True, None, a) for a in admissions]
-    for name, connector, step_tokens, admission in arms:
+    # (name, connector, blend_step_tokens, kv.admission, kv.storeDtype); None: the default.
+    arms = [] if args.connector_only else [("plain", False, None, None, None)]
+    arms += [("connector", True, None, None, None)]
+    arms += [(f"connector-step{n}", True, n, None, None) for n in step_budgets]
+    arms += [(f"connector-{a}", True, None, a, None) for a in admissions]
+    arms += [(f"connector-{d}", True, None, None, d) for d in store_dtypes]
+    for name, connector, step_tokens, admission, store_dtype in arms:
         with serve(
             args.work_dir / name, args.ratio, quality_proxies=False, connector=connector,
             kv_cache_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN,
             kv_tier_bytes=args.kv_tier_mib << 20, blend_step_tokens=step_tokens,
-            kv_admission=admission,
+            kv_admission=admission, kv_store_dtype=store_dtype,
         ) as server:  # fmt: skip
             results, windows, before = [], [], {}
             for index, (dataset, size) in enumerate(parts):
@@ -309,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         result = merge(results)
         extra = {"windows": windows} if connector and len(parts) > 1 else {}
         extra |= {"kv_admission": admission or Admission.FREQUENCY.value} if connector else {}
+        extra |= {"kv_store_dtype": store_dtype or Dtype.AUTO.value} if connector else {}
         rows.append(row(result, connector, reuse, step_tokens) | {"arm": name} | extra)
         print(json.dumps(rows[-1]), flush=True)
     document = {

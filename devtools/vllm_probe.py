@@ -57,6 +57,8 @@ class ProbeConfig:
     # kv_connector_extra_config `blend_step_tokens`: asynchronous loads, the blend spread
     # over steps (None: synchronous).
     blend_step_tokens: int | None = None
+    # blend.json's kv.storeDtype: the dtype the tiers hold segment KV in.
+    kv_store_dtype: str = "auto"
 
 
 def build_prompts(config: ProbeConfig) -> list[tuple[list[int], list[int]]]:
@@ -81,15 +83,19 @@ def build_prompts(config: ProbeConfig) -> list[tuple[list[int], list[int]]]:
 
 
 def blend_settings(
-    ratio: float, shared_url: str | None = None, lookup_url: str | None = None
+    ratio: float,
+    shared_url: str | None = None,
+    lookup_url: str | None = None,
+    store_dtype: str = "auto",
 ) -> str:
     """blend.json as the operator writes it (the shared contract's model)."""
     from holeblend_contract.blend_settings import BlendSettings, KVSettings, ModelSettings
 
     model = ModelSettings(name="SmolLM2-135M-Instruct", dtype="float32")
+    kv = KVSettings(shared_url=shared_url, store_dtype=store_dtype)
     return BlendSettings(
-        model=model, separator=SEPARATOR, recompute_ratio=ratio,
-        kv=KVSettings(shared_url=shared_url), lookup_server_url=lookup_url,
+        model=model, separator=SEPARATOR, recompute_ratio=ratio, kv=kv,
+        lookup_server_url=lookup_url,
     ).to_json()  # fmt: skip
 
 
@@ -132,7 +138,9 @@ class Probe:
         self.settings_path.parent.mkdir(parents=True, exist_ok=True)
         temporary = self.settings_path.with_suffix(".tmp")
         config = self.config
-        temporary.write_text(blend_settings(ratio, config.shared_url, config.lookup_url))
+        temporary.write_text(
+            blend_settings(ratio, config.shared_url, config.lookup_url, config.kv_store_dtype)
+        )
         os.replace(temporary, self.settings_path)
 
     def generate(self, token_ids: list[int], max_tokens: int, **extra: Any) -> Any:
@@ -219,6 +227,9 @@ def run(config: ProbeConfig, model_dir: Path) -> dict[str, Any]:
         "stored_files": sorted(p.name for p in probe.kv_dir.glob("*"))
         if config.is_connector
         else [],
+        "stored_bytes": sum(p.stat().st_size for p in probe.kv_dir.glob("*.safetensors"))
+        if config.is_connector
+        else 0,
     }
 
 
@@ -260,7 +271,7 @@ def pass1_stores(probe: Probe, prompts: list[list[int]]) -> dict[str, Any]:
     store = probe.connector("worker").store
     loaded = BlendEngine.load()
     engine = BlendEngine(loaded.model, loaded.tokenizer)
-    worst, found, wanted = 0.0, 0, 0
+    worst, found, wanted, dtypes = 0.0, 0, 0, set()
     for token_ids in prompts:
         plan = planner.plan(token_ids)
         full = engine.prefill(plan.prompt, mode="full")
@@ -272,6 +283,7 @@ def pass1_stores(probe: Probe, prompts: list[list[int]]) -> dict[str, Any]:
             if entry is None:
                 continue
             found += 1
+            dtypes.add(str(entry.k.dtype).removeprefix("torch."))
             span = slice(segment.start, segment.end)
             for stored, reference in ((entry.k, full.k), (entry.v, full.v)):
                 difference = (stored - reference[:, :, span]).abs().max()
@@ -280,7 +292,10 @@ def pass1_stores(probe: Probe, prompts: list[list[int]]) -> dict[str, Any]:
         source: metrics.sample("holeblend_stored_segments_total", {"source": source})
         for source in ("blend", "forward", "computed")
     }
-    return {"segments": wanted, "found": found, "max_abs_difference": worst, **by_source}
+    return {
+        "segments": wanted, "found": found, "max_abs_difference": worst,
+        "stored_dtypes": sorted(dtypes), **by_source,
+    }  # fmt: skip
 
 
 def check_lifecycle(
@@ -475,6 +490,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--blend-step-tokens", type=int, help="asynchronous, stepwise loads")
     parser.add_argument(
+        "--kv-store-dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
+        help="blend.json kv.storeDtype",
+    )  # fmt: skip
+    parser.add_argument(
         "--random-model", action="store_true",
         help="serve a small random-weight Llama whose heads split over 2 ranks (not SmolLM2)",
     )  # fmt: skip
@@ -494,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
         is_lifecycle=args.lifecycle, max_model_len=args.max_model_len,
         kv_cache_bytes=args.kv_cache_mib << 20, shared_url=args.shared_url,
         lookup_url=args.lookup_url, tensor_parallel_size=args.tensor_parallel_size,
-        blend_step_tokens=args.blend_step_tokens,
+        blend_step_tokens=args.blend_step_tokens, kv_store_dtype=args.kv_store_dtype,
     )  # fmt: skip
     model_dir = (
         export_random(TINY_SPLITTABLE, args.work_dir / "model")

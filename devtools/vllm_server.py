@@ -115,6 +115,7 @@ def serve(
     blend_step_tokens: int | None = None,
     kv_admission: str | None = None,
     shadow_idle: tuple[int, float] | None = None,
+    kv_store_dtype: str | None = None,
 ) -> Iterator[Server]:
     """Start the server on free ports, wait until healthy, stop it on exit.
 
@@ -123,7 +124,8 @@ def serve(
     cache. `kv_tier_bytes`: blend.json's kv.localCpuBytes (the node tier's budget).
     `blend_step_tokens`: the connector's asynchronous, stepwise loads (None: synchronous).
     `kv_admission`: blend.json's kv.admission (None: as the operator renders it).
-    `shadow_idle`: the shadow's idle floor, (samples, seconds) (None: as rendered)."""
+    `shadow_idle`: the shadow's idle floor, (samples, seconds) (None: as rendered).
+    `kv_store_dtype`: blend.json's kv.storeDtype (None: as rendered, auto)."""
     work.mkdir(parents=True, exist_ok=True)
     port, metrics_port = free_port(), free_port()
     settings = rendered_settings(
@@ -134,6 +136,8 @@ def serve(
         settings["kv"] = (settings.get("kv") or {}) | {"localCpuBytes": kv_tier_bytes}
     if kv_admission is not None:
         settings["kv"] = (settings.get("kv") or {}) | {"admission": kv_admission}
+    if kv_store_dtype is not None:
+        settings["kv"] = (settings.get("kv") or {}) | {"storeDtype": kv_store_dtype}
     (work / "blend.json").write_text(json.dumps(settings))
     transfer = {
         "kv_connector": "HoleBlendConnector",

@@ -37,7 +37,7 @@ from holeblend_runtime.blend.blender import (
     copy_span,
     run_to_end,
 )
-from holeblend_runtime.blend.config import ISOLATED, BlendConfig, check_ratio
+from holeblend_runtime.blend.config import ISOLATED, BlendConfig, check_ratio, stored_kv_dtype
 from holeblend_runtime.blend.keys import SegmentKeyer
 from holeblend_runtime.blend.prompt import PromptBuilder
 from holeblend_runtime.blend.reuse import ReuseMode, ReusePolicy, SegmentReuse, plan_reuse
@@ -190,6 +190,19 @@ class BlendEngine:
         self.activity = activity if activity is not None else Activity()
         self.store_worker = IsolatedStoreWorker(self.store, self.activity, max_pending_stores)
 
+    @property
+    def store(self) -> KVStore:
+        """Where segment KV is looked up and stored (every store policy)."""
+        return self._store
+
+    @store.setter
+    def store(self, store: KVStore) -> None:
+        # A server puts its remote tiers in front of the local one after loading: the
+        # background (isolated) stores go there too, not to the store the engine began with.
+        self._store = store
+        if hasattr(self, "store_worker"):
+            self.store_worker.store = store
+
     def busy(self) -> AbstractContextManager[None]:
         """Hold the engine busy (e.g. while requests wait in a server's queue): the
         background store does not start a layer until every hold is released."""
@@ -274,7 +287,8 @@ class BlendEngine:
                 return None
             rows = slice(segment.start, segment.end)
             k, v = full.k[:, :, rows], full.v[:, :, rows]
-            return self._segment_kv(key, k, v, start=segment.start - shift)
+            # As a store holds it and a load hands it back (the conversions' kernels too).
+            return self._to_stored(self._segment_kv(key, k, v, start=segment.start - shift))
 
         # The second document missing (a hole), the last one cached one position earlier
         # than it sits now (re-rotated on reuse).
@@ -283,6 +297,7 @@ class BlendEngine:
         for index, cached in enumerate(entries):
             if cached is not None:
                 self.kv_problem(cached, cached.key, prompt.segments[index].num_tokens)
+        entries = [self._to_model(cached) for cached in entries]
         # Last, no exact prefix: the system prompt not cached.
         without_system = [None, *entries[1:]]
         for cached, policy in (
@@ -312,7 +327,25 @@ class BlendEngine:
 
     @property
     def kv_dtype(self) -> str:
-        return str(self.model.dtype).removeprefix("torch.")
+        """The dtype the KV tiers hold this engine's segment KV in (the model's, unless
+        blend.json's kv.storeDtype names another): segment keys and blob headers name it."""
+        return stored_kv_dtype(str(self.model.dtype).removeprefix("torch."), self.blend_config)
+
+    def _to_stored(self, kv: SegmentKV) -> SegmentKV:
+        """`kv` (the model's dtype) as the tiers hold it (`kv_dtype`); the values' check
+        is the store's, on what it stores."""
+        dtype = getattr(torch, self.kv_dtype)
+        if kv.k.dtype == dtype:
+            return kv
+        return replace(kv, k=kv.k.to(dtype), v=kv.v.to(dtype), is_finite=None)
+
+    def _to_model(self, kv: SegmentKV | None) -> SegmentKV | None:
+        """A stored entry (checked) in the model's dtype, for the blend (finite values stay
+        finite in a wider dtype: the entry's verdict holds)."""
+        dtype = self.model.dtype
+        if kv is None or kv.k.dtype == dtype:
+            return kv
+        return replace(kv, k=kv.k.to(dtype), v=kv.v.to(dtype))
 
     def build_prompt(self, system: str, documents: Sequence[str], question: str) -> SegmentedPrompt:
         return self.prompt_builder.build(system, documents, question)
@@ -573,7 +606,7 @@ class BlendEngine:
                 )
                 num_rejected += 1
                 entry = None
-            entries.append(entry)
+            entries.append(self._to_model(entry))
         return entries, num_rejected
 
     def _get_many(self, keys: Sequence[str | None]) -> list[SegmentKV | None]:
@@ -621,8 +654,8 @@ class BlendEngine:
             return f"entry is keyed {entry.key!r}"
         if entry.model_id != c.model_id:
             return f"computed by model {entry.model_id!r}, this is {c.model_id!r}"
-        if entry.k.dtype != self.model.dtype:
-            return f"dtype {entry.k.dtype}, expected {self.model.dtype}"
+        if str(entry.k.dtype).removeprefix("torch.") != self.kv_dtype:
+            return f"dtype {entry.k.dtype}, expected torch.{self.kv_dtype}"
         if tuple(entry.k.shape) != expected:
             return f"shape {tuple(entry.k.shape)}, expected {expected}"
         return None
@@ -662,7 +695,8 @@ class BlendEngine:
             if key is None or start < 0 or end > k.shape[2]:
                 continue
             seg_k, seg_v = k[:, :, start:end], v[:, :, start:end]
-            num_stored += bool(self.store.put(self._segment_kv(key, seg_k, seg_v, segment.start)))
+            kv = self._segment_kv(key, seg_k, seg_v, segment.start)
+            num_stored += bool(self.store.put(self._to_stored(kv)))
         return num_stored
 
     def _queue_isolated(
@@ -670,8 +704,8 @@ class BlendEngine:
     ) -> bool:
         def compute(before_layer: Callable[[int], None]) -> SegmentKV:
             context_k, context_v = self._context_kv(prompt, before_layer)
-            return self._canonical_kv(
-                prompt, index, keys[index], context_k, context_v, before_layer
+            return self._to_stored(
+                self._canonical_kv(prompt, index, keys[index], context_k, context_v, before_layer)
             )
 
         return self.store_worker.submit(StoreJob(keys[index], compute))
@@ -698,7 +732,7 @@ class BlendEngine:
         num_stored = 0
         for i in wanted:
             kv = self._canonical_kv(prompt, i, keys[i], context_k, context_v)
-            num_stored += bool(self.store.put(kv))
+            num_stored += bool(self.store.put(self._to_stored(kv)))
         return num_stored
 
     def _context_kv(

@@ -131,7 +131,12 @@ def runtime_config(bd: BlendDeployment) -> dict:
 def _kv_tiers(bd: BlendDeployment) -> KVSettings:
     kv = bd.spec.blend.kv
     local_bytes = quantity_bytes(kv.local_cpu_bytes, "spec.blend.kv.localCpuBytes")
-    return KVSettings(local_cpu_bytes=local_bytes, admission=kv.admission, shared_url=kv.shared_url)
+    return KVSettings(
+        local_cpu_bytes=local_bytes,
+        admission=kv.admission,
+        store_dtype=kv.store_dtype,
+        shared_url=kv.shared_url,
+    )
 
 
 def config_hash(bd: BlendDeployment) -> str:

@@ -45,7 +45,13 @@ from holeblend_runtime.bench.runner import (
     regrouped_first_pass,
 )
 from holeblend_runtime.bench.workload import QAPrompt, WorkloadConfig, generate_workload
-from holeblend_runtime.blend.config import K_DEVIATION, RANDOM, STORE_POLICIES, BlendConfig
+from holeblend_runtime.blend.config import (
+    K_DEVIATION,
+    KV_STORE_DTYPES,
+    RANDOM,
+    STORE_POLICIES,
+    BlendConfig,
+)
 from holeblend_runtime.engine import BlendEngine
 from holeblend_runtime.kv.store import LocalKVStore
 from holeblend_runtime.model.gguf import load_model_files
@@ -163,6 +169,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         choices=["device", "host"],
         default="device",
         help="keep stored KV where it was computed, or in (pinned) host memory",
+    )
+    add(
+        "--kv-store-dtype",
+        choices=KV_STORE_DTYPES,
+        default="auto",
+        help="the dtype the store holds KV in (blend.json kv.storeDtype; auto: the model's)",
     )
     add("--json", type=Path, help="write the results to this JSON file")
     load = parser.add_argument_group("load benchmark (--load)")
@@ -309,8 +321,9 @@ def row_context(args: argparse.Namespace, model: Llama) -> dict[str, Any]:
 
 def blend_config(args: argparse.Namespace) -> BlendConfig:
     return BlendConfig(
-        check_layer=args.check_layer, selection=SELECTIONS[args.selection], seed=args.seed
-    )
+        check_layer=args.check_layer, selection=SELECTIONS[args.selection], seed=args.seed,
+        kv_store_dtype=args.kv_store_dtype,
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

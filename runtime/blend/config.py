@@ -25,6 +25,9 @@ DEFAULT_SELECTION = contract.DEFAULT_SELECTION
 IN_CONTEXT = contract.StorePolicy.IN_CONTEXT.value
 ISOLATED = contract.StorePolicy.ISOLATED.value
 STORE_POLICIES = (IN_CONTEXT, ISOLATED)
+# The dtypes the KV tiers may hold segment KV in; "auto": the model's KV dtype.
+AUTO_DTYPE = contract.Dtype.AUTO.value
+KV_STORE_DTYPES = tuple(d.value for d in contract.Dtype)
 # LMCache's separator without its trailing space: with a leading space on every piece
 # the pieces tokenize exactly as the whole prompt does (see docs/blending.md).
 DEFAULT_SEPARATOR = contract.DEFAULT_SEPARATOR
@@ -61,6 +64,11 @@ class BlendConfig:
     # positions in that prompt (free). "isolated": recompute it alone after the system
     # prompt in a low-priority background worker (exact for its key, costs a forward).
     store_policy: str = IN_CONTEXT
+    # The dtype the KV tiers hold segment KV in (blend.json's kv.storeDtype): "auto" keeps
+    # the model's (lossless); bfloat16 or float16 under a float32 model halve every tier's
+    # bytes per segment for a rounding of the reused KV. The engine converts on store and
+    # on load, and segment keys name this dtype (`stored_kv_dtype`).
+    kv_store_dtype: str = AUTO_DTYPE
 
     def __post_init__(self) -> None:
         if self.check_layer < 1:
@@ -81,6 +89,10 @@ class BlendConfig:
             raise ValueError(
                 f"store_policy: expected one of {STORE_POLICIES}, got {self.store_policy!r}"
             )
+        if self.kv_store_dtype not in KV_STORE_DTYPES:
+            raise ValueError(
+                f"kv_store_dtype: expected one of {KV_STORE_DTYPES}, got {self.kv_store_dtype!r}"
+            )
         if not self.separator or self.separator.isspace():
             raise ValueError("separator: must contain a visible character")
         if self.min_segment_tokens < 1:
@@ -98,7 +110,14 @@ def from_settings(settings: contract.BlendSettings) -> BlendConfig:
         min_segment_tokens=settings.min_segment_tokens,
         cache_after_system=settings.segment_context is contract.SegmentContext.AFTER_SYSTEM,
         store_policy=settings.store_policy.value,
+        kv_store_dtype=settings.kv.store_dtype.value,
     )
+
+
+def stored_kv_dtype(model_dtype: str, config: BlendConfig) -> str:
+    """The dtype name the KV tiers hold a model's segment KV in (`model_dtype`: the
+    model's KV dtype, e.g. "float32"): what segment keys and blob headers name."""
+    return model_dtype if config.kv_store_dtype == AUTO_DTYPE else config.kv_store_dtype
 
 
 def check_ratio(ratio: float) -> float:

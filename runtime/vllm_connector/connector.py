@@ -47,7 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from holeblend_runtime.blend.config import IN_CONTEXT
+from holeblend_runtime.blend.config import IN_CONTEXT, BlendConfig, stored_kv_dtype
 from holeblend_runtime.blend.keys import SegmentKeyer
 from holeblend_runtime.blend.reuse import ReusePolicy
 from holeblend_runtime.blend.selection import num_to_select
@@ -142,16 +142,19 @@ class HoleBlendStats(KVConnectorStats):
         return not self.data
 
 
-def model_identity(vllm_config: Any) -> tuple[str, str]:
-    """(model_id, kv_dtype) of segment keys, the same in the scheduler and the workers."""
+def model_identity(vllm_config: Any, blend: BlendConfig) -> tuple[str, str]:
+    """(model_id, kv_dtype) of segment keys, the same in the scheduler and the workers:
+    kv_dtype is the dtype the tiers hold the KV in (`stored_kv_dtype`), as the worker's
+    engine names it."""
     config = vllm_config.model_config
     revision = config.revision or "main"
-    return f"{config.model}@{revision}", str(config.dtype).removeprefix("torch.")
+    model_dtype = str(config.dtype).removeprefix("torch.")
+    return f"{config.model}@{revision}", stored_kv_dtype(model_dtype, blend)
 
 
-def kv_layout(vllm_config: Any) -> KVLayout:
+def kv_layout(vllm_config: Any, blend: BlendConfig) -> KVLayout:
     """What each stored segment's KV looks like (checked on every shared-tier load)."""
-    model_id, kv_dtype = model_identity(vllm_config)
+    model_id, kv_dtype = model_identity(vllm_config, blend)
     config = vllm_config.model_config
     return KVLayout(
         model_id,
@@ -205,7 +208,9 @@ class HoleBlendConnector(KVConnectorBase_V1):
                 else f"stepwise loads, {self.step_tokens} tokens of blend compute per step",
             )
         is_worker = role != KVConnectorRole.SCHEDULER
-        self.store = open_store(self.settings, kv_layout(vllm_config), is_worker)
+        self.store = open_store(
+            self.settings, kv_layout(vllm_config, self.settings.blend), is_worker
+        )
         if isinstance(self.store, TieredKVStore):
             metrics.TIERS.add(self.store)
         if is_worker:
@@ -330,7 +335,7 @@ class _SchedulerSide:
         self.settings = settings
         self.step_tokens = step_tokens
         self.ratio = RatioSource(settings)
-        model_id, kv_dtype = model_identity(vllm_config)
+        model_id, kv_dtype = model_identity(vllm_config, settings.blend)
         separator_ids = _text_tokenizer(vllm_config).encode(
             settings.blend.separator, add_special_tokens=False
         )
@@ -760,7 +765,7 @@ class _WorkerSide:
                 "environment so its vllm.general_plugins entry point runs"
             )
         config = self.vllm_config
-        model_id, _ = model_identity(config)
+        model_id, _ = model_identity(config, self.settings.blend)
         adapter = VllmModelAdapter(model, model_id, config.model_config.max_model_len)
         adapter.use_paged_attention(self.block_size)
         tokenizer = TextTokenizer(_text_tokenizer(config).backend_tokenizer, adapter.config)

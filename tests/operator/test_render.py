@@ -626,6 +626,7 @@ def test_runtime_config_carries_the_blend_settings():
             "kv": {
                 "localCpuBytes": "1Gi",
                 "admission": "always",
+                "storeDtype": "bfloat16",
                 "sharedUrl": "redis://kv:6379/0",
                 "sharedPasswordSecret": {"name": "rag-kv", "key": "password"},
             },
@@ -637,9 +638,11 @@ def test_runtime_config_carries_the_blend_settings():
     assert config["kv"] == {
         "localCpuBytes": 2**30,
         "admission": "always",
+        "storeDtype": "bfloat16",
         "sharedUrl": "redis://kv:6379/0",
     }
     assert blend_json(make_bd())["kv"]["admission"] == "frequency"
+    assert blend_json(make_bd())["kv"]["storeDtype"] == "auto"
     assert config["model"] == {"name": "Qwen/Qwen3-8B", "servedName": None, "dtype": "auto"}
     assert config["lookupServerUrl"] == "http://rag-lookup.serving.svc:8100"
 

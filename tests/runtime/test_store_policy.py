@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from holeblend_runtime.kv.store import LocalKVStore
 from holeblend_runtime.model.threads import serial_thread
 
 HOLE = 2  # segment index of the second document
@@ -49,6 +50,22 @@ def test_isolated_queues_and_the_worker_stores_canonical_kv(new_engine, rag_text
         torch.testing.assert_close(engine.store.get(key).k, expected.k, atol=1e-5, rtol=0)
         assert torch.equal(engine.store.get(key).positions, expected.positions)
     assert engine.store_stats().num_stored == 5
+    engine.close()
+
+
+def test_isolated_stores_go_to_the_store_the_engine_was_given_last(new_engine, rag_texts):
+    """holeblend-serve puts its remote tiers in front of the local store after loading the
+    engine: background stores must reach them (the shared tier, the lookup server's
+    announcements), not only the store the engine was built with."""
+    engine = new_engine(store_policy="isolated")
+    first = engine.store
+    engine.store = LocalKVStore(1 << 30)
+    prompt = engine.build_prompt(*rag_texts)
+    assert engine.prefill(prompt, "hole").num_queued_segments == 5
+    assert engine.wait_for_stores(timeout=60)
+    keys = list(filter(None, engine.segment_keys(prompt)))
+    assert all(engine.store.contains(key) for key in keys)
+    assert not any(first.contains(key) for key in keys)
     engine.close()
 
 

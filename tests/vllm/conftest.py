@@ -95,6 +95,17 @@ def with_corrupt_blobs(baseline_file, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="session")
+def with_bfloat16_store(baseline_file, tmp_path_factory) -> dict:
+    """blend.json's kv.storeDtype bfloat16 under the float32 model (lifecycle on, so that
+    pass 1's stores are compared with the engine's own full prefill)."""
+    work = tmp_path_factory.mktemp("bfloat16-store")
+    return run_probe(
+        work, "--connector", "--ratios", "1.0,0.15", "--kv-store-dtype", "bfloat16",
+        "--lifecycle", "--reference", str(baseline_file),
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="session")
 def with_failing_loads(baseline_file, tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("failing-loads")
     return run_probe(

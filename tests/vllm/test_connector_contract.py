@@ -1,12 +1,15 @@
 """The connector against vLLM's real classes: loading by module path, metadata on the wire."""
 
 import pickle
+import types
 
+import torch
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, supports_hma
 from vllm.utils.func_utils import supports_kw
 
+from holeblend_runtime.blend.config import BlendConfig
 from holeblend_runtime.blend.segments import SegmentSplitter
 from holeblend_runtime.vllm_connector.accounting import LoadSpec
 from holeblend_runtime.vllm_connector.connector import (
@@ -14,6 +17,8 @@ from holeblend_runtime.vllm_connector.connector import (
     HoleBlendConnectorMetadata,
     HoleBlendStats,
     HoleBlendWorkerMetadata,
+    kv_layout,
+    model_identity,
 )
 from holeblend_runtime.vllm_connector.metadata import (
     LoadRequest,
@@ -80,3 +85,19 @@ def test_connector_stats_sum_over_an_interval():
     stats.aggregate(HoleBlendStats(data={"num_reused_tokens": 4, "num_hole_tokens": 1}))
     assert stats.reduce() == {"num_reused_tokens": 7, "num_hole_tokens": 1}
     assert HoleBlendConnector.build_kv_connector_stats({"x": 1}).data == {"x": 1}
+
+
+def test_the_scheduler_keys_and_the_tiers_name_the_stored_kv_dtype():
+    """kv.storeDtype: the scheduler's keys and the shared tier's expected blob header name
+    the dtype the tiers hold (as the worker's engine does), not the model's."""
+    model_config = types.SimpleNamespace(
+        model="m", revision=None, dtype=torch.float32,
+        get_num_layers=lambda parallel: 30, get_num_kv_heads=lambda parallel: 3,
+        get_head_size=lambda: 64,
+    )  # fmt: skip
+    vllm_config = types.SimpleNamespace(model_config=model_config, parallel_config=None)
+    narrow = BlendConfig(kv_store_dtype="bfloat16")
+    assert model_identity(vllm_config, narrow) == ("m@main", "bfloat16")
+    assert model_identity(vllm_config, BlendConfig()) == ("m@main", "float32")
+    assert kv_layout(vllm_config, narrow).dtype == "bfloat16"
+    assert kv_layout(vllm_config, BlendConfig()).header("k", 2).dtype == "float32"

@@ -1,0 +1,138 @@
+"""kv.storeDtype: the tiers hold segment KV in a narrower dtype than the model's, the engine
+converts on store and on load, and segment keys name the stored dtype."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from holeblend_contract import blend_settings as contract
+from holeblend_runtime.blend.config import BlendConfig, from_settings, stored_kv_dtype
+from holeblend_runtime.engine import BlendEngine
+from holeblend_runtime.kv.store import LocalKVStore
+
+HOLE = 2  # the second document (segment 0 is the system prompt)
+
+
+def _segments(engine, prompt):
+    keys = engine.segment_keys(prompt)
+    return [(i, key) for i, key in enumerate(keys) if key is not None]
+
+
+def test_the_store_holds_the_named_dtype_at_half_the_bytes(new_engine, rag_texts):
+    wide, narrow = new_engine(), new_engine(kv_store_dtype="bfloat16")
+    prompt = wide.build_prompt(*rag_texts)
+    assert wide.cache_segments(prompt) == narrow.cache_segments(prompt) > 0
+    for (_, wide_key), (_, narrow_key) in zip(
+        _segments(wide, prompt), _segments(narrow, prompt), strict=True
+    ):
+        full, half = wide.store.get(wide_key), narrow.store.get(narrow_key)
+        assert full.k.dtype == torch.float32 and half.k.dtype == half.v.dtype == torch.bfloat16
+        # The same KV, rounded: bfloat16 keeps 8 significant bits.
+        torch.testing.assert_close(half.k.float(), full.k, rtol=2**-8, atol=1e-6)
+    assert narrow.store.num_bytes < 0.52 * wide.store.num_bytes
+
+
+def test_keys_name_the_stored_dtype_and_auto_keeps_the_models(new_engine, rag_texts):
+    auto, float32, bf16 = (
+        new_engine(),
+        new_engine(kv_store_dtype="float32"),
+        new_engine(kv_store_dtype="bfloat16"),
+    )
+    prompt = auto.build_prompt(*rag_texts)
+    assert auto.kv_dtype == float32.kv_dtype == "float32" and bf16.kv_dtype == "bfloat16"
+    # auto names the model's dtype: caches stored before the setting existed still hit.
+    assert auto.segment_keys(prompt) == float32.segment_keys(prompt)
+    assert set(bf16.segment_keys(prompt)).isdisjoint(k for k in auto.segment_keys(prompt) if k)
+
+
+def test_a_hole_blend_on_bfloat16_kv_is_the_float32_blend_rounded(cached_engine, rag_texts):
+    wide, prompt = cached_engine(rag_texts, hole=HOLE)
+    narrow = BlendEngine(
+        wide.model, wide.tokenizer, BlendConfig(kv_store_dtype="bfloat16"), LocalKVStore(1 << 30)
+    )
+    narrow.cache_segments(prompt, [i for i, _ in _segments(narrow, prompt) if i != HOLE])
+    expected = wide.prefill(prompt, "hole", ratio=0.15)
+    actual = narrow.prefill(prompt, "hole", ratio=0.15)
+    assert actual.num_rejected_segments == 0
+    assert actual.num_reused_tokens == expected.num_reused_tokens > 0
+    assert actual.logits.dtype == torch.float32
+    assert int(actual.logits.argmax()) == int(expected.logits.argmax())
+    difference = (actual.logits - expected.logits).abs().max().item()
+    assert 0 < difference < 0.5  # rounded, not ignored: the KV did change
+    # Ratio 1.0 recomputes every document but still takes the system prompt's KV as the
+    # exact prefix: exact on float32 KV, within the rounding on bfloat16.
+    full = wide.prefill(prompt, "full")
+    exact = wide.prefill(prompt, "hole", ratio=1.0)
+    torch.testing.assert_close(exact.logits, full.logits, atol=1e-4, rtol=0)
+    rounded = narrow.prefill(prompt, "hole", ratio=1.0)
+    assert int(rounded.logits.argmax()) == int(full.logits.argmax())
+    assert 0 < (rounded.logits - full.logits).abs().max().item() < 0.25
+
+
+def test_in_context_and_isolated_stores_both_write_the_stored_dtype(new_engine, rag_texts):
+    for policy in ("in-context", "isolated"):
+        engine = new_engine(kv_store_dtype="bfloat16", store_policy=policy)
+        prompt = engine.build_prompt(*rag_texts)
+        engine.prefill(prompt, "hole", ratio=0.15)  # every segment missing: stored
+        assert engine.store_worker.drain(timeout=120)
+        stored = [engine.store.get(key) for _, key in _segments(engine, prompt)]
+        assert stored and all(kv is not None for kv in stored), policy
+        assert {kv.k.dtype for kv in stored} == {torch.bfloat16}, policy
+
+
+def test_an_entry_of_another_dtype_is_refused_with_the_reason(new_engine, rag_texts):
+    wide, narrow = new_engine(), new_engine(kv_store_dtype="bfloat16")
+    prompt = wide.build_prompt(*rag_texts)
+    wide.cache_segments(prompt)
+    (_, wide_key), (index, narrow_key) = _segments(wide, prompt)[1], _segments(narrow, prompt)[1]
+    # A float32 entry where a bfloat16 one belongs (written by hand, or by a bug).
+    foreign = dataclasses.replace(wide.store.get(wide_key), key=narrow_key)
+    problem = narrow.kv_problem(foreign, narrow_key, prompt.segments[index].num_tokens)
+    assert problem == "dtype torch.float32, expected torch.bfloat16"
+    narrow.store.put(foreign)
+    entries, num_rejected = narrow.fetch(prompt, narrow.segment_keys(prompt))
+    assert num_rejected == 1 and entries[index] is None
+
+
+def test_fetch_hands_the_blend_the_models_dtype(new_engine, rag_texts):
+    engine = new_engine(kv_store_dtype="float16")
+    prompt = engine.build_prompt(*rag_texts)
+    engine.cache_segments(prompt)
+    entries, num_rejected = engine.fetch(prompt, engine.segment_keys(prompt))
+    cached = [e for e in entries if e is not None]
+    assert num_rejected == 0 and cached
+    assert {e.k.dtype for e in cached} == {e.v.dtype for e in cached} == {torch.float32}
+
+
+def test_the_setting_is_validated_and_read_from_blend_json():
+    with pytest.raises(ValueError, match="kv_store_dtype: expected one of"):
+        BlendConfig(kv_store_dtype="int8")
+    settings = contract.BlendSettings.model_validate(
+        {"model": {"name": "m"}, "kv": {"storeDtype": "bfloat16"}}
+    )
+    assert from_settings(settings).kv_store_dtype == "bfloat16"
+    assert stored_kv_dtype("float32", from_settings(settings)) == "bfloat16"
+    assert stored_kv_dtype("bfloat16", BlendConfig()) == "bfloat16"
+    with pytest.raises(Exception, match="storeDtype"):
+        contract.BlendSettings.model_validate({"model": {"name": "m"}, "kv": {"storeDtype": "x"}})
+
+
+def test_kv_that_overflows_float16_is_refused_on_load_and_computed_afresh(new_engine, rag_texts):
+    engine = new_engine(kv_store_dtype="float16")
+    prompt = engine.build_prompt(*rag_texts)
+    engine.cache_segments(prompt)
+    index, key = _segments(engine, prompt)[1]
+    entry = engine.store.get(key).k.float()
+    # A value past float16's largest (65,504): the narrowed copy holds inf.
+    huge = dataclasses.replace(engine.store.get(key), is_finite=None)
+    k = entry.clone()
+    k[3, 1, 2, 5] = 1e6
+    engine.store.put(engine._to_stored(dataclasses.replace(huge, k=k, v=huge.v.float())))
+    entries, num_rejected = engine.fetch(prompt, engine.segment_keys(prompt))
+    assert num_rejected == 1 and entries[index] is None
+    result = engine.prefill(prompt, "hole", ratio=0.15)
+    assert result.num_rejected_segments == 1 and result.num_stored_segments == 1
+    assert engine.store.get(key).k.isfinite().all()
