@@ -1038,9 +1038,10 @@ class KVTiers(ApiModel):
     """The dtype every tier (the pod's own, the shared tier) holds segment KV in. auto: the
     model's KV dtype, lossless. bfloat16 or float16 under a float32 model: half the bytes
     per segment, so each tier holds twice the documents, for a rounding of the reused KV
-    (measured in docs/shared-tier.md); the engines convert on store and on load. Segment
-    keys name this dtype: changing it starts every tier afresh (a restart, like every
-    setting but the ratio)."""
+    (measured in docs/shared-tier.md); the engines convert on store and on load. A dtype
+    not narrower than the model's is refused by the engine at start-up. Segment keys name
+    this dtype: changing it starts every tier afresh (a restart, like every setting but
+    the ratio)."""
     shared_url: SharedStoreUrl | None = None
     """Shared tier on Redis or Valkey, e.g. redis://kv-cache:6379/0; none when unset. No
     credentials: a password (user:password@ or ?password=), a credential query parameter or a

@@ -340,8 +340,8 @@ class BlendEngine:
         return replace(kv, k=kv.k.to(dtype), v=kv.v.to(dtype), is_finite=None)
 
     def _to_model(self, kv: SegmentKV | None) -> SegmentKV | None:
-        """A stored entry (checked) in the model's dtype, for the blend (finite values stay
-        finite in a wider dtype: the entry's verdict holds)."""
+        """A stored entry (checked) in the model's dtype, for the blend: a widening
+        conversion (`stored_kv_dtype`), exact, so the entry's finiteness verdict holds."""
         dtype = self.model.dtype
         if kv is None or kv.k.dtype == dtype:
             return kv

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from holeblend_contract import blend_settings as contract
 
 # Names of the built-in token selection strategies (see blend/selection.py).
@@ -116,8 +118,26 @@ def from_settings(settings: contract.BlendSettings) -> BlendConfig:
 
 def stored_kv_dtype(model_dtype: str, config: BlendConfig) -> str:
     """The dtype name the KV tiers hold a model's segment KV in (`model_dtype`: the
-    model's KV dtype, e.g. "float32"): what segment keys and blob headers name."""
-    return model_dtype if config.kv_store_dtype == AUTO_DTYPE else config.kv_store_dtype
+    model's KV dtype, e.g. "float32"): what segment keys and blob headers name.
+
+    Only a narrower dtype than the model's (in bytes) is a choice: another dtype of the
+    same or more bytes would hold no more documents and only lose precision (bfloat16 for
+    a float16 model) or range (float16 for a bfloat16 model), so it is refused, with the
+    fix; that also keeps every load a widening conversion, exact for what was stored."""
+    stored = config.kv_store_dtype
+    if stored in (AUTO_DTYPE, model_dtype):
+        return model_dtype
+    if _itemsize(stored) >= _itemsize(model_dtype):
+        raise ValueError(
+            f"kv.storeDtype: {stored} under a {model_dtype} model would take as many bytes "
+            f"per segment as {model_dtype} or more and round the KV; set it to auto (or to a "
+            "narrower dtype than the model's: bfloat16 or float16 under float32)"
+        )
+    return stored
+
+
+def _itemsize(dtype: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
 def check_ratio(ratio: float) -> float:

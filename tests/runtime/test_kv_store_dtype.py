@@ -12,6 +12,8 @@ from holeblend_contract import blend_settings as contract
 from holeblend_runtime.blend.config import BlendConfig, from_settings, stored_kv_dtype
 from holeblend_runtime.engine import BlendEngine
 from holeblend_runtime.kv.store import LocalKVStore
+from holeblend_runtime.kv.tiers import KVLayout, TierSettings, open_tiered_store
+from holeblend_runtime.lookup_server.processes import RedisProcess
 
 HOLE = 2  # the second document (segment 0 is the system prompt)
 
@@ -116,6 +118,11 @@ def test_the_setting_is_validated_and_read_from_blend_json():
     assert from_settings(settings).kv_store_dtype == "bfloat16"
     assert stored_kv_dtype("float32", from_settings(settings)) == "bfloat16"
     assert stored_kv_dtype("bfloat16", BlendConfig()) == "bfloat16"
+    assert stored_kv_dtype("bfloat16", BlendConfig(kv_store_dtype="bfloat16")) == "bfloat16"
+    # Not narrower than the model's: no bytes saved, precision or range lost.
+    for model, stored in [("float16", "bfloat16"), ("bfloat16", "float16"), ("float16", "float32")]:
+        with pytest.raises(ValueError, match=f"kv.storeDtype: {stored} under a {model} model"):
+            stored_kv_dtype(model, BlendConfig(kv_store_dtype=stored))
     with pytest.raises(Exception, match="storeDtype"):
         contract.BlendSettings.model_validate({"model": {"name": "m"}, "kv": {"storeDtype": "x"}})
 
@@ -136,3 +143,34 @@ def test_kv_that_overflows_float16_is_refused_on_load_and_computed_afresh(new_en
     result = engine.prefill(prompt, "hole", ratio=0.15)
     assert result.num_rejected_segments == 1 and result.num_stored_segments == 1
     assert engine.store.get(key).k.isfinite().all()
+
+
+def test_a_pod_reuses_bfloat16_blobs_another_pod_put_in_the_shared_tier(
+    reference_engine, rag_texts
+):
+    """Two pods' engines over one real redis-server, both with kv.storeDtype bfloat16: the
+    blobs name bfloat16 (the header the readers expect), and pod B, its own tier empty,
+    blends from what pod A stored (every document) as pod A itself does."""
+
+    def pod(name: str, url: str) -> BlendEngine:
+        blend = BlendConfig(kv_store_dtype="bfloat16")
+        engine = BlendEngine(reference_engine.model, reference_engine.tokenizer, blend)
+        layout = KVLayout.of(engine.config, engine.kv_dtype)
+        settings = TierSettings(1 << 28, url, None, "ns/rag", name)
+        engine.store = open_tiered_store(settings, layout, LocalKVStore(1 << 28))
+        return engine
+
+    with RedisProcess(maxmemory="256mb") as redis:
+        a, b = pod("pod-a", redis.url), pod("pod-b", redis.url)
+        assert a.store.layout.dtype == "bfloat16"
+        prompt = a.build_prompt(*rag_texts)
+        a.cache_segments(prompt)
+        expected = a.prefill(prompt, "hole", ratio=0.15)
+        actual = b.prefill(prompt, "hole", ratio=0.15)
+        figures = b.store.figures()
+        a.store.close()
+        b.store.close()
+    assert actual.num_rejected_segments == 0 and figures["shared_bad_blobs"] == 0
+    assert actual.num_reused_tokens == expected.num_reused_tokens > 0
+    assert figures["shared_hits"] == len(_segments(a, prompt))
+    torch.testing.assert_close(actual.logits, expected.logits, atol=1e-4, rtol=0)
