@@ -132,6 +132,17 @@ def test_a_load_bench_arm_sets_the_connector_s_step_budget(monkeypatch, tmp_path
     assert extra(whole)["blend_step_tokens"] == 0
 
 
+def test_a_load_bench_arm_sets_the_tiers_store_dtype(monkeypatch, tmp_path):
+    """`--kv-store-dtype D` arms: blend.json's kv.storeDtype; the default arm leaves it to
+    the contract's default (auto), which the connector reads back."""
+    from holeblend_contract.blend_settings import parse_blend_settings
+
+    _, default = _started_command(monkeypatch, tmp_path / "default")
+    _, narrow = _started_command(monkeypatch, tmp_path / "narrow", kv_store_dtype="bfloat16")
+    assert default["kv"]["storeDtype"] == "auto" and narrow["kv"]["storeDtype"] == "bfloat16"
+    assert parse_blend_settings(json.dumps(narrow)).kv.store_dtype == "bfloat16"
+
+
 def test_the_load_bench_rows_and_ratios():
     from holeblend_devtools import bench_vllm_load
 
