@@ -1039,7 +1039,8 @@ class KVTiers(ApiModel):
     model's KV dtype, lossless. bfloat16 or float16 under a float32 model: half the bytes
     per segment, so each tier holds twice the documents, for a rounding of the reused KV
     (measured in docs/shared-tier.md); the engines convert on store and on load. A dtype
-    not narrower than the model's is refused by the engine at start-up. Segment keys name
+    not narrower than the model's is refused: by the API server when model.dtype names
+    float16 or bfloat16, else (model.dtype auto) by the engine at start-up. Segment keys name
     this dtype: changing it starts every tier afresh (a restart, like every setting but
     the ratio)."""
     shared_url: SharedStoreUrl | None = None
@@ -1295,6 +1296,17 @@ _RATIO_IN_BOUNDS = CelRule(
 )
 
 
+_STORE_DTYPE_NARROWER = CelRule(
+    rule="!(self.model.dtype in ['float16', 'bfloat16']) || self.blend.kv.storeDtype in ['auto', self.model.dtype]",
+    message="blend.kv.storeDtype must be auto or model.dtype for a float16 or bfloat16 model: another dtype holds no more documents and loses precision or range; set it to auto",
+    check=lambda s: (
+        s.model.dtype not in (Dtype.FLOAT16, Dtype.BFLOAT16)
+        or s.blend.kv.store_dtype in (Dtype.AUTO, s.model.dtype)
+    ),
+    field_path=".blend.kv.storeDtype",
+)
+
+
 _NO_IDLE_DEVICES = CelRule(
     rule="self.accelerator.type == 'cpu' || self.accelerator.count <= self.engine.tensorParallelSize",
     message="accelerator.count exceeds engine.tensorParallelSize, so devices would sit idle; "
@@ -1311,9 +1323,11 @@ class BlendDeploymentSpec(ApiModel):
     """Desired state of a BlendDeployment."""
 
     model_config = ConfigDict(
-        json_schema_extra=cel_schema_extra(_TP_FITS, _RATIO_IN_BOUNDS, _NO_IDLE_DEVICES)
+        json_schema_extra=cel_schema_extra(
+            _TP_FITS, _RATIO_IN_BOUNDS, _STORE_DTYPE_NARROWER, _NO_IDLE_DEVICES
+        )
     )
-    check_rules = cel_validator(_TP_FITS, _RATIO_IN_BOUNDS, _NO_IDLE_DEVICES)
+    check_rules = cel_validator(_TP_FITS, _RATIO_IN_BOUNDS, _STORE_DTYPE_NARROWER, _NO_IDLE_DEVICES)
 
     model: ModelSpec
     """The served model."""

@@ -81,3 +81,33 @@ def test_several_problems_come_in_one_line():
 
 def test_minimal_manifest_passes_the_api_server_checks():
     assert api_server_errors(MINIMAL) == []
+
+
+@pytest.mark.parametrize(
+    "model_dtype, store_dtype, accepted",
+    [
+        ("auto", "bfloat16", True),  # the model's dtype is known only to the engine
+        ("float32", "bfloat16", True),
+        ("float32", "float16", True),
+        ("bfloat16", "auto", True),
+        ("bfloat16", "bfloat16", True),
+        ("bfloat16", "float16", False),
+        ("float16", "bfloat16", False),
+        ("float16", "float32", False),
+    ],
+)
+def test_kv_store_dtype_must_be_narrower_than_a_known_model_dtype(
+    model_dtype, store_dtype, accepted
+):
+    manifest = _with_spec(
+        model={**MINIMAL["spec"]["model"], "dtype": model_dtype},
+        blend={"kv": {"storeDtype": store_dtype}},
+    )
+    errors = api_server_errors(manifest)
+    if accepted:
+        assert errors == []
+        assert BlendDeployment.model_validate(manifest).spec.blend.kv.store_dtype == store_dtype
+        return
+    assert any("blend.kv.storeDtype must be auto or model.dtype" in e for e in errors), errors
+    with pytest.raises(pydantic.ValidationError, match="set it to auto"):
+        BlendDeployment.model_validate(manifest)
