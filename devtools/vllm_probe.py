@@ -473,6 +473,8 @@ def connector_metrics() -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from holeblend_contract.blend_settings import Dtype
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--connector", action="store_true")
     parser.add_argument("--work-dir", type=Path, required=True)
@@ -490,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--blend-step-tokens", type=int, help="asynchronous, stepwise loads")
     parser.add_argument(
-        "--kv-store-dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
+        "--kv-store-dtype", default="auto", choices=[d.value for d in Dtype],
         help="blend.json kv.storeDtype",
     )  # fmt: skip
     parser.add_argument(

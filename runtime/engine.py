@@ -176,7 +176,10 @@ class BlendEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.blend_config = blend or BlendConfig()
-        self.store = store if store is not None else LocalKVStore(DEFAULT_STORE_BYTES)
+        self._store = store if store is not None else LocalKVStore(DEFAULT_STORE_BYTES)
+        # The dtype the KV tiers hold segment KV in (`kv_dtype`), fixed for the engine's life.
+        model_dtype = str(model.dtype).removeprefix("torch.")
+        self._stored_dtype = getattr(torch, stored_kv_dtype(model_dtype, self.blend_config))
         # None: the strategy the config names, made fresh per request.
         self.strategy = strategy
         self.blender = Blender(model, self.blend_config)
@@ -200,8 +203,7 @@ class BlendEngine:
         # A server puts its remote tiers in front of the local one after loading: the
         # background (isolated) stores go there too, not to the store the engine began with.
         self._store = store
-        if hasattr(self, "store_worker"):
-            self.store_worker.store = store
+        self.store_worker.store = store
 
     def busy(self) -> AbstractContextManager[None]:
         """Hold the engine busy (e.g. while requests wait in a server's queue): the
@@ -329,12 +331,12 @@ class BlendEngine:
     def kv_dtype(self) -> str:
         """The dtype the KV tiers hold this engine's segment KV in (the model's, unless
         blend.json's kv.storeDtype names another): segment keys and blob headers name it."""
-        return stored_kv_dtype(str(self.model.dtype).removeprefix("torch."), self.blend_config)
+        return str(self._stored_dtype).removeprefix("torch.")
 
     def _to_stored(self, kv: SegmentKV) -> SegmentKV:
         """`kv` (the model's dtype) as the tiers hold it (`kv_dtype`); the values' check
         is the store's, on what it stores."""
-        dtype = getattr(torch, self.kv_dtype)
+        dtype = self._stored_dtype
         if kv.k.dtype == dtype:
             return kv
         return replace(kv, k=kv.k.to(dtype), v=kv.v.to(dtype), is_finite=None)
@@ -654,8 +656,8 @@ class BlendEngine:
             return f"entry is keyed {entry.key!r}"
         if entry.model_id != c.model_id:
             return f"computed by model {entry.model_id!r}, this is {c.model_id!r}"
-        if str(entry.k.dtype).removeprefix("torch.") != self.kv_dtype:
-            return f"dtype {entry.k.dtype}, expected torch.{self.kv_dtype}"
+        if entry.k.dtype != self._stored_dtype:
+            return f"dtype {entry.k.dtype}, expected {self._stored_dtype}"
         if tuple(entry.k.shape) != expected:
             return f"shape {tuple(entry.k.shape)}, expected {expected}"
         return None

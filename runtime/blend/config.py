@@ -137,7 +137,7 @@ def stored_kv_dtype(model_dtype: str, config: BlendConfig) -> str:
 
 
 def _itemsize(dtype: str) -> int:
-    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return getattr(torch, dtype).itemsize
 
 
 def check_ratio(ratio: float) -> float:
