@@ -195,6 +195,17 @@ class Dtype(StrEnum):
     FLOAT32 = "float32"
 
 
+class KVStoreDtype(StrEnum):
+    """What `kv.storeDtype` may name: the model dtypes, and float8_e4m3fn (1 byte per value:
+    a quarter of float32, half of a 16-bit model's; 3 mantissa bits, finite up to 448)."""
+
+    AUTO = "auto"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+    FLOAT32 = "float32"
+    FLOAT8_E4M3FN = "float8_e4m3fn"
+
+
 class BlendSettingsError(ValueError):
     """The file cannot be used; the message names the key and what to do."""
 
@@ -225,7 +236,7 @@ class KVSettings(_Settings):
     admission: Admission = Admission.FREQUENCY
     # The dtype every tier holds segment KV in (auto: the model's KV dtype, lossless); the
     # engines convert on store and on load, and segment keys name it.
-    store_dtype: Dtype = Dtype.AUTO
+    store_dtype: KVStoreDtype = KVStoreDtype.AUTO
     # Shared tier URL (redis://...), None: no shared tier.
     shared_url: str | None = None
 

@@ -21,8 +21,8 @@ ignored). The same stream goes to two servers, one after the other (`vllm_server
   row; the `connector` arm has the operator's default, `frequency`);
 - with `--kv-store-dtype D[,E...]`, one more connector arm per value of blend.json's
   `kv.storeDtype` (`connector-bfloat16`: the tiers hold the float32 model's KV in bfloat16,
-  half the bytes per document; `kv_store_dtype` in the row; the `connector` arm has the
-  default, `auto`).
+  half the bytes per document; `connector-float8_e4m3fn`: a quarter; `kv_store_dtype` in
+  the row; the `connector` arm has the default, `auto`).
 
 `--connector-only` leaves vLLM alone out (reuse over a long stream needs no baseline; no
 ratios then). `--windows W` sends the stream to each server in W consecutive parts and
@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from holeblend_contract.blend_settings import Admission, Dtype
+from holeblend_contract.blend_settings import Admission, KVStoreDtype
 from holeblend_devtools.hf_export import export_smollm2
 from holeblend_devtools.vllm_probe import SEPARATOR
 from holeblend_devtools.vllm_server import MODEL, Server, serve
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument(
         "--kv-store-dtype", default="",
-        help="comma-separated kv.storeDtype values (bfloat16, float16): one more connector arm each",
+        help="comma-separated kv.storeDtype values (bfloat16, float16, float8_e4m3fn): one more connector arm each",
     )  # fmt: skip
     parser.add_argument("--connector-only", action="store_true", help="no vLLM-alone arm")
     parser.add_argument("--windows", type=int, default=1, help="stream parts, reuse of each")
@@ -281,9 +281,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--kv-admission: expected frequency or always, got {value!r}")
     store_dtypes = [value for value in args.kv_store_dtype.split(",") if value]
     for value in store_dtypes:
-        if value not in {d.value for d in Dtype}:
+        if value not in {d.value for d in KVStoreDtype}:
             parser.error(
-                f"--kv-store-dtype: expected one of {', '.join(d.value for d in Dtype)}, "
+                f"--kv-store-dtype: expected one of {', '.join(d.value for d in KVStoreDtype)}, "
                 f"got {value!r}"
             )
     workload = LoadWorkloadConfig(
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         result = merge(results)
         extra = {"windows": windows} if connector and len(parts) > 1 else {}
         extra |= {"kv_admission": admission or Admission.FREQUENCY.value} if connector else {}
-        extra |= {"kv_store_dtype": store_dtype or Dtype.AUTO.value} if connector else {}
+        extra |= {"kv_store_dtype": store_dtype or KVStoreDtype.AUTO.value} if connector else {}
         rows.append(row(result, connector, reuse, step_tokens) | {"arm": name} | extra)
         print(json.dumps(rows[-1]), flush=True)
     document = {

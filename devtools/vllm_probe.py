@@ -265,6 +265,7 @@ def pass1_stores(probe: Probe, prompts: list[list[int]]) -> dict[str, Any]:
     own full prefill of the same prompt (same weights, our attention): the largest
     absolute difference of K and V, over every segment of every pass-1 prompt."""
     from holeblend_runtime.engine import BlendEngine
+    from holeblend_runtime.kv.store import dtype_name
     from holeblend_runtime.vllm_connector import metrics
 
     planner = probe.connector("scheduler")._scheduler.planner
@@ -283,7 +284,7 @@ def pass1_stores(probe: Probe, prompts: list[list[int]]) -> dict[str, Any]:
             if entry is None:
                 continue
             found += 1
-            dtypes.add(str(entry.k.dtype).removeprefix("torch."))
+            dtypes.add(dtype_name(entry.k.dtype))
             span = slice(segment.start, segment.end)
             for stored, reference in ((entry.k, full.k), (entry.v, full.v)):
                 difference = (stored - reference[:, :, span]).abs().max()
@@ -473,7 +474,7 @@ def connector_metrics() -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from holeblend_contract.blend_settings import Dtype
+    from holeblend_contract.blend_settings import KVStoreDtype
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--connector", action="store_true")
@@ -492,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--blend-step-tokens", type=int, help="asynchronous, stepwise loads")
     parser.add_argument(
-        "--kv-store-dtype", default="auto", choices=[d.value for d in Dtype],
+        "--kv-store-dtype", default="auto", choices=[d.value for d in KVStoreDtype],
         help="blend.json kv.storeDtype",
     )  # fmt: skip
     parser.add_argument(

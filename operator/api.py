@@ -28,6 +28,7 @@ from holeblend_contract.blend_settings import (
     Admission,
     BlendMode,
     Dtype,
+    KVStoreDtype,
     SegmentContext,
     Selection,
     StorePolicy,
@@ -1034,11 +1035,14 @@ class KVTiers(ApiModel):
     more often, recently, than what it would evict, so rarely used documents do not push
     popular ones out (a Zipf RAG stream on vLLM: a quarter fewer holes for the same bytes;
     docs/vllm-connector.md); the window's size adapts to the traffic. always: plain LRU."""
-    store_dtype: Dtype = Field(default=Dtype.AUTO, strict=False)
+    store_dtype: KVStoreDtype = Field(default=KVStoreDtype.AUTO, strict=False)
     """The dtype every tier (the pod's own, the shared tier) holds segment KV in. auto: the
     model's KV dtype, lossless. bfloat16 or float16 under a float32 model: half the bytes
-    per segment, so each tier holds twice the documents, for a rounding of the reused KV
-    (measured in docs/shared-tier.md); the engines convert on store and on load. A dtype
+    per segment, so each tier holds twice the documents, for a rounding of the reused KV;
+    float8_e4m3fn: a quarter of float32's bytes, half a 16-bit model's, for a coarser
+    rounding (3 mantissa bits; a segment with a value beyond +-448 is computed afresh
+    instead of reused); measured in docs/shared-tier.md. The engines convert on store
+    and on load. A dtype
     not narrower than the model's is refused: by the API server when model.dtype names
     float16 or bfloat16, else (model.dtype auto) by the engine at start-up. Segment keys name
     this dtype: changing it starts every tier afresh (a restart, like every setting but
@@ -1297,11 +1301,12 @@ _RATIO_IN_BOUNDS = CelRule(
 
 
 _STORE_DTYPE_NARROWER = CelRule(
-    rule="!(self.model.dtype in ['float16', 'bfloat16']) || self.blend.kv.storeDtype in ['auto', self.model.dtype]",
-    message="blend.kv.storeDtype must be auto or model.dtype for a float16 or bfloat16 model: another dtype holds no more documents and loses precision or range; set it to auto",
+    rule="!(self.model.dtype in ['float16', 'bfloat16']) || self.blend.kv.storeDtype in ['auto', 'float8_e4m3fn', self.model.dtype]",
+    message="blend.kv.storeDtype must be auto, model.dtype or float8_e4m3fn for a float16 or bfloat16 model: another 16- or 32-bit dtype holds no more documents and loses precision or range; set it to auto",
     check=lambda s: (
         s.model.dtype not in (Dtype.FLOAT16, Dtype.BFLOAT16)
-        or s.blend.kv.store_dtype in (Dtype.AUTO, s.model.dtype)
+        or s.blend.kv.store_dtype in (KVStoreDtype.AUTO, KVStoreDtype.FLOAT8_E4M3FN)
+        or s.blend.kv.store_dtype == s.model.dtype
     ),
     field_path=".blend.kv.storeDtype",
 )

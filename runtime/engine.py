@@ -43,7 +43,14 @@ from holeblend_runtime.blend.prompt import PromptBuilder
 from holeblend_runtime.blend.reuse import ReuseMode, ReusePolicy, SegmentReuse, plan_reuse
 from holeblend_runtime.blend.segments import Segment, SegmentedPrompt, SegmentKind
 from holeblend_runtime.blend.selection import SelectionStrategy
-from holeblend_runtime.kv.store import KVStore, LocalKVStore, SegmentKV, finite_flags
+from holeblend_runtime.kv.store import (
+    KVStore,
+    LocalKVStore,
+    SegmentKV,
+    dtype_name,
+    finite_flags,
+    narrowed,
+)
 from holeblend_runtime.kv.store_worker import (
     DEFAULT_MAX_PENDING,
     Activity,
@@ -178,7 +185,7 @@ class BlendEngine:
         self.blend_config = blend or BlendConfig()
         self._store = store if store is not None else LocalKVStore(DEFAULT_STORE_BYTES)
         # The dtype the KV tiers hold segment KV in (`kv_dtype`), fixed for the engine's life.
-        model_dtype = str(model.dtype).removeprefix("torch.")
+        model_dtype = dtype_name(model.dtype)
         self._stored_dtype = getattr(torch, stored_kv_dtype(model_dtype, self.blend_config))
         # None: the strategy the config names, made fresh per request.
         self.strategy = strategy
@@ -331,7 +338,7 @@ class BlendEngine:
     def kv_dtype(self) -> str:
         """The dtype the KV tiers hold this engine's segment KV in (the model's, unless
         blend.json's kv.storeDtype names another): segment keys and blob headers name it."""
-        return str(self._stored_dtype).removeprefix("torch.")
+        return dtype_name(self._stored_dtype)
 
     def _to_stored(self, kv: SegmentKV) -> SegmentKV:
         """`kv` (the model's dtype) as the tiers hold it (`kv_dtype`); the values' check
@@ -339,7 +346,7 @@ class BlendEngine:
         dtype = self._stored_dtype
         if kv.k.dtype == dtype:
             return kv
-        return replace(kv, k=kv.k.to(dtype), v=kv.v.to(dtype), is_finite=None)
+        return replace(kv, k=narrowed(kv.k, dtype), v=narrowed(kv.v, dtype), is_finite=None)
 
     def _to_model(self, kv: SegmentKV | None) -> SegmentKV | None:
         """A stored entry (checked) in the model's dtype, for the blend: a widening

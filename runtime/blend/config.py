@@ -29,7 +29,7 @@ ISOLATED = contract.StorePolicy.ISOLATED.value
 STORE_POLICIES = (IN_CONTEXT, ISOLATED)
 # The dtypes the KV tiers may hold segment KV in; "auto": the model's KV dtype.
 AUTO_DTYPE = contract.Dtype.AUTO.value
-KV_STORE_DTYPES = tuple(d.value for d in contract.Dtype)
+KV_STORE_DTYPES = tuple(d.value for d in contract.KVStoreDtype)
 # LMCache's separator without its trailing space: with a leading space on every piece
 # the pieces tokenize exactly as the whole prompt does (see docs/blending.md).
 DEFAULT_SEPARATOR = contract.DEFAULT_SEPARATOR
@@ -68,8 +68,9 @@ class BlendConfig:
     store_policy: str = IN_CONTEXT
     # The dtype the KV tiers hold segment KV in (blend.json's kv.storeDtype): "auto" keeps
     # the model's (lossless); bfloat16 or float16 under a float32 model halve every tier's
-    # bytes per segment for a rounding of the reused KV. The engine converts on store and
-    # on load, and segment keys name this dtype (`stored_kv_dtype`).
+    # bytes per segment, float8_e4m3fn quarters them (halves a 16-bit model's), for a
+    # rounding of the reused KV. The engine converts on store and on load, and segment
+    # keys name this dtype (`stored_kv_dtype`).
     kv_store_dtype: str = AUTO_DTYPE
 
     def __post_init__(self) -> None:
@@ -131,7 +132,8 @@ def stored_kv_dtype(model_dtype: str, config: BlendConfig) -> str:
         raise ValueError(
             f"kv.storeDtype: {stored} under a {model_dtype} model would take as many bytes "
             f"per segment as {model_dtype} or more and round the KV; set it to auto (or to a "
-            "narrower dtype than the model's: bfloat16 or float16 under float32)"
+            "narrower dtype than the model's: bfloat16, float16 or float8_e4m3fn under "
+            "float32, float8_e4m3fn under float16 or bfloat16)"
         )
     return stored
 

@@ -42,7 +42,7 @@ BLOB_FORMAT = 2
 MAGIC = b"HBKV"
 _PREFIX = struct.Struct("<4sHI")
 MAX_HEADER_BYTES = 4096
-DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
+DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 POSITION_BYTES = 8  # int64
 
 

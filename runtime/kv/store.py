@@ -218,6 +218,11 @@ class LocalKVStore:
         self._num_evictions += 1
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name blend.json, segment keys and blob headers use for a KV dtype ("float32")."""
+    return str(dtype).removeprefix("torch.")
+
+
 def _in_host_memory(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.device.type == "cpu" and (tensor.is_pinned() or not torch.cuda.is_available()):
         return tensor
@@ -248,5 +253,30 @@ def _finite_flag(entry: SegmentKV) -> torch.Tensor:
 
 
 def _finite_peaks(tensors: list[torch.Tensor]) -> torch.Tensor:
-    # The largest magnitude of each tensor (NaN or inf if any value is), one kernel.
-    return torch.isfinite(torch.stack(torch._foreach_norm(tensors, float("inf"))))
+    """Whether each tensor's values are all finite, as one bool tensor (not read)."""
+    if not any(t.dtype in _FLOAT8 for t in tensors):
+        # The largest magnitude of each tensor (NaN or inf if any value is), one kernel.
+        return torch.isfinite(torch.stack(torch._foreach_norm(tensors, float("inf"))))
+    # float8 has no reductions; its only non-finite value is NaN, the bits S1111111.
+    return torch.stack(
+        [
+            (t.view(torch.uint8) & 0x7F).ne(0x7F).all()
+            if t.dtype in _FLOAT8
+            else _finite_peaks([t])[0]
+            for t in tensors
+        ]
+    )
+
+
+# The float8 dtype a tier may hold KV in: no infinity, NaN is S1111111, finite to +-448.
+_FLOAT8 = (torch.float8_e4m3fn,)
+
+
+def narrowed(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` in the narrower `dtype` a tier holds KV in. A value beyond the dtype's
+    range becomes non-finite, so that the entry is refused on load and computed afresh:
+    float16 and bfloat16 round it to inf themselves, while torch's conversion to
+    float8_e4m3fn (no inf) would saturate it at +-448, a wrong value nobody could see."""
+    if dtype in _FLOAT8:
+        tensor = tensor.masked_fill(tensor.abs() > torch.finfo(dtype).max, float("nan"))
+    return tensor.to(dtype)

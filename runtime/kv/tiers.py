@@ -37,7 +37,7 @@ from holeblend_runtime.kv.shared_tier import (
     blob_pieces,
     decode_blob,
 )
-from holeblend_runtime.kv.store import LocalKVStore, SegmentKV
+from holeblend_runtime.kv.store import LocalKVStore, SegmentKV, dtype_name
 from holeblend_runtime.lookup_server.client import (
     Announcer,
     AnnouncerConfig,
@@ -49,7 +49,12 @@ from holeblend_runtime.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
 
 
 class LocalTier(Protocol):
@@ -78,7 +83,7 @@ class KVLayout:
 
     # Model identity (`ModelConfig.model_id`).
     model_id: str
-    # KV dtype name: float32, float16 or bfloat16.
+    # KV dtype name: float32, float16, bfloat16 or float8_e4m3fn.
     dtype: str
     num_layers: int
     num_kv_heads: int
@@ -102,7 +107,7 @@ def kv_to_blob(kv: SegmentKV, deployment: str = "") -> bytes:
 
 def kv_blob_pieces(kv: SegmentKV, deployment: str = "") -> list:
     """The blob of one segment in pieces that share the tensors' memory (no copy)."""
-    header = BlobHeader(kv.key, kv.model_id, _dtype_name(kv.k.dtype), tuple(kv.k.shape))
+    header = BlobHeader(kv.key, kv.model_id, dtype_name(kv.k.dtype), tuple(kv.k.shape))
     parts = [_raw_bytes(t) for t in (kv.k, kv.v, kv.positions)]
     return blob_pieces(header, parts, deployment)
 
@@ -131,10 +136,6 @@ def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     down first: the wire format is host bytes)."""
     host = tensor.detach().to("cpu").contiguous()
     return memoryview(host.reshape(-1).view(torch.uint8).numpy())
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 @dataclass
@@ -267,7 +268,7 @@ class TieredKVStore:
             key=kv.key,
             num_tokens=kv.num_tokens,
             model=kv.model_id,
-            dtype=_dtype_name(kv.k.dtype),
+            dtype=dtype_name(kv.k.dtype),
             context=None,  # the key already hashes the context; see segments.segment_key
             num_bytes=kv.num_bytes,
             shared=shared,

@@ -53,7 +53,7 @@ from holeblend_runtime.blend.reuse import ReusePolicy
 from holeblend_runtime.blend.selection import num_to_select
 from holeblend_runtime.engine import BlendEngine
 from holeblend_runtime.kv.async_store import AsyncKVStore
-from holeblend_runtime.kv.store import KVStore, SegmentKV
+from holeblend_runtime.kv.store import KVStore, SegmentKV, dtype_name
 from holeblend_runtime.kv.tiers import KVLayout, TieredKVStore, pod_name
 from holeblend_runtime.model.tokenizer import TextTokenizer
 from holeblend_runtime.quality.inline_proxy import InlineProxy
@@ -148,7 +148,7 @@ def model_identity(vllm_config: Any, blend: BlendConfig) -> tuple[str, str]:
     engine names it."""
     config = vllm_config.model_config
     revision = config.revision or "main"
-    model_dtype = str(config.dtype).removeprefix("torch.")
+    model_dtype = dtype_name(config.dtype)
     return f"{config.model}@{revision}", stored_kv_dtype(model_dtype, blend)
 
 

@@ -89,8 +89,11 @@ def test_minimal_manifest_passes_the_api_server_checks():
         ("auto", "bfloat16", True),  # the model's dtype is known only to the engine
         ("float32", "bfloat16", True),
         ("float32", "float16", True),
+        ("float32", "float8_e4m3fn", True),
         ("bfloat16", "auto", True),
         ("bfloat16", "bfloat16", True),
+        ("bfloat16", "float8_e4m3fn", True),
+        ("float16", "float8_e4m3fn", True),
         ("bfloat16", "float16", False),
         ("float16", "bfloat16", False),
         ("float16", "float32", False),
@@ -108,6 +111,6 @@ def test_kv_store_dtype_must_be_narrower_than_a_known_model_dtype(
         assert errors == []
         assert BlendDeployment.model_validate(manifest).spec.blend.kv.store_dtype == store_dtype
         return
-    assert any("blend.kv.storeDtype must be auto or model.dtype" in e for e in errors), errors
+    assert any("blend.kv.storeDtype must be auto, model.dtype or float8" in e for e in errors), errors
     with pytest.raises(pydantic.ValidationError, match="set it to auto"):
         BlendDeployment.model_validate(manifest)

@@ -11,8 +11,15 @@ import torch
 from holeblend_contract import blend_settings as contract
 from holeblend_runtime.blend.config import BlendConfig, from_settings, stored_kv_dtype
 from holeblend_runtime.engine import BlendEngine
-from holeblend_runtime.kv.store import LocalKVStore
-from holeblend_runtime.kv.tiers import KVLayout, TierSettings, open_tiered_store
+from holeblend_runtime.kv.directory import DirectoryKVStore
+from holeblend_runtime.kv.store import LocalKVStore, SegmentKV, finite_flags, narrowed
+from holeblend_runtime.kv.tiers import (
+    KVLayout,
+    TierSettings,
+    blob_to_kv,
+    kv_to_blob,
+    open_tiered_store,
+)
 from holeblend_runtime.lookup_server.processes import RedisProcess
 
 HOLE = 2  # the second document (segment 0 is the system prompt)
@@ -35,6 +42,70 @@ def test_the_store_holds_the_named_dtype_at_half_the_bytes(new_engine, rag_texts
         # The same KV, rounded: bfloat16 keeps 8 significant bits.
         torch.testing.assert_close(half.k.float(), full.k, rtol=2**-8, atol=1e-6)
     assert narrow.store.num_bytes < 0.52 * wide.store.num_bytes
+
+
+def test_float8_holds_a_quarter_of_the_bytes_and_a_hole_blend_reuses_it(new_engine, rag_texts):
+    wide, narrow = new_engine(), new_engine(kv_store_dtype="float8_e4m3fn")
+    prompt = wide.build_prompt(*rag_texts)
+    assert narrow.kv_dtype == "float8_e4m3fn"
+    assert wide.cache_segments(prompt) == narrow.cache_segments(prompt) > 0
+    for (_, wide_key), (_, narrow_key) in zip(
+        _segments(wide, prompt), _segments(narrow, prompt), strict=True
+    ):
+        full, quarter = wide.store.get(wide_key), narrow.store.get(narrow_key)
+        assert quarter.k.dtype == quarter.v.dtype == torch.float8_e4m3fn
+        # 3 mantissa bits: within 2^-4 of each value, or of the smallest normal (2^-6)
+        # where float8 goes subnormal.
+        for stored, exact in ((quarter.k, full.k), (quarter.v, full.v)):
+            error = (stored.float() - exact).abs()
+            assert bool((error <= 2**-4 * exact.abs() + 2**-10).all())
+            assert error.max().item() > 0  # rounded: the KV did change
+    assert narrow.store.num_bytes < 0.27 * wide.store.num_bytes
+    # The blend reuses every stored document, in the model's dtype.
+    for engine in (wide, narrow):
+        engine.store = LocalKVStore(1 << 30)
+        engine.cache_segments(prompt, [i for i, _ in _segments(engine, prompt) if i != HOLE])
+    expected = wide.prefill(prompt, "hole", ratio=0.15)
+    actual = narrow.prefill(prompt, "hole", ratio=0.15)
+    assert actual.num_rejected_segments == 0 and actual.logits.dtype == torch.float32
+    assert actual.num_reused_tokens == expected.num_reused_tokens > 0
+    assert 0 < (actual.logits - expected.logits).abs().max().item() < 2.0
+
+
+def test_float8_marks_what_it_cannot_hold_as_nan_instead_of_saturating():
+    values = torch.tensor([[1.5, -0.01, 448.0, 449.0, -1e4, float("inf"), float("nan")]])
+    stored = narrowed(values, torch.float8_e4m3fn)
+    assert stored.dtype == torch.float8_e4m3fn
+    # torch's own conversion would read 449 and -1e4 back as 448 and -448.
+    assert torch.equal(
+        values.to(torch.float8_e4m3fn).float()[0, 3:5], torch.tensor([448.0, -448.0])
+    )
+    back = stored.float()[0]
+    assert back[:3].tolist() == pytest.approx([1.5, -0.01, 448.0], rel=2**-4)
+    assert back[3:].isnan().all()
+    ok = narrowed(torch.ones(1, 1, 2, 4), torch.float8_e4m3fn)
+    bad = narrowed(torch.full((1, 1, 2, 4), 1e3), torch.float8_e4m3fn)
+    entries = [
+        _entry("a", ok), _entry("b", bad), _entry("c", torch.ones(1, 1, 2, 4)),
+    ]  # fmt: skip
+    assert finite_flags(entries) == [True, False, True]
+
+
+def _entry(key, k):
+    return SegmentKV(key, k, k.clone(), torch.arange(k.shape[2]), "m")
+
+
+def test_float8_entries_round_trip_through_a_blob_and_a_node_directory(tmp_path):
+    k = narrowed(torch.randn(2, 3, 5, 8), torch.float8_e4m3fn)
+    entry = _entry("ab12", k)
+    back = blob_to_kv(kv_to_blob(entry))
+    assert back.k.dtype == torch.float8_e4m3fn
+    assert torch.equal(back.k.view(torch.uint8), k.view(torch.uint8))
+    directory = DirectoryKVStore(tmp_path, 1 << 20)
+    assert directory.put(entry)
+    read = directory.get("ab12")
+    assert read.is_finite is True and read.k.dtype == torch.float8_e4m3fn
+    assert torch.equal(read.v.view(torch.uint8), entry.v.view(torch.uint8))
 
 
 def test_keys_name_the_stored_dtype_and_auto_keeps_the_models(new_engine, rag_texts):
@@ -119,6 +190,10 @@ def test_the_setting_is_validated_and_read_from_blend_json():
     assert stored_kv_dtype("float32", from_settings(settings)) == "bfloat16"
     assert stored_kv_dtype("bfloat16", BlendConfig()) == "bfloat16"
     assert stored_kv_dtype("bfloat16", BlendConfig(kv_store_dtype="bfloat16")) == "bfloat16"
+    for model in ("float32", "float16", "bfloat16"):  # float8 is narrower than each
+        assert stored_kv_dtype(model, BlendConfig(kv_store_dtype="float8_e4m3fn")) == (
+            "float8_e4m3fn"
+        )
     # Not narrower than the model's: no bytes saved, precision or range lost.
     for model, stored in [("float16", "bfloat16"), ("bfloat16", "float16"), ("float16", "float32")]:
         with pytest.raises(ValueError, match=f"kv.storeDtype: {stored} under a {model} model"):
@@ -127,13 +202,17 @@ def test_the_setting_is_validated_and_read_from_blend_json():
         contract.BlendSettings.model_validate({"model": {"name": "m"}, "kv": {"storeDtype": "x"}})
 
 
-def test_kv_that_overflows_float16_is_refused_on_load_and_computed_afresh(new_engine, rag_texts):
-    engine = new_engine(kv_store_dtype="float16")
+@pytest.mark.parametrize("dtype", ["float16", "float8_e4m3fn"])
+def test_kv_that_overflows_the_stored_dtype_is_refused_on_load_and_computed_afresh(
+    new_engine, rag_texts, dtype
+):
+    engine = new_engine(kv_store_dtype=dtype)
     prompt = engine.build_prompt(*rag_texts)
     engine.cache_segments(prompt)
     index, key = _segments(engine, prompt)[1]
     entry = engine.store.get(key).k.float()
-    # A value past float16's largest (65,504): the narrowed copy holds inf.
+    # A value past float16's largest (65,504; float8_e4m3fn's: 448): the narrowed copy
+    # holds inf (float16) or NaN (float8, which torch would otherwise saturate at 448).
     huge = dataclasses.replace(engine.store.get(key), is_finite=None)
     k = entry.clone()
     k[3, 1, 2, 5] = 1e6
@@ -142,18 +221,19 @@ def test_kv_that_overflows_float16_is_refused_on_load_and_computed_afresh(new_en
     assert num_rejected == 1 and entries[index] is None
     result = engine.prefill(prompt, "hole", ratio=0.15)
     assert result.num_rejected_segments == 1 and result.num_stored_segments == 1
-    assert engine.store.get(key).k.isfinite().all()
+    assert finite_flags([engine.store.get(key)]) == [True]
 
 
-def test_a_pod_reuses_bfloat16_blobs_another_pod_put_in_the_shared_tier(
-    reference_engine, rag_texts
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_a_pod_reuses_narrow_blobs_another_pod_put_in_the_shared_tier(
+    reference_engine, rag_texts, dtype
 ):
-    """Two pods' engines over one real redis-server, both with kv.storeDtype bfloat16: the
-    blobs name bfloat16 (the header the readers expect), and pod B, its own tier empty,
-    blends from what pod A stored (every document) as pod A itself does."""
+    """Two pods' engines over one real redis-server, both with kv.storeDtype `dtype`: the
+    blobs name it (the header the readers expect), and pod B, its own tier empty, blends
+    from what pod A stored (every document) as pod A itself does."""
 
     def pod(name: str, url: str) -> BlendEngine:
-        blend = BlendConfig(kv_store_dtype="bfloat16")
+        blend = BlendConfig(kv_store_dtype=dtype)
         engine = BlendEngine(reference_engine.model, reference_engine.tokenizer, blend)
         layout = KVLayout.of(engine.config, engine.kv_dtype)
         settings = TierSettings(1 << 28, url, None, "ns/rag", name)
@@ -162,7 +242,7 @@ def test_a_pod_reuses_bfloat16_blobs_another_pod_put_in_the_shared_tier(
 
     with RedisProcess(maxmemory="256mb") as redis:
         a, b = pod("pod-a", redis.url), pod("pod-b", redis.url)
-        assert a.store.layout.dtype == "bfloat16"
+        assert a.store.layout.dtype == dtype
         prompt = a.build_prompt(*rag_texts)
         a.cache_segments(prompt)
         expected = a.prefill(prompt, "hole", ratio=0.15)
