@@ -111,6 +111,8 @@ def test_kv_store_dtype_must_be_narrower_than_a_known_model_dtype(
         assert errors == []
         assert BlendDeployment.model_validate(manifest).spec.blend.kv.store_dtype == store_dtype
         return
-    assert any("blend.kv.storeDtype must be auto, model.dtype or float8" in e for e in errors), errors
+    assert any("blend.kv.storeDtype must be auto, model.dtype or float8" in e for e in errors), (
+        errors
+    )
     with pytest.raises(pydantic.ValidationError, match="set it to auto"):
         BlendDeployment.model_validate(manifest)
