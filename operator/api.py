@@ -1041,12 +1041,12 @@ class KVTiers(ApiModel):
     per segment, so each tier holds twice the documents, for a rounding of the reused KV;
     float8_e4m3fn: a quarter of float32's bytes, half a 16-bit model's, for a coarser
     rounding (3 mantissa bits; a segment with a value beyond +-448 is computed afresh
-    instead of reused); measured in docs/shared-tier.md. The engines convert on store
-    and on load. A dtype
-    not narrower than the model's is refused: by the API server when model.dtype names
-    float16 or bfloat16, else (model.dtype auto) by the engine at start-up. Segment keys name
-    this dtype: changing it starts every tier afresh (a restart, like every setting but
-    the ratio)."""
+    instead of reused; at ratio 1.0 the rounded exact prefix can change answers); measured
+    in docs/shared-tier.md. The engines convert on store and on load. A dtype not narrower
+    than the model's is refused: by the API server when model.dtype names float16 or
+    bfloat16, else (model.dtype auto) by the engine at start-up. Segment keys name this
+    dtype: changing it starts every tier afresh (a restart, like every setting but the
+    ratio)."""
     shared_url: SharedStoreUrl | None = None
     """Shared tier on Redis or Valkey, e.g. redis://kv-cache:6379/0; none when unset. No
     credentials: a password (user:password@ or ?password=), a credential query parameter or a
