@@ -49,12 +49,8 @@ from holeblend_runtime.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-}
+# The torch dtype of each name a blob header may carry (the wire format's one list).
+_DTYPES = {name: getattr(torch, name) for name in DTYPE_SIZES}
 
 
 class LocalTier(Protocol):
