@@ -7,7 +7,9 @@ segment and computes only the missing ones between them.
 1. Look every cacheable segment up; refuse unusable entries; plan the reuse.
 2. Take the exact prefix as it is: the system prompt (cached alone from position 0) and,
    when it was cached right after that system prompt, the first document. Its KV is what
-   full prefill would compute, so it is loaded like a prefix cache, never blended.
+   full prefill would compute, so it is loaded like a prefix cache, never blended. Only
+   KV stored in the model's dtype is exact: under a narrower `kv.storeDtype` every
+   reused segment is blended (and ratio 1.0 recomputes it), since its KV was rounded.
 3. If nothing else is reused, continue on the plain causal path from there (a full
    prefill when nothing at all is reused); otherwise blend the rest.
 4. Store the segments that were missing, as `BlendConfig.store_policy` says:
@@ -188,6 +190,8 @@ class BlendEngine:
         # The dtype the KV tiers hold segment KV in (`kv_dtype`), fixed for the engine's life.
         model_dtype = dtype_name(model.dtype)
         self._stored_dtype = getattr(torch, stored_kv_dtype(model_dtype, self.blend_config))
+        # Whether reused KV is what this model computed, bit for bit (no exact prefix else).
+        self.kv_is_exact = self._stored_dtype == model.dtype
         # None: the strategy the config names, made fresh per request.
         self.strategy = strategy
         self.blender = Blender(model, self.blend_config)
@@ -558,10 +562,14 @@ class BlendEngine:
         The system prompt qualifies when reused (cached alone from position 0). The first
         document qualifies when reused with KV computed right after this system prompt
         and separator: its key names that context, and its positions start where it
-        starts here.
+        starts here. Neither does when the tiers hold KV in a narrower dtype than the
+        model's (`kv_is_exact` false): rounded KV is not full prefill's, so it is blended
+        like any reused segment, and ratio 1.0 recomputes it.
         """
         system = prompt.system
         end = prompt.num_tokens if num_tokens is None else num_tokens
+        if not self.kv_is_exact:
+            return None
         if 0 not in reuse.reused_segments or not _is_at(entries[0], system.start):
             return None
         if system.end > end:

@@ -341,6 +341,9 @@ class _SchedulerSide:
         )
         policy = ReusePolicy.PREFIX if settings.mode == "prefix" else ReusePolicy.HOLE
         keyer = SegmentKeyer(model_id, kv_dtype, settings.blend)
+        # Reused KV is vLLM's own, bit for bit, only in the model's dtype (the engine's
+        # `kv_is_exact`: else no exact prefix, every reused segment is blended).
+        self.kv_is_exact = kv_dtype == dtype_name(vllm_config.model_config.dtype)
         self.planner = ReusePlanner(separator_ids, keyer, store, policy)
         # With `lookup_deadline_ms`, lookups that cross the network (a lookup server, a
         # shared tier) run off this thread with that deadline; otherwise inline (a node-local
@@ -514,7 +517,7 @@ class _SchedulerSide:
         ratio: float,
         statistic: float | None,
     ) -> None:
-        if not _is_blended(plan, figures):
+        if not plan.is_blended(figures["num_reused_tokens"], self.kv_is_exact):
             return  # exact KV: the answer is full prefill's, nothing to measure
         answer = list(getattr(request, "output_token_ids", None) or [])
         reason = str(request.get_finished_reason())
@@ -541,15 +544,6 @@ class _SchedulerSide:
 
 # vLLM's FinishReason of a request that ran to its end (not aborted, not an error).
 _SCORED_FINISH_REASONS = {"stop", "length"}
-
-
-def _is_blended(plan: ReusePlan, figures: dict[str, Any]) -> bool:
-    """Whether a reused document's KV was blended in: only then can the answer differ from
-    full prefill's (a full miss, or the system prompt alone at position 0, is exact)."""
-    if not plan.num_covered_tokens or not figures["num_reused_tokens"]:
-        return False
-    segments = plan.prompt.segments
-    return any(segments[i].index is not None for i in plan.reuse.reused_segments)
 
 
 def _shadow(

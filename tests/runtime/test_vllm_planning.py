@@ -70,6 +70,22 @@ def test_a_selection_that_reads_the_question_covers_it_but_not_the_last_token():
     assert missed.num_covered_tokens == 0  # a full miss covers nothing, question or not
 
 
+def test_a_system_prompt_hit_is_exact_only_when_the_tiers_hold_the_models_dtype():
+    everything = planner(MemoryIndex()).plan(PROMPT)
+    system_only = planner(MemoryIndex(cached_keys(everything, [0]))).plan(PROMPT)
+    with_documents = planner(MemoryIndex(cached_keys(everything, [0, 1, 3]))).plan(PROMPT)
+    reused = system_only.reuse.num_reused_tokens
+    assert system_only.num_covered_tokens > 0 and reused == 3
+    # The system prompt at position 0 in the model's dtype is full prefill's KV: nothing
+    # to score. Rounded (a narrower kv.storeDtype), it is blended like a document.
+    assert not system_only.is_blended(reused, kv_is_exact=True)
+    assert system_only.is_blended(reused, kv_is_exact=False)
+    for kv_is_exact in (True, False):
+        assert with_documents.is_blended(with_documents.reuse.num_reused_tokens, kv_is_exact)
+        assert not system_only.is_blended(0, kv_is_exact)  # its load failed: vLLM computed
+        assert not everything.is_blended(0, kv_is_exact)  # a full miss
+
+
 def test_an_unreachable_index_plans_a_full_miss_and_says_so():
     plan = planner(MemoryIndex(is_down=True)).plan(PROMPT)
     assert plan.is_lookup_failed
