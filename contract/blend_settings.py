@@ -234,8 +234,9 @@ class KVSettings(_Settings):
     local_cpu_bytes: int = Field(default=DEFAULT_LOCAL_CPU_BYTES, ge=0)
     # Which segments that tier takes in once full.
     admission: Admission = Admission.FREQUENCY
-    # The dtype every tier holds segment KV in (auto: the model's KV dtype, lossless); the
-    # engines convert on store and on load, and segment keys name it.
+    # The dtype every tier holds documents' KV in (auto: the model's KV dtype, lossless;
+    # the system prompt's stays in the model's); the engines convert on store and on load,
+    # and documents' keys name it.
     store_dtype: KVStoreDtype = KVStoreDtype.AUTO
     # Shared tier URL (redis://...), None: no shared tier.
     shared_url: str | None = None

@@ -1036,17 +1036,18 @@ class KVTiers(ApiModel):
     popular ones out (a Zipf RAG stream on vLLM: a quarter fewer holes for the same bytes;
     docs/vllm-connector.md); the window's size adapts to the traffic. always: plain LRU."""
     store_dtype: KVStoreDtype = Field(default=KVStoreDtype.AUTO, strict=False)
-    """The dtype every tier (the pod's own, the shared tier) holds segment KV in. auto: the
-    model's KV dtype, lossless. bfloat16 or float16 under a float32 model: half the bytes
-    per segment, so each tier holds twice the documents, for a rounding of the reused KV;
-    float8_e4m3fn: a quarter of float32's bytes, half a 16-bit model's, for a coarser
-    rounding (3 mantissa bits; a segment with a value beyond +-448 is computed afresh
-    instead of reused; at ratio 1.0 the rounded exact prefix can change answers); measured
-    in docs/shared-tier.md. The engines convert on store and on load. A dtype not narrower
-    than the model's is refused: by the API server when model.dtype names float16 or
-    bfloat16, else (model.dtype auto) by the engine at start-up. Segment keys name this
-    dtype: changing it starts every tier afresh (a restart, like every setting but the
-    ratio)."""
+    """The dtype every tier (the pod's own, the shared tier) holds documents' KV in. auto:
+    the model's KV dtype, lossless. bfloat16 or float16 under a float32 model: half the
+    bytes per document, so each tier holds twice the documents, for a rounding of the
+    reused KV; float8_e4m3fn: a quarter of float32's bytes, half a 16-bit model's, for a
+    coarser rounding (3 mantissa bits; a segment with a value beyond +-448 is computed
+    afresh instead of reused); measured in docs/shared-tier.md. The engines convert on
+    store and on load. The system prompt's KV stays in the model's dtype (the exact prefix
+    of every prompt); rounded documents are always blended, never taken as exact, so ratio
+    1.0 still gives full prefill's answers. A dtype not narrower than the model's is
+    refused: by the API server when model.dtype names float16 or bfloat16, else
+    (model.dtype auto) by the engine at start-up. Documents' keys name this dtype:
+    changing it starts every tier afresh (a restart, like every setting but the ratio)."""
     shared_url: SharedStoreUrl | None = None
     """Shared tier on Redis or Valkey, e.g. redis://kv-cache:6379/0; none when unset. No
     credentials: a password (user:password@ or ?password=), a credential query parameter or a

@@ -8,8 +8,9 @@ segment and computes only the missing ones between them.
 2. Take the exact prefix as it is: the system prompt (cached alone from position 0) and,
    when it was cached right after that system prompt, the first document. Its KV is what
    full prefill would compute, so it is loaded like a prefix cache, never blended. Only
-   KV stored in the model's dtype is exact: under a narrower `kv.storeDtype` every
-   reused segment is blended (and ratio 1.0 recomputes it), since its KV was rounded.
+   KV stored in the model's dtype is exact: the system prompt's always is; under a
+   narrower `kv.storeDtype` documents' KV is rounded, so the first document is blended
+   like the others (and ratio 1.0 recomputes it).
 3. If nothing else is reused, continue on the plain causal path from there (a full
    prefill when nothing at all is reused); otherwise blend the rest.
 4. Store the segments that were missing, as `BlendConfig.store_policy` says:
@@ -190,13 +191,14 @@ class BlendEngine:
         # The dtype the KV tiers hold segment KV in (`kv_dtype`), fixed for the engine's life.
         model_dtype = dtype_name(model.dtype)
         self._stored_dtype = getattr(torch, stored_kv_dtype(model_dtype, self.blend_config))
-        # Whether reused KV is what this model computed, bit for bit (no exact prefix else).
+        # Whether documents' reused KV is what this model computed, bit for bit (the
+        # system prompt's always is: it is stored in the model's dtype).
         self.kv_is_exact = self._stored_dtype == model.dtype
         # None: the strategy the config names, made fresh per request.
         self.strategy = strategy
         self.blender = Blender(model, self.blend_config)
         # How this engine names segments' KV (the vLLM connector keys the same way).
-        self.keyer = SegmentKeyer(self.config.model_id, self.kv_dtype, self.blend_config)
+        self.keyer = SegmentKeyer.for_model(self.config.model_id, model_dtype, self.blend_config)
         self.prompt_builder = PromptBuilder(
             tokenizer, self.blend_config.separator, self.blend_config.min_segment_tokens
         )
@@ -302,7 +304,8 @@ class BlendEngine:
             rows = slice(segment.start, segment.end)
             k, v = full.k[:, :, rows], full.v[:, :, rows]
             # As a store holds it and a load hands it back (the conversions' kernels too).
-            return self._to_stored(self._segment_kv(key, k, v, start=segment.start - shift))
+            kv = self._segment_kv(key, k, v, start=segment.start - shift)
+            return self._to_stored(kv, segment)
 
         # The second document missing (a hole), the last one cached one position earlier
         # than it sits now (re-rotated on reuse).
@@ -310,7 +313,8 @@ class BlendEngine:
         entries[documents[1]] = None
         for index, cached in enumerate(entries):
             if cached is not None:
-                self.kv_problem(cached, cached.key, prompt.segments[index].num_tokens)
+                segment = prompt.segments[index]
+                self.kv_problem(cached, cached.key, segment.num_tokens, self._dtype_of(segment))
         entries = [self._to_model(cached) for cached in entries]
         # Last, no exact prefix: the system prompt not cached.
         without_system = [None, *entries[1:]]
@@ -345,10 +349,16 @@ class BlendEngine:
         blend.json's kv.storeDtype names another): segment keys and blob headers name it."""
         return dtype_name(self._stored_dtype)
 
-    def _to_stored(self, kv: SegmentKV) -> SegmentKV:
-        """`kv` (the model's dtype) as the tiers hold it (`kv_dtype`); the values' check
-        is the store's, on what it stores."""
-        dtype = self._stored_dtype
+    def _dtype_of(self, segment: Segment) -> torch.dtype:
+        """The dtype the tiers hold `segment`'s KV in: `kv_dtype` for documents, the
+        model's own for the system prompt (one small segment, every prompt's exact prefix:
+        stored rounded, it would be exact nowhere)."""
+        return self.model.dtype if segment.kind is SegmentKind.SYSTEM else self._stored_dtype
+
+    def _to_stored(self, kv: SegmentKV, segment: Segment) -> SegmentKV:
+        """`kv` (the model's dtype) of `segment` as the tiers hold it (`_dtype_of`); the
+        values' check is the store's, on what it stores."""
+        dtype = self._dtype_of(segment)
         if kv.k.dtype == dtype:
             return kv
         return replace(kv, k=narrowed(kv.k, dtype), v=narrowed(kv.v, dtype), is_finite=None)
@@ -562,14 +572,13 @@ class BlendEngine:
         The system prompt qualifies when reused (cached alone from position 0). The first
         document qualifies when reused with KV computed right after this system prompt
         and separator: its key names that context, and its positions start where it
-        starts here. Neither does when the tiers hold KV in a narrower dtype than the
-        model's (`kv_is_exact` false): rounded KV is not full prefill's, so it is blended
-        like any reused segment, and ratio 1.0 recomputes it.
+        starts here, unless the tiers hold documents in a narrower dtype than the model's
+        (`kv_is_exact` false): rounded KV is not full prefill's, so the first document is
+        blended like the others, and ratio 1.0 recomputes it. (The system prompt's KV is
+        stored in the model's dtype whatever `kv.storeDtype` says: `_dtype_of`.)
         """
         system = prompt.system
         end = prompt.num_tokens if num_tokens is None else num_tokens
-        if not self.kv_is_exact:
-            return None
         if 0 not in reuse.reused_segments or not _is_at(entries[0], system.start):
             return None
         if system.end > end:
@@ -593,7 +602,8 @@ class BlendEngine:
     ) -> bool:
         document = prompt.segments[1]
         return (
-            self.blend_config.cache_after_system
+            self.kv_is_exact
+            and self.blend_config.cache_after_system
             and document.kind is SegmentKind.DOCUMENT
             and 1 in reuse.reused_segments
             and prompt.separator_ranges[0] == (prompt.system.end, document.start)
@@ -612,7 +622,9 @@ class BlendEngine:
         num_rejected = 0
         stored = self._get_many(keys)
         problems = [
-            None if entry is None else self._layout_problem(entry, key, segment.num_tokens)
+            None
+            if entry is None
+            else self._layout_problem(entry, key, segment.num_tokens, self._dtype_of(segment))
             for segment, key, entry in zip(prompt.segments, keys, stored, strict=True)
         ]
         problems = self._position_problems(stored, problems)
@@ -634,14 +646,19 @@ class BlendEngine:
         found = dict(zip(wanted, self.store.get_many(wanted), strict=True))
         return [found.get(key) if key is not None else None for key in keys]
 
-    def kv_problem(self, entry: SegmentKV, key: str, num_tokens: int) -> str | None:
-        """Why a cached entry cannot be used for a segment of `num_tokens`, or None."""
-        problem = self._shape_problem(entry, key, num_tokens)
+    def kv_problem(
+        self, entry: SegmentKV, key: str, num_tokens: int, dtype: torch.dtype | None = None
+    ) -> str | None:
+        """Why a cached entry cannot be used for a segment of `num_tokens` held in `dtype`
+        (default: documents' `kv_dtype`), or None."""
+        problem = self._shape_problem(entry, key, num_tokens, dtype)
         return _finite_problems([entry], [problem])[0]
 
-    def _shape_problem(self, entry: SegmentKV, key: str, num_tokens: int) -> str | None:
+    def _shape_problem(
+        self, entry: SegmentKV, key: str, num_tokens: int, dtype: torch.dtype | None = None
+    ) -> str | None:
         """`kv_problem` short of the values' finiteness (host metadata only)."""
-        problem = self._layout_problem(entry, key, num_tokens)
+        problem = self._layout_problem(entry, key, num_tokens, dtype)
         return problem or self._position_problems([entry], [None])[0]
 
     def _position_problems(
@@ -664,16 +681,20 @@ class BlendEngine:
                 result[i] = "positions outside the model context"
         return result
 
-    def _layout_problem(self, entry: SegmentKV, key: str, num_tokens: int) -> str | None:
-        """Why an entry's metadata does not fit a segment of `num_tokens`, or None."""
+    def _layout_problem(
+        self, entry: SegmentKV, key: str, num_tokens: int, dtype: torch.dtype | None = None
+    ) -> str | None:
+        """Why an entry's metadata does not fit a segment of `num_tokens` held in `dtype`
+        (default: documents' `kv_dtype`), or None."""
         c = self.config
+        dtype = self._stored_dtype if dtype is None else dtype
         expected = (c.num_layers, c.num_kv_heads, num_tokens, c.head_dim)
         if entry.key != key:
             return f"entry is keyed {entry.key!r}"
         if entry.model_id != c.model_id:
             return f"computed by model {entry.model_id!r}, this is {c.model_id!r}"
-        if entry.k.dtype != self._stored_dtype:
-            return f"dtype {entry.k.dtype}, expected {self._stored_dtype}"
+        if entry.k.dtype != dtype:
+            return f"dtype {entry.k.dtype}, expected {dtype}"
         if tuple(entry.k.shape) != expected:
             return f"shape {tuple(entry.k.shape)}, expected {expected}"
         return None
@@ -714,7 +735,7 @@ class BlendEngine:
                 continue
             seg_k, seg_v = k[:, :, start:end], v[:, :, start:end]
             kv = self._segment_kv(key, seg_k, seg_v, segment.start)
-            num_stored += bool(self.store.put(self._to_stored(kv)))
+            num_stored += bool(self.store.put(self._to_stored(kv, segment)))
         return num_stored
 
     def _queue_isolated(
@@ -723,7 +744,8 @@ class BlendEngine:
         def compute(before_layer: Callable[[int], None]) -> SegmentKV:
             context_k, context_v = self._context_kv(prompt, before_layer)
             return self._to_stored(
-                self._canonical_kv(prompt, index, keys[index], context_k, context_v, before_layer)
+                self._canonical_kv(prompt, index, keys[index], context_k, context_v, before_layer),
+                prompt.segments[index],
             )
 
         return self.store_worker.submit(StoreJob(keys[index], compute))
@@ -750,7 +772,7 @@ class BlendEngine:
         num_stored = 0
         for i in wanted:
             kv = self._canonical_kv(prompt, i, keys[i], context_k, context_v)
-            num_stored += bool(self.store.put(self._to_stored(kv)))
+            num_stored += bool(self.store.put(self._to_stored(kv, prompt.segments[i])))
         return num_stored
 
     def _context_kv(

@@ -1,10 +1,12 @@
 """Segment keys: the one definition of what names a segment's cached KV.
 
-A key hashes the segment's tokens with the model, the KV dtype and, for documents cached
-right after the system prompt (`BlendConfig.cache_after_system`), the tokens of that
-context (system prompt and separator): KV computed after another system prompt is other
-KV. The system prompt itself is cached alone from position 0. Segments shorter than
-`min_segment_tokens` (and the question) are never cached: None.
+A key hashes the segment's tokens with the model, the dtype the tiers hold its KV in and,
+for documents cached right after the system prompt (`BlendConfig.cache_after_system`), the
+tokens of that context (system prompt and separator): KV computed after another system
+prompt is other KV. The system prompt itself is cached alone from position 0, always in
+the model's own dtype (`system_kv_dtype`; documents in `kv_dtype`, which a narrower
+`kv.storeDtype` rounds): one segment shared by every prompt, the exact prefix of each.
+Segments shorter than `min_segment_tokens` (and the question) are never cached: None.
 
 Both engines key through `SegmentKeyer`: holeblend-serve's (`BlendEngine`) and the vLLM
 connector's scheduler side, so a segment stored by one is found by the other.
@@ -12,17 +14,27 @@ connector's scheduler side, so a segment stored by one is found by the other.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from holeblend_runtime.blend.config import BlendConfig
+from holeblend_runtime.blend.config import BlendConfig, stored_kv_dtype
 from holeblend_runtime.blend.segments import SegmentedPrompt, segment_key
 
 
 @dataclass(frozen=True)
 class SegmentKeyer:
     model_id: str
+    # The dtype the tiers hold documents' KV in.
     kv_dtype: str
     blend: BlendConfig
+    # The system prompt's: the model's own (None: the same as documents').
+    system_kv_dtype: str | None = None
+
+    @classmethod
+    def for_model(cls, model_id: str, model_dtype: str, blend: BlendConfig) -> SegmentKeyer:
+        """The keyer of a model whose KV is `model_dtype` under `blend`'s kv.storeDtype:
+        documents in `stored_kv_dtype`, the system prompt in the model's own."""
+        return cls(model_id, stored_kv_dtype(model_dtype, blend), blend, model_dtype)
 
     def keys(self, prompt: SegmentedPrompt) -> list[str | None]:
         """One key per segment; None for segments that are never cached."""
@@ -30,14 +42,16 @@ class SegmentKeyer:
         return [
             None
             if not segment.is_cacheable(self.blend.min_segment_tokens)
-            else segment_key(
-                segment.token_ids,
-                model_id=self.model_id,
-                kv_dtype=self.kv_dtype,
-                context_key=None if segment is prompt.system else context_key,
-            )
+            else self._key(segment.token_ids, self.system_kv_dtype or self.kv_dtype, None)
+            if segment is prompt.system
+            else self._key(segment.token_ids, self.kv_dtype, context_key)
             for segment in prompt.segments
         ]
+
+    def _key(self, token_ids: Sequence[int], kv_dtype: str, context_key: str | None) -> str:
+        return segment_key(
+            token_ids, model_id=self.model_id, kv_dtype=kv_dtype, context_key=context_key
+        )
 
     def document_offset(self, prompt: SegmentedPrompt) -> int:
         """Where a document starts when cached after the system prompt (0: alone)."""
@@ -50,4 +64,4 @@ class SegmentKeyer:
         if not self.blend.cache_after_system:
             return None
         context = prompt.token_ids[: self.document_offset(prompt)]
-        return segment_key(context, model_id=self.model_id, kv_dtype=self.kv_dtype)
+        return self._key(context, self.kv_dtype, None)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import msgpack
@@ -121,10 +121,14 @@ def blob_pieces(
 
 
 def decode_blob(
-    blob: bytes, expected: BlobHeader | None = None, deployment: str = ""
+    blob: bytes,
+    expected: BlobHeader | None = None,
+    deployment: str = "",
+    also_dtypes: Collection[str] = (),
 ) -> tuple[BlobHeader, memoryview]:
     """The header and payload of a checked blob written by `deployment`; BlobError for
-    anything wrong."""
+    anything wrong. With `expected`, the blob's dtype is `expected.dtype` or one of
+    `also_dtypes` (a reader whose segments come in two dtypes checks which is whose)."""
     if len(blob) < _PREFIX.size:
         raise BlobError(f"truncated: {len(blob)} bytes")
     magic, version, meta_len = _PREFIX.unpack_from(blob)
@@ -148,7 +152,7 @@ def decode_blob(
     if digest.intdigest() != meta.get("xxh3_64"):
         raise BlobError("checksum mismatch")
     if expected is not None:
-        _check_expected(header, expected)
+        _check_expected(header, expected, also_dtypes)
     return header, payload
 
 
@@ -180,8 +184,12 @@ def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 31
 
 
-def _check_expected(header: BlobHeader, expected: BlobHeader) -> None:
+def _check_expected(
+    header: BlobHeader, expected: BlobHeader, also_dtypes: Collection[str] = ()
+) -> None:
     for name in ("key", "model", "dtype"):
+        if name == "dtype" and header.dtype in also_dtypes:
+            continue
         if getattr(header, name) != getattr(expected, name):
             raise BlobError(
                 f"{name}: blob has {getattr(header, name)!r}, expected {getattr(expected, name)!r}"
@@ -308,15 +316,18 @@ class SharedTier:
         """The blob of `expected.key` if it matches `expected`; None for a miss or a bad blob."""
         return self.load(expected)[0]
 
-    def load(self, expected: BlobHeader) -> tuple[tuple[BlobHeader, memoryview] | None, bool]:
+    def load(
+        self, expected: BlobHeader, also_dtypes: Collection[str] = ()
+    ) -> tuple[tuple[BlobHeader, memoryview] | None, bool]:
         """(`get_checked`'s answer, whether Redis answered): a None with False is a failed or
-        skipped call, so the blob may still be there; with True it is gone or unusable."""
+        skipped call, so the blob may still be there; with True it is gone or unusable.
+        `also_dtypes`: as `decode_blob`'s."""
         num_failed = self.stats.errors + self.stats.skipped_by_breaker
         blob = self.get_blob(expected.key)
         if blob is None:
             return None, self.stats.errors + self.stats.skipped_by_breaker == num_failed
         try:
-            return decode_blob(blob, expected, self.deployment), True
+            return decode_blob(blob, expected, self.deployment, also_dtypes), True
         except BlobError as error:
             self.stats.bad_blobs += 1
             log.warning("shared tier: refusing blob of segment %s: %s", expected.key, error)

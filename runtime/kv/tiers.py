@@ -79,16 +79,26 @@ class KVLayout:
 
     # Model identity (`ModelConfig.model_id`).
     model_id: str
-    # KV dtype name: float32, float16, bfloat16 or float8_e4m3fn.
+    # Documents' KV dtype name: float32, float16, bfloat16 or float8_e4m3fn.
     dtype: str
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    # The system prompt's, the model's own (None: the same); the engine checks whose is whose.
+    system_dtype: str | None = None
 
     @classmethod
-    def of(cls, config: ModelConfig, dtype: str) -> KVLayout:
+    def of(cls, config: ModelConfig, dtype: str, system_dtype: str | None = None) -> KVLayout:
         """The layout of `config`'s KV cache in `dtype` (the engine's `kv_dtype`)."""
-        return cls(config.model_id, dtype, config.num_layers, config.num_kv_heads, config.head_dim)
+        return cls(
+            config.model_id, dtype, config.num_layers, config.num_kv_heads, config.head_dim,
+            system_dtype,
+        )  # fmt: skip
+
+    @property
+    def other_dtypes(self) -> tuple[str, ...]:
+        """Dtypes a segment may be held in besides `dtype`."""
+        return () if self.system_dtype in (None, self.dtype) else (self.system_dtype,)
 
     def header(self, key: str, num_tokens: int = 0) -> BlobHeader:
         shape = (self.num_layers, self.num_kv_heads, num_tokens, self.head_dim)
@@ -237,7 +247,7 @@ class TieredKVStore:
 
     def _load_shared(self, key: str) -> SegmentKV | None:
         assert self.shared is not None
-        checked, is_answer = self.shared.load(self.layout.header(key))
+        checked, is_answer = self.shared.load(self.layout.header(key), self.layout.other_dtypes)
         if checked is None:
             self._load_failed(key, is_gone=is_answer)
             return None
@@ -430,7 +440,8 @@ def with_remote_tiers(engine, settings, local: LocalKVStore, registry=None):
     if not shared_url and not lookup_url:
         return local
     tiers = TierSettings.from_env(local.capacity_bytes, shared_url, lookup_url)
-    store = open_tiered_store(tiers, KVLayout.of(engine.config, engine.kv_dtype), local)
+    layout = KVLayout.of(engine.config, engine.kv_dtype, dtype_name(engine.model.dtype))
+    store = open_tiered_store(tiers, layout, local)
     if registry is not None:
         registry.register(TierMetrics(store))
     log.info(

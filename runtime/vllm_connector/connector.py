@@ -163,6 +163,8 @@ def kv_layout(vllm_config: Any, blend: BlendConfig) -> KVLayout:
         # One rank's heads: under tensor parallelism each rank stores its own shard.
         config.get_num_kv_heads(vllm_config.parallel_config),
         config.get_head_size(),
+        # The system prompt's segment is held in the model's own dtype (BlendEngine._dtype_of).
+        system_dtype=dtype_name(config.dtype),
     )
 
 
@@ -340,10 +342,8 @@ class _SchedulerSide:
             settings.blend.separator, add_special_tokens=False
         )
         policy = ReusePolicy.PREFIX if settings.mode == "prefix" else ReusePolicy.HOLE
-        keyer = SegmentKeyer(model_id, kv_dtype, settings.blend)
-        # Reused KV is vLLM's own, bit for bit, only in the model's dtype (the engine's
-        # `kv_is_exact`: else no exact prefix, every reused segment is blended).
-        self.kv_is_exact = kv_dtype == dtype_name(vllm_config.model_config.dtype)
+        model_dtype = dtype_name(vllm_config.model_config.dtype)
+        keyer = SegmentKeyer.for_model(model_id, model_dtype, settings.blend)
         self.planner = ReusePlanner(separator_ids, keyer, store, policy)
         # With `lookup_deadline_ms`, lookups that cross the network (a lookup server, a
         # shared tier) run off this thread with that deadline; otherwise inline (a node-local
@@ -517,7 +517,7 @@ class _SchedulerSide:
         ratio: float,
         statistic: float | None,
     ) -> None:
-        if not plan.is_blended(figures["num_reused_tokens"], self.kv_is_exact):
+        if not plan.is_blended(figures["num_reused_tokens"]):
             return  # exact KV: the answer is full prefill's, nothing to measure
         answer = list(getattr(request, "output_token_ids", None) or [])
         reason = str(request.get_finished_reason())

@@ -56,15 +56,13 @@ class ReusePlan:
     # The index did not answer by the deadline; the request runs as a full miss.
     is_lookup_late: bool = False
 
-    def is_blended(self, num_reused_tokens: int, kv_is_exact: bool = True) -> bool:
-        """Whether reused KV was blended in (`num_reused_tokens` of it loaded): only then
-        can the answer differ from full prefill's. A full miss is exact, and so is the
-        system prompt alone at position 0 when the tiers hold the model's own dtype
-        (`kv_is_exact`); under a narrower store dtype any reuse is blended, rounded KV."""
+    def is_blended(self, num_reused_tokens: int) -> bool:
+        """Whether a reused document's KV was blended in (`num_reused_tokens` of it
+        loaded): only then can the answer differ from full prefill's. A full miss is
+        exact, and so is the system prompt alone at position 0 (held in the model's own
+        dtype whatever `kv.storeDtype` says, so never rounded)."""
         if not self.num_covered_tokens or not num_reused_tokens:
             return False
-        if not kv_is_exact:
-            return True
         return any(self.prompt.segments[i].index is not None for i in self.reuse.reused_segments)
 
 

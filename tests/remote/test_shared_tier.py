@@ -61,6 +61,20 @@ def test_flipped_truncated_and_foreign_blobs_are_refused():
         decode_blob(blob[:4] + b"\x09\x00" + blob[6:], expected)
 
 
+def test_a_blob_in_another_dtype_is_refused_unless_the_reader_holds_that_dtype_too():
+    """A reader whose documents are narrowed holds its system prompt in the model's dtype
+    (KVLayout.system_dtype): it takes those two dtypes and refuses a third."""
+    narrow = KVLayout("model-a", "bfloat16", 3, 2, 8, system_dtype="float32")
+    assert narrow.other_dtypes == ("float32",) and LAYOUT.other_dtypes == ()
+    kv = segment()
+    half = SegmentKV(kv.key, kv.k.half(), kv.v.half(), kv.positions, kv.model_id)
+    with pytest.raises(BlobError, match="dtype: blob has 'float32', expected 'bfloat16'"):
+        decode_blob(kv_to_blob(kv), narrow.header("seg"))
+    assert decode_blob(kv_to_blob(kv), narrow.header("seg"), "", narrow.other_dtypes)
+    with pytest.raises(BlobError, match="dtype: blob has 'float16'"):
+        decode_blob(kv_to_blob(half), narrow.header("seg"), "", narrow.other_dtypes)
+
+
 def test_a_blob_carries_its_deployment_in_header_and_checksum():
     blob = kv_to_blob(segment(), "ns/a")
     expected = LAYOUT.header("seg")

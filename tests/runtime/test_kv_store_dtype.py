@@ -30,18 +30,54 @@ def _segments(engine, prompt):
     return [(i, key) for i, key in enumerate(keys) if key is not None]
 
 
+def _documents(engine, prompt):
+    """`_segments` less the system prompt's (index 0), which is held in the model's dtype."""
+    return [(i, key) for i, key in _segments(engine, prompt) if i != 0]
+
+
+def _document_bytes(engine, prompt) -> int:
+    """The K/V bytes of the prompt's documents in the engine's store."""
+    entries = [engine.store.get(key) for _, key in _documents(engine, prompt)]
+    return sum(kv.k.nbytes + kv.v.nbytes for kv in entries)
+
+
+def test_the_system_prompt_is_held_in_the_models_dtype_under_its_own_key(new_engine, rag_texts):
+    """One small segment, every prompt's exact prefix: rounded, it would be exact nowhere."""
+    wide = new_engine()
+    prompt = wide.build_prompt(*rag_texts)
+    wide.cache_segments(prompt)
+    system_key = wide.segment_keys(prompt)[0]
+    for dtype in ("bfloat16", "float16", "float8_e4m3fn"):
+        narrow = new_engine(kv_store_dtype=dtype)
+        narrow.cache_segments(prompt)
+        keys = narrow.segment_keys(prompt)
+        # The same key (and KV) as under auto; documents' keys name the narrow dtype.
+        assert keys[0] == system_key
+        assert set(keys[1:]).isdisjoint(k for k in wide.segment_keys(prompt)[1:] if k)
+        system = narrow.store.get(system_key)
+        assert system.k.dtype == system.v.dtype == torch.float32, dtype
+        torch.testing.assert_close(system.k, wide.store.get(system_key).k, atol=0, rtol=0)
+        documents = [narrow.store.get(key) for _, key in _documents(narrow, prompt)]
+        assert {kv.k.dtype for kv in documents} == {getattr(torch, dtype)}
+        # A hole blend takes it as the exact prefix; the first document, rounded, is blended.
+        narrow.store.remove(keys[HOLE])
+        blended = narrow.prefill(prompt, "hole", ratio=0.15)
+        assert blended.num_exact_prefix_tokens == prompt.system.num_tokens, dtype
+        assert blended.deviation.numel() == blended.num_reused_tokens - prompt.system.num_tokens
+
+
 def test_the_store_holds_the_named_dtype_at_half_the_bytes(new_engine, rag_texts):
     wide, narrow = new_engine(), new_engine(kv_store_dtype="bfloat16")
     prompt = wide.build_prompt(*rag_texts)
     assert wide.cache_segments(prompt) == narrow.cache_segments(prompt) > 0
     for (_, wide_key), (_, narrow_key) in zip(
-        _segments(wide, prompt), _segments(narrow, prompt), strict=True
+        _documents(wide, prompt), _documents(narrow, prompt), strict=True
     ):
         full, half = wide.store.get(wide_key), narrow.store.get(narrow_key)
         assert full.k.dtype == torch.float32 and half.k.dtype == half.v.dtype == torch.bfloat16
         # The same KV, rounded: bfloat16 keeps 8 significant bits.
         torch.testing.assert_close(half.k.float(), full.k, rtol=2**-8, atol=1e-6)
-    assert narrow.store.num_bytes < 0.52 * wide.store.num_bytes
+    assert _document_bytes(narrow, prompt) == _document_bytes(wide, prompt) // 2
 
 
 def test_float8_holds_a_quarter_of_the_bytes_and_a_hole_blend_reuses_it(new_engine, rag_texts):
@@ -50,7 +86,7 @@ def test_float8_holds_a_quarter_of_the_bytes_and_a_hole_blend_reuses_it(new_engi
     assert narrow.kv_dtype == "float8_e4m3fn"
     assert wide.cache_segments(prompt) == narrow.cache_segments(prompt) > 0
     for (_, wide_key), (_, narrow_key) in zip(
-        _segments(wide, prompt), _segments(narrow, prompt), strict=True
+        _documents(wide, prompt), _documents(narrow, prompt), strict=True
     ):
         full, quarter = wide.store.get(wide_key), narrow.store.get(narrow_key)
         assert quarter.k.dtype == quarter.v.dtype == torch.float8_e4m3fn
@@ -60,7 +96,7 @@ def test_float8_holds_a_quarter_of_the_bytes_and_a_hole_blend_reuses_it(new_engi
             error = (stored.float() - exact).abs()
             assert bool((error <= 2**-4 * exact.abs() + 2**-10).all())
             assert error.max().item() > 0  # rounded: the KV did change
-    assert narrow.store.num_bytes < 0.27 * wide.store.num_bytes
+    assert _document_bytes(narrow, prompt) == _document_bytes(wide, prompt) // 4
     # The blend reuses every stored document, in the model's dtype.
     for engine in (wide, narrow):
         engine.store = LocalKVStore(1 << 30)
@@ -135,10 +171,13 @@ def test_keys_name_the_stored_dtype_and_auto_keeps_the_models(new_engine, rag_te
     assert auto.kv_dtype == float32.kv_dtype == "float32" and bf16.kv_dtype == "bfloat16"
     # auto names the model's dtype: caches stored before the setting existed still hit.
     assert auto.segment_keys(prompt) == float32.segment_keys(prompt)
-    assert set(bf16.segment_keys(prompt)).isdisjoint(k for k in auto.segment_keys(prompt) if k)
+    # Documents' keys name bfloat16; the system prompt's stays the model's dtype's.
+    documents = auto.segment_keys(prompt)[1:]
+    assert set(bf16.segment_keys(prompt)[1:]).isdisjoint(k for k in documents if k)
+    assert bf16.segment_keys(prompt)[0] == auto.segment_keys(prompt)[0]
 
 
-def test_a_hole_blend_on_bfloat16_kv_blends_every_reused_segment(cached_engine, rag_texts):
+def test_a_hole_blend_on_bfloat16_kv_blends_every_reused_document(cached_engine, rag_texts):
     wide, prompt = cached_engine(rag_texts, hole=HOLE)
     narrow = BlendEngine(
         wide.model, wide.tokenizer, BlendConfig(kv_store_dtype="bfloat16"), LocalKVStore(1 << 30)
@@ -150,12 +189,13 @@ def test_a_hole_blend_on_bfloat16_kv_blends_every_reused_segment(cached_engine, 
     assert actual.num_reused_tokens == expected.num_reused_tokens > 0
     assert actual.logits.dtype == torch.float32
     # Float32 KV is exact: the system prompt and first document are loaded as the exact
-    # prefix. Rounded KV is not: everything reused is blended, the system prompt's and
-    # first document's tokens among the candidates for recompute.
+    # prefix. Rounded KV is not: the first document is blended like the others, its
+    # tokens among the candidates for recompute (the system prompt is held in float32).
     assert expected.num_exact_prefix_tokens > prompt.system.num_tokens
-    assert actual.num_exact_prefix_tokens == 0 and not narrow.kv_is_exact
-    assert actual.deviation.numel() == actual.num_reused_tokens
-    # As close to full prefill as the float32 blend (measured closer: its pool is larger).
+    assert actual.num_exact_prefix_tokens == prompt.system.num_tokens
+    assert not narrow.kv_is_exact
+    assert actual.deviation.numel() == actual.num_reused_tokens - prompt.system.num_tokens
+    # About as close to full prefill as the float32 blend (its pool is larger).
     full = torch.log_softmax(wide.prefill(prompt, "full").logits, -1)
 
     def kl(logits: torch.Tensor) -> float:
@@ -178,12 +218,14 @@ def test_ratio_one_reproduces_full_prefill_whatever_the_store_dtype(
     for engine in (wide, narrow):
         for mode in ("hole", "prefix"):
             # Ratio 1.0 recomputes everything after the exact prefix: on float32 KV the
-            # system prompt and first document; on rounded KV none (its KV is not full
-            # prefill's), so every token is computed and the answer is full prefill's.
+            # system prompt and first document; on rounded KV the system prompt alone (held
+            # in float32; a rounded document is not full prefill's), so the answer is full
+            # prefill's.
             exact = engine.prefill(prompt, mode, ratio=1.0)
             assert exact.num_reused_tokens > 0 and exact.num_rejected_segments == 0
             torch.testing.assert_close(exact.logits, full.logits, atol=1e-4, rtol=0)
-    assert narrow.prefill(prompt, "hole", ratio=1.0).num_exact_prefix_tokens == 0
+    exact_prefix = narrow.prefill(prompt, "hole", ratio=1.0).num_exact_prefix_tokens
+    assert exact_prefix == prompt.system.num_tokens
 
 
 def test_in_context_and_isolated_stores_both_write_the_stored_dtype(new_engine, rag_texts):
@@ -194,7 +236,8 @@ def test_in_context_and_isolated_stores_both_write_the_stored_dtype(new_engine, 
         assert engine.store_worker.drain(timeout=120)
         stored = [engine.store.get(key) for _, key in _segments(engine, prompt)]
         assert stored and all(kv is not None for kv in stored), policy
-        assert {kv.k.dtype for kv in stored} == {torch.bfloat16}, policy
+        assert [kv.k.dtype for kv in stored[:2]] == [torch.float32, torch.bfloat16], policy
+        assert {kv.k.dtype for kv in stored[1:]} == {torch.bfloat16}, policy
 
 
 def test_an_entry_of_another_dtype_is_refused_with_the_reason(new_engine, rag_texts):
@@ -257,7 +300,8 @@ def test_kv_that_overflows_the_stored_dtype_is_refused_on_load_and_computed_afre
     huge = dataclasses.replace(engine.store.get(key), is_finite=None)
     k = entry.clone()
     k[3, 1, 2, 5] = 1e6
-    engine.store.put(engine._to_stored(dataclasses.replace(huge, k=k, v=huge.v.float())))
+    wide = dataclasses.replace(huge, k=k, v=huge.v.float())
+    engine.store.put(engine._to_stored(wide, prompt.segments[index]))
     entries, num_rejected = engine.fetch(prompt, engine.segment_keys(prompt))
     assert num_rejected == 1 and entries[index] is None
     result = engine.prefill(prompt, "hole", ratio=0.15)
@@ -276,14 +320,14 @@ def test_a_pod_reuses_narrow_blobs_another_pod_put_in_the_shared_tier(
     def pod(name: str, url: str) -> BlendEngine:
         blend = BlendConfig(kv_store_dtype=dtype)
         engine = BlendEngine(reference_engine.model, reference_engine.tokenizer, blend)
-        layout = KVLayout.of(engine.config, engine.kv_dtype)
+        layout = KVLayout.of(engine.config, engine.kv_dtype, "float32")
         settings = TierSettings(1 << 28, url, None, "ns/rag", name)
         engine.store = open_tiered_store(settings, layout, LocalKVStore(1 << 28))
         return engine
 
     with RedisProcess(maxmemory="256mb") as redis:
         a, b = pod("pod-a", redis.url), pod("pod-b", redis.url)
-        assert a.store.layout.dtype == dtype
+        assert a.store.layout.dtype == dtype and a.store.layout.other_dtypes == ("float32",)
         prompt = a.build_prompt(*rag_texts)
         a.cache_segments(prompt)
         expected = a.prefill(prompt, "hole", ratio=0.15)

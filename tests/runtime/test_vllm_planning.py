@@ -70,20 +70,18 @@ def test_a_selection_that_reads_the_question_covers_it_but_not_the_last_token():
     assert missed.num_covered_tokens == 0  # a full miss covers nothing, question or not
 
 
-def test_a_system_prompt_hit_is_exact_only_when_the_tiers_hold_the_models_dtype():
+def test_only_a_reused_document_makes_a_request_blended():
     everything = planner(MemoryIndex()).plan(PROMPT)
     system_only = planner(MemoryIndex(cached_keys(everything, [0]))).plan(PROMPT)
     with_documents = planner(MemoryIndex(cached_keys(everything, [0, 1, 3]))).plan(PROMPT)
     reused = system_only.reuse.num_reused_tokens
     assert system_only.num_covered_tokens > 0 and reused == 3
-    # The system prompt at position 0 in the model's dtype is full prefill's KV: nothing
-    # to score. Rounded (a narrower kv.storeDtype), it is blended like a document.
-    assert not system_only.is_blended(reused, kv_is_exact=True)
-    assert system_only.is_blended(reused, kv_is_exact=False)
-    for kv_is_exact in (True, False):
-        assert with_documents.is_blended(with_documents.reuse.num_reused_tokens, kv_is_exact)
-        assert not system_only.is_blended(0, kv_is_exact)  # its load failed: vLLM computed
-        assert not everything.is_blended(0, kv_is_exact)  # a full miss
+    # The system prompt at position 0 (held in the model's dtype whatever kv.storeDtype
+    # says) is full prefill's KV: nothing to score.
+    assert not system_only.is_blended(reused)
+    assert with_documents.is_blended(with_documents.reuse.num_reused_tokens)
+    assert not with_documents.is_blended(0)  # its load failed: vLLM computed it all
+    assert not everything.is_blended(0)  # a full miss
 
 
 def test_an_unreachable_index_plans_a_full_miss_and_says_so():
@@ -97,11 +95,14 @@ def test_a_prompt_without_separator_is_not_planned():
     assert planner(MemoryIndex()).plan([1, 2, 3]) is None
 
 
-def test_keys_match_the_reference_engines():
-    engine = BlendEngine.load()
+@pytest.mark.parametrize("store_dtype", ["auto", "bfloat16"])
+def test_keys_match_the_reference_engines(store_dtype):
+    engine = BlendEngine.load(blend=BlendConfig(kv_store_dtype=store_dtype))
     prompt = engine.build_prompt("Answer.", [" Doc one is here.", " Doc two is here."], " Q?")
-    keyer = SegmentKeyer(engine.config.model_id, engine.kv_dtype, engine.blend_config)
+    # As the connector's scheduler side builds it: from the model's dtype.
+    keyer = SegmentKeyer.for_model(engine.config.model_id, "float32", engine.blend_config)
     assert keyer.keys(prompt) == engine.segment_keys(prompt)
+    assert keyer.kv_dtype == engine.kv_dtype
 
 
 def test_settings_come_from_blend_json_and_the_ratio_is_live(tmp_path):
