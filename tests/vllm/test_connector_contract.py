@@ -89,7 +89,8 @@ def test_connector_stats_sum_over_an_interval():
 
 def test_the_scheduler_keys_and_the_tiers_name_the_stored_kv_dtype():
     """kv.storeDtype: the scheduler's keys and the shared tier's expected blob header name
-    the dtype the tiers hold (as the worker's engine does), not the model's."""
+    the dtype the tiers hold documents in (as the worker's engine does), not the model's;
+    the system prompt's blob, held in the model's dtype, is taken too."""
     model_config = types.SimpleNamespace(
         model="m", revision=None, dtype=torch.float32,
         get_num_layers=lambda parallel: 30, get_num_kv_heads=lambda parallel: 3,
@@ -100,4 +101,6 @@ def test_the_scheduler_keys_and_the_tiers_name_the_stored_kv_dtype():
     assert model_identity(vllm_config, narrow) == ("m@main", "bfloat16")
     assert model_identity(vllm_config, BlendConfig()) == ("m@main", "float32")
     assert kv_layout(vllm_config, narrow).dtype == "bfloat16"
+    assert kv_layout(vllm_config, narrow).other_dtypes == ("float32",)
     assert kv_layout(vllm_config, BlendConfig()).header("k", 2).dtype == "float32"
+    assert kv_layout(vllm_config, BlendConfig()).other_dtypes == ()
