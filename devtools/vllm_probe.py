@@ -263,7 +263,8 @@ def pass1_stores(probe: Probe, prompts: list[list[int]]) -> dict[str, Any]:
     """Pass 1 is a full miss: vLLM's forward computed every segment, and the connector
     stored them from the K/V it wrote. Compares each stored entry with the blend engine's
     own full prefill of the same prompt (same weights, our attention): the largest
-    absolute difference of K and V, over every segment of every pass-1 prompt."""
+    absolute difference of K and V, over every segment of every pass-1 prompt; and the
+    dtypes documents' and system prompts' entries are held in."""
     from holeblend_runtime.engine import BlendEngine
     from holeblend_runtime.kv.store import dtype_name
     from holeblend_runtime.vllm_connector import metrics
@@ -272,7 +273,7 @@ def pass1_stores(probe: Probe, prompts: list[list[int]]) -> dict[str, Any]:
     store = probe.connector("worker").store
     loaded = BlendEngine.load()
     engine = BlendEngine(loaded.model, loaded.tokenizer)
-    worst, found, wanted, dtypes = 0.0, 0, 0, set()
+    worst, found, wanted, dtypes, system_dtypes = 0.0, 0, 0, set(), set()
     for token_ids in prompts:
         plan = planner.plan(token_ids)
         full = engine.prefill(plan.prompt, mode="full")
@@ -284,7 +285,8 @@ def pass1_stores(probe: Probe, prompts: list[list[int]]) -> dict[str, Any]:
             if entry is None:
                 continue
             found += 1
-            dtypes.add(dtype_name(entry.k.dtype))
+            is_system = segment is plan.prompt.system
+            (system_dtypes if is_system else dtypes).add(dtype_name(entry.k.dtype))
             span = slice(segment.start, segment.end)
             for stored, reference in ((entry.k, full.k), (entry.v, full.v)):
                 difference = (stored - reference[:, :, span]).abs().max()
@@ -295,7 +297,7 @@ def pass1_stores(probe: Probe, prompts: list[list[int]]) -> dict[str, Any]:
     }
     return {
         "segments": wanted, "found": found, "max_abs_difference": worst,
-        "stored_dtypes": sorted(dtypes), **by_source,
+        "stored_dtypes": sorted(dtypes), "system_dtypes": sorted(system_dtypes), **by_source,
     }  # fmt: skip
 
 

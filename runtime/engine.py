@@ -188,7 +188,8 @@ class BlendEngine:
         self.tokenizer = tokenizer
         self.blend_config = blend or BlendConfig()
         self._store = store if store is not None else LocalKVStore(DEFAULT_STORE_BYTES)
-        # The dtype the KV tiers hold segment KV in (`kv_dtype`), fixed for the engine's life.
+        # The dtype the KV tiers hold documents' KV in (`kv_dtype`), fixed for the engine's
+        # life (the system prompt's: the model's, `_dtype_of`).
         model_dtype = dtype_name(model.dtype)
         self._stored_dtype = getattr(torch, stored_kv_dtype(model_dtype, self.blend_config))
         # Whether documents' reused KV is what this model computed, bit for bit (the
@@ -345,8 +346,9 @@ class BlendEngine:
 
     @property
     def kv_dtype(self) -> str:
-        """The dtype the KV tiers hold this engine's segment KV in (the model's, unless
-        blend.json's kv.storeDtype names another): segment keys and blob headers name it."""
+        """The dtype the KV tiers hold this engine's documents' KV in (the model's, unless
+        blend.json's kv.storeDtype names another): documents' keys and blob headers name it
+        (the system prompt's name the model's dtype, `_dtype_of`)."""
         return dtype_name(self._stored_dtype)
 
     def _dtype_of(self, segment: Segment) -> torch.dtype:

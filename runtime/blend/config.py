@@ -69,8 +69,8 @@ class BlendConfig:
     # The dtype the KV tiers hold segment KV in (blend.json's kv.storeDtype): "auto" keeps
     # the model's (lossless); bfloat16 or float16 under a float32 model halve every tier's
     # bytes per segment, float8_e4m3fn quarters them (halves a 16-bit model's), for a
-    # rounding of the reused KV. The engine converts on store and on load, and segment
-    # keys name this dtype (`stored_kv_dtype`).
+    # rounding of the reused KV. The engine converts on store and on load, and documents'
+    # keys name this dtype (`stored_kv_dtype`; the system prompt stays in the model's).
     kv_store_dtype: str = AUTO_DTYPE
 
     def __post_init__(self) -> None:
