@@ -40,7 +40,7 @@ from holeblend_runtime.blend.blender import (
     copy_span,
     run_to_end,
 )
-from holeblend_runtime.blend.config import ISOLATED, BlendConfig, check_ratio, stored_kv_dtype
+from holeblend_runtime.blend.config import ISOLATED, BlendConfig, check_ratio
 from holeblend_runtime.blend.keys import SegmentKeyer
 from holeblend_runtime.blend.prompt import PromptBuilder
 from holeblend_runtime.blend.reuse import ReuseMode, ReusePolicy, SegmentReuse, plan_reuse
@@ -188,18 +188,19 @@ class BlendEngine:
         self.tokenizer = tokenizer
         self.blend_config = blend or BlendConfig()
         self._store = store if store is not None else LocalKVStore(DEFAULT_STORE_BYTES)
-        # The dtype the KV tiers hold documents' KV in (`kv_dtype`), fixed for the engine's
-        # life (the system prompt's: the model's, `_dtype_of`).
-        model_dtype = dtype_name(model.dtype)
-        self._stored_dtype = getattr(torch, stored_kv_dtype(model_dtype, self.blend_config))
+        # How this engine names segments' KV (the vLLM connector keys the same way), and
+        # the dtype the KV tiers hold each segment in (`keyer.kv_dtype_of`), fixed for the
+        # engine's life.
+        self.keyer = SegmentKeyer.for_model(
+            self.config.model_id, dtype_name(model.dtype), self.blend_config
+        )
+        self._stored_dtype = getattr(torch, self.keyer.kv_dtype)  # documents'
         # Whether documents' reused KV is what this model computed, bit for bit (the
         # system prompt's always is: it is stored in the model's dtype).
         self.kv_is_exact = self._stored_dtype == model.dtype
         # None: the strategy the config names, made fresh per request.
         self.strategy = strategy
         self.blender = Blender(model, self.blend_config)
-        # How this engine names segments' KV (the vLLM connector keys the same way).
-        self.keyer = SegmentKeyer.for_model(self.config.model_id, model_dtype, self.blend_config)
         self.prompt_builder = PromptBuilder(
             tokenizer, self.blend_config.separator, self.blend_config.min_segment_tokens
         )
@@ -352,10 +353,10 @@ class BlendEngine:
         return dtype_name(self._stored_dtype)
 
     def _dtype_of(self, segment: Segment) -> torch.dtype:
-        """The dtype the tiers hold `segment`'s KV in: `kv_dtype` for documents, the
-        model's own for the system prompt (one small segment, every prompt's exact prefix:
-        stored rounded, it would be exact nowhere)."""
-        return self.model.dtype if segment.kind is SegmentKind.SYSTEM else self._stored_dtype
+        """The dtype the tiers hold `segment`'s KV in (`keyer.kv_dtype_of`): `kv_dtype` for
+        documents, the model's own for the system prompt (one small segment, every prompt's
+        exact prefix: stored rounded, it would be exact nowhere)."""
+        return getattr(torch, self.keyer.kv_dtype_of(segment))
 
     def _to_stored(self, kv: SegmentKV, segment: Segment) -> SegmentKV:
         """`kv` (the model's dtype) of `segment` as the tiers hold it (`_dtype_of`); the

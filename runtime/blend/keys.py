@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from holeblend_runtime.blend.config import BlendConfig, stored_kv_dtype
-from holeblend_runtime.blend.segments import SegmentedPrompt, segment_key
+from holeblend_runtime.blend.segments import Segment, SegmentedPrompt, SegmentKind, segment_key
 
 
 @dataclass(frozen=True)
@@ -42,11 +42,20 @@ class SegmentKeyer:
         return [
             None
             if not segment.is_cacheable(self.blend.min_segment_tokens)
-            else self._key(segment.token_ids, self.system_kv_dtype or self.kv_dtype, None)
-            if segment is prompt.system
-            else self._key(segment.token_ids, self.kv_dtype, context_key)
+            else self._key(
+                segment.token_ids,
+                self.kv_dtype_of(segment),
+                None if segment is prompt.system else context_key,
+            )
             for segment in prompt.segments
         ]
+
+    def kv_dtype_of(self, segment: Segment) -> str:
+        """The dtype the tiers hold `segment`'s KV in (the one rule: the system prompt's in
+        the model's own, documents' in `kv_dtype`)."""
+        if segment.kind is SegmentKind.SYSTEM:
+            return self.system_kv_dtype or self.kv_dtype
+        return self.kv_dtype
 
     def _key(self, token_ids: Sequence[int], kv_dtype: str, context_key: str | None) -> str:
         return segment_key(
