@@ -209,6 +209,8 @@ def _row(
         "full_request_cpu_s": full_column["request_cpu_s"],
         **{name: column[name] for name in QUALITY_MEASURES},
         "num_prompt_tokens": column["num_prompt_tokens"],
+        "deviation_mean": column["deviation_mean"],
+        "residual_deviation": column["residual_deviation"],
     }
     return row
 

@@ -58,6 +58,11 @@ class RequestMeasure:
     # CPU seconds the process spent in the call (all its threads): steadier than wall
     # time on a shared machine; 0 where not measured.
     request_cpu_s: float = 0.0
+    # The check layer's deviation per compared cached token (how far the cached KV is from
+    # this prompt's), and what the blend left of it unrecomputed (the inline proxy's
+    # statistic); None where nothing was blended (full prefill, a full miss).
+    deviation_mean: float | None = None
+    residual_deviation: float | None = None
 
 
 def summarize(

@@ -49,7 +49,9 @@ from holeblend_runtime.bench.workload import (
     first_pass_requests,
 )
 from holeblend_runtime.blend.config import IN_CONTEXT, K_DEVIATION, STORE_POLICIES
+from holeblend_runtime.blend.reuse import SegmentReuse
 from holeblend_runtime.blend.segments import SegmentedPrompt
+from holeblend_runtime.quality.inline_proxy import residual_deviation
 from holeblend_runtime.quality.scores import (
     answer_f1,
     answer_words,
@@ -120,6 +122,11 @@ class Prefill(Protocol):
     num_recomputed_tokens: int
     ttft_s: float
     request_s: float
+    prompt: SegmentedPrompt
+    reuse: SegmentReuse | None
+    # The check layer's deviation per compared cached token, and the positions selected.
+    deviation: torch.Tensor
+    selected_positions: torch.Tensor
 
 
 class Engine(Protocol):
@@ -420,6 +427,8 @@ class BenchRunner:
             gold_loss=gold_loss,
             f1_vs_gold=request.f1_vs_gold(words),
             request_cpu_s=cpu_s,
+            deviation_mean=_deviation_left(prefill, recomputed=False),
+            residual_deviation=_deviation_left(prefill, recomputed=True),
         )
         return Reference(answer_ids, words, span_logits, measure)
 
@@ -487,7 +496,18 @@ class BenchRunner:
             gold_loss=gold_loss,
             f1_vs_gold=request.f1_vs_gold(words),
             request_cpu_s=cpu_s,
+            deviation_mean=_deviation_left(prefill, recomputed=False),
+            residual_deviation=_deviation_left(prefill, recomputed=True),
         )
+
+
+def _deviation_left(prefill: Prefill, recomputed: bool) -> float | None:
+    """The check layer's deviation per compared cached token, all of it or (`recomputed`)
+    what the blend left unrecomputed; None where nothing was blended."""
+    if prefill.reuse is None:
+        return None
+    selected = prefill.selected_positions if recomputed else prefill.selected_positions[:0]
+    return residual_deviation(prefill.prompt, prefill.reuse, prefill.deviation, selected)
 
 
 def _rotated(items: list[Any], shift: int) -> list[Any]:

@@ -187,13 +187,14 @@ def _is_count(value: object) -> bool:
 def _check_expected(
     header: BlobHeader, expected: BlobHeader, also_dtypes: Collection[str] = ()
 ) -> None:
-    for name in ("key", "model", "dtype"):
-        if name == "dtype" and header.dtype in also_dtypes:
-            continue
+    for name in ("key", "model"):
         if getattr(header, name) != getattr(expected, name):
             raise BlobError(
                 f"{name}: blob has {getattr(header, name)!r}, expected {getattr(expected, name)!r}"
             )
+    if header.dtype != expected.dtype and header.dtype not in also_dtypes:
+        wanted = " or ".join(repr(d) for d in (expected.dtype, *also_dtypes))
+        raise BlobError(f"dtype: blob has {header.dtype!r}, expected {wanted}")
     layers, heads, _, head_dim = expected.shape
     if (header.shape[0], header.shape[1], header.shape[3]) != (layers, heads, head_dim):
         raise BlobError(

@@ -255,16 +255,19 @@ def _finite_flag(entry: SegmentKV) -> torch.Tensor:
 
 def _finite_peaks(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Whether each tensor's values are all finite, as one bool tensor (not read)."""
-    if not any(t.dtype in _FLOAT8 for t in tensors):
-        # The largest magnitude of each tensor (NaN or inf if any value is), one kernel.
-        return torch.isfinite(torch.stack(torch._foreach_norm(tensors, float("inf"))))
+    wide = [i for i, t in enumerate(tensors) if t.dtype not in _FLOAT8]
+    # The largest magnitude of each wide tensor (NaN or inf if any value is), one kernel.
+    peaks = torch._foreach_norm([tensors[i] for i in wide], float("inf")) if wide else []
+    if len(wide) == len(tensors):
+        return torch.isfinite(torch.stack(peaks))
+    by_index = dict(zip(wide, peaks, strict=True))
     # float8 has no reductions; its only non-finite value is NaN, the bits S1111111.
     return torch.stack(
         [
-            (t.view(torch.uint8) & 0x7F).ne(0x7F).all()
-            if t.dtype in _FLOAT8
-            else _finite_peaks([t])[0]
-            for t in tensors
+            torch.isfinite(by_index[i])
+            if i in by_index
+            else (t.view(torch.uint8) & 0x7F).ne(0x7F).all()
+            for i, t in enumerate(tensors)
         ]
     )
 

@@ -47,7 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from holeblend_runtime.blend.config import IN_CONTEXT, BlendConfig, stored_kv_dtype
+from holeblend_runtime.blend.config import IN_CONTEXT, BlendConfig
 from holeblend_runtime.blend.keys import SegmentKeyer
 from holeblend_runtime.blend.reuse import ReusePolicy
 from holeblend_runtime.blend.selection import num_to_select
@@ -142,29 +142,36 @@ class HoleBlendStats(KVConnectorStats):
         return not self.data
 
 
+def segment_keyer(vllm_config: Any, blend: BlendConfig) -> SegmentKeyer:
+    """The segment keys of the served model under `blend`: the one place the connector
+    derives the model's id and dtypes from vLLM's config (the scheduler's planner, the
+    workers' stored layout and the calibration scope all read it)."""
+    config = vllm_config.model_config
+    model_id = f"{config.model}@{config.revision or 'main'}"
+    return SegmentKeyer.for_model(model_id, dtype_name(config.dtype), blend)
+
+
 def model_identity(vllm_config: Any, blend: BlendConfig) -> tuple[str, str]:
     """(model_id, kv_dtype) of segment keys, the same in the scheduler and the workers:
-    kv_dtype is the dtype the tiers hold the KV in (`stored_kv_dtype`), as the worker's
-    engine names it."""
-    config = vllm_config.model_config
-    revision = config.revision or "main"
-    model_dtype = dtype_name(config.dtype)
-    return f"{config.model}@{revision}", stored_kv_dtype(model_dtype, blend)
+    kv_dtype is the dtype the tiers hold documents' KV in (`stored_kv_dtype`), as the
+    worker's engine names it."""
+    keyer = segment_keyer(vllm_config, blend)
+    return keyer.model_id, keyer.kv_dtype
 
 
 def kv_layout(vllm_config: Any, blend: BlendConfig) -> KVLayout:
     """What each stored segment's KV looks like (checked on every shared-tier load)."""
-    model_id, kv_dtype = model_identity(vllm_config, blend)
+    keyer = segment_keyer(vllm_config, blend)
     config = vllm_config.model_config
     return KVLayout(
-        model_id,
-        kv_dtype,
+        keyer.model_id,
+        keyer.kv_dtype,
         config.get_num_layers(vllm_config.parallel_config),
         # One rank's heads: under tensor parallelism each rank stores its own shard.
         config.get_num_kv_heads(vllm_config.parallel_config),
         config.get_head_size(),
-        # The system prompt's segment is held in the model's own dtype (BlendEngine._dtype_of).
-        system_dtype=dtype_name(config.dtype),
+        # The system prompt's segment is held in the model's own dtype (the keyer's rule).
+        system_dtype=keyer.system_kv_dtype,
     )
 
 
@@ -337,13 +344,12 @@ class _SchedulerSide:
         self.settings = settings
         self.step_tokens = step_tokens
         self.ratio = RatioSource(settings)
-        model_id, kv_dtype = model_identity(vllm_config, settings.blend)
+        keyer = segment_keyer(vllm_config, settings.blend)
+        model_id, kv_dtype = keyer.model_id, keyer.kv_dtype
         separator_ids = _text_tokenizer(vllm_config).encode(
             settings.blend.separator, add_special_tokens=False
         )
         policy = ReusePolicy.PREFIX if settings.mode == "prefix" else ReusePolicy.HOLE
-        model_dtype = dtype_name(vllm_config.model_config.dtype)
-        keyer = SegmentKeyer.for_model(model_id, model_dtype, settings.blend)
         self.planner = ReusePlanner(separator_ids, keyer, store, policy)
         # With `lookup_deadline_ms`, lookups that cross the network (a lookup server, a
         # shared tier) run off this thread with that deadline; otherwise inline (a node-local

@@ -71,7 +71,9 @@ def test_a_blob_in_another_dtype_is_refused_unless_the_reader_holds_that_dtype_t
     with pytest.raises(BlobError, match="dtype: blob has 'float32', expected 'bfloat16'"):
         decode_blob(kv_to_blob(kv), narrow.header("seg"))
     assert decode_blob(kv_to_blob(kv), narrow.header("seg"), "", narrow.other_dtypes)
-    with pytest.raises(BlobError, match="dtype: blob has 'float16'"):
+    with pytest.raises(
+        BlobError, match="dtype: blob has 'float16', expected 'bfloat16' or 'float32'"
+    ):
         decode_blob(kv_to_blob(half), narrow.header("seg"), "", narrow.other_dtypes)
 
 

@@ -253,6 +253,7 @@ class _Prefill:
         self.num_reused_tokens = 10 * found
         self.num_hole_tokens = self.num_recomputed_tokens = 0
         self.ttft_s = self.request_s = 0.01
+        self.reuse = None  # nothing blended: no deviation to report
 
 
 class _Engine:

@@ -87,6 +87,20 @@ def test_one_row_per_selection_with_intervals_and_a_png(runs, name):
         assert 0.0 <= row["top1_vs_full"] <= 1.0 and row["kl_vs_full"] >= 0.0
     assert kdev["top1_vs_full_diff"] == 0.0
     assert kdev["reused_share"] == random["reused_share"]
+    # The check layer's deviation per prompt, and what each blend left of it: the same
+    # deviation for both selections (same prompts, same cache), less left by K deviation's
+    # picks than by random ones; nothing for full prefill.
+    assert full["per_prompt"]["deviation_mean"] == [None, None]
+    assert full["per_prompt"]["residual_deviation"] == [None, None]
+    for before, kdev_left, random_left, other in zip(
+        kdev["per_prompt"]["deviation_mean"],
+        kdev["per_prompt"]["residual_deviation"],
+        random["per_prompt"]["residual_deviation"],
+        random["per_prompt"]["deviation_mean"],
+        strict=True,
+    ):
+        assert before == pytest.approx(other, rel=1e-4)
+        assert 0.0 <= kdev_left < random_left < before
     first = document["config"]["first_pass"]
     assert first["sent_to_engines"] == 1 and first["num_requests"] >= 1
 
