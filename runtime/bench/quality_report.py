@@ -209,8 +209,10 @@ def _row(
         "full_request_cpu_s": full_column["request_cpu_s"],
         **{name: column[name] for name in QUALITY_MEASURES},
         "num_prompt_tokens": column["num_prompt_tokens"],
+        "num_recomputed_tokens": column["num_recomputed_tokens"],
         "deviation_mean": column["deviation_mean"],
         "residual_deviation": column["residual_deviation"],
+        "first_token_margin": column["first_token_margin"],
     }
     return row
 

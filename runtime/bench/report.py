@@ -63,6 +63,9 @@ class RequestMeasure:
     # statistic); None where nothing was blended (full prefill, a full miss).
     deviation_mean: float | None = None
     residual_deviation: float | None = None
+    # How sure this prefill is of the first answer token: log-probability of its most
+    # likely token minus the second's (nats; small: an answer on a knife edge).
+    first_token_margin: float | None = None
 
 
 def summarize(

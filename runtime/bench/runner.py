@@ -429,6 +429,7 @@ class BenchRunner:
             request_cpu_s=cpu_s,
             deviation_mean=_deviation_left(prefill, recomputed=False),
             residual_deviation=_deviation_left(prefill, recomputed=True),
+            first_token_margin=_margin(prefill.logits),
         )
         return Reference(answer_ids, words, span_logits, measure)
 
@@ -498,7 +499,14 @@ class BenchRunner:
             request_cpu_s=cpu_s,
             deviation_mean=_deviation_left(prefill, recomputed=False),
             residual_deviation=_deviation_left(prefill, recomputed=True),
+            first_token_margin=_margin(prefill.logits),
         )
+
+
+def _margin(logits: torch.Tensor) -> float:
+    """Log-probability of the most likely next token minus the second's, in nats."""
+    top = torch.log_softmax(logits.float(), dim=-1).topk(2).values
+    return float(top[0] - top[1])
 
 
 def _deviation_left(prefill: Prefill, recomputed: bool) -> float | None:
