@@ -50,6 +50,7 @@ import itertools
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -245,6 +246,17 @@ def compare(without: dict, with_: dict) -> dict[str, float]:
     }
 
 
+@dataclass(frozen=True)
+class Arm:
+    """One server of the comparison; None: the deployment's default."""
+
+    name: str
+    connector: bool = True
+    step_tokens: int | None = None  # blend_step_tokens
+    admission: str | None = None  # kv.admission
+    store_dtype: str | None = None  # kv.storeDtype
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--num-requests", type=int, default=2000)
@@ -296,18 +308,18 @@ def main(argv: list[str] | None = None) -> int:
     parts = write_parts(prompts, args.windows, args.work_dir)
     started = time.perf_counter()
     rows = []
-    # (name, connector, blend_step_tokens, kv.admission, kv.storeDtype); None: the default.
-    arms = [] if args.connector_only else [("plain", False, None, None, None)]
-    arms += [("connector", True, None, None, None)]
-    arms += [(f"connector-step{n}", True, n, None, None) for n in step_budgets]
-    arms += [(f"connector-{a}", True, None, a, None) for a in admissions]
-    arms += [(f"connector-{d}", True, None, None, d) for d in store_dtypes]
-    for name, connector, step_tokens, admission, store_dtype in arms:
+    arms = [] if args.connector_only else [Arm("plain", connector=False)]
+    arms += [Arm("connector")]
+    arms += [Arm(f"connector-step{n}", step_tokens=n) for n in step_budgets]
+    arms += [Arm(f"connector-{a}", admission=a) for a in admissions]
+    arms += [Arm(f"connector-{d}", store_dtype=d) for d in store_dtypes]
+    for arm in arms:
+        name, connector = arm.name, arm.connector
         with serve(
             args.work_dir / name, args.ratio, quality_proxies=False, connector=connector,
             kv_cache_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN,
-            kv_tier_bytes=args.kv_tier_mib << 20, blend_step_tokens=step_tokens,
-            kv_admission=admission, kv_store_dtype=store_dtype,
+            kv_tier_bytes=args.kv_tier_mib << 20, blend_step_tokens=arm.step_tokens,
+            kv_admission=arm.admission, kv_store_dtype=arm.store_dtype,
         ) as server:  # fmt: skip
             results, windows, before = [], [], {}
             for index, (dataset, size) in enumerate(parts):
@@ -325,9 +337,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         result = merge(results)
         extra = {"windows": windows} if connector and len(parts) > 1 else {}
-        extra |= {"kv_admission": admission or Admission.FREQUENCY.value} if connector else {}
-        extra |= {"kv_store_dtype": store_dtype or KVStoreDtype.AUTO.value} if connector else {}
-        rows.append(row(result, connector, reuse, step_tokens) | {"arm": name} | extra)
+        extra |= {"kv_admission": arm.admission or Admission.FREQUENCY.value} if connector else {}
+        extra |= {"kv_store_dtype": arm.store_dtype or KVStoreDtype.AUTO.value} if connector else {}
+        rows.append(row(result, connector, reuse, arm.step_tokens) | {"arm": name} | extra)
         print(json.dumps(rows[-1]), flush=True)
     document = {
         "config": vars(args) | {"json": str(args.json), "work_dir": str(args.work_dir)},
