@@ -133,10 +133,10 @@ def oracle(curves: dict[str, numpy.ndarray], budget: float) -> numpy.ndarray:
 
 def escalation(
     curves: dict[str, numpy.ndarray], budget: float
-) -> tuple[str, numpy.ndarray, numpy.ndarray, float] | None:
+) -> tuple[str, numpy.ndarray, numpy.ndarray, float, numpy.ndarray] | None:
     """The (low, high) escalation with the lowest mean KL within `budget`: its name, each
-    prompt's KL and top-1 under it, and the tokens it spends (both blends of an escalated
-    prompt counted); None without margins or with no pair that fits."""
+    prompt's KL and top-1 under it, the token-layers it spends (both blends of an escalated
+    prompt counted) and its two ratios; None without margins or with no pair that fits."""
     ratios, kl, top1, cost = curves["ratios"], curves["kl"], curves["top1"], curves["cost"]
     margin = curves.get("margin")
     if margin is None:
@@ -152,13 +152,13 @@ def escalation(
                     break
                 spent += cost[high, p]
                 escalated[p] = True
-            if spent > budget:
+            if spent > budget or not escalated.any():  # nothing escalated: uniform at low
                 continue
             chosen_kl = numpy.where(escalated, kl[high], kl[low])
             if best is None or chosen_kl.mean() < best[1].mean():
                 chosen_top1 = numpy.where(escalated, top1[high], top1[low])
                 name = f"escalate({ratios[low]:g}->{ratios[high]:g}, {int(escalated.sum())})"
-                best = (name, chosen_kl, chosen_top1, spent)
+                best = (name, chosen_kl, chosen_top1, spent, ratios[[low, high]])
     return best
 
 
@@ -202,8 +202,8 @@ def evaluate(document: dict[str, Any], ratio: float) -> dict[str, Any]:
     }
     escalated = escalation(curves, budget)
     if escalated is not None:
-        name, kl, top1, spent = escalated
-        outcomes[name] = (kl, top1, spent, numpy.array([ratios[0], ratios[-1]]))
+        name, kl, top1, spent, low_high = escalated
+        outcomes[name] = (kl, top1, spent, low_high)
     base_kl, base_top1 = outcomes["uniform"][:2]
     results = {}
     for name, (kl, top1, spent, chosen) in outcomes.items():

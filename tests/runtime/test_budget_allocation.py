@@ -66,6 +66,7 @@ def test_escalation_blends_the_unsure_prompt_again_within_the_budget():
     assert "escalate(0.1->0.4, 1)" in policies
     escalated = policies["escalate(0.1->0.4, 1)"]
     assert escalated["kl"] == pytest.approx(0.1) and escalated["budget_spent"] <= 1.0
+    assert escalated["ratio_range"] == [0.1, 0.4]
     assert escalated["kl_diff"] < 0
     assert result["correlation_with_kl"]["0.1"]["margin_pearson"] < -0.9
     # Without margins there is no escalation row.
