@@ -23,9 +23,9 @@ spends at most what every prompt at `--ratio` spends, inside the measured ratios
   `high`, both blends paid in full (an engine that kept the check layer's state would pay
   less); `n` as large as the budget allows. Reported for the best (low, high) pair by
   mean KL. An engine could act on it: the margin is known once the first blend ends.
-- `oracle`: the allocation with the lowest mean KL given every prompt's measured curve
-  (greedy over the measured steps, steepest KL drop per token-layer first): a ceiling no
-  engine can reach, which says how much an allocation could buy at all.
+- `oracle`: an allocation that knows every prompt's measured curve beforehand (greedy over
+  the measured steps, steepest KL drop per token-layer first; the best allocation is at
+  least as good): no engine can make it, it shows what allocating could buy at all.
 
 Per policy: mean KL and top-1, their paired difference against `uniform` with a 95 %
 bootstrap interval over prompts, the share of the budget spent and the range of ratios.
@@ -113,7 +113,7 @@ def proportional(
 
 
 def oracle(curves: dict[str, numpy.ndarray], budget: float) -> numpy.ndarray:
-    """The measured-step allocation with the lowest mean KL for `budget` (greedy)."""
+    """A measured-step allocation within `budget` that lowers the mean KL greedily."""
     ratios, kl, cost = curves["ratios"], curves["kl"], curves["cost"]
     prompts = numpy.arange(kl.shape[1])
     step = numpy.zeros(kl.shape[1], dtype=int)
