@@ -49,7 +49,8 @@ RESAMPLES = 2000
 
 
 def load_curves(document: dict[str, Any]) -> dict[str, numpy.ndarray]:
-    """Per measured ratio (ascending) and prompt: KL, top-1; per prompt: tokens, deviation."""
+    """Per measured ratio (ascending) and prompt: KL, top-1, token-layers, the blended first
+    token's margin; per prompt: deviation, full prefill's margin."""
     rows = [r for r in document["results"] if r["mode"] == "hole" and r["ratio"] is not None]
     selections = {r["selection"] for r in rows}
     if len(selections) != 1:
@@ -82,7 +83,6 @@ def load_curves(document: dict[str, Any]) -> dict[str, numpy.ndarray]:
         "full_margin": None if full_margin is None else numpy.array(full_margin, dtype=float),
         "kl": numpy.array([r["per_prompt"]["kl_vs_full"] for r in rows], dtype=float),
         "top1": numpy.array([r["per_prompt"]["top1_vs_full"] for r in rows], dtype=float),
-        "tokens": tokens,
         # Token-layers per measured ratio and prompt.
         "cost": numpy.array(recomputed, dtype=float) * sparse_layers + tokens * full_layers,
         "deviation": numpy.array(deviation, dtype=float),
@@ -217,22 +217,21 @@ def evaluate(document: dict[str, Any], ratio: float) -> dict[str, Any]:
             "budget_spent": spent / budget,
             "ratio_range": [float(chosen.min()), float(chosen.max())],
         }
-    correlation = {
-        f"{r:g}": {
-            "deviation_pearson": _correlation(deviation, curves["kl"][i]),
-            "deviation_spearman": _correlation(_ranks(deviation), _ranks(curves["kl"][i])),
-        }
-        for i, r in enumerate(ratios)
+    # Per prompt (the same at every ratio) or per measured ratio and prompt.
+    predictors = {
+        "deviation": deviation,
+        "full_margin": curves["full_margin"],
+        "margin": curves["margin"],
     }
-    for name, margin in (("full_margin", curves["full_margin"]), ("margin", curves["margin"])):
-        if margin is None:
+    correlation: dict[str, dict[str, float | None]] = {f"{r:g}": {} for r in ratios}
+    for name, values in predictors.items():
+        if values is None:
             continue
-        rows = margin if margin.ndim == 2 else [margin] * len(ratios)
+        values = numpy.broadcast_to(values, curves["kl"].shape)
         for i, r in enumerate(ratios):
-            correlation[f"{r:g}"][f"{name}_pearson"] = _correlation(rows[i], curves["kl"][i])
-            correlation[f"{r:g}"][f"{name}_spearman"] = _correlation(
-                _ranks(rows[i]), _ranks(curves["kl"][i])
-            )
+            kl = curves["kl"][i]
+            correlation[f"{r:g}"][f"{name}_pearson"] = _correlation(values[i], kl)
+            correlation[f"{r:g}"][f"{name}_spearman"] = _correlation(_ranks(values[i]), _ranks(kl))
     return {
         "ratio": ratio,
         "num_prompts": len(deviation),

@@ -427,9 +427,7 @@ class BenchRunner:
             gold_loss=gold_loss,
             f1_vs_gold=request.f1_vs_gold(words),
             request_cpu_s=cpu_s,
-            deviation_mean=_deviation_left(prefill, recomputed=False),
-            residual_deviation=_deviation_left(prefill, recomputed=True),
-            first_token_margin=_margin(prefill.logits),
+            **_blend_figures(prefill),
         )
         return Reference(answer_ids, words, span_logits, measure)
 
@@ -497,25 +495,26 @@ class BenchRunner:
             gold_loss=gold_loss,
             f1_vs_gold=request.f1_vs_gold(words),
             request_cpu_s=cpu_s,
-            deviation_mean=_deviation_left(prefill, recomputed=False),
-            residual_deviation=_deviation_left(prefill, recomputed=True),
-            first_token_margin=_margin(prefill.logits),
+            **_blend_figures(prefill),
         )
 
 
-def _margin(logits: torch.Tensor) -> float:
-    """Log-probability of the most likely next token minus the second's, in nats."""
-    top = torch.log_softmax(logits.float(), dim=-1).topk(2).values
-    return float(top[0] - top[1])
-
-
-def _deviation_left(prefill: Prefill, recomputed: bool) -> float | None:
-    """The check layer's deviation per compared cached token, all of it or (`recomputed`)
-    what the blend left unrecomputed; None where nothing was blended."""
-    if prefill.reuse is None:
-        return None
-    selected = prefill.selected_positions if recomputed else prefill.selected_positions[:0]
-    return residual_deviation(prefill.prompt, prefill.reuse, prefill.deviation, selected)
+def _blend_figures(prefill: Prefill) -> dict[str, float | None]:
+    """What the prefill's blend saw (`RequestMeasure`'s deviation fields, None where nothing
+    was blended) and the first token's margin: log-probability of the most likely next
+    token minus the second's, in nats."""
+    top = torch.log_softmax(prefill.logits.float(), dim=-1).topk(2).values
+    figures: dict[str, float | None] = {
+        "first_token_margin": float(top[0] - top[1]),
+        "deviation_mean": None,
+        "residual_deviation": None,
+    }
+    if prefill.reuse is not None:
+        args = (prefill.prompt, prefill.reuse, prefill.deviation)
+        # All of it (nothing recomputed), and what the blend's picks left.
+        figures["deviation_mean"] = residual_deviation(*args, prefill.selected_positions[:0])
+        figures["residual_deviation"] = residual_deviation(*args, prefill.selected_positions)
+    return figures
 
 
 def _rotated(items: list[Any], shift: int) -> list[Any]:
