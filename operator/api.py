@@ -1390,6 +1390,10 @@ class Phase(StrEnum):
     DEGRADED = "Degraded"
 
 
+# status.tuning.history[].reason and a condition's reason: the most characters they hold.
+REASON_MAX_LENGTH = 1024
+
+
 class TuningDecision(ApiModel):
     """One decision of the tuner."""
 
@@ -1401,7 +1405,7 @@ class TuningDecision(ApiModel):
     """Ratio before."""
     to_ratio: float = Field(gt=0, le=1)
     """Ratio after."""
-    reason: str = Field(max_length=1024)
+    reason: str = Field(max_length=REASON_MAX_LENGTH)
     """Why, with the numbers it saw; starts with a reason code (e.g. `BelowTarget:`)."""
     inputs: "ObservedMetrics | None" = None
     """The windowed metrics the decision was taken on."""

@@ -288,7 +288,16 @@ class Operator:
         inputs = kept.inputs
         previous = self._inputs.get(key)
         if previous == inputs:
-            return  # e.g. our own status write: nothing rendered depends on it
+            # e.g. our own status write: nothing rendered depends on it, unless the ratio
+            # fields of status moved the ratio the pods run with. The tuner asks for its
+            # own re-render; a hand patch (`kubectl patch --subresource=status`) has no one
+            # else to apply it, and the tuner would wait for the pods for ever.
+            rendered = self._rendered.get(key)
+            if rendered is not None and rendered.raw_ratio != kept.raw_ratio:
+                with contextlib.suppress(reconcile.InvalidSpec):
+                    if self._render_kept(key).ratio != rendered.ratio:
+                        self.request(key, DRIFT, "ratio", delay=0)
+            return
         self._inputs[key] = inputs
         self._retries.pop(key, None)
         observed = (body.get("status") or {}).get("observedGeneration")

@@ -38,7 +38,13 @@ import time
 import aiohttp
 
 from holeblend_operator import kube, metrics
-from holeblend_operator.api import BlendDeployment, ConditionType, TuningSpec, spec_notices
+from holeblend_operator.api import (
+    REASON_MAX_LENGTH,
+    BlendDeployment,
+    ConditionType,
+    TuningSpec,
+    spec_notices,
+)
 from holeblend_operator.host_paths import DEFAULT_HOST_PATH_PREFIXES, validation_context
 from holeblend_operator.render import engine_name, selector_string
 from holeblend_operator.render.engine import exports_connector_metrics
@@ -158,7 +164,7 @@ def status_patch(
         "direction": decision.direction,
         "fromRatio": decision.from_ratio if decision.from_ratio is not None else decision.to_ratio,
         "toRatio": decision.to_ratio,
-        "reason": f"{decision.code}: {decision.reason}",
+        "reason": _shortened(f"{decision.code}: {decision.reason}", REASON_MAX_LENGTH),
         "inputs": observed_metrics(seen, now),
     }
     history = list((status.get("tuning") or {}).get("history") or [])
@@ -218,6 +224,12 @@ def _with_tuned(
     return others + stamp_transitions([tuned], conditions, now, generation)
 
 
+def _shortened(text: str, limit: int) -> str:
+    """`text`, or its first characters and an ellipsis within `limit` (a reason quotes
+    what a source answered, which can be a whole page)."""
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+
+
 def _is_same_hold(last: dict, entry: dict) -> bool:
     code = entry["reason"].partition(":")[0]
     return (
@@ -232,7 +244,10 @@ class TuningLoop:
 
     def __init__(self, operator):
         self.operator = operator  # handlers.Operator: owners, client, locks, reconcile requests
-        self._due: dict[tuple, float] = {}  # owner -> monotonic time of its next evaluation
+        # owner -> monotonic time of its last evaluation (or of its first sight): the next
+        # is due one interval later, the interval as the spec says now (a shorter one
+        # takes effect at once, not after one more wait of the old length).
+        self._last: dict[tuple, float] = {}
         self._session: aiohttp.ClientSession | None = None
         self._scrape: ScrapeSource | None = None
 
@@ -250,22 +265,24 @@ class TuningLoop:
         for key, kept in list(self.operator.owners.items()):
             interval = kept.interval  # interval_of(the owner), kept next to it
             if interval is None:  # not tuned (any more): no gauges, and nothing due
-                self._due.pop(key, None)
+                self._last.pop(key, None)
                 metrics.TUNING.forget(key, decisions=False)
                 continue
-            due = self._due.setdefault(key, now + interval)  # the first window needs filling
-            if now < due:
+            last = self._last.setdefault(key, now)  # the first window needs filling
+            if now < last + interval:
                 continue
-            self._due[key] = now + interval
+            self._last[key] = now
             try:
                 await self.tune(key)
             except Exception:  # never let one owner stop the loop: log and try next interval
                 LOG.exception("tuning %s/%s failed", *key)
 
     def forget(self, key: tuple) -> None:
-        """A BlendDeployment deleted: nothing due, and its series go."""
-        self._due.pop(key, None)
+        """A BlendDeployment deleted: nothing due, and its series and scrape history go."""
+        self._last.pop(key, None)
         metrics.TUNING.forget(key)
+        if self._scrape is not None:
+            self._scrape.forget(key[0], engine_name(key[1]))
 
     async def tune(self, key: tuple) -> Decision | None:
         """One evaluation of one BlendDeployment; the decision, or None if not tuned now."""
@@ -285,6 +302,18 @@ class TuningLoop:
         seen = select_signal(spec, seen)  # the proxy the law acts on, for status too
         decision = decide(spec, ratio, seen, state_from(status, spec_ratio), time.time())
         async with self.operator.lock(key):
+            # The status as it is now: the reconcile's refresh may have written it (under
+            # this lock) while the metrics were read, and a patch built on the earlier
+            # read would put its conditions back. A ratio that moved meanwhile (a hand
+            # patch, a spec change) makes this decision moot: the next interval decides.
+            body = await client.get(kube.BLEND_DEPLOYMENT, *key)
+            bd = _parse(body, self.operator.settings.host_path_prefixes)
+            if bd is None or not bd.spec.tuning.enabled:
+                return None
+            status = body.get("status") or {}
+            if ratio_in_force(bd.spec.blend.recompute_ratio, status) != ratio:
+                LOG.info("%s/%s: the ratio moved during the evaluation; decided again next", *key)
+                return None
             notices = spec_notices(body.get("spec"))
             patched = await client.patch_status(
                 *key, status_patch(bd, status, decision, seen, _now(), notices)

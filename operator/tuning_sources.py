@@ -253,9 +253,9 @@ class ScrapeSource:
         self._session = session
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._clock = clock
-        self._history: dict[
-            tuple[str, str], list[Snapshot]
-        ] = {}  # (namespace, pod) -> oldest first
+        # (namespace, engine Service, pod) -> oldest first: one source serves every
+        # BlendDeployment, and a read forgets only its own deployment's pods that are gone.
+        self._history: dict[tuple[str, str, str], list[Snapshot]] = {}
 
     async def read(
         self, target: Target, ratio: float, window_s: float, recent_s: float | None = None
@@ -275,11 +275,13 @@ class ScrapeSource:
         increases: Increases = {}
         recent: Increases = {}
         for name, snapshot in answered.items():
-            history = self._remember(target.namespace, name, snapshot, now, window_s)
+            history = self._remember(
+                (target.namespace, target.service, name), snapshot, now, window_s
+            )
             _add_increases(increases, snapshot, _baseline(history, now, window_s))
             if recent_s is not None:
                 _add_increases(recent, snapshot, _baseline(history, now, recent_s))
-        self._forget_gone(target.namespace, names)
+        self._forget_gone(target, names)
         ratios = [s.ratio for s in answered.values() if s.ratio is not None]
         return reading(increases, ratio, ratios, None, recent if recent_s is not None else None)
 
@@ -298,17 +300,25 @@ class ScrapeSource:
             return f"{url}: not Prometheus text format: {exc}"
 
     def _remember(
-        self, namespace: str, pod: str, snapshot: Snapshot, now: float, window_s: float
+        self, key: tuple[str, str, str], snapshot: Snapshot, now: float, window_s: float
     ) -> list[Snapshot]:
         """Store the snapshot; return the pod's snapshots back to the window's start."""
-        history = self._history.setdefault((namespace, pod), [])
+        history = self._history.setdefault(key, [])
         history.append(snapshot)
         while len(history) > 1 and history[1].at <= now - window_s:
             history.pop(0)
         return history
 
-    def _forget_gone(self, namespace: str, pods: list[str]) -> None:
-        for key in [k for k in self._history if k[0] == namespace and k[1] not in pods]:
+    def forget(self, namespace: str, service: str) -> None:
+        """Drop every pod's history of the deployment whose engine Service this is."""
+        for key in [k for k in self._history if k[:2] == (namespace, service)]:
+            del self._history[key]
+
+    def _forget_gone(self, target: Target, pods: list[str]) -> None:
+        """Drop the history of `target`'s pods that are no longer among `pods` (other
+        deployments' pods, in the same namespace or not, are theirs to forget)."""
+        owner = (target.namespace, target.service)
+        for key in [k for k in self._history if k[:2] == owner and k[2] not in pods]:
             del self._history[key]
 
 

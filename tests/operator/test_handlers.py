@@ -218,6 +218,30 @@ def test_renders_are_cached_per_effective_ratio(monkeypatch, ratio, statuses, re
     assert results[-1][1] == real_prepare(example_owner(statuses[-1], ratio))[1]
 
 
+@pytest.mark.parametrize(
+    ("patched", "requested"),
+    [
+        # by hand, within the bounds: nothing else would apply it (the tuner would wait for
+        # the pods to run it for ever)
+        (tuned(0.3, 0.15), True),
+        # the tuner's own write of the ratio already rendered: nothing to do
+        (tuned(0.15, 0.15), False),
+        # a tuned ratio of an older spec ratio counts for nothing: nothing to do
+        (tuned(0.3, 0.1), False),
+    ],
+)
+def test_a_status_write_that_moves_the_pods_ratio_is_rendered(patched, requested):
+    operator = Recorder()
+    owner = example_owner(tuned(0.15, 0.15))
+    operator.owner_event(owner, None)
+    operator.prepared(owner)  # rendered by the reconcile
+    operator.requests.clear()
+    operator.owner_event(example_owner(patched), "MODIFIED")
+    assert [(t, o) for _, t, o in operator.requests] == (
+        [("ratio", handlers.DRIFT)] if requested else []
+    )
+
+
 def _reconciled(monkeypatch, spec: dict, trigger: str) -> list[tuple[str, str]]:
     """The Warning events one successful reconcile of `spec` posts."""
 

@@ -142,7 +142,7 @@ def test_deleting_releases_everything_kept_for_the_owner_and_its_children():
         operator._rendered,
         operator._current,
         operator._deployments,
-        operator.tuning._due,
+        operator.tuning._last,
     )
     assert all(not table for table in tables), [len(t) for t in tables]
     assert all(not tuner_series(handlers._key(body)) for body in bodies)

@@ -1,16 +1,22 @@
 """The tuner's driver, its pure parts: where tuning continues from, what a decision writes
 into status, and which replica is the active one."""
 
+import asyncio
+import contextlib
+import copy
 import dataclasses
 import datetime
+import types
 from pathlib import Path
 
 import yaml
 
 from holeblend_operator.api import BlendDeployment, TuningSpec
+from holeblend_operator.host_paths import DEFAULT_HOST_PATH_PREFIXES
 from holeblend_operator.tuner import Decision, Reading, State, select_signal
 from holeblend_operator.tuning_loop import (
     HISTORY_LENGTH,
+    TuningLoop,
     is_active,
     ratio_in_force,
     recent_seconds,
@@ -208,3 +214,136 @@ def test_a_model_on_a_host_path_the_operator_admits_is_tuned_like_any_other():
     assert _parse(body) is None  # outside the default prefixes: the reconcile refuses it too
     admitted = _parse(body, (*DEFAULT_HOST_PATH_PREFIXES, "/srv/models"))
     assert admitted is not None and admitted.spec.tuning.enabled
+
+
+def test_a_history_reason_quoting_a_whole_page_still_fits_the_crd():
+    """A source's error quotes what it answered (an HTML page, a long URL): the history
+    entry is cut to what status.tuning.history[].reason holds, or the API server would
+    refuse every status write of the tuner."""
+    from holeblend_operator.api import REASON_MAX_LENGTH
+    from holeblend_operator.tuner import decide
+    from holeblend_operator.tuning_sources import failed
+
+    seen = failed("no engine pod answered on /metrics (not Prometheus text format: " + "x" * 3000)
+    decision = decide(BD.spec.tuning, 0.15, seen, State(), 1e9)
+    patch = status_patch(BD, {}, decision, seen, NOW)
+    reason = patch["tuning"]["history"][-1]["reason"]
+    assert len(reason) == REASON_MAX_LENGTH and reason.startswith(
+        "MetricsUnavailable: no metrics: no engine"
+    )
+    BlendDeployment.model_validate({"metadata": {"name": "r"}, "spec": SPEC, "status": patch})
+
+
+class _StatusClient:
+    """A BlendDeployment whose status merge patches apply as the API server applies them."""
+
+    def __init__(self, status: dict):
+        self.body = {
+            "apiVersion": "blend.holeblend.io/v1alpha1",
+            "kind": "BlendDeployment",
+            "metadata": {"name": "r", "namespace": "ns", "generation": 2, "uid": "u"},
+            "spec": SPEC,
+            "status": status,
+        }
+
+    async def get(self, kind, namespace, name):
+        return copy.deepcopy(self.body)
+
+    async def patch_status(self, namespace, name, patch):
+        _merge(self.body["status"], patch)
+        return copy.deepcopy(self.body)
+
+
+def _merge(target: dict, patch: dict) -> None:
+    for key, value in patch.items():
+        if value is None:
+            target.pop(key, None)
+        elif isinstance(value, dict) and isinstance(target.get(key), dict):
+            _merge(target[key], value)
+        else:
+            target[key] = copy.deepcopy(value)
+
+
+class _Operator:
+    def __init__(self, client):
+        self.client, self.kept, self.requested = client, None, []
+        self.settings = types.SimpleNamespace(
+            peering=None, host_path_prefixes=DEFAULT_HOST_PATH_PREFIXES
+        )
+
+    @contextlib.asynccontextmanager
+    async def lock(self, key):
+        yield
+
+    def keep_owner(self, key, body):
+        self.kept = body
+
+    def request_tuned(self, key):
+        self.requested.append(key)
+
+
+class _Loop(TuningLoop):
+    """The metrics read takes a while; `meanwhile` runs during it (another writer)."""
+
+    def __init__(self, operator, meanwhile, seen=SEEN):
+        super().__init__(operator)
+        self.meanwhile, self.seen = meanwhile, seen
+
+    async def read(self, bd, ratio):
+        await self.meanwhile(self.operator.client)
+        return self.seen
+
+
+def _condition(status: dict, kind: str) -> dict:
+    return next(c for c in status["conditions"] if c["type"] == kind)
+
+
+def test_a_status_refresh_during_the_metrics_read_is_not_put_back():
+    """The reconcile's refresh writes Ready=True while the tuner reads the metrics (it
+    takes the owner's lock only to write): the tuner's patch keeps it."""
+    not_ready = {"type": "Ready", "status": "False", "reason": "EngineNotReady"}
+    client = _StatusClient({"phase": "Progressing", "conditions": [not_ready]})
+
+    async def refresh(client):
+        ready = {"type": "Ready", "status": "True", "reason": "AllReplicasReady"}
+        await client.patch_status("ns", "r", {"phase": "Ready", "conditions": [ready]})
+
+    decision = asyncio.run(_Loop(_Operator(client), refresh).tune(("ns", "r")))
+    status = client.body["status"]
+    assert decision is not None and _condition(status, "Tuned")["reason"] == decision.code
+    assert _condition(status, "Ready")["status"] == "True" and status["phase"] == "Ready"
+
+
+def test_a_ratio_that_moves_during_the_metrics_read_is_decided_again_next_interval():
+    client = _StatusClient({})
+    low = dataclasses.replace(SEEN, f1_proxy=0.2)  # below target: the law would raise 0.15
+
+    async def hand_patch(client):
+        await client.patch_status("ns", "r", {"recomputeRatio": 0.3, "tuning": {"baseRatio": 0.15}})
+
+    operator = _Operator(client)
+    assert asyncio.run(_Loop(operator, hand_patch, low).tune(("ns", "r"))) is None
+    assert client.body["status"]["recomputeRatio"] == 0.3 and operator.requested == []
+
+
+def test_a_shorter_interval_applies_from_the_last_evaluation(monkeypatch):
+    """intervalSeconds 3600 lowered to 60: the next evaluation is due 60 s after the last
+    one, not at the hour the old interval had scheduled."""
+    import holeblend_operator.tuning_loop as tuning_loop
+
+    clock = [0.0]
+    monkeypatch.setattr(tuning_loop.time, "monotonic", lambda: clock[0])
+    key = ("ns", "r")
+    owners = {key: types.SimpleNamespace(interval=3600.0)}
+    evaluated = []
+
+    class Loop(TuningLoop):
+        async def tune(self, key):
+            evaluated.append(clock[0])
+
+    loop = Loop(types.SimpleNamespace(owners=owners))
+    for now, interval in ((0, 3600), (3599, 3600), (3600, 3600), (3610, 60), (3660, 60)):
+        clock[0] = float(now)
+        owners[key] = types.SimpleNamespace(interval=float(interval))
+        asyncio.run(loop.tick())
+    assert evaluated == [3600.0, 3660.0]

@@ -325,3 +325,25 @@ async def test_a_prometheus_without_the_engine_series_gives_an_error_reading():
         prometheus.answer = (200, vector(), "application/json")
         seen = await PrometheusSource(prometheus.url, session).read(target(), 0.15, 60)
         assert "no holeblend_recompute_ratio series" in seen.error
+
+
+async def test_deployments_in_one_namespace_keep_their_own_scrape_history():
+    """One source reads every BlendDeployment in turn: a read forgets only its own
+    deployment's pods that are gone, never another deployment's history (which left every
+    deployment but one of a namespace without a window, reading no samples, forever)."""
+    async with servers(2) as ((a, b), session):
+        clock = Clock()
+        source = ScrapeSource(session, clock=clock)
+        first = Target("default", "first-engine", {"first-pod": f"{a.url}/metrics"})
+        second = Target("default", "second-engine", {"second-pod": f"{b.url}/metrics"})
+        for count in (10, 20, 30):
+            a.answer = b.answer = (200, metrics_page(0.9 * count, count), "text/plain")
+            seen = [await source.read(t, 0.15, window_s=600) for t in (first, second)]
+            clock.now += 10
+        assert [s.num_samples for s in seen] == [20, 20]
+        assert seen[1].f1_proxy == pytest.approx(0.9)
+        # A deployment deleted: its history goes, the other's stays.
+        source.forget("default", "first-engine")
+        a.answer = b.answer = (200, metrics_page(36, 40), "text/plain")
+        assert (await source.read(first, 0.15, window_s=600)).num_samples == 0  # a new baseline
+        assert (await source.read(second, 0.15, window_s=600)).num_samples == 30
