@@ -118,9 +118,14 @@ class HoleBlendWorkerMetadata(KVConnectorWorkerMetadata):
     failed: tuple[str, ...] = ()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """The ranks' metadata of one step as one: under tensor parallelism every rank
+        blends each load over its own heads and reports the same outcome, which the
+        scheduler counts once (the first rank's); failed requests likewise."""
         assert isinstance(other, HoleBlendWorkerMetadata)
+        seen = {outcome.request_id for outcome in self.outcomes}
+        outcomes = self.outcomes + tuple(o for o in other.outcomes if o.request_id not in seen)
         failed = tuple(dict.fromkeys(self.failed + other.failed))
-        return HoleBlendWorkerMetadata(self.outcomes + other.outcomes, failed)
+        return HoleBlendWorkerMetadata(outcomes, failed)
 
 
 @dataclass
@@ -233,12 +238,15 @@ class HoleBlendConnector(KVConnectorBase_V1):
             index = self.store if num_shards == 1 else AllShardsIndex(self.store, num_shards)
             self._scheduler = _SchedulerSide(vllm_config, self.settings, index, self.step_tokens)
         else:
-            store = self.store
+            store, rank = self.store, 0
             if num_shards > 1:
                 from vllm.distributed import get_tensor_model_parallel_rank
 
-                store = ShardedKVStore(self.store, get_tensor_model_parallel_rank(), num_shards)
-            self._worker = _WorkerSide(vllm_config, self.settings, store, self.step_tokens)
+                rank = get_tensor_model_parallel_rank()
+                store = ShardedKVStore(self.store, rank, num_shards)
+            self._worker = _WorkerSide(
+                vllm_config, self.settings, store, self.step_tokens, counts_loads=rank == 0
+            )
             self._worker.block_size = _block_size(kv_cache_config, vllm_config)
 
     # --- scheduler side ---------------------------------------------------------------
@@ -364,6 +372,11 @@ class _SchedulerSide:
         self.outcomes: dict[str, LoadOutcome] = {}
         self.blocks: dict[str, tuple[int, ...]] = {}
         self.stores: list[StoreRequest] = []
+        # Missing segments inside a request's covered range (holes), by request: sent with
+        # the request's load, in the step vLLM allocated it (the load stores them from its
+        # blend, the worker computes only what it could not), not in the step that planned
+        # the request, which may not allocate it; released alone if no load comes.
+        self.hole_stores: dict[str, StoreRequest] = {}
         # Store policy in-context: missing segments past the covered range, stored from the
         # K/V vLLM's forward writes in the step that computes them (`ForwardStores`).
         self.forward_stores = ForwardStores() if settings.blend.store_policy == IN_CONTEXT else None
@@ -435,22 +448,31 @@ class _SchedulerSide:
             # the load stores the holes it blended; computed here only if it could not.
             covered = plan.num_covered_tokens
             later = tuple(i for i in segments if plan.prompt.segments[i].start >= covered)
-            self.forward_stores.add(request_id, plan.prompt, later)
+            self.forward_stores.add(request_id, plan.prompt, later, plan.is_lookup_late)
             segments = tuple(i for i in segments if i not in later)
-        if segments:
-            self.stores.append(StoreRequest(request_id, plan.prompt, segments))
+        if not segments:
+            return
+        store = StoreRequest(request_id, plan.prompt, segments, check_stored=plan.is_lookup_late)
+        if plan.num_covered_tokens > 0:
+            self.hole_stores[request_id] = store
+        else:
+            self.stores.append(store)  # nothing to load: computed here
 
     def allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        if self.ledger.allocated(request.request_id, num_external_tokens) is not None:
-            self.blocks[request.request_id] = tuple(blocks.get_block_ids()[0])
+        request_id = request.request_id
+        if self.ledger.allocated(request_id, num_external_tokens) is not None:
+            self.blocks[request_id] = tuple(blocks.get_block_ids()[0])
+        elif (store := self.hole_stores.pop(request_id, None)) is not None:
+            self.stores.append(store)  # vLLM computes the range itself: no load stores them
 
     def step_plan(self, scheduler_output: Any = None) -> StepPlan:
         ratio = self.ratio.ratio()
         metrics.RECOMPUTE_RATIO.set(ratio)
+        taken = self.ledger.take_loads()
         loads = tuple(
-            self._load_request(request_id, load, ratio)
-            for request_id, load in self.ledger.take_loads().items()
+            self._load_request(request_id, load, ratio) for request_id, load in taken.items()
         )
+        self.stores += [s for r in taken if (s := self.hole_stores.pop(r, None)) is not None]
         if self.forward_stores is not None and scheduler_output is not None:
             self.stores += self.forward_stores.step(scheduler_output)
         stores, self.stores = tuple(self.stores), []
@@ -499,6 +521,7 @@ class _SchedulerSide:
         plan = self.plans.pop(request_id, None)
         outcome = self.outcomes.pop(request_id, None)
         self.blocks.pop(request_id, None)
+        self.hole_stores.pop(request_id, None)  # never loaded: a future miss
         self.ledger.finished(request_id)
         is_load_failed = request_id in self.failed_loads
         self.failed_loads.discard(request_id)
@@ -661,10 +684,15 @@ class _WorkerSide:
         settings: ConnectorSettings,
         store: KVStore,
         step_tokens: int | None = None,
+        counts_loads: bool = True,
     ) -> None:
         self.vllm_config = vllm_config
         self.settings = settings
         self.step_tokens = step_tokens
+        # vLLM sums the ranks' connector stats: the loads' figures, the same on every
+        # tensor-parallel rank, are counted by the first rank only; store failures, each
+        # rank's own shard, by every rank.
+        self.counts_loads = counts_loads
         # Writes and reads on I/O threads, off the model's thread (kv/async_store.py).
         self.store = AsyncKVStore(store, on_failure=_count_failed_write)
         metrics.STORE_QUEUE.set_function(lambda: self.store.num_pending)
@@ -723,7 +751,8 @@ class _WorkerSide:
         first, last = load.load.start // self.block_size, (load.load.end - 1) // self.block_size
         self._failed_blocks.update(load.block_ids[first : last + 1])
         metrics.LOAD_FAILURES.inc()
-        self._stats["num_failed_loads"] = self._stats.get("num_failed_loads", 0) + 1
+        if self.counts_loads:
+            self._stats["num_failed_loads"] = self._stats.get("num_failed_loads", 0) + 1
         self._failed_requests.append(load.request_id)
 
     def take_failed_requests(self) -> tuple[str, ...]:
@@ -789,6 +818,8 @@ class _WorkerSide:
         return BlendWorker(engine, writer, self.settings.quality_proxies, capture)
 
     def _count(self, outcome: LoadOutcome) -> None:
+        if not self.counts_loads:
+            return
         for name, value in asdict(outcome).items():
             if name.startswith("num_"):
                 self._stats[name] = self._stats.get(name, 0) + value

@@ -27,12 +27,20 @@ from holeblend_runtime.vllm_connector.metadata import StoreRequest
 
 class ForwardStores:
     def __init__(self) -> None:
-        self._pending: dict[str, tuple[SegmentedPrompt, tuple[int, ...]]] = {}
+        # request -> (prompt, segments still to store, whether to check the tier first)
+        self._pending: dict[str, tuple[SegmentedPrompt, tuple[int, ...], bool]] = {}
         self._blocks: dict[str, list[int]] = {}
 
-    def add(self, request_id: str, prompt: SegmentedPrompt, segments: Sequence[int]) -> None:
+    def add(
+        self,
+        request_id: str,
+        prompt: SegmentedPrompt,
+        segments: Sequence[int],
+        check_stored: bool = False,
+    ) -> None:
+        """`check_stored`: the segments were not looked up (`StoreRequest.check_stored`)."""
         if segments:
-            self._pending[request_id] = (prompt, tuple(segments))
+            self._pending[request_id] = (prompt, tuple(segments), check_stored)
 
     def forget(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
@@ -66,7 +74,7 @@ class ForwardStores:
         return stores
 
     def _due(self, request_id: str, before: int, after: int) -> list[StoreRequest]:
-        prompt, segments = self._pending[request_id]
+        prompt, segments, check = self._pending[request_id]
         spans = {i: (prompt.segments[i].start, prompt.segments[i].end) for i in segments}
         whole = tuple(i for i in segments if before <= spans[i][0] and spans[i][1] <= after)
         split = tuple(i for i in segments if i not in whole and spans[i][0] < after)
@@ -74,11 +82,11 @@ class ForwardStores:
         stores = []
         if whole:
             blocks = tuple(self._blocks.get(request_id, ()))
-            stores.append(StoreRequest(request_id, prompt, whole, blocks))
+            stores.append(StoreRequest(request_id, prompt, whole, blocks, check_stored=check))
         if split:
-            stores.append(StoreRequest(request_id, prompt, split))
+            stores.append(StoreRequest(request_id, prompt, split, check_stored=check))
         if later:
-            self._pending[request_id] = (prompt, later)
+            self._pending[request_id] = (prompt, later, check)
         else:
             self.forget(request_id)
         return stores

@@ -86,8 +86,8 @@ class ReusePlanner:
 
     def plan_late(self, token_ids: Sequence[int]) -> ReusePlan | None:
         """The plan of a request whose lookup missed its deadline: a full miss. Every
-        cacheable segment is named missing; the worker's store skips those the tier holds
-        (`BlendWorker.store`)."""
+        cacheable segment is named missing; the worker's stores skip those the tier holds
+        (`StoreRequest.check_stored`)."""
         if (split := self._split(token_ids)) is None:
             return None
         prompt, keys = split

@@ -250,10 +250,16 @@ class BlendWorker:
         stored, first = 0, 0
         for request in requests:
             keys = self.engine.segment_keys(request.prompt)
+            held = set()
+            if request.check_stored:  # not looked up: written only where the tier lacks it
+                found = self.engine.store.contains_many([keys[i] for i in request.segments])
+                held = {i for i, is_found in zip(request.segments, found, strict=True) if is_found}
             for i in request.segments:
                 segment = request.prompt.segments[i]
                 rows = slice(first, first + segment.num_tokens)
                 first += segment.num_tokens
+                if i in held:
+                    continue
                 stored += self.engine.store_in_context(
                     request.prompt, keys, [i], k[:, :, rows], v[:, :, rows], segment.start
                 )

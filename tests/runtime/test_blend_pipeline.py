@@ -257,6 +257,33 @@ def test_segments_the_forward_computes_are_stored_from_its_kv_without_compute(
         assert torch.equal(stored.v, full.v[:, :, segment.start : segment.end])
 
 
+def test_a_late_lookup_s_segments_are_stored_from_the_forward_only_where_the_tier_lacks_them(
+    new_engine, rag_texts, monkeypatch
+):
+    """A request whose lookup missed its deadline names every segment missing without
+    having looked them up (`check_stored`): the forward's K/V are written only for the
+    segments the tier does not hold; the others are not written again."""
+    engine = new_engine()
+    prompt = engine.build_prompt(*rag_texts)
+    keys = engine.segment_keys(prompt)
+    cacheable = tuple(i for i, key in enumerate(keys) if key is not None)
+    worker, blocks = _capturing_worker(engine, prompt.num_tokens)
+    full = engine.prefill(prompt, "full", 1.0)
+    gone = cacheable[-1]
+    assert engine.cache_segments(prompt, cacheable[:-1]) == len(cacheable) - 1
+    assert engine.store.contains_many([keys[gone]]) == [False]
+    written = []
+    real_put = engine.store.put
+    monkeypatch.setattr(engine.store, "put", lambda kv: written.append(kv.key) or real_put(kv))
+    store = StoreRequest("r", prompt, cacheable, blocks, check_stored=True)
+    worker.arm_capture([store])
+    _forward_into(worker, full, prompt.num_tokens, blocks)
+    assert worker.store_many([store]) == (1, 0)
+    assert written == [keys[gone]]
+    segment = prompt.segments[gone]
+    assert torch.equal(engine.store.get(keys[gone]).k, full.k[:, :, segment.start : segment.end])
+
+
 def _last_segment_armed(engine, rag_texts):
     """The prompt's last cacheable segment missing from the store, a capturing worker armed
     to store it from the forward, and full prefill's K/V to play that forward with."""

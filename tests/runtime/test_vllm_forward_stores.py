@@ -51,6 +51,18 @@ def test_a_prompt_computed_in_one_step_stores_every_segment_from_it():
     assert stores.num_pending == 0
 
 
+def test_segments_that_were_not_looked_up_are_stored_after_a_check_in_every_step():
+    """A late lookup's segments (`check_stored`): each step's stores say so, whole or split."""
+    stores = ForwardStores()
+    stores.add("r", PROMPT, DOCS, check_stored=True)
+    first = stores.step(_new("r", 0, 11, [5]))  # doc 1 whole, doc 2 split
+    second = stores.step(_later("r", 11, 10, [6]))
+    assert [(s.segments, s.check_stored) for s in first] == [((1,), True), ((2,), True)]
+    assert [(s.segments, s.check_stored) for s in second] == [((3,), True)]
+    stores.add("q", PROMPT, DOCS)
+    assert [s.check_stored for s in stores.step(_new("q", 0, 21, [7, 8]))] == [False]
+
+
 def test_the_connector_covered_part_is_before_the_step():
     stores = ForwardStores()
     stores.add("r", PROMPT, (3,))  # documents 1-2 came from the connector: computed = 13

@@ -80,6 +80,47 @@ def test_worker_metadata_aggregates_the_outcomes_of_all_workers():
     assert failed.failed == ("c", "d")
 
 
+def test_a_load_at_tensor_parallel_size_two_is_counted_once():
+    """Every rank blends the same load over its own heads and reports it: through vLLM's
+    own aggregation of the ranks' outputs the scheduler hears of the load once, and vLLM's
+    connector stats (summed over ranks) count its tokens once; each rank's failed stores
+    are its own shard's, summed."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    from holeblend_runtime.kv.store import LocalKVStore
+    from holeblend_runtime.vllm_connector.connector import _WorkerSide
+    from holeblend_runtime.vllm_connector.settings import ConnectorSettings
+
+    config = types.SimpleNamespace(cache_config=types.SimpleNamespace(block_size=16))
+    outcome = LoadOutcome("r", 10, 2, 4, 1, 0.1)
+    outputs = []
+    for rank in (0, 1):
+        side = _WorkerSide(
+            config, ConnectorSettings(), LocalKVStore(1 << 20), counts_loads=rank == 0
+        )
+        try:
+            side._finished(outcome)
+            side._stats["num_failed_stores"] = 1
+            output = ModelRunnerOutput.__new__(ModelRunnerOutput)
+            output.kv_connector_output = KVConnectorOutput(
+                kv_connector_worker_meta=HoleBlendWorkerMetadata(side.take_outcomes()),
+                kv_connector_stats=side.take_stats(),
+            )
+            outputs.append(output)
+        finally:
+            side.close()
+    merged = KVOutputAggregator(2).aggregate(outputs).kv_connector_output
+    assert merged.kv_connector_worker_meta.outcomes == (outcome,)
+    assert merged.kv_connector_stats.reduce() == {
+        "num_reused_tokens": 10,
+        "num_hole_tokens": 2,
+        "num_recomputed_tokens": 4,
+        "num_rejected_segments": 1,
+        "num_failed_stores": 2,
+    }
+
+
 def test_connector_stats_sum_over_an_interval():
     stats = HoleBlendStats(data={"num_reused_tokens": 3})
     stats.aggregate(HoleBlendStats(data={"num_reused_tokens": 4, "num_hole_tokens": 1}))
