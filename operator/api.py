@@ -1325,15 +1325,33 @@ _NO_IDLE_DEVICES = CelRule(
 )
 
 
+_CPU_COMPUTES_IN_FLOAT32 = CelRule(
+    rule="self.accelerator.type != 'cpu' || self.model.dtype in ['auto', 'float32']",
+    message="model.dtype must be auto or float32 for accelerator.type cpu: holeblend-serve "
+    "computes in float32 and refuses another dtype at start; set it to auto",
+    check=lambda s: (
+        s.accelerator.type != AcceleratorType.CPU or s.model.dtype in (Dtype.AUTO, Dtype.FLOAT32)
+    ),
+    field_path=".model.dtype",
+)
+
+
 class BlendDeploymentSpec(ApiModel):
     """Desired state of a BlendDeployment."""
 
     model_config = ConfigDict(
         json_schema_extra=cel_schema_extra(
-            _TP_FITS, _RATIO_IN_BOUNDS, _STORE_DTYPE_NARROWER, _NO_IDLE_DEVICES
+            _TP_FITS,
+            _RATIO_IN_BOUNDS,
+            _STORE_DTYPE_NARROWER,
+            _NO_IDLE_DEVICES,
+            _CPU_COMPUTES_IN_FLOAT32,
         )
     )
-    check_rules = cel_validator(_TP_FITS, _RATIO_IN_BOUNDS, _STORE_DTYPE_NARROWER, _NO_IDLE_DEVICES)
+    check_rules = cel_validator(
+        _TP_FITS, _RATIO_IN_BOUNDS, _STORE_DTYPE_NARROWER, _NO_IDLE_DEVICES,
+        _CPU_COMPUTES_IN_FLOAT32,
+    )  # fmt: skip
 
     model: ModelSpec
     """The served model."""
