@@ -16,7 +16,10 @@ of the step. `AsyncKVStore` wraps the worker's store (`KVStore`, same protocol):
    the next `get_many` that asks for them takes the result, waiting for it if it is not
    in yet. Unclaimed prefetches are bounded (oldest dropped) and `discard` drops them.
 4. `flush` waits until every accepted entry is written; `close` flushes (bounded) and
-   stops the threads.
+   stops the threads. What a flush out of time leaves is dropped then: the entries still
+   waiting are counted as failed (`num_failed`, `on_failure`) and no longer served, a `put`
+   waiting for room is refused (False), a `flush` returns False at once, and the entry
+   being written finishes its write. A `put` after `close` raises.
 
 On an accelerator the entry's tensors may still be computed by the device when `put`
 returns: the writer waits for an event recorded at `put` before reading them.
@@ -69,6 +72,8 @@ class AsyncKVStore:
         self._queue: deque[tuple[SegmentKV, object | None]] = deque()
         self._pending: dict[str, SegmentKV] = {}
         self._pending_bytes = 0
+        # Whether the writer is writing the first entry of the queue.
+        self._is_writing = False
         self._is_closed = False
         self.num_written = 0
         self.num_failed = 0
@@ -81,14 +86,22 @@ class AsyncKVStore:
     # --- writes -------------------------------------------------------------------------
 
     def put(self, kv: SegmentKV) -> bool:
-        """Accept `kv` for writing (waits while the entries waiting exceed the bound)."""
+        """Accept `kv` for writing (waits while the entries waiting exceed the bound); False:
+        the store closed while it waited, `kv` is not written."""
         ready = _device_event(kv.k)
         with self._condition:
             if self._is_closed:
                 raise RuntimeError("put: the store is closed")
             # An entry larger than the bound alone waits for an empty queue.
-            while self._queue and self._pending_bytes + kv.num_bytes > self.max_pending_bytes:
+            while (
+                not self._is_closed
+                and self._queue
+                and self._pending_bytes + kv.num_bytes > self.max_pending_bytes
+            ):
                 self._condition.wait()
+            if self._is_closed:
+                log.debug("segment %s: the store closed before it had room", kv.key)
+                return False
             self._queue.append((kv, ready))
             self._pending[kv.key] = kv
             self._pending_bytes += kv.num_bytes
@@ -96,16 +109,17 @@ class AsyncKVStore:
         return True
 
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait until every accepted entry is written (or failed); False on timeout. The
-        entry being written stays first in the queue until its write returns."""
+        """Wait until every accepted entry is written (or failed); False on timeout, or once
+        the store is closed with a write unfinished. The entry being written stays first
+        in the queue until its write returns."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._condition:
-            while self._queue:
+            while self._queue and not self._is_closed:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
                 self._condition.wait(left)
-        return True
+            return not self._queue
 
     @property
     def num_pending(self) -> int:
@@ -123,9 +137,10 @@ class AsyncKVStore:
             with self._condition:
                 while not self._queue and not self._is_closed:
                     self._condition.wait()
-                if self._is_closed:  # flushed, or out of time: what is left stays unwritten
+                if self._is_closed:  # `close` dropped what was left
                     return
                 kv, ready = self._queue[0]
+                self._is_writing = True
             try:
                 if ready is not None:
                     ready.synchronize()  # type: ignore[attr-defined]
@@ -135,9 +150,8 @@ class AsyncKVStore:
                 is_written, error = False, caught
             with self._condition:
                 self._queue.popleft()
-                if self._pending.get(kv.key) is kv:
-                    del self._pending[kv.key]
-                self._pending_bytes -= kv.num_bytes
+                self._is_writing = False
+                self._forget(kv)
                 self.num_written += error is None
                 self.num_failed += error is not None
                 self._condition.notify_all()
@@ -147,6 +161,12 @@ class AsyncKVStore:
                     self._on_failure(kv)
             elif not is_written:
                 log.debug("segment %s: the store did not hold it", kv.key)
+
+    def _forget(self, kv: SegmentKV) -> None:
+        """Drop `kv`, taken out of the queue, from the entries waiting (the lock held)."""
+        if self._pending.get(kv.key) is kv:
+            del self._pending[kv.key]
+        self._pending_bytes -= kv.num_bytes
 
     # --- reads --------------------------------------------------------------------------
 
@@ -211,14 +231,28 @@ class AsyncKVStore:
     # --- lifetime -----------------------------------------------------------------------
 
     def close(self, timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S) -> bool:
-        """Write what was accepted (up to `timeout_s`), then stop; whether all was written."""
-        is_flushed = self.flush(timeout_s)
-        if not is_flushed:
-            log.error("closing the KV store: %d segments left unwritten", self.num_pending)
+        """Write what was accepted (up to `timeout_s`), then stop; whether all was written.
+        Entries still waiting then are dropped and counted as failed (module doc)."""
+        self.flush(timeout_s)
         with self._condition:
             self._is_closed = True
+            # The entry being written stays first in the queue until its write returns.
+            kept = 1 if self._is_writing else 0
+            dropped = [kv for kv, _ in list(self._queue)[kept:]]
+            while len(self._queue) > kept:
+                self._forget(self._queue.pop()[0])
+            self.num_failed += len(dropped)
+            is_flushed = not self._queue and not dropped
             self._condition.notify_all()
         self._reader.shutdown(wait=False, cancel_futures=True)
+        if not is_flushed:
+            log.error(
+                "closing the KV store: %d segments left unwritten, %d still being written",
+                len(dropped), kept,
+            )  # fmt: skip
+        if self._on_failure is not None:
+            for kv in dropped:
+                self._on_failure(kv)
         return is_flushed
 
 

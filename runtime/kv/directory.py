@@ -4,9 +4,17 @@ vLLM runs its scheduler and its workers in different processes; both see the sam
 directory (on a pod, a tmpfs such as /dev/shm), so the scheduler's lookup and the
 worker's load agree without a server. Implements `KVStore`:
 
-1. `put` writes to a temporary file and renames it, so readers never see half a file.
-2. `get` reads and checks the file; a file that cannot be parsed (a corrupt blob) is
-   removed and reported as a miss, so serving falls back to computing the segment.
+1. `put` writes to a temporary file (`.<key>.<random>.partial`) and renames it, so readers
+   never see half a file. A writer killed meanwhile leaves its temporary file behind: the
+   byte budget counts temporary files, and those older than `STALE_PARTIAL_S` (no writer
+   takes that long; the writer is gone) are removed when a store opens the directory and
+   after each `put`, earlier versions' (`tmp*.tmp`, safetensors' `.tmp*`) too. A writer
+   that is still writing, in this process or another sharing the directory, keeps its
+   file.
+2. `get` reads the file once, header and tensors from one open file, and checks it; a file
+   that cannot be parsed (a corrupt blob) is removed and reported as a miss, so serving
+   falls back to computing the segment. A file removed by another writer's eviction after
+   it was read is a hit all the same: the entry is in memory.
    Whether the values are finite is checked once, by `put`, and kept in the file's
    metadata (`SegmentKV.is_finite`), so readers do not scan every value on every reuse.
 3. The byte budget is kept by removing the least recently used files (a hit refreshes
@@ -19,14 +27,18 @@ worker's load agree without a server. Implements `KVStore`:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
+import time
 from collections.abc import Sequence
+from fnmatch import fnmatch
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save
 
 from holeblend_runtime.kv.admission import FrequencyAdmission
 from holeblend_runtime.kv.store import SegmentKV, finite_flags
@@ -38,6 +50,12 @@ _SUFFIX = ".safetensors"
 # their reader checks).
 _FINITE_KEY = "is_finite"
 _FINITE = {"true": True, "false": False}
+_PARTIAL = ".partial"
+# Seconds after which a temporary file is taken as left by a writer that died (a write
+# of the largest segment takes well under a second on a tmpfs).
+STALE_PARTIAL_S = 60.0
+# Temporary files of earlier versions: their own (`mkstemp`) and safetensors' `save_file`'s.
+_LEGACY_TEMPORARY = ("tmp*.tmp", ".tmp*")
 
 
 class DirectoryKVStore:
@@ -58,6 +76,7 @@ class DirectoryKVStore:
         self.num_corrupt = 0
         # Segments the admission rule kept out.
         self.num_refused = 0
+        self._temporary_bytes(remove_stale=True)
         # Files held when last counted (the admission's halving period; no listing per hit).
         self._num_files = len(self) if admission is not None else 0
 
@@ -87,7 +106,8 @@ class DirectoryKVStore:
             self.num_corrupt += 1
             path.unlink(missing_ok=True)
             return None
-        os.utime(path)
+        with contextlib.suppress(FileNotFoundError):  # evicted since it was read
+            os.utime(path)
         if self.admission is not None:
             self.admission.record(key, self._num_files, hit=True)
         return kv
@@ -107,10 +127,11 @@ class DirectoryKVStore:
         # AsyncKVStore), taken afresh like LocalKVStore's: a reader then trusts it.
         is_finite = finite_flags([kv])[0]
         metadata = {"key": kv.key, "model_id": kv.model_id, _FINITE_KEY: str(is_finite).lower()}
-        handle, temporary = tempfile.mkstemp(dir=self.root, suffix=".tmp")
-        os.close(handle)
+        data = save({n: t.detach().cpu() for n, t in tensors.items()}, metadata)
+        handle, temporary = tempfile.mkstemp(dir=self.root, prefix=f".{kv.key}.", suffix=_PARTIAL)
         try:
-            save_file({n: t.detach().cpu() for n, t in tensors.items()}, temporary, metadata)
+            with os.fdopen(handle, "wb") as file:
+                file.write(data)
             os.replace(temporary, self.path(kv.key))
         finally:
             Path(temporary).unlink(missing_ok=True)
@@ -151,28 +172,59 @@ class DirectoryKVStore:
 
     @property
     def num_bytes(self) -> int:
-        return sum(_size(p) for p in self.root.glob(f"*{_SUFFIX}"))
+        """Bytes of the stored files and of the temporary files being written."""
+        stored = sum(_size(p) for p in self.root.glob(f"*{_SUFFIX}"))
+        return stored + self._temporary_bytes()
 
     def _files_by_age(self) -> list[Path]:
         files = [(p, _mtime(p)) for p in self.root.glob(f"*{_SUFFIX}")]
         return [p for p, mtime in sorted(files, key=lambda f: f[1]) if mtime is not None]
 
     def _evict(self) -> None:
+        """Remove stale temporary files, then the least recently used files until the
+        stored files and the temporary files being written fit the budget."""
+        temporary = self._temporary_bytes(remove_stale=True)
         files = self._files_by_age()
-        total = sum(_size(p) for p in files)
+        total = temporary + sum(_size(p) for p in files)
         for path in files:
             if total <= self.capacity_bytes:
                 break
             total -= _size(path)
             path.unlink(missing_ok=True)
 
+    def _temporary_bytes(self, remove_stale: bool = False) -> int:
+        """Bytes of the temporary files in the directory (one listing). With `remove_stale`,
+        those last written over `STALE_PARTIAL_S` ago, left by writers killed during a
+        `put`, are removed first and not counted."""
+        oldest = time.time_ns() - int(STALE_PARTIAL_S * 1e9)
+        total = 0
+        with os.scandir(self.root) as entries:
+            for entry in entries:
+                if not _is_temporary(entry.name):
+                    continue
+                try:
+                    stat = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # renamed or removed meanwhile
+                if not entry.is_file(follow_symlinks=False):
+                    continue
+                if remove_stale and stat.st_mtime_ns < oldest:
+                    log.info("removing a temporary KV file a writer left: %s", entry.path)
+                    Path(entry.path).unlink(missing_ok=True)
+                    continue
+                total += stat.st_size
+        return total
+
 
 def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    from safetensors import safe_open
-
+    """The tensors and the metadata of one file, read through one open handle (a file
+    replaced meanwhile cannot mix two versions)."""
     with safe_open(str(path), framework="pt") as handle:
-        metadata = dict(handle.metadata() or {})
-    return load_file(str(path)), metadata
+        return handle.get_tensors(), dict(handle.metadata() or {})
+
+
+def _is_temporary(name: str) -> bool:
+    return name.endswith(_PARTIAL) or any(fnmatch(name, p) for p in _LEGACY_TEMPORARY)
 
 
 def _size(path: Path) -> int:

@@ -13,6 +13,9 @@ Writing a segment (`put`): the local tier, then the shared tier, and only after 
 stores returned is the segment admitted to the lookup server (off the request path,
 by the `Announcer`), so an advertised segment was loadable when it was advertised.
 Local evictions are not announced one by one; the periodic full resync corrects them.
+A resync lists the shared copies this pod wrote or loaded without asking Redis again;
+the lookup server does not advertise again a copy some pod reported gone
+(docs/shared-tier.md, "Copies found gone").
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import socket
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -259,12 +262,19 @@ class TieredKVStore:
 
     def _load_failed(self, key: str, is_gone: bool) -> None:
         """An advertised segment did not load: it is computed. When Redis said it is gone
-        (evicted, corrupt, foreign), the lookup server stops advertising it; after a failed
-        call it may still be there, and nothing is said."""
+        (evicted, corrupt, foreign), the lookup server stops advertising it (and remembers
+        that, so the writer's resyncs do not advertise it again) and this pod forgets it
+        held the copy; after a failed call it may still be there, and nothing is said."""
         if self.lookup is None:
             return  # nothing advertised it: a plain miss
         self.stats.load_failures += 1
-        if is_gone and self.announcer is not None:
+        if not is_gone:
+            return
+        with self._lock:  # this pod's resyncs no longer announce the copy
+            entry = self._announced.get(key)
+            if entry is not None and entry.shared:
+                self._announced[key] = replace(entry, shared=False)
+        if self.announcer is not None:
             self.announcer.evict(key, shared=True)
 
     # --- announcements --------------------------------------------------------------------

@@ -5,10 +5,17 @@
 2. A segment lives while some pod holds it or the shared tier does; the index keeps
    at most `max_entries` segments and `max_bytes` of their KV, dropping the least
    recently used (admitted or hit) first.
-3. Pods heartbeat. A pod the index does not know (it restarted, or this server did) is
-   told to resync: it re-announces everything it holds, so a restarted server is whole
-   again within one heartbeat period. A pod silent for `pod_timeout_s` is dropped with
-   its locations; shared-tier copies outlive it.
+3. Pods heartbeat. A pod whose full announcement (a `resync` with `reset`) the index has
+   not had since it started or dropped the pod is told to resync, on every heartbeat until
+   that announcement arrives: it re-announces everything it holds, so a restarted server
+   is whole again within one heartbeat period. Admits and evicts from such a pod are
+   indexed but do not count as its announcement (after a restart a pod's first message
+   is often an admit of a segment it just stored). A pod silent for `pod_timeout_s` is
+   dropped with its locations; shared-tier copies outlive it.
+4. A shared copy a pod reported gone (`evict` with `shared`) is remembered as gone (at
+   most `max_shared_gone` keys): a resync that still lists it as shared (the writer does
+   not know another pod found it gone) does not advertise it again. Only an `admit` with
+   `shared`, sent after a pod wrote or loaded the copy, advertises it again.
 
 Not thread-safe by design: one event loop owns it (the only writer), and lookups run
 inline on that loop with no queue in front of them.
@@ -19,7 +26,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from holeblend_runtime.lookup_server.wire import Entry
 
@@ -61,9 +68,13 @@ class IndexLimits:
     max_bytes: int = 1 << 50
     # Seconds without a heartbeat after which a pod and its locations are dropped.
     pod_timeout_s: float = 15.0
+    # Keys whose shared copies were reported gone that are remembered at most, oldest
+    # forgotten first (about 12 MiB at 65,536). A forgotten one that a resync advertises
+    # again costs one failed load, whose evict remembers it again.
+    max_shared_gone: int = 1 << 16
 
     def __post_init__(self) -> None:
-        for field in ("max_entries", "max_bytes"):
+        for field in ("max_entries", "max_bytes", "max_shared_gone"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field}: must be >= 1, got {getattr(self, field)}")
         if self.pod_timeout_s <= 0:
@@ -79,6 +90,11 @@ class SegmentIndex:
         self._entries: OrderedDict[str, IndexEntry] = OrderedDict()
         self._pod_keys: dict[str, set[str]] = {}
         self._pod_seen: dict[str, float] = {}
+        # Pods whose full announcement (resync with reset) arrived since they were last
+        # unknown: the others are told to resync on every heartbeat.
+        self._synced: set[str] = set()
+        # Keys whose shared copies a pod reported gone, oldest first (values unused).
+        self._shared_gone: OrderedDict[str, None] = OrderedDict()
         self.num_bytes = 0
         # Entries in the shared tier, kept up to date on every change so `stats` (the
         # /stats endpoint, every /metrics scrape) costs the same at any index size.
@@ -119,12 +135,27 @@ class SegmentIndex:
     # --- writes -------------------------------------------------------------------------
 
     def admit(self, pod: str, entries: Iterable[Entry]) -> int:
-        """Record that `pod` stored `entries` (locally and/or in the shared tier)."""
+        """Record that `pod` stored `entries` (locally and/or in the shared tier).
+
+        An entry with `shared` is a copy the pod just wrote or loaded: it is advertised even
+        if a shared copy of that key was reported gone before. An admit does not make an
+        unknown pod synced: its heartbeats still ask it to resync.
+        """
+        return self._admit(pod, entries, is_resync=False)
+
+    def _admit(self, pod: str, entries: Iterable[Entry], is_resync: bool) -> int:
         self.touch_pod(pod)
         now = self._clock()
         pod_keys = self._pod_keys[pod]
+        shared_gone = self._shared_gone
         num = 0
         for item in entries:
+            if item.shared and shared_gone:
+                if is_resync:
+                    if item.key in shared_gone:
+                        item = replace(item, shared=False)  # remembered, not written anew
+                else:
+                    shared_gone.pop(item.key, None)
             entry = self._upsert(item, now)
             entry.pods.add(pod)
             pod_keys.add(item.key)
@@ -134,11 +165,14 @@ class SegmentIndex:
         return num
 
     def evict(self, pod: str, keys: Iterable[str], shared: bool = False) -> int:
-        """`pod` dropped `keys`; with `shared`, their shared-tier copies are gone too."""
+        """`pod` dropped `keys`; with `shared`, their shared-tier copies are gone too (and
+        remembered as gone, so that a resync does not advertise them again)."""
         self.touch_pod(pod)
         pod_keys = self._pod_keys[pod]
         num = 0
         for key in keys:
+            if shared:
+                self._remember_shared_gone(key)
             entry = self._entries.get(key)
             if entry is None:
                 continue
@@ -153,16 +187,18 @@ class SegmentIndex:
         return num
 
     def heartbeat(self, pod: str) -> bool:
-        """Note that `pod` is alive; True when it must resync (the index does not know it)."""
-        is_known = pod in self._pod_seen
+        """Note that `pod` is alive; True when it must resync: its full announcement has not
+        arrived since this index started or dropped it."""
         self.touch_pod(pod)
-        return not is_known
+        return pod not in self._synced
 
     def resync(self, pod: str, entries: Sequence[Entry], reset: bool) -> int:
-        """A chunk of `pod`'s full announcement; `reset` forgets what it held before."""
+        """A chunk of `pod`'s full announcement; `reset` (the first chunk) forgets what it
+        held before and makes it synced. Shared copies reported gone stay unadvertised."""
         if reset:
             self.forget_pod(pod)
-        return self.admit(pod, entries)
+            self._synced.add(pod)
+        return self._admit(pod, entries, is_resync=True)
 
     def touch_pod(self, pod: str) -> None:
         self._pod_seen[pod] = self._clock()
@@ -171,6 +207,7 @@ class SegmentIndex:
     def forget_pod(self, pod: str) -> None:
         """Drop `pod` and its locations; segments only it held go, shared copies stay."""
         self._pod_seen.pop(pod, None)
+        self._synced.discard(pod)
         for key in self._pod_keys.pop(pod, ()):
             entry = self._entries.get(key)
             if entry is not None:
@@ -213,6 +250,13 @@ class SegmentIndex:
         entry.last_use = now
         self._entries.move_to_end(item.key)
         return entry
+
+    def _remember_shared_gone(self, key: str) -> None:
+        shared_gone = self._shared_gone
+        shared_gone[key] = None
+        shared_gone.move_to_end(key)
+        while len(shared_gone) > self.limits.max_shared_gone:
+            shared_gone.popitem(last=False)
 
     def _drop_if_unheld(self, key: str, entry: IndexEntry) -> None:
         if not entry.pods and not entry.shared:

@@ -15,7 +15,9 @@
      replies is dropped after `write_timeout_s` (one `call_later` timer per connection);
    - request bytes buffered across all connections stay within `max_buffer_bytes`: a
      request's announced body is reserved when its head arrives, and one that does not
-     fit is answered 503 and its connection closed;
+     fit is answered 503 and its connection closed. Large bodies and replies left unread
+     may use only seven eighths of it, so lookups and heartbeats always find room; a
+     connection whose unread replies do not fit there is aborted;
    - one connection gets at most `requests_per_turn` answers per event-loop turn, and
      none while its replies pile up unread (asyncio write flow control), so a client
      pipelining thousands of requests cannot delay the others' lookups.
@@ -358,8 +360,8 @@ class _Connection(asyncio.Protocol):
         self.writing_paused = True
         self._pause_reading()
         assert self.transport is not None
-        self._set_write_charge(self.transport.get_write_buffer_size())
-        self._arm(self.loop.time() + self.config.write_timeout_s, "write")
+        if self._charge_write(self.transport.get_write_buffer_size()):
+            self._arm(self.loop.time() + self.config.write_timeout_s, "write")
 
     def resume_writing(self) -> None:
         self.writing_paused = False
@@ -372,8 +374,11 @@ class _Connection(asyncio.Protocol):
     def _serve_turn(self) -> None:
         """Answer up to `requests_per_turn` buffered requests, then let others have a turn."""
         for _ in range(self.config.requests_per_turn):
-            if self.closing or self.writing_paused:
-                return  # resume_writing schedules the next turn
+            if self.closing:
+                return
+            if self.writing_paused:
+                self._release_answered()  # resume_writing schedules the next turn
+                return
             if not self._answer_one():
                 break
         else:
@@ -384,8 +389,7 @@ class _Connection(asyncio.Protocol):
         if self.closing:
             return
         head = self.head
-        # Release what the answered requests held.
-        self._set_charge(head[4] if head is not None else len(self.buffer))
+        self._release_answered()
         if self.saw_eof:
             self._close()  # the client is done sending and no complete request is left
             return
@@ -528,6 +532,24 @@ class _Connection(asyncio.Protocol):
         self.server.buffered_bytes += num_bytes - self.charged
         self.charged = num_bytes
 
+    def _charge_write(self, num_bytes: int) -> bool:
+        """Charge the replies this client left unread; False (connection aborted) when they
+        would push the budget in use past its seven-eighths share for large requests.
+
+        Unread replies, like large bodies, may not take the last eighth of the budget, so
+        clients that ask for large replies and never read them cannot lock the lookups and
+        heartbeats of the others out. The client that hits the limit loses its connection
+        and its unsent replies at once (`write_budget`) instead of holding them for
+        `write_timeout_s`.
+        """
+        in_use = self.server.buffered_bytes - self.write_charged
+        if in_use + num_bytes <= self.config.large_body_budget:
+            self._set_write_charge(num_bytes)
+            return True
+        self.server.metrics.count_error("write_budget")
+        self.abort()
+        return False
+
     def _set_write_charge(self, num_bytes: int) -> None:
         """Unread replies count against the budget while the client is over the high-water mark."""
         self.server.buffered_bytes += num_bytes - self.write_charged
@@ -572,6 +594,8 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         self._release()
         self.closing = True
+        if self.transport.is_closing():
+            return  # aborted meanwhile (unread replies over their budget)
         self.transport.close()
         self._arm(self.loop.time() + LINGER_S, "linger")
 
@@ -584,6 +608,8 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         self._release()
         self.discarding = self.closing = True
+        if self.transport.is_closing():
+            return  # aborted meanwhile (unread replies over their budget)
         if not self.transport.can_write_eof():
             self._close()
             return
@@ -592,6 +618,12 @@ class _Connection(asyncio.Protocol):
             self.reading_paused = False
             self.transport.resume_reading()
         self._arm(self.loop.time() + LINGER_S, "linger")
+
+    def _release_answered(self) -> None:
+        """Release what the answered requests held: the charge covers what is still buffered
+        (or the whole frame of the request whose head is parsed)."""
+        head = self.head
+        self._set_charge(head[4] if head is not None else len(self.buffer))
 
     def _release(self) -> None:
         self.buffer = bytearray()

@@ -10,8 +10,10 @@ Operations (fields of the request -> fields of the reply):
   for a miss or `[num_tokens, in_shared_tier, [pod, ...]]` for a hit.
 - `admit`: `pod` (str), `entries` (list of entry maps, see `Entry`) -> `admitted` (int).
 - `evict`: `pod` (str), `keys` (list of str), optional `shared` (bool: the shared copy
-  is gone too) -> `evicted` (int: keys this pod no longer holds).
-- `heartbeat`: `pod` (str) -> `resync` (bool: the server does not know this pod, so it
+  is gone too; remembered, so a resync does not advertise it again) -> `evicted` (int:
+  keys this pod no longer holds).
+- `heartbeat`: `pod` (str) -> `resync` (bool: the server has not had this pod's full
+  announcement, a `resync` with `reset`, since it started or dropped the pod, so the pod
   must re-announce everything it holds).
 - `resync`: `pod`, `entries`, `reset` (bool: forget what this pod held before; the first
   chunk of a full resync) -> `admitted`.

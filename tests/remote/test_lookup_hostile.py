@@ -158,6 +158,54 @@ def test_a_client_that_never_reads_its_replies_is_dropped_after_the_write_timeou
         sock.close()
 
 
+def test_clients_that_never_read_large_replies_cannot_lock_the_others_out_of_lookups(tmp_path):
+    """Unread replies count against the request-memory budget, but like large bodies they may
+    use only seven eighths of it: a few connections that send legal 1024-key lookups (replies
+    of about 4 MB here) and never read them are aborted once they reach that share, instead of
+    filling the budget so that every other client's lookup is refused 503 until the write
+    timeout drops them (and they reconnect)."""
+    log_path = tmp_path / "server.log"
+    with LoggedLookupProcess(
+        "--max-buffer-bytes", str(8 * MIB), "--pod-timeout", "600", log_path=log_path
+    ) as server:
+        keys = [f"{i:064x}" for i in range(1024)]
+        setup = LookupClient(server.url, ClientConfig(timeout_ms=5000, retries=0))
+        for p in range(16):  # every segment held by 16 pods with long names
+            pod = f"pod{p:03d}" + "x" * 240
+            reply = setup.call({"op": "admit", "pod": pod, "entries": [entry(k) for k in keys]})
+            assert reply["admitted"] == 1024
+        hostile = []
+        try:
+            for _ in range(
+                8
+            ):  # 8 connections x 4 MB replies, less what the kernel buffers: over the 8 MiB budget
+                sock = socket.socket()
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                sock.connect(("127.0.0.1", server.port))
+                _send_ignoring_errors(sock, lookup_request(keys) * 2)  # and never read
+                hostile.append(sock)
+            deadline = time.monotonic() + 5
+            while metric(server, 'holeblend_lookup_errors_total{code="write_budget"}') < 1:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            client = LookupClient(server.url, ClientConfig(timeout_ms=2000, retries=0))
+            for _ in range(5):
+                hits = client.lookup(keys[:4])
+                assert all(hit is not None for hit in hits)
+            assert client.stats.degraded_lookups == 0
+            fresh = connect(server.port)
+            fresh.sendall(lookup_request(keys[:4]))
+            assert fresh.recv(64).startswith(b"HTTP/1.1 200 ")
+            fresh.close()
+            assert metric(server, 'holeblend_lookup_errors_total{code="write_budget"}') >= 1
+            assert metric(server, 'holeblend_lookup_errors_total{code="memory_budget"}') == 0
+        finally:
+            for sock in hostile:
+                sock.close()
+    assert "Traceback" not in log_path.read_text()
+
+
 # --- memory ---------------------------------------------------------------------------------
 
 

@@ -57,10 +57,69 @@ def test_a_segment_goes_when_its_last_holder_evicts_it_unless_the_shared_tier_ha
     assert index.lookup(["shared"]) == [None]
 
 
-def test_an_unknown_pod_is_told_to_resync_and_a_known_one_is_not():
+def test_an_unknown_pod_is_told_to_resync_until_its_full_resync_arrives():
+    """A pod is told to resync on every heartbeat until the first chunk of its full
+    announcement (`reset`) arrives, so a lost heartbeat reply or a failed resync does not
+    leave the index without its holdings; after that, heartbeats ask for nothing."""
     index = SegmentIndex()
     assert index.heartbeat("p") is True
+    assert index.heartbeat("p") is True
+    index.resync("p", [entry("a")], reset=True)
     assert index.heartbeat("p") is False
+    index.forget_pod("p")  # dropped as silent: unknown again
+    assert index.heartbeat("p") is True
+
+
+def test_a_pod_whose_first_message_is_an_admit_is_still_told_to_resync():
+    """After a server restart a serving pod's first message is usually an admit of a segment
+    it just stored (queued admits go before the heartbeat). The admit is indexed, but it does
+    not stand for the pod's full announcement: the next heartbeat still asks for a resync, or
+    the pod's earlier holdings would stay unindexed until its unasked resync (60 s)."""
+    for first in ("admit", "evict", "resync without reset"):
+        index = SegmentIndex()
+        if first == "admit":
+            index.admit("p", [entry("new", shared=True)])
+            assert index.lookup(["new"]) == [[5, True, ["p"]]]
+        elif first == "evict":
+            index.evict("p", ["old"])
+        else:
+            index.resync("p", [entry("later-chunk")], reset=False)
+        assert index.heartbeat("p") is True, first
+        index.resync("p", [entry("old"), entry("new", shared=True)], reset=True)
+        assert index.heartbeat("p") is False, first
+
+
+def test_a_resync_does_not_advertise_again_a_shared_copy_reported_gone():
+    """A pod that fails to load an advertised shared copy reports it gone; the writer still
+    remembers writing it and lists it as shared in its periodic resync. The index keeps the
+    copy unadvertised (the pod's location stays), whether or not the resync resets, until a
+    pod admits the key as shared again, which it does only after writing or loading it."""
+    index = SegmentIndex()
+    index.resync("writer", [entry("k", shared=True)], reset=True)
+    index.evict("reader", ["k", "never-indexed"], shared=True)
+    assert index.lookup(["k"]) == [[5, False, ["writer"]]]
+    for reset in (True, False):
+        index.resync(
+            "writer", [entry("k", shared=True), entry("never-indexed", shared=True)], reset
+        )
+        assert index.lookup(["k", "never-indexed"]) == [
+            [5, False, ["writer"]],
+            [5, False, ["writer"]],
+        ]
+        assert index.stats()["shared_entries"] == 0
+    index.admit("writer", [entry("k", shared=True)])  # written again
+    assert index.lookup(["k"]) == [[5, True, ["writer"]]]
+    index.resync("writer", [entry("k", shared=True)], reset=True)
+    assert index.lookup(["k"]) == [[5, True, ["writer"]]]
+
+
+def test_keys_of_shared_copies_reported_gone_are_remembered_up_to_a_limit():
+    """The memory of gone copies is bounded (`max_shared_gone`, oldest forgotten first); a
+    forgotten key is advertised again by a resync, and costs one more failed load."""
+    index = SegmentIndex(IndexLimits(max_shared_gone=2))
+    index.evict("reader", ["a", "b", "c"], shared=True)
+    index.resync("writer", [entry(key, shared=True) for key in "abc"], reset=True)
+    assert [hit[1] for hit in index.lookup(["a", "b", "c"])] == [True, False, False]
 
 
 def test_resync_with_reset_replaces_what_the_pod_held():

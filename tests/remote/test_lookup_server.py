@@ -8,7 +8,13 @@ import urllib.request
 import msgpack
 import pytest
 
-from holeblend_runtime.lookup_server.client import Announcer, AnnouncerConfig, LookupClient
+from holeblend_runtime.lookup_server.client import (
+    Announcer,
+    AnnouncerConfig,
+    ClientConfig,
+    LookupClient,
+)
+from holeblend_runtime.lookup_server.processes import LookupProcess
 from holeblend_runtime.lookup_server.wire import Entry
 
 
@@ -111,6 +117,44 @@ def test_a_restarted_server_rebuilds_its_index_from_heartbeats(lookup_server):
         assert time.monotonic() - started < 3  # within a few heartbeat periods
     finally:
         announcer.stop()
+
+
+def test_after_a_restart_a_pod_whose_first_message_is_an_admit_is_told_to_resync():
+    """A serving pod stores segments all the time, so after a server restart its first
+    message is usually an admit (the Announcer sends queued admits before the heartbeat).
+    That admit must not pass for the pod's full announcement: the heartbeat that follows
+    answers `resync`, and the pod's earlier holdings are indexed again within a heartbeat
+    period, not at the unasked resync a minute later."""
+    with LookupProcess() as server:  # the default pod timeout: no pod is dropped as silent
+        client = LookupClient(server.url, ClientConfig(timeout_ms=500))
+        client.call(
+            {"op": "resync", "pod": "pod-a", "entries": [entry("old").to_wire()], "reset": True}
+        )
+        assert client.call({"op": "heartbeat", "pod": "pod-a"})["resync"] is False
+        server.kill()
+        server.start()  # empty, on the same port
+        client.call({"op": "admit", "pod": "pod-a", "entries": [entry("new").to_wire()]})
+        assert client.call({"op": "heartbeat", "pod": "pod-a"})["resync"] is True
+        assert client.call({"op": "heartbeat", "pod": "pod-a"})["resync"] is True
+        client.call(
+            {"op": "resync", "pod": "pod-a", "entries": [entry("old").to_wire()], "reset": True}
+        )
+        assert client.call({"op": "heartbeat", "pod": "pod-a"})["resync"] is False
+
+        held = [entry(f"seg-{i}") for i in range(5)]
+        config = AnnouncerConfig(heartbeat_s=1.0, resync_s=60)
+        announcer = Announcer(LookupClient(server.url), "pod-b", lambda: held, config).start()
+        try:
+            _wait_for(lambda: all(client.lookup([e.key for e in held])))
+            server.kill()
+            server.start()
+            held.append(entry("seg-new"))
+            announcer.admit(held[-1])  # sent at once, before the next heartbeat
+            started = time.monotonic()
+            _wait_for(lambda: all(client.lookup([e.key for e in held])), timeout_s=5)
+            assert time.monotonic() - started < 3  # within a few heartbeat periods
+        finally:
+            announcer.stop()
 
 
 def test_a_pod_that_stops_heartbeating_loses_its_locations(lookup_server):

@@ -18,8 +18,13 @@ FAST = dict(
 )
 
 
-def pod(name: str, redis_url: str | None, lookup_url: str | None) -> TieredKVStore:
-    settings = TierSettings(1 << 24, redis_url, lookup_url, "ns/rag", name, **FAST)
+def pod(
+    name: str, redis_url: str | None, lookup_url: str | None, resync_s: float | None = None
+) -> TieredKVStore:
+    fast = dict(FAST)
+    if resync_s is not None:
+        fast["announcer"] = AnnouncerConfig(heartbeat_s=0.1, resync_s=resync_s)
+    settings = TierSettings(1 << 24, redis_url, lookup_url, "ns/rag", name, **fast)
     store = open_tiered_store(settings, LAYOUT)
     if store.shared is not None:
         store.shared.breaker.open_s = 0.2
@@ -188,3 +193,40 @@ def test_redis_down_does_not_make_the_index_forget_the_shared_copy(pods, redis_s
     assert b.stats.load_failures == 1
     b.announcer.flush()
     assert b.lookup.lookup(["doc-1"])[0].in_shared_tier
+
+
+def test_the_writers_resyncs_do_not_advertise_again_a_copy_another_pod_found_gone(
+    redis_server, lookup_server
+):
+    """Pod A wrote a segment to Redis; Redis restarted empty, pod B's load failed and B
+    reported the copy gone. A still remembers writing it and lists it as shared in its
+    periodic resyncs, but the lookup server keeps it unadvertised: otherwise every pod that
+    looks it up pays a GET, a failed load and an evict, every resync period. B, which had
+    loaded the copy before, stops listing it too. Writing it again advertises it again."""
+    a = pod("pod-a", redis_server.url, lookup_server.url, resync_s=0.3)
+    b = pod("pod-b", redis_server.url, lookup_server.url, resync_s=0.3)
+    try:
+        a.put(segment("doc-1"))
+        a.announcer.flush()
+        assert b.get("doc-1") is not None and b.stats.shared_hits == 1
+        b.local.remove("doc-1")  # B keeps only its memory of the shared copy
+        redis_server.stop()
+        redis_server.start()  # empty
+        assert b.get("doc-1") is None and b.stats.load_failures == 1
+        assert [entry.key for entry in b.holdings()] == []
+        b.announcer.flush()
+        wait_for(lambda: not b.lookup.lookup(["doc-1"])[0].in_shared_tier)
+        admits = b.lookup.call({"op": "stats"})["stats"]["admits"]
+        # A's resyncs (one entry each) arrive every 0.3 s: wait for two.
+        wait_for(lambda: b.lookup.call({"op": "stats"})["stats"]["admits"] >= admits + 2)
+        assert [(e.key, e.shared) for e in a.holdings()] == [("doc-1", True)]
+        hit = b.lookup.lookup(["doc-1"])[0]
+        assert hit.pods == ("pod-a",) and not hit.in_shared_tier
+        assert b.get("doc-1") is None and b.stats.load_failures == 1  # not asked again
+        a.put(segment("doc-1"))  # written again
+        a.announcer.flush()
+        assert b.lookup.lookup(["doc-1"])[0].in_shared_tier
+        assert b.get("doc-1") is not None
+    finally:
+        a.close()
+        b.close()

@@ -126,6 +126,32 @@ def test_a_failed_write_is_counted_and_reported_and_later_writes_go_on(gated):
     assert not store.contains("bad")
 
 
+def test_reads_racing_the_writers_evictions_are_hits_or_misses_never_errors(tmp_path):
+    """The writer thread's puts evict files while the model's thread reads the same
+    directory (as another tensor-parallel rank's evictions do): a file removed right after
+    it was read is a hit all the same, never an error that loses the whole batch."""
+    keys = [f"w{i}" for i in range(6)]
+    size = _entry("w0").num_bytes
+    directory = DirectoryKVStore(tmp_path, int(2.5 * size))  # every put evicts
+    store = AsyncKVStore(directory, max_pending_bytes=2 * size)  # puts keep pace with writes
+    errors: list[str] = []
+    deadline = time.monotonic() + 3.0
+    i = 0
+    while time.monotonic() < deadline and not errors:
+        store.put(_entry(keys[i % len(keys)], seed=i))
+        i += 1
+        try:
+            found = store.get_many(keys)
+        except Exception as error:  # the assertion below names it
+            errors.append(repr(error))
+            break
+        assert len(found) == len(keys)
+        assert all(kv is None or kv.key == key for kv, key in zip(found, keys, strict=True))
+    assert errors == []
+    assert store.close(WAIT_S)
+    assert directory.num_bytes <= directory.capacity_bytes
+
+
 def test_prefetch_reads_on_the_reader_thread_in_one_batch_and_get_many_claims_it(gated, store):
     for key in ("a1", "a2"):
         gated.inner.put(_entry(key, seed=len(key)))
@@ -198,6 +224,62 @@ def test_close_writes_what_was_accepted_or_says_it_could_not(gated):
     stuck.put(_entry("a3"))
     assert stuck.close(timeout_s=0.2) is False
     gated.gate.set()
+
+
+def test_a_close_out_of_time_refuses_a_put_waiting_for_room_and_drops_what_waits(gated):
+    """Shutdown while the inner store hangs (a slow Redis SET): close gives up after its
+    timeout. A put waiting for room then returns False at once instead of waiting for a
+    writer that has stopped; the entries still waiting are dropped, counted as failed and
+    no longer served; the entry being written finishes its write."""
+    failed: list[str] = []
+    size = _entry("x0").num_bytes
+    store = AsyncKVStore(
+        gated, max_pending_bytes=2 * size, on_failure=lambda kv: failed.append(kv.key)
+    )
+    gated.gate.clear()
+    store.put(_entry("a1"))  # being written, stuck at the gate
+    store.put(_entry("a2"))
+    results: list[bool] = []
+    waiting = threading.Thread(target=lambda: results.append(store.put(_entry("a3"))), daemon=True)
+    waiting.start()
+    waiting.join(0.3)
+    assert waiting.is_alive(), "a put beyond the bound returned without waiting"
+    assert store.close(timeout_s=0.2) is False
+    waiting.join(WAIT_S)
+    assert not waiting.is_alive(), "a put waiting for room outlived close"
+    assert results == [False]
+    assert failed == ["a2"] and store.num_failed == 1
+    assert store.contains_many(["a2", "a3"]) == [False, False]
+    with pytest.raises(RuntimeError, match="closed"):
+        store.put(_entry("a4"))
+    gated.gate.set()
+    deadline = time.monotonic() + WAIT_S
+    while store.num_pending and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.num_pending == 0 and store.num_written == 1
+    assert gated.inner.keys() == ["a1"]
+
+
+def test_a_flush_without_timeout_returns_once_the_store_is_closed(gated):
+    """A flush waiting when close gives up, or called after it, does not wait for a writer
+    that has stopped: it says at once whether everything was written."""
+    store = AsyncKVStore(gated)
+    gated.gate.clear()
+    store.put(_entry("a1"))
+    store.put(_entry("a2"))
+    results: list[bool] = []
+    flusher = threading.Thread(target=lambda: results.append(store.flush()), daemon=True)
+    flusher.start()
+    assert store.close(timeout_s=0.2) is False
+    flusher.join(WAIT_S)
+    assert not flusher.is_alive(), "flush() waits forever once the store is closed"
+    assert results == [False]
+    assert store.flush() is False  # "a1" is still being written
+    gated.gate.set()
+    deadline = time.monotonic() + WAIT_S
+    while store.num_pending and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.flush() is True and (store.num_written, store.num_failed) == (1, 1)
 
 
 def test_bad_bounds_are_refused():

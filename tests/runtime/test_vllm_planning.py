@@ -1,6 +1,7 @@
 """The connector's scheduler side without vLLM: settings, keys, hole-aware planning."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -208,3 +209,59 @@ def test_the_directory_keeps_the_finiteness_verdict_of_put_and_the_engine_refuse
               {"key": "legacy", "model_id": c.model_id})  # fmt: skip
     for key, expected in (("fresh", None), ("stale", "non-finite values"), ("legacy", "non-finite values")):  # fmt: skip
         assert engine.kv_problem(store.get(key), key, 3) == expected
+
+
+def _directory_entry(key: str, num_tokens: int = 16):
+    from holeblend_runtime.kv.store import SegmentKV
+
+    k = torch.randn(2, 2, num_tokens, 8)
+    return SegmentKV(key, k, k.clone(), torch.arange(num_tokens, dtype=torch.int64), "m")
+
+
+def _leave_temporary_file(path, size: int, age_s: float) -> None:
+    """A temporary file as a writer leaves it, last written `age_s` seconds ago."""
+    path.write_bytes(b"\0" * size)
+    written = time.time_ns() - int(age_s * 1e9)
+    os.utime(path, ns=(written, written))
+
+
+def test_temporary_files_that_killed_writers_left_are_removed_and_a_live_writers_are_kept(
+    tmp_path,
+):
+    """A worker killed during a put (OOM kill, pod deletion) leaves its full-size temporary
+    file; on a tmpfs that is memory no budget sees. A store removes those old enough that
+    no writer can still be writing them, those of earlier versions too (their own
+    `tmp*.tmp` and safetensors' `.tmp*`), and keeps a fresh one: another rank sharing the
+    directory may be writing it right now."""
+    size = _directory_entry("x").num_bytes
+    left = [tmp_path / ".ab12.k3j4h5.partial", tmp_path / "tmpq1w2e3.tmp", tmp_path / ".tmpZx9Yw8"]
+    for path in left:
+        _leave_temporary_file(path, size, age_s=3600)
+    in_flight = tmp_path / ".cd34.m6n7b8.partial"
+    _leave_temporary_file(in_flight, size, age_s=1)
+    store = DirectoryKVStore(tmp_path, 1 << 30)
+    assert [path for path in left if path.exists()] == []
+    assert in_flight.exists()
+    assert store.put(_directory_entry("ab12"))
+    assert in_flight.exists() and len(store) == 1
+    # What a put wrote is its file only: its temporary file is renamed, not left beside it.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [in_flight.name, "ab12.safetensors"]
+
+
+def test_the_byte_budget_counts_temporary_files_being_written(tmp_path):
+    """The budget is the directory's bytes: a file another writer is writing, or one a
+    killed writer left that is not old enough to remove yet, takes room that stored
+    entries give up (least recently used first)."""
+    probe = DirectoryKVStore(tmp_path / "probe", 1 << 20)
+    probe.put(_directory_entry("a1"))
+    size = probe.num_bytes  # one file, header included
+    store = DirectoryKVStore(tmp_path / "kv", 3 * size + size // 2)
+    for key in ("a1", "a2", "a3"):
+        assert store.put(_directory_entry(key))
+    assert store.num_bytes == 3 * size
+    in_flight = store.root / ".b1.z8y7x6.partial"
+    _leave_temporary_file(in_flight, size, age_s=1)
+    assert store.num_bytes == 4 * size
+    assert store.put(_directory_entry("a4"))
+    assert store.keys() == ["a3", "a4"] and in_flight.exists()
+    assert store.num_bytes == 3 * size <= store.capacity_bytes
