@@ -96,7 +96,7 @@ apiVersion: rbac.authorization.k8s.io/v1
 kind: Role
 metadata:
   name: {{ include "holeblend.fullname" $ }}
-  namespace: {{ . }}
+  namespace: {{ . | quote }}
   labels:
     {{- include "holeblend.labels" $ | nindent 4 }}
 rules:
@@ -109,7 +109,7 @@ apiVersion: rbac.authorization.k8s.io/v1
 kind: RoleBinding
 metadata:
   name: {{ include "holeblend.fullname" $ }}
-  namespace: {{ . }}
+  namespace: {{ . | quote }}
   labels:
     {{- include "holeblend.labels" $ | nindent 4 }}
 roleRef:
@@ -118,8 +118,8 @@ roleRef:
   name: {{ include "holeblend.fullname" $ }}
 subjects:
   - kind: ServiceAccount
-    name: {{ include "holeblend.serviceAccountName" $ }}
-    namespace: {{ $.Release.Namespace }}
+    name: {{ include "holeblend.serviceAccountName" $ | quote }}
+    namespace: {{ $.Release.Namespace | quote }}
 {{- end }}
 ---
 # Read-only, cluster-scoped: kopf's watches of CustomResourceDefinitions and Namespaces.
@@ -158,8 +158,8 @@ roleRef:
   name: {{ include "holeblend.fullname" . }}
 subjects:
   - kind: ServiceAccount
-    name: {{ include "holeblend.serviceAccountName" . }}
-    namespace: {{ .Release.Namespace }}
+    name: {{ include "holeblend.serviceAccountName" . | quote }}
+    namespace: {{ .Release.Namespace | quote }}
 """
 
 

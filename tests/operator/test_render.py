@@ -144,11 +144,33 @@ def test_service_monitor_has_the_prometheus_operator_shape():
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert set(monitor) == {"apiVersion", "kind", "metadata", "spec"}
     assert set(monitor["spec"]) == {"selector", "endpoints"}
-    assert monitor["spec"]["endpoints"] == [
+    endpoints = [
+        {k: v for k, v in e.items() if k != "relabelings"} for e in monitor["spec"]["endpoints"]
+    ]
+    assert endpoints == [
         {"port": "http", "path": "/metrics", "interval": "30s"},
         {"port": "blend-metrics", "path": "/metrics", "interval": "30s"},
     ]
     assert re.fullmatch(r"(\d+(ms|s|m|h))+", monitor["spec"]["endpoints"][0]["interval"])
+
+
+@pytest.mark.parametrize("name", ["rag", "llama-3.1-8b", "8b-chat", "rag." + "x" * 200])
+def test_service_monitor_labels_every_series_with_the_exact_blenddeployment_name(name):
+    """The chart's alerts and dashboard join the engine and lookup series with the operator's
+    tuning series (`name`) on `blenddeployment`, and tell the two components apart by
+    `component`: Service names and the instance label are hashed for names like these, so
+    only a relabeling's replacement carries the name as it is."""
+    bd = make_bd(name, monitoring={"serviceMonitor": {"enabled": True}})
+    monitor = find(render_children(bd), "ServiceMonitor", "metrics")
+    for endpoint in monitor["spec"]["endpoints"]:
+        assert endpoint["relabelings"] == [
+            {"action": "replace", "targetLabel": "blenddeployment", "replacement": name},
+            {
+                "action": "replace",
+                "sourceLabels": ["__meta_kubernetes_service_label_app_kubernetes_io_component"],
+                "targetLabel": "component",
+            },
+        ]
 
 
 def test_vllm_pods_export_the_connectors_metrics_on_their_own_port_and_service_port():
