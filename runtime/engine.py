@@ -557,7 +557,10 @@ class BlendEngine:
         )  # fmt: skip
         if positions.shape[0] == 0:  # the range is the prefix: its KV is all there is
             return None, positions
-        h = self.model.forward_at(token_ids[positions], positions, num_tokens, prefix.k, prefix.v)
+        # The keys the computed positions see end at the last of them: the range may end
+        # with the prefix, whose fresh positions (a separator) come before its last tokens.
+        num_keys = num_tokens if prefix.num_tokens < num_tokens else prefix.fresh_positions[-1] + 1
+        h = self.model.forward_at(token_ids[positions], positions, num_keys, prefix.k, prefix.v)
         return (self.model.logits(h[-1:])[0] if needs_logits else None), positions
 
     def _exact_prefix(

@@ -122,6 +122,37 @@ def test_a_planned_segment_gone_at_load_time_becomes_a_hole(cached_engine, rag_t
     )
 
 
+@pytest.mark.parametrize("separator", [" # #", " |"])
+def test_a_range_that_ends_with_the_exact_prefix_computes_its_separator_causally(
+    new_engine, rag_texts, separator
+):
+    """The connector's range ends at the first document when the documents after it are
+    missing: the separator before it is the one position computed. With a one-token
+    separator that is a single query, which must see the keys up to its own position, not
+    the first document's after it (its K/V then equal full prefill's)."""
+    from holeblend_runtime.blend.reuse import plan_reuse
+
+    engine = new_engine(separator=separator)
+    prompt = engine.build_prompt(*rag_texts)
+    engine.cache_segments(prompt)
+    keys = engine.segment_keys(prompt)
+    entries, _ = engine.fetch(prompt, keys)
+    entries[2:] = [None] * (len(entries) - 2)  # every document after the first missing
+    reuse = plan_reuse(prompt, [entry is not None for entry in entries], ReusePolicy.HOLE)
+    end = prompt.segments[1].end
+    with torch.inference_mode():
+        full = engine.prefill(prompt, "full")
+        blended = engine.blend_reused(prompt, reuse, entries, 0.15, num_tokens=end)
+    start, stop = prompt.separator_ranges[0]
+    assert stop - start == len(engine.tokenizer.encode(separator))
+    # Up to float rounding (one query against 30-odd keys vs full prefill's matmuls; a
+    # query that saw the later tokens is off by about 2).
+    for ours, theirs in ((blended.k, full.k), (blended.v, full.v)):
+        torch.testing.assert_close(
+            ours[:, :, start:stop], theirs[:, :, start:stop], atol=1e-3, rtol=1e-3
+        )
+
+
 def test_in_prefix_mode_the_worker_blends_what_the_prefix_plan_covers(cached_engine, rag_texts):
     engine, prompt = cached_engine(rag_texts, hole=HOLE)
     plan, worker, request, _ = _load(engine, prompt, 0.15, ReusePolicy.PREFIX)
