@@ -314,8 +314,11 @@ def parse_blend_settings(text: str | bytes, source: str = CONFIG_KEY) -> BlendSe
     """Parse and validate one file's text; `BlendSettingsError` naming the key otherwise."""
     try:
         data = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise BlendSettingsError(f"{source}: not JSON ({error})") from None
+    except (ValueError, RecursionError) as error:
+        # ValueError: not JSON, not UTF-8, or an integer over Python's digit limit;
+        # RecursionError: nested deeper than the parser's recursion limit.
+        reason = "nested too deeply" if isinstance(error, RecursionError) else str(error)
+        raise BlendSettingsError(f"{source}: not JSON ({reason})") from None
     if not isinstance(data, dict):
         raise BlendSettingsError(f"{source}: expected a JSON object, got {type(data).__name__}")
     try:

@@ -427,7 +427,9 @@ class Server:
                 return await self._stream(request, job, rag, writer)
             return await self._whole(job, rag, writer)
         finally:
-            job.cancelled.set()  # no effect once finished; stops a job whose client left
+            # No effect once finished; stops a job whose client left or timed out, and
+            # gives a waiting one's queue place back at once.
+            self.worker.cancel(job)
 
     async def _events(self, job: Job):
         """The job's events until Finished; TimeoutError past the deadline."""

@@ -57,6 +57,7 @@ async def serve(server: Server, settings: ServeSettings) -> int:
     await site.start()
     log.info("listening on %s:%d; loading the model", settings.host, settings.port)
     watcher = asyncio.create_task(server.live.watch(settings.reload_interval))
+    watcher.add_done_callback(_log_watcher_end)
     status = await _load(server, stop)
     await stop.wait()
     log.info("draining")
@@ -67,6 +68,13 @@ async def serve(server: Server, settings: ServeSettings) -> int:
     _stop_threads(server)
     log.info("stopped")
     return status
+
+
+def _log_watcher_end(watcher: asyncio.Task) -> None:
+    """The blend.json watcher ends only when cancelled; anything else is logged."""
+    if not watcher.cancelled() and (error := watcher.exception()) is not None:
+        log.error("the blend.json watcher stopped; live reload is off until a restart",
+                  exc_info=error)  # fmt: skip
 
 
 def _stop_threads(server: Server) -> None:

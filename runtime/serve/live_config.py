@@ -67,11 +67,17 @@ class LiveConfig:
         try:
             settings = load_blend_settings(self.path)
         except BlendSettingsError as error:
-            self.num_errors += 1
-            self._on_error()
+            self._count_error()
             log.error("keeping the last good blend settings: %s", error)
             return False
         return self._apply(settings)
+
+    def _count_error(self) -> None:
+        self.num_errors += 1
+        try:
+            self._on_error()
+        except Exception:
+            log.exception("the reload error callback failed")
 
     def _apply(self, settings: BlendSettings) -> bool:
         if settings.restart_settings() != self.startup.restart_settings():
@@ -91,13 +97,19 @@ class LiveConfig:
         return True
 
     async def watch(self, interval: float) -> None:
-        """Poll until cancelled; never raises on a bad or missing file."""
+        """Poll until cancelled. Nothing ends it but cancellation: an unexpected error in a
+        round is logged and counted as a reload error, the last good settings stay in force
+        and polling goes on."""
         while True:
             await asyncio.sleep(interval)
             try:
                 self.check()
             except OSError as error:  # a read racing the symlink swap: retried next round
                 log.warning("cannot read %s: %s", self.path, error)
+            except Exception:
+                self._count_error()
+                log.exception("reloading %s failed; keeping the last good blend settings",
+                              self.path)  # fmt: skip
 
 
 def _digest(path: Path) -> str | None:

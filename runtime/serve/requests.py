@@ -260,10 +260,12 @@ def _or_default(body: Mapping[str, Any], name: str, default: Any) -> Any:
 
 
 def _max_tokens(body: Mapping[str, Any]) -> int | None:
-    name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    value = body.get(name)
-    if value is None:
-        return None
+    """`max_completion_tokens`, else `max_tokens` (either null counts as unset)."""
+    name = "max_completion_tokens"
+    if (value := body.get(name)) is None:
+        name = "max_tokens"
+        if (value := body.get(name)) is None:
+            return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise BadRequest(name, f"must be a positive integer, got {value!r}")
     return value

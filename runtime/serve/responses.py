@@ -96,12 +96,27 @@ class IncrementalText:
 
     While the text ends with the start of a stop sequence, that tail is held back: sent
     once the text moves past it, dropped when the stop sequence completes.
+
+    Each token costs the same however long the answer (it runs on the server's event loop
+    once per token): as vLLM's incremental detokenizer, it decodes only a window of recent
+    tokens, `token_ids[prefix:]`, of which `token_ids[prefix:read]` is context whose text
+    was already taken, and takes the text past that context. While the window's text ends
+    with U+FFFD (a character whose bytes have not all arrived) nothing is taken and the
+    window grows. Stop sequences are searched in the new text and the longest stop
+    sequence's length - 1 characters before it (an earlier match would have ended the
+    answer before). The deltas are those of decoding the whole answer after every token.
     """
 
     def __init__(self, decode, stop: Sequence[str] = ()) -> None:
         self._decode = decode
         self._stop = tuple(stop)
+        self._overlap = max(0, max(map(len, self._stop), default=0) - 1)
         self.token_ids: list[int] = []
+        self._prefix = self._read = 0  # the decoding window (see the class doc)
+        self._pieces: list[str] = []  # the text taken so far, joined when needed
+        self._length = 0  # its length
+        # Its last `_overlap` characters: all those not sent yet and the overlap to search.
+        self._tail = ""
         self._sent = 0
         # The final text once a stop sequence was seen (later tokens are ignored).
         self._final: str | None = None
@@ -114,17 +129,36 @@ class IncrementalText:
         if self.stopped:
             return ""
         self.token_ids.append(token_id)
-        text = self._decode(self.token_ids)
-        if text.endswith("\ufffd"):
+        new = self._new_text()
+        if not new:
             return ""
-        cut = self._first_stop(text)
+        window = self._tail + new
+        start = self._length - len(self._tail)  # where `window` begins in the text
+        self._pieces.append(new)
+        self._length += len(new)
+        cut = self._first_stop(window)
         if cut is not None:
-            self._final = text = text[:cut]
-        end = len(text) if self.stopped else len(text) - self._held_back(text)
+            end = start + cut
+            self._final = "".join(self._pieces)[:end]
+        else:
+            end = self._length - self._held_back(window)
+            self._tail = window[max(0, len(window) - self._overlap) :]
         if end <= self._sent:
             return ""
-        delta, self._sent = text[self._sent : end], end
+        delta, self._sent = window[self._sent - start : end - start], end
         return delta
+
+    def _new_text(self) -> str:
+        """The text the last token completed ("" while a character is incomplete)."""
+        ids = self.token_ids
+        context = self._decode(ids[self._prefix : self._read]) if self._read > self._prefix else ""
+        text = self._decode(ids[self._prefix :])
+        if text.endswith("\ufffd"):
+            return ""
+        if not text.startswith(context):  # a decoder whose window text is not that
+            text, context = self._decode(ids), "".join(self._pieces)  # the whole answer
+        self._prefix, self._read = self._read, len(ids)
+        return text[len(context) :]
 
     def _first_stop(self, text: str) -> int | None:
         found = [i for stop in self._stop if (i := text.find(stop)) >= 0]

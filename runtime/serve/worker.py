@@ -6,12 +6,16 @@ continuous batching of the decode steps):
 
 1. `submit` admits a job while fewer than `queue_size` wait, else raises `QueueFull` (the
    route answers 429 with Retry-After: when a running job is expected to end, see
-   `SlotEstimate`).
+   `SlotEstimate`). A waiting job that is cancelled (`cancel`: its client went away or
+   got its timeout) gives its place back at once; so does one whose `cancelled` event
+   was set directly, by the next `submit` or `num_pending` at the latest.
 2. Whenever a job waits and fewer than `max_batch` jobs are decoding, the thread takes the
-   next one in arrival order before any decode step. A job cancelled (its client went
-   away) or past its deadline before it starts is dropped without compute. Otherwise it
-   looks the segments up (timed), prefills in the configured mode at the live ratio,
-   takes its first token from the prefill's logits and joins the batch.
+   next one in arrival order before any decode step. A job cancelled or past its deadline
+   before it starts is dropped without compute (and is no job duration for the
+   Retry-After estimate). Otherwise it looks the segments up (timed), prefills in the
+   configured mode at the live ratio, takes its first token from the prefill's logits and
+   joins the batch (keeping only the prefill's figures: its KV now lives in the decode
+   pool's row).
 3. Otherwise the thread runs one decode step for every job in the batch: one forward pass
    for all their last tokens (`BlendEngine.decode_step`; the weights are read once
    for the batch, not once per job). After each token it checks, per job, the
@@ -153,10 +157,14 @@ class Job:
 
 @dataclass(eq=False)
 class _Running:
-    """A job in the batch: its prefill, its decode state and its answer so far."""
+    """A job in the batch: what it needs of its prefill, its decode state and its answer so
+    far. The `Prefill` itself is not kept: its KV was copied into the decode pool's row,
+    and holding it would keep a second copy of the prompt's KV for the whole answer."""
 
     job: Job
-    prefill: Prefill
+    mode: Mode
+    ratio: float
+    blended: bool  # `is_blended` of the prefill
     sequence: DecodeSequence
     # The answer's token limit (max_tokens within the context).
     limit: int
@@ -200,7 +208,9 @@ class EngineWorker:
             raise ValueError(f"torch_threads: must be >= 1, got {self.torch_threads}")
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
-        self._num_waiting = 0
+        # Submitted jobs not yet taken by the thread, cancelled ones excepted (they gave
+        # their place back); `_jobs` may still hold those, the thread skips them.
+        self._waiting: set[Job] = set()
         self._num_running = 0
         self._is_stopped = False
         self._slot = SlotEstimate()
@@ -214,9 +224,10 @@ class EngineWorker:
 
     @property
     def num_pending(self) -> int:
-        """Waiting plus running jobs."""
+        """Waiting (not cancelled) plus running jobs."""
         with self._lock:
-            return self._num_waiting + self._num_running
+            self._release_cancelled()
+            return len(self._waiting) + self._num_running
 
     @property
     def mode(self) -> Mode:
@@ -237,11 +248,28 @@ class EngineWorker:
         with self._lock:
             if self._is_stopped:
                 raise RuntimeError("the engine worker is stopped")
-            if self._num_waiting >= self.queue_size:
+            self._release_cancelled()
+            if len(self._waiting) >= self.queue_size:
                 raise QueueFull(self._slot.retry_after_s(time.perf_counter()))
-            self._num_waiting += 1
-            self.metrics.queue_depth.set(self._num_waiting)
+            self._waiting.add(job)
+            self.metrics.queue_depth.set(len(self._waiting))
         self._jobs.put(job)
+
+    def cancel(self, job: Job) -> None:
+        """Stop `job` (no effect once it finished): a running job ends at its next token; a
+        waiting one gives its queue place back now and is skipped without compute."""
+        job.cancelled.set()
+        with self._lock:
+            if job in self._waiting:
+                self._waiting.discard(job)
+                self.metrics.queue_depth.set(len(self._waiting))
+
+    def _release_cancelled(self) -> None:
+        """Under `_lock`: give back the places of waiting jobs whose `cancelled` was set
+        without `cancel`."""
+        if dead := [job for job in self._waiting if job.cancelled.is_set()]:
+            self._waiting.difference_update(dead)
+            self.metrics.queue_depth.set(len(self._waiting))
 
     def _run(self) -> None:
         # Set here, not inherited: a thread that never ran torch starts with the count the
@@ -285,17 +313,24 @@ class EngineWorker:
                 log.exception("between_steps hook failed")
 
     def _admit(self, job: Job, batch: list[_Running]) -> None:
-        """Take a waiting job: prefill it, emit its first token and add it to `batch`
-        unless it ended already."""
+        """Take a queued job: prefill it, emit its first token and add it to `batch`
+        unless it ended already. A job cancelled or past its deadline is dropped without
+        compute; it counts neither as running nor in the Retry-After estimate."""
         with self._lock:
-            self._num_waiting -= 1
-            self._num_running += 1
-            self.metrics.queue_depth.set(self._num_waiting)
-            self._slot.started(time.perf_counter(), job)
-        try:
-            if (reason := job.stop_reason()) is not None:
+            self._waiting.discard(job)  # absent if cancelled while waiting
+            self.metrics.queue_depth.set(len(self._waiting))
+            reason = job.stop_reason()
+            if reason is None:
+                self._num_running += 1
+                self._slot.started(time.perf_counter(), job)
+        if reason is not None:
+            try:
                 job.emit(Finished(reason))
-            elif self._advance(running := self._prefill(job)):
+            except Exception:  # its loop is gone: nobody waits for it
+                log.exception("cannot report the end of a dropped request")
+            return
+        try:
+            if self._advance(running := self._prefill(job)):
                 batch.append(running)
                 return
         except Exception as error:  # reported to the request; the thread serves on
@@ -310,7 +345,8 @@ class EngineWorker:
         self.metrics.observe_prefill(prefill)
         job.emit(PrefillDone.of(prefill, time.perf_counter() - job.arrived))
         limit = min(job.max_tokens, self.engine.config.context_length - prefill.num_prompt_tokens)
-        running = _Running(job, prefill, self.engine.start_decode(prefill, limit), limit)
+        sequence = self.engine.start_decode(prefill, limit)
+        running = _Running(job, prefill.mode, prefill.ratio, is_blended(prefill), sequence, limit)
         if self.on_prefilled is not None:
             try:
                 running.inline_statistic = self.on_prefilled(prefill)
@@ -353,7 +389,7 @@ class EngineWorker:
         job.emit(token)
         running.answer.append(token)
         sequence.produced()
-        self.metrics.completion_tokens.labels(str(running.prefill.mode)).inc()
+        self.metrics.completion_tokens.labels(str(running.mode)).inc()
         if sequence.is_at_limit:
             return self._end(running, self._end_of_answer(running))
         return True
@@ -366,10 +402,9 @@ class EngineWorker:
     def _end(self, running: _Running, reason: str, at_eos: bool = False) -> bool:
         running.sequence.close()  # its KV row goes back to the decode pool
         running.job.emit(Finished(reason))
-        prefill = running.prefill
-        if self.on_answered is not None and is_blended(prefill) and reason != "cancelled":
+        if self.on_answered is not None and running.blended and reason != "cancelled":
             answered = Answered(
-                running.job.prompt, tuple(running.answer), prefill.ratio, at_eos,
+                running.job.prompt, tuple(running.answer), running.ratio, at_eos,
                 running.limit, running.inline_statistic,
             )  # fmt: skip
             try:
@@ -393,8 +428,8 @@ class EngineWorker:
             if job is None:
                 continue
             with self._lock:
-                self._num_waiting -= 1
-                self.metrics.queue_depth.set(self._num_waiting)
+                self._waiting.discard(job)
+                self.metrics.queue_depth.set(len(self._waiting))
             job.emit(RuntimeError("the server stopped before this request started"))
 
     def _time_lookup(self, prompt: SegmentedPrompt) -> None:

@@ -8,18 +8,31 @@ compute thread emits them, so the interleaving is observable."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import threading
 import time
+import weakref
 from collections.abc import Callable
+from functools import partial
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from holeblend_runtime.engine import BlendEngine
+from holeblend_runtime.engine import BlendEngine, Mode
 from holeblend_runtime.model.threads import serial_torch
+from holeblend_runtime.serve import worker as worker_module
 from holeblend_runtime.serve.live_config import LiveConfig
 from holeblend_runtime.serve.metrics import ServeMetrics
-from holeblend_runtime.serve.worker import EngineWorker, Finished, Job, PrefillDone
+from holeblend_runtime.serve.worker import (
+    EngineWorker,
+    Finished,
+    Job,
+    PrefillDone,
+    QueueFull,
+    SlotEstimate,
+)
 from tests.serve.conftest import example_settings_json
 
 SYSTEM = "Answer from the documents."
@@ -325,3 +338,192 @@ def test_the_engine_thread_computes_with_its_own_thread_count(
     assert counts == [2]
     with pytest.raises(ValueError, match="torch_threads: must be >= 1, got 0"):
         EngineWorker(engine, LiveConfig(config), ServeMetrics(), 8, 8, torch_threads=0)
+
+
+# --- the queue and the batch's memory, with a model-free engine --------------------------
+
+
+class GatedSequence:
+    """A decode sequence that never ends by itself (its job ends by cancellation)."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def next_token(self) -> int:
+        return 5
+
+    def produced(self) -> None:
+        pass
+
+    @property
+    def is_at_limit(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class GatedEngine:
+    """An engine without a model: a prefill is instant and has real k/v tensors, and each
+    decode step waits for one `steps.release()` (or for `run_free`)."""
+
+    def __init__(self) -> None:
+        self.config = SimpleNamespace(context_length=8192, eos_token_id=2)
+        self.steps = threading.Semaphore(0)
+        self.run_free = threading.Event()
+        self.num_prefills = 0
+        self.k_refs: list[weakref.ref] = []
+
+    def busy(self):
+        return contextlib.nullcontext()
+
+    def prefill(self, prompt, mode, ratio=None):
+        self.num_prefills += 1
+        k, v = torch.zeros(2, 1, 10, 4), torch.zeros(2, 1, 10, 4)
+        self.k_refs.append(weakref.ref(k))
+        return SimpleNamespace(
+            mode=Mode.FULL, reuse=None, ratio=1.0, num_prompt_tokens=10, num_reused_tokens=0,
+            num_hole_tokens=0, num_recomputed_tokens=10, num_exact_prefix_tokens=0,
+            selected_positions=torch.zeros(0), deviation=torch.zeros(0), k=k, v=v,
+            logits=torch.zeros(8),
+        )  # fmt: skip
+
+    def start_decode(self, prefill, limit) -> GatedSequence:
+        return GatedSequence()
+
+    def decode_step(self, sequences, tokens) -> None:
+        while not self.run_free.is_set() and not self.steps.acquire(timeout=0.01):
+            pass
+
+
+@pytest.fixture
+def gated(tmp_path):
+    """gated(queue_size, max_batch) -> (engine, started worker) on a `GatedEngine`; every
+    decode step runs free at teardown, so the jobs left end as they are cancelled."""
+    config = tmp_path / "blend.json"
+    config.write_text(example_settings_json(mode="off"))
+    made = []
+
+    def make(queue_size: int, max_batch: int) -> tuple[GatedEngine, EngineWorker]:
+        engine = GatedEngine()
+        worker = EngineWorker(
+            engine, LiveConfig(config), ServeMetrics(), queue_size, max_batch, torch_threads=1
+        )
+        worker.start()
+        made.append((engine, worker))
+        return engine, worker
+
+    yield make
+    for engine, worker in made:
+        engine.run_free.set()
+        worker.stop()
+
+
+def new_job(loop: asyncio.AbstractEventLoop) -> Job:
+    now = time.perf_counter()
+    return Job(None, 1000, now, now + 120, loop)
+
+
+async def first_event(job: Job, kind: type) -> object:
+    while not isinstance(event := await asyncio.wait_for(job.events.get(), 10), kind):
+        pass
+    return event
+
+
+def queue_depth(worker: EngineWorker) -> float:
+    return worker.metrics.registry.get_sample_value("holeblend_queue_depth")
+
+
+@pytest.mark.parametrize("how", ["cancel", "event"])
+def test_cancelled_waiting_jobs_give_their_queue_places_back_before_the_thread_reaches_them(
+    gated, how
+):
+    """A client that went away (or got its 504) while queued no longer counts against the
+    queue bound: with the batch busy, the thread would reach its job only when the batch
+    has room, and until then live clients would get 429 while nothing live waits. Through
+    `cancel` (what the route calls) the place is free at once; a job whose `cancelled`
+    event was set directly gives it back by the next `submit`."""
+    engine, worker = gated(queue_size=2, max_batch=1)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        running = new_job(loop)
+        worker.submit(running)
+        await first_event(running, int)  # decoding, its steps held
+        dead = [new_job(loop), new_job(loop)]
+        for job in dead:
+            worker.submit(job)
+        assert queue_depth(worker) == 2
+        for job in dead:
+            worker.cancel(job) if how == "cancel" else job.cancelled.set()
+        if how == "cancel":
+            assert queue_depth(worker) == 0 and worker.num_pending == 1
+        live = [new_job(loop), new_job(loop)]
+        for job in live:
+            worker.submit(job)  # QueueFull if the dead jobs still held the places
+        assert queue_depth(worker) == 2 and worker.num_pending == 3
+        with pytest.raises(QueueFull):
+            worker.submit(new_job(loop))
+        worker.cancel(running)
+        engine.steps.release()
+        for job in dead:
+            assert await first_event(job, Finished) == Finished("cancelled")
+        for job in live:
+            await first_event(job, int)  # served in turn
+            worker.cancel(job)
+            engine.steps.release()
+            assert await first_event(job, Finished) == Finished("cancelled")
+
+    asyncio.run(main())
+    assert engine.num_prefills == 3  # the dead jobs were dropped without compute
+    assert settles_to_zero(worker) and queue_depth(worker) == 0
+
+
+def test_jobs_dropped_before_compute_do_not_shorten_retry_after(gated, monkeypatch):
+    """Retry-After estimates when a running job ends from recent job durations; a job
+    dropped before compute took no time in the batch and must not count as a ~0 s job
+    (Retry-After would drop to 1 s however long the running jobs have left)."""
+    monkeypatch.setattr(worker_module, "SlotEstimate", partial(SlotEstimate, initial_s=60.0))
+    engine, worker = gated(queue_size=1, max_batch=2)
+
+    async def main() -> int:
+        loop = asyncio.get_running_loop()
+        running = new_job(loop)
+        worker.submit(running)
+        await first_event(running, int)
+        dead = new_job(loop)
+        worker.submit(dead)
+        dead.cancelled.set()
+        engine.steps.release()  # after this step the thread takes (and drops) the dead job
+        assert await first_event(dead, Finished) == Finished("cancelled")
+        waiting = new_job(loop)
+        worker.submit(waiting)  # the queue is full again
+        with pytest.raises(QueueFull) as full:
+            worker.submit(new_job(loop))
+        for job in (running, waiting):
+            worker.cancel(job)
+        engine.run_free.set()
+        for job in (running, waiting):
+            assert await first_event(job, Finished) == Finished("cancelled")
+        return full.value.retry_after_s
+
+    assert asyncio.run(main()) >= 50  # 60 s expected, minus the running job's elapsed time
+
+
+def test_a_decoding_job_does_not_keep_its_prefills_kv(gated):
+    """Once decoding started the prompt's KV lives in the decode pool's row; the job keeps
+    only the prefill's figures, not the Prefill with its k/v tensors (a second copy of the
+    prompt's KV for the whole answer)."""
+    engine, worker = gated(queue_size=2, max_batch=2)
+
+    async def main() -> None:
+        job = new_job(asyncio.get_running_loop())
+        worker.submit(job)
+        await first_event(job, int)  # prefilled, decoding, its steps held
+        gc.collect()
+        assert engine.k_refs[0]() is None, "the prefill's k tensor is still referenced"
+        worker.cancel(job)
+        engine.steps.release()
+        assert await first_event(job, Finished) == Finished("cancelled")
+
+    asyncio.run(main())

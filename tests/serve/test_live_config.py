@@ -1,5 +1,6 @@
 """blend.json live reload: the kubelet's symlink swap is seen; bad files keep the last good."""
 
+import asyncio
 import json
 import os
 from pathlib import Path
@@ -7,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from holeblend_contract.blend_settings import BlendSettingsError
+from holeblend_runtime.serve import live_config
 from holeblend_runtime.serve.live_config import LiveConfig
 
 
@@ -69,7 +71,10 @@ def test_an_unchanged_file_is_not_reapplied(volume):
         settings_text(recomputeRatio=7),
         settings_text(formatVersion=9),
         settings_text(x=1),
+        "[" * 100_000,  # the JSON parser's RecursionError
+        '{"recomputeRatio": ' + "1" * 5000 + "}",  # ValueError: over the int digit limit
     ],
+    ids=["garbage", "bad-ratio", "newer-format", "unknown-key", "deep-nesting", "huge-number"],
 )
 def test_a_bad_file_keeps_the_last_good_settings_and_is_counted(volume, bad):
     errors = []
@@ -102,3 +107,44 @@ def test_a_bad_file_at_start_is_refused(tmp_path):
     (tmp_path / "blend.json").write_text("{}")
     with pytest.raises(BlendSettingsError, match="model: Field required"):
         LiveConfig(tmp_path / "blend.json")
+
+
+@pytest.mark.parametrize("bad", ["[" * 100_000, "1" * 5000], ids=["deep-nesting", "huge-number"])
+def test_a_file_the_json_parser_chokes_on_is_a_bad_file_at_start(tmp_path, bad):
+    """Deep nesting and over-long integers make the JSON parser raise RecursionError and
+    ValueError; both are reported as a file that is not JSON, like any other garbage."""
+    (tmp_path / "blend.json").write_text(bad)
+    with pytest.raises(BlendSettingsError, match="not JSON"):
+        LiveConfig(tmp_path / "blend.json")
+
+
+def test_the_watcher_outlives_an_unexpected_error_and_applies_the_next_file(volume, monkeypatch):
+    """Whatever a round raises, the watcher logs and counts it and keeps polling: a watcher
+    that ended would ignore every later ratio the tuner writes, until a restart."""
+    errors = []
+    live = LiveConfig(volume.path, on_error=lambda: errors.append(1))
+    load = live_config.load_blend_settings
+
+    def load_once_failing(path):
+        monkeypatch.setattr(live_config, "load_blend_settings", load)
+        raise RuntimeError("unexpected")
+
+    async def main():
+        watcher = asyncio.create_task(live.watch(0.01))
+        monkeypatch.setattr(live_config, "load_blend_settings", load_once_failing)
+        volume.publish(settings_text(recomputeRatio=0.3))
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if errors:
+                break
+        volume.publish(settings_text(recomputeRatio=0.5))
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if live.recompute_ratio == 0.5 or watcher.done():
+                break
+        alive = not watcher.done()
+        watcher.cancel()
+        return alive
+
+    assert asyncio.run(main()), "the watcher ended"
+    assert live.recompute_ratio == 0.5 and errors == [1] and live.num_errors == 1

@@ -62,6 +62,30 @@ def test_stream_options_and_max_tokens_are_read():
     assert request.stream and request.include_usage and request.max_tokens == 3
 
 
+@pytest.mark.parametrize("parse", [completion, chat])
+def test_a_null_max_completion_tokens_leaves_max_tokens_in_force(parse):
+    """JSON null means unset: a client that serialises every field sends
+    `"max_completion_tokens": null` next to its `max_tokens`, which must still apply
+    (else the answer is cut at the server's default)."""
+    text = (
+        {"prompt": "q"} if parse is completion else {"messages": [{"role": "user", "content": "q"}]}
+    )
+    assert parse(**text, max_tokens=256, max_completion_tokens=None).max_tokens == 256
+    assert parse(**text, max_tokens=None, max_completion_tokens=7).max_tokens == 7
+    assert parse(**text, max_tokens=256, max_completion_tokens=7).max_tokens == 7
+    assert parse(**text, max_tokens=None, max_completion_tokens=None).max_tokens is None
+
+
+def test_a_bad_max_completion_tokens_is_named_in_the_error():
+    """The 400 names the field that was read."""
+    with pytest.raises(BadRequest) as caught:
+        completion(prompt="q", max_tokens=5, max_completion_tokens=0)
+    assert caught.value.param == "max_completion_tokens"
+    with pytest.raises(BadRequest) as caught:
+        completion(prompt="q", max_tokens=0, max_completion_tokens=None)
+    assert caught.value.param == "max_tokens"
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [

@@ -1,7 +1,11 @@
 """Stop sequences in `IncrementalText` and the queue's Retry-After estimate (no server)."""
 
+import random
+
 import pytest
 
+from holeblend_runtime.model.gguf import load_model_files
+from holeblend_runtime.model.tokenizer import TextTokenizer
 from holeblend_runtime.serve.responses import IncrementalText
 from holeblend_runtime.serve.worker import SlotEstimate
 
@@ -52,6 +56,131 @@ def test_the_first_of_several_stop_sequences_wins():
 def test_stop_at_a_newline(stop):
     deltas, rest, text = run([0, 4, 8, 7], stop=stop)
     assert "".join(deltas) + rest == ("Hel!" if stop == ["\n"] else "Hel")
+
+
+class WholeDecode:
+    """What `IncrementalText` must produce, by definition: after every token, decode the
+    whole answer; send nothing while it ends with U+FFFD; cut at the first stop sequence;
+    hold back a tail that begins one."""
+
+    def __init__(self, decode, stop) -> None:
+        self.decode, self.stop, self.ids, self.sent, self.final = decode, tuple(stop), [], 0, None
+
+    def add(self, token_id: int) -> str:
+        if self.final is not None:
+            return ""
+        self.ids.append(token_id)
+        text = self.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        found = [i for stop in self.stop if (i := text.find(stop)) >= 0]
+        if found:
+            self.final = text = text[: min(found)]
+            end = len(text)
+        else:
+            end = len(text) - max(
+                (k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0
+            )
+        if end <= self.sent:
+            return ""
+        delta, self.sent = text[self.sent : end], end
+        return delta
+
+    def rest(self) -> str:
+        text = self.final if self.final is not None else self.decode(self.ids)
+        delta, self.sent = text[self.sent :], len(text)
+        return delta
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> TextTokenizer:
+    files = load_model_files()
+    return TextTokenizer(files.tokenizer, files.config)
+
+
+MULTI_BYTE = "naïve café — 東京の空 🙂👍🏽 “quotes” ∑x² ü\n\tend. Ελληνικά 한국어 🇺🇳"
+
+
+def answers(tokenizer: TextTokenizer, seed: int) -> list[list[int]]:
+    """Token sequences of several kinds: tokenized text rich in multi-byte characters,
+    random vocabulary ids (special tokens, lone bytes that split a character), and text
+    tokens interleaved with tokens that decode to part of a character."""
+    rng = random.Random(seed)
+    vocab = tokenizer._tokenizer.get_vocab_size(with_added_tokens=True)
+    partial = [i for i in range(vocab) if tokenizer.decode([i]).endswith("\ufffd")]
+    text = tokenizer.encode(MULTI_BYTE * 6)
+    start = rng.randrange(len(text) // 2)
+    mixed = [rng.choice(partial) if rng.random() < 0.3 else rng.choice(text) for _ in range(300)]
+    return [
+        text[start : start + 200],
+        [rng.randrange(vocab) for _ in range(300)],
+        mixed,
+        [rng.choice(partial) for _ in range(100)],
+    ]
+
+
+def stops_for(text: str, rng: random.Random) -> list[tuple[str, ...]]:
+    """No stop; stops cut from the answer's own text (so they span token boundaries and
+    characters of several bytes); ones that never occur; several at once."""
+
+    def cut() -> str:
+        if not text:
+            return "x"
+        i = rng.randrange(len(text))
+        return text[i : i + rng.randint(1, 8)]
+
+    return [
+        (),
+        (cut(),),
+        (cut(), "never here", cut()),
+        ("🙂👍",),
+        ("\ufffd",),
+        (cut(), cut(), cut(), cut()),
+    ]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_incremental_text_equals_decoding_the_whole_answer_after_every_token(tokenizer, seed):
+    """Decoding a window of recent tokens gives, token for token, the deltas that decoding
+    the whole answer each time gives (characters split across tokens, special tokens, lone
+    bytes, stop sequences across token boundaries), and the same final text."""
+    rng = random.Random(seed)
+    for ids in answers(tokenizer, seed):
+        whole = tokenizer.decode(ids)
+        for stop in stops_for(whole, rng):
+            text, expected = (
+                IncrementalText(tokenizer.decode, stop),
+                WholeDecode(tokenizer.decode, stop),
+            )
+            deltas = [text.add(i) for i in ids]
+            assert deltas == [expected.add(i) for i in ids], (ids, stop)
+            assert text.stopped == (expected.final is not None)
+            rest = text.rest()
+            assert rest == expected.rest()
+            sent = "".join(deltas) + rest
+            if text.stopped:
+                assert sent == text.text == expected.final and len(text.token_ids) == len(
+                    expected.ids
+                )
+            else:
+                assert sent == text.text == whole and text.token_ids == ids
+
+
+def test_each_token_decodes_a_bounded_window_however_long_the_answer(tokenizer):
+    """The text is built on the server's event loop once per token: decoding the whole
+    answer each time would cost O(n) per token, O(n^2) per answer (seconds of loop time
+    for a few thousand tokens)."""
+    decoded = []
+
+    def counting(ids):
+        decoded.append(len(ids))
+        return tokenizer.decode(ids)
+
+    ids = tokenizer.encode(MULTI_BYTE * 200)[:3000]
+    text = IncrementalText(counting, ("\n\nQuestion:",))
+    for token in ids:
+        text.add(token)
+    assert max(decoded) <= 16 and sum(decoded) <= 10 * len(ids)
 
 
 def test_retry_after_is_the_running_jobs_expected_rest():
