@@ -714,6 +714,7 @@ class BlendEngine:
         """Store (in-context) or queue (isolated) every cacheable segment that missed."""
         prompt = result.prompt
         missing = [i for i, (k, e) in enumerate(zip(keys, entries, strict=True)) if k and e is None]
+        missing = _first_of_each_key(missing, keys)
         if self.blend_config.store_policy == ISOLATED:
             num_queued = sum(self._queue_isolated(prompt, i, keys) for i in missing)
             return replace(result, num_queued_segments=num_queued)
@@ -732,9 +733,10 @@ class BlendEngine:
         """Store segments `indexes` from the KV this request computed, `k`/`v` [layers,
         kv_heads, tokens, head_dim] holding positions `offset`.. (store policy in-context:
         at their positions in this prompt, no compute); the number the store accepted.
-        Segments not wholly inside `k` are left out."""
+        Segments not wholly inside `k` are left out, and a segment whose key came earlier
+        (the same document twice in one prompt) is stored once, at its first place."""
         num_stored = 0
-        for i in indexes:
+        for i in _first_of_each_key(indexes, keys):
             segment, key = prompt.segments[i], keys[i]
             start, end = segment.start - offset, segment.end - offset
             if key is None or start < 0 or end > k.shape[2]:
@@ -771,7 +773,7 @@ class BlendEngine:
     def _cache_segments(
         self, prompt: SegmentedPrompt, indexes: Sequence[int], keys: Sequence[str | None]
     ) -> int:
-        wanted = [i for i in indexes if keys[i] is not None]
+        wanted = _first_of_each_key([i for i in indexes if keys[i] is not None], keys)
         if not wanted:
             return 0
         context_k, context_v = self._context_kv(prompt)
@@ -914,7 +916,8 @@ class BlendEngine:
             raise ValueError(f"max_new_tokens: {len(limits)} limits for {len(prefills)} prefills")
         sequences = [self.start_decode(p, n) for p, n in zip(prefills, limits, strict=True)]
         answers: list[list[int]] = [[] for _ in prefills]
-        going = list(range(len(prefills)))
+        # A prompt that fills the context gets no token, as from `generate`.
+        going = [i for i, sequence in enumerate(sequences) if not sequence.is_at_limit]
         try:
             while going:
                 fed: list[int] = []
@@ -950,6 +953,19 @@ class BlendEngine:
             raise ValueError(
                 f"token_ids: {num_tokens} tokens exceed the model context of {self.config.context_length}"
             )
+
+
+def _first_of_each_key(indexes: Sequence[int], keys: Sequence[str | None]) -> list[int]:
+    """`indexes` less those whose key an earlier one has: a document repeated in a prompt
+    is stored once (its first place; the later copy would replace it, and a first
+    document's entry at its first place is the one an exact prefix can use)."""
+    seen: set[str | None] = set()
+    first = []
+    for i in indexes:
+        if keys[i] not in seen:
+            seen.add(keys[i])
+            first.append(i)
+    return first
 
 
 def _finite_problems(

@@ -53,6 +53,30 @@ def test_first_pass_on_an_empty_store_is_a_full_prefill_that_stores(new_engine, 
     torch.testing.assert_close(prefill.logits, full.logits, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("store_policy", ["in-context", "isolated"])
+def test_a_document_twice_in_one_prompt_is_stored_once_at_its_first_place(
+    new_engine, rag_texts, store_policy
+):
+    """The same document first and last: one entry, the first copy's (computed right after
+    the system prompt, so the next request takes it as exact prefix), counted once."""
+    system, documents, question = rag_texts
+    engine = new_engine(store_policy=store_policy)
+    prompt = engine.build_prompt(system, [documents[0], documents[1], documents[0]], question)
+    keys = engine.segment_keys(prompt)
+    assert keys[1] == keys[3]
+    first = engine.prefill(prompt, "hole")
+    if store_policy == "isolated":
+        assert first.num_queued_segments == 3
+        assert engine.wait_for_stores(60)
+    else:
+        assert first.num_stored_segments == 3
+    assert len(engine.store) == 3
+    assert int(engine.store.get(keys[1]).positions[0]) == prompt.segments[1].start
+    again = engine.prefill(prompt, "hole", ratio=0.15)
+    start, stop = prompt.separator_ranges[0]  # computed with the tokens after the prefix
+    assert again.num_exact_prefix_tokens == prompt.segments[1].end - (stop - start)
+
+
 def test_full_mode_leaves_the_store_alone(new_engine, rag_texts):
     engine = new_engine()
     prompt = engine.build_prompt(*rag_texts)
@@ -107,6 +131,22 @@ def test_prompt_longer_than_the_context_is_refused(reference_engine, rag_texts):
     for mode in ("full", "prefix", "hole"):
         with pytest.raises(ValueError, match="context"):
             reference_engine.prefill(prompt, mode)
+
+
+@pytest.mark.parametrize("room", [0, 1, 2])
+def test_generate_and_its_batched_form_agree_where_the_prompt_ends_the_context(
+    new_engine, rag_texts, monkeypatch, room
+):
+    """A prompt `room` tokens short of the context: both decoding paths give the same
+    answer, none when the prompt fills the context."""
+    engine = new_engine()
+    prompt = engine.build_prompt(*rag_texts)
+    config = dataclasses.replace(engine.config, context_length=prompt.num_tokens + room)
+    monkeypatch.setattr(engine.model, "config", config)
+    prefill = engine.prefill(prompt, "full")
+    one = list(engine.generate_stream(prefill, 8, ignore_eos=True))
+    assert len(one) == room
+    assert engine.generate_batch([prefill], 8, ignore_eos=True) == [one]
 
 
 def _corrupt(kv, how, config):
