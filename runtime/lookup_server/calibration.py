@@ -9,7 +9,8 @@ share the segment index, so a pod that starts, restarts or scales out is calibra
 soon as its deployment is.
 
 - Pairs are grouped by `scope`, what makes two pods' statistics comparable (the runtime
-  names the model, KV dtype, tensor-parallel size, selection and check layer in it:
+  names the statistic's version, the model, its dtypes, tensor-parallel size and the
+  blend settings that change the statistic's scale in it:
   `holeblend_runtime.quality.shared_calibration.calibration_scope`).
 - Each scope keeps its newest `max_pairs` pairs, and the store at most `max_scopes`
   scopes (the one written least recently goes first): bounded whatever clients send.
@@ -18,6 +19,10 @@ soon as its deployment is.
   first, at most `max_reply` per call; `last` is where the next call continues and
   `epoch` names this server's life, so a client whose `after` came from a server that
   restarted (numbers start again) reads from the start.
+- A pod numbers its own pairs (`ids` of `pairs_add`); each pair is answered with who
+  published it and that number, so a pod that reads a restarted server's pairs from the
+  start knows the ones it had before (the others publish theirs again), while equal
+  pairs of different requests stay apart.
 
 Not thread-safe by design: the lookup server's one event loop owns it.
 """
@@ -27,10 +32,12 @@ from __future__ import annotations
 import itertools
 import secrets
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-# One pair as stored: (sequence number, pod, ratio, statistic, f1, top1).
-Record = tuple[int, str, float, float, float, float]
+# One pair as stored: (sequence number, pod, the pod's own number of it or None, ratio,
+# statistic, f1, top1).
+Record = tuple[int, str, int | None, float, float, float, float]
 
 
 @dataclass(frozen=True)
@@ -58,36 +65,56 @@ class CalibrationPairs:
         self._numbers = itertools.count(1)
         self.num_added = 0
 
-    def add(self, scope: str, pod: str, pairs: list[tuple[float, float, float, float]]) -> int:
-        """Keep `pod`'s (ratio, statistic, f1, top1) pairs under `scope`; how many."""
+    def add(
+        self,
+        scope: str,
+        pod: str,
+        pairs: list[tuple[float, float, float, float]],
+        ids: Sequence[int] | None = None,
+    ) -> int:
+        """Keep `pod`'s (ratio, statistic, f1, top1) pairs under `scope`, with the pod's
+        own number of each (`ids`; None: not numbered); how many."""
         if not pairs:
             return 0
+        if ids is not None and len(ids) != len(pairs):
+            raise ValueError(f"ids: {len(ids)} for {len(pairs)} pairs")
         kept = self._scopes.get(scope)
         if kept is None:
             kept = self._scopes[scope] = deque(maxlen=self.limits.max_pairs)
             while len(self._scopes) > self.limits.max_scopes:
                 self._scopes.popitem(last=False)
         self._scopes.move_to_end(scope)
-        for ratio, statistic, f1, top1 in pairs:
-            kept.append((next(self._numbers), pod, ratio, statistic, f1, top1))
+        numbers = ids if ids is not None else [None] * len(pairs)
+        for (ratio, statistic, f1, top1), own in zip(pairs, numbers, strict=True):
+            kept.append((next(self._numbers), pod, own, ratio, statistic, f1, top1))
         self.num_added += len(pairs)
         return len(pairs)
 
-    def since(self, scope: str, pod: str, after: int) -> tuple[list[list[float]], int, bool]:
+    def read(
+        self, scope: str, pod: str, after: int
+    ) -> tuple[list[list[float]], list[list], int, bool]:
         """The other pods' pairs of `scope` numbered after `after`, oldest first, as
-        [ratio, statistic, f1, top1]; the number to continue after; whether more wait."""
+        [ratio, statistic, f1, top1]; who published each and its own number, as
+        [pod, id]; the number to continue after; whether more wait."""
         kept = self._scopes.get(scope, ())
         found: list[list[float]] = []
+        origins: list[list] = []
         last = after
-        for number, owner, ratio, statistic, f1, top1 in kept:
+        for number, owner, own, ratio, statistic, f1, top1 in kept:
             if number <= after:
                 continue
             if len(found) == self.limits.max_reply:
-                return found, last, True
+                return found, origins, last, True
             last = number
             if owner != pod:
                 found.append([ratio, statistic, f1, top1])
-        return found, last, False
+                origins.append([owner, own])
+        return found, origins, last, False
+
+    def since(self, scope: str, pod: str, after: int) -> tuple[list[list[float]], int, bool]:
+        """`read` without who published the pairs."""
+        found, _, last, more = self.read(scope, pod, after)
+        return found, last, more
 
     def stats(self) -> dict:
         return {

@@ -268,15 +268,17 @@ class LookupServer:
         scope = wire.name_field(message, "scope", limits)
         pod = wire.name_field(message, "pod", limits)
         pairs = wire.pairs_field(message, limits)
-        return {"added": self.calibration.add(scope, pod, pairs)}
+        ids = wire.pair_ids_field(message, len(pairs))
+        return {"added": self.calibration.add(scope, pod, pairs, ids)}
 
     def _op_pairs_get(self, message: dict) -> dict:
         limits = self.config.limits
         scope = wire.name_field(message, "scope", limits)
         pod = wire.name_field(message, "pod", limits)
         after = wire.count_field(message, "after")
-        pairs, last, more = self.calibration.since(scope, pod, after)
-        return {"pairs": pairs, "last": last, "more": more, "epoch": self.calibration.epoch}
+        pairs, ids, last, more = self.calibration.read(scope, pod, after)
+        epoch = self.calibration.epoch
+        return {"pairs": pairs, "ids": ids, "last": last, "more": more, "epoch": epoch}
 
 
 class _Connection(asyncio.Protocol):

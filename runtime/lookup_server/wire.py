@@ -20,12 +20,14 @@ Operations (fields of the request -> fields of the reply):
 - `stats` -> `stats` (map of counters and sizes).
 - `pairs_add`: `scope` (str), `pod` (str), `pairs` (list of `[ratio, statistic, f1,
   top1]`, at most `Limits.max_entries`: ratio in [0, 1], statistic finite and >= 0, the
-  scores in [0, 1]) -> `added` (int). The inline quality proxy's calibration pairs,
-  shared by a deployment's pods (`calibration.py`).
+  scores in [0, 1]), optional `ids` (list of int, one per pair: the pod's own number of
+  each pair) -> `added` (int). The inline quality proxy's calibration pairs, shared by a
+  deployment's pods (`calibration.py`).
 - `pairs_get`: `scope`, `pod`, `after` (int, 0: from the start) -> `pairs` (the other
-  pods' pairs numbered after `after`, oldest first), `last` (int: the `after` of the next
-  call), `more` (bool: more wait), `epoch` (str: changes when the server restarts, and
-  with it the numbering).
+  pods' pairs numbered after `after`, oldest first), `ids` (one `[pod, id]` per pair:
+  who published it under which of its own numbers, id None when it was sent without),
+  `last` (int: the `after` of the next call), `more` (bool: more wait), `epoch` (str:
+  changes when the server restarts, and with it the numbering).
 
 A new field may be added within a version; a change of meaning bumps `v`, and a server
 answers a version it does not speak with `unsupported_version` naming the ones it does.
@@ -283,6 +285,19 @@ def pairs_field(message: Mapping, limits: Limits) -> list[tuple[float, float, fl
             "too_many_entries", f"pairs: {len(pairs)} pairs, at most {limits.max_entries}", 413
         )
     return [check_pair(item, f"pairs[{i}]") for i, item in enumerate(pairs)]
+
+
+def pair_ids_field(message: Mapping, num_pairs: int) -> list[int] | None:
+    """`ids` of a `pairs_add`: one non-negative integer per pair, or None when absent (a
+    client that does not number its pairs)."""
+    ids = message.get("ids")
+    if ids is None:
+        return None
+    if not isinstance(ids, list) or len(ids) != num_pairs:
+        raise WireError(
+            "bad_request", f"ids: expected a list of {num_pairs} integers, one per pair"
+        )
+    return [_count({"id": value}, "id", f"ids[{i}]") for i, value in enumerate(ids)]
 
 
 def check_pair(item: Any, where: str = "pair") -> tuple[float, float, float, float]:

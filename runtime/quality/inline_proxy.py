@@ -69,6 +69,10 @@ INLINE_SHARED_METRIC = "holeblend_inline_proxy_shared_pairs"
 INLINE_SHARE_FAILURES_METRIC = "holeblend_inline_proxy_share_failures"
 # A calibration needs this many (statistic, shadow score) pairs at a ratio to estimate.
 MIN_PAIRS = 8
+# The definition of `residual_deviation` (2: the deviation left per compared token; 1 was
+# its share of the total): raised with any change of what the statistic measures or of
+# its scale, so that pods never share pairs of two definitions (`calibration_scope`).
+STATISTIC_VERSION = 2
 # Pairs kept per ratio (the newest): the fit follows a workload that changes.
 MAX_PAIRS = 256
 # Ratios whose pairs are kept (the most recently used): the tuner moves among a few.

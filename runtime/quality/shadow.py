@@ -192,7 +192,7 @@ class ShadowMetrics:
         self.offers = Counter(
             "holeblend_shadow_requests",
             "Requests offered for shadow scoring, by outcome (scored, not_sampled, "
-            "over_budget, dropped_full, expired, failed).",
+            "over_budget, dropped_full, expired, failed; vLLM pods: not_greedy).",
             ["outcome"],
             registry=registry,
         )
@@ -672,6 +672,11 @@ class ShadowSampler(abc.ABC):
             self.metrics.tokens.inc(request.num_shadow_tokens)
         self._jobs.put((request, kind == "idle"))
         return "queued"
+
+    def decline(self, outcome: str) -> str:
+        """Count a finished request the proxies cannot score (e.g. `not_greedy`) without
+        offering it; returns the outcome."""
+        return self._count(outcome)
 
     def charge(self, num_tokens: int) -> None:
         """Tokens a running shadow spends beyond its admission estimate (worker thread)."""

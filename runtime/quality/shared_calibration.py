@@ -8,23 +8,32 @@ deployment already share a lookup server (the segment index); it keeps their pai
 (lookup_server/calibration.py), so a new pod starts with the deployment's calibration.
 
 1. `calibration_scope`: what two pods' pairs must share to be comparable. The statistic
-   is a squared K deviation at the check layer, so its scale is the model's, the KV
-   dtype's and, at tensor parallelism, the head shard's; which tokens are left
-   unrecomputed depends on the selection and the filter layers.
+   (`STATISTIC_VERSION` of its definition) is a squared K deviation at the check layer,
+   so its scale is the model's, the dtype it computes in, the stored KV dtype's and, at
+   tensor parallelism, the head shard's; the cached KV it is measured against depends on
+   the segment context and the store policy; which tokens it compares, on the selection,
+   the filter layers and the shortest cached segment.
 2. `SharedCalibration`, a daemon thread (never on the request path): at start, then
-   every `interval_s` and soon after this pod's shadow scored a pair, it publishes the
-   pairs scored here since the last call (`pairs_add`) and merges the other pods' new
-   pairs into the inline proxy (`pairs_get`, from where it left off). A lookup server
-   that is down or slow costs nothing but the sharing: the pod calibrates on its own
-   pairs, and keeps the unsent ones (at most `MAX_PENDING`) until the server answers. A
-   server that restarted (a new `epoch`) lost the pairs: the pod publishes its own recent
-   ones again and reads the others' from the start, keeping only those it did not
-   receive before.
+   every `interval_s` and soon after this pod's shadow scored a pair, it merges the other
+   pods' new pairs into the inline proxy (`pairs_get`, from where it left off) and
+   publishes the pairs scored here since the last call (`pairs_add`), each with a number
+   of this pod's own. A lookup server that is down or slow costs nothing but the
+   sharing: the pod calibrates on its own pairs, and keeps the unsent ones (at most
+   `MAX_PENDING`) until the server answers. A server that restarted (a new `epoch`, seen
+   before this pod publishes) lost the pairs: the pod publishes its own recent ones
+   again, once, and reads the others' from the start, keeping only those it did not
+   receive before. A pair is known by who published it and its number there, never by
+   its values: equal pairs of different requests (a repeated prompt, or a blend that
+   recomputed every compared token: statistic 0) all count. A lookup server that does not
+   answer those numbers (an older one) leaves only the values to go by: a pair equal to
+   one received before is then taken for it.
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
+import itertools
 import logging
 import secrets
 import threading
@@ -32,7 +41,7 @@ import threading
 from holeblend_runtime.lookup_server import wire
 from holeblend_runtime.lookup_server.client import ClientConfig, LookupClient
 from holeblend_runtime.model.threads import serial_thread
-from holeblend_runtime.quality.inline_proxy import InlineProxy
+from holeblend_runtime.quality.inline_proxy import STATISTIC_VERSION, InlineProxy
 
 log = logging.getLogger(__name__)
 
@@ -53,17 +62,40 @@ MAX_READS = 8
 CLIENT = ClientConfig(timeout_ms=1000.0, retries=1, breaker_failures=3, breaker_open_s=30.0)
 
 Pair = tuple[float, float, float, float]  # ratio, statistic, f1, top1
+Numbered = tuple[int, Pair]  # this pod's own number of a pair, the pair
 
 
-def calibration_scope(model_id: str, kv_dtype: str, tensor_parallel_size: int, blend) -> str:
+def calibration_scope(
+    model_id: str,
+    kv_dtype: str,
+    tensor_parallel_size: int,
+    blend,
+    model_dtype: str | None = None,
+) -> str:
     """The scope under which pods share pairs: equal only where statistics compare.
-    `blend`: the blend's settings (`selection`, `check_layer`, `filter_layers`: the
-    contract's `BlendSettings` or the runtime's `BlendConfig`)."""
+    `kv_dtype`: the dtype the tiers hold documents' KV in; `model_dtype`: the one the
+    model computes in (None: `kv_dtype` where the tiers hold the model's own, kv.storeDtype
+    auto, else "?"). `blend`: the blend's settings (the contract's `BlendSettings` or the
+    runtime's `BlendConfig`). A scope longer than the lookup server takes names the model
+    by a hash of its id."""
     filters = ",".join(str(layer) for layer in blend.filter_layers) or "-"
-    return (
-        f"{model_id}|{kv_dtype}|tp{tensor_parallel_size}|{blend.selection}"
-        f"|check{blend.check_layer}|filter{filters}"
+    if isinstance(getattr(blend, "cache_after_system", None), bool):  # BlendConfig
+        context = "afterSystem" if blend.cache_after_system else "alone"
+        store_dtype = blend.kv_store_dtype
+    else:  # BlendSettings
+        context, store_dtype = str(blend.segment_context), str(blend.kv.store_dtype)
+    if model_dtype is None:
+        model_dtype = kv_dtype if store_dtype == "auto" else "?"
+    rest = (
+        f"|{kv_dtype}|model-{model_dtype}|tp{tensor_parallel_size}|{blend.selection}"
+        f"|check{blend.check_layer}|filter{filters}|{context}|{blend.store_policy}"
+        f"|min{blend.min_segment_tokens}"
     )
+    scope = f"stat{STATISTIC_VERSION}|{model_id}{rest}"
+    if len(scope) > wire.Limits().max_name_chars:
+        digest = hashlib.sha256(model_id.encode()).hexdigest()[:32]
+        scope = f"stat{STATISTIC_VERSION}|sha256-{digest}{rest}"
+    return scope
 
 
 class SharedCalibration:
@@ -84,11 +116,12 @@ class SharedCalibration:
         self.client, self.scope, self.pod, self.inline = client, scope, pod, inline
         self.interval_s = interval_s
         self._lock = threading.Lock()
-        self._pending: collections.deque[Pair] = collections.deque(maxlen=MAX_PENDING)
-        self._own: collections.deque[Pair] = collections.deque(maxlen=MAX_OWN)
+        self._pending: collections.deque[Numbered] = collections.deque(maxlen=MAX_PENDING)
+        self._own: collections.deque[Numbered] = collections.deque(maxlen=MAX_OWN)
+        self._numbers = itertools.count(1)  # this pod's own numbers of its pairs
         self._after = 0
         self._epoch: str | None = None
-        self._seen: dict[Pair, None] = {}  # pairs received, oldest first
+        self._seen: dict[tuple, None] = {}  # pairs received (`_identity`), oldest first
         self._wake = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -127,7 +160,7 @@ class SharedCalibration:
             log.warning("calibration pair not shared: %s", error.message)
             return
         with self._lock:
-            self._pending.append(pair)
+            self._pending.append((next(self._numbers), pair))
         self._wake.set()
 
     def _run(self) -> None:
@@ -142,32 +175,35 @@ class SharedCalibration:
             self._wake.clear()
 
     def exchange(self) -> bool:
-        """Publish the pending pairs, then read the other pods' new ones; False when the
-        lookup server did not answer (what is unsent stays pending)."""
-        return self._send() and self._receive()
+        """Read the other pods' new pairs, then publish the pending ones; False when the
+        lookup server did not answer (what is unsent stays pending). Reading first, a
+        restart is seen before anything is sent to the restarted server, so that each
+        pair reaches it once."""
+        return self._receive() and self._send()
 
     def _send(self) -> bool:
         with self._lock:
-            pairs = list(self._pending)
+            numbered = list(self._pending)
             self._pending.clear()
-        if not pairs:
+        if not numbered:
             return True
         reply = self.client.call(
             {
                 "op": "pairs_add",
                 "scope": self.scope,
                 "pod": self.pod,
-                "pairs": [list(p) for p in pairs],
+                "pairs": [list(pair) for _, pair in numbered],
+                "ids": [number for number, _ in numbered],
             }
         )
         if reply is None:
             with self._lock:  # back in front of those published meanwhile
-                self._pending.extendleft(reversed(pairs))
+                self._pending.extendleft(reversed(numbered))
             self._count_failure()
             return False
         with self._lock:
-            self._own.extend(pairs)
-        self._count("published", len(pairs))
+            self._own.extend(numbered)
+        self._count("published", len(numbered))
         return True
 
     def _receive(self) -> bool:
@@ -182,15 +218,22 @@ class SharedCalibration:
                 restarted = self._epoch is not None
                 self._epoch, self._after = reply["epoch"], 0
                 if restarted:
-                    # The server lost every pair (and numbers them anew): publish this
-                    # pod's own again and read from the start; this reply was for the
+                    # The server lost every pair (and numbers them anew): this pod's own
+                    # go out again with the pending ones (`exchange` sends them next),
+                    # and the others' are read from the start; this reply was for the
                     # old numbering.
                     log.info("the lookup server restarted; publishing calibration pairs again")
                     with self._lock:
                         self._pending.extendleft(reversed(self._own))
                         self._own.clear()
-                    return self._send() and self._receive()
-            fresh = [pair for pair in map(tuple, reply["pairs"]) if self._is_new(pair)]
+                    return self._receive()
+            pairs = [tuple(pair) for pair in reply["pairs"]]
+            ids = reply.get("ids")
+            if not (isinstance(ids, list) and len(ids) == len(pairs)):
+                ids = [None] * len(pairs)  # an older server: only the values tell
+            fresh = [
+                pair for pair, origin in zip(pairs, ids, strict=True) if self._is_new(pair, origin)
+            ]
             for ratio, statistic, f1, top1 in fresh:
                 self.inline.add_shared(ratio, statistic, f1, top1)
             self._count("received", len(fresh))
@@ -199,13 +242,15 @@ class SharedCalibration:
                 break
         return True
 
-    def _is_new(self, pair: Pair) -> bool:
+    def _is_new(self, pair: Pair, origin: object) -> bool:
         """Whether `pair` was not received before: after a server restart the others'
-        pairs come again (they publish them anew). A pair is known by its values (a
-        statistic is a float mean over a whole prompt: two requests do not share one)."""
-        if pair in self._seen:
+        pairs come again (they publish them anew). A pair is known by `origin`, the
+        [pod, number] it was published under; by its values only where the server or its
+        publisher did not number it."""
+        identity = _identity(pair, origin)
+        if identity in self._seen:
             return False
-        self._seen[pair] = None
+        self._seen[identity] = None
         if len(self._seen) > MAX_SEEN:
             del self._seen[next(iter(self._seen))]
         return True
@@ -217,3 +262,13 @@ class SharedCalibration:
     def _count_failure(self) -> None:
         if self.inline.metrics is not None:
             self.inline.metrics.share_failures.inc()
+
+
+def _identity(pair: Pair, origin: object) -> tuple:
+    """What tells a received pair from the others: its publisher and its number there, or
+    its values when it came without a number."""
+    if isinstance(origin, list | tuple) and len(origin) == 2:
+        pod, number = origin
+        if isinstance(pod, str) and isinstance(number, int) and not isinstance(number, bool):
+            return ("published", pod, number)
+    return ("values", *pair)

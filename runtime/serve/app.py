@@ -200,9 +200,11 @@ class Server:
         self.inline = InlineProxy(self.metrics.registry)
         if settings.lookup_server_url:
             # The deployment's pods share their calibration pairs through the lookup server.
+            keyer = self.engine.keyer
             scope = calibration_scope(
-                self.engine.config.model_id, self.engine.kv_dtype, 1, settings
-            )
+                self.engine.config.model_id, self.engine.kv_dtype, 1, settings,
+                model_dtype=keyer.system_kv_dtype or keyer.kv_dtype,
+            )  # fmt: skip
             self.shared_calibration = SharedCalibration.to(
                 settings.lookup_server_url, scope, pod_name(), self.inline
             ).start()

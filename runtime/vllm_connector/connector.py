@@ -84,7 +84,9 @@ from holeblend_runtime.vllm_connector.settings import (
 from holeblend_runtime.vllm_connector.shadow import (
     VllmShadow,
     VllmShadowRequest,
+    end_token_ids,
     engine_url,
+    is_greedy,
     is_shadow_request,
 )
 from holeblend_runtime.vllm_connector.stepwise_loads import StepwiseLoads
@@ -403,7 +405,10 @@ class _SchedulerSide:
         self.shared_calibration = None
         if self.inline is not None and settings.lookup_url:
             num_shards = vllm_config.parallel_config.tensor_parallel_size
-            scope = calibration_scope(model_id, kv_dtype, num_shards, settings.blend)
+            scope = calibration_scope(
+                model_id, kv_dtype, num_shards, settings.blend,
+                model_dtype=keyer.system_kv_dtype or keyer.kv_dtype,
+            )  # fmt: skip
             self.shared_calibration = SharedCalibration.to(
                 settings.lookup_url, scope, pod_name(), self.inline
             ).start()
@@ -550,12 +555,19 @@ class _SchedulerSide:
             return  # exact KV: the answer is full prefill's, nothing to measure
         answer = list(getattr(request, "output_token_ids", None) or [])
         reason = str(request.get_finished_reason())
-        stopped_at_eos = bool(answer) and answer[-1] == self.shadow.eos_token_id
+        params = getattr(request, "sampling_params", None)
+        eos = self.shadow.eos_token_id
+        # vLLM stops at the tokenizer's EOS and at the request's stop token ids (which
+        # hold generation_config's other EOS ids) and keeps that token in the output.
+        ends = end_token_ids(params, eos)
+        stopped_at_eos = bool(answer) and answer[-1] in ends
         if stopped_at_eos:
             answer.pop()
         if reason not in _SCORED_FINISH_REASONS or not (answer or stopped_at_eos):
             return  # aborted, or nothing answered: nothing to compare
-        params = getattr(request, "sampling_params", None)
+        if not is_greedy(params):
+            self.shadow.decline("not_greedy")  # a sampled answer is not full prefill's argmax
+            return
         max_tokens = getattr(params, "max_tokens", None)
         question = self.shadow.decode(plan.prompt.question.token_ids)
         if self.budget is not None:
@@ -566,6 +578,7 @@ class _SchedulerSide:
                 stopped_at_eos=stopped_at_eos and reason == "stop",
                 max_tokens=max_tokens if isinstance(max_tokens, int) else None,
                 inline_statistic=statistic,
+                stop_token_ids=tuple(sorted(ends - {eos})),
             ),
             idle=not self.in_flight,
         )  # fmt: skip

@@ -5,18 +5,22 @@ the model belongs to vLLM's workers, and a second thread running it beside vLLM'
 is not safe, so the scheduler-side connector asks vLLM itself, over HTTP, as any client
 would, and vLLM schedules the work with the rest:
 
-1. `request_finished` offers each finished request that blended a reused document.
-   `offer` samples it (blend.json's `shadowSampleRate`) and admits it when the one shadow
-   slot is free and the token budget allows (`shadowBudget` x the user requests' prompt
-   tokens, which the connector counts as it plans them; `ShadowBudget`); otherwise it is
-   dropped at once, never queued. Load does not stop sampling.
+1. `request_finished` offers each finished request that blended a reused document and
+   was decoded greedily (`is_greedy`: temperature 0 or top_k 1; the others are counted
+   as `not_greedy`, since a sampled answer departs from full prefill's argmax with no
+   blending at all). `offer` samples it (blend.json's `shadowSampleRate`) and admits it
+   when the one shadow slot is free and the token budget allows (`shadowBudget` x the
+   user requests' prompt tokens, which the connector counts as it plans them;
+   `ShadowBudget`); otherwise it is dropped at once, never queued. Load does not stop
+   sampling.
 2. A worker thread sends the prompt plus the blended answer to `engineUrl/v1/completions`
    (blend.json; `$HOLEBLEND_ENGINE_URL` when unset, deprecated) with `prompt_logprobs: 1`,
    `max_tokens: 1` and `kv_transfer_params.holeblend.shadow: true` (the connector then
    plans a full miss, stores nothing and counts nothing): full prefill teacher-forced on
    the blended answer. The rank of each answer token gives **top-1 agreement**
    (`holeblend_top1_agreement`); the one token it generates is full prefill's pick after
-   the answer, which, when the blended answer ended with EOS, is scored too.
+   the answer, which, when the blended answer ended with EOS or one of the request's
+   stop token ids (`end_token_ids`), is scored too: any of them ends the answer.
 3. Where full prefill first disagrees, a second request continues greedily from its own
    pick to its own end (EOS; the blended length when that was the request's limit, else
    `RUN_ON_TOKENS` more within it): full prefill's answer, and **answer-token F1** of the
@@ -74,6 +78,8 @@ IDLE_KEY = "idle"  # kv_transfer_params["holeblend"]["idle"]: the idle floor's s
 # vLLM's priority scheduler serves smaller values first (ties by arrival) and preempts
 # the largest: the largest value its API accepts (int64) is served last.
 SHADOW_PRIORITY = (1 << 63) - 1
+# vLLM's _SAMPLING_EPS: a request whose temperature is below it is decoded greedily.
+GREEDY_TEMPERATURE = 1e-5
 _warned_env = False
 
 
@@ -105,18 +111,51 @@ def engine_url(configured: str | None) -> str | None:
     return url or None
 
 
+def is_greedy(params: Any) -> bool:
+    """Whether vLLM picked each answer token as the model's argmax, as far as the request's
+    sampling params tell: temperature 0 (or top_k 1), and no constraint on the picks
+    (structured output, logit bias, allowed token ids, bad words, min_tokens). Sampled
+    answers differ from full prefill's argmax even with no blending, so the proxies
+    score only greedy ones. Penalties are not checked: a pod's generation_config may set
+    one for every request, and then the shadow's own requests get it too."""
+    if params is None:
+        return False
+    temperature = getattr(params, "temperature", None)
+    argmax = isinstance(temperature, int | float) and temperature < GREEDY_TEMPERATURE
+    if not (argmax or getattr(params, "top_k", None) == 1):
+        return False
+    constraints = ("structured_outputs", "logit_bias", "allowed_token_ids", "bad_words")
+    if any(getattr(params, name, None) for name in constraints):
+        return False
+    return not getattr(params, "min_tokens", 0)
+
+
+def end_token_ids(params: Any, eos_token_id: int | None) -> frozenset[int]:
+    """The tokens that end a request's answer: the tokenizer's EOS, the request's own EOS
+    and its stop token ids. vLLM adds generation_config's other EOS ids (e.g. Gemma's
+    `<end_of_turn>`) to the stop token ids, stops at any of them and keeps that token in
+    the output."""
+    ends = {eos_token_id, getattr(params, "eos_token_id", None)}
+    ends.update(getattr(params, "stop_token_ids", None) or ())
+    return frozenset(token for token in ends if isinstance(token, int))
+
+
 @dataclasses.dataclass(frozen=True)
 class VllmShadowRequest:
     """A finished request to score: its prompt, its answer and the ratio it ran with."""
 
     prompt_ids: tuple[int, ...]
-    answer_ids: tuple[int, ...]  # EOS not included
+    answer_ids: tuple[int, ...]  # the end token (EOS or a stop token id) not included
     question: str  # the question's text: its words are not counted by the F1
     ratio: float
-    # The answer ended with EOS (False: the token limit, a stop string, or unknown).
+    # The answer ended with EOS or a stop token id (False: the token limit, a stop
+    # string, or unknown).
     stopped_at_eos: bool = False
     max_tokens: int | None = None  # the request's token limit; None: unknown
     inline_statistic: float | None = None  # the blend's (quality/inline_proxy.py)
+    # Tokens besides the tokenizer's EOS that end an answer (`end_token_ids`): full
+    # prefill picking any of them where an answer ends agrees with its end.
+    stop_token_ids: tuple[int, ...] = ()
 
     @property
     def num_shadow_tokens(self) -> int:
@@ -200,6 +239,7 @@ class VllmShadow(ShadowSampler):
         started = time.monotonic()
         prompt, answer = list(request.prompt_ids), list(request.answer_ids)
         eos = self.eos_token_id if self.eos_token_id is not None else -1
+        ends = {eos, *request.stop_token_ids}
         forced = self._complete(prompt + answer, max_tokens=1, prompt_logprobs=1)
         picks = teacher_forced_top1(forced.get("prompt_logprobs") or [], len(prompt), answer)
         generated = forced.get("token_ids") or []
@@ -207,17 +247,19 @@ class VllmShadow(ShadowSampler):
             raise ShadowFailed(f"{self.url}: no token generated after the answer")
         targets = end_targets(answer, request.stopped_at_eos, eos)
         picks = [*picks, int(generated[0])][: len(targets)]
+        if len(picks) > len(answer) and picks[-1] in ends:
+            picks[-1] = eos  # full prefill ends the answer there too, with any end token
         agree = first_disagreement(targets, picks)
-        full = [t for t in targets[:agree] if t != eos]
+        full = [t for t in targets[:agree] if t not in ends]
         budget = answer_budget(len(answer), request.stopped_at_eos, request.max_tokens)
-        if agree < len(targets) and picks[agree] != eos and len(full) < budget:
+        if agree < len(targets) and picks[agree] not in ends and len(full) < budget:
             full.append(picks[agree])
             more_tokens = budget - len(full)
             if more_tokens > 0:
                 self.charge(len(prompt) + len(full) + more_tokens)
                 more = self._complete(prompt + full, max_tokens=more_tokens)
                 for token in more.get("token_ids") or []:
-                    if token == eos:
+                    if token in ends:
                         break
                     full.append(token)
         top1 = sum(a == b for a, b in zip(targets, picks, strict=True)) / len(targets)

@@ -14,7 +14,7 @@ from holeblend_runtime.lookup_server.calibration import CalibrationLimits, Calib
 from holeblend_runtime.lookup_server.client import ClientConfig, LookupClient
 from holeblend_runtime.lookup_server.processes import LookupProcess
 from holeblend_runtime.lookup_server.server import LookupServer, ServerConfig
-from holeblend_runtime.quality.inline_proxy import MIN_PAIRS, InlineProxy
+from holeblend_runtime.quality.inline_proxy import MIN_PAIRS, STATISTIC_VERSION, InlineProxy
 from holeblend_runtime.quality.shadow import ShadowScore
 from holeblend_runtime.quality.shared_calibration import (
     SharedCalibration,
@@ -123,6 +123,91 @@ def test_pairs_round_trip_on_the_wire_with_the_servers_epoch_and_stats():
     assert b"holeblend_lookup_calibration_pairs 1.0" in server.metrics.render()
 
 
+def test_a_pair_comes_back_with_who_published_it_and_its_number_there():
+    """A pod numbers the pairs it publishes; the other pods read each pair with its
+    publisher and that number, so that after a restart they know the pairs they had
+    before by where they came from, not by their values. A client that sends no numbers
+    (an older pod) is still served, its pairs numbered None."""
+    server = LookupServer()
+    pair = [0.15, 0.1, 1, 0.5]
+    assert _rpc(server, op="pairs_add", scope=SCOPE, pod="a", pairs=[pair] * 2, ids=[7, 8]) == (
+        200,
+        {"v": 1, "ok": True, "added": 2},
+    )
+    _rpc(server, op="pairs_add", scope=SCOPE, pod="old", pairs=[pair])
+    _, reply = _rpc(server, op="pairs_get", scope=SCOPE, pod="b", after=0)
+    assert reply["pairs"] == [[0.15, 0.1, 1.0, 0.5]] * 3
+    assert reply["ids"] == [["a", 7], ["a", 8], ["old", None]]
+    for ids, says in (([1], "ids: expected a list of 2"), ([1, -1], "ids[1]")):
+        status, reply = _rpc(
+            server, op="pairs_add", scope=SCOPE, pod="a", pairs=[pair] * 2, ids=ids
+        )
+        assert status == 400 and reply["error"]["message"].startswith(says)
+
+
+class InProcessClient:
+    """A pod's lookup client on an in-process server, which `server` may replace (a
+    restart: a new epoch, no pairs); `strip_ids` answers as a server that does not
+    number pairs."""
+
+    def __init__(self, server: LookupServer, strip_ids: bool = False):
+        self.server, self.strip_ids = server, strip_ids
+
+    def call(self, message: dict) -> dict:
+        status, reply = _rpc(self.server, **message)
+        assert status == 200, reply
+        if self.strip_ids:
+            reply.pop("ids", None)
+        return reply
+
+    def close(self) -> None:
+        pass
+
+
+def test_equal_pairs_of_different_requests_all_reach_the_other_pods():
+    """The blend is deterministic: a repeated prompt gives the same statistic and scores,
+    and a blend that recomputed every compared token leaves statistic 0 with scores 1.
+    Each such pair is a request of its own and counts on every pod, as it does on the
+    one that scored it; the other pods must not stay blind at that ratio."""
+    server = LookupServer()
+    scorer, receiver = InlineProxy(), InlineProxy()
+    scoring = SharedCalibration(InProcessClient(server), SCOPE, "pod-a", scorer)
+    receiving = SharedCalibration(InProcessClient(server), SCOPE, "pod-b", receiver)
+    for _ in range(10):
+        scorer.add_pair(0.0, _score(1.0, 1.0))
+    assert scoring.exchange() and receiving.exchange()
+    assert receiver.num_pairs(1.0) == scorer.num_pairs(1.0) == 10
+    assert receiver.observe(1.0, 0.0) == scorer.observe(1.0, 0.0) == (1.0, 1.0)
+    # From a server that does not number pairs, only the values tell them apart.
+    older = InlineProxy()
+    assert SharedCalibration(InProcessClient(server, strip_ids=True), SCOPE, "c", older).exchange()
+    assert older.num_pairs(1.0) == 1
+
+
+def test_a_restarted_server_gets_each_pair_once_and_the_other_pods_count_each_once():
+    """After a restart the lookup server has no pair: a pod publishes its own again, and
+    sees the restart before it publishes what it scored meanwhile, so each pair reaches
+    the new server once (not the new ones twice, using up the scope's room and counted
+    twice by the pods that start later). A pod that received pairs before the restart
+    reads them again from the start and keeps only the new ones."""
+    server = LookupServer()
+    publisher, reader = InlineProxy(), InlineProxy()
+    publishing = SharedCalibration(InProcessClient(server), SCOPE, "pod-a", publisher)
+    reading = SharedCalibration(InProcessClient(server), SCOPE, "pod-b", reader)
+    publisher.add_pair(0.5, _score(0.2, 0.9))
+    assert publishing.exchange() and reading.exchange() and reader.num_pairs(0.2) == 1
+    restarted = LookupServer()
+    publishing.client.server = reading.client.server = restarted
+    publisher.add_pair(0.7, _score(0.2, 0.8))  # scored meanwhile
+    assert publishing.exchange() and reading.exchange()
+    pairs = restarted.calibration.since(SCOPE, "someone-else", 0)[0]
+    assert sorted(map(tuple, pairs)) == [(0.2, 0.5, 0.9, 0.9), (0.2, 0.7, 0.8, 0.8)]
+    assert reader.num_pairs(0.2) == publisher.num_pairs(0.2) == 2
+    late = InlineProxy()
+    assert SharedCalibration(InProcessClient(restarted), SCOPE, "pod-c", late).exchange()
+    assert late.num_pairs(0.2) == 2
+
+
 # --- pods exchanging pairs through a real lookup server ------------------------------
 
 
@@ -214,6 +299,47 @@ def test_a_pair_off_its_range_is_dropped_before_sending_and_does_not_block_the_r
     reader, reader_sharing = _pod(lookup_server.url, "pod-b")
     assert reader_sharing.exchange()
     assert reader.num_pairs(0.0) == 1 and reader.num_pairs(0.15) == 0
+
+
+def test_every_setting_that_changes_the_statistics_scale_is_in_the_scope():
+    """The statistic is the check-layer deviation left unrecomputed: the segment context
+    and the store policy change the cached KV it is measured against, the shortest cached
+    segment which tokens it compares, and the dtype the model computes in its scale even
+    where the tiers hold one stored dtype. Pods that differ in any of them must not
+    calibrate on each other's pairs (a lookup server outlives a change of blend.json's
+    settings, and a new pod reads the pairs from the start)."""
+    from holeblend_contract.blend_settings import BlendSettings
+    from holeblend_runtime.blend.config import BlendConfig
+
+    def scope(blend=None, kv_dtype="float32", **options):
+        return calibration_scope("m@main", kv_dtype, 1, blend or BlendConfig(), **options)
+
+    scopes = {
+        scope(),
+        scope(BlendConfig(cache_after_system=False)),
+        scope(BlendConfig(store_policy="isolated")),
+        scope(BlendConfig(min_segment_tokens=64)),
+        scope(BlendConfig(kv_store_dtype="bfloat16"), "bfloat16", model_dtype="float32"),
+        scope(BlendConfig(kv_store_dtype="bfloat16"), "bfloat16", model_dtype="float16"),
+        scope(kv_dtype="bfloat16", model_dtype="bfloat16"),  # a bfloat16 model, auto
+    }
+    assert len(scopes) == 7
+    # Without the model's dtype, the tiers' is the model's when kv.storeDtype is auto.
+    assert scope(model_dtype="float32") == scope()
+    assert scope().startswith(f"stat{STATISTIC_VERSION}|m@main|")
+    # blend.json's settings (holeblend-serve) and the runtime's (the vLLM connector) name
+    # the same configuration with the same scope.
+    settings = BlendSettings.model_validate(
+        {"model": {"name": "m"}, "segmentContext": "alone", "storePolicy": "isolated",
+         "minSegmentTokens": 32}
+    )  # fmt: skip
+    runtime = BlendConfig(cache_after_system=False, store_policy="isolated", min_segment_tokens=32)
+    assert scope(settings) == scope(runtime) != scope()
+    # A model id too long for the server's scope names is hashed, still one per model.
+    long_ids = ("x" * 300, "y" * 300)
+    long_scopes = {calibration_scope(m, "float32", 1, BlendConfig()) for m in long_ids}
+    assert len(long_scopes) == 2
+    assert all(len(s) <= wire.Limits().max_name_chars for s in long_scopes)
 
 
 def test_pods_share_only_within_one_scope(lookup_server):

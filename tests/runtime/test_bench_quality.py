@@ -18,6 +18,27 @@ def test_answer_words_normalises_case_punctuation_and_articles():
     assert answer_words("The Green Heron, in 4,213!") == ["green", "heron", "in", "4213"]
 
 
+def test_unicode_punctuation_goes_away_as_ascii_punctuation_does():
+    """Curly quotes, full-width stops and other Unicode punctuation would otherwise stay
+    attached to the words, so two answers that differ only in them would share none."""
+    assert answer_words("“Tokyo”, «Paris» — Berlin…") == ["tokyo", "paris", "berlin"]
+    assert answer_f1(answer_words("“Tokyo”"), answer_words("Tokyo")) == 1.0
+
+
+def test_each_chinese_or_japanese_character_is_a_word():
+    """Chinese and Japanese have no spaces between words: split on whitespace alone, a
+    whole answer is one word and F1 is exact match. Each character is a word of its own
+    (as MLQA and DuReader score Chinese), so a full-width stop costs nothing and one
+    different character costs only its share."""
+    assert answer_words("東京は日本の首都です。") == list("東京は日本の首都です")
+    assert (
+        answer_f1(answer_words("東京は日本の首都です。"), answer_words("東京は日本の首都です"))
+        == 1.0
+    )
+    assert answer_f1(answer_words("首都は東京です"), answer_words("首都は京都です")) == 6 / 7
+    assert answer_words("北京 Olympics、2008年") == ["北", "京", "olympics", "2008", "年"]
+
+
 def test_identical_answers_have_f1_one():
     assert answer_f1(["1873"], ["1873"]) == 1.0
 

@@ -135,11 +135,13 @@ PROMPT = (1, 2, 3)
 
 class FullPrefillServer:
     """A fake vLLM API server whose model answers FULL after PROMPT whatever came before
-    (its next token depends on the position only), then EOS; it records every body, and
-    with `fcfs` refuses a priority other than 0 as vLLM's API documents."""
+    (its next token depends on the position only), then `end` (EOS unless told); it
+    records every body, and with `fcfs` refuses a priority other than 0 as vLLM's API
+    documents."""
 
-    def __init__(self, fcfs: bool = False):
+    def __init__(self, fcfs: bool = False, end: int = EOS):
         self.bodies: list[dict] = []
+        self.end = end
         owner = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -165,10 +167,9 @@ class FullPrefillServer:
         threading.Thread(target=self.http.serve_forever, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
 
-    @staticmethod
-    def next_token(position: int) -> int:
+    def next_token(self, position: int) -> int:
         index = position - len(PROMPT)
-        return FULL[index] if index < len(FULL) else EOS
+        return FULL[index] if index < len(FULL) else self.end
 
     def choice(self, body: dict) -> dict:
         prompt = body["prompt"]
@@ -183,7 +184,7 @@ class FullPrefillServer:
         tokens = []
         for position in range(len(prompt), len(prompt) + body["max_tokens"]):
             tokens.append(self.next_token(position))
-            if tokens[-1] == EOS:
+            if tokens[-1] == self.end:
                 break
         return {"prompt_logprobs": logprobs, "token_ids": tokens}
 
@@ -219,6 +220,32 @@ def test_an_answer_that_stops_early_or_runs_on_scores_below_one():
         score = scorer.score(run_on)
         # The five answer tokens agree; full prefill's EOS is where 16 and 17 were.
         assert score.top1 == pytest.approx(6 / 8) and score.f1 < 1.0
+    finally:
+        server.close()
+
+
+def test_an_answer_ending_at_another_stop_token_agrees_with_full_prefill_ending_at_eos():
+    """vLLM stops a request at any of its stop token ids (generation_config's other EOS
+    ids among them, e.g. Gemma's `<end_of_turn>`), not only at the tokenizer's EOS. Full
+    prefill ending the answer with any end token agrees with the blended end, and its own
+    answer ends at the first end token it picks, so the stop token is never read as a
+    word or a disagreement."""
+    end_of_turn = 107
+    server = FullPrefillServer(end=end_of_turn)
+    try:
+        scorer = scorer_for(server)
+        ended = VllmShadowRequest(
+            PROMPT, FULL, "q", 0.1, stopped_at_eos=True, stop_token_ids=(end_of_turn,)
+        )
+        assert (lambda s: (s.f1, s.top1))(scorer.score(ended)) == (1.0, 1.0)
+        early = VllmShadowRequest(
+            PROMPT, FULL[:2], "q", 0.1, stopped_at_eos=True, max_tokens=64,
+            stop_token_ids=(end_of_turn,),
+        )  # fmt: skip
+        score = scorer.score(early)
+        # Full prefill goes on to its own end (FULL, not FULL plus the stop token).
+        assert score.top1 == pytest.approx(2 / 3)
+        assert score.f1 == pytest.approx(2 * (2 / 2) * (2 / 5) / (1 + 2 / 5))
     finally:
         server.close()
 

@@ -1,10 +1,12 @@
 """The connector's scheduler side on its own: what each step's metadata carries for a
-request, as vLLM plans, allocates and finishes it (no engine, no tokenizer)."""
+request, as vLLM plans, allocates and finishes it, and which finished requests it offers
+to the quality proxies' shadow (no engine, no tokenizer)."""
 
 import types
 
 import pytest
 import torch
+from vllm import SamplingParams
 
 from holeblend_runtime.blend.config import BlendConfig
 from holeblend_runtime.vllm_connector import connector
@@ -80,3 +82,90 @@ def test_a_hole_vllm_computes_itself_is_stored_and_one_never_loaded_is_dropped(s
     side.finished("b", request("b"))
     side.allocated(request("b"), blocks(), 0)  # late: forgotten
     assert side.step_plan().stores == ()
+
+
+class Shadow:
+    """The shadow as `_offer` sees it: what it was offered and what it declined."""
+
+    eos_token_id = 1
+
+    def __init__(self):
+        self.offered, self.declined = [], []
+
+    def decode(self, ids):
+        return "q"
+
+    def offer(self, shadow_request, idle):
+        self.offered.append(shadow_request)
+
+    def decline(self, outcome):
+        self.declined.append(outcome)
+
+
+def offer(params: SamplingParams, answer=(11, 12, 13, 1)) -> Shadow:
+    """A blended request that finished with `answer` under `params`, offered."""
+    shadow = Shadow()
+    side = types.SimpleNamespace(shadow=shadow, budget=None, in_flight=set())
+    prompt = types.SimpleNamespace(
+        token_ids=[1, 5, 6], question=types.SimpleNamespace(token_ids=[6])
+    )
+    plan = types.SimpleNamespace(is_blended=lambda n: True, prompt=prompt)
+    finished = types.SimpleNamespace(
+        output_token_ids=list(answer), get_finished_reason=lambda: "stop", sampling_params=params
+    )
+    connector._SchedulerSide._offer(side, plan, {"num_reused_tokens": 10}, finished, 0.15, 0.3)
+    return shadow
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, max_tokens=16),  # vLLM's default without temperature
+        SamplingParams(temperature=0.7, top_p=0.9, max_tokens=16),
+        SamplingParams(temperature=0.0, min_tokens=8, max_tokens=16),
+        SamplingParams(temperature=0.0, logit_bias={5: 2.0}, max_tokens=16),
+        SamplingParams(temperature=0.0, allowed_token_ids=[11, 12, 13], max_tokens=16),
+    ],
+)
+def test_an_answer_that_is_not_the_models_argmax_is_not_offered_but_counted(params):
+    """The shadow scores an answer against full prefill's argmax at each position: a sampled
+    answer (vLLM samples at temperature 1 when a client leaves it out), or one whose picks
+    were constrained, departs from it with no blending at all and would read as blending
+    error. Such a request is counted as `not_greedy` and not offered."""
+    shadow = offer(params)
+    assert shadow.offered == [] and shadow.declined == ["not_greedy"]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0, max_tokens=16),
+        SamplingParams(temperature=0.8, top_k=1, max_tokens=16),  # top-1 of the argmax only
+    ],
+)
+def test_a_greedy_answer_is_offered(params):
+    """Temperature 0, or top_k 1 at any temperature, picks the argmax: offered, with its
+    EOS taken off."""
+    shadow = offer(params)
+    assert shadow.declined == []
+    (offered,) = shadow.offered
+    assert offered.answer_ids == (11, 12, 13) and offered.stopped_at_eos is True
+
+
+def test_an_answer_ending_at_a_generation_config_eos_stopped_at_its_end():
+    """vLLM adds generation_config's other EOS ids (Gemma's `<end_of_turn>`, here 107;
+    the tokenizer's EOS is 1) to the request's stop token ids, stops there and keeps the
+    token. That answer stopped at its end: the token is taken off and full prefill is
+    asked whether it ends there too (else an answer that stops early is never
+    penalised, since full prefill's own answer is capped at the blended length)."""
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+    params.update_from_generation_config({"eos_token_id": [1, 107]}, 1)
+    (offered,) = offer(params, answer=(11, 12, 107)).offered
+    assert offered.answer_ids == (11, 12) and offered.stopped_at_eos is True
+    assert offered.stop_token_ids == (107,)
+    # A stop token id the client asked for ends the answer the same way.
+    params = SamplingParams(temperature=0.0, stop_token_ids=[42], max_tokens=64)
+    (offered,) = offer(params, answer=(11, 42)).offered
+    assert (offered.answer_ids, offered.stopped_at_eos, offered.stop_token_ids) == (
+        (11,), True, (42,)
+    )  # fmt: skip
