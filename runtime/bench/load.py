@@ -114,10 +114,13 @@ def run_load(
         for server in servers.values():
             server.wait_ready(config.timeout_s)
         models = {mode: server.model_name() for mode, server in servers.items()}
-        for block in [[r for r in requests if r.is_warmup], *_blocks(requests, config)]:
+        warm_up = [r for r in requests if r.is_warmup]
+        blocks = [(True, warm_up)] if warm_up else []
+        blocks += [(False, block) for block in _blocks(requests, config)]
+        for is_warmup, block in blocks:
             for mode, server in servers.items():
                 done, seconds, moved = _run_block(config, mode, server, models[mode], block)
-                if not block[0].is_warmup:
+                if not is_warmup:
                     outcomes[mode] += done
                     wall_s[mode] += seconds + moved.idle
                     shadow[mode].add(moved)

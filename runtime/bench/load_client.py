@@ -39,7 +39,8 @@ class Outcome:
     index: int
     # HTTP status of the last attempt; None when the connection failed.
     status: int | None
-    # Seconds from sending to the first SSE chunk, and to the end of the stream.
+    # Seconds from first sending (rejected tries and their waits included) to the first
+    # SSE chunk, and to the end of the stream.
     ttft_s: float | None
     request_s: float
     text: str
@@ -154,10 +155,14 @@ def parse_sse(lines: Iterable[bytes]) -> Iterator[dict[str, Any]]:
 def complete(
     port: int, request: LoadRequest, model: str, max_tokens: int, timeout_s: float = 300.0
 ) -> Outcome:
+    """One request until the server takes it: a 429 is retried after its Retry-After. The
+    clock starts once, before the first attempt, so TTFT and request time include every
+    rejection and wait, as the user waited them."""
     body = json.dumps(completion_body(request, model, max_tokens)).encode()
     num_rejected = 0
+    started = time.perf_counter()
     while True:
-        outcome = _attempt(port, request.index, body, timeout_s)
+        outcome = _attempt(port, request.index, body, timeout_s, started)
         if outcome.status != 429 or num_rejected >= 100:
             return _with_rejected(outcome, num_rejected)
         num_rejected += 1
@@ -200,8 +205,8 @@ def drive(
     return sorted(outcomes, key=lambda o: o.index), time.perf_counter() - started
 
 
-def _attempt(port: int, index: int, body: bytes, timeout_s: float) -> Outcome:
-    started = time.perf_counter()
+def _attempt(port: int, index: int, body: bytes, timeout_s: float, started: float) -> Outcome:
+    """One try; its times count from `started`, when the request was first sent."""
     connection = http.client.HTTPConnection(HOST, port, timeout=timeout_s)
     try:
         connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})

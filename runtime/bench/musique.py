@@ -8,9 +8,10 @@ field of the first thing wrong with it.
 
 Pass 2 sends each question with its passages in a new seeded order (not the file's);
 the passages at the hole positions of that order are never cached. Pass 1 is
-`workload.first_pass_requests`: the other passages of all questions pooled, shuffled and
-sent in groups, so pass 2 finds every cached passage in a new place next to new
-neighbours.
+`workload.first_pass_requests`: the other passages of all questions pooled, put in a seeded
+order in which none follows what it follows in a pass-2 prompt (the system prompt counting)
+and sent in groups, so pass 2 finds every cached passage in a new place after a new
+neighbour.
 """
 
 from __future__ import annotations

@@ -44,9 +44,10 @@ from holeblend_contract.blend_settings import DEFAULT_CHECK_LAYER, parse_selecti
 from holeblend_runtime.bench.report import RequestMeasure, summarize
 from holeblend_runtime.bench.workload import (
     FirstPassRequest,
+    NeighbourOrder,
     QAPrompt,
     WorkloadConfig,
-    first_pass_requests,
+    first_pass_plan,
 )
 from holeblend_runtime.blend.config import IN_CONTEXT, K_DEVIATION, STORE_POLICIES
 from holeblend_runtime.blend.reuse import SegmentReuse
@@ -232,7 +233,9 @@ class Request:
     question_words: tuple[str, ...]
 
     def f1_vs_gold(self, words: Sequence[str]) -> float:
-        return max(answer_f1(words, gold, self.question_words) for gold in self.gold_words)
+        """Plain answer-word F1 against the best gold answer: every gold word counts, also
+        one that occurs in the question (only `f1_vs_full` skips those)."""
+        return max(answer_f1(words, gold) for gold in self.gold_words)
 
 
 @dataclass(frozen=True, eq=False)
@@ -366,7 +369,7 @@ class BenchRunner:
         self, workload: Sequence[QAPrompt], engines: dict[SweepPoint, Engine]
     ) -> None:
         """Fill the stores: once into the shared one, else into every sweep point's."""
-        first_pass = regrouped_first_pass(workload, self.config.workload.seed)
+        first_pass, order = regrouped_first_pass_plan(workload, self.config.workload.seed)
         targets = list(engines.items())[:1] if self.config.shared_store else engines.items()
         started = time.perf_counter()
         for request in first_pass:
@@ -380,6 +383,8 @@ class BenchRunner:
             "num_documents": sum(len(r.documents) for r in first_pass),
             "sent_to_engines": len(list(targets)),
             "wall_s": time.perf_counter() - started,
+            "regrouped": True,
+            **order.to_dict(),
         }
 
     def request(self, qa: QAPrompt, *, pass_number: int) -> Request:
@@ -526,9 +531,28 @@ def _rotated(items: list[Any], shift: int) -> list[Any]:
 
 def regrouped_first_pass(workload: Sequence[QAPrompt], seed: int) -> tuple[FirstPassRequest, ...]:
     """The regrouped pass 1: groups of a pass-1 prompt's size (documents minus holes)."""
+    return regrouped_first_pass_plan(workload, seed)[0]
+
+
+def regrouped_first_pass_plan(
+    workload: Sequence[QAPrompt], seed: int
+) -> tuple[tuple[FirstPassRequest, ...], NeighbourOrder]:
+    """The regrouped pass 1 and how its order was drawn (`first_pass_plan`)."""
     first = workload[0]
     group_size = max(1, len(first.documents) - len(first.hole_documents))
-    return first_pass_requests(workload, seed, group_size)
+    return first_pass_plan(workload, seed, group_size)
+
+
+def shuffled_first_pass_record(workload: Sequence[QAPrompt], seed: int) -> dict[str, Any]:
+    """How the per-prompt pass 1 of `WorkloadConfig.shuffle_first_pass` was ordered: each
+    prompt's `first_pass_order` method, and the predecessors no order could avoid."""
+    orders = [qa.first_pass_order(seed) for qa in workload]
+    return {
+        "regrouped": False,
+        "order": [order.method for order in orders],
+        "kept_predecessors": sum(order.kept_predecessors for order in orders),
+        "exact_prefixes": sum(order.exact_prefixes for order in orders),
+    }
 
 
 def _forget_stored_since(engine: Engine, before: set[str]) -> None:

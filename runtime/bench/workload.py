@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 SYSTEM_PROMPT = (
     "You are a careful assistant. Answer the question using only the documents. "
@@ -143,12 +144,153 @@ class QAPrompt:
     def document_texts(
         self, *, without_holes: bool, shuffle_seed: int | None = None
     ) -> tuple[str, ...]:
-        """The documents' texts in prompt order, or shuffled (seeded) when a seed is given."""
+        """The documents' texts in prompt order, or, when a seed is given, in the seeded
+        order of `first_pass_order` (no document after the one it follows in the prompt)."""
+        if shuffle_seed is not None:
+            return self.first_pass_order(shuffle_seed, without_holes=without_holes).texts
+        skipped = set(self.hole_documents) if without_holes else set()
+        return tuple(d.text for i, d in enumerate(self.documents) if i not in skipped)
+
+    def first_pass_order(self, seed: int, *, without_holes: bool = True) -> NeighbourOrder:
+        """The documents (holes left out when `without_holes`) in one seeded order in which
+        none follows what it follows in the prompt, the system prompt counting as what the
+        first document follows, so that none is found again after what it was stored
+        after; `NeighbourOrder` says how it was drawn and what could not be avoided."""
         skipped = set(self.hole_documents) if without_holes else set()
         texts = [d.text for i, d in enumerate(self.documents) if i not in skipped]
-        if shuffle_seed is not None:
-            random.Random(f"{shuffle_seed}:{self.question}").shuffle(texts)
-        return tuple(texts)
+        rng = random.Random(f"{seed}:{self.question}")
+        return new_neighbour_order(texts, prompt_predecessors([self]), len(texts) or 1, rng)
+
+
+# Stands for the system prompt where a document's predecessor is asked for.
+SYSTEM = None
+
+# Seeded shuffles `new_neighbour_order` draws before it searches.
+MAX_DRAWS = 100
+# Candidate checks the search may make per document squared (and at least this many).
+SEARCH_STEPS = 1_000_000
+
+
+@dataclass(frozen=True)
+class NeighbourOrder:
+    """A pass-1 order of documents and how it was drawn."""
+
+    texts: tuple[str, ...]
+    # "shuffle": the `draws`-th seeded shuffle keeps no predecessor. "search": no shuffle
+    # did, a seeded exhaustive search found an order that does. "impossible": no order
+    # exists, the shuffle keeping the fewest is used. "search-limit": the search ran out of
+    # steps, the shuffle keeping the fewest is used.
+    method: str
+    # Seeded shuffles drawn.
+    draws: int
+    # Documents that follow in the order what they follow in a prompt (system prompt
+    # included): 0 unless `method` is "impossible" or "search-limit".
+    kept_predecessors: int
+    # Of those, documents first after the system prompt both times: an exact prefix.
+    exact_prefixes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "order": self.method,
+            "draws": self.draws,
+            "kept_predecessors": self.kept_predecessors,
+            "exact_prefixes": self.exact_prefixes,
+        }
+
+
+def prompt_predecessors(prompts: Sequence[QAPrompt]) -> dict[str, set[str | None]]:
+    """For every document text, what it follows in the prompts that hold it: the previous
+    document's text, or `SYSTEM` for a prompt's first document."""
+    before: dict[str, set[str | None]] = {}
+    for qa in prompts:
+        for i, document in enumerate(qa.documents):
+            previous = SYSTEM if i == 0 else qa.documents[i - 1].text
+            before.setdefault(document.text, set()).add(previous)
+    return before
+
+
+def new_neighbour_order(
+    texts: Sequence[str],
+    forbidden: Mapping[str, Collection[str | None]],
+    group_size: int,
+    rng: random.Random,
+) -> NeighbourOrder:
+    """`texts` in an order, cut into groups of `group_size` that each start after the
+    system prompt (`SYSTEM`), in which no text follows one of its `forbidden` predecessors.
+
+    Draws seeded shuffles (the first is a plain `rng.shuffle`) until one has no forbidden
+    neighbour, at most `MAX_DRAWS`; then searches every order depth first (candidates in a
+    seeded order), which finds one whenever one exists. Only when none exists (one
+    document that must come first, say), or the search runs out of steps, is the shuffle
+    with the fewest forbidden neighbours returned, and the result says so."""
+    if group_size < 1:
+        raise ValueError(f"group_size: must be >= 1, got {group_size}")
+    order = list(texts)
+    best: tuple[tuple[int, int], list[str]] | None = None
+    for draw in range(1, MAX_DRAWS + 1):
+        rng.shuffle(order)
+        kept = _kept(order, forbidden, group_size)
+        if kept[0] == 0:
+            return NeighbourOrder(tuple(order), "shuffle", draw, 0, 0)
+        if best is None or kept < best[0]:
+            best = (kept, list(order))
+    assert best is not None
+    found, exhausted = _search(order, forbidden, group_size)
+    if found is not None:
+        return NeighbourOrder(tuple(found), "search", MAX_DRAWS, 0, 0)
+    (kept_predecessors, exact_prefixes), fewest = best
+    method = "impossible" if exhausted else "search-limit"
+    return NeighbourOrder(tuple(fewest), method, MAX_DRAWS, kept_predecessors, exact_prefixes)
+
+
+def _kept(
+    order: Sequence[str], forbidden: Mapping[str, Collection[str | None]], group_size: int
+) -> tuple[int, int]:
+    """(texts after a forbidden predecessor, those of them first after the system prompt)."""
+    kept = exact = 0
+    for i, text in enumerate(order):
+        first = i % group_size == 0
+        if (SYSTEM if first else order[i - 1]) in forbidden.get(text, ()):
+            kept += 1
+            exact += first
+    return kept, exact
+
+
+def _search(
+    texts: Sequence[str], forbidden: Mapping[str, Collection[str | None]], group_size: int
+) -> tuple[list[str] | None, bool]:
+    """Depth-first search over orders of `texts` (tried in the given order) for one with no
+    forbidden neighbour: (the order or None, whether every order was tried)."""
+    n = len(texts)
+    budget = max(SEARCH_STEPS, 4 * n * n)
+    order: list[str] = []
+    chosen: list[int] = []
+    used = [False] * n
+    # Per depth: the next candidate index to try there.
+    next_try = [0]
+    steps = 0
+    while len(order) < n:
+        depth = len(order)
+        previous = SYSTEM if depth % group_size == 0 else order[-1]
+        i = next_try[depth]
+        while i < n and (used[i] or previous in forbidden.get(texts[i], ())):
+            i += 1
+        steps += i - next_try[depth] + 1
+        if steps > budget:
+            return None, False
+        if i < n:
+            next_try[depth] = i + 1
+            used[i] = True
+            chosen.append(i)
+            order.append(texts[i])
+            next_try.append(0)
+            continue
+        next_try.pop()
+        if not chosen:
+            return None, True
+        used[chosen.pop()] = False
+        order.pop()
+    return order, True
 
 
 @dataclass(frozen=True)
@@ -163,9 +305,18 @@ class FirstPassRequest:
 def first_pass_requests(
     prompts: Sequence[QAPrompt], seed: int, group_size: int
 ) -> tuple[FirstPassRequest, ...]:
+    """`first_pass_plan`'s requests."""
+    return first_pass_plan(prompts, seed, group_size)[0]
+
+
+def first_pass_plan(
+    prompts: Sequence[QAPrompt], seed: int, group_size: int
+) -> tuple[tuple[FirstPassRequest, ...], NeighbourOrder]:
     """Pass 1 with new neighbours: every prompt's documents but the holes, pooled across
-    prompts, shuffled (seeded) and sent in groups of `group_size`, so that pass 2 finds
-    each document in a new place and after documents it was not cached with.
+    prompts, put in a seeded order (`new_neighbour_order`) and sent in groups of
+    `group_size`, so that pass 2 finds no document after what it was stored after (the
+    system prompt counting: no document stored first in a group is first in a pass-2
+    prompt, where it would be an exact prefix). The order's record says how it was drawn.
 
     A document text is sent once (texts shared by several prompts too), and never when it
     is a hole of any prompt: holes stay uncached. Each group asks the question of the
@@ -178,13 +329,15 @@ def first_pass_requests(
         for document in qa.documents:
             if document.text not in holes:
                 pool.setdefault(document.text, qa)
-    texts = list(pool)
-    random.Random(f"{seed}:first-pass").shuffle(texts)
+    rng = random.Random(f"{seed}:first-pass")
+    order = new_neighbour_order(list(pool), prompt_predecessors(prompts), group_size, rng)
+    texts = order.texts
     groups = [texts[i : i + group_size] for i in range(0, len(texts), group_size)]
-    return tuple(
+    requests = tuple(
         FirstPassRequest(pool[group[0]].system, tuple(group), pool[group[0]].question)
         for group in groups
     )
+    return requests, order
 
 
 @dataclass(frozen=True)
@@ -201,12 +354,14 @@ class WorkloadConfig:
     max_document_tokens: int = 181
     # Documents left out in pass 1: "middle", "none", or prompt positions like "2,5".
     holes: str = "middle"
-    # Send pass 1's documents in a seeded random order, so that pass 2 finds none of
-    # them at the place or after the documents it was stored with (in-context storage
-    # then has no advantage from the repeat).
+    # Send pass 1's documents in a seeded random order in which none follows what it
+    # follows in the prompt (the system prompt counting), so that pass 2 finds none of them
+    # after what it was stored after (in-context storage then has no advantage from the
+    # repeat; `QAPrompt.first_pass_order`).
     shuffle_first_pass: bool = False
-    # Pass 1 pools every prompt's documents (holes left out), shuffles them and sends them
-    # in groups of a prompt's size (`first_pass_requests`): new order and new neighbours.
+    # Pass 1 pools every prompt's documents (holes left out), orders them (seeded) so that
+    # none follows what it follows in a prompt and sends them in groups of a prompt's size
+    # (`first_pass_plan`): new order and new neighbours.
     regroup_first_pass: bool = False
 
     def __post_init__(self) -> None:

@@ -1,13 +1,16 @@
 """The load benchmark's workload, wire format and result rows (no server, no model)."""
 
+import contextlib
 import json
 import threading
+import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from holeblend_contract.blend_settings import parse_blend_settings
+from holeblend_runtime.bench import load
 from holeblend_runtime.bench.load import (
     LOAD_RESULT_KEYS,
     ShadowSeconds,
@@ -15,7 +18,13 @@ from holeblend_runtime.bench.load import (
     greedy_agreement,
     summarize_load,
 )
-from holeblend_runtime.bench.load_client import Outcome, completion_body, drive, parse_sse
+from holeblend_runtime.bench.load_client import (
+    Outcome,
+    complete,
+    completion_body,
+    drive,
+    parse_sse,
+)
 from holeblend_runtime.bench.load_workload import (
     LoadWorkloadConfig,
     generate_load_workload,
@@ -193,6 +202,74 @@ def test_clients_stream_time_the_first_chunk_and_retry_a_429(stream):
     assert all(len(o.itls_s) == 1 and 0 <= o.itls_s[0] <= o.request_s for o in outcomes)
     assert outcomes[0].usage["prompt_tokens"] == 60
     assert sum(o.num_rejected for o in outcomes) == 1
+
+
+class _BusyOnceHandler(_Handler):
+    """Rejects the first request with a 429 and Retry-After 0.3 s, then streams."""
+
+    def do_POST(self):
+        if self.num_busy[0]:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.num_busy[0] -= 1
+            self.send_response(429)
+            self.send_header("Retry-After", "0.3")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        super().do_POST()
+
+
+def test_a_rejected_requests_wait_counts_in_its_ttft_and_request_time(stream):
+    """The user waits through the 429 and its Retry-After before the first token: the clock
+    starts at the first send, not at the try the server took, or an overloaded mode's
+    latencies come out flattered."""
+    _BusyOnceHandler.num_busy = [1]
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _BusyOnceHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        started = time.perf_counter()
+        outcome = complete(server.server_address[1], stream[0], "m", 4, timeout_s=10)
+        waited = time.perf_counter() - started
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert outcome.is_ok and outcome.num_rejected == 1
+    assert 0.3 <= outcome.ttft_s <= outcome.request_s <= waited
+
+
+def test_zero_warm_up_requests_send_only_the_measured_blocks(monkeypatch, tmp_path):
+    """`--warmup 0` is a documented setting: with no warm-up block the measured blocks
+    still go to every server and are counted."""
+    config = load.LoadConfig(
+        LoadWorkloadConfig(num_corpus_documents=20, num_warmup=0, num_requests=4),
+        modes=("full",),
+        num_blocks=2,
+    )
+    requests = generate_load_workload(config.workload)
+    sent = []
+
+    class _Server:
+        port = 1
+
+        def wait_ready(self, timeout):
+            pass
+
+        def model_name(self):
+            return "m"
+
+    @contextlib.contextmanager
+    def server(*_):
+        yield _Server()
+
+    def fake_drive(port, block, *_):
+        sent.append([r.index for r in block])
+        return [Outcome(r.index, 200, 0.1, 0.2, "x", None) for r in block], 0.5
+
+    monkeypatch.setattr(load, "_server", server)
+    monkeypatch.setattr(load, "drive", fake_drive)
+    rows = load.run_load(config, requests, tmp_path, str.split)
+    assert sent == [[0, 1], [2, 3]]
+    assert rows[0]["requests"] == 4 and rows[0]["wall_s"] == pytest.approx(1.0)
 
 
 @pytest.mark.slow

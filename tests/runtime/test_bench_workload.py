@@ -1,15 +1,20 @@
 """The synthetic QA workload: deterministic, answers unique to one document, holes."""
 
 import dataclasses
+import random
 
 import pytest
 
+from holeblend_runtime.bench.runner import shuffled_first_pass_record
 from holeblend_runtime.bench.workload import (
+    SYSTEM,
     WorkloadConfig,
     approximate_token_count,
+    first_pass_plan,
     first_pass_requests,
     generate_workload,
     hole_positions,
+    new_neighbour_order,
 )
 
 CONFIG = WorkloadConfig(seed=3, num_questions=6, num_documents=5, num_inflate=2)
@@ -131,3 +136,98 @@ def test_regrouped_first_pass_mixes_prompts_and_leaves_every_hole_out():
     assert first_pass_requests(prompts, seed=config.seed + 1, group_size=5) != first
     with pytest.raises(ValueError, match="group_size"):
         first_pass_requests(prompts, seed=0, group_size=0)
+
+
+def _predecessors(texts, group_size=None):
+    """What each text follows in `texts` cut into groups of `group_size` (one group when
+    None): the previous text, or SYSTEM at a group's start."""
+    size = group_size or len(texts)
+    return {t: SYSTEM if i % size == 0 else texts[i - 1] for i, t in enumerate(texts)}
+
+
+def _kept_predecessors(prompts, stored):
+    """(prompt, position) of every cached pass-2 document that follows what it followed
+    when stored: in-context storage would find its own neighbour again (an exact prefix
+    when both are the system prompt)."""
+    return [
+        (p, i)
+        for p, qa in enumerate(prompts)
+        for i, (text, before) in enumerate(_predecessors([d.text for d in qa.documents]).items())
+        if i not in qa.hole_documents and text in stored and stored[text] == before
+    ]
+
+
+# (documents, distractors, seeds): 10 per prompt as make bench-quality, 40 as its large runs.
+SIZES = [(10, 0, 40), (10, 30, 12)]
+
+
+@pytest.mark.parametrize(("documents", "inflate", "seeds"), SIZES)
+def test_regrouped_first_pass_stores_no_document_after_its_pass_two_predecessor(
+    documents, inflate, seeds
+):
+    """A plain shuffle of the pooled documents kept a pass-2 predecessor for many seeds,
+    sometimes the system prompt (the document was then an exact prefix, never blended)."""
+    for seed in range(seeds):
+        config = WorkloadConfig(
+            seed=seed, num_questions=4, num_documents=documents, num_inflate=inflate
+        )
+        prompts = generate_workload(config)
+        group_size = documents + inflate - 1
+        first = first_pass_requests(prompts, seed=seed, group_size=group_size)
+        sent = [t for request in first for t in request.documents]
+        stored = _predecessors(sent, group_size)
+        assert _kept_predecessors(prompts, stored) == [], f"seed {seed}"
+        assert first_pass_requests(prompts, seed=seed, group_size=group_size) == first
+
+
+@pytest.mark.parametrize(("documents", "inflate", "seeds"), SIZES)
+def test_shuffled_first_pass_puts_no_document_after_its_pass_two_predecessor(
+    documents, inflate, seeds
+):
+    """`--shuffle-first-pass` sends each prompt's documents in an order in which none
+    follows what it follows in pass 2, the system prompt included, and the same order for
+    the same seed."""
+    for seed in range(seeds):
+        config = WorkloadConfig(
+            seed=seed, num_questions=4, num_documents=documents, num_inflate=inflate
+        )
+        prompts = generate_workload(config)
+        for p, qa in enumerate(prompts):
+            order = qa.document_texts(without_holes=True, shuffle_seed=seed)
+            assert sorted(order) == sorted(qa.document_texts(without_holes=True))
+            assert _kept_predecessors([qa], _predecessors(order)) == [], f"seed {seed} prompt {p}"
+            assert qa.document_texts(without_holes=True, shuffle_seed=seed) == order
+
+
+def test_first_pass_plan_says_how_its_order_was_drawn_and_what_it_could_not_avoid():
+    """The record goes into the JSON's config: a normal workload needs no exception; a
+    lone document that opens its prompt can only be stored after the system prompt."""
+    prompts = generate_workload(CONFIG)
+    requests, order = first_pass_plan(prompts, seed=3, group_size=6)
+    assert requests == first_pass_requests(prompts, seed=3, group_size=6)
+    assert order.method in ("shuffle", "search") and order.draws >= 1
+    assert order.to_dict()["kept_predecessors"] == order.exact_prefixes == 0
+    lone = generate_workload(WorkloadConfig(num_questions=1, num_documents=1, holes="none"))
+    _, order = first_pass_plan(lone, seed=0, group_size=1)
+    assert (order.method, order.kept_predecessors, order.exact_prefixes) == ("impossible", 1, 1)
+    assert lone[0].first_pass_order(0).method == "impossible"
+    record = shuffled_first_pass_record([*prompts[:2], *lone], seed=0)
+    assert set(record["order"][:2]) <= {"shuffle", "search"}
+    assert (record["order"][2], record["kept_predecessors"], record["exact_prefixes"]) == (
+        "impossible", 1, 1,
+    )  # fmt: skip
+
+
+def test_an_order_that_few_shuffles_find_is_found_by_the_search():
+    """Eleven of twelve texts may not start a group and one must not follow another: a
+    shuffle rarely meets that, the seeded search always does, or says none exists."""
+    texts = [f"t{i}" for i in range(12)]
+    forbidden = {t: {SYSTEM} for t in texts[:10]} | {"t10": {"t11"}, "t11": set()}
+    for seed in range(20):
+        order = new_neighbour_order(texts, forbidden, 6, random.Random(seed))
+        assert sorted(order.texts) == sorted(texts) and order.kept_predecessors == 0
+        assert order.texts[0] in ("t10", "t11") and order.texts[6] in ("t10", "t11")
+        assert order == new_neighbour_order(texts, forbidden, 6, random.Random(seed))
+    forbidden["t10"].add(SYSTEM)
+    order = new_neighbour_order(texts, forbidden, 6, random.Random(0))
+    assert order.method == "impossible" and order.kept_predecessors == 1

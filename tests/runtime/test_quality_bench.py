@@ -325,3 +325,38 @@ def test_shared_store_runner_sends_pass_one_once_and_every_point_meets_the_same_
     assert order == ["kDeviation", "random", "random", "kDeviation", "kDeviation", "random"]
     for selection in ("kDeviation", "random"):
         assert len(measures[("hole", 0.15, "in-context", selection, 2)]) == 3
+
+
+def test_run_quality_pays_the_engines_start_up_warm_up_and_reports_it(monkeypatch):
+    """As the plain bench does: on an accelerator the first call of every bucketed shape
+    would otherwise land in the timed rows of whichever prompt reaches it first."""
+    from holeblend_runtime.bench import cli
+
+    store, log, warmed = _Store(), [], []
+
+    class _Loaded(_Engine):
+        def __init__(self, model, tokenizer, blend, store_=None, activity=None):
+            super().__init__(blend.selection, store, log)
+            self.activity = activity
+
+        def warm_up(self):
+            warmed.append(len(log))
+            return 0.25
+
+    shape = dict(num_layers=1, hidden_size=1, num_heads=1, num_kv_heads=1, head_dim=1,
+                 intermediate_size=1, vocab_size=8)  # fmt: skip
+    model = types.SimpleNamespace(
+        config=types.SimpleNamespace(model_id="fake", **shape), device="cpu"
+    )
+    monkeypatch.setattr(cli, "load_model", lambda args: (model, _Tokenizer()))
+    monkeypatch.setattr(cli, "BlendEngine", _Loaded)
+    monkeypatch.setattr(cli, "LocalKVStore", lambda *args, **kwargs: store)
+    args = parse_args(["--quality", "--questions", "2", "--documents", "3", "--ratios", "0.15",
+                       "--max-new-tokens", "1", "--no-progress"])  # fmt: skip
+    document = cli.run_quality(args)
+    # Once, before any request was sent.
+    assert warmed == [0]
+    assert document["config"]["warm_up_s"] == 0.25
+    first = document["config"]["first_pass"]
+    assert first["regrouped"] and first["kept_predecessors"] == first["exact_prefixes"] == 0
+    assert first["order"] in ("shuffle", "search")
