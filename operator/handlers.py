@@ -59,6 +59,11 @@ FULL = reconcile.Options(create_first=False, prune=True)
 # Triggers of a reconcile for a spec seen for the first time by this process: the ones after
 # which settings to change (api.spec_notices) are posted as Warning events.
 SPEC_TRIGGERS = ("create", "update", "resume")
+# A reconcile retried after a failure, at its backoff (or blocked_retry_s) time.
+RETRY = "retry"
+# Triggers of jobs that apply inputs a pending job has not seen (a new spec, a new ratio):
+# they may run sooner than a pending retry's backoff.
+NEW_INPUT_TRIGGERS = (*SPEC_TRIGGERS, "tune", "ratio")
 DRIFT = reconcile.Options(create_first=False, prune=False)
 # The finalizer name kopf would use, under our own group (kopf adds none here).
 ANNOTATION_PREFIX = f"operator.{GROUP}"
@@ -202,6 +207,9 @@ class Operator:
         self._configuration = None
         self._owners: dict[Key, Kept] = {}  # BlendDeployments as last watched (informer cache)
         self._inputs: dict[Key, tuple] = {}  # their render inputs when last scheduled
+        # Their render inputs when last reconciled successfully: a status refresh reports
+        # (observedGeneration) only inputs whose children were applied.
+        self._applied: dict[Key, tuple] = {}
         self._pending: dict[Key, Job] = {}
         self._retries: dict[Key, int] = {}  # failed reconciles in a row
         self._locks: dict[Key, list] = {}  # [lock, holders and waiters] while in use
@@ -290,12 +298,14 @@ class Operator:
         if previous == inputs:
             # e.g. our own status write: nothing rendered depends on it, unless the ratio
             # fields of status moved the ratio the pods run with. The tuner asks for its
-            # own re-render; a hand patch (`kubectl patch --subresource=status`) has no one
-            # else to apply it, and the tuner would wait for the pods for ever.
+            # own re-render; a ratio inside the bounds patched by hand (`kubectl patch
+            # --subresource=status`) has no one else to apply it, and the tuner would wait
+            # for the pods for ever. (One outside them the tuner clamps, saying so.)
             rendered = self._rendered.get(key)
             if rendered is not None and rendered.raw_ratio != kept.raw_ratio:
                 with contextlib.suppress(reconcile.InvalidSpec):
-                    if self._render_kept(key).ratio != rendered.ratio:
+                    ratio = self._render_kept(key).ratio
+                    if ratio != rendered.ratio and _is_tuned_ratio(kept.raw_ratio, ratio):
                         self.request(key, DRIFT, "ratio", delay=0)
             return
         self._inputs[key] = inputs
@@ -314,7 +324,15 @@ class Operator:
         job = self._pending.pop(key, None)
         if job is not None:
             job.task.cancel()
-        for table in (self._owners, self._inputs, self._retries, self._locks, self._rendered):
+        tables = (
+            self._owners,
+            self._inputs,
+            self._applied,
+            self._retries,
+            self._locks,
+            self._rendered,
+        )
+        for table in tables:
             table.pop(key, None)
         self.tuning.forget(key)
 
@@ -351,21 +369,35 @@ class Operator:
     ) -> None:
         """Reconcile (with `options`) or refresh the status (None) of a BlendDeployment soon.
 
-        A request joins the pending one: the earlier time and the larger job win, and only one
-        job per owner is pending at a time (a running one is no longer pending). Jobs for later
-        (retries, requeues) `refetch`: by then the watched copies may be stale, e.g. in an HA
-        replica that kopf paused for a peer, whose watches stopped."""
+        A request joins the pending one, and only one job per owner is pending at a time (a
+        running one is no longer pending). The larger job wins, and the earlier time, except
+        for retries: a pending retry keeps its backoff time when the request adds nothing to
+        it (a smaller or equal job, for inputs it will read anyway), and a retry that joins a
+        job adding nothing to it sets the time. Only a larger job, or one for new inputs (a
+        spec change, a new ratio), runs a retry sooner. So Deployment events, which ask for
+        status refreshes, do not undo the backoff while the API server is overloaded or an
+        owner is blocked. Jobs for later (retries, requeues) `refetch`: by then the watched
+        copies may be stale, e.g. in an HA replica that kopf paused for a peer, whose watches
+        stopped."""
         delay = self.settings.status_debounce_s if delay is None else delay
         due = time.monotonic() + delay
         pending = self._pending.get(key)
         if pending is not None:
             merged = merge(pending.options, options)
             refetch = refetch or pending.refetch
-            if pending.due <= due and merged == pending.options and refetch == pending.refetch:
+            adds = merged != pending.options or trigger in NEW_INPUT_TRIGGERS
+            if pending.trigger == RETRY and not adds:
+                due = pending.due  # keeps its backoff
+            elif not (
+                trigger == RETRY and merged == options and pending.trigger not in NEW_INPUT_TRIGGERS
+            ):
+                due = min(due, pending.due)
+            # else: the retry's backoff, for the pending job's work too
+            if due == pending.due and merged == pending.options and refetch == pending.refetch:
                 return
             pending.task.cancel()
-            trigger = pending.trigger if merged == pending.options else trigger
-            options, due = merged, min(due, pending.due)
+            trigger = trigger if adds else pending.trigger
+            options = merged
         task = asyncio.get_running_loop().create_task(self._later(key, due))
         self._pending[key] = Job(task, options, trigger, due, refetch)
 
@@ -410,10 +442,13 @@ class Operator:
             # one reconcile or refresh per owner at a time (the lock first: a lock holder never
             # waits for a slot while others wait for its lock)
             async with self._lock(key), self._slots:
+                latest = self._latest(key, kept)
                 # unpacked only now: the many that wait for a slot in a burst hold no copy
-                body = self._latest(key, kept)
+                body = latest.body()
                 live = await reconcile.reconcile(self.client, body, options, _now(), self.prepared)
             self._remember_current(key[0], live)
+            self._remember_written(key[0], live)
+            self._applied[key] = latest.inputs
             self._retries.pop(key, None)
             LOG.info("%s/%s reconciled (%s) in %.3f s", *key, trigger, time.monotonic() - started)
             if trigger in SPEC_TRIGGERS:  # once per spec seen, not on every tune or retry
@@ -445,7 +480,7 @@ class Operator:
     def _retry(self, key: Key, delay: float, reason: Exception) -> None:
         self._retries[key] = self._retries.get(key, 0) + 1
         self._warn(key, "ReconcileFailed", f"retrying in {delay:.3g} s: {reason}")
-        self.request(key, FULL, "retry", delay=delay, refetch=True)
+        self.request(key, FULL, RETRY, delay=delay, refetch=True)
 
     def backoff(self, retry: int) -> float:
         """Exponential, capped, with jitter so that many objects do not retry in lockstep."""
@@ -459,7 +494,14 @@ class Operator:
         later = {"delay": self.settings.requeue_s, "refetch": True}
         try:
             async with self._lock(key), self._slots:
-                body = self._latest(key, kept)
+                latest = self._latest(key, kept)
+                if latest.inputs != self._applied.get(key):
+                    # Not reconciled yet (e.g. the spec changed while this waited for the
+                    # lock): the status would report observedGeneration for children still
+                    # of the previous spec. The reconcile that applies these inputs asks for
+                    # a refresh when it succeeds; one that fails reports in status itself.
+                    return
+                body = latest.body()
                 known = self._known(*key) if from_watch else {}  # else the Deployments are read
                 ready = await reconcile.refresh(self.client, body, _now(), known, self.prepared)
             if not ready:  # look again later: pods may report why (e.g. Unschedulable)
@@ -470,9 +512,9 @@ class Operator:
         finally:
             self._drop_if_forgotten(key)
 
-    def _latest(self, key: Key, kept: Kept) -> dict:
-        """The owner as last watched; as `kept` if it was deleted since."""
-        return (self._owners.get(key) or kept).body()
+    def _latest(self, key: Key, kept: Kept) -> Kept:
+        """The owner as last watched; `kept` if it was deleted since."""
+        return self._owners.get(key) or kept
 
     def _drop_if_forgotten(self, key: Key) -> None:
         """An owner deleted while its reconcile or refresh ran: drop what that re-created
@@ -514,6 +556,25 @@ class Operator:
                 self._deployments.pop(key, None)
             else:
                 self._deployments[key] = pack(_slim_deployment(child))
+
+    def _remember_written(self, namespace: str | None, live: dict) -> None:
+        """Keep our Deployments as a reconcile's writes returned them (a POST or PATCH
+        answer has the new generation), so that a status refresh that runs before the watch
+        delivers those writes does not judge the rollout on the copies from before them.
+        A watched copy of the same object at the same or a newer generation is kept: it
+        can only be as new or newer."""
+        for (kind, name), obj in live.items():
+            if kind != "Deployment":
+                continue
+            meta = obj.get("metadata") or {}
+            cached = self.deployment(namespace, name)
+            if cached is not None:
+                seen = cached.get("metadata", {})
+                if seen.get("uid") == meta.get("uid") and seen.get("generation", 0) >= meta.get(
+                    "generation", 0
+                ):
+                    continue
+            self._deployments[(namespace, name)] = pack(_slim_deployment(obj))
 
     def deployment(self, namespace: str | None, name: str) -> dict | None:
         """One of our Deployments as last watched (what the status reads of it), or None."""
@@ -690,6 +751,15 @@ def _child_key(kind: str | None, namespace: str | None, name: str | None) -> tup
 def _key(owner: dict) -> Key:
     meta = owner.get("metadata", {})
     return (meta.get("namespace"), meta.get("name"))
+
+
+def _is_tuned_ratio(raw_ratio: tuple, ratio: float) -> bool:
+    """Whether status.recomputeRatio (`_raw_ratio`'s first field) is `ratio` as it is, not
+    clamped into the bounds or replaced by the spec's ratio."""
+    try:
+        return float(raw_ratio[0]) == ratio
+    except ValueError:
+        return False
 
 
 def _raw_ratio(owner: dict) -> tuple:

@@ -118,15 +118,28 @@ def desired_children(bd: BlendDeployment, body: dict) -> list[dict]:
     return children
 
 
+# Applied before the rest, which is applied only once they all succeeded: what the pods
+# read when they start (the runtime ConfigMap, blend.json) and the Services they address.
+# A pod reads the restart keys of blend.json once, at start; a Deployment patched to a new
+# runtime-config hash while its ConfigMap patch failed would start pods on the old file,
+# and nothing restarts them once the ConfigMap is written (the hash no longer changes).
+FIRST_KINDS = ("ConfigMap", "Service")
+
+
 async def _apply_all(
     client: kube.Client, bd: BlendDeployment, children: list[dict], options: Options
 ) -> tuple[Problem | None, dict]:
-    """Apply every child; the problem a person must fix (if any) and the children as written."""
+    """Apply every child; the problem a person must fix (if any) and the children as written.
+
+    In two stages, each in parallel: FIRST_KINDS, then (only if all of those were applied)
+    the Deployments and the rest. A failure in the first stage leaves the Deployments as
+    they were, so pods never roll to a config their ConfigMap does not hold yet."""
     uid = bd.metadata.uid
+    first = [child for child in children if child["kind"] in FIRST_KINDS]
+    rest = [child for child in children if child["kind"] not in FIRST_KINDS]
     try:
-        results = await asyncio.gather(
-            *(apply_child(client, child, uid, options.create_first) for child in children)
-        )
+        results = await _apply_stage(client, first, uid, options.create_first)
+        results += await _apply_stage(client, rest, uid, options.create_first)
         # A first create that finds children already there is a retry after a crash or restart:
         # an earlier spec may have left children this one no longer renders.
         if options.prune or any(action != "created" for action, _ in results):
@@ -139,6 +152,21 @@ async def _apply_all(
         message = f"{exc}; install that CRD or turn the feature off in the spec"
         return Problem("ResourceNotServed", message), {}
     return None, {(obj["kind"], obj["metadata"]["name"]): obj for _, obj in results if obj}
+
+
+async def _apply_stage(
+    client: kube.Client, children: list[dict], owner_uid: str | None, create_first: bool
+) -> list[tuple[str, dict | None]]:
+    """Apply `children` at once and wait for all of them; then raise the first failure (in
+    the children's order), so that no write of a failed stage is still under way."""
+    results = await asyncio.gather(
+        *(apply_child(client, child, owner_uid, create_first) for child in children),
+        return_exceptions=True,
+    )
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
 
 
 class ChildConflict(Exception):
@@ -212,7 +240,9 @@ async def _deployment(
 
 
 def has_unready_pods(deployment: dict | None, replicas: int) -> bool:
-    """The Deployment controller has reported on this generation and pods are missing."""
+    """The Deployment controller has reported, and its rollout is not complete: pods of the
+    current template are missing or not available yet, or old ones are still running. The
+    pods then tell why (a new pod in CrashLoopBackOff while the old one still serves)."""
     if deployment is None or "status" not in deployment:
         return False  # just created: nothing to diagnose until the controller reports
     return not is_available(deployment, replicas)

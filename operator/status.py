@@ -90,17 +90,30 @@ def invalid_spec_status(
 
 
 def is_available(deployment: dict | None, replicas: int | None) -> bool:
-    """All wanted replicas of the Deployment's current generation are ready."""
+    """The Deployment's rollout is complete: its controller has seen the current spec, the
+    wanted replicas all run the current pod template, no pod of an older template is left,
+    and every pod of the current one is available. `replicas` is the number wanted (None:
+    the Deployment's own spec.replicas).
+
+    This is the rule of `kubectl rollout status` (DeploymentStatusViewer.Status in
+    kubernetes staging/src/k8s.io/kubectl/pkg/polymorphichelpers/rollout_status.go).
+    readyReplicas alone does not tell it: the Deployment controller counts it over all
+    ReplicaSets, old ones included, and updatedReplicas over the new one only
+    (pkg/controller/deployment/sync.go, calculateStatus). During a surge rollout the old
+    pods would pass for the new ones, e.g. `replicas 2, updatedReplicas 1, readyReplicas 1`
+    while the new pod crash-loops. The API server leaves zero counts out of the status, so
+    a missing count is 0."""
     if deployment is None:
         return False
-    status = deployment.get("status", {})
+    status = deployment.get("status") or {}
     wanted = deployment.get("spec", {}).get("replicas", 1) if replicas is None else replicas
     generation = deployment.get("metadata", {}).get("generation", 0)
-    current = status.get("observedGeneration", 0) >= generation
+    updated = status.get("updatedReplicas", 0)
     return (
-        current
-        and status.get("readyReplicas", 0) >= wanted
-        and status.get("updatedReplicas", wanted) >= wanted
+        status.get("observedGeneration", 0) >= generation
+        and updated >= wanted
+        and status.get("replicas", 0) <= updated
+        and status.get("availableReplicas", 0) >= updated
     )
 
 

@@ -170,6 +170,66 @@ def test_a_request_to_read_afresh_is_kept_when_jobs_merge():
     assert unchanged
 
 
+def _pending_after(requests, settings=None) -> tuple[handlers.Job, float]:
+    """The job pending after `requests` (request's arguments, in order), and the time just
+    after they were made (the event loop's clock)."""
+
+    async def scenario():
+        operator = handlers.Operator(settings or OperatorSettings(status_debounce_s=0.5))
+        for args, kwargs in requests:
+            operator.request(KEY, *args, **kwargs)
+        now = asyncio.get_running_loop().time()
+        job = operator._pending[KEY]
+        job.task.cancel()
+        return job, now
+
+    return asyncio.run(scenario())
+
+
+RETRY_IN_A_MINUTE = ((handlers.FULL, "retry"), {"delay": 60, "refetch": True})
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        pytest.param(((None, "child-status"), {}), id="debounced-refresh"),
+        pytest.param(((None, "child-status"), {"delay": 0}), id="settled-refresh"),
+        pytest.param(((handlers.DRIFT, "drift"), {}), id="drift"),
+        pytest.param(RETRY_IN_A_MINUTE, id="retry"),
+    ],
+)
+def test_a_pending_retry_keeps_its_backoff_when_a_smaller_job_joins(request_):
+    """A Deployment event during a retry's backoff (API server overloaded, owner blocked)
+    asks for a status refresh: the retry already does that work, so it keeps its time
+    instead of running half a second later and hammering the API server again."""
+    job, now = _pending_after([RETRY_IN_A_MINUTE, request_])
+    assert (job.options, job.trigger, job.refetch) == (handlers.FULL, "retry", True)
+    assert 55 < job.due - now <= 60
+
+
+def test_a_retry_joining_a_pending_refresh_keeps_its_backoff():
+    """A reconcile fails while a status refresh is pending (Deployment events during it):
+    the retry does the refresh's work too, at its backoff time, not at the refresh's."""
+    job, now = _pending_after([((None, "child-status"), {}), RETRY_IN_A_MINUTE])
+    assert (job.options, job.trigger) == (handlers.FULL, "retry")
+    assert 55 < job.due - now <= 60
+
+
+@pytest.mark.parametrize(
+    "requests",
+    [
+        pytest.param([RETRY_IN_A_MINUTE, ((handlers.FULL, "update"), {"delay": 0})], id="after"),
+        pytest.param([((handlers.FULL, "update"), {"delay": 0}), RETRY_IN_A_MINUTE], id="before"),
+    ],
+)
+def test_a_spec_change_runs_a_pending_retry_at_once(requests):
+    """A new spec (the fix for a blocked owner, say) is applied at once, whatever the order
+    of the retry and the update, and as an update (which posts the spec's notices)."""
+    job, now = _pending_after(requests)
+    assert (job.options, job.trigger, job.refetch) == (handlers.FULL, "update", True)
+    assert job.due - now <= 1
+
+
 def example_owner(status: dict | None = None, ratio: float = 0.15) -> dict:
     with open(ROOT / "examples" / "cpu.yaml") as file:
         owner = yaml.safe_load(file)
@@ -228,6 +288,8 @@ def test_renders_are_cached_per_effective_ratio(monkeypatch, ratio, statuses, re
         (tuned(0.15, 0.15), False),
         # a tuned ratio of an older spec ratio counts for nothing: nothing to do
         (tuned(0.3, 0.1), False),
+        # outside the bounds (maxRatio 0.6): the tuner clamps it and says so in status
+        (tuned(0.9, 0.15), False),
     ],
 )
 def test_a_status_write_that_moves_the_pods_ratio_is_rendered(patched, requested):
@@ -278,3 +340,144 @@ def test_tuning_and_retries_post_no_deprecation_events(monkeypatch, trigger):
 
 def test_a_current_spec_gets_no_deprecation_event(monkeypatch):
     assert _reconciled(monkeypatch, {}, "update") == []
+
+
+class StatusClient:
+    """Reads nothing but what it is given; records the status writes."""
+
+    def __init__(self):
+        self.statuses: list[dict] = []
+
+    async def get(self, kind, namespace, name):
+        return None
+
+    async def list(self, kind, namespace, selector):
+        return []
+
+    async def patch_status(self, namespace, name, status):
+        self.statuses.append(status)
+        return {}
+
+
+def available(child: dict, generation: int = 1, observed: int | None = None) -> dict:
+    """A rendered Deployment as the API server returns it once its rollout of `generation`
+    is complete (or, with `observed` lower, just patched to `generation`)."""
+    obj = json.loads(json.dumps(child))
+    replicas = obj["spec"].get("replicas", 1)
+    obj["metadata"].update(uid=f"uid-{obj['metadata']['name']}", generation=generation)
+    obj["status"] = {
+        "observedGeneration": generation if observed is None else observed,
+        "replicas": replicas,
+        "updatedReplicas": replicas,
+        "readyReplicas": replicas,
+        "availableReplicas": replicas,
+    }
+    return obj
+
+
+def _ready(status: dict) -> tuple[int, str]:
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    return status["observedGeneration"], ready["status"]
+
+
+def _refreshed(monkeypatch, steps) -> list[dict]:
+    """The status writes of the operator's refreshes. `steps` is a list of ("watch", owner),
+    ("reconciled", children returned) and ("refresh", None); the Deployments start as
+    watched, available at generation 1 of the example owner; reconciles succeed."""
+    client = StatusClient()
+    returned: dict = {}
+
+    async def reconciled(client, body, options, now, prepared):
+        return returned
+
+    monkeypatch.setattr(reconcile, "reconcile", reconciled)
+
+    async def scenario():
+        operator = handlers.Operator(OperatorSettings(status_debounce_s=60))
+        operator.client = client
+        _, children = operator.prepared(example_owner())
+        for child in children:
+            if child["kind"] == "Deployment":
+                operator.remember(available(child), "ADDED")
+        for step, arg in steps:
+            if step == "watch":
+                operator.owner_event(arg, "MODIFIED")
+            elif step == "reconciled":
+                returned.clear()
+                returned.update(arg(children))
+                await operator.run(KEY_EXAMPLE, "update", handlers.FULL)
+            else:
+                await operator._refresh(KEY_EXAMPLE)
+            for job in list(operator._pending.values()):  # run here, step by step
+                job.task.cancel()
+            operator._pending.clear()
+        return client.statuses
+
+    return asyncio.run(scenario())
+
+
+KEY_EXAMPLE = ("default", "smollm2-demo")
+
+
+def new_engine_args(owner: dict) -> dict:
+    """generation 2: new engine.extraArgs, which change the engine's pod template."""
+    owner["metadata"]["generation"] = 2
+    owner["spec"].setdefault("engine", {})["extraArgs"] = ["--queue-size", "4"]
+    return owner
+
+
+def nothing_written(children) -> dict:
+    return {}
+
+
+def test_a_refresh_does_not_report_a_generation_whose_reconcile_has_not_run(monkeypatch):
+    """The spec changed (generation 2) while a refresh waited for the owner's lock: the
+    children are still those of generation 1, fully available, so the refresh must not
+    write observedGeneration 2 with Ready=True. Once generation 2 is reconciled it may."""
+    gen1 = example_owner()
+    statuses = _refreshed(
+        monkeypatch,
+        [
+            ("watch", gen1),
+            ("reconciled", nothing_written),
+            ("refresh", None),
+            ("watch", new_engine_args(example_owner())),
+            ("refresh", None),
+        ],
+    )
+    assert [_ready(status) for status in statuses] == [(1, "True")]
+
+
+def test_a_refresh_after_a_reconcile_judges_the_deployments_its_patches_returned(monkeypatch):
+    """The refresh right after a reconcile may run before the watch delivers the reconcile's
+    own Deployment patches: it reads what the PATCH returned (generation 2, not yet
+    observed), not the watched generation-1 copy, so generation 2 is not Ready yet."""
+
+    def engine_patched(children) -> dict:
+        engine = next(c for c in children if c["metadata"]["name"].endswith("-engine"))
+        return {("Deployment", engine["metadata"]["name"]): available(engine, 2, observed=1)}
+
+    statuses = _refreshed(
+        monkeypatch,
+        [
+            ("watch", new_engine_args(example_owner())),
+            ("reconciled", engine_patched),
+            ("refresh", None),
+        ],
+    )
+    assert [_ready(status) for status in statuses] == [(2, "False")]
+
+
+def test_a_watched_deployment_newer_than_the_patch_answer_is_kept(monkeypatch):
+    """The watch delivered the controller's report on the patched generation before the
+    reconcile ended: that copy is newer than the PATCH answer and stays."""
+
+    def engine_patched_and_watched(children) -> dict:
+        engine = next(c for c in children if c["metadata"]["name"].endswith("-engine"))
+        return {("Deployment", engine["metadata"]["name"]): available(engine, 1, observed=0)}
+
+    statuses = _refreshed(
+        monkeypatch,
+        [("watch", example_owner()), ("reconciled", engine_patched_and_watched), ("refresh", None)],
+    )
+    assert [_ready(status) for status in statuses] == [(1, "True")]

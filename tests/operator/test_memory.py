@@ -60,7 +60,13 @@ def live(child: dict, version: int) -> dict:
     obj["metadata"]["managedFields"] = [{"manager": "holeblend", "fieldsV1": {}}] * 10
     if obj["kind"] == "Deployment":
         replicas = obj["spec"].get("replicas", 1)
-        obj["status"] = {"observedGeneration": 1, "readyReplicas": replicas, "replicas": replicas}
+        obj["status"] = {
+            "observedGeneration": 1,
+            "replicas": replicas,
+            "updatedReplicas": replicas,
+            "readyReplicas": replicas,
+            "availableReplicas": replicas,
+        }
     return obj
 
 

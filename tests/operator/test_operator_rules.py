@@ -1,11 +1,13 @@
 """Pure rules of the live operator: patches, drift, RBAC from the access table, settings."""
 
 import asyncio
+import copy
 import pathlib
 
 import pytest
+import yaml
 
-from holeblend_operator import kube, rbac_command, settings
+from holeblend_operator import kube, rbac_command, reconcile, settings
 from holeblend_operator.reconcile import LAST_APPLIED_ANNOTATION, contains, merge_patch
 from holeblend_operator.status import Observed, deployment_problem, stamp_transitions
 
@@ -103,3 +105,84 @@ def test_crash_looping_engine_is_a_problem_with_its_reason():
     problem = deployment_problem({"status": {}}, [pod], bd=None)
     assert problem.reason == "CrashLoopBackOff" and "back-off" in problem.message
     assert Observed(engine=None, lookup=None, engine_pods=[]).problem is None
+
+
+def cpu_owner(**spec) -> dict:
+    body = yaml.safe_load((ROOT / "examples" / "cpu.yaml").read_text())
+    body["metadata"].update(uid="u-1", generation=3, namespace="default")
+    body["spec"].update(copy.deepcopy(spec))
+    return body
+
+
+class ApplyClient:
+    """Children as rendered from an older spec; records when each write starts and ends,
+    and fails the PATCH of the kinds in `failing` with `error`."""
+
+    def __init__(self, live: dict, failing=(), error=None):
+        self.live, self.failing, self.error = live, failing, error
+        self.log: list[tuple[str, str]] = []
+
+    async def create(self, kind, body):
+        return None
+
+    async def get(self, kind, namespace, name):
+        return copy.deepcopy(self.live.get((kind.kind, name)))
+
+    async def patch(self, kind, namespace, name, patch):
+        self.log.append(("start", kind.kind))
+        await asyncio.sleep(0.01 if kind.kind == "ConfigMap" else 0)
+        if kind.kind in self.failing:
+            raise self.error
+        self.log.append(("end", kind.kind))
+        return {"kind": kind.kind, "metadata": {"name": name}}
+
+    async def list(self, kind, namespace, selector):
+        return []
+
+    async def delete(self, kind, namespace, name):
+        return True
+
+    async def patch_status(self, namespace, name, status):
+        return {}
+
+
+def updated_children(**client_args) -> tuple[ApplyClient, Exception | None]:
+    """A full reconcile of a spec whose blend.selection (read by the pods at start only)
+    changed: the ConfigMap and the engine Deployment (its config hash) both need a patch.
+    The client, and what the reconcile raised."""
+    old = cpu_owner()
+    new = cpu_owner(blend={**old["spec"].get("blend", {}), "selection": "sinks"})
+    _, children = reconcile.prepare(old)
+    live = {(child["kind"], child["metadata"]["name"]): child for child in children}
+    client = ApplyClient(live, **client_args)
+    options = reconcile.Options(create_first=False, prune=True)
+    try:
+        asyncio.run(reconcile.reconcile(client, new, options, "t"))
+    except Exception as exc:
+        return client, exc
+    return client, None
+
+
+def test_deployments_are_patched_only_once_their_configmap_is_written():
+    """Pods read blend.json once, at start: the Deployment rolls to the new config hash only
+    after the ConfigMap holds the new file, or its new pods would keep the old one."""
+    client, raised = updated_children()
+    assert raised is None
+    assert client.log.index(("end", "ConfigMap")) < client.log.index(("start", "Deployment"))
+
+
+@pytest.mark.parametrize(
+    ("error", "raised"),
+    [
+        (kube.Unavailable("patch configmaps: HTTP 503"), kube.Unavailable),
+        (kube.Invalid("patch configmaps: HTTP 422"), reconcile.Blocked),
+    ],
+    ids=["unavailable", "rejected"],
+)
+def test_a_failed_configmap_write_leaves_the_deployments_as_they_were(error, raised):
+    """Retried (backoff) or blocked (ChildRejected), the reconcile stops before the
+    Deployments: pods started now would mount the old blend.json, and nothing would
+    restart them once the ConfigMap is written (the config hash would not change again)."""
+    client, exc = updated_children(failing=("ConfigMap",), error=error)
+    assert isinstance(exc, raised)
+    assert ("start", "Deployment") not in client.log

@@ -6,7 +6,7 @@ import pathlib
 import yaml
 
 from holeblend_operator.reconcile import has_unready_pods, parse
-from holeblend_operator.status import Observed, Problem, build_status
+from holeblend_operator.status import Observed, Problem, build_status, is_available
 
 ROOT = pathlib.Path(__file__).parents[2]
 
@@ -26,6 +26,7 @@ def deployment(replicas=1, ready=1, generation=1, observed=1, conditions=()):
             "observedGeneration": observed,
             "replicas": replicas,
             "readyReplicas": ready,
+            "availableReplicas": ready,
             "updatedReplicas": replicas,
             "conditions": list(conditions),
         },
@@ -90,3 +91,76 @@ def test_a_reconcile_problem_wins_over_child_status():
     )
     assert conditions(status)["Degraded"] == ("True", "ChildConflict")
     assert conditions(status)["Progressing"] == ("False", "RolloutComplete")
+
+
+def mid_rollout(wanted=1, updated=1, old_ready=1, new_ready=0):
+    """A surge rollout (maxSurge 1, maxUnavailable 0) as the Deployment controller reports
+    it: updatedReplicas counts the new ReplicaSet's pods, replicas, readyReplicas and
+    availableReplicas count the old ReplicaSet's too."""
+    return {
+        "metadata": {"generation": 2},
+        "spec": {"replicas": wanted},
+        "status": {
+            "observedGeneration": 2,
+            "replicas": updated + old_ready,
+            "updatedReplicas": updated,
+            "readyReplicas": old_ready + new_ready,
+            "availableReplicas": old_ready + new_ready,
+            "unavailableReplicas": updated - new_ready,
+        },
+    }
+
+
+def test_old_pods_that_still_serve_do_not_make_a_rollout_complete():
+    """readyReplicas counts the old ReplicaSet's pods: one new pod starting next to one old
+    ready pod, or the last step of a larger rollout (two new ready, one old left), is not
+    a finished rollout (`kubectl rollout status` waits for the old pods to go)."""
+    assert not is_available(mid_rollout(), 1)
+    assert not is_available(mid_rollout(wanted=2, updated=2, new_ready=1), 2)
+    assert is_available(mid_rollout(old_ready=0, new_ready=1), 1)
+
+
+def test_updated_pods_that_are_not_available_keep_the_rollout_going():
+    """Every updated pod must be available, and a count the API server left out is 0."""
+    engine = deployment()
+    engine["status"]["availableReplicas"] = 0
+    assert not is_available(engine, 1)
+    del engine["status"]["updatedReplicas"]
+    engine["status"]["availableReplicas"] = 1
+    assert not is_available(engine, 1)
+
+
+def test_a_crash_looping_new_pod_behind_a_ready_old_one_is_degraded_not_ready():
+    """Mid-rollout the pods are listed (the rollout is not complete), so a new pod that
+    crash-loops while the old one still serves shows as Degraded instead of Ready and
+    RolloutComplete."""
+    bd = blend_deployment()
+    engine = mid_rollout()
+    crashing = {
+        "status": {
+            "containerStatuses": [
+                {"name": "engine", "state": {"waiting": {"reason": "CrashLoopBackOff"}}}
+            ]
+        }
+    }
+    assert has_unready_pods(engine, bd.spec.replicas)
+    status = build_status(bd, Observed(engine, deployment(), [crashing]), [], "t")
+    assert conditions(status)["Ready"] == ("False", "EngineNotReady")
+    assert conditions(status)["Degraded"] == ("True", "CrashLoopBackOff")
+    assert status["phase"] == "Degraded"
+
+
+def test_a_healthy_surge_rollout_is_progressing():
+    """While the new pod starts and the old one serves, the status says RollingOut."""
+    status = build_status(blend_deployment(), Observed(mid_rollout(), deployment(), []), [], "t")
+    assert conditions(status)["Ready"] == ("False", "EngineNotReady")
+    assert conditions(status)["Progressing"] == ("True", "RollingOut")
+    assert status["phase"] == "Progressing"
+
+
+def test_a_lookup_server_mid_rollout_is_not_available():
+    """The lookup server's Deployment (default strategy: surge 1 at one replica) follows the
+    same rule, so LookupServerReady waits for its new pod."""
+    status = build_status(blend_deployment(), Observed(deployment(), mid_rollout(), []), [], "t")
+    assert conditions(status)["LookupServerReady"] == ("False", "NotAvailable")
+    assert conditions(status)["Ready"] == ("False", "LookupServerNotReady")
