@@ -12,10 +12,12 @@ keeps the popular ones, in the way of W-TinyLFU (Caffeine's policy):
 2. When a new segment pushes the window's oldest entries out of it, they meet the oldest
    entries of the rest (the main part): each candidate stays only if it was asked for
    more often, recently, than every entry it would evict; otherwise the candidates go and
-   the main part keeps what it holds (counted as refused). A segment larger than the
-   window meets the main part's oldest itself and may be refused (not written; its
-   request has already computed it, nothing is lost). While the tier has room every
-   segment is taken in.
+   the main part keeps what it holds (counted as refused). A segment that fits in the
+   bytes the window leaves free (its newest entry alone is larger than the window, or the
+   next older entry did not fit) pushes nothing out: it is taken in, and the main part's
+   oldest make room as in plain LRU. A segment larger than the window meets the main
+   part's oldest itself and may be refused (not written; its request has already
+   computed it, nothing is lost). While the tier has room every segment is taken in.
 3. "Recently": every use (a hit served, a store offered) adds one to the key's count, and
    every `SAMPLE_FACTOR` x (entries held) uses (at least `MIN_SAMPLE`), a period, all
    counts are halved, so a document that stopped being asked for loses its advantage
@@ -34,8 +36,8 @@ missed (found live in the closed-loop benchmark: the tier stopped taking segment
 minutes). Replayed (tests/runtime/test_kv_admission.py), the share of document tokens
 served from a tier: the vLLM load benchmark's Zipf stream (40 documents, 8 per request,
 half the corpus fits) plain LRU 0.68-0.70, the unwindowed rule 0.77-0.78, this rule
-0.75-0.78; a stream of questions whose 4 documents come twice in a row then never again,
-LRU 0.43, the unwindowed rule 0.02, this rule 0.38 (0.37 after 1,000 Zipf requests first).
+0.71-0.76; a stream of questions whose 4 documents come twice in a row then never again,
+LRU 0.43, the unwindowed rule 0.02, this rule 0.42 (0.38 after 1,000 Zipf requests first).
 """
 
 from __future__ import annotations
@@ -175,8 +177,10 @@ def windowed_evictions(
         return [], []
     victims = lru_victims(entries, num_bytes, size, capacity_bytes)
     candidates = _pushed_out_of_window(entries, size, window_bytes)
-    if not candidates:  # larger than the window: `new` contends with main itself
+    if candidates is None:  # larger than the window: `new` contends with main itself
         return (victims, []) if policy.admits(key, victims) else None
+    if not candidates:  # `new` fits the window's free bytes: main's LRU makes room
+        return victims, []
     leaving = set(candidates)
     if leaving & set(victims) or all(policy.admits(candidate, victims) for candidate in candidates):
         return victims, []
@@ -190,12 +194,14 @@ def windowed_evictions(
 
 def _pushed_out_of_window(
     entries: Sequence[tuple[str, int]], new_bytes: int, window_bytes: int
-) -> list[str]:
+) -> list[str] | None:
     """The window's oldest entries that a new entry of `new_bytes` pushes out of it (the
-    window: the most recently used entries within `window_bytes`); empty when the new
-    entry alone exceeds the window."""
+    window: the most recently used entries, newest first, up to the first that would take
+    it past `window_bytes`); empty when the new entry fits the bytes the window leaves
+    free (the newest entry alone is larger than the window, or the window is not full),
+    None when the new entry alone exceeds the window."""
     if new_bytes > window_bytes:
-        return []
+        return None
     window, used = [], 0
     for key, size in reversed(entries):  # most recent first
         if used + size > window_bytes:

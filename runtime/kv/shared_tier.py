@@ -15,9 +15,12 @@ then the int64 RoPE positions. A reader checks every field against what it expec
 a blob that is corrupted, truncated, of another format, model, dtype or key is a miss.
 
 Keys follow `holeblend_contract.shared_tier` (per-BlendDeployment prefix). Every Redis
-error or timeout is a miss (reads) or a refused store (writes), counted in `stats`;
-a circuit breaker skips Redis for a while after repeated failures. This module imports
-no torch (the tiered store converts tensors), so the lookup benchmark can use it.
+error or timeout is a miss (reads) or a refused store (writes), counted in `stats`. A
+circuit breaker skips Redis for a while after repeated failures to reach it (connection
+errors, timeouts); an error reply (`ResponseError`: out of memory under `noeviction`, no
+permission) shows Redis is up and does not feed it. A blob larger than Redis takes in one
+argument (`proto-max-bulk-len`) is refused without being sent. This module imports no
+torch (the tiered store converts tensors), so the lookup benchmark can use it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import threading
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
@@ -44,6 +48,8 @@ _PREFIX = struct.Struct("<4sHI")
 MAX_HEADER_BYTES = 4096
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 POSITION_BYTES = 8  # int64
+# Redis's default `proto-max-bulk-len`: the largest argument (a SET's value) it takes.
+REDIS_MAX_BULK_BYTES = 512 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -216,12 +222,17 @@ class SharedTierConfig:
     # Consecutive failures that open the breaker, and how long it stays open.
     breaker_failures: int = 3
     breaker_open_s: float = 2.0
+    # The largest blob stored (Redis's `proto-max-bulk-len`); None: read once from Redis
+    # (CONFIG GET) before the first store, REDIS_MAX_BULK_BYTES where that is refused.
+    max_blob_bytes: int | None = None
 
     def __post_init__(self) -> None:
         check_shared_url(self.url, "kv.sharedUrl")
         key_prefix(self.deployment, BLOB_FORMAT)
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s: must be > 0, got {self.timeout_s}")
+        if self.max_blob_bytes is not None and self.max_blob_bytes < 1:
+            raise ValueError(f"max_blob_bytes: must be >= 1, got {self.max_blob_bytes}")
 
 
 @dataclass
@@ -233,7 +244,14 @@ class SharedTierStats:
     skipped_by_breaker: int = 0
     # Blobs refused by `decode_blob` (corrupted, truncated, foreign).
     bad_blobs: int = 0
+    # Stores refused without sending: the blob is larger than `max_blob_bytes`.
+    too_large: int = 0
     errors_by_kind: dict = field(default_factory=dict)
+
+
+# What one call to Redis came to (`SharedTier._call_with_breaker`): it ran; Redis answered
+# with an error (it is up); it failed to reach Redis or was skipped by the open breaker.
+ANSWERED, REFUSED, UNREACHED = "answered", "refused", "unreached"
 
 
 def redis_url(url: str) -> str:
@@ -269,14 +287,19 @@ class SharedTier:
         )
         self.breaker = CircuitBreaker(config.breaker_failures, config.breaker_open_s)
         self.stats = SharedTierStats()
+        # The tier is used from several threads (a store's reads and writes): every
+        # change of `stats` is made under this lock.
+        self._stats_lock = threading.Lock()
+        # The largest blob stored: `config.max_blob_bytes`, else None until read from Redis.
+        self.max_blob_bytes = config.max_blob_bytes
 
     def redis_key(self, segment_key: str) -> str:
         return self.prefix + segment_key
 
     def put_blob(self, segment_key: str, blob: bytes) -> bool:
-        """Store `blob`; False when Redis refused or failed (never raises)."""
-        self.stats.puts += 1
-        return self._call("set", self.redis_key(segment_key), blob) is True
+        """Store `blob`; False when Redis refused or failed, or the blob is too large
+        (never raises)."""
+        return self.put_pieces(segment_key, [blob])
 
     def put_pieces(self, segment_key: str, pieces: Sequence[bytes | memoryview]) -> bool:
         """Store the blob made of `pieces` (see `blob_pieces`) without joining them first.
@@ -284,19 +307,46 @@ class SharedTier:
         A 32 MB join cost more than the SET itself on a loaded machine (page faults of a
         fresh buffer), so the SET is framed here and the pieces go to the socket as they are.
         """
-        self.stats.puts += 1
-        return (
-            self._call_with_breaker(self._set_pieces, self.redis_key(segment_key), pieces) is True
-        )
-
-    def _set_pieces(self, key: str, pieces: Sequence[bytes | memoryview]) -> bool:
+        self._count("puts")
         total = sum(memoryview(piece).nbytes for piece in pieces)
+        limit = self._blob_limit()
+        if limit is None:  # Redis not reached: the SET would not be either
+            return False
+        if total > limit:  # Redis would refuse it and close the connection
+            with self._stats_lock:
+                self.stats.too_large += 1
+                is_first = self.stats.too_large == 1
+            (log.warning if is_first else log.debug)(
+                "shared tier: not storing segment %s: %d bytes, Redis takes at most %d",
+                segment_key, total, limit,
+            )  # fmt: skip
+            return False
+        status, reply = self._call_with_breaker(
+            self._set_pieces, self.redis_key(segment_key), pieces, total
+        )
+        return status == ANSWERED and reply is True
+
+    def _blob_limit(self) -> int | None:
+        """`max_blob_bytes`, read from Redis the first time when not configured (Redis's
+        default where CONFIG is refused); None while Redis is not reached."""
+        if self.max_blob_bytes is None:
+            status, reply = self._call_with_breaker(
+                self.client.config_get, "proto-max-bulk-len", counts_refusal=False
+            )
+            if status == UNREACHED:
+                return None
+            self.max_blob_bytes = _bulk_len(reply) if status == ANSWERED else REDIS_MAX_BULK_BYTES
+        return self.max_blob_bytes
+
+    def _set_pieces(self, key: str, pieces: Sequence[bytes | memoryview], total: int) -> bool:
         encoded_key = key.encode()
         head = b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(encoded_key), encoded_key, total)
         connection = self.client.connection_pool.get_connection()
         try:
             connection.send_packed_command([head, *pieces, b"\r\n"])
             reply = connection.read_response()
+        except redis.ResponseError:
+            raise  # an error reply read in full: the connection is still in step
         except BaseException:
             connection.disconnect()
             raise
@@ -308,10 +358,15 @@ class SharedTier:
 
     def get_blob(self, segment_key: str) -> bytes | None:
         """The stored blob, or None on a miss or failure (never raises)."""
-        self.stats.gets += 1
-        blob = self._call("get", self.redis_key(segment_key))
-        self.stats.hits += blob is not None
-        return blob
+        return self._get(segment_key)[1]
+
+    def _get(self, segment_key: str) -> tuple[bool, bytes | None]:
+        """(whether Redis answered the GET, the blob or None)."""
+        status, blob = self._call_with_breaker(self.client.get, self.redis_key(segment_key))
+        self._count("gets")
+        if blob is not None:
+            self._count("hits")
+        return status == ANSWERED, blob
 
     def get_checked(self, expected: BlobHeader) -> tuple[BlobHeader, memoryview] | None:
         """The blob of `expected.key` if it matches `expected`; None for a miss or a bad blob."""
@@ -323,40 +378,56 @@ class SharedTier:
         """(`get_checked`'s answer, whether Redis answered): a None with False is a failed or
         skipped call, so the blob may still be there; with True it is gone or unusable.
         `also_dtypes`: as `decode_blob`'s."""
-        num_failed = self.stats.errors + self.stats.skipped_by_breaker
-        blob = self.get_blob(expected.key)
+        is_answer, blob = self._get(expected.key)
         if blob is None:
-            return None, self.stats.errors + self.stats.skipped_by_breaker == num_failed
+            return None, is_answer
         try:
             return decode_blob(blob, expected, self.deployment, also_dtypes), True
         except BlobError as error:
-            self.stats.bad_blobs += 1
+            self._count("bad_blobs")
             log.warning("shared tier: refusing blob of segment %s: %s", expected.key, error)
             return None, True
 
     def delete(self, segment_key: str) -> None:
-        self._call("delete", self.redis_key(segment_key))
+        self._call_with_breaker(self.client.delete, self.redis_key(segment_key))
 
-    def _call(self, command: str, *args: object) -> object:
-        return self._call_with_breaker(getattr(self.client, command), *args)
-
-    def _call_with_breaker(self, function, *args: object) -> object:
-        """`function(*args)`, or None when the breaker is open or Redis failed."""
+    def _call_with_breaker(
+        self, function, *args: object, counts_refusal: bool = True
+    ) -> tuple[str, object]:
+        """(what the call came to, `function(*args)` or None): ANSWERED with its result;
+        REFUSED when Redis answered with an error (counted in `errors` unless not
+        `counts_refusal`; Redis is up, so it closes the breaker like a success);
+        UNREACHED when the breaker is open or Redis was not reached (a failure for the
+        breaker). Each call's own outcome, whatever other threads' calls come to."""
         if self.breaker.is_open:
-            self.stats.skipped_by_breaker += 1
-            return None
+            self._count("skipped_by_breaker")
+            return UNREACHED, None
         try:
             result = function(*args)
+        except redis.ResponseError as error:
+            self.breaker.succeeded()
+            if counts_refusal:
+                self._count_error(error)
+                log.debug("shared tier: %s refused: %s", _name(function), error)
+            return REFUSED, None
         except (redis.RedisError, OSError) as error:
-            self._failed(getattr(function, "__name__", "call"), error)
-            return None
+            self._failed(_name(function), error)
+            return UNREACHED, None
         self.breaker.succeeded()
-        return result
+        return ANSWERED, result
+
+    def _count(self, name: str) -> None:
+        with self._stats_lock:
+            setattr(self.stats, name, getattr(self.stats, name) + 1)
+
+    def _count_error(self, error: Exception) -> None:
+        kind = type(error).__name__
+        with self._stats_lock:
+            self.stats.errors += 1
+            self.stats.errors_by_kind[kind] = self.stats.errors_by_kind.get(kind, 0) + 1
 
     def _failed(self, command: str, error: Exception) -> None:
-        self.stats.errors += 1
-        kind = type(error).__name__
-        self.stats.errors_by_kind[kind] = self.stats.errors_by_kind.get(kind, 0) + 1
+        self._count_error(error)
         if self.breaker.failed():
             log.warning(
                 "shared tier unreachable (%s: %s); serving from the local tier", command, error
@@ -364,3 +435,21 @@ class SharedTier:
 
     def close(self) -> None:
         self.client.close()
+
+
+def _name(function) -> str:
+    return getattr(function, "__name__", "call")
+
+
+def _bulk_len(reply: object) -> int:
+    """`proto-max-bulk-len` from CONFIG GET's reply ({name: value}, bytes or str),
+    REDIS_MAX_BULK_BYTES where it is missing or unreadable."""
+    if isinstance(reply, dict):
+        for name, value in reply.items():
+            name = name.decode() if isinstance(name, bytes) else name
+            if name == "proto-max-bulk-len":
+                try:
+                    return int(value)
+                except (TypeError, ValueError):
+                    break
+    return REDIS_MAX_BULK_BYTES

@@ -1,18 +1,25 @@
-"""The shared KV tier on a real redis-server: blob format, key layout, bad blobs, outages."""
+"""The shared KV tier on a real redis-server: blob format, key layout, bad blobs, outages,
+a full Redis and blobs larger than Redis takes."""
+
+import threading
 
 import pytest
 import torch
 
 from holeblend_contract.shared_tier import check_shared_url
 from holeblend_runtime.kv.shared_tier import (
+    REDIS_MAX_BULK_BYTES,
     BlobError,
+    BlobHeader,
     SharedTier,
     SharedTierConfig,
+    blob_pieces,
     decode_blob,
     redis_url,
 )
 from holeblend_runtime.kv.store import SegmentKV
 from holeblend_runtime.kv.tiers import KVLayout, blob_to_kv, kv_to_blob
+from holeblend_runtime.lookup_server.processes import RedisProcess
 
 LAYOUT = KVLayout("model-a", "float32", num_layers=3, num_kv_heads=2, head_dim=8)
 
@@ -117,6 +124,84 @@ def test_redis_down_is_a_miss_and_a_refused_store_never_an_exception(redis_serve
     assert shared.put_blob(kv.key, kv_to_blob(kv)) is False
     assert shared.get_blob(kv.key) is None
     assert shared.stats.errors >= 1
+
+
+def large_pieces(deployment: str = "ns/rag", num_bytes: int = 1 << 20) -> list:
+    """The pieces of a blob of about 6 x `num_bytes` (float16 K and V, int64 positions)."""
+    header = BlobHeader("large", "model-a", "float16", (1, 1, num_bytes // 2, 1))
+    parts = [b"\3" * header.kv_bytes] * 2 + [b"\0" * (8 * header.num_tokens)]
+    return blob_pieces(header, parts, deployment)
+
+
+def test_a_full_redis_refusing_writes_still_serves_the_blobs_it_holds():
+    """A full Redis under `noeviction` answers every SET with an out-of-memory error; it is
+    up, so those refusals are counted but do not open the circuit breaker, and the blobs it
+    holds are still read (the breaker would skip them, and every pod would compute them)."""
+    with RedisProcess(maxmemory="3mb", policy="noeviction") as server:
+        shared = tier(server.url)
+        kv = segment()
+        assert shared.put_blob(kv.key, kv_to_blob(kv, "ns/rag"))
+        pieces = large_pieces()
+        assert [shared.put_pieces(f"large-{i}", pieces) for i in range(5)] == [False] * 5
+        assert shared.stats.errors_by_kind == {"OutOfMemoryError": 5}
+        assert shared.breaker.num_opened == 0
+        assert shared.get_checked(LAYOUT.header("seg")) is not None
+        assert shared.stats.skipped_by_breaker == 0
+
+
+def test_a_blob_larger_than_redis_takes_is_refused_without_sending_it(redis_server):
+    """Redis refuses an argument over its `proto-max-bulk-len` and closes the connection
+    (a broken pipe, as if it were down). The tier reads the limit once and refuses such a
+    blob itself: nothing is sent, no error is counted, the breaker stays closed and the
+    blobs Redis holds are still read."""
+    shared = tier(redis_server.url)
+    shared.client.config_set("proto-max-bulk-len", "1mb")
+    kv = segment()
+    assert shared.put_blob(kv.key, kv_to_blob(kv, "ns/rag"))
+    pieces = large_pieces(num_bytes=1 << 20)
+    assert [shared.put_pieces(f"long-{i}", pieces) for i in range(3)] == [False] * 3
+    assert shared.get_checked(LAYOUT.header("seg")) is not None
+    assert shared.breaker.num_opened == 0
+    assert shared.stats.too_large == 3 and shared.stats.errors == 0
+    assert shared.client.exists(shared.redis_key("long-0")) == 0
+
+
+def test_the_largest_blob_is_configured_or_redis_s_default_where_config_is_refused(redis_server):
+    """A configured `max_blob_bytes` is used as is; otherwise a user that may not run
+    CONFIG gets Redis's default limit, and the refused CONFIG is not counted as an error."""
+    kv = segment()
+    blob = kv_to_blob(kv, "ns/rag")
+    config = SharedTierConfig(redis_server.url, "ns/rag", max_blob_bytes=len(blob) - 1)
+    limited = SharedTier(config)
+    assert not limited.put_blob(kv.key, blob) and limited.stats.too_large == 1
+    tier(redis_server.url).client.execute_command(
+        "ACL", "SETUSER", "noconfig", "on", ">pw", "~*", "+@all", "-config"
+    )
+    shared = SharedTier(SharedTierConfig(redis_server.url, "ns/rag"), "pw", "noconfig")
+    assert shared.put_blob(kv.key, blob)
+    assert shared.max_blob_bytes == REDIS_MAX_BULK_BYTES
+    assert shared.stats.errors == 0 and shared.stats.too_large == 0
+
+
+def test_a_miss_is_an_answer_whatever_other_threads_calls_come_to():
+    """`load` tells whether Redis answered its own GET: a key Redis does not hold is gone
+    (so the lookup server is told) even when another thread's store fails while the GET
+    is in flight."""
+    with RedisProcess(maxmemory="2mb", policy="noeviction") as server:
+        shared = tier(server.url)
+        pieces = large_pieces()
+        real_get = shared.client.get
+
+        def get_while_a_store_fails(key):
+            reply = real_get(key)
+            writer = threading.Thread(target=shared.put_pieces, args=("large", pieces))
+            writer.start()
+            writer.join()
+            return reply
+
+        shared.client.get = get_while_a_store_fails
+        assert shared.load(LAYOUT.header("evicted")) == (None, True)
+        assert shared.stats.errors_by_kind == {"OutOfMemoryError": 1}
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,9 @@ import torch
 
 from holeblend_runtime.kv.tiers import TieredKVStore, TierSettings, open_tiered_store
 from holeblend_runtime.lookup_server.client import AnnouncerConfig, ClientConfig
+from holeblend_runtime.lookup_server.processes import RedisProcess
 
-from .test_shared_tier import LAYOUT, assert_same, segment
+from .test_shared_tier import LAYOUT, assert_same, large_pieces, segment
 
 FAST = dict(
     client=ClientConfig(timeout_ms=50, retries=1, breaker_failures=2, breaker_open_s=0.2),
@@ -193,6 +194,40 @@ def test_redis_down_does_not_make_the_index_forget_the_shared_copy(pods, redis_s
     assert b.stats.load_failures == 1
     b.announcer.flush()
     assert b.lookup.lookup(["doc-1"])[0].in_shared_tier
+
+
+def test_a_copy_gone_from_redis_is_reported_gone_while_another_threads_store_fails(
+    lookup_server,
+):
+    """A full Redis (`noeviction`) refuses stores all the time. A copy it no longer holds
+    is still reported gone when the pod's GET for it is answered "no such key" while a
+    store on another thread (the pod's writer) fails: that GET's own answer decides, so
+    the lookup server stops advertising the copy and no other pod plans on it."""
+    with RedisProcess(maxmemory="2mb", policy="noeviction") as server:
+        a = pod("pod-a", server.url, lookup_server.url)
+        b = pod("pod-b", server.url, lookup_server.url)
+        try:
+            a.put(segment("doc-1"))
+            a.announcer.flush()
+            a.shared.client.delete(a.shared.redis_key("doc-1"))  # gone from Redis
+            pieces = large_pieces(b.shared.deployment)
+            real_get = b.shared.client.get
+
+            def get_while_a_store_fails(key):
+                reply = real_get(key)
+                writer = threading.Thread(target=b.shared.put_pieces, args=("large", pieces))
+                writer.start()
+                writer.join()
+                return reply
+
+            b.shared.client.get = get_while_a_store_fails
+            assert b.get("doc-1") is None and b.stats.load_failures == 1
+            assert b.shared.stats.errors_by_kind == {"OutOfMemoryError": 1}
+            b.announcer.flush()
+            wait_for(lambda: not b.lookup.lookup(["doc-1"])[0].in_shared_tier)
+        finally:
+            a.close()
+            b.close()
 
 
 def test_the_writers_resyncs_do_not_advertise_again_a_copy_another_pod_found_gone(
