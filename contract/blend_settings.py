@@ -273,6 +273,13 @@ class BlendSettings(_Settings):
     # it), e.g. http://127.0.0.1:8000; None: not known (no shadow on vLLM pods).
     engine_url: str | None = None
 
+    @field_validator("separator")
+    @classmethod
+    def _check_separator(cls, value: str) -> str:
+        if value.isspace():  # the runtime splits prompts on it: it must be visible
+            raise ValueError("must contain a visible character, like ' # #'")
+        return value
+
     @field_validator("selection")
     @classmethod
     def _check_selection(cls, value: str) -> str:

@@ -87,6 +87,13 @@ def _matching(
     return Annotated[str, AfterValidator(check), Field(json_schema_extra=schema)]
 
 
+# Some character that is not whitespace, up to 64 in all.
+Separator = _matching(
+    r"[\s\S]*\S[\s\S]*",
+    "a separator with a visible character (whitespace alone is refused by the runtime), "
+    "like ' # #'",
+    max_length=64,
+)
 DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 DNS_SUBDOMAIN = rf"{DNS_LABEL}(\.{DNS_LABEL})*"
 # At most 63 characters: the name part of label keys, annotation keys and resource names.
@@ -1127,8 +1134,9 @@ class BlendSpec(ApiModel):
 
     mode: BlendMode = Field(default=BlendMode.HOLE, strict=False)
     """hole: reuse every cached segment; prefix: stop at the first miss (CacheBlend); off."""
-    separator: str = Field(default=contract.DEFAULT_SEPARATOR, min_length=1, max_length=64)
-    """String between the system prompt, the documents and the question."""
+    separator: Separator = contract.DEFAULT_SEPARATOR
+    """String between the system prompt, the documents and the question; it must contain a
+    visible character (the runtime refuses whitespace alone)."""
     check_layer: int = Field(default=contract.DEFAULT_CHECK_LAYER, ge=1, le=255)
     """Layer at which the tokens whose K and V deviate most are selected for recompute
     (>= 1: K at layer 0 depends only on the token and its position). The layers up to it
