@@ -25,11 +25,13 @@ RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
     "kopf==1.45.2" "kubernetes==37.0.2" "prometheus-client==0.26.0"
 
 # vLLM images bring torch, transformers, safetensors, prometheus-client, pydantic and
-# PyYAML: our wheel goes in without dependencies so vLLM's pins stay as they are. Its
+# PyYAML: our wheel goes in without dependencies so vLLM's pins stay as they are, and the
+# connector's own needs beside vLLM (pyproject's `connector` extra) by name. Its
 # vllm.general_plugins entry point hands the loaded model to the connector.
 FROM ${VLLM_CUDA_IMAGE} AS runtime-cuda
 COPY --from=wheel /wheels/holeblend-*.whl /tmp/
 RUN python3 -m pip install --no-cache-dir --no-deps /tmp/holeblend-*.whl \
+ && python3 -m pip install --no-cache-dir "msgpack==1.2.4" "redis==8.1.0" "hiredis==3.5.0" "xxhash==4.1.0" \
  && rm /tmp/holeblend-*.whl \
  && useradd -l --uid 10001 --create-home holeblend
 ENV HOME=/home/holeblend HF_HOME=/home/holeblend/.cache/huggingface
@@ -42,12 +44,14 @@ ENTRYPOINT ["vllm"]
 FROM ${VLLM_ASCEND_IMAGE}:${VLLM_ASCEND_VERSION} AS runtime-ascend-a2
 COPY --from=wheel /wheels/holeblend-*.whl /tmp/
 RUN python3 -m pip install --no-cache-dir --no-deps /tmp/holeblend-*.whl \
+ && python3 -m pip install --no-cache-dir "msgpack==1.2.4" "redis==8.1.0" "hiredis==3.5.0" "xxhash==4.1.0" \
  && rm /tmp/holeblend-*.whl
 ENTRYPOINT ["vllm"]
 
 FROM ${VLLM_ASCEND_IMAGE}:${VLLM_ASCEND_VERSION}-a3 AS runtime-ascend-a3
 COPY --from=wheel /wheels/holeblend-*.whl /tmp/
 RUN python3 -m pip install --no-cache-dir --no-deps /tmp/holeblend-*.whl \
+ && python3 -m pip install --no-cache-dir "msgpack==1.2.4" "redis==8.1.0" "hiredis==3.5.0" "xxhash==4.1.0" \
  && rm /tmp/holeblend-*.whl
 ENTRYPOINT ["vllm"]
 
