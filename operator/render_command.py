@@ -96,7 +96,8 @@ def _parse_yaml(filename: str, text: str) -> list:
 
 def _blend_deployment(where: str, document) -> BlendDeployment:
     _check_kind(where, document)
-    name = (document.get("metadata") or {}).get("name", "?")
+    metadata = document.get("metadata")
+    name = metadata.get("name", "?") if isinstance(metadata, dict) else "?"
     try:
         bd = BlendDeployment.model_validate(document)
     except ValidationError as exc:

@@ -232,11 +232,40 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error(f"{others[0]}: not part of the quality sweep; run it without --quality")
     if args.profile_trace is not None and not args.profile:
         parser.error("--profile-trace: traces the --profile prefills; add --profile")
+    if args.threads < 1:
+        parser.error(f"--threads: must be >= 1, got {args.threads}")
+    if (problem := _device_problem(args.device)) is not None:
+        parser.error(f"--device: {problem}")
+    if args.png is not None:  # before the sweep, not after it
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error(
+                "--png: the frontier plot needs matplotlib (pip install matplotlib, or "
+                "holeblend's dev extra)"
+            )
     preset = QUICK if args.quick else DEFAULTS
     for name, value in preset.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     return args
+
+
+def _device_problem(name: str) -> str | None:
+    """Why torch cannot run on device `name`, or None: checked before anything loads."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as error:
+        return f"{name!r} is not a torch device ({str(error).splitlines()[0]})"
+    if device.type not in ("cuda", "npu"):
+        return None
+    backend = getattr(torch, device.type, None)  # torch.npu exists once torch_npu is loaded
+    if backend is None or not backend.is_available():
+        return f"{name!r}: no {device.type} device is available here"
+    count = backend.device_count()
+    if device.index is not None and device.index >= count:
+        return f"{name!r}: this machine has {count} {device.type} device(s)"
+    return None
 
 
 def bench_config(args: argparse.Namespace) -> BenchConfig:

@@ -21,8 +21,51 @@ from holeblend_runtime.lookup_server.wire import Limits
 ENV_PREFIX = "HOLEBLEND_LOOKUP_"
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class _FromEnv(str):
+    """A default read from `HOLEBLEND_LOOKUP_<FLAG>`: argparse converts it with the flag's
+    type (only when the flag is not given), and an error names the variable."""
+
+    variable: str
+
+
+def _env_name(flag: str) -> str:
+    return ENV_PREFIX + flag.upper().replace("-", "_")
+
+
 def _env_default(flag: str, default: object) -> object:
-    return os.environ.get(ENV_PREFIX + flag.upper().replace("-", "_"), default)
+    value = os.environ.get(_env_name(flag))
+    if value is None:
+        return default
+    text = _FromEnv(value)
+    text.variable = _env_name(flag)
+    return text
+
+
+def _checked(convert, check, expected: str):
+    """An argparse type: `convert`, then `check`; else an error that names what was
+    expected, and the environment variable when the value came from one."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not check(value):
+            where = f"{text.variable}={text!r}" if isinstance(text, _FromEnv) else repr(text)
+            raise argparse.ArgumentTypeError(f"{where}: expected {expected}")
+        return value
+
+    return parse
+
+
+_PORT = _checked(int, lambda v: 1 <= v <= 65535, "an integer port in 1..65535")
+_POSITIVE_INT = _checked(int, lambda v: v >= 1, "an integer >= 1")
+_POSITIVE_FLOAT = _checked(float, lambda v: 0 < v < float("inf"), "a number of seconds > 0")
+_NON_NEGATIVE_FLOAT = _checked(float, lambda v: 0 <= v < float("inf"), "a number of seconds >= 0")
+_LOG_LEVEL = _checked(str.upper, lambda v: v in LOG_LEVELS, "one of " + ", ".join(LOG_LEVELS))
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -34,62 +77,80 @@ def serve_parser() -> argparse.ArgumentParser:
     defaults_index, defaults_limits, defaults = IndexLimits(), Limits(), ServerConfig()
     for flag, kind, default, help_text in (
         ("host", str, "127.0.0.1", "address to listen on"),
-        ("port", int, 8100, "port of the API, /metrics, /healthz and /ready"),
-        ("max-entries", int, defaults_index.max_entries, "segments the index holds at most (LRU)"),
-        ("max-bytes", int, defaults_index.max_bytes, "KV bytes the index tracks at most (LRU)"),
+        ("port", _PORT, 8100, "port of the API, /metrics, /healthz and /ready"),
+        (
+            "max-entries",
+            _POSITIVE_INT,
+            defaults_index.max_entries,
+            "segments the index holds at most (LRU)",
+        ),
+        (
+            "max-bytes",
+            _POSITIVE_INT,
+            defaults_index.max_bytes,
+            "KV bytes the index tracks at most (LRU)",
+        ),
         (
             "pod-timeout",
-            float,
+            _POSITIVE_FLOAT,
             defaults_index.pod_timeout_s,
             "seconds without a heartbeat before a pod is dropped",
         ),
-        ("max-keys", int, defaults_limits.max_keys, "keys in one lookup or evict request at most"),
+        (
+            "max-keys",
+            _POSITIVE_INT,
+            defaults_limits.max_keys,
+            "keys in one lookup or evict request at most",
+        ),
         (
             "max-body-bytes",
-            int,
+            _POSITIVE_INT,
             defaults_limits.max_body_bytes,
             "bytes of one request body at most",
         ),
         (
             "drain-seconds",
-            float,
+            _NON_NEGATIVE_FLOAT,
             defaults.drain_s,
             "seconds between SIGTERM (failing /ready) and exit",
         ),
         (
             "header-timeout",
-            float,
+            _POSITIVE_FLOAT,
             defaults.header_timeout_s,
             "seconds from a request's first byte until its head must be complete (else 408, close)",
         ),
         (
             "body-timeout",
-            float,
+            _POSITIVE_FLOAT,
             defaults.body_timeout_s,
             "seconds from the end of a request's head until its body must be complete (else 408)",
         ),
         (
             "idle-timeout",
-            float,
+            _POSITIVE_FLOAT,
             defaults.idle_timeout_s,
             "seconds a kept-alive connection with no request in progress stays open",
         ),
         (
             "write-timeout",
-            float,
+            _POSITIVE_FLOAT,
             defaults.write_timeout_s,
             "seconds a client may leave its replies unread before it is disconnected",
         ),
         (
             "max-buffer-bytes",
-            int,
+            _POSITIVE_INT,
             defaults.max_buffer_bytes,
             "request bytes buffered across all connections at most (else 503)",
         ),
-        ("log-level", str, "INFO", "logging level"),
+        ("log-level", _LOG_LEVEL, "INFO", "logging level: " + ", ".join(LOG_LEVELS)),
     ):
         parser.add_argument(
-            f"--{flag}", type=kind, default=kind(_env_default(flag, default)), help=help_text
+            f"--{flag}",
+            type=kind,
+            default=_env_default(flag, default),
+            help=f"{help_text} (env {_env_name(flag)})",
         )
     return parser
 

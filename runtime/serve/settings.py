@@ -8,6 +8,7 @@ settings (separator, ratio, ...) are not flags: they come from the `blend.json` 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -50,6 +51,12 @@ class ServeSettings:
 
     def __post_init__(self) -> None:
         _at_least("port", self.port, 0)
+        if self.port > 65535:
+            raise ValueError(f"--port: must be <= 65535, got {self.port}")
+        levels = logging.getLevelNamesMapping()
+        if not isinstance(self.log_level, str) or self.log_level.upper() not in levels:
+            names = ", ".join(sorted(name for name in levels if name != "NOTSET"))
+            raise ValueError(f"--log-level: must be one of {names}, got {self.log_level!r}")
         _at_least("queue_size", self.queue_size, 1)
         if self.max_batch < 1:
             raise ValueError(
@@ -62,12 +69,12 @@ class ServeSettings:
             "idle_timeout", "shutdown_timeout",
         ):  # fmt: skip
             if not getattr(self, name) > 0:
-                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+                raise ValueError(f"{_flag(name)}: must be > 0, got {getattr(self, name)}")
 
 
 def _at_least(name: str, value: int, low: int) -> None:
     if value < low:
-        raise ValueError(f"{name}: must be >= {low}, got {value}")
+        raise ValueError(f"{_flag(name)}: must be >= {low}, got {value}")
 
 
 def _flag(name: str) -> str:

@@ -83,6 +83,10 @@ BROKEN = {
     ),
     "not-a-mapping": ("- just\n- a list\n", "expected a Kubernetes object"),
     "empty": ("# nothing here\n", "no BlendDeployment found"),
+    "metadata-not-a-mapping": (
+        "apiVersion: blend.holeblend.io/v1alpha1\nkind: BlendDeployment\nmetadata: rag\nspec: {}\n",
+        "BlendDeployment '?'",
+    ),
     "second-document-bad": (
         f"{VALID}---\n{VALID.replace('replicas: 1', 'replicas: -1')}",
         "(document 2)",

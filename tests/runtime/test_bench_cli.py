@@ -1,6 +1,9 @@
 """Command-line options of holeblend-bench (no model involved)."""
 
+import sys
+
 import pytest
+import torch
 
 from holeblend_runtime.bench.cli import QUICK, bench_config, blend_config, parse_args
 
@@ -99,3 +102,49 @@ def test_busy_share_writes_no_trace_without_a_gpu(tmp_path, monkeypatch):
     calls = []
     share = device_timing.busy_share(lambda: calls.append(1), trace=tmp_path / "hole.json")
     assert share["busy_share"] is None and calls == [] and not (tmp_path / "hole.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--threads", "0"], "--threads: must be >= 1, got 0"),
+        (["--threads", "-3"], "--threads: must be >= 1, got -3"),
+        (["--device", "bogus"], "--device: 'bogus' is not a torch device"),
+        (["--device", "cuda:x"], "--device: 'cuda:x' is not a torch device"),
+    ],
+)
+def test_bad_threads_and_devices_exit_2_before_anything_loads(argv, message, capsys):
+    with pytest.raises(SystemExit) as caught:
+        parse_args(["--quick", *argv])
+    assert caught.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device", ["cuda", "npu"])
+def test_an_accelerator_that_is_not_here_exits_2(device, monkeypatch, capsys):
+    backend = getattr(torch, device, None)
+    if backend is not None:
+        monkeypatch.setattr(backend, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as caught:
+        parse_args(["--device", device])
+    assert caught.value.code == 2
+    # Without torch_npu, torch does not even parse "npu"; either way the flag is named.
+    assert f"--device: '{device}'" in capsys.readouterr().err
+
+
+def test_a_cuda_index_past_the_last_gpu_exits_2(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SystemExit) as caught:
+        parse_args(["--device", "cuda:1"])
+    assert caught.value.code == 2
+    assert "this machine has 1 cuda device(s)" in capsys.readouterr().err
+    assert parse_args(["--device", "cuda:0"]).device == "cuda:0"
+
+
+def test_png_without_matplotlib_exits_2_before_the_sweep(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises
+    with pytest.raises(SystemExit) as caught:
+        parse_args(["--quality", "--png", str(tmp_path / "frontier.png")])
+    assert caught.value.code == 2
+    assert "--png: the frontier plot needs matplotlib" in capsys.readouterr().err

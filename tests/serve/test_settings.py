@@ -42,7 +42,11 @@ def test_a_flag_wins_over_the_environment():
     ("argv", "environ", "message"),
     [
         ([], {}, "--config is required"),
-        (["--config", "c", "--queue-size", "0"], {}, "queue_size: must be >= 1"),
+        (["--config", "c", "--queue-size", "0"], {}, "--queue-size: must be >= 1"),
+        (["--config", "c", "--port", "70000"], {}, "--port: must be <= 65535"),
+        (["--config", "c", "--log-level", "verbose"], {}, "--log-level: must be one of"),
+        (["--config", "c"], {"HOLEBLEND_SERVE_LOG_LEVEL": "loud"}, "--log-level: must be one of"),
+        (["--config", "c", "--drain-timeout", "0"], {}, "--drain-timeout: must be > 0"),
         (["--config", "c", "--max-batch", "0"], {}, "--max-batch: must be >= 1"),
         (["--config", "c"], {"HOLEBLEND_SERVE_MAX_BATCH": "-2"}, "--max-batch: must be >= 1"),
         (["--config", "c", "--max-batch", "two"], {}, "--max-batch: invalid int value"),
