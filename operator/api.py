@@ -548,7 +548,8 @@ class ModelSpec(ApiModel):
     """The served model."""
 
     name: str = Field(min_length=1, max_length=253)
-    """Model identity, e.g. Qwen/Qwen3-8B; part of every KV cache key."""
+    """Model identity, e.g. Qwen/Qwen3-8B; part of every KV cache key, with the weights'
+    path: new weights at the same path need a new name, or they reuse the old ones' KV."""
     served_name: str | None = Field(default=None, min_length=1, max_length=253)
     """Name clients use in the OpenAI API; defaults to `name`."""
     source: ModelSource
@@ -771,7 +772,8 @@ class EngineSpec(ApiModel):
     """Port of the KV connector's holeblend_* metrics on vLLM pods (vLLM's own stay on
     `port`); CPU pods (holeblend-serve) export everything on `port`."""
     shm_size: ByteCount = "8Gi"
-    """Size of the in-memory /dev/shm volume (tensor-parallel workers share memory)."""
+    """Size of the in-memory /dev/shm volume (tensor-parallel workers share memory); vLLM
+    pods keep their KV tier on a volume of its own, sized by blend.kv.localCpuBytes."""
     pod_labels: dict[LabelKey, LabelValue] = Field(
         default_factory=dict, max_length=32, json_schema_extra=_NO_OPERATOR_KEYS
     )
@@ -1034,8 +1036,11 @@ class KVTiers(ApiModel):
     check_rules = cel_validator(*_KV_RULES)
 
     local_cpu_bytes: ByteCount = f"{contract.DEFAULT_LOCAL_CPU_BYTES >> 30}Gi"
-    """Byte budget of each engine pod's own tier (holeblend-serve: in-process; vLLM pods: the
-    node directory); least recently used segments are evicted."""
+    """Byte budget of each engine pod's own tier, in memory (holeblend-serve: in-process;
+    vLLM pods: a memory-backed volume of its own, this size plus 256Mi of headroom);
+    counts against engine.resources.limits.memory, so it must be below that limit. Least
+    recently used segments are evicted. 0: no tier of the pod's own (only the shared tier,
+    if any)."""
     admission: Admission = Field(default=Admission.FREQUENCY, strict=False)
     """Which segments that tier keeps once full. frequency: new segments enter a window of
     the most recently used bytes; what leaves the window stays only if it was asked for
@@ -1344,6 +1349,28 @@ _CPU_COMPUTES_IN_FLOAT32 = CelRule(
 )
 
 
+def _kv_tier_below_memory_limit(spec) -> bool:
+    memory = spec.engine.resources.limits.get("memory")
+    return memory is None or quantity_value(spec.blend.kv.local_cpu_bytes) < quantity_value(memory)
+
+
+# The pod's own KV tier is memory (holeblend-serve's process; vLLM pods' memory-backed
+# volume), charged to the engine container's memory limit: a budget at or above the limit
+# gets the pod OOM-killed as the cache fills, long after it started.
+_KV_TIER_BELOW_MEMORY_LIMIT = CelRule(
+    rule="!has(self.engine.resources.limits) || !('memory' in self.engine.resources.limits) || "
+    + _QUANTITY_CEL.format("self.blend.kv.localCpuBytes")
+    + ".compareTo("
+    + _QUANTITY_CEL.format("self.engine.resources.limits['memory']")
+    + ") < 0",
+    message="blend.kv.localCpuBytes must be below engine.resources.limits.memory: the pod's "
+    "KV tier is held in memory and counts against that limit; lower localCpuBytes or raise "
+    "the limit, leaving room for the engine itself",
+    check=_kv_tier_below_memory_limit,
+    field_path=".blend.kv.localCpuBytes",
+)
+
+
 class BlendDeploymentSpec(ApiModel):
     """Desired state of a BlendDeployment."""
 
@@ -1354,11 +1381,12 @@ class BlendDeploymentSpec(ApiModel):
             _STORE_DTYPE_NARROWER,
             _NO_IDLE_DEVICES,
             _CPU_COMPUTES_IN_FLOAT32,
+            _KV_TIER_BELOW_MEMORY_LIMIT,
         )
     )
     check_rules = cel_validator(
         _TP_FITS, _RATIO_IN_BOUNDS, _STORE_DTYPE_NARROWER, _NO_IDLE_DEVICES,
-        _CPU_COMPUTES_IN_FLOAT32,
+        _CPU_COMPUTES_IN_FLOAT32, _KV_TIER_BELOW_MEMORY_LIMIT,
     )  # fmt: skip
 
     model: ModelSpec

@@ -11,6 +11,7 @@ from holeblend_operator.api import (
     EnvVar,
     ModelSource,
 )
+from holeblend_operator.quantity import quantity_bytes
 from holeblend_operator.render import accelerator as accel
 from holeblend_operator.render import serve
 from holeblend_operator.render.images import engine_image
@@ -21,11 +22,21 @@ from holeblend_operator.render.runtime_config import (
     CONFIG_DIR,
     CONFIG_PATH,
     config_hash,
+    runs_vllm_with_connector,
     scores_quality_proxies,
 )
 from holeblend_operator.render.shared_tier import shared_tier_env
 
 MODEL_DIR = "/models"
+# vLLM pods' own KV tier (the connector's directory, one file per segment): a memory-backed
+# volume of its own, sized for blend.kv.localCpuBytes (`kv_volume_size`), apart from
+# /dev/shm, which vLLM's workers use and which engine.shmSize sizes.
+KV_VOLUME = "kv-cache"
+KV_DIR = "/var/cache/holeblend/kv"
+# Room on that volume beyond the budget: the directory makes room before each write, but
+# tensor-parallel ranks write their shards at once (a rank that still finds the volume
+# full evicts more, never fails the request).
+KV_VOLUME_HEADROOM_BYTES = 256 << 20
 CONFIG_HASH_ANNOTATION = "blend.holeblend.io/runtime-config-hash"
 # The KV-connector contract with the runtime: vLLM imports the class from this module.
 CONNECTOR_CLASS = "HoleBlendConnector"
@@ -79,12 +90,16 @@ def kv_transfer_config(
     blend_step_tokens: int | None = None,
     shadow_chunk_tokens: int | None = None,
     lookup_deadline_ms: int | None = None,
+    kv_dir: str | None = KV_DIR,
 ) -> str:
-    """vLLM's --kv-transfer-config: our connector, which reads the blend settings file;
+    """vLLM's --kv-transfer-config: our connector, which reads the blend settings file and
+    keeps its KV tier in `kv_dir` (None: the connector's default, under /dev/shm);
     `blend_step_tokens` (spec.engine.blendStepTokens) and `lookup_deadline_ms`
     (spec.engine.lookupDeadlineMs) when set; `shadow_chunk_tokens`
     (spec.tuning.shadowChunkTokens) while the pods score the quality proxies."""
     extra: dict[str, object] = {"holeblend_config": CONFIG_PATH}
+    if kv_dir is not None:
+        extra["kv_dir"] = kv_dir
     if blend_step_tokens is not None:
         extra["blend_step_tokens"] = blend_step_tokens
     if lookup_deadline_ms is not None:
@@ -226,10 +241,31 @@ def engine_volume_mounts(bd: BlendDeployment) -> list[dict]:
     return [
         {"name": "runtime-config", "mountPath": CONFIG_DIR, "readOnly": True},
         {"name": "shm", "mountPath": "/dev/shm"},
+        *kv_volume_mounts(bd),
         *model_volume_mounts(bd.spec.model.source),
         *accel.host_volume_mounts(bd),
         *accel.scratch_volume_mounts(bd.spec.accelerator),
     ]
+
+
+def kv_volume_size(bd: BlendDeployment) -> str:
+    """sizeLimit of vLLM pods' KV volume: blend.kv.localCpuBytes plus
+    KV_VOLUME_HEADROOM_BYTES, in whole MiB. The kubelet mounts a memory-backed emptyDir as a
+    tmpfs of that size, and its pages count against the pod's memory limit."""
+    budget = quantity_bytes(bd.spec.blend.kv.local_cpu_bytes, "spec.blend.kv.localCpuBytes")
+    return f"{-(-(budget + KV_VOLUME_HEADROOM_BYTES) // (1 << 20))}Mi"
+
+
+def kv_volume_mounts(bd: BlendDeployment) -> list[dict]:
+    if not runs_vllm_with_connector(bd):  # holeblend-serve keeps its tier in-process
+        return []
+    return [{"name": KV_VOLUME, "mountPath": KV_DIR}]
+
+
+def kv_volumes(bd: BlendDeployment) -> list[dict]:
+    if not runs_vllm_with_connector(bd):
+        return []
+    return [{"name": KV_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": kv_volume_size(bd)}}]
 
 
 def engine_volumes(bd: BlendDeployment) -> list[dict]:
@@ -238,6 +274,7 @@ def engine_volumes(bd: BlendDeployment) -> list[dict]:
     return [
         {"name": "runtime-config", "configMap": config},
         {"name": "shm", "emptyDir": shm},
+        *kv_volumes(bd),
         *model_volumes(bd.spec.model.source),
         *accel.host_volumes(bd),
         *accel.scratch_volumes(bd.spec.accelerator),

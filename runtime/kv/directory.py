@@ -18,7 +18,13 @@ worker's load agree without a server. Implements `KVStore`:
    Whether the values are finite is checked once, by `put`, and kept in the file's
    metadata (`SegmentKV.is_finite`), so readers do not scan every value on every reuse.
 3. The byte budget is kept by removing the least recently used files (a hit refreshes
-   the file's modification time) after each `put`. With an admission policy
+   the file's modification time) before each `put` writes (room for the new file) and
+   after it (files other processes wrote meanwhile). A volume that fills up before the
+   budget does (ENOSPC: a tmpfs smaller than the budget, or shared with other files)
+   costs older segments until the new one fits; one that does not fit the emptied
+   volume is not stored here (`num_write_failures`), and the caller goes on (the shared
+   tier is still written). With
+   an admission policy
    (`holeblend_runtime.kv.admission`), a `put` into a full directory first asks whether
    the segment may evict the files it would; a refused segment is not written. The policy
    counts the uses of the process that reads and writes (a vLLM pod's worker), not those
@@ -28,6 +34,7 @@ worker's load agree without a server. Implements `KVStore`:
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import tempfile
@@ -54,6 +61,11 @@ _PARTIAL = ".partial"
 # Seconds after which a temporary file is taken as left by a writer that died (a write
 # of the largest segment takes well under a second on a tmpfs).
 STALE_PARTIAL_S = 60.0
+# A full volume (tmpfs at its size limit, a quota): evict and retry once, then skip the
+# segment; any other write error is raised.
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+# Room beyond a file's bytes its write needs on a volume (block rounding, metadata).
+_SLACK_BYTES = 64 * 1024
 # Temporary files of earlier versions: their own (`mkstemp`) and safetensors' `save_file`'s.
 _LEGACY_TEMPORARY = ("tmp*.tmp", ".tmp*")
 
@@ -76,6 +88,8 @@ class DirectoryKVStore:
         self.num_corrupt = 0
         # Segments the admission rule kept out.
         self.num_refused = 0
+        # Segments not written because the volume was full even after evicting for them.
+        self.num_write_failures = 0
         self._temporary_bytes(remove_stale=True)
         # Files held when last counted (the admission's halving period; no listing per hit).
         self._num_files = len(self) if admission is not None else 0
@@ -128,22 +142,67 @@ class DirectoryKVStore:
         is_finite = finite_flags([kv])[0]
         metadata = {"key": kv.key, "model_id": kv.model_id, _FINITE_KEY: str(is_finite).lower()}
         data = save({n: t.detach().cpu() for n, t in tensors.items()}, metadata)
-        handle, temporary = tempfile.mkstemp(dir=self.root, prefix=f".{kv.key}.", suffix=_PARTIAL)
+        # Room is made before the write, so the directory stays within its budget (the
+        # volume under it is sized for the budget plus little more).
+        for key in evicted:
+            self.remove(key)
+        self._evict(incoming=(kv.key, len(data)))
+        if not self._write_making_room(kv.key, data):
+            self.num_write_failures += 1
+            log.warning(
+                "KV directory %s is full; segment %s not stored here (files hold %d bytes of "
+                "the budget's %d: the volume is smaller than the budget or shared with other "
+                "files)",
+                self.root, kv.key, self.num_bytes, self.capacity_bytes,
+            )  # fmt: skip
+            return False
+        self._evict()
+        return True
+
+    def _write_making_room(self, key: str, data: bytes) -> bool:
+        """Write `data` under `key`; while the volume is full (ENOSPC, a quota), remove the
+        least recently used other segments (at least one per try, until the volume reports
+        room for `data`) and write again. False when none is left to remove. Any other
+        write error is raised."""
+        while True:
+            try:
+                self._write(key, data)
+                return True
+            except OSError as error:
+                if error.errno not in _FULL_ERRNOS:
+                    raise
+            if not self._free_volume(key, len(data)):
+                return False
+
+    def _free_volume(self, key: str, num_bytes: int) -> bool:
+        """Remove least recently used segments other than `key`: at least one, then until
+        the volume has `num_bytes` available (plus `_SLACK_BYTES` for block rounding).
+        False when there was none to remove."""
+        files = [p for p in self._files_by_age() if p.name != self.path(key).name]
+        for i, path in enumerate(files):
+            path.unlink(missing_ok=True)
+            if i == len(files) - 1 or self._available_bytes() >= num_bytes + _SLACK_BYTES:
+                return True
+        return False
+
+    def _available_bytes(self) -> int:
+        stats = os.statvfs(self.root)
+        return stats.f_bavail * stats.f_frsize
+
+    def _write(self, key: str, data: bytes) -> None:
+        """`data` under `key`'s file name through a temporary file (removed on failure)."""
+        handle, temporary = tempfile.mkstemp(dir=self.root, prefix=f".{key}.", suffix=_PARTIAL)
         try:
             with os.fdopen(handle, "wb") as file:
                 file.write(data)
-            os.replace(temporary, self.path(kv.key))
+            os.replace(temporary, self.path(key))
         finally:
             Path(temporary).unlink(missing_ok=True)
-        for key in evicted:
-            self.remove(key)
-        self._evict()
-        return True
 
     def _admission_evictions(self, kv: SegmentKV) -> list[str] | None:
         """Count the use; the files the admission rule evicts for `kv` (their sizes less
         the new file's few header bytes; None: `kv` is refused). Without a rule, none:
-        `_evict` removes the least recently used after the write."""
+        `_evict` removes the least recently used before the write."""
         if self.admission is None:
             return []
         entries = [(p.name.removesuffix(_SUFFIX), _size(p)) for p in self._files_by_age()]
@@ -180,12 +239,15 @@ class DirectoryKVStore:
         files = [(p, _mtime(p)) for p in self.root.glob(f"*{_SUFFIX}")]
         return [p for p, mtime in sorted(files, key=lambda f: f[1]) if mtime is not None]
 
-    def _evict(self) -> None:
+    def _evict(self, incoming: tuple[str, int] | None = None) -> None:
         """Remove stale temporary files, then the least recently used files until the
-        stored files and the temporary files being written fit the budget."""
+        stored files, the temporary files being written and `incoming` (a key about to be
+        written and its file's bytes; the file it replaces does not count) fit the budget."""
         temporary = self._temporary_bytes(remove_stale=True)
         files = self._files_by_age()
-        total = temporary + sum(_size(p) for p in files)
+        if incoming is not None:
+            files = [p for p in files if p.name != self.path(incoming[0]).name]
+        total = temporary + sum(_size(p) for p in files) + (incoming[1] if incoming else 0)
         for path in files:
             if total <= self.capacity_bytes:
                 break

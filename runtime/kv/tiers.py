@@ -220,8 +220,10 @@ class TieredKVStore:
         return found
 
     def put(self, kv: SegmentKV) -> bool:
-        """Store in the local and shared tiers, then admit to the lookup server."""
-        is_local = self.local.put(kv)
+        """Store in the local and shared tiers, then admit to the lookup server. A local
+        tier that cannot write (a read-only or vanished directory) does not keep the
+        segment from the shared tier."""
+        is_local = self._put_local(kv)
         is_shared = self.shared is not None and self.shared.put_pieces(
             kv.key, kv_blob_pieces(kv, self.shared.deployment)
         )
@@ -256,9 +258,18 @@ class TieredKVStore:
             return None
         kv = _payload_to_kv(*checked)
         self.stats.shared_hits += 1
-        if self.local.put(kv):
+        if self._put_local(kv):
             self._announce(kv, shared=True)
         return kv
+
+    def _put_local(self, kv: SegmentKV) -> bool:
+        """`local.put`; False when the local tier cannot write (logged): the segment still
+        goes to (or came from) the shared tier."""
+        try:
+            return self.local.put(kv)
+        except OSError as error:
+            log.warning("local KV tier failed to store %s: %s", kv.key, error)
+            return False
 
     def _load_failed(self, key: str, is_gone: bool) -> None:
         """An advertised segment did not load: it is computed. When Redis said it is gone

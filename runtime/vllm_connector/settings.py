@@ -13,7 +13,8 @@ times layers over the model's layers) while the request waits; unset: an eighth 
 `max_num_batched_tokens` (`step_tokens`); 0: each blend runs whole, synchronously, before
 its step's forward. When blend.json
 names a shared tier (`kv.sharedUrl`) or a lookup server (`lookupServerUrl`), that
-directory is the local tier of a `TieredKVStore` over them.
+directory is the local tier of a `TieredKVStore` over them. Its `model.name` is part of
+the model id of segment keys (`model_name`).
 Without a settings file the contract's defaults apply.
 """
 
@@ -49,9 +50,13 @@ class ConnectorSettings:
     # hole | prefix (standard CacheBlend) | off (the connector provides nothing).
     mode: str = "hole"
     blend: BlendConfig = field(default_factory=BlendConfig)
+    # blend.json's model.name, part of the model id every segment key names (with the
+    # weights vLLM serves; connector.segment_keyer); None without a settings file.
+    model_name: str | None = None
     # Directory of the segment KV tier (one file per segment key).
     kv_dir: Path = Path(DEFAULT_KV_DIR)
-    # Byte budget of that directory (blend.json's kv.localCpuBytes).
+    # Byte budget of that directory (blend.json's kv.localCpuBytes; its 0, no tier of the
+    # pod's own, is 1: no segment fits, the shared tier alone serves).
     kv_bytes: int = contract.DEFAULT_LOCAL_CPU_BYTES
     # Which segments that directory takes in once full (blend.json's kv.admission); only
     # the workers, which read and write it, apply it.
@@ -120,8 +125,10 @@ def load_settings(extra_config: Mapping[str, Any]) -> ConnectorSettings:
     return ConnectorSettings(
         mode=settings.mode.value,
         blend=from_settings(settings),
+        model_name=settings.model.name,
         kv_dir=kv_dir,
-        kv_bytes=settings.kv.local_cpu_bytes or contract.DEFAULT_LOCAL_CPU_BYTES,
+        # 0 (no tier of the pod's own) as holeblend-serve reads it: nothing fits.
+        kv_bytes=max(settings.kv.local_cpu_bytes, 1),
         kv_admission=settings.kv.admission,
         config_path=Path(path),
         shared_url=settings.kv.shared_url,

@@ -171,7 +171,9 @@ def test_hugepages_need_cpu_or_memory():
     assert "HugePages require cpu or memory" in " ".join(kube_rules.resources_problems(alone))
     with_cpu = {"requests": {"cpu": "1", **alone["requests"]}, "limits": alone["limits"]}
     assert_accepted(manifest(engine__resources=with_cpu))
-    assert_accepted(manifest(engine__resources=_resources(**{"hugepages-1Gi": "2Gi", "memory": 1})))
+    assert_accepted(
+        manifest(engine__resources=_resources(**{"hugepages-1Gi": "2Gi", "memory": "8Gi"}))
+    )
 
 
 # Images: no leading or trailing whitespace (Go's unicode.IsSpace).
@@ -393,8 +395,8 @@ def test_extended_resource_prefixes_leave_room_for_the_quota_name():
 
 
 def test_an_integral_float_quantity_is_an_integer():
-    bd = assert_accepted(manifest(engine__resources={"limits": {"memory": 2.0 * 2**30}}))
-    assert bd.spec.engine.resources.limits["memory"] == str(2**31)
+    bd = assert_accepted(manifest(engine__resources={"limits": {"memory": 8.0 * 2**30}}))
+    assert bd.spec.engine.resources.limits["memory"] == str(2**33)
 
 
 @pytest.mark.parametrize("name", ["rag-", "Rag", "a..b", "a" * 254])

@@ -490,6 +490,53 @@ def test_every_engine_gets_a_memory_backed_shm_of_the_configured_size(accelerato
     assert {"name": "shm", "mountPath": "/dev/shm"} in pod["containers"][0]["volumeMounts"]
 
 
+@pytest.mark.parametrize(
+    ("budget", "size"), [("16Gi", "16640Mi"), ("1000000", "257Mi"), (0, "256Mi")]
+)
+def test_vllm_pods_keep_their_kv_tier_on_a_memory_volume_of_its_own_sized_by_the_budget(
+    budget, size, monkeypatch
+):
+    """The connector's directory lived under /dev/shm, sized by engine.shmSize (8Gi by
+    default) whatever blend.kv.localCpuBytes said: a 16Gi budget filled the tmpfs half way
+    and every later store failed. It now has a volume of its own, the budget plus headroom,
+    mounted where the connector (reading the rendered --kv-transfer-config) keeps it."""
+    from holeblend_runtime.vllm_connector.settings import load_settings
+
+    bd = make_bd(blend={"kv": {"localCpuBytes": budget}})
+    pod = engine_pod(bd)["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "kv-cache")
+    assert volume["emptyDir"] == {"medium": "Memory", "sizeLimit": size}
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "kv-cache")
+    args = pod["containers"][0]["args"]
+    extra = yaml.safe_load(args[args.index("--kv-transfer-config") + 1])
+    monkeypatch.delenv("HOLEBLEND_CONFIG", raising=False)
+    settings = load_settings(extra["kv_connector_extra_config"] | {"holeblend_config": None})
+    assert str(settings.kv_dir) == mount["mountPath"] != "/dev/shm"
+    assert not str(settings.kv_dir).startswith("/dev/shm/")
+    # holeblend-serve keeps its tier in its process; plain vLLM (blending off) has none.
+    for other in (make_bd(accelerator={"type": "cpu", "count": 0}), make_bd(blend={"mode": "off"})):
+        names = {v["name"] for v in engine_pod(other)["spec"]["volumes"]}
+        assert "kv-cache" not in names
+
+
+@pytest.mark.parametrize(
+    ("limit", "budget", "ok"),
+    [("48Gi", "16Gi", True), ("16Gi", "16Gi", False), ("4Gi", None, False), (None, "64Gi", True)],
+)
+def test_the_kv_budget_must_be_below_the_engines_memory_limit(limit, budget, ok):
+    """The pod's own tier is memory charged to the engine's limit: a budget at or above it
+    (the 4Gi default included) is refused, naming both fields; no limit, no check."""
+    engine = {} if limit is None else {"resources": {"limits": {"memory": limit}}}
+    blend = {} if budget is None else {"kv": {"localCpuBytes": budget}}
+    if ok:
+        make_bd(engine=engine, blend=blend)
+        return
+    with pytest.raises(
+        ValueError, match=r"localCpuBytes must be below engine.resources.limits.memory"
+    ):
+        make_bd(engine=engine, blend=blend)
+
+
 @pytest.mark.parametrize("accelerator", ["ascend", "nvidia", "cpu"])
 def test_default_engine_image_follows_the_accelerator(accelerator):
     count = 0 if accelerator == "cpu" else 1
@@ -547,6 +594,7 @@ def test_engine_serves_the_model_with_our_kv_connector():
     assert connector["kv_connector_module_path"] == "holeblend_runtime.vllm_connector"
     assert connector["kv_connector_extra_config"] == {
         "holeblend_config": "/etc/holeblend/blend.json",
+        "kv_dir": "/var/cache/holeblend/kv",
         "shadow_chunk_tokens": 128,  # the quality proxies are on by default
     }
     assert args[-2:] == ["--max-num-seqs", "8"]

@@ -265,3 +265,35 @@ def test_the_writers_resyncs_do_not_advertise_again_a_copy_another_pod_found_gon
     finally:
         a.close()
         b.close()
+
+
+def test_a_local_directory_that_cannot_write_keeps_nothing_from_the_shared_tier(
+    redis_server, lookup_server, tmp_path
+):
+    """A pod whose own directory tier fails to write (here: removed under it, as a wiped
+    volume is) still stores the segment in the shared tier and announces it, and a pod in
+    the same state still gets a segment it loaded from the shared tier."""
+    import shutil
+
+    from holeblend_runtime.kv.directory import DirectoryKVStore
+
+    def broken_pod(name: str) -> TieredKVStore:
+        local = DirectoryKVStore(tmp_path / name, 1 << 24)
+        settings = TierSettings(
+            1 << 24, redis_server.url, lookup_server.url, "ns/rag", name, **FAST
+        )
+        shutil.rmtree(local.root)
+        return open_tiered_store(settings, LAYOUT, local)
+
+    a, b = broken_pod("pod-a"), broken_pod("pod-b")
+    try:
+        kv = segment("doc1")
+        assert a.put(kv)
+        assert a.stats.shared_stores == 1
+        assert a.announcer.flush()
+        found = b.get("doc1")
+        assert found is not None and b.stats.shared_hits == 1
+        assert_same(found, kv)
+    finally:
+        a.close()
+        b.close()

@@ -135,6 +135,14 @@ def test_the_shadows_idle_floor_is_live_too(tmp_path):
     assert load_settings({"holeblend_config": str(path)}).shadow_idle_samples == 4
 
 
+def test_the_connector_settings_carry_the_model_name_its_keys_name(tmp_path):
+    """blend.json's model.name reaches the connector (its keys' model id); no file: none."""
+    path = tmp_path / "blend.json"
+    path.write_text(BlendSettings(model=ModelSettings(name="org/tuned")).to_json())
+    assert load_settings({"holeblend_config": str(path)}).model_name == "org/tuned"
+    assert load_settings({}).model_name is None
+
+
 def test_the_workers_directory_admits_as_blend_json_says_and_the_scheduler_never_refuses(
     tmp_path,
 ):
@@ -152,6 +160,25 @@ def test_the_workers_directory_admits_as_blend_json_says_and_the_scheduler_never
         assert settings.kv_admission is (admission or Admission.FREQUENCY)
         assert isinstance(open_store(settings, layout, is_worker=True).admission, expected)
         assert open_store(settings, layout, is_worker=False).admission is None
+
+
+def test_a_zero_local_budget_keeps_nothing_in_the_pods_directory_as_on_holeblend_serve(
+    tmp_path,
+):
+    """blend.kv.localCpuBytes 0 is documented as no tier of the pod's own; the connector
+    read it as its 4 GiB default and filled the pod's memory anyway."""
+    from holeblend_contract.blend_settings import KVSettings
+    from holeblend_runtime.kv.tiers import KVLayout
+    from holeblend_runtime.vllm_connector.store import open_store
+
+    path = tmp_path / "blend.json"
+    path.write_text(
+        BlendSettings(model=ModelSettings(name="m"), kv=KVSettings(local_cpu_bytes=0)).to_json()
+    )
+    settings = load_settings({"holeblend_config": str(path), "kv_dir": str(tmp_path / "kv")})
+    store = open_store(settings, KVLayout("m", "float32", 2, 2, 8), is_worker=True)
+    assert not store.put(_directory_entry("ab12", num_tokens=1))
+    assert len(store) == 0 and store.num_bytes == 0
 
 
 def test_a_newer_settings_format_is_refused_naming_the_key(tmp_path):
