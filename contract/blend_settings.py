@@ -217,7 +217,9 @@ class _Settings(BaseModel):
 
 
 class ModelSettings(_Settings):
-    # Model identity; part of every KV cache key.
+    # Model identity; part of every KV cache key, with the engine's identity of the weights
+    # it loaded (vLLM: path@revision; holeblend-serve: GGUF stem:size), as
+    # `holeblend_runtime.blend.keys.keyed_model_id` joins them.
     name: str = Field(min_length=1)
     # Name clients use in the OpenAI API (None: `name`).
     served_name: str | None = None

@@ -25,6 +25,8 @@ from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+# blend.json's model.name (part of the model id the connector keys and scopes by).
+MODEL_NAME = "SmolLM2-135M-Instruct"
 SEPARATOR = " # #"
 CONNECTOR = "HoleBlendConnector"
 CONNECTOR_MODULE = "holeblend_runtime.vllm_connector"
@@ -91,7 +93,7 @@ def blend_settings(
     """blend.json as the operator writes it (the shared contract's model)."""
     from holeblend_contract.blend_settings import BlendSettings, KVSettings, ModelSettings
 
-    model = ModelSettings(name="SmolLM2-135M-Instruct", dtype="float32")
+    model = ModelSettings(name=MODEL_NAME, dtype="float32")
     kv = KVSettings(shared_url=shared_url, store_dtype=store_dtype)
     return BlendSettings(
         model=model, separator=SEPARATOR, recompute_ratio=ratio, kv=kv,

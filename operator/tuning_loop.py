@@ -11,10 +11,11 @@ up; for each one:
    (first run, or a person edited spec.blend.recomputeRatio).
 3. The metrics come from Prometheus (spec.tuning.prometheusUrl) or, without one, from the
    ready engine pods' /metrics (`tuning_sources`; on vLLM pods, the connector's metrics
-   port); `tuner.decide` picks the ratio, on the shadow samples when enough came in, else
-   on the inline proxy. With blend.mode off nothing is blended, and with
-   spec.tuning.qualityProxies false nothing is scored: the law holds with
-   `NoQualityProxies`.
+   port, and for TTFT, which vLLM measures, vLLM's own /metrics on the engine's port:
+   `vllm:time_to_first_token_seconds`); `tuner.decide` picks the ratio, on the shadow
+   samples when enough came in, else on the inline proxy. With blend.mode off nothing is
+   blended, and with spec.tuning.qualityProxies false nothing is scored: the law holds
+   with `NoQualityProxies`.
 4. The decision goes into status under the owner's lock: recomputeRatio, tuning.baseRatio,
    the bounded history (a run of holds with the same reason is one entry, its time and
    numbers the latest), tuning.aboveTargetSince, the metrics, and the Tuned condition.
@@ -48,6 +49,7 @@ from holeblend_operator.api import (
 from holeblend_operator.host_paths import DEFAULT_HOST_PATH_PREFIXES, validation_context
 from holeblend_operator.render import engine_name, selector_string
 from holeblend_operator.render.engine import exports_connector_metrics
+from holeblend_operator.render.serve import runs_holeblend_serve
 from holeblend_operator.status import stamp_transitions
 from holeblend_operator.tuner import (
     INLINE,
@@ -58,7 +60,14 @@ from holeblend_operator.tuner import (
     decide,
     select_signal,
 )
-from holeblend_operator.tuning_sources import PrometheusSource, ScrapeSource, Target, failed
+from holeblend_operator.tuning_sources import (
+    TTFT,
+    VLLM_TTFT,
+    PrometheusSource,
+    ScrapeSource,
+    Target,
+    failed,
+)
 
 LOG = logging.getLogger(__name__)
 TICK_S = 1.0
@@ -87,6 +96,12 @@ def metrics_port(bd: BlendDeployment) -> int:
     vLLM with the connector on the connector's metrics port (vLLM's own /metrics has none)."""
     engine = bd.spec.engine
     return engine.metrics_port if exports_connector_metrics(bd) else engine.port
+
+
+def ttft_histogram(bd: BlendDeployment) -> str:
+    """The TTFT histogram an engine pod exports: holeblend-serve's own, or on vLLM pods
+    (with the connector or not) the one vLLM's API server exports on the engine's port."""
+    return TTFT if runs_holeblend_serve(bd) else VLLM_TTFT
 
 
 def window_seconds(spec: TuningSpec) -> float:
@@ -347,17 +362,24 @@ class TuningLoop:
         return await self._scrape.read(target, float(ratio), window, recent)
 
     async def target(self, bd: BlendDeployment) -> Target:
+        """The engine pods to read: for a direct scrape, each ready pod's /metrics URL on
+        the metrics port, and on the engine's port too where TTFT is there instead (vLLM
+        with the connector)."""
         namespace = bd.metadata.namespace
-        urls = {}
+        urls, ttft_urls = {}, {}
         if bd.spec.tuning.prometheus_url is None:
             pods = await self.operator.client.list(kube.PODS, namespace, selector_string(bd))
-            port = metrics_port(bd)
-            urls = {
-                pod["metadata"]["name"]: f"http://{ip}:{port}/metrics"
+            port, engine_port = metrics_port(bd), bd.spec.engine.port
+            ready = {
+                pod["metadata"]["name"]: ip
                 for pod in pods
                 if _is_ready(pod) and (ip := (pod.get("status") or {}).get("podIP"))
             }
-        return Target(namespace, engine_name(bd.metadata.name), urls)
+            urls = {name: f"http://{ip}:{port}/metrics" for name, ip in ready.items()}
+            if port != engine_port:
+                ttft_urls = {n: f"http://{ip}:{engine_port}/metrics" for n, ip in ready.items()}
+        name = engine_name(bd.metadata.name)
+        return Target(namespace, name, urls, ttft_histogram(bd), ttft_urls)
 
     async def is_leader(self, namespace: str) -> bool:
         settings = self.operator.settings

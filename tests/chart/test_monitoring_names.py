@@ -296,3 +296,32 @@ def test_the_dashboard_offers_the_blenddeployment_and_every_panel_selects_its_se
     test = {"interval": "1m", "input_series": series, "promql_expr_test": [listing, *panels]}
     result = run_promtool(tmp_path, test)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+VLLM_TTFT_BUCKET = "vllm:time_to_first_token_seconds_bucket"
+
+
+@pytest.mark.parametrize("name", NAMES, ids=lambda n: n[:24])
+def test_the_ttft_panel_shows_vllms_own_histogram_on_vllm_pods(name, target_labels, tmp_path):
+    """vLLM pods export no holeblend_ttft_seconds: vLLM's API server measures TTFT and
+    exports vllm:time_to_first_token_seconds (labels model_name, engine) on the engine's
+    port, which the ServiceMonitor scrapes with the same relabelings as the connector's.
+    Each TTFT quantile reads it there: every observation below 0.1 s gives 0.1 q."""
+    (panel,) = [p for p in dashboard()["panels"] if p["title"] == "Time to first token"]
+    engine = next(t for t in target_labels[name] if t["service"] == engine_name(name))
+    labels = engine | {"model_name": "llama-8b", "engine": "0"}
+    series = [
+        {"series": f"{VLLM_TTFT_BUCKET}{_labels(labels | {'le': le})}", "values": "0+1x40"}
+        for le in ("0.1", "+Inf")
+    ]
+    quantiles = [
+        {
+            "expr": f"round({substituted(target['expr'], name)}, 0.0001)",
+            "eval_time": "30m",
+            "exp_samples": [{"labels": "{}", "value": quantile}],
+        }
+        for target, quantile in zip(panel["targets"], (0.05, 0.09, 0.099), strict=True)
+    ]
+    test = {"interval": "1m", "input_series": series, "promql_expr_test": quantiles}
+    result = run_promtool(tmp_path, test)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -22,6 +22,7 @@ from holeblend_devtools import prometheus
 from holeblend_operator import tuning_loop
 from holeblend_operator.api import TuningSpec
 from holeblend_operator.tuner import Decision, State
+from holeblend_runtime.blend.keys import keyed_model_id
 from holeblend_runtime.lookup_server.client import LookupClient
 from holeblend_runtime.lookup_server.processes import LookupProcess
 from holeblend_runtime.model.gguf import find_smollm2_gguf
@@ -162,7 +163,8 @@ def _publish_pairs(lookup_url: str, settings: dict) -> None:
     (SmolLM2's GGUF, float32, one rank, the rendered selection and check layer)."""
     gguf = find_smollm2_gguf()
     blend = BlendSettings.model_validate(settings)
-    scope = calibration_scope(f"{gguf.stem}:{gguf.stat().st_size}", "float32", 1, blend)
+    model_id = keyed_model_id(blend.model.name, f"{gguf.stem}:{gguf.stat().st_size}")
+    scope = calibration_scope(model_id, "float32", 1, blend)
     pairs = [[blend.recompute_ratio, 0.01 * i, 1.0 - 0.01 * i, 1.0] for i in range(MIN_PAIRS)]
     message = {"op": "pairs_add", "scope": scope, "pod": "earlier-pod", "pairs": pairs}
     assert LookupClient(lookup_url).call(message) == {"v": 1, "ok": True, "added": MIN_PAIRS}

@@ -9,8 +9,11 @@ import datetime
 import types
 from pathlib import Path
 
+import aiohttp.web
+import pytest
 import yaml
 
+from holeblend_operator import metrics
 from holeblend_operator.api import BlendDeployment, TuningSpec
 from holeblend_operator.host_paths import DEFAULT_HOST_PATH_PREFIXES
 from holeblend_operator.tuner import Decision, Reading, State, select_signal
@@ -24,6 +27,7 @@ from holeblend_operator.tuning_loop import (
     status_patch,
     window_seconds,
 )
+from tests.operator.test_tuning_sources import metrics_page, servers, vector, vllm_page
 
 SPEC = {
     "model": {"name": "m", "source": {"hub": {"id": "org/m"}}},
@@ -347,3 +351,134 @@ def test_a_shorter_interval_applies_from_the_last_evaluation(monkeypatch):
         owners[key] = types.SimpleNamespace(interval=float(interval))
         asyncio.run(loop.tick())
     assert evaluated == [3600.0, 3660.0]
+
+
+# The engine pods' /metrics, as the tuner reads them in status.metrics (HTTP servers on
+# 127.0.0.1 standing in for the pods and for Prometheus).
+VLLM_SPEC = SPEC | {"accelerator": {"type": "nvidia", "count": 1}}
+KEY = ("ns", "r")
+
+
+class _PodsClient(_StatusClient):
+    """One ready engine pod at 127.0.0.1, the ports the spec gives it."""
+
+    def __init__(self, spec: dict):
+        super().__init__({})
+        self.body["spec"] = spec
+
+    async def list(self, kind, namespace, selector):
+        ready = [{"type": "Ready", "status": "True"}]
+        return [
+            {
+                "metadata": {"name": "r-engine-0"},
+                "status": {"podIP": "127.0.0.1", "conditions": ready},
+            }
+        ]
+
+
+async def _tune(client, times: int, pages) -> tuple[dict, TuningLoop]:
+    """Tunes `times` times, `pages(n)` setting the servers' answers before the n-th; the
+    status metrics written last."""
+    loop = TuningLoop(_Operator(client))
+    try:
+        for n in range(1, times + 1):
+            pages(n)
+            await loop.tune(KEY)
+    finally:
+        metrics.TUNING.forget(KEY)
+        if loop._session is not None:
+            await loop._session.close()
+    return client.body["status"]["metrics"], loop
+
+
+def _connector_page(n: int) -> tuple:
+    page = metrics_page(18 * n, 20 * n, prompt=1000 * n, reused=800 * n, ttft=None)
+    return (200, page, "text/plain")
+
+
+async def test_a_vllm_pods_status_ttft_is_the_mean_of_vllms_own_histogram():
+    """vLLM pods: the connector's metrics port has no TTFT; vLLM's API server exports
+    vllm:time_to_first_token_seconds on the engine's port, and status shows its mean."""
+    async with servers(2) as ((connector, engine), _):
+        ports = {"port": engine.port, "metricsPort": connector.port}
+        client = _PodsClient(VLLM_SPEC | {"engine": ports})
+
+        def pages(n):
+            connector.answer = _connector_page(n)
+            engine.answer = (200, vllm_page(3 * n, 10 * n), "text/plain")
+
+        seen, _ = await _tune(client, 2, pages)
+    assert seen["ttftSeconds"] == pytest.approx(0.3)
+    assert (seen["f1Proxy"], seen["numSamples"], seen["hitPercent"]) == (0.9, 20, 80.0)
+
+
+async def test_a_vllm_deployment_read_through_prometheus_shows_vllms_ttft():
+    async with servers(1) as ((prometheus,), _):
+        asked = []
+
+        async def handle(request):
+            query = request.query["query"]
+            asked.append(query)
+            values = {
+                "vllm:time_to_first_token_seconds_sum": 12.0,
+                "vllm:time_to_first_token_seconds_count": 30.0,
+                "holeblend_f1_proxy_sum{": 36.0,
+                "holeblend_f1_proxy_count{": 40.0,
+                "timestamp": 4.0,
+            }
+            found = [v for series, v in values.items() if series in query]
+            if found or query.startswith("holeblend_recompute_ratio"):
+                value = found[0] if found else 0.15
+                return aiohttp.web.Response(
+                    text=vector(({"ratio": "0.15"}, value)), content_type="application/json"
+                )
+            return aiohttp.web.Response(text=vector(), content_type="application/json")
+
+        prometheus.respond = handle
+        tuning = {"prometheusUrl": prometheus.url}
+        client = _PodsClient(VLLM_SPEC | {"tuning": tuning})
+        seen, _ = await _tune(client, 1, lambda n: None)
+    assert (seen["ttftSeconds"], seen["f1Proxy"], seen["numSamples"]) == (0.4, 0.9, 40)
+    (ttft_sum,) = [q for q in asked if "first_token_seconds_sum" in q]
+    assert 'namespace="ns",service="r-engine"' in ttft_sum
+
+
+async def test_a_failed_ttft_read_on_a_vllm_pod_keeps_the_other_figures():
+    async with servers(2) as ((connector, engine), _):
+        ports = {"port": engine.port, "metricsPort": connector.port}
+        client = _PodsClient(VLLM_SPEC | {"engine": ports})
+
+        def pages(n):
+            connector.answer = _connector_page(n)
+            engine.answer = (200, vllm_page(3 * n, 10 * n), "text/plain")
+            if n == 3:
+                engine.answer = (503, "overloaded", "text/plain")
+
+        seen, _ = await _tune(client, 2, pages)
+        assert seen["ttftSeconds"] == pytest.approx(0.3)
+        seen, _ = await _tune(client, 3, pages)
+    # The reading had no TTFT (status.metrics is merge-patched: it keeps the last one).
+    (inputs,) = [e["inputs"] for e in client.body["status"]["tuning"]["history"][-1:]]
+    assert "ttftSeconds" not in inputs and inputs["numSamples"] == 40
+    assert (seen["f1Proxy"], seen["numSamples"], seen["hitPercent"]) == (0.9, 40, 80.0)
+    tuned = _condition(client.body["status"], "Tuned")
+    assert tuned["reason"] != "MetricsUnavailable", tuned
+
+
+async def test_holeblend_serve_pods_keep_holeblend_ttft_on_one_port():
+    async with servers(1) as ((pod,), _):
+        client = _PodsClient(SPEC | {"engine": {"port": pod.port}})
+        asked = []
+
+        async def respond(request):
+            n = len(asked) + 1
+            asked.append(request.url.port)
+            page = metrics_page(18 * n, 20 * n, ttft=(5 * n, 10 * n)) + vllm_page(100 * n, n)
+            return aiohttp.web.Response(text=page, content_type="text/plain")
+
+        pod.respond = respond
+        seen, loop = await _tune(client, 2, lambda n: None)
+        target = await loop.target(BlendDeployment.model_validate(client.body))
+    assert seen["ttftSeconds"] == pytest.approx(0.5)  # not vLLM's 100 s
+    assert asked == [pod.port, pod.port]  # one scrape per pod and read, no second port
+    assert (target.ttft, target.ttft_urls) == ("holeblend_ttft_seconds", {})

@@ -18,9 +18,21 @@ from holeblend_operator.tuning_sources import (
     reading,
 )
 
+# vLLM's TTFT histogram, as its API server names it (vllm/v1/metrics/loggers.py).
+VLLM_TTFT = "vllm:time_to_first_token_seconds"
 
-def metrics_page(f1_sum, f1_count, ratio=0.15, prompt=1000, reused=800, label=None) -> str:
+
+def metrics_page(
+    f1_sum, f1_count, ratio=0.15, prompt=1000, reused=800, label=None, ttft=(10, 20)
+) -> str:
+    """holeblend-serve's /metrics (with `ttft`: holeblend_ttft_seconds' sum and count), or
+    the connector's on a vLLM pod (`ttft` None: vLLM measures TTFT, on its own /metrics)."""
     label = label or str(ratio)
+    ttft_series = ""
+    if ttft is not None:
+        ttft_series = (
+            f"holeblend_ttft_seconds_sum {ttft[0]}\nholeblend_ttft_seconds_count {ttft[1]}\n"
+        )
     return f"""# TYPE holeblend_f1_proxy histogram
 holeblend_f1_proxy_bucket{{ratio="{label}",le="+Inf"}} {f1_count}
 holeblend_f1_proxy_sum{{ratio="{label}"}} {f1_sum}
@@ -35,11 +47,39 @@ holeblend_prompt_tokens_total {prompt}
 # TYPE holeblend_reused_tokens counter
 holeblend_reused_tokens_total {reused}
 # TYPE holeblend_ttft_seconds histogram
-holeblend_ttft_seconds_sum 10
-holeblend_ttft_seconds_count 20
-# TYPE holeblend_recompute_ratio gauge
+{ttft_series}# TYPE holeblend_recompute_ratio gauge
 holeblend_recompute_ratio {ratio}
 """
+
+
+def vllm_page(ttft_sum, ttft_count, engines=("0",)) -> str:
+    """vLLM's own /metrics on the engine's port, as its API server writes it (prometheus_client,
+    labels model_name and engine: vllm/v1/metrics/loggers.py), with other series beside
+    TTFT; each engine index has the given totals."""
+    page = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="llama-8b"} 3.0
+# HELP vllm:e2e_request_latency_seconds Histogram of e2e request latency in seconds.
+# TYPE vllm:e2e_request_latency_seconds histogram
+vllm:e2e_request_latency_seconds_sum{engine="0",model_name="llama-8b"} 999.0
+vllm:e2e_request_latency_seconds_count{engine="0",model_name="llama-8b"} 7.0
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+"""
+    for engine in engines:
+        labels = f'engine="{engine}",model_name="llama-8b"'
+        page += f"""vllm:time_to_first_token_seconds_bucket{{{labels},le="0.1"}} 0.0
+vllm:time_to_first_token_seconds_bucket{{{labels},le="+Inf"}} {ttft_count}
+vllm:time_to_first_token_seconds_count{{{labels}}} {ttft_count}
+vllm:time_to_first_token_seconds_sum{{{labels}}} {ttft_sum}
+"""
+    return (
+        page
+        + """# HELP vllm:time_to_first_token_seconds_created Histogram of time to first token.
+# TYPE vllm:time_to_first_token_seconds_created gauge
+vllm:time_to_first_token_seconds_created{engine="0",model_name="llama-8b"} 1.79e+09
+"""
+    )
 
 
 class Server:
@@ -100,6 +140,13 @@ class Clock:
 def target(*urls) -> Target:
     pods = {f"pod-{i}": f"{url}/metrics" for i, url in enumerate(urls)}
     return Target("default", "rag-engine", pods)
+
+
+def vllm_target(*pairs) -> Target:
+    """vLLM pods: the connector's metrics port and vLLM's own /metrics, per pod."""
+    pods = {f"pod-{i}": f"{connector}/metrics" for i, (connector, _) in enumerate(pairs)}
+    engines = {f"pod-{i}": f"{engine}/metrics" for i, (_, engine) in enumerate(pairs)}
+    return Target("default", "rag-engine", pods, VLLM_TTFT, engines)
 
 
 def as_increases(page: str) -> dict:
@@ -347,3 +394,139 @@ async def test_deployments_in_one_namespace_keep_their_own_scrape_history():
         a.answer = b.answer = (200, metrics_page(36, 40), "text/plain")
         assert (await source.read(first, 0.15, window_s=600)).num_samples == 0  # a new baseline
         assert (await source.read(second, 0.15, window_s=600)).num_samples == 30
+
+
+async def test_a_vllm_pods_ttft_is_the_mean_of_vllms_histogram_on_its_engine_port():
+    """vLLM pods: the connector's port has no TTFT; vLLM's API server exports its own
+    `vllm:time_to_first_token_seconds` on the engine's port. Its window mean, over the pods
+    and engine indexes, the same arithmetic as holeblend-serve's."""
+    async with servers(4) as ((a, a_vllm, b, b_vllm), session):
+        clock = Clock()
+        source = ScrapeSource(session, clock=clock)
+        pods = vllm_target((a.url, a_vllm.url), (b.url, b_vllm.url))
+        a.answer = b.answer = (200, metrics_page(10, 10, ttft=None), "text/plain")
+        a_vllm.answer = (200, vllm_page(100, 50, engines=("0", "1")), "text/plain")
+        b_vllm.answer = (200, vllm_page(7, 70), "text/plain")
+        assert (await source.read(pods, 0.15, window_s=30)).ttft_seconds is None  # baseline
+        clock.now += 10
+        a.answer = b.answer = (200, metrics_page(19, 20, ttft=None), "text/plain")
+        a_vllm.answer = (200, vllm_page(101, 54, engines=("0", "1")), "text/plain")  # +2 s, +8
+        b_vllm.answer = (200, vllm_page(9, 72), "text/plain")  # +2 s over +2 requests
+        seen = await source.read(pods, 0.15, window_s=30)
+        assert seen.error is None and seen.ttft_seconds == pytest.approx(4 / 10)
+        assert (seen.num_samples, seen.f1_proxy) == (20, pytest.approx(0.9))
+
+
+async def test_prometheus_reads_vllms_ttft_histogram_for_vllm_pods():
+    async with servers(1) as ((prometheus,), session):
+        asked = []
+
+        async def handle(request):
+            query = request.query["query"]
+            asked.append(query)
+            if f"{VLLM_TTFT}_sum" in query:
+                return aiohttp.web.json_response(json.loads(vector(({}, 12.0))))
+            if f"{VLLM_TTFT}_count" in query:
+                return aiohttp.web.json_response(json.loads(vector(({}, 30.0))))
+            if "timestamp" in query:
+                return aiohttp.web.json_response(json.loads(vector(({}, 4.0))))
+            if query.startswith("holeblend_recompute_ratio"):
+                return aiohttp.web.json_response(json.loads(vector(({}, 0.15))))
+            return aiohttp.web.json_response(json.loads(vector()))
+
+        prometheus.respond = handle
+        pods = Target("default", "rag-engine", {}, VLLM_TTFT)
+        seen = await PrometheusSource(prometheus.url, session).read(pods, 0.15, 300)
+        assert (seen.error, seen.ttft_seconds) == (None, pytest.approx(0.4))
+        ttft = [q for q in asked if "first_token" in q]
+        assert len(ttft) == 2 and all('service="rag-engine"' in q for q in ttft)
+        assert not any("holeblend_ttft" in q for q in asked)
+
+
+@pytest.mark.parametrize("ttft", ["holeblend_ttft_seconds", VLLM_TTFT])
+async def test_a_failed_ttft_query_keeps_the_other_figures(ttft):
+    async with servers(1) as ((prometheus,), session):
+
+        async def handle(request):
+            query = request.query["query"]
+            if ttft in query and "_count" in query:
+                return aiohttp.web.json_response({"status": "error", "error": "x"}, status=503)
+            if ttft in query:
+                return aiohttp.web.json_response(json.loads(vector(({}, 12.0))))
+            if "holeblend_f1_proxy_count" in query:
+                return aiohttp.web.json_response(json.loads(vector(({"ratio": "0.15"}, 40))))
+            if "holeblend_f1_proxy_sum" in query:
+                return aiohttp.web.json_response(json.loads(vector(({"ratio": "0.15"}, 36))))
+            if "timestamp" in query:
+                return aiohttp.web.json_response(json.loads(vector(({}, 4.0))))
+            return aiohttp.web.json_response(json.loads(vector(({}, 0.15))))
+
+        prometheus.respond = handle
+        pods = target() if ttft != VLLM_TTFT else Target("default", "rag-engine", {}, ttft)
+        seen = await PrometheusSource(prometheus.url, session).read(pods, 0.15, 300)
+        assert (seen.error, seen.num_samples, seen.f1_proxy) == (None, 40, pytest.approx(0.9))
+        assert seen.ttft_seconds is None  # not 12 s over no requests, nor 0
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        "closed",  # vLLM's port refuses the connection
+        (503, "overloaded", "text/plain"),
+        (200, "<html><body>502 Bad Gateway</body></html>", "text/html"),
+        (200, "vllm:time_to_first_token_seconds_count{engine= garbage", "text/plain"),
+    ],
+)
+async def test_a_failed_ttft_scrape_keeps_the_other_figures_and_no_window_counts_from_it(
+    failure,
+):
+    async with servers(3) as ((connector, engine, closed), session):
+        await closed.stop()
+        clock = Clock()
+        source = ScrapeSource(session, clock=clock)
+
+        async def read(f1_count, ttft_sum, ttft_count, failure=None):
+            tokens = {"prompt": 100 * f1_count, "reused": 80 * f1_count}
+            page = metrics_page(0.9 * f1_count, f1_count, ttft=None, **tokens)
+            connector.answer = (200, page, "text/plain")
+            engine.answer = (200, vllm_page(ttft_sum, ttft_count), "text/plain")
+            if failure is not None and failure != "closed":
+                engine.answer = failure
+            ttft_at = closed if failure == "closed" else engine
+            pods = vllm_target((connector.url, ttft_at.url))
+            seen = await source.read(pods, 0.15, window_s=10)
+            clock.now += 10
+            return seen
+
+        await read(10, 100, 100)
+        assert (await read(20, 110, 120)).ttft_seconds == pytest.approx(0.5)
+        failed = await read(30, 120, 140, failure)
+        assert failed.error is None and failed.ttft_seconds is None
+        assert (failed.num_samples, failed.f1_proxy) == (10, pytest.approx(0.9))
+        assert failed.hit_percent == pytest.approx(80)
+        # The next window starts at the failed read: no TTFT baseline, so TTFT is left out
+        # rather than the pod's whole past (180 s over 180 requests) counted from zero.
+        after = await read(40, 180, 180)
+        assert (after.ttft_seconds, after.num_samples) == (None, 10)
+        assert (await read(50, 182, 190)).ttft_seconds == pytest.approx(0.2)
+
+
+async def test_holeblend_serve_pods_keep_their_own_ttft_histogram_on_one_scrape():
+    async with servers(1) as ((a,), session):
+        asked = []
+
+        async def respond(request):
+            asked.append(request.path)
+            n = len(asked)
+            # vLLM's histogram on the same page would give 100 s.
+            page = metrics_page(10, 10, ttft=(10 * n, 20 * n)) + vllm_page(100 * n, n)
+            return aiohttp.web.Response(text=page, content_type="text/plain")
+
+        a.respond = respond
+        clock = Clock()
+        source = ScrapeSource(session, clock=clock)
+        await source.read(target(a.url), 0.15, window_s=30)
+        clock.now += 10
+        seen = await source.read(target(a.url), 0.15, window_s=30)
+        assert seen.ttft_seconds == pytest.approx(0.5)
+        assert len(asked) == 2  # one request per pod and read

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from holeblend_runtime.blend.config import BlendConfig
+from holeblend_runtime.blend.keys import keyed_model_id
 from holeblend_runtime.lookup_server.client import LookupClient
 from holeblend_runtime.lookup_server.processes import free_port
 from holeblend_runtime.model.gguf import find_smollm2_gguf
@@ -106,7 +107,9 @@ def publish_pairs(lookup_url: str) -> None:
     """`MIN_PAIRS` calibration pairs at ratio 1.0 under the scope of these pods (SmolLM2,
     float32, one rank, the default selection) from a pod that is neither A nor B."""
     gguf = find_smollm2_gguf()
-    scope = calibration_scope(f"{gguf.stem}:{gguf.stat().st_size}", "float32", 1, BlendConfig())
+    # The pods' model id: blend.json's model.name with the GGUF's name and size.
+    model_id = keyed_model_id("smollm2", f"{gguf.stem}:{gguf.stat().st_size}")
+    scope = calibration_scope(model_id, "float32", 1, BlendConfig())
     pairs = [[1.0, 0.01 * i, 1.0 - 0.01 * i, 1.0] for i in range(MIN_PAIRS)]
     reply = LookupClient(lookup_url).call(
         {"op": "pairs_add", "scope": scope, "pod": "earlier-pod", "pairs": pairs}

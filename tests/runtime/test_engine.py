@@ -267,3 +267,32 @@ def test_the_warm_up_runs_every_reuse_path_on_accelerators_and_stores_nothing(
     # Hole mode after the exact prefix: holes and a moved document; then no exact prefix.
     assert blends[0][1:] == (True, True, True) and without_system == [False, True, True]
     assert list(engine.store.keys()) == []
+
+
+def test_the_model_name_keys_the_same_weights_apart_and_round_trips(rag_texts):
+    """blend.json's model.name joins the GGUF's identity (`stem:size`) in the model id: a
+    fine-tune under the same file name, deployed under a new name, keys (and scopes its
+    calibration) apart and never reuses the old weights' KV from a shared store; the same
+    name finds what it stored (the stored entries' model id is the one checked on reuse)."""
+    from holeblend_runtime.kv.store import LocalKVStore
+    from holeblend_runtime.quality.shared_calibration import calibration_scope
+
+    store = LocalKVStore(1 << 30)
+    base = BlendEngine.load(store=store, num_threads=1, model_name="org/base")
+    tuned = BlendEngine.load(store=store, num_threads=1, model_name="org/tuned")
+    base_again = BlendEngine.load(store=store, num_threads=1, model_name="org/base")
+    weights_id = BlendEngine.load(num_threads=1).config.model_id  # no settings: today's id
+    assert base.config.model_id == f"org/base|{weights_id}"
+    prompt = base.build_prompt(*rag_texts)
+    assert base.segment_keys(prompt) == base_again.segment_keys(prompt)
+    assert not set(base.segment_keys(prompt)) & set(tuned.segment_keys(prompt)) - {None}
+
+    def scope(engine):
+        return calibration_scope(engine.config.model_id, engine.kv_dtype, 1, engine.blend_config)
+
+    assert scope(base) == scope(base_again) != scope(tuned)
+    assert base.prefill(prompt, "hole").reuse.mode == "full-miss"
+    reused = base_again.prefill(prompt, "hole")
+    assert reused.reuse.mode == "pure-hit" and reused.num_rejected_segments == 0
+    other = tuned.prefill(prompt, "hole")
+    assert other.reuse.mode == "full-miss" and other.num_rejected_segments == 0

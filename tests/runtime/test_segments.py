@@ -172,3 +172,22 @@ def test_key_rejects_empty_inputs(kwargs, field):
     token_ids = kwargs.pop("token_ids")
     with pytest.raises(ValueError, match=field):
         segment_key(token_ids, **kwargs)
+
+
+def test_the_model_id_names_the_model_and_its_weights():
+    """`keyed_model_id`, both engines' one format: blend.json's model.name with the
+    engine's identity of the weights; that identity alone without a name (no settings)."""
+    from holeblend_runtime.blend.keys import MAX_MODEL_ID_CHARS, keyed_model_id
+
+    assert keyed_model_id("org/base", "/models@main") == "org/base|/models@main"
+    assert keyed_model_id(None, "/models@main") == "/models@main"
+    assert keyed_model_id("", "stem:10") == "stem:10"
+    assert keyed_model_id("org/base", "/models@main") != keyed_model_id("org/tuned", "/models@main")
+    # Long, ambiguous or unprintable: a deterministic hash, short enough for the wire.
+    named = [("x" * 250, "/models/a@main"), ("a|b", "c"), ("a", "b|c"), ("a\nb", "c")]
+    ids = [keyed_model_id(name, weights) for name, weights in named]
+    assert len(set(ids)) == len(ids)
+    assert all(len(i) <= MAX_MODEL_ID_CHARS and i.isprintable() for i in ids)
+    assert ids[1].startswith("sha256-") and ids[1] == keyed_model_id("a|b", "c")
+    with pytest.raises(ValueError, match="weights_id"):
+        keyed_model_id("m", "")

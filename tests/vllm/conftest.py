@@ -166,12 +166,15 @@ def publish_calibration_pairs(lookup_url: str) -> None:
     exported SmolLM2 it serves, float32, one rank, the default selection), as an earlier
     pod of the deployment published them."""
     from holeblend_devtools.hf_export import export_smollm2
+    from holeblend_devtools.vllm_probe import MODEL_NAME
     from holeblend_runtime.blend.config import BlendConfig
+    from holeblend_runtime.blend.keys import keyed_model_id
     from holeblend_runtime.lookup_server.client import LookupClient
     from holeblend_runtime.quality.inline_proxy import MIN_PAIRS
     from holeblend_runtime.quality.shared_calibration import calibration_scope
 
-    scope = calibration_scope(f"{export_smollm2()}@main", "float32", 1, BlendConfig())
+    model_id = keyed_model_id(MODEL_NAME, f"{export_smollm2()}@main")
+    scope = calibration_scope(model_id, "float32", 1, BlendConfig())
     pairs = [[0.15, 0.01 * i, 1.0 - 0.01 * i, 1.0] for i in range(MIN_PAIRS)]
     message = {"op": "pairs_add", "scope": scope, "pod": "earlier-pod", "pairs": pairs}
     assert LookupClient(lookup_url).call(message) == {"v": 1, "ok": True, "added": MIN_PAIRS}

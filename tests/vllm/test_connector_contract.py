@@ -25,6 +25,7 @@ from holeblend_runtime.vllm_connector.metadata import (
     StepPlan,
     StoreRequest,
 )
+from holeblend_runtime.vllm_connector.settings import ConnectorSettings
 from holeblend_runtime.vllm_connector.worker import LoadOutcome
 
 
@@ -90,7 +91,6 @@ def test_a_load_at_tensor_parallel_size_two_is_counted_once():
 
     from holeblend_runtime.kv.store import LocalKVStore
     from holeblend_runtime.vllm_connector.connector import _WorkerSide
-    from holeblend_runtime.vllm_connector.settings import ConnectorSettings
 
     config = types.SimpleNamespace(cache_config=types.SimpleNamespace(block_size=16))
     outcome = LoadOutcome("r", 10, 2, 4, 1, 0.1)
@@ -138,10 +138,11 @@ def test_the_scheduler_keys_and_the_tiers_name_the_stored_kv_dtype():
         get_head_size=lambda: 64,
     )  # fmt: skip
     vllm_config = types.SimpleNamespace(model_config=model_config, parallel_config=None)
-    narrow = BlendConfig(kv_store_dtype="bfloat16")
+    narrow = ConnectorSettings(blend=BlendConfig(kv_store_dtype="bfloat16"))
+    # No settings file: no model name, the weights' identity alone.
     assert model_identity(vllm_config, narrow) == ("m@main", "bfloat16")
-    assert model_identity(vllm_config, BlendConfig()) == ("m@main", "float32")
+    assert model_identity(vllm_config, ConnectorSettings()) == ("m@main", "float32")
     assert kv_layout(vllm_config, narrow).dtype == "bfloat16"
     assert kv_layout(vllm_config, narrow).other_dtypes == ("float32",)
-    assert kv_layout(vllm_config, BlendConfig()).header("k", 2).dtype == "float32"
-    assert kv_layout(vllm_config, BlendConfig()).other_dtypes == ()
+    assert kv_layout(vllm_config, ConnectorSettings()).header("k", 2).dtype == "float32"
+    assert kv_layout(vllm_config, ConnectorSettings()).other_dtypes == ()

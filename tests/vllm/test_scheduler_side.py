@@ -2,6 +2,7 @@
 request, as vLLM plans, allocates and finishes it, and which finished requests it offers
 to the quality proxies' shadow (no engine, no tokenizer)."""
 
+import itertools
 import types
 
 import pytest
@@ -9,6 +10,8 @@ import torch
 from vllm import SamplingParams
 
 from holeblend_runtime.blend.config import BlendConfig
+from holeblend_runtime.blend.keys import SegmentKeyer
+from holeblend_runtime.blend.segments import SegmentSplitter
 from holeblend_runtime.vllm_connector import connector
 from holeblend_runtime.vllm_connector.settings import ConnectorSettings
 
@@ -169,3 +172,61 @@ def test_an_answer_ending_at_a_generation_config_eos_stopped_at_its_end():
     assert (offered.answer_ids, offered.stopped_at_eos, offered.stop_token_ids) == (
         (11,), True, (42,)
     )  # fmt: skip
+
+
+def test_the_model_name_keys_the_same_weights_path_apart(monkeypatch, tmp_path):
+    """The operator passes `/models` to `vllm serve` for every hostPath source: blend.json's
+    model.name tells new weights behind it apart. Two names: other keys and another
+    calibration scope on the scheduler side; one name: the same keys and model id in the
+    scheduler and in the workers (each process reads blend.json itself)."""
+    from holeblend_contract.blend_settings import BlendSettings, ModelSettings
+    from holeblend_runtime.vllm_connector.settings import load_settings
+
+    scopes, numbers = [], itertools.count()
+
+    class Calibration:
+        @classmethod
+        def to(cls, url, scope, pod, inline):
+            scopes.append(scope)
+            return cls()
+
+        def start(self):
+            return self
+
+    monkeypatch.setattr(connector, "SharedCalibration", Calibration)
+    tokenizer = types.SimpleNamespace(encode=lambda text, add_special_tokens: [SEP])
+    monkeypatch.setattr(connector, "_text_tokenizer", lambda vllm_config: tokenizer)
+    model_config = types.SimpleNamespace(
+        model="/models", revision=None, dtype=torch.float32,
+        get_num_layers=lambda parallel: 30, get_num_kv_heads=lambda parallel: 3,
+        get_head_size=lambda: 64,
+    )  # fmt: skip
+    vllm_config = types.SimpleNamespace(
+        model_config=model_config, parallel_config=types.SimpleNamespace(tensor_parallel_size=1)
+    )
+
+    def settings_of(name):
+        path = tmp_path / f"{next(numbers)}.json"
+        blend = BlendSettings(
+            model=ModelSettings(name=name), min_segment_tokens=2,
+            lookup_server_url="http://lookup:8080", shadow_sample_rate=0,
+        )  # fmt: skip
+        path.write_text(blend.to_json())
+        return load_settings({"holeblend_config": str(path), "kv_dir": str(tmp_path / "kv")})
+
+    def scheduler_keys(settings):
+        side = connector._SchedulerSide(vllm_config, settings, Index(), step_tokens=16)
+        return side.planner.plan(PROMPT).keys
+
+    base, tuned = settings_of("org/base"), settings_of("org/tuned")
+    base_keys, tuned_keys = scheduler_keys(base), scheduler_keys(tuned)
+    assert any(base_keys) and not {k for k in base_keys if k} & set(tuned_keys)
+    assert len(scopes) == 2 and scopes[0] != scopes[1]
+    # The workers: their engine's model id and the stored entries' layout.
+    worker = settings_of("org/base")
+    model_id, kv_dtype = connector.model_identity(vllm_config, worker)
+    assert model_id == "org/base|/models@main" and kv_dtype == "float32"
+    assert connector.kv_layout(vllm_config, worker).model_id == model_id
+    split = SegmentSplitter((SEP,), worker.blend.min_segment_tokens).split(PROMPT)
+    worker_keyer = SegmentKeyer.for_model(model_id, "float32", worker.blend)  # the engine's
+    assert tuple(worker_keyer.keys(split)) == base_keys == scheduler_keys(worker)
