@@ -402,13 +402,19 @@ class Announcer:
                     self._cond.wait(max(0.0, next_heartbeat - time.monotonic()))
                 batch, self._pending = self._pending, []
                 self._num_sending = len(batch)
-            self._send(batch)
-            with self._cond:
-                self._num_sending = 0
-                self._cond.notify_all()
-            if time.monotonic() >= next_heartbeat:
-                self._heartbeat()
-                next_heartbeat = time.monotonic() + self.config.heartbeat_s
+            try:
+                self._send(batch)
+                if time.monotonic() >= next_heartbeat:
+                    next_heartbeat = time.monotonic() + self.config.heartbeat_s
+                    self._heartbeat()
+            except Exception:  # the thread must outlive any one failure: a dead announcer
+                # leaves the index forgetting this pod's segments for good
+                log.exception("lookup announcer: announcement failed; resyncing later")
+                self._needs_resync = True
+            finally:
+                with self._cond:
+                    self._num_sending = 0
+                    self._cond.notify_all()
 
     def _heartbeat(self) -> None:
         reply = self.client.call({"op": "heartbeat", "pod": self.pod})

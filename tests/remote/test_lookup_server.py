@@ -119,6 +119,33 @@ def test_a_restarted_server_rebuilds_its_index_from_heartbeats(lookup_server):
         announcer.stop()
 
 
+def test_the_announcer_outlives_a_failure_and_resyncs_after_it(lookup_server):
+    """A resync reads the pod's holdings from its store; one read that raised killed the
+    announcer thread, and the index then forgot the pod's segments for good (no admits, no
+    heartbeats, `flush` waiting in vain). The failure is logged, the thread goes on, and
+    the next heartbeat's resync announces what the pod holds."""
+    held = [entry(f"seg-{i}") for i in range(5)]
+    calls = []
+
+    def holdings():
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            raise OSError("the store's directory vanished")
+        return held
+
+    config = AnnouncerConfig(heartbeat_s=0.1, resync_s=60)
+    announcer = Announcer(LookupClient(lookup_server.url), "pod-a", holdings, config).start()
+    client = LookupClient(lookup_server.url)
+    try:
+        _wait_for(lambda: all(client.lookup([e.key for e in held])))
+        assert len(calls) >= 2 and announcer._thread.is_alive()
+        announcer.admit(entry("later"))
+        assert announcer.flush()
+        assert client.lookup(["later"])[0] is not None
+    finally:
+        announcer.stop()
+
+
 def test_after_a_restart_a_pod_whose_first_message_is_an_admit_is_told_to_resync():
     """A serving pod stores segments all the time, so after a server restart its first
     message is usually an admit (the Announcer sends queued admits before the heartbeat).
