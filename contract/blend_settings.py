@@ -224,6 +224,9 @@ class ModelSettings(_Settings):
     # Name clients use in the OpenAI API (None: `name`).
     served_name: str | None = None
     dtype: Dtype = Dtype.AUTO
+    # Longest prompt plus answer in tokens (None: the model's own context); vLLM takes it
+    # as --max-model-len, holeblend-serve from here. Above the model's context: refused.
+    max_model_len: int | None = Field(default=None, ge=1)
 
     @property
     def api_name(self) -> str:

@@ -557,7 +557,9 @@ class ModelSpec(ApiModel):
     dtype: Dtype = Field(default=Dtype.AUTO, strict=False)
     """Weight and activation dtype; `auto` takes the checkpoint's."""
     max_model_len: int | None = Field(default=None, ge=128, le=1048576)
-    """Longest prompt plus answer in tokens; the model's own limit when unset."""
+    """Longest prompt plus answer in tokens; the model's own limit when unset (vLLM pods:
+    --max-model-len; holeblend-serve: the same limit, from blend.json). Above the model's
+    context the engine refuses to start, naming it."""
 
 
 class EnvVar(ApiModel):

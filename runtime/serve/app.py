@@ -176,7 +176,7 @@ class Server:
             num_threads=self.settings.torch_threads,
             # The model id every segment key and stored entry names: model.name with the
             # GGUF's identity (a fine-tune under the same file name is other weights).
-            model_name=settings.model.name,
+            model_name=settings.model.name, max_model_len=settings.model.max_model_len,
         )  # fmt: skip
         self.engine.store = with_remote_tiers(self.engine, settings, store, self.metrics.registry)
         self.engine.warm_up()

@@ -713,8 +713,13 @@ def test_runtime_config_carries_the_blend_settings():
     }
     assert blend_json(make_bd())["kv"]["admission"] == "frequency"
     assert blend_json(make_bd())["kv"]["storeDtype"] == "auto"
-    assert config["model"] == {"name": "Qwen/Qwen3-8B", "servedName": None, "dtype": "auto"}
+    assert config["model"] == {
+        "name": "Qwen/Qwen3-8B", "servedName": None, "dtype": "auto", "maxModelLen": None
+    }  # fmt: skip
     assert config["lookupServerUrl"] == "http://rag-lookup.serving.svc:8100"
+    # holeblend-serve (CPU pods) reads model.maxModelLen here (vLLM takes the flag).
+    limited = make_bd(model={"name": "m", "maxModelLen": 2048, "source": {"hub": {"id": "m/m"}}})
+    assert blend_json(limited)["model"]["maxModelLen"] == 2048
 
 
 def test_runtime_config_json_has_sorted_keys():
