@@ -55,7 +55,10 @@ async def serve(server: Server, settings: ServeSettings) -> int:
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port)
     await site.start()
-    log.info("listening on %s:%d; loading the model", settings.host, settings.port)
+    # The bound addresses (port 0 asks the system for a free one).
+    bound = [address[:2] for address in runner.addresses]
+    where = ", ".join(f"{host}:{port}" for host, port in bound)
+    log.info("listening on %s; loading the model", where)
     watcher = asyncio.create_task(server.live.watch(settings.reload_interval))
     watcher.add_done_callback(_log_watcher_end)
     status = await _load(server, stop)
