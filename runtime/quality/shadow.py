@@ -168,6 +168,9 @@ class ShadowScore:
     top1: float  # share of answer positions where full prefill's argmax = the blended token
     ratio: float
     seconds: float  # wall time of the shadow work, pauses included
+    # The inline statistic of the blend scored, when it is not the offered request's own
+    # (a vLLM pod's replay of a sampled request); None: the offered request's.
+    inline_statistic: float | None = None
 
 
 class ShadowMetrics:
@@ -192,7 +195,8 @@ class ShadowMetrics:
         self.offers = Counter(
             "holeblend_shadow_requests",
             "Requests offered for shadow scoring, by outcome (scored, not_sampled, "
-            "over_budget, dropped_full, expired, failed; vLLM pods: not_greedy).",
+            "over_budget, dropped_full, expired, failed; vLLM pods: replay_not_blended, "
+            "a sampled request's greedy replay that found nothing to blend).",
             ["outcome"],
             registry=registry,
         )
@@ -601,6 +605,15 @@ class ShadowGate:
         self._cond.notify_all()
 
 
+class ShadowSkipped(Exception):
+    """A sampled request that turned out to have nothing to score; counted under the
+    outcome it names (e.g. `replay_not_blended`), neither scored nor failed."""
+
+    def __init__(self, outcome: str):
+        super().__init__(outcome)
+        self.outcome = outcome
+
+
 class ShadowSampler(abc.ABC):
     """Samples offered requests and scores them on one background thread (step 1 of the
     module doc); subclasses say how a request is scored (`score`)."""
@@ -673,11 +686,6 @@ class ShadowSampler(abc.ABC):
         self._jobs.put((request, kind == "idle"))
         return "queued"
 
-    def decline(self, outcome: str) -> str:
-        """Count a finished request the proxies cannot score (e.g. `not_greedy`) without
-        offering it; returns the outcome."""
-        return self._count(outcome)
-
     def charge(self, num_tokens: int) -> None:
         """Tokens a running shadow spends beyond its admission estimate (worker thread)."""
         if self.budget is not None and num_tokens > 0:
@@ -722,8 +730,13 @@ class ShadowSampler(abc.ABC):
                 if self.metrics is not None:
                     self.metrics.observe(score)
                 if self.inline is not None:
-                    self.inline.add_pair(getattr(request, "inline_statistic", None), score)
+                    statistic = score.inline_statistic
+                    if statistic is None:
+                        statistic = getattr(request, "inline_statistic", None)
+                    self.inline.add_pair(statistic, score)
                 self._count("scored")
+            except ShadowSkipped as skipped:
+                self._count(skipped.outcome)
             except ShadowExpired as expired:
                 LOG.info("idle-floor shadow given up: %s", expired)
                 self._count("expired")

@@ -82,12 +82,17 @@ from holeblend_runtime.vllm_connector.settings import (
     step_tokens,
 )
 from holeblend_runtime.vllm_connector.shadow import (
+    REPLAY_KEY,
+    TRANSFER_PARAMS_KEY,
     VllmShadow,
     VllmShadowRequest,
     end_token_ids,
     engine_url,
     is_greedy,
+    is_replay_request,
     is_shadow_request,
+    replay_figures,
+    replay_request,
 )
 from holeblend_runtime.vllm_connector.stepwise_loads import StepwiseLoads
 from holeblend_runtime.vllm_connector.store import (
@@ -104,8 +109,6 @@ from holeblend_runtime.vllm_connector.worker import (
 )
 
 log = logging.getLogger(__name__)
-
-TRANSFER_PARAMS_KEY = "holeblend"
 
 
 @dataclass
@@ -400,6 +403,8 @@ class _SchedulerSide:
         # User requests from their first lookup to their end (shadow requests not
         # counted): none besides a finishing one opens the shadow's idle floor to it.
         self.in_flight: set[str] = set()
+        # Requests that are the shadow's replays of sampled ones (vllm_connector/shadow.py).
+        self.replays: set[str] = set()
         self.inline = InlineProxy(metrics=metrics.INLINE) if proxies else None
         # The deployment's pods share the inline proxy's calibration pairs through the
         # lookup server (the scheduler side holds the proxy and the shadow).
@@ -421,10 +426,15 @@ class _SchedulerSide:
         request's lookup is still running (never longer than the deadline)."""
         if self.settings.mode == "off":
             return 0
-        if is_shadow_request(getattr(request, "kv_transfer_params", None), TRANSFER_PARAMS_KEY):
+        params = getattr(request, "kv_transfer_params", None)
+        is_replay = is_replay_request(params, TRANSFER_PARAMS_KEY)
+        if is_shadow_request(params, TRANSFER_PARAMS_KEY) and not is_replay:
             return 0  # a shadow full prefill: nothing reused, stored or counted
         request_id = request.request_id
-        self.in_flight.add(request_id)
+        if is_replay:  # a shadow's replay: blended as a user request, counted as none
+            self.replays.add(request_id)
+        else:
+            self.in_flight.add(request_id)
         if not self.ledger.has_plan(request_id):
             token_ids = request.prompt_token_ids
             if self.lookups is None:
@@ -432,7 +442,7 @@ class _SchedulerSide:
             elif (plan := self.lookups.poll(request_id, token_ids)) is PENDING:
                 return None
             self._plan(request_id, plan)
-            if self.budget is not None:
+            if self.budget is not None and not is_replay:
                 self.budget.add_user_tokens(len(token_ids))
         return self.ledger.matched(request_id, num_computed_tokens)
 
@@ -505,6 +515,8 @@ class _SchedulerSide:
             # were the plan's); keep outcomes only for requests still running.
             if outcome.request_id in self.plans:
                 self.outcomes[outcome.request_id] = outcome
+            if outcome.request_id in self.replays:
+                continue  # a shadow's replay: its statistic goes back with it, no figure
             if self.inline is not None and outcome.inline_statistic is not None:
                 self.inline.observe(outcome.ratio, outcome.inline_statistic)
             metrics.BLEND_SECONDS.observe(outcome.blend_seconds)
@@ -535,14 +547,56 @@ class _SchedulerSide:
         if self.forward_stores is not None:
             self.forward_stores.forget(request_id)
         blended_at = self.ratios.pop(request_id, None)  # None: it never loaded
+        is_replay = request_id in self.replays
+        self.replays.discard(request_id)
         if plan is None:
             return None
         figures = _figures(plan, outcome, self.ratio.ratio(), is_load_failed)
+        statistic = None if outcome is None else outcome.inline_statistic
+        if is_replay:  # its figures go back to the shadow that sent it, in no user count
+            replayed = self._replayed(plan, figures, request, blended_at, statistic)
+            return figures if replayed is None else figures | {REPLAY_KEY: replayed}
         _record(figures)
         if self.shadow is not None and request is not None and blended_at is not None:
-            statistic = None if outcome is None else outcome.inline_statistic
             self._offer(plan, figures, request, blended_at, statistic)
         return figures
+
+    def _finished_answer(self, request: Any) -> tuple[list[int], bool, frozenset[int]] | None:
+        """A finished request's answer (its end token dropped), whether it ended at EOS or a
+        stop token id, and the tokens that end an answer; None when it has nothing to
+        compare (aborted, or nothing answered)."""
+        answer = list(getattr(request, "output_token_ids", None) or [])
+        reason = str(request.get_finished_reason())
+        # vLLM stops at the tokenizer's EOS and at the request's stop token ids (which
+        # hold generation_config's other EOS ids) and keeps that token in the output.
+        ends = end_token_ids(getattr(request, "sampling_params", None), self._eos_token_id())
+        stopped_at_eos = bool(answer) and answer[-1] in ends
+        if stopped_at_eos:
+            answer.pop()
+        if reason not in _SCORED_FINISH_REASONS or not (answer or stopped_at_eos):
+            return None
+        return answer, stopped_at_eos and reason == "stop", ends
+
+    def _eos_token_id(self) -> int | None:
+        return None if self.shadow is None else self.shadow.eos_token_id
+
+    def _replayed(
+        self,
+        plan: ReusePlan,
+        figures: dict,
+        request: Any,
+        ratio: float | None,
+        statistic: float | None,
+    ) -> dict[str, Any] | None:
+        """What the shadow scores of its replay (`shadow.replay_figures`); None when the
+        replay blended nothing (then nothing is scored)."""
+        if request is None or ratio is None or not plan.is_blended(figures["num_reused_tokens"]):
+            return None
+        finished = self._finished_answer(request)
+        if finished is None:
+            return None
+        answer, stopped_at_eos, _ = finished
+        return replay_figures(answer, stopped_at_eos, ratio, statistic)
 
     def _offer(
         self,
@@ -554,35 +608,30 @@ class _SchedulerSide:
     ) -> None:
         if not plan.is_blended(figures["num_reused_tokens"]):
             return  # exact KV: the answer is full prefill's, nothing to measure
-        answer = list(getattr(request, "output_token_ids", None) or [])
-        reason = str(request.get_finished_reason())
-        params = getattr(request, "sampling_params", None)
-        eos = self.shadow.eos_token_id
-        # vLLM stops at the tokenizer's EOS and at the request's stop token ids (which
-        # hold generation_config's other EOS ids) and keeps that token in the output.
-        ends = end_token_ids(params, eos)
-        stopped_at_eos = bool(answer) and answer[-1] in ends
-        if stopped_at_eos:
-            answer.pop()
-        if reason not in _SCORED_FINISH_REASONS or not (answer or stopped_at_eos):
+        finished = self._finished_answer(request)
+        if finished is None:
             return  # aborted, or nothing answered: nothing to compare
-        if not is_greedy(params):
-            self.shadow.decline("not_greedy")  # a sampled answer is not full prefill's argmax
-            return
+        answer, stopped_at_eos, ends = finished
+        params = getattr(request, "sampling_params", None)
         max_tokens = getattr(params, "max_tokens", None)
+        max_tokens = max_tokens if isinstance(max_tokens, int) else None
+        stop_ids = tuple(sorted(ends - {self.shadow.eos_token_id}))
         question = self.shadow.decode(plan.prompt.question.token_ids)
         if self.budget is not None:
             self.budget.set_floor(*self.ratio.idle_floor())
-        self.shadow.offer(
-            VllmShadowRequest(
+        if is_greedy(params):
+            shadow_request = VllmShadowRequest(
                 tuple(plan.prompt.token_ids), tuple(answer), question, ratio,
-                stopped_at_eos=stopped_at_eos and reason == "stop",
-                max_tokens=max_tokens if isinstance(max_tokens, int) else None,
-                inline_statistic=statistic,
-                stop_token_ids=tuple(sorted(ends - {eos})),
-            ),
-            idle=not self.in_flight,
-        )  # fmt: skip
+                stopped_at_eos=stopped_at_eos, max_tokens=max_tokens,
+                inline_statistic=statistic, stop_token_ids=stop_ids,
+            )  # fmt: skip
+        else:
+            # A sampled answer is not full prefill's argmax even with no blending: the
+            # shadow scores a greedy replay of the prompt instead.
+            shadow_request = replay_request(
+                plan.prompt.token_ids, question, ratio, max_tokens, stop_ids
+            )
+        self.shadow.offer(shadow_request, idle=not self.in_flight)
 
 
 # vLLM's FinishReason of a request that ran to its end (not aborted, not an error).

@@ -5,10 +5,19 @@ the model belongs to vLLM's workers, and a second thread running it beside vLLM'
 is not safe, so the scheduler-side connector asks vLLM itself, over HTTP, as any client
 would, and vLLM schedules the work with the rest:
 
-1. `request_finished` offers each finished request that blended a reused document and
-   was decoded greedily (`is_greedy`: temperature 0 or top_k 1; the others are counted
-   as `not_greedy`, since a sampled answer departs from full prefill's argmax with no
-   blending at all). `offer` samples it (blend.json's `shadowSampleRate`) and admits it
+1. `request_finished` offers each finished request that blended a reused document.
+   One decoded greedily (`is_greedy`: temperature 0 or top_k 1) is scored on its own
+   answer. A sampled one (vLLM samples at temperature 1, or generation_config's, when a
+   client leaves temperature out: most clients) departs from full prefill's argmax with
+   no blending at all, so it is scored on a **replay** instead: the shadow first sends its
+   prompt again, greedy and blended like any user request (`kv_transfer_params.holeblend`
+   `shadow` and `replay`: the scheduler class yields it to user requests as any shadow,
+   the connector plans and blends it but counts it in no user figure), at most
+   `REPLAY_MAX_TOKENS` answer tokens; the connector returns, in the answer's
+   `kv_transfer_params.holeblend.replay`, the replay's own answer, where it ended, the
+   ratio it blended at and its inline statistic, and steps 2-3 score that answer (a
+   replay that found nothing to blend, the documents evicted meanwhile, is counted as
+   `replay_not_blended`, not scored). `offer` samples it (blend.json's `shadowSampleRate`) and admits it
    when the one shadow slot is free and the token budget allows (`shadowBudget` x the
    user requests' prompt tokens, which the connector counts as it plans them;
    `ShadowBudget`); otherwise it is dropped at once, never queued. Load does not stop
@@ -50,6 +59,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import time
 import urllib.error
@@ -63,6 +73,7 @@ from holeblend_runtime.quality.shadow import (
     ShadowExpired,
     ShadowSampler,
     ShadowScore,
+    ShadowSkipped,
     answer_budget,
     end_targets,
 )
@@ -73,8 +84,16 @@ log = logging.getLogger(__name__)
 # only when blend.json has no `engineUrl` (which the operator renders).
 ENGINE_URL_ENV = "HOLEBLEND_ENGINE_URL"
 API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own: set when the server requires a key
+# Our key in a request's (and an answer's) kv_transfer_params.
+TRANSFER_PARAMS_KEY = "holeblend"
 SHADOW_KEY = "shadow"  # kv_transfer_params["holeblend"]["shadow"]: a shadow request
 IDLE_KEY = "idle"  # kv_transfer_params["holeblend"]["idle"]: the idle floor's shadow
+# kv_transfer_params["holeblend"]["replay"]: a shadow's blended, greedy replay of a sampled
+# request (blended and answered as a user request, counted as none); the connector answers
+# with the replay's figures under the same key.
+REPLAY_KEY = "replay"
+# Most answer tokens a replay decodes (and full prefill's answer then has).
+REPLAY_MAX_TOKENS = 64
 # vLLM's priority scheduler serves smaller values first (ties by arrival) and preempts
 # the largest: the largest value its API accepts (int64) is served last.
 SHADOW_PRIORITY = (1 << 63) - 1
@@ -90,6 +109,13 @@ def is_shadow_request(kv_transfer_params: Any, key: str, *, idle: bool = False) 
     if not (isinstance(params, dict) and params.get(SHADOW_KEY) is True):
         return False
     return params.get(IDLE_KEY) is True if idle else True
+
+
+def is_replay_request(kv_transfer_params: Any, key: str) -> bool:
+    """Whether a shadow request is a replay (planned and blended as a user request)."""
+    if not is_shadow_request(kv_transfer_params, key):
+        return False
+    return kv_transfer_params[key].get(REPLAY_KEY) is True
 
 
 def engine_url(configured: str | None) -> str | None:
@@ -156,11 +182,49 @@ class VllmShadowRequest:
     # Tokens besides the tokenizer's EOS that end an answer (`end_token_ids`): full
     # prefill picking any of them where an answer ends agrees with its end.
     stop_token_ids: tuple[int, ...] = ()
+    # A sampled request: its answer is not scored; a greedy replay of its prompt is (no
+    # answer_ids; max_tokens is the replay's limit).
+    replay: bool = False
 
     @property
     def num_shadow_tokens(self) -> int:
-        """Tokens of the teacher-forced request (prompt, answer, one generated)."""
-        return len(self.prompt_ids) + len(self.answer_ids) + 1
+        """Tokens of the teacher-forced request (prompt, answer, one generated); for a
+        replay, also the replay's own: its recomputed share of the prompt and its answer
+        (at most max_tokens, which then stands for the answer too)."""
+        if not self.replay:
+            return len(self.prompt_ids) + len(self.answer_ids) + 1
+        answer = self.max_tokens or REPLAY_MAX_TOKENS
+        recomputed = math.ceil(self.ratio * len(self.prompt_ids))
+        return recomputed + answer + len(self.prompt_ids) + answer + 1
+
+
+def replay_request(
+    prompt_ids: Sequence[int],
+    question: str,
+    ratio: float,
+    max_tokens: int | None,
+    stop_token_ids: Sequence[int] = (),
+) -> VllmShadowRequest:
+    """The shadow request of a sampled request: a greedy replay of its prompt, at most
+    `REPLAY_MAX_TOKENS` (or the request's own limit, if smaller) answer tokens."""
+    limit = REPLAY_MAX_TOKENS if max_tokens is None else max(1, min(max_tokens, REPLAY_MAX_TOKENS))
+    return VllmShadowRequest(
+        tuple(prompt_ids), (), question, ratio, max_tokens=limit,
+        stop_token_ids=tuple(stop_token_ids), replay=True,
+    )  # fmt: skip
+
+
+def replay_figures(
+    answer_ids: Sequence[int], stopped_at_eos: bool, ratio: float, inline_statistic: float | None
+) -> dict[str, Any]:
+    """What the connector returns for a replay that blended (JSON, in the answer's
+    kv_transfer_params): read back by `VllmShadow._replay`."""
+    return {
+        "answer_ids": [int(t) for t in answer_ids],
+        "stopped_at_eos": bool(stopped_at_eos),
+        "ratio": float(ratio),
+        "inline_statistic": None if inline_statistic is None else float(inline_statistic),
+    }
 
 
 class ShadowFailed(Exception):
@@ -235,8 +299,11 @@ class VllmShadow(ShadowSampler):
         return cls.create(engine_url(None), model, sample_rate, decode, **options)
 
     def score(self, request: VllmShadowRequest) -> ShadowScore:
-        """Both proxies from one or two requests to the API server (steps 2-3 above)."""
+        """Both proxies from one or two requests to the API server (steps 2-3 above), after
+        the replay of a sampled request (step 1)."""
         started = time.monotonic()
+        if request.replay:
+            request = self._replay(request)
         prompt, answer = list(request.prompt_ids), list(request.answer_ids)
         eos = self.eos_token_id if self.eos_token_id is not None else -1
         ends = {eos, *request.stop_token_ids}
@@ -268,18 +335,47 @@ class VllmShadow(ShadowSampler):
             answer_words(self.decode(answer)),
             answer_words(request.question),
         )
-        return ShadowScore(f1, top1, request.ratio, time.monotonic() - started)
+        return ShadowScore(
+            f1, top1, request.ratio, time.monotonic() - started, request.inline_statistic
+        )
 
-    def _complete(self, prompt: list[int], max_tokens: int, **extra: Any) -> dict:
+    def _replay(self, request: VllmShadowRequest) -> VllmShadowRequest:
+        """The greedy, blended answer to a sampled request's prompt, as the request to
+        score (its ratio and inline statistic the replay's own); ShadowSkipped when the
+        replay blended nothing."""
+        answer = self._complete(
+            list(request.prompt_ids), max_tokens=request.max_tokens or REPLAY_MAX_TOKENS,
+            replay=True,
+        )  # fmt: skip
+        params = answer.get(_RESPONSE_PARAMS) or {}
+        figures = params.get(TRANSFER_PARAMS_KEY) if isinstance(params, dict) else None
+        replayed = figures.get(REPLAY_KEY) if isinstance(figures, dict) else None
+        if replayed is None:
+            raise ShadowSkipped("replay_not_blended")
+        try:
+            return dataclasses.replace(
+                request,
+                answer_ids=tuple(int(t) for t in replayed["answer_ids"]),
+                stopped_at_eos=bool(replayed["stopped_at_eos"]),
+                ratio=float(replayed["ratio"]),
+                inline_statistic=_optional_float(replayed["inline_statistic"]),
+                replay=False,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ShadowFailed(f"{self.url}: replay figures {str(replayed)[:200]}") from exc
+
+    def _complete(
+        self, prompt: list[int], max_tokens: int, *, replay: bool = False, **extra: Any
+    ) -> dict:
         """One greedy completion of token ids, marked as a shadow request at the lowest
         priority; its choice. A server that refuses the priority gets 0 from then on."""
         try:
             try:
-                return self._post(prompt, max_tokens, extra)
+                return self._post(prompt, max_tokens, extra, replay)
             except ShadowExpired:
                 if not self._patience_out():  # the budget did not take it over
                     raise
-                return self._post(prompt, max_tokens, extra)  # again, as the budget's
+                return self._post(prompt, max_tokens, extra, replay)  # again, as the budget's
         except _PriorityRefused as refused:
             log.warning(
                 "the API server refused shadow priority %d (%s): run vLLM with "
@@ -289,21 +385,26 @@ class VllmShadow(ShadowSampler):
                 refused,
             )
             self.priority = 0
-            return self._post(prompt, max_tokens, extra)
+            return self._post(prompt, max_tokens, extra, replay)
 
-    def _post(self, prompt: list[int], max_tokens: int, extra: dict[str, Any]) -> dict:
+    def _post(
+        self, prompt: list[int], max_tokens: int, extra: dict[str, Any], replay: bool = False
+    ) -> dict:
+        """The answer's first choice; a replay's with the answer's kv_transfer_params."""
         body = {
             "model": self.model,
             "prompt": prompt,
             "max_tokens": max_tokens,
             "temperature": 0.0,
             "return_token_ids": True,
-            "kv_transfer_params": {"holeblend": {SHADOW_KEY: True}},
+            "kv_transfer_params": {TRANSFER_PARAMS_KEY: {SHADOW_KEY: True}},
             **extra,
         }
         idle = self._running_idle
         if idle:  # the idle floor's: only in steps no user request is in, and bounded
-            body["kv_transfer_params"]["holeblend"][IDLE_KEY] = True
+            body["kv_transfer_params"][TRANSFER_PARAMS_KEY][IDLE_KEY] = True
+        if replay:
+            body["kv_transfer_params"][TRANSFER_PARAMS_KEY][REPLAY_KEY] = True
         if self.priority:
             body["priority"] = self.priority
         headers = {"Content-Type": "application/json"}
@@ -328,7 +429,17 @@ class VllmShadow(ShadowSampler):
         choices = answer.get("choices") if isinstance(answer, dict) else None
         if not choices or not isinstance(choices[0], dict):
             raise ShadowFailed(f"{self.url}: no choices in {str(answer)[:200]}")
+        if replay:
+            return choices[0] | {_RESPONSE_PARAMS: answer.get("kv_transfer_params")}
         return choices[0]
+
+
+# Where `_post` puts a replay answer's kv_transfer_params beside its choice.
+_RESPONSE_PARAMS = "_kv_transfer_params"
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 class _PriorityRefused(Exception):

@@ -22,7 +22,9 @@ from holeblend_runtime.vllm_connector.shadow import (
     VllmShadowRequest,
     engine_url,
     first_disagreement,
+    is_replay_request,
     is_shadow_request,
+    replay_request,
     teacher_forced_top1,
 )
 
@@ -142,6 +144,8 @@ class FullPrefillServer:
     def __init__(self, fcfs: bool = False, end: int = EOS):
         self.bodies: list[dict] = []
         self.end = end
+        # What the connector returns for a replay (None: it blended nothing).
+        self.replayed: dict | None = None
         owner = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -151,7 +155,7 @@ class FullPrefillServer:
                 if fcfs and body.get("priority", 0) != 0:
                     self._send(400, {"error": {"message": "priority scheduling is not enabled"}})
                 else:
-                    self._send(200, {"choices": [owner.choice(body)]})
+                    self._send(200, owner.answer(body))
 
             def _send(self, status, answer):
                 data = json.dumps(answer).encode()
@@ -170,6 +174,17 @@ class FullPrefillServer:
     def next_token(self, position: int) -> int:
         index = position - len(PROMPT)
         return FULL[index] if index < len(FULL) else self.end
+
+    def answer(self, body: dict) -> dict:
+        marks = (body.get("kv_transfer_params") or {}).get("holeblend") or {}
+        if not marks.get("replay"):
+            return {"choices": [self.choice(body)]}
+        figures = {"mode": "hole", "num_reused_tokens": 40}
+        if self.replayed is not None:
+            figures["replay"] = self.replayed
+        replayed = (self.replayed or {}).get("answer_ids", [])
+        choice = {"token_ids": [*replayed, EOS], "finish_reason": "stop"}
+        return {"choices": [choice], "kv_transfer_params": {"holeblend": figures}}
 
     def choice(self, body: dict) -> dict:
         prompt = body["prompt"]
@@ -402,3 +417,66 @@ def test_the_idle_floors_shadow_is_marked_and_given_up_past_its_patience(monkeyp
         release.set()
         http_server.shutdown()
         http_server.server_close()
+
+
+class Pairs:
+    """The inline proxy as the sampler sees it: the calibration pairs it is given."""
+
+    def __init__(self):
+        self.pairs = []
+
+    def add_pair(self, statistic, score):
+        self.pairs.append((statistic, score.ratio, score.f1, score.top1))
+
+
+def test_a_sampled_requests_greedy_replay_is_scored_on_the_replays_own_blend():
+    """A sampled request's answer is not full prefill's argmax even with no blending: the
+    shadow replays its prompt greedily through the connector (marked, so that it is
+    blended and counted as no user request) and scores what the connector returns: the
+    replay's answer, its end, its ratio and inline statistic, which calibrate the inline
+    proxy in place of the sampled request's."""
+    server = FullPrefillServer()
+    pairs = Pairs()
+    try:
+        scorer = scorer_for(server, inline=pairs)
+        server.replayed = {
+            "answer_ids": list(FULL[:2]), "stopped_at_eos": True, "ratio": 0.2,
+            "inline_statistic": 0.375,
+        }  # fmt: skip
+        sampled = replay_request(PROMPT, "q", 0.15, max_tokens=500, stop_token_ids=())
+        assert sampled.replay and sampled.answer_ids == () and sampled.max_tokens == 64
+        assert scorer.offer(sampled) == "queued" and scorer.wait_idle(10)
+        assert scorer.outcomes == {"scored": 1}
+        replay, forced = server.bodies[0], server.bodies[1]
+        assert replay["prompt"] == list(PROMPT) and replay["max_tokens"] == 64
+        assert replay["temperature"] == 0.0 and replay["priority"] == SHADOW_PRIORITY
+        marks = replay["kv_transfer_params"]["holeblend"]
+        assert marks == {"shadow": True, "replay": True} and "prompt_logprobs" not in replay
+        assert is_replay_request(replay["kv_transfer_params"], "holeblend")
+        assert is_shadow_request(replay["kv_transfer_params"], "holeblend")
+        # Then as any greedy answer: the replay's two tokens agree, its early end does not.
+        assert forced["prompt"] == [*PROMPT, *FULL[:2]] and forced["prompt_logprobs"] == 1
+        assert not is_replay_request(forced["kv_transfer_params"], "holeblend")
+        score = scorer.scores[-1]
+        assert score.top1 == pytest.approx(2 / 3) and score.ratio == 0.2
+        assert pairs.pairs == [(0.375, 0.2, score.f1, score.top1)]
+
+        # The documents were evicted meanwhile: the replay blended nothing; not scored.
+        server.replayed = None
+        assert scorer.offer(replay_request(PROMPT, "q", 0.15, None)) == "queued"
+        assert scorer.wait_idle(10)
+        assert scorer.outcomes == {"scored": 1, "replay_not_blended": 1}
+        assert len(pairs.pairs) == 1
+        # The token limit is the request's own when smaller.
+        assert replay_request(PROMPT, "q", 0.15, max_tokens=5).max_tokens == 5
+    finally:
+        server.close()
+
+
+def test_a_replay_is_charged_for_its_own_blend_and_answer_too():
+    greedy = VllmShadowRequest(PROMPT * 10, (), "q", 0.5, max_tokens=8)
+    replay = replay_request(PROMPT * 10, "q", 0.5, max_tokens=8)
+    # The teacher-forced request with an answer as long as the limit, plus the replay's
+    # recomputed half of the prompt and its answer.
+    assert replay.num_shadow_tokens == (30 + 8 + 1) + (15 + 8)
+    assert greedy.num_shadow_tokens == 30 + 0 + 1

@@ -87,13 +87,49 @@ def test_a_hole_vllm_computes_itself_is_stored_and_one_never_loaded_is_dropped(s
     assert side.step_plan().stores == ()
 
 
+def test_a_shadows_replay_is_blended_like_a_user_request_and_counted_as_none(side):
+    """A replay (marked shadow and replay) is planned and blended as a user request, but it
+    neither counts as a user request in flight nor adds to the user figures, and its
+    figures go back in its answer with the replay's own answer, end, ratio and inline
+    statistic for the shadow to score."""
+    from holeblend_runtime.vllm_connector import metrics
+    from holeblend_runtime.vllm_connector.worker import LoadOutcome
+
+    marks = {"holeblend": {"shadow": True, "replay": True}}
+    replay = request("replay")
+    replay.kv_transfer_params = marks
+    plain_shadow = request("shadow")
+    plain_shadow.kv_transfer_params = {"holeblend": {"shadow": True}}
+    assert side.matched(plain_shadow, 0) == 0  # a full-prefill shadow: nothing reused
+    assert side.matched(replay, 0) > 0 and side.in_flight == set()
+    side.ratios["replay"] = 0.15  # as its load records it
+    blends = metrics.BLEND_SECONDS._sum.get()
+    side.record_outcomes((LoadOutcome("replay", 8, 4, 6, 0, 2.5, 0.25, 0.15),))
+    assert metrics.BLEND_SECONDS._sum.get() == blends  # not a user's blend
+    replay.output_token_ids = [11, 12, 2]
+    replay.get_finished_reason = lambda: "stop"
+    replay.sampling_params = SamplingParams(temperature=0.0, max_tokens=64, stop_token_ids=[2])
+    before = metrics.PROMPT_TOKENS._value.get()
+    figures = side.finished("replay", replay)
+    assert metrics.PROMPT_TOKENS._value.get() == before  # no user figure moved
+    assert figures["replay"] == {
+        "answer_ids": [11, 12], "stopped_at_eos": True, "ratio": 0.15, "inline_statistic": 0.25
+    }  # fmt: skip
+    # A user request still counts.
+    side.matched(request("user"), 0)
+    assert side.in_flight == {"user"}
+    assert "replay" not in side.finished("user", None)
+    assert metrics.PROMPT_TOKENS._value.get() == before + len(PROMPT)
+
+
 class Shadow:
-    """The shadow as `_offer` sees it: what it was offered and what it declined."""
+    """The shadow as `_offer` sees it: what it was offered (a real one has nothing else a
+    finished request could call)."""
 
     eos_token_id = 1
 
     def __init__(self):
-        self.offered, self.declined = [], []
+        self.offered = []
 
     def decode(self, ids):
         return "q"
@@ -101,14 +137,13 @@ class Shadow:
     def offer(self, shadow_request, idle):
         self.offered.append(shadow_request)
 
-    def decline(self, outcome):
-        self.declined.append(outcome)
-
 
 def offer(params: SamplingParams, answer=(11, 12, 13, 1)) -> Shadow:
     """A blended request that finished with `answer` under `params`, offered."""
     shadow = Shadow()
     side = types.SimpleNamespace(shadow=shadow, budget=None, in_flight=set())
+    side._eos_token_id = lambda: connector._SchedulerSide._eos_token_id(side)
+    side._finished_answer = lambda r: connector._SchedulerSide._finished_answer(side, r)
     prompt = types.SimpleNamespace(
         token_ids=[1, 5, 6], question=types.SimpleNamespace(token_ids=[6])
     )
@@ -130,13 +165,16 @@ def offer(params: SamplingParams, answer=(11, 12, 13, 1)) -> Shadow:
         SamplingParams(temperature=0.0, allowed_token_ids=[11, 12, 13], max_tokens=16),
     ],
 )
-def test_an_answer_that_is_not_the_models_argmax_is_not_offered_but_counted(params):
+def test_an_answer_that_is_not_the_models_argmax_is_offered_as_a_greedy_replay(params):
     """The shadow scores an answer against full prefill's argmax at each position: a sampled
-    answer (vLLM samples at temperature 1 when a client leaves it out), or one whose picks
-    were constrained, departs from it with no blending at all and would read as blending
-    error. Such a request is counted as `not_greedy` and not offered."""
-    shadow = offer(params)
-    assert shadow.offered == [] and shadow.declined == ["not_greedy"]
+    answer (vLLM samples at temperature 1 when a client leaves it out: most clients), or
+    one whose picks were constrained, departs from it with no blending at all and would
+    read as blending error. It was counted as `not_greedy` and never scored, so a pod
+    whose clients sample gave the tuner nothing. It is now offered as a replay: the
+    shadow sends its prompt again, greedy and blended, and scores that answer."""
+    (offered,) = offer(params).offered
+    assert offered.replay and offered.answer_ids == () and offered.prompt_ids == (1, 5, 6)
+    assert offered.max_tokens == 16 and offered.ratio == 0.15
 
 
 @pytest.mark.parametrize(
@@ -149,9 +187,7 @@ def test_an_answer_that_is_not_the_models_argmax_is_not_offered_but_counted(para
 def test_a_greedy_answer_is_offered(params):
     """Temperature 0, or top_k 1 at any temperature, picks the argmax: offered, with its
     EOS taken off."""
-    shadow = offer(params)
-    assert shadow.declined == []
-    (offered,) = shadow.offered
+    (offered,) = offer(params).offered
     assert offered.answer_ids == (11, 12, 13) and offered.stopped_at_eos is True
 
 

@@ -98,6 +98,43 @@ def test_hole_requests_are_scored_as_the_reference_engine_scores_them(server):
     assert value("holeblend_shadow_tokens_total") > 0
 
 
+def test_a_sampled_request_is_scored_on_a_greedy_replay_counted_as_no_user_request(server):
+    """Most clients sample (vLLM samples at temperature 1 when a client leaves it out); a
+    sampled answer is not full prefill's argmax even unblended, so such requests were
+    never scored and the tuner of a pod whose clients sample got nothing. The connector
+    now offers one as a replay: the shadow sends its prompt again, greedy and blended,
+    through this server, and scores the answer the connector returns in that replay's
+    kv_transfer_params. The replay is neither a user request nor user prompt tokens."""
+    first, second = build_prompts(ProbeConfig(is_connector=True, work_dir=None, num_questions=3))[2]
+    server.complete(first, 1)  # caches the documents it has
+    wait_for_stores(server)
+    before = server.samples()
+    scored = server.sample("holeblend_shadow_requests_total", outcome="scored")
+    answer = server.complete(second, ANSWER_TOKENS, temperature=1.0, seed=7)
+    assert answer["choices"][0]["token_ids"]
+    wait_for_scored(server, scored + 1)
+    wait_for_stores(server)
+    after = server.samples()
+
+    def grew(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    def total(found: dict, name: str) -> float:
+        return sum(v for (n, _), v in found.items() if n == name)
+
+    assert grew("holeblend_shadow_requests_total", outcome="scored") == 1
+    for outcome in ("replay_not_blended", "failed", "not_greedy"):
+        assert grew("holeblend_shadow_requests_total", outcome=outcome) == 0, outcome
+    assert grew("holeblend_f1_proxy_count", ratio="0.15") == 1
+    assert 0.0 <= grew("holeblend_top1_agreement_sum", ratio="0.15") <= 1.0
+    # The replay's own blend calibrated the inline proxy (its statistic came back with it).
+    assert grew("holeblend_inline_proxy_pairs", ratio="0.15") == 1
+    # Only the user's request counted: the replay blended, but as nobody's traffic.
+    assert total(after, "holeblend_requests_total") - total(before, "holeblend_requests_total") == 1
+    assert grew("holeblend_prompt_tokens_total") == len(second)
+
+
 def test_the_idle_floor_scores_requests_that_end_with_no_other_in_flight(tmp_path):
     pairs = build_prompts(ProbeConfig(is_connector=True, work_dir=None, num_questions=3))
     with serve(tmp_path, ratio=0.15, shadow_sample_rate=1e-9, shadow_idle=(2, 3600.0)) as server:
