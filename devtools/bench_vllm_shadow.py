@@ -45,12 +45,22 @@ def main(argv: list[str] | None = None) -> int:
         "--shadow-chunk-tokens", type=int, default=SHADOW_CHUNK_TOKENS,
         help="spec.tuning.shadowChunkTokens of the proxies-on server (default %(default)s)",
     )  # fmt: skip
+    parser.add_argument(
+        "--temperature", type=float, default=0.0,
+        help="the clients' sampling temperature (default 0, greedy; 1: what vLLM uses when "
+        "a client leaves it out, scored through the shadow's greedy replays)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.shadow_chunk_tokens < 16:
         parser.error("--shadow-chunk-tokens: must be >= 16 (the CRD's minimum)")
+    if not 0 <= args.temperature <= 2:
+        parser.error(
+            f"--temperature: must be within [0, 2] (OpenAI's range), got {args.temperature}"
+        )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the servers
     plan = shadow_load.build_plan(
-        shadow_load.token_body_maker(SEPARATOR, MODEL), warm_questions=args.warm_questions,
+        shadow_load.token_body_maker(SEPARATOR, MODEL, args.temperature),
+        warm_questions=args.warm_questions,
         paced_questions=args.paced_questions, saturated_questions=args.saturated_questions,
         max_tokens=args.max_tokens, calibrate_questions=args.calibrate_questions,
         seed=args.seed,

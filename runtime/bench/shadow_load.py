@@ -678,10 +678,10 @@ def serve_body(system: str, documents: Sequence[str], question: str, max_tokens:
     }  # fmt: skip
 
 
-def token_body_maker(separator: str, model: str = SERVED_NAME):
+def token_body_maker(separator: str, model: str = SERVED_NAME, temperature: float = 0.0):
     """make_body for vLLM's /v1/completions: the prompt as token ids, built as
     holeblend-serve builds it (ChatML, segments split by `separator`), so the connector
-    finds the same segments."""
+    finds the same segments; clients sample at `temperature` (0: greedy)."""
     from holeblend_runtime.blend.prompt import PromptBuilder
     from holeblend_runtime.model.gguf import load_model_files
     from holeblend_runtime.model.tokenizer import TextTokenizer
@@ -693,7 +693,7 @@ def token_body_maker(separator: str, model: str = SERVED_NAME):
         prompt = builder.build(system, tuple(documents), question)
         return {
             "model": model, "prompt": list(prompt.token_ids), "max_tokens": max_tokens,
-            "temperature": 0.0,
+            "temperature": temperature,
         }  # fmt: skip
 
     return make_body
