@@ -396,17 +396,25 @@ def _connector_page(n: int) -> tuple:
     return (200, page, "text/plain")
 
 
+def _vllm_pod(connector, engine, failing_at: int | None = None):
+    """A vLLM pod's client and pages(n): the connector's metrics on one server, vLLM's TTFT
+    on the engine's (answering 503 at the `failing_at`-th read)."""
+    ports = {"port": engine.port, "metricsPort": connector.port}
+
+    def pages(n):
+        connector.answer = _connector_page(n)
+        engine.answer = (200, vllm_page(3 * n, 10 * n), "text/plain")
+        if n == failing_at:
+            engine.answer = (503, "overloaded", "text/plain")
+
+    return _PodsClient(VLLM_SPEC | {"engine": ports}), pages
+
+
 async def test_a_vllm_pods_status_ttft_is_the_mean_of_vllms_own_histogram():
     """vLLM pods: the connector's metrics port has no TTFT; vLLM's API server exports
     vllm:time_to_first_token_seconds on the engine's port, and status shows its mean."""
     async with servers(2) as ((connector, engine), _):
-        ports = {"port": engine.port, "metricsPort": connector.port}
-        client = _PodsClient(VLLM_SPEC | {"engine": ports})
-
-        def pages(n):
-            connector.answer = _connector_page(n)
-            engine.answer = (200, vllm_page(3 * n, 10 * n), "text/plain")
-
+        client, pages = _vllm_pod(connector, engine)
         seen, _ = await _tune(client, 2, pages)
     assert seen["ttftSeconds"] == pytest.approx(0.3)
     assert (seen["f1Proxy"], seen["numSamples"], seen["hitPercent"]) == (0.9, 20, 80.0)
@@ -445,15 +453,7 @@ async def test_a_vllm_deployment_read_through_prometheus_shows_vllms_ttft():
 
 async def test_a_failed_ttft_read_on_a_vllm_pod_keeps_the_other_figures():
     async with servers(2) as ((connector, engine), _):
-        ports = {"port": engine.port, "metricsPort": connector.port}
-        client = _PodsClient(VLLM_SPEC | {"engine": ports})
-
-        def pages(n):
-            connector.answer = _connector_page(n)
-            engine.answer = (200, vllm_page(3 * n, 10 * n), "text/plain")
-            if n == 3:
-                engine.answer = (503, "overloaded", "text/plain")
-
+        client, pages = _vllm_pod(connector, engine, failing_at=3)
         seen, _ = await _tune(client, 2, pages)
         assert seen["ttftSeconds"] == pytest.approx(0.3)
         seen, _ = await _tune(client, 3, pages)
