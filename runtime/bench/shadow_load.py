@@ -324,12 +324,30 @@ def drive_saturated(url: str, bodies: Sequence[dict], clients: int, send=stream)
 # --- the server's proxy metrics -----------------------------------------------------------
 
 
-def scrape(metrics_url: str) -> dict[tuple[str, tuple], float]:
-    """The metrics page: (sample name, sorted labels) -> value."""
+SCRAPE_TIMEOUT_S = 10.0  # Prometheus's default scrape timeout
+SCRAPE_ATTEMPTS = 3
+
+
+def scrape(
+    metrics_url: str, timeout_s: float = SCRAPE_TIMEOUT_S, attempts: int = SCRAPE_ATTEMPTS
+) -> dict[tuple[str, tuple], float]:
+    """The metrics page: (sample name, sorted labels) -> value. A page that does not come
+    within `timeout_s` is asked for again, `attempts` times in all: an engine-core process
+    with every core busy can answer one scrape late, and a run must not end on it."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(metrics_url, timeout=10) as response:
-        text = response.read().decode()
+    for attempt in range(1, attempts + 1):
+        try:
+            with urllib.request.urlopen(metrics_url, timeout=timeout_s) as response:
+                text = response.read().decode()
+            break
+        except (TimeoutError, urllib.error.URLError) as error:
+            timed_out = isinstance(error, TimeoutError) or isinstance(
+                getattr(error, "reason", None), TimeoutError
+            )
+            if not timed_out or attempt == attempts:
+                raise
+            print(f"{metrics_url}: no page within {timeout_s:g} s; asking again", file=sys.stderr)
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(text)

@@ -528,3 +528,49 @@ def test_the_wait_reads_on_until_both_requests_of_a_pair_are_counted(monkeypatch
     started = _counting_server(monkeypatch, (0.1, 0.1), (0.4, 1.2))
     assert shadow_load.wait_shadows_done("m", blended_over=5, count_stable_s=0.0)
     assert time.monotonic() - started < 0.4  # the old wait: returned after the first count
+
+
+class SlowMetrics(BaseHTTPRequestHandler):
+    """Answers the metrics page, the first `stalls` times only after `stall_s`."""
+
+    def do_GET(self):
+        state = self.server.state
+        with state["lock"]:
+            state["calls"] += 1
+            stall = state["calls"] <= state["stalls"]
+        if stall:
+            time.sleep(state["stall_s"])
+        page = b"# TYPE holeblend_requests counter\nholeblend_requests_total 3.0\n"
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            self.wfile.write(page)
+        except OSError:
+            pass  # the client gave up on this one
+
+    def log_message(self, *args):
+        pass
+
+
+@contextlib.contextmanager
+def slow_metrics(stalls: int):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), SlowMetrics)
+    server.state = {"lock": threading.Lock(), "calls": 0, "stalls": stalls, "stall_s": 0.6}
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server, f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_late_metrics_page_is_asked_for_again_within_the_attempts():
+    with slow_metrics(stalls=2) as (server, url):
+        page = shadow_load.scrape(url, timeout_s=0.2, attempts=3)
+    assert page[("holeblend_requests_total", ())] == 3.0
+    assert server.state["calls"] == 3
+    with slow_metrics(stalls=3) as (server, url), pytest.raises((TimeoutError, OSError)):
+        shadow_load.scrape(url, timeout_s=0.2, attempts=3)
+    assert server.state["calls"] == 3
