@@ -43,6 +43,7 @@ from holeblend_operator.api import (
     REASON_MAX_LENGTH,
     BlendDeployment,
     ConditionType,
+    ObservedMetrics,
     TuningSpec,
     spec_notices,
 )
@@ -201,11 +202,17 @@ def status_patch(
             "meetsTargetAboveRatio": state.good_above,
             "meetsTargetAboveAt": _rfc3339_or_none(state.good_above_at),
         },
-        "metrics": observed_metrics(seen, now),
+        # Every field, null when not read now: a merge patch leaves out what it omits, so
+        # a figure of an earlier interval would stand beside this one's observedAt.
+        "metrics": dict.fromkeys(METRICS_FIELDS) | observed_metrics(seen, now),
         "conditions": _with_tuned(
             status.get("conditions") or [], decision, now, bd.metadata.generation, notices
         ),
     }
+
+
+# status.metrics' fields as the API names them.
+METRICS_FIELDS = tuple(field.alias for field in ObservedMetrics.model_fields.values())
 
 
 def observed_metrics(seen: Reading, now: str) -> dict:

@@ -96,6 +96,28 @@ def test_what_the_law_learned_survives_a_failover_through_status():
     assert state.good_above is None
 
 
+def test_a_figure_not_read_this_interval_leaves_status_metrics():
+    """status_patch is a JSON merge patch: a field it omits keeps the stored value, so an
+    f1Proxy or ttftSeconds of an earlier interval stood beside the new observedAt."""
+    from kmock._internal.dicts import merge_patch_dict  # the emulator's merge patch
+
+    hold = Decision("hold", 0.15, 0.15, "TooFewSamples", "no samples", False, State())
+    first = status_patch(BD, {}, hold, SEEN, NOW)
+    status = merge_patch_dict({}, first)
+    assert status["metrics"]["f1Proxy"] == 0.8 and status["metrics"]["ttftSeconds"] == 0.4
+    unread = dataclasses.replace(SEEN, f1_proxy=None, ttft_seconds=None, top1_agreement=None)
+    later = "2026-11-23T10:01:00Z"
+    status = merge_patch_dict(status, status_patch(BD, status, hold, unread, later))
+    assert status["metrics"] == {
+        "hitPercent": 75.0, "numSamples": 40, "observedAt": later
+    }  # fmt: skip
+    # The history's entries are list items, which a merge patch stores as written: no nulls.
+    assert None not in status["tuning"]["history"][-1]["inputs"].values()
+    assert BlendDeployment.model_validate(
+        {"metadata": {"name": "r"}, "spec": SPEC, "status": status}
+    )
+
+
 def test_a_change_writes_ratio_base_history_metrics_and_a_tuned_condition():
     up = Decision("up", 0.15, 0.225, "BelowTarget", "F1 proxy 0.800", False, State())
     patch = status_patch(BD, {}, up, SEEN, NOW)
@@ -146,7 +168,11 @@ def test_other_conditions_are_kept_and_tuned_keeps_its_transition_time():
 def test_nan_metrics_are_left_out_of_status():
     nan = Reading(float("nan"), None, 0, float("inf"), None, None)
     patch = status_patch(BD, {}, hold("NoSamples"), nan, NOW)
-    assert patch["metrics"] == {"numSamples": 0, "observedAt": NOW}
+    # Left out: null in the merge patch, which removes what an earlier interval wrote.
+    written = {key: value for key, value in patch["metrics"].items() if value is not None}
+    assert written == {"numSamples": 0, "observedAt": NOW}
+    assert patch["metrics"]["f1Proxy"] is None and patch["metrics"]["hitPercent"] is None
+    assert patch["tuning"]["history"][-1]["inputs"] == written
 
 
 NOW_DT = datetime.datetime(2026, 11, 23, 10, tzinfo=datetime.UTC)
