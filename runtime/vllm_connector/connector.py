@@ -33,6 +33,7 @@ installed) a load fails loudly at the first request.
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -405,6 +406,9 @@ class _SchedulerSide:
         self.in_flight: set[str] = set()
         # Requests that are the shadow's replays of sampled ones (vllm_connector/shadow.py).
         self.replays: set[str] = set()
+        # Replays that ended before their load's outcome came back (vLLM finishes a request
+        # before it reads the step's connector output): that outcome is no user's blend.
+        self.ended_replays: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.inline = InlineProxy(metrics=metrics.INLINE) if proxies else None
         # The deployment's pods share the inline proxy's calibration pairs through the
         # lookup server (the scheduler side holds the proxy and the shadow).
@@ -517,6 +521,9 @@ class _SchedulerSide:
                 self.outcomes[outcome.request_id] = outcome
             if outcome.request_id in self.replays:
                 continue  # a shadow's replay: its statistic goes back with it, no figure
+            if outcome.request_id in self.ended_replays:
+                del self.ended_replays[outcome.request_id]
+                continue  # a replay that ended in its first step: no figure either
             if self.inline is not None and outcome.inline_statistic is not None:
                 self.inline.observe(outcome.ratio, outcome.inline_statistic)
             metrics.BLEND_SECONDS.observe(outcome.blend_seconds)
@@ -549,6 +556,10 @@ class _SchedulerSide:
         blended_at = self.ratios.pop(request_id, None)  # None: it never loaded
         is_replay = request_id in self.replays
         self.replays.discard(request_id)
+        if is_replay and blended_at is not None:  # loaded: its outcome may still come
+            self.ended_replays[request_id] = None
+            while len(self.ended_replays) > _ENDED_REPLAYS_KEPT:
+                self.ended_replays.popitem(last=False)
         if plan is None:
             return None
         figures = _figures(plan, outcome, self.ratio.ratio(), is_load_failed)
@@ -633,6 +644,10 @@ class _SchedulerSide:
             )
         self.shadow.offer(shadow_request, idle=not self.in_flight)
 
+
+# Ended replays remembered for their late outcome: a step's outcomes come back in the
+# next step, so a handful is enough; the bound keeps outcomes that never come from piling up.
+_ENDED_REPLAYS_KEPT = 256
 
 # vLLM's FinishReason of a request that ran to its end (not aborted, not an error).
 _SCORED_FINISH_REASONS = {"stop", "length"}

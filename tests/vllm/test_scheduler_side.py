@@ -122,6 +122,41 @@ def test_a_shadows_replay_is_blended_like_a_user_request_and_counted_as_none(sid
     assert metrics.PROMPT_TOKENS._value.get() == before + len(PROMPT)
 
 
+def test_a_replay_that_ends_before_its_load_outcome_comes_back_is_still_no_users_blend(side):
+    """vLLM finishes a request before it reads the step's connector output: a replay that
+    ends at its first token is finished before its load's outcome arrives, and that
+    outcome was counted as a user's blend (blend seconds, the inline proxy's statistics)."""
+    from holeblend_runtime.vllm_connector import metrics
+    from holeblend_runtime.vllm_connector.worker import LoadOutcome
+
+    replay = request("replay")
+    replay.kv_transfer_params = {"holeblend": {"shadow": True, "replay": True}}
+    matched = side.matched(replay, 0)
+    side.allocated(replay, blocks(0, 1), matched)
+    assert [load.request_id for load in side.step_plan().loads] == ["replay"]
+    replay.output_token_ids = [2]
+    replay.get_finished_reason = lambda: "stop"
+    replay.sampling_params = SamplingParams(temperature=0.0, max_tokens=64, stop_token_ids=[2])
+    assert "replay" in side.finished("replay", replay)  # ended in the step that loaded it
+    blends, count = metrics.BLEND_SECONDS._sum.get(), blend_count()
+    side.record_outcomes((LoadOutcome("replay", 8, 4, 6, 0, 2.5, 0.25, 0.15),))
+    assert (metrics.BLEND_SECONDS._sum.get(), blend_count()) == (blends, count)
+    assert side.ended_replays == {}  # remembered only until its outcome came
+    # A user request's late outcome still counts.
+    user = request("user")
+    side.allocated(user, blocks(2, 3), side.matched(user, 0))
+    side.step_plan()
+    side.finished("user", None)
+    side.record_outcomes((LoadOutcome("user", 8, 4, 6, 0, 1.5, 0.25, 0.15),))
+    assert metrics.BLEND_SECONDS._sum.get() == blends + 1.5 and blend_count() == count + 1
+
+
+def blend_count() -> float:
+    from holeblend_runtime.vllm_connector import metrics
+
+    return metrics.REGISTRY.get_sample_value("holeblend_blend_seconds_count") or 0.0
+
+
 class Shadow:
     """The shadow as `_offer` sees it: what it was offered (a real one has nothing else a
     finished request could call)."""
