@@ -246,6 +246,12 @@ class KVSettings(_Settings):
     # Shared tier URL (redis://...), None: no shared tier.
     shared_url: str | None = None
 
+    @property
+    def tier_budget_bytes(self) -> int:
+        """The budget a store of the pod's own tier takes: at least 1, as a store needs one;
+        `local_cpu_bytes` 0 (no tier of the pod's own) then holds nothing."""
+        return max(self.local_cpu_bytes, 1)
+
 
 class BlendSettings(_Settings):
     """The whole file, typed; see the module docstring for the contract."""

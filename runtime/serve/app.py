@@ -169,7 +169,7 @@ class Server:
         """Load the model and warm it up (blocking: call it off the event loop)."""
         settings = self.live.startup
         store = LocalKVStore(
-            max(settings.kv.local_cpu_bytes, 1), admission=admission_policy(settings.kv.admission)
+            settings.kv.tier_budget_bytes, admission=admission_policy(settings.kv.admission)
         )
         self.engine = BlendEngine.load(
             from_settings(settings), store, cache_dir=self.settings.cache_dir,

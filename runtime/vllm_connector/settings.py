@@ -127,8 +127,7 @@ def load_settings(extra_config: Mapping[str, Any]) -> ConnectorSettings:
         blend=from_settings(settings),
         model_name=settings.model.name,
         kv_dir=kv_dir,
-        # 0 (no tier of the pod's own) as holeblend-serve reads it: nothing fits.
-        kv_bytes=max(settings.kv.local_cpu_bytes, 1),
+        kv_bytes=settings.kv.tier_budget_bytes,  # as holeblend-serve reads it
         kv_admission=settings.kv.admission,
         config_path=Path(path),
         shared_url=settings.kv.shared_url,

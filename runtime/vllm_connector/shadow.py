@@ -307,7 +307,7 @@ class VllmShadow(ShadowSampler):
         prompt, answer = list(request.prompt_ids), list(request.answer_ids)
         eos = self.eos_token_id if self.eos_token_id is not None else -1
         ends = {eos, *request.stop_token_ids}
-        forced = self._complete(prompt + answer, max_tokens=1, prompt_logprobs=1)
+        forced = _first_choice(self._complete(prompt + answer, max_tokens=1, prompt_logprobs=1))
         picks = teacher_forced_top1(forced.get("prompt_logprobs") or [], len(prompt), answer)
         generated = forced.get("token_ids") or []
         if not generated:
@@ -324,7 +324,7 @@ class VllmShadow(ShadowSampler):
             more_tokens = budget - len(full)
             if more_tokens > 0:
                 self.charge(len(prompt) + len(full) + more_tokens)
-                more = self._complete(prompt + full, max_tokens=more_tokens)
+                more = _first_choice(self._complete(prompt + full, max_tokens=more_tokens))
                 for token in more.get("token_ids") or []:
                     if token in ends:
                         break
@@ -347,7 +347,7 @@ class VllmShadow(ShadowSampler):
             list(request.prompt_ids), max_tokens=request.max_tokens or REPLAY_MAX_TOKENS,
             replay=True,
         )  # fmt: skip
-        params = answer.get(_RESPONSE_PARAMS) or {}
+        params = answer.get("kv_transfer_params") or {}
         figures = params.get(TRANSFER_PARAMS_KEY) if isinstance(params, dict) else None
         replayed = figures.get(REPLAY_KEY) if isinstance(figures, dict) else None
         if replayed is None:
@@ -368,7 +368,7 @@ class VllmShadow(ShadowSampler):
         self, prompt: list[int], max_tokens: int, *, replay: bool = False, **extra: Any
     ) -> dict:
         """One greedy completion of token ids, marked as a shadow request at the lowest
-        priority; its choice. A server that refuses the priority gets 0 from then on."""
+        priority; the whole answer. A server that refuses the priority gets 0 from then on."""
         try:
             try:
                 return self._post(prompt, max_tokens, extra, replay)
@@ -390,7 +390,7 @@ class VllmShadow(ShadowSampler):
     def _post(
         self, prompt: list[int], max_tokens: int, extra: dict[str, Any], replay: bool = False
     ) -> dict:
-        """The answer's first choice; a replay's with the answer's kv_transfer_params."""
+        """The answer (its first choice checked to be there)."""
         body = {
             "model": self.model,
             "prompt": prompt,
@@ -429,13 +429,11 @@ class VllmShadow(ShadowSampler):
         choices = answer.get("choices") if isinstance(answer, dict) else None
         if not choices or not isinstance(choices[0], dict):
             raise ShadowFailed(f"{self.url}: no choices in {str(answer)[:200]}")
-        if replay:
-            return choices[0] | {_RESPONSE_PARAMS: answer.get("kv_transfer_params")}
-        return choices[0]
+        return answer
 
 
-# Where `_post` puts a replay answer's kv_transfer_params beside its choice.
-_RESPONSE_PARAMS = "_kv_transfer_params"
+def _first_choice(answer: dict) -> dict:
+    return answer["choices"][0]  # `_post` checked it is there
 
 
 def _optional_float(value: Any) -> float | None:
