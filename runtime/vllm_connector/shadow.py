@@ -61,6 +61,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import time
 import urllib.error
 import urllib.request
@@ -86,7 +87,13 @@ ENGINE_URL_ENV = "HOLEBLEND_ENGINE_URL"
 API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own: set when the server requires a key
 # Our key in a request's (and an answer's) kv_transfer_params.
 TRANSFER_PARAMS_KEY = "holeblend"
-SHADOW_KEY = "shadow"  # kv_transfer_params["holeblend"]["shadow"]: a shadow request
+# kv_transfer_params["holeblend"]["shadow"]: a shadow request, when it holds SHADOW_MARK.
+SHADOW_KEY = "shadow"
+# A shadow's mark: a random token of this process (the shadow that sends it, and the
+# connector and scheduler that read it, all live in vLLM's engine-core process). Any
+# client can put anything in kv_transfer_params: a constant mark would let it pass its own
+# requests off as shadows or replays, counted in no user figure and charged to no budget.
+SHADOW_MARK = secrets.token_hex(16)
 IDLE_KEY = "idle"  # kv_transfer_params["holeblend"]["idle"]: the idle floor's shadow
 # kv_transfer_params["holeblend"]["replay"]: a shadow's blended, greedy replay of a sampled
 # request (blended and answered as a user request, counted as none); the connector answers
@@ -106,8 +113,9 @@ def is_shadow_request(kv_transfer_params: Any, key: str, *, idle: bool = False) 
     """Whether a request's transfer params mark it a shadow (`idle`: one the idle floor
     admitted)."""
     params = kv_transfer_params.get(key) if isinstance(kv_transfer_params, dict) else None
-    if not (isinstance(params, dict) and params.get(SHADOW_KEY) is True):
-        return False
+    mark = params.get(SHADOW_KEY) if isinstance(params, dict) else None
+    if not (isinstance(mark, str) and secrets.compare_digest(mark, SHADOW_MARK)):
+        return False  # a user request, whatever its client put there
     return params.get(IDLE_KEY) is True if idle else True
 
 
@@ -397,7 +405,7 @@ class VllmShadow(ShadowSampler):
             "max_tokens": max_tokens,
             "temperature": 0.0,
             "return_token_ids": True,
-            "kv_transfer_params": {TRANSFER_PARAMS_KEY: {SHADOW_KEY: True}},
+            "kv_transfer_params": {TRANSFER_PARAMS_KEY: {SHADOW_KEY: SHADOW_MARK}},
             **extra,
         }
         idle = self._running_idle

@@ -16,6 +16,7 @@ from holeblend_runtime.quality.shadow import ShadowBudget, ShadowMetrics
 from holeblend_runtime.vllm_connector import shadow as shadow_module
 from holeblend_runtime.vllm_connector.shadow import (
     ENGINE_URL_ENV,
+    SHADOW_MARK,
     SHADOW_PRIORITY,
     ShadowFailed,
     VllmShadow,
@@ -51,9 +52,19 @@ def test_the_top1_picks_come_from_the_ranks_of_the_answer_positions():
 
 
 def test_only_requests_marked_shadow_are_shadow_requests():
-    assert is_shadow_request({"holeblend": {"shadow": True}}, "holeblend")
-    for params in (None, {}, {"holeblend": {}}, {"holeblend": {"shadow": "yes"}}, {"x": 1}):
-        assert not is_shadow_request(params, "holeblend")
+    """The mark is this process's random token: a client's own kv_transfer_params (any
+    client can send them) cannot pass its requests off as shadows or replays, which are
+    counted in no user figure and charged to no budget."""
+    assert is_shadow_request({"holeblend": {"shadow": SHADOW_MARK}}, "holeblend")
+    assert len(SHADOW_MARK) >= 32
+    for params in (
+        None, {}, {"holeblend": {}}, {"holeblend": {"shadow": "yes"}}, {"x": 1},
+        {"holeblend": {"shadow": True}}, {"holeblend": {"shadow": True, "replay": True}},
+        {"holeblend": {"shadow": SHADOW_MARK[:-1]}}, {"holeblend": {"shadow": 1}},
+    ):  # fmt: skip
+        assert not is_shadow_request(params, "holeblend"), params
+        assert not is_replay_request(params, "holeblend"), params
+    assert is_replay_request({"holeblend": {"shadow": SHADOW_MARK, "replay": True}}, "holeblend")
 
 
 class Server:
@@ -395,7 +406,9 @@ def test_the_idle_floors_shadow_is_marked_and_given_up_past_its_patience(monkeyp
         floor = shadow(url, sample_rate=0.0, timeout_s=30, budget=in_debt)
         assert floor.offer(REQUEST, idle=True) == "queued" and floor.wait_idle(10)
         assert floor.outcomes == {"expired": 1}
-        assert bodies[-1]["kv_transfer_params"] == {"holeblend": {"shadow": True, "idle": True}}
+        assert bodies[-1]["kv_transfer_params"] == {
+            "holeblend": {"shadow": SHADOW_MARK, "idle": True}
+        }
         assert is_shadow_request(bodies[-1]["kv_transfer_params"], "holeblend", idle=True)
         # Past its patience with the account able to pay, the budget takes it over: sent
         # again unmarked (here the server still does not answer: its own timeout fails it).
@@ -405,13 +418,13 @@ def test_the_idle_floors_shadow_is_marked_and_given_up_past_its_patience(monkeyp
         assert floor.offer(REQUEST, idle=True) == "queued" and floor.wait_idle(10)
         assert floor.outcomes == {"failed": 1}
         marks = [b["kv_transfer_params"]["holeblend"] for b in bodies[sent:]]
-        assert marks == [{"shadow": True, "idle": True}, {"shadow": True}]
+        assert marks == [{"shadow": SHADOW_MARK, "idle": True}, {"shadow": SHADOW_MARK}]
         assert account.shadow_tokens == REQUEST.num_shadow_tokens  # charged on take-over
         # The budget's shadow: not marked idle, and its own timeout fails it, as before.
         budget = shadow(url, timeout_s=0.3)
         assert budget.offer(REQUEST) == "queued" and budget.wait_idle(10)
         assert budget.outcomes == {"failed": 1}
-        assert bodies[-1]["kv_transfer_params"] == {"holeblend": {"shadow": True}}
+        assert bodies[-1]["kv_transfer_params"] == {"holeblend": {"shadow": SHADOW_MARK}}
         assert not is_shadow_request(bodies[-1]["kv_transfer_params"], "holeblend", idle=True)
     finally:
         release.set()
@@ -451,7 +464,7 @@ def test_a_sampled_requests_greedy_replay_is_scored_on_the_replays_own_blend():
         assert replay["prompt"] == list(PROMPT) and replay["max_tokens"] == 64
         assert replay["temperature"] == 0.0 and replay["priority"] == SHADOW_PRIORITY
         marks = replay["kv_transfer_params"]["holeblend"]
-        assert marks == {"shadow": True, "replay": True} and "prompt_logprobs" not in replay
+        assert marks == {"shadow": SHADOW_MARK, "replay": True} and "prompt_logprobs" not in replay
         assert is_replay_request(replay["kv_transfer_params"], "holeblend")
         assert is_shadow_request(replay["kv_transfer_params"], "holeblend")
         # Then as any greedy answer: the replay's two tokens agree, its early end does not.

@@ -14,6 +14,7 @@ from holeblend_runtime.blend.keys import SegmentKeyer
 from holeblend_runtime.blend.segments import SegmentSplitter
 from holeblend_runtime.vllm_connector import connector
 from holeblend_runtime.vllm_connector.settings import ConnectorSettings
+from holeblend_runtime.vllm_connector.shadow import SHADOW_MARK
 
 SEP = 9
 # system | doc A | doc B | doc C | question, separated by SEP
@@ -95,11 +96,11 @@ def test_a_shadows_replay_is_blended_like_a_user_request_and_counted_as_none(sid
     from holeblend_runtime.vllm_connector import metrics
     from holeblend_runtime.vllm_connector.worker import LoadOutcome
 
-    marks = {"holeblend": {"shadow": True, "replay": True}}
+    marks = {"holeblend": {"shadow": SHADOW_MARK, "replay": True}}
     replay = request("replay")
     replay.kv_transfer_params = marks
     plain_shadow = request("shadow")
-    plain_shadow.kv_transfer_params = {"holeblend": {"shadow": True}}
+    plain_shadow.kv_transfer_params = {"holeblend": {"shadow": SHADOW_MARK}}
     assert side.matched(plain_shadow, 0) == 0  # a full-prefill shadow: nothing reused
     assert side.matched(replay, 0) > 0 and side.in_flight == set()
     side.ratios["replay"] = 0.15  # as its load records it
@@ -120,6 +121,12 @@ def test_a_shadows_replay_is_blended_like_a_user_request_and_counted_as_none(sid
     assert side.in_flight == {"user"}
     assert "replay" not in side.finished("user", None)
     assert metrics.PROMPT_TOKENS._value.get() == before + len(PROMPT)
+    # A client's own marks (any client can send kv_transfer_params) make it no shadow.
+    spoofed = request("spoofed")
+    spoofed.kv_transfer_params = {"holeblend": {"shadow": True, "replay": True}}
+    assert side.matched(spoofed, 0) > 0 and side.in_flight == {"spoofed"}
+    assert "replay" not in side.finished("spoofed", None)
+    assert metrics.PROMPT_TOKENS._value.get() == before + 2 * len(PROMPT)
 
 
 def test_a_replay_that_ends_before_its_load_outcome_comes_back_is_still_no_users_blend(side):
@@ -130,7 +137,7 @@ def test_a_replay_that_ends_before_its_load_outcome_comes_back_is_still_no_users
     from holeblend_runtime.vllm_connector.worker import LoadOutcome
 
     replay = request("replay")
-    replay.kv_transfer_params = {"holeblend": {"shadow": True, "replay": True}}
+    replay.kv_transfer_params = {"holeblend": {"shadow": SHADOW_MARK, "replay": True}}
     matched = side.matched(replay, 0)
     side.allocated(replay, blocks(0, 1), matched)
     assert [load.request_id for load in side.step_plan().loads] == ["replay"]

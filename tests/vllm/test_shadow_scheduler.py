@@ -27,7 +27,7 @@ from holeblend_runtime.vllm_connector.scheduler import (
     AsyncShadowYieldingScheduler,
     ShadowYieldingScheduler,
 )
-from holeblend_runtime.vllm_connector.shadow import SHADOW_PRIORITY
+from holeblend_runtime.vllm_connector.shadow import SHADOW_MARK, SHADOW_PRIORITY
 
 BUDGET = 128  # --max-num-batched-tokens
 CHUNK = 16  # shadow_chunk_tokens
@@ -76,7 +76,7 @@ def scheduler(
 def request(
     request_id: str, num_prompt: int, *, shadow: bool = False, idle: bool = False
 ) -> Request:
-    marks = {"shadow": True, "idle": True} if idle else {"shadow": True}
+    marks = {"shadow": SHADOW_MARK, "idle": True} if idle else {"shadow": SHADOW_MARK}
     extra = {"kv_transfer_params": {"holeblend": marks}} if shadow or idle else None
     params = SamplingParams(max_tokens=USER_TOKENS, temperature=0.0, extra_args=extra)
     priority = SHADOW_PRIORITY if shadow else 0
