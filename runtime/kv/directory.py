@@ -11,10 +11,11 @@ worker's load agree without a server. Implements `KVStore`:
    after each `put`, earlier versions' (`tmp*.tmp`, safetensors' `.tmp*`) too. A writer
    that is still writing, in this process or another sharing the directory, keeps its
    file.
-2. `get` reads the file once, header and tensors from one open file, and checks it; a file
+2. `get` reads the file once, header and tensors through one `safe_open`, and checks it; a file
    that cannot be parsed (a corrupt blob) is removed and reported as a miss, so serving
    falls back to computing the segment. A file removed by another writer's eviction after
-   it was read is a hit all the same: the entry is in memory.
+   it was read is a hit all the same: the entry is in memory; one removed or replaced
+   while it was read is a miss, not a corrupt file.
    Whether the values are finite is checked once, by `put`, and kept in the file's
    metadata (`SegmentKV.is_finite`), so readers do not scan every value on every reuse.
 3. The byte budget is kept by removing the least recently used files (a hit refreshes
@@ -107,6 +108,9 @@ class DirectoryKVStore:
 
     def get(self, key: str) -> SegmentKV | None:
         path = self.path(key)
+        identity = _identity(path)
+        if identity is None:
+            return None
         try:
             tensors, metadata = _read(path)
             kv = SegmentKV(
@@ -116,6 +120,10 @@ class DirectoryKVStore:
         except FileNotFoundError:
             return None
         except Exception as error:  # any parse failure means the blob is unusable
+            if _identity(path) != identity:
+                # Removed or replaced by another process while it was read (safetensors
+                # opens the file by name twice): a miss, and a replacement stays.
+                return None
             log.warning("removing corrupt KV file %s: %s", path, error)
             self.num_corrupt += 1
             path.unlink(missing_ok=True)
@@ -236,8 +244,11 @@ class DirectoryKVStore:
         return stored + self._temporary_bytes()
 
     def _files_by_age(self) -> list[Path]:
-        files = [(p, _mtime(p)) for p in self.root.glob(f"*{_SUFFIX}")]
-        return [p for p, mtime in sorted(files, key=lambda f: f[1]) if mtime is not None]
+        # A file another process removes between the listing and its stat has no time: it
+        # is left out before sorting (None does not order against a time).
+        aged = [(p, _mtime(p)) for p in self.root.glob(f"*{_SUFFIX}")]
+        files = [(p, mtime) for p, mtime in aged if mtime is not None]
+        return [p for p, _ in sorted(files, key=lambda f: f[1])]
 
     def _evict(self, incoming: tuple[str, int] | None = None) -> None:
         """Remove stale temporary files, then the least recently used files until the
@@ -247,11 +258,14 @@ class DirectoryKVStore:
         files = self._files_by_age()
         if incoming is not None:
             files = [p for p in files if p.name != self.path(incoming[0]).name]
-        total = temporary + sum(_size(p) for p in files) + (incoming[1] if incoming else 0)
-        for path in files:
+        # Each file's size read once: one that another process removes meanwhile (its own
+        # eviction) has freed its bytes, and is no reason to remove one more.
+        sized = [(p, _size(p)) for p in files]
+        total = temporary + sum(n for _, n in sized) + (incoming[1] if incoming else 0)
+        for path, num_bytes in sized:
             if total <= self.capacity_bytes:
                 break
-            total -= _size(path)
+            total -= num_bytes
             path.unlink(missing_ok=True)
 
     def _temporary_bytes(self, remove_stale: bool = False) -> int:
@@ -279,14 +293,24 @@ class DirectoryKVStore:
 
 
 def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The tensors and the metadata of one file, read through one open handle (a file
-    replaced meanwhile cannot mix two versions)."""
+    """The tensors and the metadata of one file, read through one `safe_open` handle
+    (which opens the file by name twice, its header and then torch's storage: a file
+    removed or replaced in between may fail to read; `get` tells that from a corrupt file)."""
     with safe_open(str(path), framework="pt") as handle:
         return handle.get_tensors(), dict(handle.metadata() or {})
 
 
 def _is_temporary(name: str) -> bool:
     return name.endswith(_PARTIAL) or any(fnmatch(name, p) for p in _LEGACY_TEMPORARY)
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """The file under `path` (device, inode); None when there is none."""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_dev, stat.st_ino
 
 
 def _size(path: Path) -> int:

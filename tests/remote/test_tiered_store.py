@@ -297,3 +297,31 @@ def test_a_local_directory_that_cannot_write_keeps_nothing_from_the_shared_tier(
     finally:
         a.close()
         b.close()
+
+
+def test_a_local_file_evicted_by_another_process_meanwhile_keeps_nothing_from_the_shared_tier(
+    redis_server, lookup_server, tmp_path, monkeypatch
+):
+    """Another worker sharing the directory evicts a file while this one lists it (vLLM's
+    tensor-parallel ranks make room at once): the put stores the segment in both tiers (it
+    raised out of the directory, and the shared tier was never written)."""
+    from holeblend_runtime.kv import directory
+
+    local = directory.DirectoryKVStore(tmp_path / "kv", 1 << 24)
+    for key in ("doc1", "doc2"):
+        assert local.put(segment(key))
+    settings = TierSettings(1 << 24, redis_server.url, lookup_server.url, "ns/rag", "a", **FAST)
+    store = open_tiered_store(settings, LAYOUT, local)
+    mtime = directory._mtime
+
+    def evicted_meanwhile(path):
+        if path.name == "doc1.safetensors":
+            path.unlink(missing_ok=True)
+        return mtime(path)
+
+    monkeypatch.setattr(directory, "_mtime", evicted_meanwhile)
+    try:
+        assert store.put(segment("doc3"))
+        assert store.stats.shared_stores == 1 and local.contains("doc3")
+    finally:
+        store.close()
