@@ -226,11 +226,26 @@ class PrometheusSource:
         url = f"{self.url}/api/v1/query?{urllib.parse.urlencode({'query': promql})}"
         try:
             async with self._session.get(url, timeout=self._timeout) as response:
-                body = await response.content.read(MAX_BODY_BYTES)
+                body = await read_body(response)
                 status = response.status
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise SourceError(f"Prometheus at {self.url}: {type(exc).__name__}: {exc}") from exc
+        if body is None:
+            raise SourceError(f"Prometheus at {self.url}: answer over {MAX_BODY_BYTES} bytes")
         return _parse_vector(self.url, status, body)
+
+
+async def read_body(response: aiohttp.ClientResponse) -> "bytes | None":
+    """The whole body, or None when it is over MAX_BODY_BYTES. (`content.read(n)` returns
+    what has arrived so far, up to n bytes: one call cuts a page that comes in several
+    reads, e.g. vLLM's /metrics of 50 KB and more, at a line or inside a number.)"""
+    body = bytearray()
+    while len(body) <= MAX_BODY_BYTES:
+        chunk = await response.content.read(MAX_BODY_BYTES + 1 - len(body))
+        if not chunk:
+            return bytes(body)
+        body += chunk
+    return None
 
 
 def _increase_query(metric: str, selector: str, window_s: float, split: bool) -> str:
@@ -356,14 +371,16 @@ class ScrapeSource:
             return f"{url}: {exc}"
 
     async def _get(self, url: str) -> "bytes | str":
-        """The page at `url` (at most MAX_BODY_BYTES), or why not."""
+        """The whole page at `url` (at most MAX_BODY_BYTES), or why not."""
         try:
             async with self._session.get(url, timeout=self._timeout) as response:
-                body = await response.content.read(MAX_BODY_BYTES)
                 if response.status != 200:
                     return f"{url}: HTTP {response.status}"
+                body = await read_body(response)
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             return f"{url}: {type(exc).__name__}: {exc}"
+        if body is None:
+            return f"{url}: page over {MAX_BODY_BYTES} bytes"
         return body
 
     def _remember(

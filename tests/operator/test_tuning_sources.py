@@ -530,3 +530,70 @@ async def test_holeblend_serve_pods_keep_their_own_ttft_histogram_on_one_scrape(
         seen = await source.read(target(a.url), 0.15, window_s=30)
         assert seen.ttft_seconds == pytest.approx(0.5)
         assert len(asked) == 2  # one request per pod and read
+
+
+def in_two_writes(page: str, cut_after: str):
+    """A handler that sends `page` in two writes, the second a moment later, cut just after
+    `cut_after` (a page that arrives in several reads, as vLLM's /metrics of 50 KB and more
+    does over a pod network)."""
+    data = page.encode()
+    cut = data.index(cut_after.encode()) + len(cut_after.encode())
+
+    async def respond(request):
+        response = aiohttp.web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await response.prepare(request)
+        await response.write(data[:cut])
+        await asyncio.sleep(0.05)
+        await response.write(data[cut:])
+        await response.write_eof()
+        return response
+
+    return respond
+
+
+async def test_a_page_that_arrives_in_several_reads_is_read_whole():
+    """One `content.read(n)` returns what has arrived, not n bytes: each page was cut where
+    its first part ended, here inside a number (F1 count 10 read as 1, TTFT sum 100 as 1),
+    and the cut page parsed as if whole: a wrong TTFT (0 s) and sample count."""
+    async with servers(2) as ((connector, engine), session):
+        clock = Clock()
+        source = ScrapeSource(session, clock=clock)
+        pods = vllm_target((connector.url, engine.url))
+        sum_0 = 'vllm:time_to_first_token_seconds_sum{engine="0",model_name="llama-8b"} 1'
+        for f1_count, ttft_sum, ttft_count in [(10, 100, 50), (15, 104, 52)]:
+            page = metrics_page(0.9 * f1_count, f1_count, ttft=None)
+            connector.respond = in_two_writes(page, '_f1_proxy_count{ratio="0.15"} 1')
+            engine.respond = in_two_writes(vllm_page(ttft_sum, ttft_count, ("0", "1")), sum_0)
+            seen = await source.read(pods, 0.15, window_s=30)
+            clock.now += 10
+        assert seen.error is None
+        assert (seen.num_samples, seen.f1_proxy) == (5, pytest.approx(0.9))
+        assert seen.ttft_seconds == pytest.approx(8 / 4)  # +4 s on each engine, +2 requests
+
+
+async def test_a_prometheus_answer_that_arrives_in_several_reads_is_read_whole():
+    async with servers(1) as ((prometheus,), session):
+
+        async def handle(request):
+            query = request.query["query"]
+            value = 40 if "holeblend_f1_proxy_count" in query else 36
+            if "holeblend_f1_proxy" not in query:
+                value = 4.0 if "timestamp" in query else 0.15
+            answer = vector(({"ratio": "0.15"}, value))
+            return await in_two_writes(answer, '"value": [')(request)
+
+        prometheus.respond = handle
+        seen = await PrometheusSource(prometheus.url, session).read(target(), 0.15, 300)
+        assert (seen.error, seen.num_samples, seen.f1_proxy) == (None, 40, pytest.approx(0.9))
+
+
+async def test_a_page_over_the_limit_is_an_error_not_its_first_part(monkeypatch):
+    """A page over MAX_BODY_BYTES is garbage; its first MAX_BODY_BYTES, cut here at a line's
+    end, parsed as if whole, gave a reading without the series past the cut."""
+    page = metrics_page(9, 10)
+    limit = page.index("# TYPE holeblend_top1_agreement")
+    async with servers(1) as ((a,), session):
+        monkeypatch.setattr("holeblend_operator.tuning_sources.MAX_BODY_BYTES", limit)
+        a.answer = (200, page, "text/plain")
+        seen = await ScrapeSource(session).read(target(a.url), 0.15, window_s=30)
+        assert seen.error and f"over {limit} bytes" in seen.error
