@@ -242,7 +242,8 @@ class _RefusingStore(Protocol):
 
 
 class AdmissionMetrics:
-    """A Prometheus collector of the segments stores' admission rules kept out, read at
+    """A Prometheus collector of the segments stores' admission rules kept out (and, for
+    the node directory, the writes that failed and the corrupt files it removed), read at
     scrape time and summed over the stores added."""
 
     def __init__(self, *stores: _RefusingStore) -> None:
@@ -261,3 +262,24 @@ class AdmissionMetrics:
         )
         refused.add_metric([], sum(store.num_refused for store in self.stores))
         yield refused
+        # The node directory's own troubles (vLLM pods; holeblend-serve's in-process tier
+        # has neither): files it could not write, files it found unreadable.
+        for name, help_text, figure in (
+            (
+                "holeblend_kv_store_write_failures",
+                "Segments the pod's own KV tier could not write, its volume full even "
+                "after evicting older files (the shared tier still takes them)",
+                "num_write_failures",
+            ),
+            (
+                "holeblend_kv_store_corrupt",
+                "Files of the pod's own KV tier that could not be read: removed, and the "
+                "segment computed instead",
+                "num_corrupt",
+            ),
+        ):
+            counted = [store for store in self.stores if hasattr(store, figure)]
+            if counted:
+                family = CounterMetricFamily(name, help_text)
+                family.add_metric([], sum(getattr(store, figure) for store in counted))
+                yield family

@@ -11,8 +11,10 @@ import textwrap
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from holeblend_runtime.kv import directory
+from holeblend_runtime.kv.admission import AdmissionMetrics
 from holeblend_runtime.kv.directory import DirectoryKVStore
 from holeblend_runtime.kv.store import SegmentKV
 
@@ -79,6 +81,11 @@ def test_a_full_volume_evicts_older_segments_once_then_gives_up_without_raising(
     assert not store.put(_entry("big", num_tokens=256))
     assert store.num_write_failures == 1 and not store.contains("big")
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
+    # Exported with the store's other counters (a vLLM pod's /metrics).
+    registry = CollectorRegistry()
+    registry.register(AdmissionMetrics(store))
+    assert registry.get_sample_value("holeblend_kv_store_write_failures_total") == 1
+    assert registry.get_sample_value("holeblend_kv_store_corrupt_total") == 0
 
     def read_only(self, key, data):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))

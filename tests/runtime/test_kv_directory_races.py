@@ -95,3 +95,17 @@ def test_a_file_another_writer_evicts_first_counts_as_freed_not_as_a_reason_for_
     assert store.put(_entry("a4"))
     assert taken == ["a1.safetensors"]
     assert store.keys() == ["a2", "a3", "a4"]
+
+
+def test_corrupt_files_are_exported_with_the_tiers_other_counters(tmp_path):
+    from prometheus_client import CollectorRegistry
+
+    from holeblend_runtime.kv.admission import AdmissionMetrics
+
+    store = DirectoryKVStore(tmp_path, 1 << 30)
+    store.path("bad").write_bytes(b"not a safetensors file")
+    assert store.get("bad") is None
+    registry = CollectorRegistry()
+    registry.register(AdmissionMetrics(store))
+    assert registry.get_sample_value("holeblend_kv_store_corrupt_total") == 1
+    assert registry.get_sample_value("holeblend_kv_store_write_failures_total") == 0
