@@ -462,6 +462,9 @@ class Operator:
             self._warn(key, "InvalidSpec", f"not reconciled until the spec changes: {exc}")
         except reconcile.Blocked as exc:
             result = "blocked"
+            # Its status names the problem, and its children are not all applied: no refresh
+            # (which sees no problem) may report them until a reconcile succeeds.
+            self._applied.pop(key, None)
             self._retry(key, self.settings.blocked_retry_s, exc)
         except kube.Forbidden as exc:
             result = "forbidden"

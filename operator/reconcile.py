@@ -187,6 +187,13 @@ async def apply_child(
             raise kube.Unavailable(f"{kind.kind} {name} appeared while being created")
         return _count(kind, "created"), created
     if not is_owned_by(live, owner_uid):
+        if _is_left_by_deleted_namesake(live, desired, owner_uid):
+            # Deleted and created again (`kubectl delete` + `apply`): the garbage collector
+            # deletes the old owner's children in the background, soon.
+            raise kube.Unavailable(
+                f"{kind.kind} {namespace}/{name} still belongs to a deleted BlendDeployment "
+                "of the same name; waiting for the garbage collector to delete it"
+            )
         raise ChildConflict(
             f"{kind.kind} {namespace}/{name} exists and is not owned by this "
             "BlendDeployment; delete or rename it"
@@ -285,6 +292,21 @@ def is_contained(new: dict, current: dict) -> bool:
     return True
 
 
+def _is_left_by_deleted_namesake(live: dict, desired: dict, owner_uid: str | None) -> bool:
+    """Whether `live` is owned by an earlier BlendDeployment of our owner's name (another
+    uid): names are unique, so that one is gone, and its dependents go with it (an orphaning
+    delete removes the owner references first)."""
+
+    def owner(ref: dict) -> tuple:  # the group, not the version: the CRD may have moved on
+        return (str(ref.get("apiVersion")).split("/")[0], ref.get("kind"), ref.get("name"))
+
+    ours = [owner(ref) for ref in desired["metadata"].get("ownerReferences") or []]
+    return any(
+        owner(ref) in ours and ref.get("uid") != owner_uid
+        for ref in live.get("metadata", {}).get("ownerReferences") or []
+    )
+
+
 def is_owned_by(obj: dict, owner_uid: str | None) -> bool:
     refs = obj.get("metadata", {}).get("ownerReferences") or []
     return any(ref.get("uid") == owner_uid for ref in refs)
@@ -318,17 +340,26 @@ def merge_patch(live: dict, desired: dict) -> dict:
     applied last time and are no longer rendered. Lists are replaced whole (merge-patch rules)."""
     applied_before = live.get("metadata", {}).get("annotations", {}).get(LAST_APPLIED_ANNOTATION)
     previous = json.loads(applied_before) if applied_before else {}
-    return _merged(_changes(live, desired), _removals(previous, desired))
+    return _merged(_changes(live, desired, previous), _removals(previous, desired))
 
 
-def _changes(live: dict, desired: dict) -> dict:
+def _changes(live: dict, desired: dict, previous: dict) -> dict:
+    """What differs from `live`, and (whole) every list or value rendered otherwise than
+    last time (`previous`): `contains` lets a list's items hold more than desired (server
+    defaults), so a field dropped inside one (a container's memory limit) would otherwise
+    never be removed. A merge patch replaces a list whole, dropped fields included."""
     changes: dict[str, Any] = {}
     for key, value in desired.items():
         current = live.get(key)
+        before = previous.get(key) if isinstance(previous, dict) else None
         if isinstance(value, dict) and isinstance(current, dict):
-            if nested := _changes(current, value):
+            if nested := _changes(current, value, before if isinstance(before, dict) else {}):
                 changes[key] = nested
-        elif key not in live or not contains(current, value):
+        elif (
+            key not in live
+            or not contains(current, value)
+            or (before is not None and _canonical(before) != _canonical(value))
+        ):
             changes[key] = value
     return changes
 

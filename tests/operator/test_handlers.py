@@ -481,3 +481,38 @@ def test_a_watched_deployment_newer_than_the_patch_answer_is_kept(monkeypatch):
         [("watch", example_owner()), ("reconciled", engine_patched_and_watched), ("refresh", None)],
     )
     assert [_ready(status) for status in statuses] == [(1, "True")]
+
+
+def test_a_refresh_does_not_clear_the_problem_a_blocked_reconcile_reported(monkeypatch):
+    """A drift fix blocked after a good reconcile of the same spec (a foreign object took a
+    deleted child's name) reports Degraded; the Deployment events and requeues that follow
+    must not overwrite that with a status whose children were not all applied."""
+    client = StatusClient()
+    outcomes = [None, reconcile.Blocked("ChildConflict: Service default/x is not ours")]
+
+    async def reconciled(client, body, options, now, prepared):
+        outcome = outcomes.pop(0)
+        if outcome is not None:
+            await client.patch_status(*KEY_EXAMPLE, {"conditions": [{"type": "Degraded"}]})
+            raise outcome
+        return {}
+
+    monkeypatch.setattr(reconcile, "reconcile", reconciled)
+
+    async def scenario():
+        operator = handlers.Operator(OperatorSettings(status_debounce_s=60))
+        operator.client = client
+        _, children = operator.prepared(example_owner())
+        for child in children:
+            if child["kind"] == "Deployment":
+                operator.remember(available(child), "ADDED")
+        operator.owner_event(example_owner(), "MODIFIED")
+        await operator.run(KEY_EXAMPLE, "update", handlers.FULL)
+        await operator.run(KEY_EXAMPLE, "drift", handlers.DRIFT)
+        await operator._refresh(KEY_EXAMPLE)
+        for job in operator._pending.values():
+            job.task.cancel()
+        return client.statuses
+
+    statuses = asyncio.run(scenario())
+    assert statuses == [{"conditions": [{"type": "Degraded"}]}]

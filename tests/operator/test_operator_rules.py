@@ -7,7 +7,7 @@ import pathlib
 import pytest
 import yaml
 
-from holeblend_operator import kube, rbac_command, reconcile, settings
+from holeblend_operator import handlers, kube, rbac_command, reconcile, settings
 from holeblend_operator.reconcile import LAST_APPLIED_ANNOTATION, contains, merge_patch
 from holeblend_operator.status import Observed, deployment_problem, stamp_transitions
 
@@ -26,6 +26,95 @@ def test_merge_patch_removes_fields_applied_before_and_no_longer_rendered():
     }
     patch = merge_patch(live, {"spec": {"replicas": 2}})
     assert patch == {"spec": {"replicas": 2, "nodeSelector": None}}  # server defaults untouched
+
+
+def _engine(owner: dict) -> dict:
+    _, children = reconcile.prepare(owner)
+    return next(
+        c for c in children if c["kind"] == "Deployment" and "engine" in c["metadata"]["name"]
+    )
+
+
+def test_merge_patch_removes_a_field_no_longer_rendered_inside_a_list():
+    """A limit dropped from spec.engine.resources lives in a container, inside a list: the
+    live container still "contains" the new one, yet the limit must go (the patch carries
+    the list whole, as merge patches replace lists)."""
+    from kmock._internal.dicts import merge_patch_dict  # the emulator's merge patch
+
+    with open(ROOT / "examples" / "cpu.yaml") as file:
+        owner = yaml.safe_load(file)
+    owner["metadata"].update(namespace="default", uid="uid-1", generation=1)
+    live = copy.deepcopy(_engine(owner))
+    for container in live["spec"]["template"]["spec"]["containers"]:  # server defaults
+        container |= {
+            "terminationMessagePath": "/dev/termination-log",
+            "imagePullPolicy": "IfNotPresent",
+        }
+    del owner["spec"]["engine"]["resources"]["limits"]["memory"]
+    desired = _engine(owner)
+    assert not reconcile.is_current(live, desired)
+
+    patched = merge_patch_dict(live, merge_patch(live, desired))
+
+    container = patched["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"] == {"cpu": "2"}
+    assert reconcile.is_current(patched, desired)
+
+
+class Cluster:
+    """Children by (kind, name), as an API server holds them: POST answers None (409
+    AlreadyExists) for a name that is taken; status writes are recorded."""
+
+    def __init__(self, objects: list[dict]):
+        self.objects = {(o["kind"], o["metadata"]["name"]): copy.deepcopy(o) for o in objects}
+        self.statuses: list[dict] = []
+
+    async def create(self, kind, body):
+        key = (body["kind"], body["metadata"]["name"])
+        if key in self.objects:
+            return None
+        self.objects[key] = copy.deepcopy(body)
+        return copy.deepcopy(body)
+
+    async def get(self, kind, namespace, name):
+        return copy.deepcopy(self.objects.get((kind.kind, name)))
+
+    async def list(self, kind, namespace, selector):
+        return []
+
+    async def patch_status(self, namespace, name, status):
+        self.statuses.append(status)
+        return {}
+
+
+def _example(uid: str) -> dict:
+    with open(ROOT / "examples" / "cpu.yaml") as file:
+        owner = yaml.safe_load(file)
+    owner["metadata"].update(namespace="default", uid=uid, generation=1)
+    return owner
+
+
+@pytest.mark.parametrize(
+    ("owner_ref", "raised"),
+    [
+        # deleted and applied again: the garbage collector takes the old children soon
+        ({"uid": "uid-old"}, kube.Unavailable),
+        # someone else's object: a person must act
+        ({"kind": "Deployment", "name": "other", "uid": "uid-x"}, reconcile.Blocked),
+    ],
+)
+def test_children_of_a_deleted_namesake_are_waited_for_not_reported_as_conflicts(owner_ref, raised):
+    _, left = reconcile.prepare(_example("uid-old"))
+    for child in left:
+        child["metadata"]["ownerReferences"][0].update(owner_ref)
+    cluster = Cluster(left)
+
+    with pytest.raises(raised):
+        asyncio.run(reconcile.reconcile(cluster, _example("uid-new"), handlers.FIRST_CREATE, "now"))
+
+    degraded = [c for s in cluster.statuses for c in s["conditions"] if c["type"] == "Degraded"]
+    reasons = {c["reason"] for c in degraded}
+    assert reasons == (set() if raised is kube.Unavailable else {"ChildConflict"})
 
 
 def test_merge_patch_carries_only_what_differs():
