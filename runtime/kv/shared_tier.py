@@ -368,6 +368,25 @@ class SharedTier:
             self._count("hits")
         return status == ANSWERED, blob
 
+    def contains_many(self, segment_keys: Sequence[str]) -> list[bool]:
+        """Whether Redis holds a blob under each key (one pipelined round trip of EXISTS,
+        no blob read); all False when Redis refused, failed or was skipped (never raises):
+        a key not known to be there is computed, never counted on."""
+        if not segment_keys:
+            return []
+        status, reply = self._call_with_breaker(
+            self._exists_many, [self.redis_key(key) for key in segment_keys]
+        )
+        if status != ANSWERED:
+            return [False] * len(segment_keys)
+        return [bool(count) for count in reply]
+
+    def _exists_many(self, redis_keys: Sequence[str]) -> list:
+        pipe = self.client.pipeline(transaction=False)
+        for key in redis_keys:
+            pipe.exists(key)
+        return pipe.execute()
+
     def get_checked(self, expected: BlobHeader) -> tuple[BlobHeader, memoryview] | None:
         """The blob of `expected.key` if it matches `expected`; None for a miss or a bad blob."""
         return self.load(expected)[0]

@@ -200,22 +200,34 @@ class TieredKVStore:
     def get_many(self, keys: Sequence[str]) -> list[SegmentKV | None]:
         """Entries for `keys` in order: local tier, then (one batch lookup) the shared tier."""
         found = [self.local.get(key) for key in keys]
-        self.stats.local_hits += sum(kv is not None for kv in found)
         missing = [i for i, kv in enumerate(found) if kv is None]
+        self._count(local_hits=len(keys) - len(missing))
         for i, kv in zip(missing, self._remote_many([keys[i] for i in missing]), strict=True):
             found[i] = kv
-        self.stats.misses += sum(kv is None for kv in found)
+        self._count(misses=sum(kv is None for kv in found))
         return found
 
     def contains(self, key: str) -> bool:
-        """In the local tier, or advertised in the shared tier (no load, no use)."""
+        """In the local tier, or advertised in the shared tier (no load, no use); with no
+        lookup server, held by the shared tier (Redis asked, no blob read)."""
         return self.contains_many([key])[0]
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
-        """`contains` of each key: the local tier, then one lookup for the local misses."""
+        """`contains` of each key: the local tier, then one lookup (or, with no lookup
+        server, one pipelined EXISTS in the shared tier) for the local misses."""
         found = self.local.contains_many(keys)
         missing = [i for i, is_local in enumerate(found) if not is_local]
-        for i, is_shared in zip(missing, self._in_shared([keys[i] for i in missing]), strict=True):
+        if not missing:
+            return found
+        wanted = [keys[i] for i in missing]
+        if self.shared is not None and self.lookup is None:
+            # `_in_shared` says "try it" for every key here, right for a load (a GET of a
+            # missing key is a miss) but not for `contains`: callers skip computing and
+            # storing what is "contained", so nothing would ever be stored.
+            held = self.shared.contains_many(wanted)
+        else:
+            held = self._in_shared(wanted)
+        for i, is_shared in zip(missing, held, strict=True):
             found[i] = is_shared
         return found
 
@@ -227,7 +239,7 @@ class TieredKVStore:
         is_shared = self.shared is not None and self.shared.put_pieces(
             kv.key, kv_blob_pieces(kv, self.shared.deployment)
         )
-        self.stats.shared_stores += is_shared
+        self._count(shared_stores=int(is_shared))
         if is_local or is_shared:
             self._announce(kv, is_shared)
         return is_local or is_shared
@@ -257,7 +269,7 @@ class TieredKVStore:
             self._load_failed(key, is_gone=is_answer)
             return None
         kv = _payload_to_kv(*checked)
-        self.stats.shared_hits += 1
+        self._count(shared_hits=1)
         if self._put_local(kv):
             self._announce(kv, shared=True)
         return kv
@@ -278,7 +290,7 @@ class TieredKVStore:
         held the copy; after a failed call it may still be there, and nothing is said."""
         if self.lookup is None:
             return  # nothing advertised it: a plain miss
-        self.stats.load_failures += 1
+        self._count(load_failures=1)
         if not is_gone:
             return
         with self._lock:  # this pod's resyncs no longer announce the copy
@@ -287,6 +299,14 @@ class TieredKVStore:
                 self._announced[key] = replace(entry, shared=False)
         if self.announcer is not None:
             self.announcer.evict(key, shared=True)
+
+    def _count(self, **deltas: int) -> None:
+        """Add to `stats`; under the lock, since the store is read and written from
+        several threads (an `AsyncKVStore`'s reader and writer, the engine's) and an
+        unlocked `+=` loses counts."""
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self.stats, name, getattr(self.stats, name) + delta)
 
     # --- announcements --------------------------------------------------------------------
 

@@ -207,6 +207,9 @@ class ClientConfig:
     breaker_failures: int = 3
     # Seconds the open breaker skips calls before one trial call.
     breaker_open_s: float = 2.0
+    # Keys sent in one lookup request at most (the server's `--max-keys`): a longer lookup
+    # goes in several requests, since the server refuses the whole of a longer one.
+    max_keys: int = wire.Limits().max_keys
 
     def __post_init__(self) -> None:
         if self.timeout_ms <= 0:
@@ -215,6 +218,8 @@ class ClientConfig:
             raise ValueError(f"retries: must be >= 0, got {self.retries}")
         if self.breaker_failures < 1:
             raise ValueError(f"breaker_failures: must be >= 1, got {self.breaker_failures}")
+        if self.max_keys < 1:
+            raise ValueError(f"max_keys: must be >= 1, got {self.max_keys}")
 
 
 @dataclass
@@ -246,25 +251,35 @@ class LookupClient:
         host, port = parse_lookup_url(url)
         self._connection = LookupConnection(host, port, self.config.timeout_ms / 1000)
         self._lock = threading.Lock()
+        # `stats` changes made outside `_lock` (which is held over network calls).
+        self._stats_lock = threading.Lock()
         self.breaker = CircuitBreaker(
             self.config.breaker_failures, self.config.breaker_open_s, clock
         )
         self.stats = ClientStats()
 
     def lookup(self, keys: Sequence[str]) -> list[Location | None]:
-        """One location per key; all None when the server cannot answer in budget."""
+        """One location per key; all None when the server cannot answer in budget. Keys
+        beyond `config.max_keys` go in further requests (one refused request would
+        otherwise make every key a miss, and count against the breaker)."""
         if not keys:
             return []
-        message = {"op": "lookup", "keys": list(keys)}
-        if self.model is not None:
-            message["model"] = self.model
-        reply = self.call(message)
-        self.stats.keys_looked_up += len(keys)
-        if reply is None:
-            self.stats.degraded_lookups += 1
-            return [None] * len(keys)
-        hits = [_location(hit) for hit in reply["hits"]]
-        self.stats.keys_hit += sum(hit is not None for hit in hits)
+        hits: list[Location | None] = []
+        size = self.config.max_keys
+        for start in range(0, len(keys), size):
+            message = {"op": "lookup", "keys": list(keys[start : start + size])}
+            if self.model is not None:
+                message["model"] = self.model
+            reply = self.call(message)
+            if reply is None:
+                hits = [None] * len(keys)
+                break
+            hits.extend(_location(hit) for hit in reply["hits"])
+        with self._stats_lock:  # lookups run on several threads: no count is lost
+            self.stats.keys_looked_up += len(keys)
+            if reply is None:
+                self.stats.degraded_lookups += 1
+            self.stats.keys_hit += sum(hit is not None for hit in hits)
         return hits
 
     def call(self, message: dict) -> dict | None:

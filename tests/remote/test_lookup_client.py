@@ -1,6 +1,7 @@
 """The runtime's lookup client: an unreachable or slow server costs milliseconds, never a request."""
 
 import socket
+import sys
 import threading
 import time
 
@@ -90,3 +91,50 @@ def test_a_hanging_dns_lookup_costs_at_most_the_budget(monkeypatch):
     assert time.perf_counter() - started < 0.3
     assert client.stats.degraded_lookups == 1
     client.close()
+
+
+def test_a_lookup_of_more_keys_than_the_server_takes_goes_in_several_requests(lookup_server):
+    # The server refuses a lookup of over --max-keys (1024) keys whole: every key was a
+    # miss, and three such prompts opened the breaker for every other lookup too.
+    client = LookupClient(lookup_server.url, ClientConfig(timeout_ms=500, breaker_failures=3))
+    entry = {"tokens": 4, "model": "m", "dtype": "float32", "context": None, "bytes": 64}
+    entries = [{"key": key, **entry, "shared": True} for key in ("k3", "k1030")]
+    assert client.call({"op": "admit", "pod": "pod-a", "entries": entries}) is not None
+    keys = [f"k{i}" for i in range(1100)]
+    for _ in range(3):
+        hits = client.lookup(keys)
+        assert [i for i, hit in enumerate(hits) if hit is not None] == [3, 1030]
+        assert hits[1030].in_shared_tier and hits[1030].pods == ("pod-a",)
+    assert not client.breaker.is_open and client.stats.failures == 0
+    assert client.lookup(["k3"])[0] is not None
+    assert client.stats.degraded_lookups == 0 and client.stats.keys_hit == 7
+    assert client.stats.keys_looked_up == 3 * 1100 + 1
+    client.close()
+
+
+def test_lookup_counters_lose_nothing_under_concurrent_lookups():
+    class Answering:
+        def call(self, message: dict) -> dict:
+            return {"hits": [[4, True, ["p"]] if k == "hit" else None for k in message["keys"]]}
+
+        def shutdown(self) -> None:
+            pass
+
+    client = LookupClient(f"http://127.0.0.1:{free_port()}")
+    client._connection = Answering()
+    threads, rounds, keys = 8, 3000, ["hit", "miss"] * 4
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    try:
+        workers = [
+            threading.Thread(target=lambda: [client.lookup(keys) for _ in range(rounds)])
+            for _ in range(threads)
+        ]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert client.stats.keys_looked_up == 8 * threads * rounds
+    assert client.stats.keys_hit == 4 * threads * rounds

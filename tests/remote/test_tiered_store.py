@@ -1,5 +1,6 @@
 """Two pods' tiered stores sharing a real redis-server and a real lookup server process."""
 
+import sys
 import threading
 import time
 
@@ -325,3 +326,58 @@ def test_a_local_file_evicted_by_another_process_meanwhile_keeps_nothing_from_th
         assert store.stats.shared_stores == 1 and local.contains("doc3")
     finally:
         store.close()
+
+
+def test_without_a_lookup_server_contains_asks_the_shared_tier_what_it_holds(redis_server):
+    # `contains` decides what gets computed and stored (the background store worker skips
+    # a contained key, vLLM's connector plans a contained document as a hit): answering
+    # True for every key meant a pod with a shared tier and no lookup server never stored.
+    a, b = pod("pod-a", redis_server.url, None), pod("pod-b", redis_server.url, None)
+    try:
+        a.put(segment("doc-1"))
+        assert b.contains_many(["doc-1", "never-stored"]) == [True, False]
+        assert not b.contains("never-stored") and b.contains("doc-1")
+        assert a.contains("doc-1")  # the local tier's answer, Redis not asked
+    finally:
+        a.close()
+        b.close()
+
+
+def test_without_a_lookup_server_contains_is_false_while_redis_is_down():
+    from holeblend_runtime.lookup_server.processes import free_port
+
+    store = pod("pod-a", f"redis://127.0.0.1:{free_port()}", None)
+    try:
+        started = time.perf_counter()
+        assert store.contains_many(["doc-1", "doc-2"]) == [False, False]
+        assert time.perf_counter() - started < 1.0
+    finally:
+        store.close()
+
+
+def test_tier_counters_lose_nothing_under_concurrent_reads():
+    kv = segment("doc-1")
+
+    class OneSegment:  # a local tier of one segment, without a lock of its own
+        def get(self, key):
+            return kv if key == kv.key else None
+
+    store = TieredKVStore(OneSegment(), LAYOUT)
+    threads, rounds = 8, 3000
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    try:
+        workers = [
+            threading.Thread(
+                target=lambda: [store.get_many(["doc-1", "other"]) for _ in range(rounds)]
+            )
+            for _ in range(threads)
+        ]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert store.stats.local_hits == threads * rounds
+    assert store.stats.misses == threads * rounds
