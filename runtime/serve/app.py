@@ -354,7 +354,8 @@ class Server:
             raise HttpError(503, error_body(message, None, "unavailable"), {"Retry-After": "5"})
 
     async def _read_body(self, request: web.Request) -> bytes:
-        """The whole body within `body_timeout` (408) and `MAX_BODY_BYTES` (413)."""
+        """The whole body within `body_timeout` (408) and `MAX_BODY_BYTES` (413); a body
+        that cannot be decoded is a 400."""
         timeout = self.settings.body_timeout
         try:
             async with asyncio.timeout(timeout):
@@ -365,6 +366,15 @@ class Server:
         except TimeoutError:
             message = f"the body did not arrive within the server's body timeout of {timeout} s"
             raise HttpError(408, error_body(message, None), close=True) from None
+        except web.RequestPayloadError as error:
+            # The client's body is broken (e.g. not in the Content-Encoding it names):
+            # its fault, not the server's.
+            cause = getattr(error.__cause__, "message", None) or str(error)
+            message = f"the body cannot be read: {cause}"
+            # Nothing more to read: aiohttp would otherwise read the broken rest after the
+            # answer, hit the error again and log it as an unhandled exception.
+            request.content.feed_eof()
+            raise HttpError(400, error_body(message, None), close=True) from None
 
     def _parse(self, body: bytes, parse: Callable) -> tuple[RagRequest, SegmentedPrompt, int]:
         """Body -> request, tokenized prompt and max_tokens (on a parse thread)."""

@@ -7,8 +7,9 @@ Both endpoints give a system prompt, documents and a question, in one of two sha
   `doc SEP ... SEP question` after a system message, or `system SEP doc ... SEP question`
   without one. Text without a separator is a question with no documents.
 - The structured extension: a top-level `documents` list of strings; the question is
-  `prompt` (completions, with an optional `system` string) or the last user message (chat,
-  with the system message as the system prompt).
+  `prompt` (completions, with an optional `system` string; `system` alone is this shape
+  with no documents) or the last user message (chat, with the system message as the
+  system prompt). `documents: null` is as absent.
 
 The blend engine applies the model's chat template on both endpoints, decodes greedily
 and supports one user turn. Text may not contain the template's control tokens
@@ -65,9 +66,11 @@ class RagRequest:
 def parse_completion(body: Any, separator: str, is_control_token: Callable[[str], bool]):
     body = _object(body)
     prompt = _prompt(body.get("prompt"))
-    if "documents" in body:
-        system = _string(body.get("system", ""), "system")
-        documents, question = _documents(body["documents"]), prompt
+    # `system` belongs to the structured shape: given without `documents`, it is the
+    # system prompt of a question without documents (never silently dropped).
+    if body.get("documents") is not None or body.get("system") is not None:
+        system = _string(body.get("system"), "system")
+        documents, question = _documents(_or_default(body, "documents", [])), prompt
     else:
         system, documents, question = _split(prompt, separator, "prompt", has_system=False)
     request = _request("completion", body, system, documents, question)
@@ -77,7 +80,7 @@ def parse_completion(body: Any, separator: str, is_control_token: Callable[[str]
 def parse_chat(body: Any, separator: str, is_control_token: Callable[[str], bool]):
     body = _object(body)
     system, user = _messages(body.get("messages"))
-    if "documents" in body:
+    if body.get("documents") is not None:  # null: the default, LMCache's shape
         documents, question = _documents(body["documents"]), user
     else:
         split_system, documents, question = _split(
@@ -97,7 +100,7 @@ def _object(body: Any) -> Mapping[str, Any]:
 def _request(kind: str, body: Mapping[str, Any], system, documents, question) -> RagRequest:
     _check_fields(body, kind)
     stream = _bool(_or_default(body, "stream", False), "stream")
-    options = body.get("stream_options") or {}
+    options = _or_default(body, "stream_options", {})
     if not isinstance(options, Mapping):
         raise BadRequest("stream_options", "must be an object")
     n = _or_default(body, "n", 1)

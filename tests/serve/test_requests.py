@@ -170,6 +170,10 @@ def test_stop_is_a_string_or_a_list_of_strings(stop, expected):
         ({"user": 7}, "user"),
         ({"promt": "typo"}, "promt"),
         ({"messages": []}, "messages"),  # a chat field on the completions endpoint
+        ({"stream_options": []}, "stream_options"),  # falsy, yet not an object
+        ({"stream_options": False}, "stream_options"),
+        ({"system": 5}, "system"),  # checked without documents too
+        ({"documents": 0}, "documents"),
     ],
 )
 def test_fields_are_checked_by_type_range_and_support(body, param):
@@ -182,6 +186,30 @@ def test_null_means_the_default_for_every_optional_field():
     nulls = dict.fromkeys(("stream", "n", "stop", "temperature", "logprobs", "tools", "seed"))
     request = completion(prompt="Q?", **nulls)
     assert request.stream is False and request.stop == ()
+
+
+def test_null_documents_mean_the_default_shape_on_both_endpoints():
+    """`documents: null` (a client that sends every optional field) is LMCache's shape, as
+    if absent: it was a 400 "documents: must be a list of strings"."""
+    request = completion(prompt="Be brief. # # Doc one. # # Why?", documents=None, system=None)
+    assert (request.system, request.documents, request.question) == (
+        "Be brief.",
+        ("Doc one.",),
+        "Why?",
+    )
+    request = chat(messages=[{"role": "user", "content": "S # # D1 # # Q?"}], documents=None)
+    assert (request.system, request.documents, request.question) == ("S", ("D1",), "Q?")
+
+
+def test_a_completion_system_without_documents_is_the_system_prompt():
+    """`system` without `documents` was silently dropped (the prompt was read in
+    LMCache's shape): the answer came without the system prompt the client sent."""
+    request = completion(prompt="Why?", system="Answer as a pirate.")
+    assert (request.system, request.documents, request.question) == (
+        "Answer as a pirate.",
+        (),
+        "Why?",
+    )
 
 
 def test_a_lone_surrogate_is_refused_naming_the_field():
