@@ -77,19 +77,21 @@ class LookupConnection:
             raise
 
     def _exchange(self, body: bytes) -> bytes:
+        # One attempt's budget covers all of it: name resolution, connect, send and reply
+        # (each step waits for what is left, not for a budget of its own).
         deadline = time.monotonic() + self.timeout_s
         if self._sock is not None and _is_stale(self._sock):
             self.close()  # the server closed it (idle timeout, restart): connect anew
-        sock = self._sock or self._connect()
-        sock.settimeout(self.timeout_s)
+        sock = self._sock or self._connect(deadline)
+        sock.settimeout(_left(deadline))
         sock.sendall(f"{self._head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
         return self._read_reply(sock, deadline)
 
-    def _connect(self) -> socket.socket:
-        family, address = self._resolve()
+    def _connect(self, deadline: float) -> socket.socket:
+        family, address = self._resolve(deadline)
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
-            sock.settimeout(self.timeout_s)
+            sock.settimeout(_left(deadline))
             sock.connect(address)
         except OSError:
             sock.close()
@@ -99,7 +101,7 @@ class LookupConnection:
         self._sock = sock
         return sock
 
-    def _resolve(self) -> tuple:
+    def _resolve(self, deadline: float) -> tuple:
         """(family, sockaddr) of the server; TimeoutError when DNS is slower than the budget."""
         if self._resolved is not None:
             return self._resolved
@@ -114,7 +116,7 @@ class LookupConnection:
                 socket.getaddrinfo, host, port, type=socket.SOCK_STREAM
             )
         try:
-            infos = self._resolving.result(timeout=self.timeout_s)  # TimeoutError: an OSError
+            infos = self._resolving.result(timeout=_left(deadline))  # TimeoutError: an OSError
         except TimeoutError:
             raise  # still resolving: a later call picks the answer up
         except OSError:
@@ -147,6 +149,14 @@ class LookupConnection:
         self.close()
         if self._resolver is not None:
             self._resolver.shutdown(wait=False, cancel_futures=True)
+
+
+def _left(deadline: float) -> float:
+    """Seconds left before `deadline`; TimeoutError when none are."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the lookup's budget is spent")
+    return left
 
 
 def _is_stale(sock: socket.socket) -> bool:

@@ -93,6 +93,42 @@ def test_a_hanging_dns_lookup_costs_at_most_the_budget(monkeypatch):
     client.close()
 
 
+def test_slow_dns_then_a_hanging_connect_cost_one_budget_not_two(monkeypatch):
+    """Resolution, connect, send and reply share one attempt's budget: a DNS answer that
+    took most of it left the connect a whole budget of its own (a dropped SYN then cost
+    about twice the budget, against "never slower than the budget")."""
+    from holeblend_runtime.lookup_server import client as client_module
+
+    budget_s = 0.4
+    real_getaddrinfo = socket.getaddrinfo
+    connect_timeouts: list[float] = []
+
+    def slow_getaddrinfo(host, *args, **kwargs):
+        if host == "lookup.example.svc":
+            time.sleep(0.6 * budget_s)
+            host = "127.0.0.1"
+        return real_getaddrinfo(host, *args, **kwargs)
+
+    class Unanswered(socket.socket):
+        def connect(self, address):  # as a SYN nobody answers: waits out its timeout
+            connect_timeouts.append(self.gettimeout())
+            time.sleep(self.gettimeout())
+            raise TimeoutError("timed out")
+
+    monkeypatch.setattr(socket, "getaddrinfo", slow_getaddrinfo)
+    monkeypatch.setattr(client_module.socket, "socket", Unanswered)
+    client = LookupClient(
+        "http://lookup.example.svc:8100", ClientConfig(timeout_ms=budget_s * 1000, retries=0)
+    )
+    started = time.perf_counter()
+    assert client.lookup(["a"]) == [None]
+    elapsed = time.perf_counter() - started
+    assert len(connect_timeouts) == 1 and connect_timeouts[0] <= 0.45 * budget_s
+    assert elapsed < 1.25 * budget_s, elapsed
+    assert client.stats.degraded_lookups == 1
+    client.close()
+
+
 def test_a_lookup_of_more_keys_than_the_server_takes_goes_in_several_requests(lookup_server):
     # The server refuses a lookup of over --max-keys (1024) keys whole: every key was a
     # miss, and three such prompts opened the breaker for every other lookup too.
