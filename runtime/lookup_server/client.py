@@ -281,13 +281,14 @@ class LookupClient:
             if self.model is not None:
                 message["model"] = self.model
             reply = self.call(message)
-            if reply is None:
+            found = None if reply is None else _locations(reply, len(message["keys"]))
+            if found is None:  # failed, or an answer that is not one location per key
                 hits = [None] * len(keys)
                 break
-            hits.extend(_location(hit) for hit in reply["hits"])
+            hits.extend(found)
         with self._stats_lock:  # lookups run on several threads: no count is lost
             self.stats.keys_looked_up += len(keys)
-            if reply is None:
+            if found is None:
                 self.stats.degraded_lookups += 1
             self.stats.keys_hit += sum(hit is not None for hit in hits)
         return hits
@@ -330,10 +331,27 @@ class LookupClient:
             self._connection.shutdown()
 
 
+def _locations(reply: dict, num_keys: int) -> list[Location | None] | None:
+    """One location per key from a lookup's reply; None when the reply is not that (a
+    server of another build, a bug): the lookup then answers all-miss, never raises into
+    the request that asked."""
+    hits = reply.get("hits")
+    if not isinstance(hits, list) or len(hits) != num_keys:
+        log.warning("lookup reply without one location per key: %.200r", reply)
+        return None
+    try:
+        return [_location(hit) for hit in hits]
+    except (TypeError, ValueError) as error:
+        log.warning("lookup reply with a malformed location (%s): %.200r", error, reply)
+        return None
+
+
 def _location(hit: list | None) -> Location | None:
     if hit is None:
         return None
     num_tokens, in_shared, pods = hit
+    if not isinstance(pods, list) or not all(isinstance(pod, str) for pod in pods):
+        raise TypeError("pods: expected a list of names")
     return Location(int(num_tokens), bool(in_shared), tuple(pods))
 
 

@@ -174,3 +174,32 @@ def test_lookup_counters_lose_nothing_under_concurrent_lookups():
         sys.setswitchinterval(interval)
     assert client.stats.keys_looked_up == 8 * threads * rounds
     assert client.stats.keys_hit == 4 * threads * rounds
+
+
+@pytest.mark.parametrize(
+    "hits",
+    [
+        None,  # no hits at all
+        [[4, True, ["p"]]],  # fewer locations than keys
+        [[4, True, ["p"]], [4, True]],  # a location short of a field
+        [[4, True, ["p"]], ["four", True, ["p"]]],  # a count that is not one
+        [[4, True, ["p"]], [4, True, "p"]],  # pods not a list
+    ],
+)
+def test_a_reply_that_is_not_one_location_per_key_is_all_miss_not_an_exception(hits):
+    """A server of another build (or a bug) answering ok with malformed hits raised
+    KeyError, TypeError or ValueError into the request (on a vLLM pod: its scheduler
+    thread); the lookup answers all-miss, counted as degraded, like a failed one."""
+
+    class Answering:
+        def call(self, message: dict) -> dict:
+            return {"v": 1, "ok": True} if hits is None else {"v": 1, "ok": True, "hits": hits}
+
+        def shutdown(self) -> None:
+            pass
+
+    client = LookupClient(f"http://127.0.0.1:{free_port()}")
+    client._connection = Answering()
+    assert client.lookup(["a", "b"]) == [None, None]
+    assert client.stats.degraded_lookups == 1 and client.stats.keys_hit == 0
+    client.close()
