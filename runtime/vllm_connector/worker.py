@@ -33,7 +33,7 @@ import torch
 from holeblend_kernels.paged import scatter_kv_nhd
 from holeblend_runtime.blend.config import ISOLATED
 from holeblend_runtime.blend.reuse import ReusePolicy, SegmentReuse, plan_reuse
-from holeblend_runtime.blend.segments import SegmentedPrompt
+from holeblend_runtime.blend.segments import SegmentedPrompt, SegmentKind
 from holeblend_runtime.engine import Blended, BlendEngine
 from holeblend_runtime.kv.store import SegmentKV
 from holeblend_runtime.quality.inline_proxy import residual_deviation
@@ -199,6 +199,9 @@ class BlendWorker:
         # Stores from the K/V the forward writes (store policy in-context); None: computed.
         self.capture = capture if capture is not None and capture.is_supported else None
         self._captured: tuple[StoreRequest, ...] = ()
+        # Requests of this step's captured stores whose synchronous load failed: the forward
+        # that follows read a covered range nobody wrote, so its K/V are not stored.
+        self._failed_loads: set[str] = set()
         # Per request, the segments its load offered the store from its blend, taken in or
         # refused by the tier's admission: its store step does not compute them again.
         self._offered: OrderedDict[str, frozenset[int]] = OrderedDict()
@@ -228,6 +231,7 @@ class BlendWorker:
         that come from the forward (`StoreRequest.block_ids`). Without a capture (backend
         not supported) they are computed in canonical context after the forward."""
         self._captured = tuple(r for r in requests if r.is_from_forward)
+        self._failed_loads = set()
         if self.capture is None or not self._captured:
             return
         self.capture.arm(torch.cat([self._slots(r) for r in self._captured]))
@@ -241,14 +245,20 @@ class BlendWorker:
     def store_captured(self) -> tuple[int, tuple[StoreRequest, ...]]:
         """After vLLM's forward: store the captured segments from the K/V it wrote (at
         their positions in the prompt, no compute); (segments stored, the requests left to
-        compute: all of them when nothing was captured)."""
+        compute: all of them when nothing was captured, else those whose load failed)."""
         requests, self._captured = self._captured, ()
+        failed, self._failed_loads = self._failed_loads, set()
         captured = None if self.capture is None else self.capture.take()
         if captured is None:
             return 0, requests
         k, v = captured
         stored, first = 0, 0
+        # A request whose load failed in this step: computed in canonical context instead.
+        untrusted = tuple(r for r in requests if r.request_id in failed)
         for request in requests:
+            if request.request_id in failed:
+                first += sum(request.prompt.segments[i].num_tokens for i in request.segments)
+                continue
             keys = self.engine.segment_keys(request.prompt)
             held = set()
             if request.check_stored:  # not looked up: written only where the tier lacks it
@@ -264,7 +274,7 @@ class BlendWorker:
                     request.prompt, keys, [i], k[:, :, rows], v[:, :, rows], segment.start
                 )
         metrics.STORED_SEGMENTS.labels(source="forward").inc(stored)
-        return stored, ()
+        return stored, untrusted
 
     def store_many(self, requests: Sequence[StoreRequest]) -> tuple[int, int]:
         """`store` each request; (segments stored, segments whose store failed). A failure
@@ -292,10 +302,15 @@ class BlendWorker:
 
     def load(self, request: LoadRequest) -> LoadOutcome:
         """Fetch, blend and write one request's load at once (vLLM's forward follows)."""
-        pending = self.start(request)
-        while not self.advance(pending, budget=None):
-            pass
-        return self.finish(pending)
+        try:
+            pending = self.start(request)
+            while not self.advance(pending, budget=None):
+                pass
+            return self.finish(pending)
+        except Exception:
+            if any(r.request_id == request.request_id for r in self._captured):
+                self._failed_loads.add(request.request_id)
+            raise
 
     @torch.inference_mode()
     def start(self, request: LoadRequest) -> PendingLoad:
@@ -343,10 +358,19 @@ class BlendWorker:
         if self.engine.blend_config.store_policy != ISOLATED:
             # The holes inside the range were just computed in this prompt's context: stored
             # from the blend's KV (store policy in-context), not computed again.
-            holes = [i for i, key in enumerate(request.keys) if key and entries[i] is None]
+            # Only segments wholly inside the blended range: one past it (vLLM computes it)
+            # is not in the blend's KV, and its own store must still compute it.
+            holes = [
+                i
+                for i, key in enumerate(request.keys)
+                if key and entries[i] is None and prompt.segments[i].end <= blended.k.shape[2]
+            ]
             stored = self.engine.store_in_context(prompt, request.keys, holes, blended.k, blended.v)
             metrics.STORED_SEGMENTS.labels(source="blend").inc(stored)
-            self._offered[request.request_id] = frozenset(holes)
+            if holes:
+                self._offered[request.request_id] = frozenset(holes)
+            else:
+                self._offered.pop(request.request_id, None)
             while len(self._offered) > MAX_OFFERED_REQUESTS:  # requests without a store step
                 self._offered.popitem(last=False)
         return LoadOutcome(
@@ -393,12 +417,17 @@ class BlendWorker:
 
 
 def _hole_ranges(prompt: SegmentedPrompt, reuse: SegmentReuse, end: int) -> list[tuple[int, int]]:
-    """Segments inside [0, end) that are computed fresh: planned holes and unusable ones."""
+    """Segments inside [0, end) that are computed fresh: planned holes and unusable ones.
+    The question is never a hole (a selection that reads it covers it too), as the plan and
+    holeblend-serve count."""
     reused = set(reuse.reused_segments)
     return [
         (segment.start, segment.end)
         for i, segment in enumerate(prompt.segments)
-        if i not in reused and segment.num_tokens > 0 and segment.start < end
+        if i not in reused
+        and segment.num_tokens > 0
+        and segment.start < end
+        and segment.kind is not SegmentKind.QUESTION
     ]
 
 

@@ -370,3 +370,57 @@ def test_a_backend_that_writes_inside_attention_is_not_captured():
     assert not ForwardKVCapture([_Inside()]).is_supported
     assert not ForwardKVCapture([object()]).is_supported
     assert ForwardKVCapture([_AttentionLayer()]).is_supported
+
+
+def test_a_selection_that_reads_the_question_counts_only_the_missing_document_as_a_hole(
+    cached_engine, rag_texts
+):
+    """With `query` the covered range runs into the question (the blend reads it); the
+    question is computed, but it is no hole: the figures are the plan's and the serve
+    engine's."""
+    engine, prompt = cached_engine(rag_texts, hole=HOLE, selection="query")
+    plan, worker, request, _ = _load(engine, prompt, 0.15)
+    assert plan.num_covered_tokens > prompt.question.start  # the question is covered
+    outcome = worker.load(request)
+    engine.store.remove(plan.keys[HOLE])  # the load stored it: the prefill must see the hole
+    served = engine.prefill(prompt, "hole", 0.15)
+    assert outcome.num_hole_tokens == plan.reuse.num_hole_tokens == served.num_hole_tokens
+    assert outcome.num_hole_tokens == prompt.segments[HOLE].num_tokens
+
+
+def test_a_failed_load_s_segments_are_not_stored_from_the_forward_that_read_its_range(
+    cached_engine, rag_texts, monkeypatch
+):
+    """A synchronous load fails before the forward: vLLM's forward of the tail still runs in
+    that step, over a covered range nobody wrote (vLLM recomputes the request later), so the
+    K/V it writes for the last document are not that document's in this prompt. They are
+    not stored from it: the segment is computed in its canonical context instead."""
+    engine, prompt = cached_engine(rag_texts)
+    keys = engine.segment_keys(prompt)
+    last = max(i for i, key in enumerate(keys) if key is not None)
+    full = engine.prefill(prompt, "full", 1.0)  # the tail's K/V, to play the forward with
+    engine.store.remove(keys[last])
+    planner = ReusePlanner(
+        engine.prompt_builder.separator_ids, engine.keyer, engine.store, ReusePolicy.HOLE
+    )
+    plan = planner.plan(prompt.token_ids)
+    end = plan.num_covered_tokens
+    assert plan.missing_segments == (last,) and prompt.segments[last].start >= end > 0
+    worker, blocks = _capturing_worker(engine, prompt.num_tokens)
+    load = LoadRequest(
+        "r", plan.prompt, plan.keys, plan.reuse.reused_segments, LoadSpec(0, end), blocks, 0.15
+    )
+    store = StoreRequest("r", prompt, (last,), blocks)
+    worker.arm_capture([store])  # bound before the step's load and forward
+
+    def tier_gone(request):
+        raise OSError("tier gone")
+
+    monkeypatch.setattr(worker, "_fetch", tier_gone)
+    with pytest.raises(OSError):
+        worker.load(load)
+    _forward_into(worker, full, prompt.num_tokens, blocks, start=end)
+    assert worker.store_many([store]) == (1, 0)
+    stored = engine.store.get(keys[last])
+    start = prompt.separator_ranges[0][1]  # canonical context: after the system prompt
+    assert torch.equal(stored.positions, torch.arange(start, start + stored.num_tokens))

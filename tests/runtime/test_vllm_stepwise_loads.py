@@ -240,3 +240,21 @@ def test_the_step_budget_defaults_to_an_eighth_of_vllm_s_and_zero_means_whole_bl
     for bad in (-1, 1.5, "64", True):
         with pytest.raises(ValueError, match="blend_step_tokens"):
             load_settings({"blend_step_tokens": bad})
+
+
+def test_a_missing_segment_past_the_covered_range_is_still_computed_by_its_own_store(
+    cached_engine, rag_texts
+):
+    """The last document is missing: the covered range ends before it and the load's blend
+    never computes it. When vLLM's forward could not be captured storing it (a chunked
+    prefill split it: a plain store), that store computes it; the load offered it nothing."""
+    last = len(rag_texts[1])  # segment index of the last document
+    engine, prompt = cached_engine(rag_texts, hole=last)
+    plan, worker, load, _ = _setup(engine, prompt)
+    assert plan.missing_segments == (last,)
+    assert prompt.segments[last].start >= plan.num_covered_tokens > 0
+    worker.load(dataclasses.replace(load, is_async=False))
+    assert engine.store.contains_many([load.keys[last]]) == [False]  # not in the blend
+    split = StoreRequest("r", prompt, (last,))  # a later step's, without the capture
+    assert worker.store_many([split]) == (1, 0)
+    assert engine.store.contains_many([load.keys[last]]) == [True]
