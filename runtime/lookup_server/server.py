@@ -226,8 +226,10 @@ class LookupServer:
         except wire.WireError as error:
             self.metrics.count_error(error.code)
             return error.http_status, wire.CONTENT_TYPE, wire.error_reply(error)
+        # Encoding the reply is part of answering (most of it for a reply of many hits).
+        payload = wire.encode({"ok": True, **reply})
         self.metrics.observe(op, time.perf_counter() - started)
-        return 200, wire.CONTENT_TYPE, wire.encode({"ok": True, **reply})
+        return 200, wire.CONTENT_TYPE, payload
 
     def _op_lookup(self, message: dict) -> dict:
         limits = self.config.limits
@@ -352,7 +354,11 @@ class _Connection(asyncio.Protocol):
     def eof_received(self) -> bool:
         self.saw_eof = True
         if self.closing or not self.buffer:
-            self.closing = True
+            if not self.closing:
+                # The transport closes once the replies are written: a client that never
+                # reads them must not hold the connection (and its replies) for good.
+                self.closing = True
+                self._arm(self.loop.time() + LINGER_S, "linger")
             return False  # close
         # Half-closed after pipelining: answer what is buffered, then close.
         self._schedule_turn()
@@ -386,7 +392,10 @@ class _Connection(asyncio.Protocol):
         else:
             # More may be buffered: answer it after the other connections had their turn.
             self._schedule_turn()
-            self._arm(self.loop.time() + self.config.idle_timeout_s, "idle")
+            if not (self.closing or self.writing_paused):
+                # A connection that closes keeps its linger deadline, and one whose replies
+                # pile up unread (the last answer may have paused writing) its write deadline.
+                self._arm(self.loop.time() + self.config.idle_timeout_s, "idle")
             return
         if self.closing:
             return
@@ -596,9 +605,10 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         self._release()
         self.closing = True
-        if self.transport.is_closing():
-            return  # aborted meanwhile (unread replies over their budget)
-        self.transport.close()
+        if not self.transport.is_closing():  # else aborted, or closing after the client's EOF
+            self.transport.close()
+        # Either way the replies must be written within LINGER_S: a closing transport whose
+        # client reads nothing would otherwise hold the connection for good.
         self._arm(self.loop.time() + LINGER_S, "linger")
 
     def _close_after_reply(self) -> None:

@@ -5,6 +5,7 @@ log lines and odd framing: each gets a bounded, documented answer, and the other
 lookups go on within their budget.
 """
 
+import asyncio
 import contextlib
 import logging
 import select
@@ -19,9 +20,15 @@ import msgpack
 import pytest
 
 from holeblend_runtime.lookup_server import processes
+from holeblend_runtime.lookup_server import server as server_module
 from holeblend_runtime.lookup_server.client import ClientConfig, LookupClient
 from holeblend_runtime.lookup_server.index import IndexLimits
-from holeblend_runtime.lookup_server.server import LookupServer, ServerConfig, _Connection
+from holeblend_runtime.lookup_server.server import (
+    WRITE_HIGH_WATER,
+    LookupServer,
+    ServerConfig,
+    _Connection,
+)
 from holeblend_runtime.lookup_server.wire import Entry
 
 MIB = 1 << 20
@@ -436,6 +443,111 @@ class _FakeTransport:
 
     def resume_reading(self) -> None:
         pass
+
+
+# --- connections that close with their replies unread ---------------------------------------
+
+
+@contextlib.contextmanager
+def server_on_a_thread(**config):
+    """An in-process server on an event loop of its own (uvloop, as served), so that a test
+    can watch its open connections."""
+    loop = server_module.new_event_loop()
+    server = LookupServer(
+        ServerConfig(host="127.0.0.1", port=0, index=IndexLimits(pod_timeout_s=600), **config)
+    )
+    loop.run_until_complete(server.start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield server, loop
+    finally:
+        on_loop(loop, server.stop)
+        asyncio.run_coroutine_threadsafe(server.serve_forever(), loop).result(5)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+
+
+def on_loop(loop, function):
+    """`function()` run on the server's loop (its state is the loop's alone)."""
+
+    async def call():
+        return function()
+
+    return asyncio.run_coroutine_threadsafe(call(), loop).result(5)
+
+
+def wait_until_closed(server: LookupServer, loop, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while on_loop(loop, lambda: len(server.connections)):
+        assert time.monotonic() < deadline, "the server still holds the connection"
+        time.sleep(0.02)
+
+
+def test_a_half_closed_client_that_never_reads_its_replies_is_disconnected(monkeypatch):
+    """A client sends requests, half-closes and reads nothing: the server closes once the
+    replies are written, and aborts when they are not within the linger time. Before, a
+    reply left unsent below the write high-water mark (so no write timeout applied) held
+    the connection, its socket and the reply for good: closing on the client's EOF armed
+    nothing, and the idle timer found the transport already closing and gave up."""
+    monkeypatch.setattr(server_module, "LINGER_S", 0.3)
+    with server_on_a_thread(idle_timeout_s=0.3) as (server, loop):
+        pod = "pod-" + "x" * 250
+        on_loop(
+            loop,
+            lambda: server.index.admit(
+                pod, [Entry(f"k{i}", 1, "m", "d", None, 1, True) for i in range(100)]
+            ),
+        )
+        request = lookup_request([f"k{i}" for i in range(100)])  # a reply of about 26 KB
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", server.port))
+        with sock:
+            # Ask until the kernel's buffers are full and the server holds part of a reply.
+            for _ in range(1000):
+                sock.sendall(request)
+                time.sleep(0.002)
+                held = on_loop(
+                    loop,
+                    lambda: [c.transport.get_write_buffer_size() for c in server.connections],
+                )
+                if held and held[0]:
+                    break
+            assert 0 < held[0] < WRITE_HIGH_WATER, held  # no write timeout applies
+            sock.shutdown(socket.SHUT_WR)
+            wait_until_closed(server, loop, timeout_s=2.0)
+
+
+@pytest.mark.parametrize("keep_alive", [True, False])
+def test_replies_left_unread_after_the_last_answer_of_a_turn_are_dropped_in_time(
+    monkeypatch, keep_alive
+):
+    """The 16th request answered in one event-loop turn (the last of the turn) gets a reply
+    the client does not read. Before, the turn's end replaced the write deadline (or, for
+    `Connection: close`, the linger deadline) with the idle one: the never-reading client
+    kept its replies for the idle timeout instead of the write timeout, uncounted, and with
+    `Connection: close` for good."""
+    monkeypatch.setattr(server_module, "LINGER_S", 0.3)
+    with server_on_a_thread(idle_timeout_s=30, write_timeout_s=0.3) as (server, loop):
+        keys = [f"k{i}" for i in range(1024)]
+        entries = [Entry(key, 1, "m", "d", None, 1, True) for key in keys]
+        for p in range(32):  # a reply of about 8 MB, more than the kernel buffers hold
+            on_loop(loop, lambda p=p: server.index.admit(f"pod{p}-" + "x" * 250, entries))
+        body = msgpack.packb({"v": 1, "op": "lookup", "keys": keys})
+        close = b"" if keep_alive else b"Connection: close\r\n"
+        big = b"POST /v1 HTTP/1.1\r\n%sContent-Length: %d\r\n\r\n" % (close, len(body)) + body
+        requests = b"GET /healthz HTTP/1.1\r\n\r\n" * (server.config.requests_per_turn - 1) + big
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", server.port))
+        with sock:
+            sock.sendall(requests)  # and never read
+            wait_until_closed(server, loop, timeout_s=2.0)
+        if keep_alive:
+            metrics = on_loop(loop, server.metrics.render).decode()
+            assert 'holeblend_lookup_errors_total{code="write_timeout"} 1.0' in metrics
 
 
 # --- shutdown -------------------------------------------------------------------------------
