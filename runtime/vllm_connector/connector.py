@@ -468,11 +468,11 @@ class _SchedulerSide:
             # the load stores the holes it blended; computed here only if it could not.
             covered = plan.num_covered_tokens
             later = tuple(i for i in segments if plan.prompt.segments[i].start >= covered)
-            self.forward_stores.add(request_id, plan.prompt, later, plan.is_lookup_late)
+            self.forward_stores.add(request_id, plan.prompt, later, plan.is_unchecked)
             segments = tuple(i for i in segments if i not in later)
         if not segments:
             return
-        store = StoreRequest(request_id, plan.prompt, segments, check_stored=plan.is_lookup_late)
+        store = StoreRequest(request_id, plan.prompt, segments, check_stored=plan.is_unchecked)
         if plan.num_covered_tokens > 0:
             self.hole_stores[request_id] = store
         else:
@@ -562,7 +562,10 @@ class _SchedulerSide:
                 self.ended_replays.popitem(last=False)
         if plan is None:
             return None
-        figures = _figures(plan, outcome, self.ratio.ratio(), is_load_failed)
+        # The plan's figures of a request that loaded count the ratio its blend ran with
+        # (the live ratio may have changed since).
+        ratio = self.ratio.ratio() if blended_at is None else blended_at
+        figures = _figures(plan, outcome, ratio, is_load_failed)
         statistic = None if outcome is None else outcome.inline_statistic
         if is_replay:  # its figures go back to the shadow that sent it, in no user count
             replayed = self._replayed(plan, figures, request, blended_at, statistic)

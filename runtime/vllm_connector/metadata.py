@@ -45,8 +45,8 @@ class StoreRequest:
     segments: tuple[int, ...]
     # vLLM's block ids of the request (block i holds tokens i*B..(i+1)*B-1), or None.
     block_ids: tuple[int, ...] | None = None
-    # The request's lookup missed its deadline, so its segments were named missing without
-    # being looked up: the worker skips those the tier holds before writing any.
+    # The request's lookup failed or missed its deadline, so its segments were named missing
+    # without being looked up: the worker skips those the tier holds before writing any.
     check_stored: bool = False
 
     @property

@@ -56,6 +56,13 @@ class ReusePlan:
     # The index did not answer by the deadline; the request runs as a full miss.
     is_lookup_late: bool = False
 
+    @property
+    def is_unchecked(self) -> bool:
+        """Its missing segments were named without the index's answer (it failed or was
+        late): the tier may hold them, so the worker's stores check first
+        (`StoreRequest.check_stored`)."""
+        return self.is_lookup_failed or self.is_lookup_late
+
     def is_blended(self, num_reused_tokens: int) -> bool:
         """Whether a reused document's KV was blended in (`num_reused_tokens` of it
         loaded): only then can the answer differ from full prefill's. A full miss is

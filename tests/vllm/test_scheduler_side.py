@@ -308,3 +308,55 @@ def test_the_model_name_keys_the_same_weights_path_apart(monkeypatch, tmp_path):
     split = SegmentSplitter((SEP,), worker.blend.min_segment_tokens).split(PROMPT)
     worker_keyer = SegmentKeyer.for_model(model_id, "float32", worker.blend)  # the engine's
     assert tuple(worker_keyer.keys(split)) == base_keys == scheduler_keys(worker)
+
+
+def scheduled_alone(request_id, num_tokens, block_ids):
+    """vLLM's `SchedulerOutput` of a step that schedules one new request from token 0."""
+    new = types.SimpleNamespace(req_id=request_id, block_ids=(block_ids,), num_computed_tokens=0)
+    cached = types.SimpleNamespace(
+        req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
+    )
+    return types.SimpleNamespace(
+        scheduled_new_reqs=[new],
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens={request_id: num_tokens},
+    )
+
+
+def test_a_failed_lookups_segments_are_stored_only_where_the_tier_lacks_them(side):
+    """An index that fails plans a full miss naming every cacheable segment missing,
+    though the tier may hold them all (it failed to say). Those stores were sent without
+    `check_stored`, so the worker rewrote every segment the tier already held from the
+    forward's K/V (counted as `source="forward"`) on every request while the index was
+    down; a late lookup's stores already check first. (Stores computed in canonical
+    context check the tier whatever the flag says.)"""
+    assert side.forward_stores is not None  # store policy in-context, the default
+
+    def down(keys):
+        raise ConnectionError("lookup server unreachable")
+
+    side.planner.index.contains_many = down
+    assert side.matched(request("r"), 0) == 0
+    assert side.plans["r"].is_lookup_failed and side.plans["r"].missing_segments
+    side.allocated(request("r"), blocks(), 0)
+    stores = side.step_plan(scheduled_alone("r", len(PROMPT), [0, 1, 2])).stores
+    named = sorted(i for store in stores for i in store.segments)
+    assert named == sorted(side.plans["r"].missing_segments)
+    assert all(store.check_stored for store in stores)
+
+
+def test_a_request_ending_before_its_outcome_counts_the_ratio_its_blend_ran_with(side):
+    """A request that finishes in the step that loaded it is counted from its plan (its
+    outcome comes a step later). Its recomputed tokens were derived from the ratio in
+    force when it finished, not the one its blend ran with: a live ratio change (the
+    tuner rewriting blend.json) misreported every such request of that step."""
+    side.ratio = types.SimpleNamespace(ratio=lambda: 0.0)
+    r = request("r")
+    side.allocated(r, blocks(0, 1), side.matched(r, 0))
+    (load,) = side.step_plan().loads
+    plan = side.plans["r"]
+    side.ratio = types.SimpleNamespace(ratio=lambda: 1.0)  # changed before it finished
+    figures = side.finished("r", None)
+    assert figures["source"] == "plan" and load.ratio == 0.0
+    assert figures["num_recomputed_tokens"] == connector._planned_recompute(plan, 0.0)
+    assert figures["num_recomputed_tokens"] < connector._planned_recompute(plan, 1.0)
