@@ -120,7 +120,21 @@ _NOT_DOT_OR_DOT_DOT = StringRule(
     message="must not be '.' or '..' or start with '..'",
 )
 
-AbsolutePath = _matching(r"/.*", "an absolute path like /data/models", max_length=4096)
+# A '..' component is refused whatever the operator's host-path prefixes
+# (host_paths.check_host_path, as ValidateHostPathVolumeSource's validatePathNoBacksteps in
+# pkg/apis/core/validation/validation.go): the CRD refuses it too, so such a spec never
+# reaches the operator to turn Degraded. The models' validators say it with the path.
+_NO_DOT_DOT_COMPONENT = StringRule(
+    cel=r"!self.matches('(^|/)\\.\\.(/|$)')",
+    check=lambda path: True,  # checked with the path in its message by host_paths
+    message="the path contains '..'; write the directory without it",
+)
+AbsolutePath = _matching(
+    r"/.*",
+    "an absolute path like /data/models",
+    max_length=4096,
+    rules=(_NO_DOT_DOT_COMPONENT,),
+)
 StoreUrl = _matching(
     r"[a-z][a-z0-9+.-]*://.+", "a URL like redis://kv-cache:6379/0", max_length=2048
 )

@@ -110,9 +110,16 @@ def _collapse_nullable(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, 
     if len(rest) != 1:
         raise ValueError(f"cannot express a union of {rest} in a structural schema")
     merged = {**_resolve(rest[0], defs), **{k: v for k, v in node.items() if k != "anyOf"}}
-    merged["nullable"] = True
     if merged.get("default", ...) is None:
         del merged["default"]
+    if ("enum" in merged or "const" in merged) and "default" not in merged:
+        # kube-openapi checks a null against `enum` even in a nullable field, and no enum
+        # value (not even null) matches it (basicCommonValidator in
+        # pkg/validation/validate/validator.go): the API server would refuse `effect: null`
+        # that the models take as unset. Not nullable, a null is pruned instead
+        # (PruneNonNullableNullsWithoutDefaults), which is unset there too.
+        return merged
+    merged["nullable"] = True
     return merged
 
 

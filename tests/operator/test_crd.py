@@ -107,3 +107,28 @@ def test_short_name_and_names():
     names = build_crd()["spec"]["names"]
     assert names["shortNames"] == ["bd"] and names["plural"] == "blenddeployments"
     assert build_crd()["metadata"]["name"] == "blenddeployments.blend.holeblend.io"
+
+
+def _nullable_enums(node, path="schema"):
+    for where, sub in _walk(node, path):
+        if sub.get("nullable") and "enum" in sub:
+            yield where
+
+
+def test_no_nullable_field_has_an_enum_the_api_server_would_check_a_null_against():
+    # kube-openapi validates a null against `enum` even where `nullable` admits it, and no
+    # enum value matches a null: such a field would refuse the null the models take as unset.
+    assert list(_nullable_enums(_schema())) == []
+
+
+def test_a_null_toleration_effect_is_unset_for_the_api_server_as_for_the_operator():
+    from holeblend_operator.api import BlendDeployment
+    from tests.operator.crd_validation import api_server_errors
+
+    manifest = yaml.safe_load((ROOT / "examples" / "minimal.yaml").read_text())
+    manifest["spec"]["accelerator"] = {
+        "tolerations": [{"key": "huawei.com/Ascend910", "operator": "Exists", "effect": None}]
+    }
+    toleration = BlendDeployment.model_validate(manifest).spec.accelerator.tolerations[0]
+    assert toleration.effect is None
+    assert api_server_errors(manifest) == []
