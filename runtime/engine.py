@@ -803,6 +803,8 @@ class BlendEngine:
         """KV of the tokens documents are cached after (system + separator, or nothing)."""
         offset = self.keyer.document_offset(prompt) or prompt.system.end
         k, v = self.model.new_kv(offset)
+        if offset == 0:  # an empty system prompt cached alone: no context to compute
+            return k, v
         token_ids = to_device(host_int64(prompt.token_ids[:offset]), self.model.device)
         self.model.forward(token_ids, k, v, start=0, before_layer=before_layer)
         return k, v

@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from holeblend_runtime.blend.config import BlendConfig
-from holeblend_runtime.blend.segments import Segment, SegmentedPrompt, SegmentKind
+from holeblend_runtime.blend.segments import (
+    Segment,
+    SegmentedPrompt,
+    SegmentKind,
+    SegmentSplitter,
+)
 from holeblend_runtime.engine import BlendEngine
 
 HOLE = 2  # segment index of the second document
@@ -214,6 +219,36 @@ def test_blend_config_names_the_bad_field(field, value):
 def test_check_layer_beyond_the_model_is_refused(reference_engine):
     with pytest.raises(ValueError, match="check_layer"):
         BlendEngine(reference_engine.model, reference_engine.tokenizer, BlendConfig(check_layer=30))
+
+
+@pytest.mark.parametrize("how", ["cache_segments", "isolated store"])
+def test_a_prompt_that_starts_with_the_separator_caches_its_documents_alone(
+    new_engine, rag_texts, how
+):
+    """A prompt split from whole tokens (the vLLM connector's) may start with the
+    separator: an empty system prompt. Documents cached alone from position 0 then have no
+    context to compute first; each is stored as the model computes it by itself."""
+    system, documents, question = rag_texts
+    policy = "isolated" if how == "isolated store" else "in-context"
+    engine = new_engine(cache_after_system=False, store_policy=policy)
+    built = engine.build_prompt(system, documents[:1], question)
+    splitter = SegmentSplitter(engine.prompt_builder.separator_ids, 1)
+    prompt = splitter.split(built.token_ids[built.separator_ranges[0][0] :])
+    assert prompt.system.num_tokens == 0
+    document, key = prompt.segments[1], engine.segment_keys(prompt)[1]
+    if how == "cache_segments":
+        assert engine.cache_segments(prompt) == 1
+    else:
+        assert engine.prefill(prompt, "hole").num_queued_segments == 1
+        assert engine.wait_for_stores(60)
+        assert engine.store_stats().num_failed == 0
+    stored = engine.store.get(key)
+    assert stored is not None and stored.positions.tolist() == list(range(document.num_tokens))
+    k, v = engine.model.new_kv(document.num_tokens)
+    with torch.inference_mode():
+        engine.model.forward(torch.tensor(document.token_ids), k, v, start=0)
+    torch.testing.assert_close(stored.k, k, atol=1e-5, rtol=0)
+    torch.testing.assert_close(stored.v, v, atol=1e-5, rtol=0)
 
 
 def test_documents_below_min_segment_tokens_are_never_cached(new_engine, rag_texts):
