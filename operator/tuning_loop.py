@@ -74,6 +74,7 @@ LOG = logging.getLogger(__name__)
 TICK_S = 1.0
 WINDOW_INTERVALS = 10
 HISTORY_LENGTH = 20  # TuningStatus.history's bound
+DISABLED = "Disabled"  # the Tuned condition's reason while tuning is off (status._tuned)
 PEERING_KINDS = {k.kind: k for k in kube.FRAMEWORK_KINDS if k.group == "kopf.dev"}
 
 
@@ -129,8 +130,13 @@ def ratio_in_force(spec_ratio: float, status: dict) -> object:
 
 
 def state_from(status: dict, spec_ratio: float) -> State:
+    """The law's state as status keeps it; none (a fresh start) when the spec's ratio
+    changed, or when tuning was off until now (the Tuned condition still says Disabled):
+    the pods ran the spec's ratio meanwhile, so a cooldown begun before (aboveTargetSince)
+    would let the first reading above the band step down at once, and what was learned
+    describes the workload as it was."""
     tuning = status.get("tuning") or {}
-    if tuning.get("baseRatio") != spec_ratio:
+    if tuning.get("baseRatio") != spec_ratio or _was_disabled(status):
         return State()
     floor, floor_at = _learned(tuning, "belowTarget")
     good, good_at = _learned(tuning, "meetsTarget")
@@ -139,6 +145,15 @@ def state_from(status: dict, spec_ratio: float) -> State:
         above, above_at = None, None  # only meaningful above a known-good ratio
     return State(
         _epoch(tuning.get("aboveTargetSince")), floor, floor_at, good, good_at, above, above_at
+    )
+
+
+def _was_disabled(status: dict) -> bool:
+    """Whether the Tuned condition is the one the reconcile writes while tuning is off
+    (status._tuned): the tuner has not decided since it was switched on again."""
+    return any(
+        isinstance(c, dict) and c.get("type") == ConditionType.TUNED and c.get("reason") == DISABLED
+        for c in status.get("conditions") or []
     )
 
 

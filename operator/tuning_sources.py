@@ -5,7 +5,9 @@ and then summed, and hand it to `reading`, which turns it into the tuner's `Read
 
 1. Per series (one pod, one label set): value now minus value a window ago. A series that
    is new in the window (a pod that started, a ratio that was just set) counts from zero,
-   and so does one whose counter went down (its pod restarted).
+   and so does one whose counter went down (its pod restarted). On a direct scrape a pod
+   whose counters went down anywhere in the window counts all of them from zero, so a
+   histogram's `_sum` and `_count` never mix a restarted total with an increase.
 2. Summed over pods, by the `ratio` label for the quality proxies (the engine labels each
    sample with the ratio in force), over everything for tokens and TTFT (holeblend-serve's
    `holeblend_ttft_seconds`; on vLLM pods vLLM's own `vllm:time_to_first_token_seconds`,
@@ -342,9 +344,9 @@ class ScrapeSource:
             history = self._remember(
                 (target.namespace, target.service, name), snapshot, now, window_s
             )
-            _add_increases(increases, snapshot, _baseline(history, now, window_s))
+            _add_increases(increases, history, _baseline(history, now, window_s))
             if recent_s is not None:
-                _add_increases(recent, snapshot, _baseline(history, now, recent_s))
+                _add_increases(recent, history, _baseline(history, now, recent_s))
         self._forget_gone(target, names)
         ratios = [s.ratio for s in answered.values() if s.ratio is not None]
         recent_or_none = recent if recent_s is not None else None
@@ -456,15 +458,37 @@ def _with_ttft(
     return dataclasses.replace(snapshot, counters=snapshot.counters | page)
 
 
-def _add_increases(increases: Increases, now: Snapshot, then: Snapshot | None) -> None:
+def _add_increases(increases: Increases, history: list[Snapshot], then: Snapshot | None) -> None:
+    """Each counter's increase from `then` to the newest snapshot of `history`. A pod that
+    restarted since `then` (any of its counters went down between two of its snapshots)
+    counts every counter from zero: per series, a histogram's `_count` that grew past the
+    baseline after a restart while its `_sum` did not (or the other way round) would pair
+    an increase with a restarted total (a mean of 3.0 for a proxy in [0, 1])."""
     if then is None:
         return  # the first sight of a pod is its baseline: its past is not this window's
+    now = history[-1]
+    restarted = _restarted(history[_index(history, then) :])
     for (metric, label), value in now.counters.items():
         if metric in then.missing:
             continue  # no baseline: counted from zero it would be the pod's whole past
-        before = then.counters.get((metric, label))
+        before = None if restarted else then.counters.get((metric, label))
         if not math.isfinite(value):
             continue
         grown = value - before if before is not None and value >= before else value
         per_metric = increases.setdefault(metric, {})
         per_metric[label] = per_metric.get(label, 0.0) + grown
+
+
+def _index(history: list[Snapshot], snapshot: Snapshot) -> int:
+    return next(i for i, kept in enumerate(history) if kept is snapshot)
+
+
+def _restarted(snapshots: list[Snapshot]) -> bool:
+    """Whether any counter went down between two consecutive snapshots of one pod: its
+    process restarted (counters only grow), so all of them started again from zero."""
+    for before, after in zip(snapshots, snapshots[1:], strict=False):
+        for key, value in after.counters.items():
+            old = before.counters.get(key)
+            if old is not None and math.isfinite(old) and math.isfinite(value) and value < old:
+                return True
+    return False

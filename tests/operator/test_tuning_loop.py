@@ -16,7 +16,7 @@ import yaml
 from holeblend_operator import metrics
 from holeblend_operator.api import BlendDeployment, TuningSpec
 from holeblend_operator.host_paths import DEFAULT_HOST_PATH_PREFIXES
-from holeblend_operator.tuner import Decision, Reading, State, select_signal
+from holeblend_operator.tuner import Decision, Reading, State, decide, select_signal
 from holeblend_operator.tuning_loop import (
     HISTORY_LENGTH,
     TuningLoop,
@@ -67,6 +67,31 @@ def test_the_cooldown_survives_a_failover_through_status():
     since = state_from(status, 0.15).above_since
     assert since == datetime.datetime(2026, 11, 23, 10, tzinfo=datetime.UTC).timestamp()
     assert state_from(status, 0.2) == State()
+
+
+def test_tuning_switched_off_and_on_again_starts_without_the_old_state():
+    """While tuning was off the pods ran the spec's ratio and the reconcile kept the law's
+    state in status; switched on again (Tuned still Disabled), a cooldown begun an hour
+    earlier must not let the first reading above the band step down at once."""
+    status = {
+        "recomputeRatio": 0.15,
+        "tuning": {
+            "baseRatio": 0.15,
+            "aboveTargetSince": "2026-11-23T09:00:00Z",
+            "belowTargetRatio": 0.13,
+            "belowTargetAt": "2026-11-23T09:00:00Z",
+        },
+        "conditions": [{"type": "Tuned", "status": "False", "reason": "Disabled"}],
+    }
+    state = state_from(status, 0.15)
+    assert state == State()
+    spec = BD.spec.tuning
+    high = Reading(0.99, 0.99, 10 * spec.min_samples, None, None, 1.0, (0.15,))
+    now = datetime.datetime(2026, 11, 23, 10, tzinfo=datetime.UTC).timestamp()
+    assert decide(spec, 0.15, high, state, now).code == "AboveTargetCooling"
+    # Once the tuner wrote its own condition, status carries its state as before.
+    status["conditions"] = [{"type": "Tuned", "status": "True", "reason": "InBand"}]
+    assert state_from(status, 0.15).floor == 0.13
 
 
 def test_what_the_law_learned_survives_a_failover_through_status():

@@ -293,6 +293,37 @@ async def test_a_restarted_pod_counts_from_zero_instead_of_going_negative():
         assert (await source.read(target(a.url), 0.15, window_s=30)).num_samples == 5
 
 
+async def test_a_restart_that_only_the_f1_sum_shows_counts_sum_and_count_from_zero():
+    """A restarted pod whose new F1 `_count` (12) already passed the baseline's (10) while
+    its `_sum` (6) did not: per series, the count read +2 and the sum 6 from zero, a mean
+    of 3.0 over 2 samples. Every counter of a restarted pod starts again from zero."""
+    async with servers(1) as ((a,), session):
+        clock = Clock()
+        source = ScrapeSource(session, clock=clock)
+        a.answer = (200, metrics_page(9, 10, prompt=1000, reused=800), "text/plain")
+        await source.read(target(a.url), 0.15, window_s=30)
+        clock.now += 10
+        a.answer = (200, metrics_page(6, 12, prompt=200, reused=100), "text/plain")
+        seen = await source.read(target(a.url), 0.15, window_s=30, recent_s=30)
+        assert (seen.num_samples, seen.f1_proxy) == (12, pytest.approx(0.5))
+        assert (seen.recent_num_samples, seen.recent_f1_proxy) == (12, pytest.approx(0.5))
+        assert seen.hit_percent == pytest.approx(50)
+
+
+async def test_a_restart_between_the_baseline_and_now_counts_from_zero():
+    """The pod restarted after the window's baseline (10 samples), was scraped low (2),
+    and by now counts past the baseline (12): not 2 samples since the baseline, 12."""
+    async with servers(1) as ((a,), session):
+        clock = Clock()
+        source = ScrapeSource(session, clock=clock)
+        for f1_sum, count in [(9, 10), (1, 2), (11, 12)]:
+            page = metrics_page(f1_sum, count, prompt=100 * count, reused=80 * count)
+            a.answer = (200, page, "text/plain")
+            seen = await source.read(target(a.url), 0.15, window_s=60)
+            clock.now += 10
+        assert (seen.num_samples, seen.f1_proxy) == (12, pytest.approx(11 / 12))
+
+
 async def test_pods_that_vanish_mid_scrape_are_left_out_and_the_rest_count():
     async with servers(2) as ((a, b), session):
         clock = Clock()
