@@ -52,8 +52,10 @@ def reference_rope_qkv(
     q, k = qk[:num_heads], qk[num_heads:]
     if k_out is None or v_out is None or slots is None:
         return q, k, v
-    k_out.index_copy_(1, slots, k)
-    v_out.index_copy_(1, slots, v)
+    # index_copy_ takes int64 indexes only; the kernel (and `_check`) take int32 too.
+    index = slots.to(torch.int64)
+    k_out.index_copy_(1, index, k)
+    v_out.index_copy_(1, index, v)
     return q, k_out, v_out
 
 
@@ -93,6 +95,10 @@ def triton_rope_qkv(
         k_out = torch.empty(shape, device=x.device, dtype=x.dtype)
         v_out = torch.empty(shape, device=x.device, dtype=x.dtype)
         slots = q  # unread without SCATTER: any tensor argument will do
+    else:
+        # The kernel reads slots[i] at offset i: a strided view would scatter K/V into
+        # other tokens' slots.
+        slots = slots.contiguous()
     if num_tokens > 0:
         grid = (-(-num_tokens // _BLOCK_T), num_heads + 2 * num_kv_heads)
         _kernel()[grid](

@@ -97,6 +97,9 @@ def triton_attention(
             f"{SUPPORTED_HEAD_DIMS} and float16, bfloat16 or float32"
         )
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    # The kernel reads positions[i] at offset i: a strided view (a column, a slice with a
+    # step) would be read as other rows' positions.
+    positions = positions.contiguous()
     num_heads, num_queries, head_dim = q.shape
     # Token-major [n, heads, d] seen as [heads, n, d]: the output projection reads it as
     # [n, heads * d] without a copy.

@@ -112,6 +112,20 @@ def test_triton_kernel_reads_strided_queries_as_the_model_lays_them_out():
     )  # fmt: skip
 
 
+def test_triton_kernel_reads_strided_positions_by_their_strides():
+    """Positions that are a view with a step (every other position of a set) are read as
+    that view's values, not as the consecutive memory under it."""
+    generator = torch.Generator().manual_seed(6)
+    every = torch.arange(0, 60, device=DEVICE)
+    positions = every[1::2]  # 1, 3, ..., 59: stride 2
+    assert not positions.is_contiguous()
+    q, k, v = _inputs(4, 2, positions.shape[0], 60, 16, torch.float32, generator)
+    torch.testing.assert_close(
+        triton_attention(q, k, v, positions), _written_out(q, k, v, positions), atol=1e-5,
+        rtol=1e-5,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("group", [1, 3])
 def test_every_backend_equals_the_reference_through_a_plan(backend, group):

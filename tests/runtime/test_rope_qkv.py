@@ -82,6 +82,29 @@ def test_k_and_v_land_at_their_slots_and_nowhere_else(heads, kv_heads, head_dim)
     assert not bool((k_out[:, slots] == 7.0).all(-1).any())
 
 
+@pytest.mark.parametrize("rotate", [reference_rope_qkv, triton_rope_qkv])
+@pytest.mark.parametrize("layout", ["int32", "strided"])
+def test_k_and_v_land_at_int32_and_strided_slots(rotate, layout):
+    """Slots as `_check` accepts them: int32 (which `index_copy_` refuses), or a view with
+    a step (which the kernel must not read as consecutive memory)."""
+    heads, kv_heads, head_dim = 4, 2, 16
+    positions = _positions(19)
+    x, table = _inputs(heads, kv_heads, head_dim, positions, torch.float32)
+    want_k = torch.zeros(kv_heads, 64, head_dim, device=DEVICE)
+    want_v = torch.zeros_like(want_k)
+    slots = positions.to(DEVICE)
+    reference_rope_qkv(x, table.cos, table.sin, heads, kv_heads, want_k, want_v, slots)
+    if layout == "int32":
+        given = slots.to(torch.int32)
+    else:
+        given = torch.stack([slots, torch.zeros_like(slots)], dim=1)[:, 0]
+        assert not given.is_contiguous()
+    k_out, v_out = torch.zeros_like(want_k), torch.zeros_like(want_v)
+    rotate(x, table.cos, table.sin, heads, kv_heads, k_out, v_out, given)
+    torch.testing.assert_close(k_out, want_k, atol=1e-5, rtol=1e-5)
+    assert torch.equal(v_out, want_v)
+
+
 def test_the_reference_is_the_layer_codes_rope():
     """The packed reference rotates exactly as `apply_rope` per head (what the blender's
     re-rotation of cached K composes with)."""
