@@ -371,13 +371,16 @@ class InlineProxy:
             own.f1.add(statistic, f1)
             own.top1.add(statistic, top1)
             self._borrowed.clear()
-            num_pairs, correlation = len(own.f1), own.f1.correlation()
-        if self.metrics is not None:
-            self.metrics.pairs.labels(ratio=label).set(num_pairs)
-            if correlation is not None:
-                self.metrics.correlation.labels(ratio=label).set(correlation)
-            else:
-                _remove(self.metrics.correlation, label)
+            # Under the lock: the shadow's thread and the sharing thread add pairs at once,
+            # and a count set after the lock let go could overwrite a newer one, or bring
+            # back the series of a ratio another add has just evicted (`_state`).
+            if self.metrics is not None:
+                self.metrics.pairs.labels(ratio=label).set(len(own.f1))
+                correlation = own.f1.correlation()
+                if correlation is not None:
+                    self.metrics.correlation.labels(ratio=label).set(correlation)
+                else:
+                    _remove(self.metrics.correlation, label)
 
     def num_pairs(self, ratio: float) -> int:
         with self._lock:

@@ -338,6 +338,10 @@ class ShadowBudget:
         floor offers is the floor's alone, never charged to the account."""
         with self._lock:
             now = self._clock()
+            # The window forgets what is older than `idle_seconds` on every admission, not
+            # only when an idle offer reads it: a pod that never idles would otherwise
+            # remember every shadow it ever admitted.
+            self._forget(now)
             if sampled and self._spend(num_tokens):
                 self._admitted.append(now)
                 return "budget"
@@ -378,9 +382,13 @@ class ShadowBudget:
             self.shadow_tokens += num_tokens
 
     def _floor_open(self, now: float) -> bool:
+        self._forget(now)
+        return len(self._admitted) < self.idle_samples
+
+    def _forget(self, now: float) -> None:
+        """Under the lock: drop the admissions that left the floor's window."""
         while self._admitted and self._admitted[0] <= now - self.idle_seconds:
             self._admitted.popleft()
-        return len(self._admitted) < self.idle_samples
 
 
 class ShadowGate:

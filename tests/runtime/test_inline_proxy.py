@@ -1,6 +1,8 @@
 """The inline quality proxy (runtime/quality/inline_proxy.py): the blend's statistic, its
 calibration against shadow scores, and what is exported (nothing without calibration)."""
 
+import threading
+
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
@@ -99,6 +101,51 @@ def test_only_calibrated_estimates_are_exported_by_ratio():
     assert value("holeblend_inline_f1_proxy_count", ratio="0.3") == 1
     assert value("holeblend_inline_proxy_pooled", ratio="0.3") == 1
     assert proxy.num_pairs(0.15) == MIN_PAIRS and proxy.num_pairs(0.3) == 0
+
+
+class _FirstSetWaits:
+    """A gauge whose first `set` waits (for `release`, at most a second) after saying
+    `entered`: one thread's update held up where another thread's may overtake it."""
+
+    def __init__(self, gauge) -> None:
+        self.gauge, self.entered, self.release = gauge, threading.Event(), threading.Event()
+        self.held = False
+
+    def labels(self, **labels):
+        child, outer = self.gauge.labels(**labels), self
+
+        class Child:
+            def set(self, value):
+                if not outer.held:
+                    outer.held = True
+                    outer.entered.set()
+                    outer.release.wait(1.0)
+                child.set(value)
+
+        return Child()
+
+    def remove(self, *labels):
+        self.gauge.remove(*labels)
+
+
+def test_the_pairs_gauge_holds_the_last_count_when_two_threads_add_pairs():
+    """The shadow's thread (`add_pair`) and the sharing thread (`add_shared`) add pairs at
+    once: the gauge must end at the count the calibration holds, not at whichever thread
+    set it last with the count it read earlier."""
+    registry = CollectorRegistry()
+    proxy = InlineProxy(registry)
+    proxy.metrics.pairs = slow = _FirstSetWaits(proxy.metrics.pairs)
+    first = threading.Thread(target=proxy.add_shared, args=(0.2, 0.1, 0.9, 0.9))
+    first.start()
+    assert slow.entered.wait(2.0)
+    second = threading.Thread(target=proxy.add_shared, args=(0.2, 0.3, 0.7, 0.7))
+    second.start()
+    second.join(0.2)  # may overtake the first thread's update, or wait for it
+    slow.release.set()
+    first.join(2.0)
+    second.join(2.0)
+    assert proxy.num_pairs(0.2) == 2
+    assert registry.get_sample_value("holeblend_inline_proxy_pairs", {"ratio": "0.2"}) == 2
 
 
 def test_a_ratio_without_pairs_borrows_the_fit_of_lower_ratios_only_inside_its_span():

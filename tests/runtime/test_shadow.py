@@ -143,6 +143,23 @@ class Clock:
         return self.now
 
 
+def test_the_idle_floors_window_forgets_admissions_while_the_engine_never_idles():
+    """At saturation no offer is idle, so the floor's window is never consulted: the
+    admissions it remembers must still be only those of the last `idle_seconds`, not one
+    more per shadow for the pod's whole life."""
+    clock = Clock()
+    budget = ShadowBudget(1.0, idle_samples=2, idle_seconds=10, clock=clock)
+    for _ in range(1000):
+        clock.now += 1.0
+        budget.add_user_tokens(1000)
+        assert budget.admit(100) == "budget"
+    assert len(budget._admitted) <= 10
+    # The window still counts what it should: 10 admissions in the last 10 s, floor shut.
+    assert not budget.floor_open()
+    clock.now += 10.0
+    assert budget.floor_open()
+
+
 def test_the_idle_floor_admits_past_the_budget_only_while_idle_and_within_its_window():
     clock = Clock()
     budget = ShadowBudget(0.05, burst_tokens=0, idle_samples=2, idle_seconds=60, clock=clock)
