@@ -122,6 +122,12 @@ class PrefillDone:
         )  # fmt: skip
 
 
+# The ends whose answers the shadow scores: an answer cut by its deadline ("timeout",
+# often empty when the deadline passed during its prefill) or cancelled is not the blend's
+# answer, and full prefill's would be scored against its cut (an empty one: F1 1.0).
+_SCORED_REASONS = ("stop", "length")
+
+
 @dataclass(frozen=True)
 class Finished:
     # "stop" (EOS or a stop sequence), "length" (max_tokens), "timeout" or "cancelled".
@@ -402,7 +408,7 @@ class EngineWorker:
     def _end(self, running: _Running, reason: str, at_eos: bool = False) -> bool:
         running.sequence.close()  # its KV row goes back to the decode pool
         running.job.emit(Finished(reason))
-        if self.on_answered is not None and running.blended and reason != "cancelled":
+        if self.on_answered is not None and running.blended and reason in _SCORED_REASONS:
             answered = Answered(
                 running.job.prompt, tuple(running.answer), running.ratio, at_eos,
                 running.limit, running.inline_statistic,

@@ -527,3 +527,23 @@ def test_a_decoding_job_does_not_keep_its_prefills_kv(gated):
         assert await first_event(job, Finished) == Finished("cancelled")
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("reason", "offered"),
+    [("stop", True), ("length", True), ("timeout", False), ("cancelled", False)],
+)
+def test_only_answers_that_ran_to_their_end_are_offered_to_the_shadow(reason, offered):
+    """A request past its deadline ends with what it had, often nothing (the deadline
+    passed during its prefill): it was offered, and full prefill's answer cut to it scored
+    F1 1.0 for an empty one, flattering the proxy exactly when the pod is saturated."""
+    seen: list = []
+    worker = object.__new__(EngineWorker)  # `_end` needs only the hook
+    worker.on_answered = seen.append
+    running = SimpleNamespace(
+        sequence=SimpleNamespace(close=lambda: None),
+        job=SimpleNamespace(emit=lambda event: None, prompt="prompt"),
+        blended=True, answer=[], ratio=0.15, limit=8, inline_statistic=None,
+    )  # fmt: skip
+    assert EngineWorker._end(worker, running, reason) is False
+    assert len(seen) == (1 if offered else 0)
