@@ -393,12 +393,7 @@ def _refreshed(monkeypatch, steps) -> list[dict]:
     monkeypatch.setattr(reconcile, "reconcile", reconciled)
 
     async def scenario():
-        operator = handlers.Operator(OperatorSettings(status_debounce_s=60))
-        operator.client = client
-        _, children = operator.prepared(example_owner())
-        for child in children:
-            if child["kind"] == "Deployment":
-                operator.remember(available(child), "ADDED")
+        operator, children = watching_available_deployments(client)
         for step, arg in steps:
             if step == "watch":
                 operator.owner_event(arg, "MODIFIED")
@@ -417,6 +412,18 @@ def _refreshed(monkeypatch, steps) -> list[dict]:
 
 
 KEY_EXAMPLE = ("default", "smollm2-demo")
+
+
+def watching_available_deployments(client) -> tuple[handlers.Operator, list[dict]]:
+    """An operator on `client` (its status writes debounced for a minute) that watched the
+    example owner's Deployments, available at generation 1; and the owner's children."""
+    operator = handlers.Operator(OperatorSettings(status_debounce_s=60))
+    operator.client = client
+    _, children = operator.prepared(example_owner())
+    for child in children:
+        if child["kind"] == "Deployment":
+            operator.remember(available(child), "ADDED")
+    return operator, children
 
 
 def new_engine_args(owner: dict) -> dict:
@@ -500,12 +507,7 @@ def test_a_refresh_does_not_clear_the_problem_a_blocked_reconcile_reported(monke
     monkeypatch.setattr(reconcile, "reconcile", reconciled)
 
     async def scenario():
-        operator = handlers.Operator(OperatorSettings(status_debounce_s=60))
-        operator.client = client
-        _, children = operator.prepared(example_owner())
-        for child in children:
-            if child["kind"] == "Deployment":
-                operator.remember(available(child), "ADDED")
+        operator, _ = watching_available_deployments(client)
         operator.owner_event(example_owner(), "MODIFIED")
         await operator.run(KEY_EXAMPLE, "update", handlers.FULL)
         await operator.run(KEY_EXAMPLE, "drift", handlers.DRIFT)

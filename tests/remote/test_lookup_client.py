@@ -1,7 +1,6 @@
 """The runtime's lookup client: an unreachable or slow server costs milliseconds, never a request."""
 
 import socket
-import sys
 import threading
 import time
 
@@ -9,6 +8,7 @@ import pytest
 
 from holeblend_runtime.lookup_server.client import ClientConfig, LookupClient, parse_lookup_url
 from holeblend_runtime.lookup_server.processes import free_port
+from tests.contention import run_contended
 
 
 class SilentServer:
@@ -159,19 +159,7 @@ def test_lookup_counters_lose_nothing_under_concurrent_lookups():
     client = LookupClient(f"http://127.0.0.1:{free_port()}")
     client._connection = Answering()
     threads, rounds, keys = 8, 3000, ["hit", "miss"] * 4
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads as often as possible
-    try:
-        workers = [
-            threading.Thread(target=lambda: [client.lookup(keys) for _ in range(rounds)])
-            for _ in range(threads)
-        ]
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join()
-    finally:
-        sys.setswitchinterval(interval)
+    run_contended(lambda: client.lookup(keys), threads, rounds)
     assert client.stats.keys_looked_up == 8 * threads * rounds
     assert client.stats.keys_hit == 4 * threads * rounds
 

@@ -1,6 +1,5 @@
 """Two pods' tiered stores sharing a real redis-server and a real lookup server process."""
 
-import sys
 import threading
 import time
 
@@ -10,6 +9,7 @@ import torch
 from holeblend_runtime.kv.tiers import TieredKVStore, TierSettings, open_tiered_store
 from holeblend_runtime.lookup_server.client import AnnouncerConfig, ClientConfig
 from holeblend_runtime.lookup_server.processes import RedisProcess
+from tests.contention import run_contended
 
 from .test_shared_tier import LAYOUT, assert_same, large_pieces, segment
 
@@ -364,20 +364,6 @@ def test_tier_counters_lose_nothing_under_concurrent_reads():
 
     store = TieredKVStore(OneSegment(), LAYOUT)
     threads, rounds = 8, 3000
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads as often as possible
-    try:
-        workers = [
-            threading.Thread(
-                target=lambda: [store.get_many(["doc-1", "other"]) for _ in range(rounds)]
-            )
-            for _ in range(threads)
-        ]
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join()
-    finally:
-        sys.setswitchinterval(interval)
+    run_contended(lambda: store.get_many(["doc-1", "other"]), threads, rounds)
     assert store.stats.local_hits == threads * rounds
     assert store.stats.misses == threads * rounds
