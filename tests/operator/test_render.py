@@ -812,9 +812,18 @@ def test_engine_service_exposes_the_engine_port_as_http():
 def test_disruption_budget_follows_the_spec():
     bd = make_bd(disruptionBudget={"maxUnavailable": 2})
     budget = find(render_children(bd), "PodDisruptionBudget", "engine")
-    assert budget["spec"] == {"maxUnavailable": 2, "selector": {"matchLabels": engine_selector(bd)}}
+    assert budget["spec"]["maxUnavailable"] == 2
+    assert budget["spec"]["selector"] == {"matchLabels": engine_selector(bd)}
     disabled = make_bd(disruptionBudget={"enabled": False})
     assert "PodDisruptionBudget" not in {c["kind"] for c in render_children(disabled)}
+
+
+def test_disruption_budget_never_blocks_a_drain_on_pods_that_are_not_ready():
+    # With two replicas both crash-looping (or still loading), currentHealthy 0 < desiredHealthy
+    # 1: under the default IfHealthyBudget policy the eviction API refuses them forever and
+    # `kubectl drain` hangs; AlwaysAllow lets not-ready pods go (Kubernetes >= 1.27).
+    budget = find(render_children(make_bd(replicas=2)), "PodDisruptionBudget", "engine")
+    assert budget["spec"].get("unhealthyPodEvictionPolicy") == "AlwaysAllow"
 
 
 def test_service_monitor_is_off_by_default():
