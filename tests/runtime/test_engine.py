@@ -247,8 +247,10 @@ def test_a_prompt_that_starts_with_the_separator_caches_its_documents_alone(
     k, v = engine.model.new_kv(document.num_tokens)
     with torch.inference_mode():
         engine.model.forward(torch.tensor(document.token_ids), k, v, start=0)
-    torch.testing.assert_close(stored.k, k, atol=1e-5, rtol=0)
-    torch.testing.assert_close(stored.v, v, atol=1e-5, rtol=0)
+    # The background store computes with its own thread count: float32 sums in another
+    # order differ by ~2e-5 over 30 layers; computed in any context, K and V differ by far more.
+    torch.testing.assert_close(stored.k, k, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(stored.v, v, atol=1e-4, rtol=1e-4)
 
 
 def test_documents_below_min_segment_tokens_are_never_cached(new_engine, rag_texts):
