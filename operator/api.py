@@ -124,8 +124,10 @@ _NOT_DOT_OR_DOT_DOT = StringRule(
 # (host_paths.check_host_path, as ValidateHostPathVolumeSource's validatePathNoBacksteps in
 # pkg/apis/core/validation/validation.go): the CRD refuses it too, so such a spec never
 # reaches the operator to turn Degraded. The models' validators say it with the path.
+# CEL: the path has no '..' component.
+_NO_DOT_DOT_COMPONENT_CEL = r"!self.matches('(^|/)\\.\\.(/|$)')"
 _NO_DOT_DOT_COMPONENT = StringRule(
-    cel=r"!self.matches('(^|/)\\.\\.(/|$)')",
+    cel=_NO_DOT_DOT_COMPONENT_CEL,
     check=lambda path: True,  # checked with the path in its message by host_paths
     message="the path contains '..'; write the directory without it",
 )
@@ -499,7 +501,7 @@ class PvcSource(ApiModel):
         max_length=4096,
         json_schema_extra=cel_schema_extra(
             CelRule(
-                rule=r"!self.matches('(^|/)\\.\\.(/|$)')",
+                rule=_NO_DOT_DOT_COMPONENT_CEL,
                 message="the path contains '..'; the model must stay inside its volume",
                 check=lambda path: True,  # checked with a better message by the validator
             )

@@ -215,12 +215,16 @@ def _degraded(problem: Problem | None) -> dict:
     return _condition(ConditionType.DEGRADED, True, problem.reason, problem.message)
 
 
+# The reason of a condition whose part the spec turned off (LookupServerReady, Tuned).
+DISABLED = "Disabled"
+
+
 def _lookup_ready(bd: BlendDeployment, lookup: dict | None) -> dict:
     if not bd.spec.lookup_server.enabled:
         return _condition(
             ConditionType.LOOKUP_SERVER_READY,
             False,
-            "Disabled",
+            DISABLED,
             "spec.lookupServer.enabled is false: each pod only reuses its own cache",
         )
     ready = _ready_replicas(lookup)
@@ -253,7 +257,7 @@ def _tuned(bd: BlendDeployment, previous: list[dict]) -> list[dict]:
     so that rewriting the other conditions does not drop it; Disabled when it is off."""
     if not bd.spec.tuning.enabled:
         message = "spec.tuning.enabled is false: the pods run spec.blend.recomputeRatio"
-        return [_condition(ConditionType.TUNED, False, "Disabled", message)]
+        return [_condition(ConditionType.TUNED, False, DISABLED, message)]
     return [
         {k: v for k, v in c.items() if k not in ("lastTransitionTime", "observedGeneration")}
         for c in previous or []

@@ -51,7 +51,7 @@ from holeblend_operator.host_paths import DEFAULT_HOST_PATH_PREFIXES, validation
 from holeblend_operator.render import engine_name, selector_string
 from holeblend_operator.render.engine import exports_connector_metrics
 from holeblend_operator.render.serve import runs_holeblend_serve
-from holeblend_operator.status import stamp_transitions
+from holeblend_operator.status import DISABLED, stamp_transitions
 from holeblend_operator.tuner import (
     INLINE,
     RECENT_INTERVALS,
@@ -74,7 +74,6 @@ LOG = logging.getLogger(__name__)
 TICK_S = 1.0
 WINDOW_INTERVALS = 10
 HISTORY_LENGTH = 20  # TuningStatus.history's bound
-DISABLED = "Disabled"  # the Tuned condition's reason while tuning is off (status._tuned)
 PEERING_KINDS = {k.kind: k for k in kube.FRAMEWORK_KINDS if k.group == "kopf.dev"}
 
 
