@@ -539,7 +539,7 @@ class _SchedulerSide:
                 self.failed_loads.add(request_id)
 
     def finished(self, request_id: str, request: Any = None) -> dict[str, Any] | None:
-        """Forget the request; its reuse figures (None if it was not planned). With the
+        """Forget the request; its reuse figures (None if it was not planned or never ran). With the
         finished `request` itself, a request that blended is offered to the shadow."""
         if self.lookups is not None:
             self.lookups.forget(request_id)
@@ -560,7 +560,7 @@ class _SchedulerSide:
             self.ended_replays[request_id] = None
             while len(self.ended_replays) > _ENDED_REPLAYS_KEPT:
                 self.ended_replays.popitem(last=False)
-        if plan is None:
+        if plan is None or (blended_at is None and _never_ran(request)):
             return None
         # The plan's figures of a request that loaded count the ratio its blend ran with
         # (the live ratio may have changed since).
@@ -685,6 +685,13 @@ def _shadow(
         inline=inline,
         metrics=metrics.SHADOW,
     )
+
+
+def _never_ran(request: Any) -> bool:
+    """A request that ends without a token computed (aborted while it waited, or refused):
+    its plan's reuse was never used, and it counts in no figure (its plan's reused tokens
+    went into the hit rate)."""
+    return request is not None and getattr(request, "num_computed_tokens", None) == 0
 
 
 def _figures(

@@ -360,3 +360,36 @@ def test_a_request_ending_before_its_outcome_counts_the_ratio_its_blend_ran_with
     assert figures["source"] == "plan" and load.ratio == 0.0
     assert figures["num_recomputed_tokens"] == connector._planned_recompute(plan, 0.0)
     assert figures["num_recomputed_tokens"] < connector._planned_recompute(plan, 1.0)
+
+
+def reuse_counts() -> tuple[float, float]:
+    from holeblend_runtime.vllm_connector import metrics
+
+    value = metrics.REGISTRY.get_sample_value
+    return (
+        value("holeblend_reused_tokens_total") or 0.0,
+        value("holeblend_prompt_tokens_total") or 0.0,
+    )
+
+
+def test_a_request_that_ends_before_it_ran_counts_no_reuse(side):
+    """vLLM finishes a request that never ran (aborted while it waited for blocks, or
+    refused) like any other: its plan's reused tokens went into the hit rate though
+    nothing was loaded or computed. A request that ran counts as before."""
+    waiting = request("waiting")
+    assert side.matched(waiting, 0) > 0
+    side.step_plan()  # not allocated: no free blocks
+    before = reuse_counts()
+    waiting.num_computed_tokens = 0
+    assert side.finished("waiting", waiting) is None
+    assert reuse_counts() == before
+    ran = request("ran")
+    side.allocated(ran, blocks(0, 1), side.matched(ran, 0))
+    side.step_plan()
+    ran.num_computed_tokens = len(PROMPT)
+    figures = side.finished("ran", ran)
+    assert figures["num_reused_tokens"] > 0
+    assert reuse_counts() == (
+        before[0] + figures["num_reused_tokens"],
+        before[1] + len(PROMPT),
+    )
