@@ -6,6 +6,8 @@ fields still contain what was applied is left alone (no write). Otherwise it get
 merge patch: the desired object plus nulls for fields applied last time and no longer
 rendered (e.g. an Ascend nodeSelector after switching to CPU), so removals happen without
 replacing the object and without touching fields the API server or others own.
+Quantities (QUANTITY_FIELDS) are compared by value: the API server stores them in
+canonical form, "0.5" as "500m" and "1024Mi" as "1Gi".
 """
 
 import asyncio
@@ -20,6 +22,7 @@ import pydantic
 from holeblend_operator import kube, metrics
 from holeblend_operator.api import GROUP, BlendDeployment, format_validation_error
 from holeblend_operator.host_paths import DEFAULT_HOST_PATH_PREFIXES, validation_context
+from holeblend_operator.quantity import quantity_value
 from holeblend_operator.render import engine_name, lookup_name, render_children, selector_string
 from holeblend_operator.render.labels import MANAGED_BY, instance_label
 from holeblend_operator.status import (
@@ -34,6 +37,18 @@ from holeblend_operator.status import (
 HASH_ANNOTATION = f"{GROUP}/input-hash"
 LAST_APPLIED_ANNOTATION = f"{GROUP}/last-applied"
 DEPLOYMENT = kube.CHILD_KINDS["Deployment"]
+
+# Fields of type resource.Quantity, by the last keys of their path ("*": any key, such as a
+# resource name; list positions do not count). The API server re-serializes a quantity in
+# canonical form (apimachinery's Quantity.String: "0.5" -> "500m", "1024Mi" -> "1Gi",
+# "0.5Gi" -> "512Mi"), so these compare by value; every other field compares as written
+# (an env var's "1k" is not its "1000").
+QUANTITY_FIELDS = (
+    ("resources", "requests", "*"),  # containers; a PersistentVolumeClaim's spec
+    ("resources", "limits", "*"),
+    ("overhead", "*"),  # a pod's runtime-class overhead
+    ("emptyDir", "sizeLimit"),
+)
 
 
 class InvalidSpec(Exception):
@@ -319,20 +334,43 @@ def is_current(live: dict, desired: dict) -> bool:
     return live_hash == desired_hash and contains(live, desired)
 
 
-def contains(live: Any, desired: Any) -> bool:
-    """Every field of `desired` is in `live` with the same value (server defaults may add more)."""
+def contains(live: Any, desired: Any, path: tuple[str, ...] = ()) -> bool:
+    """Every field of `desired` is in `live` with the same value (server defaults may add more).
+
+    `path` holds the keys that lead to both (list positions left out), for QUANTITY_FIELDS."""
     if isinstance(desired, dict):
         return isinstance(live, dict) and all(
-            k in live and contains(live[k], v) for k, v in desired.items()
+            k in live and contains(live[k], v, (*path, k)) for k, v in desired.items()
         )
     if isinstance(desired, list):
         return (
             isinstance(live, list)
             and len(live) == len(desired)
-            and all(map(contains, live, desired))
+            and all(contains(a, b, path) for a, b in zip(live, desired, strict=True))
         )
-    # The API server may return 8 where "8" was sent (ports, quantities): compare as text.
+    if is_quantity_field(path):
+        return _same_quantity(live, desired)
+    # The API server may return 8 where "8" was sent (ports): compare as text.
     return live == desired or str(live) == str(desired)
+
+
+def is_quantity_field(path: tuple[str, ...]) -> bool:
+    """Whether the field at `path` is a Kubernetes quantity (one of QUANTITY_FIELDS)."""
+    return any(_ends_with(path, field) for field in QUANTITY_FIELDS)
+
+
+def _ends_with(path: tuple[str, ...], field: tuple[str, ...]) -> bool:
+    tail = path[-len(field) :]
+    return len(tail) == len(field) and all(
+        want in ("*", key) for want, key in zip(field, tail, strict=True)
+    )
+
+
+def _same_quantity(live: Any, desired: Any) -> bool:
+    try:
+        return quantity_value(live) == quantity_value(desired)
+    except ValueError:  # not a quantity (edited by hand): as text, like any other field
+        return str(live) == str(desired)
 
 
 def merge_patch(live: dict, desired: dict) -> dict:
@@ -343,25 +381,33 @@ def merge_patch(live: dict, desired: dict) -> dict:
     return _merged(_changes(live, desired, previous), _removals(previous, desired))
 
 
-def _changes(live: dict, desired: dict, previous: dict) -> dict:
+def _changes(live: dict, desired: dict, previous: dict, path: tuple[str, ...] = ()) -> dict:
     """What differs from `live`, and (whole) every list or value rendered otherwise than
     last time (`previous`): `contains` lets a list's items hold more than desired (server
     defaults), so a field dropped inside one (a container's memory limit) would otherwise
-    never be removed. A merge patch replaces a list whole, dropped fields included."""
+    never be removed. A merge patch replaces a list whole, dropped fields included.
+    Quantities equal in value are no change (`contains`)."""
     changes: dict[str, Any] = {}
     for key, value in desired.items():
         current = live.get(key)
         before = previous.get(key) if isinstance(previous, dict) else None
+        where = (*path, key)
         if isinstance(value, dict) and isinstance(current, dict):
-            if nested := _changes(current, value, before if isinstance(before, dict) else {}):
+            nested = _changes(current, value, before if isinstance(before, dict) else {}, where)
+            if nested:
                 changes[key] = nested
         elif (
             key not in live
-            or not contains(current, value)
-            or (before is not None and _canonical(before) != _canonical(value))
+            or not contains(current, value, where)
+            or (before is not None and not _is_same(before, value, where))
         ):
             changes[key] = value
     return changes
+
+
+def _is_same(before: Any, value: Any, path: tuple[str, ...]) -> bool:
+    """The same fields with the same values (quantities by value): nothing was dropped."""
+    return contains(before, value, path) and contains(value, before, path)
 
 
 def _removals(previous: dict, desired: dict) -> dict:

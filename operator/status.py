@@ -72,21 +72,35 @@ def build_status(bd: BlendDeployment, observed: Observed, previous: list[dict], 
 def invalid_spec_status(
     generation: int | None, message: str, previous: list[dict], now: str
 ) -> dict:
-    """Status for a spec the models reject: Degraded, children left as they were."""
+    """Status for a spec the models reject: Degraded, children left as they were.
+
+    Only Ready and Degraded are rewritten. The other conditions (LookupServerReady, Tuned,
+    ...) are kept as they were, transition times and all: the children they describe still
+    run, and the status patch replaces the conditions list whole."""
     problem = Problem(
         "InvalidSpec",
         f"{message}. Fix the manifest and apply it again; "
         "the running children are left as they were.",
     )
     conditions = [
-        _degraded(problem),
         _condition(ConditionType.READY, False, "InvalidSpec", "the spec is invalid"),
+        _degraded(problem),
     ]
+    stamped = stamp_transitions(conditions, previous, now, generation)
     return {
         "observedGeneration": generation,
         "phase": Phase.DEGRADED.value,
-        "conditions": stamp_transitions(conditions, previous, now, generation),
+        "conditions": replaced_conditions(previous, stamped),
     }
+
+
+def replaced_conditions(previous: list[dict], conditions: list[dict]) -> list[dict]:
+    """`previous` with each condition of `conditions` in the place of the one of its type
+    (appended, in their order, where `previous` has none), so that the order stays the
+    same from one write to the next."""
+    new = {condition["type"]: condition for condition in conditions}
+    kept = [new.pop(condition.get("type"), condition) for condition in previous or []]
+    return kept + list(new.values())
 
 
 def is_available(deployment: dict | None, replicas: int | None) -> bool:

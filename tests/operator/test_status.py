@@ -1,11 +1,14 @@
 """Status conditions from what the children report (pure, no API)."""
 
+import asyncio
 import copy
 import pathlib
 
+import pytest
 import yaml
 
-from holeblend_operator.reconcile import has_unready_pods, parse
+from holeblend_operator.handlers import FIRST_CREATE
+from holeblend_operator.reconcile import InvalidSpec, has_unready_pods, parse, reconcile
 from holeblend_operator.status import Observed, Problem, build_status, is_available
 
 ROOT = pathlib.Path(__file__).parents[2]
@@ -164,3 +167,49 @@ def test_a_lookup_server_mid_rollout_is_not_available():
     status = build_status(blend_deployment(), Observed(deployment(), mid_rollout(), []), [], "t")
     assert conditions(status)["LookupServerReady"] == ("False", "NotAvailable")
     assert conditions(status)["Ready"] == ("False", "LookupServerNotReady")
+
+
+class StatusWrites:
+    """Holds the owner's status as the API server would, merge-patching each status write."""
+
+    def __init__(self, status: dict):
+        self.status = copy.deepcopy(status)
+        self.writes: list[dict] = []
+
+    async def patch_status(self, namespace, name, status):
+        self.writes.append(status)
+        self.status |= copy.deepcopy(status)  # top-level keys; the conditions list is replaced
+        return {}
+
+
+def invalid_spec_reconcile(client: StatusWrites) -> None:
+    body = yaml.safe_load((ROOT / "examples" / "cpu.yaml").read_text())
+    body["metadata"].update(uid="u-1", generation=4, namespace="default")
+    body["spec"]["blend"]["recomputeRatio"] = 2
+    body["status"] = copy.deepcopy(client.status)
+    with pytest.raises(InvalidSpec, match="recomputeRatio"):
+        asyncio.run(reconcile(client, body, FIRST_CREATE, "t1"))
+
+
+def test_an_invalid_spec_rewrites_ready_and_degraded_and_keeps_the_other_conditions():
+    """The children keep running as they were, so what the other conditions say about them
+    (and the tuner's Tuned, and a condition someone else writes) stays, transition times
+    included; the order stays too, so a second reconcile of the same spec writes nothing."""
+    tuned = {"type": "Tuned", "status": "True", "reason": "Holding", "message": "on target"}
+    running = build_status(
+        blend_deployment(), Observed(deployment(), deployment(), []), [tuned], "t0"
+    )
+    available = {"type": "Available", "status": "True", "reason": "X", "lastTransitionTime": "t0"}
+    previous = [*running["conditions"], available]
+    client = StatusWrites(running | {"conditions": previous})
+
+    invalid_spec_reconcile(client)
+    invalid_spec_reconcile(client)
+
+    (written,) = client.writes
+    assert [c["type"] for c in written["conditions"]] == [c["type"] for c in previous]
+    assert conditions(written)["Degraded"] == ("True", "InvalidSpec")
+    assert conditions(written)["Ready"] == ("False", "InvalidSpec")
+    kept = [c for c in written["conditions"] if c["type"] not in ("Ready", "Degraded")]
+    assert kept == [c for c in previous if c["type"] not in ("Ready", "Degraded")]
+    assert {c["type"] for c in kept} == {"Progressing", "LookupServerReady", "Tuned", "Available"}
