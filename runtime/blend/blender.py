@@ -112,7 +112,7 @@ class Blender:
         # Moved K is re-rotated by its offset, looked up in one table kept per blender.
         self._rotations = RopeCache(
             head_dim=c.head_dim, theta=c.rope_theta, dtype=model.dtype, device=model.device,
-            max_positions=c.context_length,
+            max_positions=c.context_length, divisors=c.rope_divisors,
         )  # fmt: skip
 
     def blend(
@@ -336,8 +336,9 @@ class Blender:
             else:  # the offsets themselves
                 c = self.model.config
                 table = rope_table(
-                    lookup, head_dim=c.head_dim, theta=c.rope_theta, dtype=k_cache.dtype
-                )
+                    lookup, head_dim=c.head_dim, theta=c.rope_theta, dtype=k_cache.dtype,
+                    divisors=c.rope_divisors,
+                )  # fmt: skip
             rotation = moved, table
         batched = slots if moves.batched else None
         return SpanLoad(k_cache, v_cache, spans, first_layer, rotation, batched)

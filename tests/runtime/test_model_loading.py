@@ -84,7 +84,8 @@ def test_damaged_weight_cache_is_rebuilt(tmp_path, reference_engine):
     weights.write_bytes(damaged)
     # Entries of earlier installs of the same file (other mtimes): the rebuild keeps the
     # newest other one beside its own.
-    earlier = [_fake_entry(tmp_path, entry.name.replace("-v1", "").rsplit("-", 1)[0], i)
+    stem_and_size, _, cache_format = entry.name.rsplit("-", 2)
+    earlier = [_fake_entry(tmp_path, stem_and_size, i, suffix=f"-{cache_format}")
              for i in (1, 2)]  # fmt: skip
     rebuilt = load_model_files(cache_dir=tmp_path)
     assert entry.is_dir() and earlier[0].is_dir() and not earlier[1].exists()
