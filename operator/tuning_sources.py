@@ -5,9 +5,10 @@ and then summed, and hand it to `reading`, which turns it into the tuner's `Read
 
 1. Per series (one pod, one label set): value now minus value a window ago. A series that
    is new in the window (a pod that started, a ratio that was just set) counts from zero,
-   and so does one whose counter went down (its pod restarted). On a direct scrape a pod
-   whose counters went down anywhere in the window counts all of them from zero, so a
-   histogram's `_sum` and `_count` never mix a restarted total with an increase.
+   and so does every series of a pod whose counters went down anywhere in the window (it
+   restarted), so a histogram's `_sum` and `_count` never mix a restarted total with an
+   increase. Prometheus gives each series' raw values and resets (`_window_query`); the
+   arithmetic per pod is the same for both sources (`_grown`).
 2. Summed over pods, by the `ratio` label for the quality proxies (the engine labels each
    sample with the ratio in force), over everything for tokens and TTFT (holeblend-serve's
    `holeblend_ttft_seconds`; on vLLM pods vLLM's own `vllm:time_to_first_token_seconds`,
@@ -88,6 +89,12 @@ TIMEOUT_S = 5.0  # one query or scrape; the tuner's interval is at least 5 s
 MAX_BODY_BYTES = 8 << 20  # a /metrics page or query answer larger than this is garbage
 
 Increases = dict[str, dict[str, float]]  # metric -> ratio label ("" if unsplit) -> increase
+# Marks the values `_window_query` adds beside each series' value now: "then" (a window
+# ago) and "resets" (how often the series went down since then).
+VALUE_LABEL = "holeblend_value"
+# Prometheus's default lookback: how far before the window's start `offset` finds the
+# sample it takes as the series' value then.
+LOOKBACK_S = 300
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,13 +199,10 @@ class PrometheusSource:
     ) -> Reading:
         selector = f'namespace="{target.namespace}",service="{target.service}"'
         counters = windowed(target.ttft)
-        queries = {
-            name: _increase_query(name, selector, window_s, split)
-            for name, split in counters.items()
-        }
+        queries = {name: _window_query(name, selector, window_s) for name in counters}
         if recent_s is not None:
             for name in RECENT:
-                queries[f"recent:{name}"] = _increase_query(name, selector, recent_s, True)
+                queries[f"recent:{name}"] = _window_query(name, selector, recent_s)
         queries["ratio"] = f"{RATIO_GAUGE}{{{selector}}}"
         queries["age"] = f"time() - max(timestamp({RATIO_GAUGE}{{{selector}}}))"
         ttft = ttft_series(target.ttft)
@@ -214,8 +218,9 @@ class PrometheusSource:
                 raise answer
         if any(isinstance(found[name], SourceError) for name in ttft):
             found |= dict.fromkeys(ttft, [])  # no TTFT this time; the quality figures stay
-        increases = {name: _by_ratio(found[name]) for name in counters}
-        recent = {n: _by_ratio(found[f"recent:{n}"]) for n in RECENT if f"recent:{n}" in found}
+        increases = _increases({name: found[name] for name in counters}, counters)
+        recent_found = {n: found[f"recent:{n}"] for n in RECENT if f"recent:{n}" in found}
+        recent = _increases(recent_found, counters)
         if not found["ratio"]:
             return failed(f"Prometheus has no {RATIO_GAUGE} series for {selector}")
         ages = [value for _, value in found["age"]]
@@ -250,12 +255,70 @@ async def read_body(response: aiohttp.ClientResponse) -> "bytes | None":
     return None
 
 
-def _increase_query(metric: str, selector: str, window_s: float, split: bool) -> str:
-    """Per-series increase over the window; new or reset series count from zero (step 1)."""
+def _window_query(metric: str, selector: str, window_s: float) -> str:
+    """Each series of `metric` as it is now, and beside it (marked by VALUE_LABEL) its value
+    a window ago and how often it went down since then: counted from the sample `offset`
+    takes as the window's start (the resets over the window alone miss a restart between
+    that sample and the next), or over the window for a series that is new in it.
+
+    Per series PromQL cannot tell a restart whose `_sum` grew past its old value while its
+    `_count` did not: which pods restarted is decided over all their series (`_increases`).
+    """
     series = f"{metric}{{{selector}}}"
-    window = f"{max(1, int(round(window_s)))}s"
-    per_series = f"(({series} - {series} offset {window}) >= 0 or {series})"
-    return f"sum by ({RATIO_LABEL}) {per_series}" if split else f"sum({per_series})"
+    span = max(1, int(round(window_s)))
+    window = f"{span}s"
+    since_then = (
+        f"resets({series}[{span + LOOKBACK_S}s]) - resets({series}[{LOOKBACK_S}s] offset {window})"
+    )
+    resets = f"({since_then}) or resets({series}[{window}])"
+    marked = {"then": f"{series} offset {window}", "resets": resets}
+    return " or ".join(
+        [series]
+        + [f'label_replace({e}, "{VALUE_LABEL}", "{v}", "", "")' for v, e in marked.items()]
+    )
+
+
+def _increases(
+    answers: dict[str, list[tuple[dict, float]]], counters: dict[str, bool]
+) -> Increases:
+    """Step 1 on `_window_query`'s answers, by metric: each series' increase, every series of
+    a pod that restarted (any of them went down) counted from zero, summed by the ratio label
+    where the metric is split by it."""
+    restarted = {
+        _pod(labels)
+        for vector in answers.values()
+        for labels, value in vector
+        if labels.get(VALUE_LABEL) == "resets" and value > 0
+    }
+    increases: Increases = {}
+    for metric, vector in answers.items():
+        then = {
+            _series(labels): value for labels, value in vector if labels.get(VALUE_LABEL) == "then"
+        }
+        for labels, value in vector:
+            if VALUE_LABEL in labels or not math.isfinite(value):
+                continue
+            before = None if _pod(labels) in restarted else then.get(_series(labels))
+            label = labels.get(RATIO_LABEL, "") if counters[metric] else ""
+            per_metric = increases.setdefault(metric, {})
+            per_metric[label] = per_metric.get(label, 0.0) + _grown(value, before)
+    return increases
+
+
+def _pod(labels: dict) -> tuple[str, str]:
+    """The pod a series is scraped from (the labels prometheus-operator gives it)."""
+    return labels.get("namespace", ""), labels.get("pod", "")
+
+
+def _series(labels: dict) -> frozenset:
+    """A series' identity across the values of one answer (resets and `offset` drop the
+    metric name)."""
+    return frozenset((k, v) for k, v in labels.items() if k not in ("__name__", VALUE_LABEL))
+
+
+def _grown(value: float, before: float | None) -> float:
+    """A counter's increase since `before`; from zero when it has no value then or went down."""
+    return value - before if before is not None and value >= before else value
 
 
 def _parse_vector(url: str, status: int, body: bytes) -> list[tuple[dict, float]]:
@@ -278,10 +341,6 @@ def _parse_vector(url: str, status: int, body: bytes) -> list[tuple[dict, float]
         raise SourceError(
             f"Prometheus at {url}: HTTP {status}: not a query answer ({snippet!r})"
         ) from exc
-
-
-def _by_ratio(vector: list[tuple[dict, float]]) -> dict[str, float]:
-    return {labels.get(RATIO_LABEL, ""): value for labels, value in vector if math.isfinite(value)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -474,9 +533,8 @@ def _add_increases(increases: Increases, history: list[Snapshot], then: Snapshot
         before = None if restarted else then.counters.get((metric, label))
         if not math.isfinite(value):
             continue
-        grown = value - before if before is not None and value >= before else value
         per_metric = increases.setdefault(metric, {})
-        per_metric[label] = per_metric.get(label, 0.0) + grown
+        per_metric[label] = per_metric.get(label, 0.0) + _grown(value, before)
 
 
 def _index(history: list[Snapshot], snapshot: Snapshot) -> int:

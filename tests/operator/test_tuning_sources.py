@@ -405,6 +405,46 @@ async def test_a_prometheus_without_the_engine_series_gives_an_error_reading():
         assert "no holeblend_recompute_ratio series" in seen.error
 
 
+def window_answer(pod: str, now: float, then: float, resets: int = 0, **labels) -> list:
+    """One series in Prometheus's answer to the tuner's window query: its value now, a
+    window ago and its resets since, the last two marked (the promtool tests check the
+    query: tests/operator/test_tuning_sources_promql.py)."""
+    series = {"namespace": "default", "service": "rag-engine", "pod": pod} | labels
+    return [
+        (series, now),
+        (series | {"holeblend_value": "then"}, then),
+        (series | {"holeblend_value": "resets"}, resets),
+    ]
+
+
+async def test_a_restart_that_only_the_token_counters_show_counts_all_the_pods_series_from_zero():
+    """Pod e-0 restarted and its F1 `_sum` and `_count` both came back past their old values:
+    only its token counters went down. All its series count from zero (12 samples, not 2);
+    e-1 counts its increase."""
+    answers = {
+        "holeblend_f1_proxy_sum": window_answer("e-0", 4.5, 1, ratio="0.15")
+        + window_answer("e-1", 30, 21, ratio="0.15"),
+        "holeblend_f1_proxy_count": window_answer("e-0", 12, 10, ratio="0.15")
+        + window_answer("e-1", 40, 30, ratio="0.15"),
+        "holeblend_prompt_tokens_total": window_answer("e-0", 100, 1000, resets=1)
+        + window_answer("e-1", 2000, 1000),
+        "holeblend_reused_tokens_total": window_answer("e-0", 80, 800, resets=1)
+        + window_answer("e-1", 1800, 900),
+        "holeblend_recompute_ratio": [({}, 0.15)],
+    }
+    async with servers(1) as ((prometheus,), session):
+
+        async def handle(request):
+            answer = answers.get(request.query["query"].split("{")[0], [])
+            return aiohttp.web.json_response(json.loads(vector(*answer)))
+
+        prometheus.respond = handle
+        seen = await PrometheusSource(prometheus.url, session).read(target(), 0.15, 300)
+    assert (seen.error, seen.num_samples) == (None, 12 + 10)
+    assert seen.f1_proxy == pytest.approx((4.5 + 9) / 22)
+    assert seen.hit_percent == pytest.approx(100 * (80 + 900) / (100 + 1000))
+
+
 async def test_deployments_in_one_namespace_keep_their_own_scrape_history():
     """One source reads every BlendDeployment in turn: a read forgets only its own
     deployment's pods that are gone, never another deployment's history (which left every
