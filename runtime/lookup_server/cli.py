@@ -144,6 +144,12 @@ def serve_parser() -> argparse.ArgumentParser:
             defaults.max_buffer_bytes,
             "request bytes buffered across all connections at most (else 503)",
         ),
+        (
+            "max-connections",
+            _POSITIVE_INT,
+            defaults.max_connections,
+            "client connections open at once at most (one more: 503, closed)",
+        ),
         ("log-level", _LOG_LEVEL, "INFO", "logging level: " + ", ".join(LOG_LEVELS)),
     ):
         parser.add_argument(
@@ -170,6 +176,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             idle_timeout_s=args.idle_timeout,
             write_timeout_s=args.write_timeout,
             max_buffer_bytes=args.max_buffer_bytes,
+            max_connections=args.max_connections,
         )
     except ValueError as error:
         raise SystemExit(f"holeblend-lookup: {error}") from None

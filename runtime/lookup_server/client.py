@@ -4,8 +4,11 @@
    keep-alive HTTP/1.1 socket with a millisecond timeout; any failure closes it.
 2. `LookupClient` wraps calls in a budget: `timeout_ms` per attempt, at most `retries`
    more attempts, and a circuit breaker that stops trying for `breaker_open_s` after
-   `breaker_failures` consecutive failures. A failed or skipped `lookup` answers "all
-   miss" and counts it; serving goes on from the local tier and compute.
+   `breaker_failures` consecutive failures. Only failures that say the server cannot
+   serve count toward it (no connection, no reply in time, garbage, a 502/503/504);
+   an error the server answered for one request (`bad_request`, `too_large`, ...) is
+   that request's answer, and the server is up. A failed or skipped `lookup` answers
+   "all miss" and counts it; serving goes on from the local tier and compute.
 3. `Announcer` (a daemon thread) sends admits and evicts in batches off the request
    path, heartbeats, and re-announces everything the pod holds when the server asks
    (it restarted) and every `resync_s`. Admits are queued only after the segment is
@@ -29,6 +32,15 @@ from holeblend_runtime.kv.circuit_breaker import CircuitBreaker
 from holeblend_runtime.lookup_server import wire
 
 log = logging.getLogger(__name__)
+
+# Error codes that speak of the server rather than of the request: garbage on the socket
+# (`bad_reply`, retried) and a plain-text 502, 503 or 504 (`unavailable`: the server's
+# request memory is full, or a proxy in front of it has no server). They count toward the
+# circuit breaker like a dead server; every other error reply answers the one request, and
+# the server that sent it is up.
+SERVER_ERRORS = frozenset({"bad_reply", "unavailable"})
+# HTTP statuses of a plain-text reply coded `unavailable`.
+UNAVAILABLE_STATUSES = (502, 503, 504)
 
 
 @dataclass(frozen=True)
@@ -70,13 +82,13 @@ class LookupConnection:
         """The reply map; OSError on transport failures, WireError on error replies."""
         body = wire.encode(message)
         try:
-            return wire.decode_reply(self._exchange(body))
+            return _decode_reply(*self._exchange(body))
         except (OSError, wire.WireError) as error:
             if not isinstance(error, wire.WireError) or error.code == "bad_reply":
                 self.close()
             raise
 
-    def _exchange(self, body: bytes) -> bytes:
+    def _exchange(self, body: bytes) -> tuple[int, bytes]:
         # One attempt's budget covers all of it: name resolution, connect, send and reply
         # (each step waits for what is left, not for a budget of its own).
         deadline = time.monotonic() + self.timeout_s
@@ -126,18 +138,19 @@ class LookupConnection:
         self._resolved = (infos[0][0], infos[0][4])
         return self._resolved
 
-    def _read_reply(self, sock: socket.socket, deadline: float) -> bytes:
-        """The reply body; the whole reply must arrive before `deadline`, not each read."""
+    def _read_reply(self, sock: socket.socket, deadline: float) -> tuple[int, bytes]:
+        """The reply's status and body; the whole reply must arrive before `deadline`, not
+        each read."""
         buffer = b""
         while (head_end := buffer.find(b"\r\n\r\n")) < 0:
             buffer += _recv(sock, deadline)
-        length, closes = _reply_head(buffer[:head_end])
+        status, length, closes = _reply_head(buffer[:head_end])
         end = head_end + 4 + length
         while len(buffer) < end:
             buffer += _recv(sock, deadline)
         if closes:
             self.close()
-        return buffer[head_end + 4 : end]
+        return status, buffer[head_end + 4 : end]
 
     def close(self) -> None:
         if self._sock is not None:
@@ -192,18 +205,47 @@ def _recv(sock: socket.socket, deadline: float) -> bytes:
     return chunk
 
 
-def _reply_head(head: bytes) -> tuple[int, bool]:
+def _reply_head(head: bytes) -> tuple[int, int, bool]:
+    """(status, content length, whether the server closes) of a reply head."""
+    lines = head.split(b"\r\n")
+    parts = lines[0].split(b" ", 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
+        raise ConnectionError(f"lookup server reply without a status line: {lines[0][:80]!a}")
     length, closes = None, False
-    for line in head.split(b"\r\n")[1:]:
+    for line in lines[1:]:
         name, _, value = line.partition(b":")
         name = name.strip().lower()
         if name == b"content-length":
-            length = int(value)
+            length = _content_length(value)
         elif name == b"connection":
             closes = value.strip().lower() == b"close"
     if length is None:
         raise ConnectionError("lookup server reply without Content-Length")
-    return length, closes
+    return int(parts[1]), length, closes
+
+
+def _content_length(value: bytes) -> int:
+    """Content-Length as an int; ConnectionError (a transport failure, as any garbage on
+    the socket) when it is not one, never a ValueError into the request."""
+    value = value.strip()
+    if not value.isdigit():
+        raise ConnectionError(f"lookup server reply with Content-Length {value[:20]!a}")
+    return int(value)
+
+
+def _decode_reply(status: int, body: bytes) -> dict:
+    """The reply map; WireError for an error reply. The server answers what it refuses at
+    the HTTP level (a full request memory, broken framing, an internal error) in plain
+    text: that is coded by its status (`unavailable` or `http_error`), not taken for
+    garbage (`bad_reply`) on a healthy connection."""
+    try:
+        return wire.decode_reply(body)
+    except wire.WireError as error:
+        if error.code != "bad_reply" or status == 200:
+            raise
+    code = "unavailable" if status in UNAVAILABLE_STATUSES else "http_error"
+    text = body[:200].decode("utf-8", "replace").strip()
+    raise wire.WireError(code, f"HTTP {status}: {text}", status) from None
 
 
 @dataclass(frozen=True)
@@ -237,7 +279,11 @@ class ClientStats:
     """What the client did; exported as metrics by the engine's registry."""
 
     calls: int = 0
+    # Calls that got no reply map: the server failed or refused them.
     failures: int = 0
+    # Failed calls the server refused with an error reply (they do not count toward the
+    # circuit breaker).
+    refused: int = 0
     skipped_by_breaker: int = 0
     keys_looked_up: int = 0
     keys_hit: int = 0
@@ -267,6 +313,7 @@ class LookupClient:
             self.config.breaker_failures, self.config.breaker_open_s, clock
         )
         self.stats = ClientStats()
+        self._refusals_logged: set[tuple[str, str]] = set()
 
     def lookup(self, keys: Sequence[str]) -> list[Location | None]:
         """One location per key; all None when the server cannot answer in budget. Keys
@@ -311,7 +358,7 @@ class LookupClient:
             except wire.WireError as error:
                 last_error = error
                 if error.code != "bad_reply":
-                    break  # the server refused the request: trying again gives the same
+                    break  # the server answered: trying again at once gives the same
                 continue
             except OSError as error:
                 last_error = error
@@ -323,8 +370,21 @@ class LookupClient:
 
     def _record_failure(self, op: str, error: Exception) -> None:
         self.stats.failures += 1
+        if isinstance(error, wire.WireError) and error.code not in SERVER_ERRORS:
+            self._record_refusal(op, error)
+            return
         if self.breaker.failed():
             log.warning("lookup server unreachable (%s: %s); treating lookups as misses", op, error)
+
+    def _record_refusal(self, op: str, error: wire.WireError) -> None:
+        """The server is up and refused this one request: that closes a half-open breaker
+        as a reply does. Logged once per operation and code (a client bug would otherwise
+        log on every lookup)."""
+        self.breaker.succeeded()
+        self.stats.refused += 1
+        if (op, error.code) not in self._refusals_logged:
+            self._refusals_logged.add((op, error.code))
+            log.warning("lookup server refused a %s request (%s); logged once", op, error)
 
     def close(self) -> None:
         with self._lock:

@@ -24,6 +24,17 @@ def free_port() -> int:
 
 
 def _wait_until(check, timeout_s: float, what: str, process: subprocess.Popen) -> None:
+    """Return once `check()` passes; else end `process` and raise. The caller's context
+    manager is not entered yet, so a process left running after a failed start would
+    hold its port (and, for redis, its memory) with nobody to stop it."""
+    try:
+        _poll(check, timeout_s, what, process)
+    except BaseException:
+        _end(process)
+        raise
+
+
+def _poll(check, timeout_s: float, what: str, process: subprocess.Popen) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -32,6 +43,16 @@ def _wait_until(check, timeout_s: float, what: str, process: subprocess.Popen) -
             return
         time.sleep(0.02)
     raise RuntimeError(f"{what} not ready after {timeout_s} s")
+
+
+def _end(process: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if it is still running after 10 s; reaped either way."""
+    process.terminate()
+    try:
+        process.wait(10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(10)
 
 
 class LookupProcess:
@@ -51,10 +72,11 @@ class LookupProcess:
         command += ["--host", "127.0.0.1", "--port", str(self.port), "--log-level", "WARNING"]
         return self.start_command([*command, "--drain-seconds", "0", *self.extra_args])
 
-    def start_command(self, command: list[str]) -> LookupProcess:
-        """Start `command` (a lookup server listening on this port) and wait until it is ready."""
+    def start_command(self, command: list[str], timeout_s: float = 30.0) -> LookupProcess:
+        """Start `command` (a lookup server listening on this port) and wait until it is
+        ready; RuntimeError, and the process ended, when it is not within `timeout_s`."""
         self.process = subprocess.Popen(command)
-        _wait_until(self.is_ready, 30, "the lookup server", self.process)
+        _wait_until(self.is_ready, timeout_s, "the lookup server", self.process)
         return self
 
     def is_ready(self) -> bool:
@@ -143,12 +165,7 @@ class RedisProcess:
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
+            _end(self.process)
 
     def __enter__(self) -> RedisProcess:
         return self.start()

@@ -20,7 +20,10 @@
      connection whose unread replies do not fit there is aborted;
    - one connection gets at most `requests_per_turn` answers per event-loop turn, and
      none while its replies pile up unread (asyncio write flow control), so a client
-     pipelining thousands of requests cannot delay the others' lookups.
+     pipelining thousands of requests cannot delay the others' lookups;
+   - at most `max_connections` are open at once: one more is answered 503 and closed, so
+     a client that opens thousands of idle connections cannot take the process's file
+     descriptors (the kept-alive connections of the others stay served).
 4. A timer drops pods that stopped heartbeating, and moves the (acyclic, long-lived)
    index entries out of the cyclic garbage collector's reach (`gc.freeze`).
 5. Client-controlled text (pod names, request paths) is logged escaped (`log_text`), so a
@@ -33,6 +36,7 @@ import asyncio
 import gc
 import json
 import logging
+import resource
 import signal
 import time
 import traceback
@@ -57,6 +61,9 @@ SMALL_BODY_BYTES = 64 << 10
 # Seconds a connection closed after an error reply is still read (and the bytes dropped),
 # so the client sees the reply rather than a reset; then it is aborted.
 LINGER_S = 2.0
+# File descriptors the process needs besides its client connections: the listener, the
+# event loop's, the standard streams, and room for a few connections closing.
+SPARE_FDS = 64
 _REASONS = {
     200: "OK",
     400: "Bad Request",
@@ -96,6 +103,9 @@ class ServerConfig:
     max_buffer_bytes: int = 64 << 20
     # Requests answered on one connection per event-loop turn before others get theirs.
     requests_per_turn: int = 16
+    # Client connections open at once; one more is answered 503 and closed. An engine
+    # process holds three (lookups, announcements, calibration pairs).
+    max_connections: int = 4096
     # The shared calibration pairs of the quality proxies (`calibration.py`).
     calibration: CalibrationLimits = field(default_factory=CalibrationLimits)
 
@@ -113,6 +123,8 @@ class ServerConfig:
             )
         if self.requests_per_turn < 1:
             raise ValueError(f"requests_per_turn: must be >= 1, got {self.requests_per_turn}")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections: must be >= 1, got {self.max_connections}")
 
     @property
     def large_body_budget(self) -> int:
@@ -324,6 +336,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        if len(self.server.connections) >= self.config.max_connections:
+            self._refuse()
+            return
         self.transport.set_write_buffer_limits(WRITE_HIGH_WATER, WRITE_LOW_WATER)
         self.server.connections.add(self)
         self._arm(self.loop.time() + self.config.idle_timeout_s, "idle")
@@ -376,6 +391,18 @@ class _Connection(asyncio.Protocol):
         self._set_write_charge(0)
         if not self.discarding:
             self._schedule_turn()
+
+    def _refuse(self) -> None:
+        """Over `max_connections`: answer 503 and close at once, without the linger of
+        `_close_after_reply` (that would hold the descriptor the limit is there to save).
+        The client has usually sent nothing yet, so it reads the reply."""
+        assert self.transport is not None
+        self.server.metrics.count_error("connection_limit")
+        self.closing = self.discarding = True
+        limit = self.config.max_connections
+        message = f"server busy: {limit} connections are open, the most it takes; retry shortly\n"
+        self._write(503, "text/plain", message.encode(), False, "Retry-After: 1\r\n")
+        self.transport.close()
 
     # --- serving ------------------------------------------------------------------------
 
@@ -712,8 +739,32 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
+def fit_open_file_limit(max_connections: int) -> None:
+    """Raise the soft limit on open files to hold `max_connections`, up to the hard limit.
+
+    A container's soft limit may be 1024, below the default `max_connections`: the
+    process would run out of descriptors, and stop accepting every client, before the
+    limit refused one. Warns when the hard limit is too low as well.
+    """
+    needed = max_connections + SPARE_FDS
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        log.warning(
+            "open-file limit %d holds fewer than max_connections %d (and %d spare): clients "
+            "may be refused by the kernel before the server refuses them",
+            hard,
+            max_connections,
+            SPARE_FDS,
+        )
+        needed = hard
+    resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+
+
 def run(config: ServerConfig) -> None:
     """Serve until SIGTERM or SIGINT."""
+    fit_open_file_limit(config.max_connections)
     loop = new_event_loop()
     asyncio.set_event_loop(loop)
     server = LookupServer(config)

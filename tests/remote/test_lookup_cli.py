@@ -2,7 +2,7 @@
 
 import pytest
 
-from holeblend_runtime.lookup_server.cli import serve_parser
+from holeblend_runtime.lookup_server.cli import config_from_args, serve_parser
 
 
 def parse(argv, monkeypatch, environ=None):
@@ -20,6 +20,7 @@ def parse(argv, monkeypatch, environ=None):
         (["--log-level", "verbose"], {}, "--log-level: 'verbose': expected one of DEBUG"),
         (["--max-keys", "-1"], {}, "--max-keys: '-1': expected an integer >= 1"),
         (["--max-entries", "0"], {}, "--max-entries: '0': expected an integer >= 1"),
+        (["--max-connections", "0"], {}, "--max-connections: '0': expected an integer >= 1"),
         (["--pod-timeout", "0"], {}, "--pod-timeout: '0': expected a number of seconds > 0"),
         (["--drain-seconds", "nan"], {}, "--drain-seconds: 'nan': expected"),
         ([], {"HOLEBLEND_LOOKUP_PORT": "abc"}, "--port: HOLEBLEND_LOOKUP_PORT='abc': expected"),
@@ -65,3 +66,10 @@ def test_defaults_are_used_without_flags_or_variables(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     args = parse([], monkeypatch)
     assert (args.port, args.log_level) == (8100, "INFO")
+
+
+def test_the_connection_limit_reaches_the_server_config(monkeypatch):
+    args = parse([], monkeypatch, {"HOLEBLEND_LOOKUP_MAX_CONNECTIONS": "32"})
+    assert config_from_args(args).max_connections == 32
+    monkeypatch.delenv("HOLEBLEND_LOOKUP_MAX_CONNECTIONS")
+    assert config_from_args(parse([], monkeypatch)).max_connections == 4096

@@ -6,9 +6,17 @@ import time
 
 import pytest
 
-from holeblend_runtime.lookup_server.client import ClientConfig, LookupClient, parse_lookup_url
-from holeblend_runtime.lookup_server.processes import free_port
+from holeblend_runtime.lookup_server.client import (
+    ClientConfig,
+    Location,
+    LookupClient,
+    parse_lookup_url,
+)
+from holeblend_runtime.lookup_server.processes import LookupProcess, free_port
+from holeblend_runtime.lookup_server.wire import Entry
 from tests.contention import run_contended
+
+ENTRY = Entry("k", 4, "m", "float32", None, 64, True).to_wire()
 
 
 class SilentServer:
@@ -31,6 +39,50 @@ class SilentServer:
         self.sock.close()
         for connection in self.connections:
             connection.close()
+
+
+class CannedServer:
+    """Answers every request with the same bytes, then closes: what a live server (or
+    whatever stands at its address) may send."""
+
+    def __init__(self, reply: bytes) -> None:
+        self.reply = reply
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection = self.sock.accept()[0]
+            except OSError:
+                return
+            with connection:
+                _read_request(connection)
+                connection.sendall(self.reply)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _read_request(connection: socket.socket) -> None:
+    """Read one request whole (the client may have closed before sending it)."""
+    request = b""
+    while b"\r\n\r\n" not in request:
+        if not (chunk := connection.recv(65536)):
+            return
+        request += chunk
+    head, _, body = request.partition(b"\r\n\r\n")
+    length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+    while len(body) < length and (chunk := connection.recv(65536)):
+        body += chunk
+
+
+def plain_reply(status: str, text: bytes) -> bytes:
+    return (
+        b"HTTP/1.1 %s\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n"
+        b"Connection: close\r\n\r\n%s" % (status.encode(), len(text), text)
+    )
 
 
 def test_an_unreachable_server_answers_all_miss_quickly_and_opens_the_breaker():
@@ -191,3 +243,71 @@ def test_a_reply_that_is_not_one_location_per_key_is_all_miss_not_an_exception(h
     assert client.lookup(["a", "b"]) == [None, None]
     assert client.stats.degraded_lookups == 1 and client.stats.keys_hit == 0
     client.close()
+
+
+def test_error_replies_from_a_live_server_do_not_open_the_breaker_but_a_dead_server_does(
+    lookup_server,
+):
+    """The server answered each refused request at once: counted as failures toward the
+    breaker, a few bad requests (a bug in one caller, a name the server refuses) made the
+    client skip every lookup, the good ones too, for `breaker_open_s`."""
+    config = ClientConfig(timeout_ms=2000, breaker_failures=2, breaker_open_s=60)
+    client = LookupClient(lookup_server.url, config)
+    assert client.call({"op": "admit", "pod": "p", "entries": [ENTRY]}) is not None
+    for message in (
+        {"op": "heartbeat", "pod": "pod\nwith a newline"},
+        {"op": "no-such-op"},
+        {"op": "lookup", "keys": "not a list"},
+        {"op": "lookup", "keys": ["k"] * 2000},
+    ):
+        assert client.call(message) is None
+    assert client.lookup(["k", "other"]) == [Location(4, True, ("p",)), None]
+    assert not client.breaker.is_open and client.breaker.num_opened == 0
+    assert client.stats.refused == 4 and client.stats.degraded_lookups == 0
+    lookup_server.kill()
+    for _ in range(2):
+        assert client.lookup(["k"]) == [None]
+    assert client.breaker.is_open
+    client.close()
+
+
+def test_a_request_over_the_servers_body_limit_does_not_open_the_breaker():
+    """The server refuses a body over `--max-body-bytes` in plain text (HTTP 413), which the
+    client took for garbage on the socket: retried, then counted toward the breaker."""
+    with LookupProcess("--max-body-bytes", "2048") as server:
+        config = ClientConfig(timeout_ms=2000, breaker_failures=2, breaker_open_s=60)
+        client = LookupClient(server.url, config)
+        entries = [{**ENTRY, "key": f"k{i}"} for i in range(100)]
+        for _ in range(3):
+            assert client.call({"op": "admit", "pod": "p", "entries": entries}) is None
+        assert client.call({"op": "admit", "pod": "p", "entries": [ENTRY]}) is not None
+        assert not client.breaker.is_open and client.breaker.num_opened == 0
+        assert client.stats.calls == 4 and client.stats.refused == 3
+        client.close()
+
+
+@pytest.mark.parametrize(
+    ("reply", "opens_the_breaker"),
+    [
+        (plain_reply("503 Service Unavailable", b"server busy: retry shortly\n"), True),
+        (plain_reply("502 Bad Gateway", b"no upstream\n"), True),
+        (plain_reply("500 Internal Server Error", b"internal error\n"), False),
+        (plain_reply("400 Bad Request", b"malformed header line\n"), False),
+        (plain_reply("200 OK", b"not msgpack"), True),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: twelve\r\n\r\n", True),
+        (b"SSH-2.0-OpenSSH_9.6\r\n\r\n", True),
+    ],
+    ids=["503", "502", "500", "400", "200-not-msgpack", "bad-content-length", "not-http"],
+)
+def test_only_replies_that_say_the_server_cannot_serve_open_the_breaker(reply, opens_the_breaker):
+    server = CannedServer(reply)
+    try:
+        config = ClientConfig(timeout_ms=2000, retries=0, breaker_failures=2, breaker_open_s=60)
+        client = LookupClient(server.url, config)
+        for _ in range(3):
+            assert client.lookup(["a"]) == [None]
+        assert client.breaker.is_open is opens_the_breaker
+        assert client.stats.refused == (0 if opens_the_breaker else 3)
+        client.close()
+    finally:
+        server.close()

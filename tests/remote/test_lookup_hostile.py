@@ -8,10 +8,12 @@ lookups go on within their budget.
 import asyncio
 import contextlib
 import logging
+import resource
 import select
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -548,6 +550,68 @@ def test_replies_left_unread_after_the_last_answer_of_a_turn_are_dropped_in_time
         if keep_alive:
             metrics = on_loop(loop, server.metrics.render).decode()
             assert 'holeblend_lookup_errors_total{code="write_timeout"} 1.0' in metrics
+
+
+# --- connections ----------------------------------------------------------------------------
+
+
+def test_connections_over_the_limit_are_refused_and_a_client_is_answered_once_others_close():
+    """There was no limit: a client that opened thousands of idle connections took the
+    process's file descriptors (and stopped it accepting any), and kept them for the idle
+    timeout."""
+    with server_on_a_thread(max_connections=4) as (server, loop):
+        idle = [connect(server.port) for _ in range(4)]
+        try:
+            deadline = time.monotonic() + 5
+            while on_loop(loop, lambda: len(server.connections)) < 4:
+                assert time.monotonic() < deadline, "the idle connections were not accepted"
+                time.sleep(0.02)
+            with connect(server.port) as over:
+                reply, _ = read_until_closed(over)
+            assert status_of(reply) == 503 and b"4 connections" in reply
+            config = ClientConfig(timeout_ms=2000, retries=0)
+            client = LookupClient(f"http://127.0.0.1:{server.port}", config)
+            assert client.lookup(["k"]) == [None] and client.stats.degraded_lookups == 1
+            idle.pop().close()
+            wait_until_fewer(server, loop, 4)
+            assert client.lookup(["k"]) == [None] and client.stats.degraded_lookups == 1
+            assert on_loop(loop, lambda: len(server.connections)) == 4
+            metrics = on_loop(loop, server.metrics.render).decode()
+            assert 'holeblend_lookup_errors_total{code="connection_limit"} 2.0' in metrics
+            client.close()
+        finally:
+            for sock in idle:
+                sock.close()
+
+
+def wait_until_fewer(server: LookupServer, loop, num_connections: int) -> None:
+    deadline = time.monotonic() + 5
+    while on_loop(loop, lambda: len(server.connections)) >= num_connections:
+        assert time.monotonic() < deadline, "the closed connection is still held"
+        time.sleep(0.02)
+
+
+def test_the_connection_limit_must_be_positive():
+    with pytest.raises(ValueError, match="max_connections: must be >= 1, got 0"):
+        ServerConfig(max_connections=0)
+
+
+def test_the_server_raises_a_low_open_file_limit_to_hold_its_connections():
+    """A container's soft open-file limit may be 1024, under the connection limit: the
+    descriptors would run out before the limit refused anyone."""
+    script = (
+        "import resource\n"
+        "from holeblend_runtime.lookup_server.server import fit_open_file_limit\n"
+        "_, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
+        "fit_open_file_limit(1000)\n"
+        "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n"
+    )
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < 1000 + server_module.SPARE_FDS:
+        pytest.skip(f"the hard open-file limit here is {hard}")
+    done = subprocess.run([sys.executable, "-I", "-c", script], capture_output=True, check=True)
+    assert int(done.stdout) == 1000 + server_module.SPARE_FDS
 
 
 # --- shutdown -------------------------------------------------------------------------------
