@@ -183,6 +183,7 @@ def read_model_config(reader: Any, model_id: str) -> ModelConfig:
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     num_heads = int(_field(reader, f"{arch}.attention.head_count"))
     tensor_names = {t.name for t in reader.tensors}
+    _check_full_head_rope(reader, arch, hidden // num_heads)
     return ModelConfig(
         model_id=model_id,
         num_layers=int(_field(reader, f"{arch}.block_count")),
@@ -202,6 +203,20 @@ def read_model_config(reader: Any, model_id: str) -> ModelConfig:
         rope_freq_factors=_rope_freq_factors(reader),
         rope_scaling_factor=_rope_scaling_factor(reader, arch),
     )
+
+
+def _check_full_head_rope(reader: Any, arch: str, head_dim: int) -> None:
+    """The engine's heads are hidden / heads wide and rotate all their dimensions: a file
+    whose heads are another width, or that rotates part of each head, is refused naming
+    the key (it would fail on a weight's shape deep in loading, or compute wrong
+    attention)."""
+    for key in ("attention.key_length", "attention.value_length", "rope.dimension_count"):
+        value = _field(reader, f"{arch}.{key}")
+        if value is not None and int(value) != head_dim:
+            raise ValueError(
+                f"{arch}.{key}: {int(value)} is not supported; the engine needs "
+                f"embedding_length / head_count = {head_dim} (whole heads, fully rotated)"
+            )
 
 
 def _rope_freq_factors(reader: Any) -> tuple[float, ...] | None:

@@ -17,7 +17,7 @@ HEAD_DIM = 32
 POSITIONS = torch.tensor([0, 1, 7, 1000, 8191, 30000])
 
 
-def _write_tiny_llama(path, *, rope_freqs=None, scaling_type=None, scaling_factor=None):
+def _write_tiny_llama(path, *, rope_freqs=None, scaling_type=None, scaling_factor=None, extra=()):
     """A one-layer Llama GGUF (2 heads of HEAD_DIM, random weights, a 4-token vocabulary)
     with the given RoPE scaling, as llama.cpp's converter writes it."""
     hidden, ffn, vocab = 2 * HEAD_DIM, 96, 4
@@ -34,6 +34,8 @@ def _write_tiny_llama(path, *, rope_freqs=None, scaling_type=None, scaling_facto
         writer.add_rope_scaling_type(gguf.RopeScalingType(scaling_type))
     if scaling_factor is not None:
         writer.add_rope_scaling_factor(scaling_factor)
+    for key, value in extra:
+        writer.add_uint32(key, value)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(["a", "b", "ab", "<|end|>"])
     writer.add_token_types([1, 1, 1, 3])
@@ -153,6 +155,19 @@ def test_rope_freqs_of_the_wrong_length_are_refused(tmp_path):
     path = _write_tiny_llama(tmp_path / "tiny.gguf", rope_freqs=[2.0] * (HEAD_DIM // 2 - 1))
     with pytest.raises(ValueError, match="rope_freq_factors"):
         load_model_files(path, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "key", ["attention.key_length", "attention.value_length", "rope.dimension_count"]
+)
+def test_heads_of_another_width_or_partly_rotated_are_refused_naming_the_key(tmp_path, key):
+    """The engine's heads are embedding_length / head_count wide and fully rotated; a file
+    that says otherwise is refused at load (the same width loads)."""
+    same = _write_tiny_llama(tmp_path / "same.gguf", extra=[(f"llama.{key}", HEAD_DIM)])
+    assert load_model_files(same, tmp_path).config.head_dim == HEAD_DIM
+    other = _write_tiny_llama(tmp_path / "other.gguf", extra=[(f"llama.{key}", HEAD_DIM // 2)])
+    with pytest.raises(ValueError, match=rf"llama\.{key}: {HEAD_DIM // 2} is not supported"):
+        load_model_files(other, tmp_path)
 
 
 def test_scaled_rerotation_equals_rotation_at_the_new_positions():
