@@ -43,7 +43,12 @@ and scores the blended request against it:
    else `RUN_ON_TOKENS` past the blended length (within the limit). **Answer-token F1**
    of the two answers (`holeblend_f1_proxy`, SQuAD-style words, words copied from the
    question skipped) is the second proxy. So an answer that stops early, or runs on where
-   full prefill would have stopped, loses on both.
+   full prefill would have stopped, loses on both. With the request's stop sequences,
+   both answers are scored as the client gets them, ending before the first one their
+   text reaches: the blended answer's tokens count up to the one that reached it (tokens
+   decoded after it, before the engine saw it, are dropped), its stop sequence is its end
+   as EOS would be, and full prefill's own answer runs to where its text reaches one (or
+   its EOS, or its budget as after EOS).
 4. Both are observed in histograms labelled by the ratio the request ran with, so a ratio
    change starts a fresh series and the tuner reads only samples of the ratio in force.
    A scored request that carries its blend's inline statistic also calibrates the inline
@@ -53,6 +58,7 @@ and scores the blended request against it:
 from __future__ import annotations
 
 import abc
+import bisect
 import collections
 import contextlib
 import dataclasses
@@ -155,6 +161,8 @@ class ShadowRequest:
     max_tokens: int | None = None
     # The blend's inline statistic (quality/inline_proxy.py); None: not taken.
     inline_statistic: float | None = None
+    # The request's stop sequences: each answer ends before the first one its text reaches.
+    stop: tuple[str, ...] = ()
 
     @property
     def num_shadow_tokens(self) -> int:
@@ -777,7 +785,8 @@ def _goes_on() -> bool:
 
 def answer_budget(num_answer: int, stopped_at_eos: bool, max_tokens: int | None) -> int:
     """Tokens full prefill's own answer may have: the blended length when that was the
-    limit (or the end is unknown), else `RUN_ON_TOKENS` more, within `max_tokens`."""
+    limit (or the end is unknown), else (`stopped_at_eos`: the blended answer ended by
+    itself, at EOS or a stop sequence) `RUN_ON_TOKENS` more, within `max_tokens`."""
     if not stopped_at_eos:
         return num_answer
     budget = num_answer + RUN_ON_TOKENS
@@ -788,6 +797,13 @@ def end_targets(answer: Sequence[int], stopped_at_eos: bool, eos: int) -> list[i
     """The tokens full prefill is teacher-forced to agree with: the answer, plus EOS after
     it when the blended answer ended there (an empty answer always did)."""
     return [*answer, eos] if stopped_at_eos or not answer else list(answer)
+
+
+def before_stop(text: str, stop: Sequence[str]) -> str | None:
+    """`text` up to the first stop sequence in it (OpenAI's `stop`: the answer ends before
+    it); None when it holds none."""
+    found = [i for sequence in stop if (i := text.find(sequence)) >= 0]
+    return text[: min(found)] if found else None
 
 
 class ShadowScorer(ShadowSampler):
@@ -821,11 +837,12 @@ class ShadowScorer(ShadowSampler):
         """Full prefill of the prompt and both proxies (steps 2-3 of the module doc)."""
         started = time.monotonic()
         eos = self.model.config.eos_token_id
-        answer = list(request.answer_ids)
+        answer, at_stop = self._through_stop(list(request.answer_ids), request.stop)
+        at_eos = request.stopped_at_eos and not at_stop
         prompt_ids = list(request.prompt.token_ids)
-        targets = end_targets(answer, request.stopped_at_eos, eos)
+        targets = end_targets(answer, at_eos, eos)
         room = self.model.config.context_length - len(prompt_ids)
-        budget = min(answer_budget(len(answer), request.stopped_at_eos, request.max_tokens), room)
+        budget = min(answer_budget(len(answer), at_eos or at_stop, request.max_tokens), room)
         k, v = self.model.new_kv(len(prompt_ids) + max(len(targets), budget) + 1)
         last = self._prefill_prompt(prompt_ids, k, v)
         # Teacher-forced: the rows after the prompt and after each answer token but the
@@ -834,15 +851,37 @@ class ShadowScorer(ShadowSampler):
         rows = self.model.logits(torch.cat([last, *hidden]))
         picks = rows.argmax(dim=-1).tolist()  # full prefill's pick at each target position
         agree = [a == b for a, b in zip(picks, targets, strict=True)]
-        full_answer = self._full_answer(targets, picks, agree, budget, len(prompt_ids), k, v)
+        full_answer = self._full_answer(
+            targets, picks, agree, budget, len(prompt_ids), k, v, request.stop
+        )
         question = answer_words(self.tokenizer.decode(request.prompt.question.token_ids))
         f1 = answer_f1(
-            answer_words(self.tokenizer.decode(full_answer)),
-            answer_words(self.tokenizer.decode(answer)),
+            answer_words(self._text(full_answer, request.stop)),
+            answer_words(self._text(answer, request.stop)),
             question,
         )
         top1 = sum(agree) / len(agree)
         return ShadowScore(f1, top1, request.ratio, time.monotonic() - started)
+
+    def _through_stop(self, answer: list[int], stop: Sequence[str]) -> tuple[list[int], bool]:
+        """The answer's tokens up to the one whose text reached a stop sequence, and
+        whether one did. Reaching one is monotone in the answer's length (its text only
+        grows), so the shortest such prefix is bisected."""
+        if not stop or not self._reaches_stop(answer, stop):
+            return answer, False
+        end = bisect.bisect_left(
+            range(len(answer) + 1), True, key=lambda n: self._reaches_stop(answer[:n], stop)
+        )
+        return answer[:end], True
+
+    def _reaches_stop(self, token_ids: Sequence[int], stop: Sequence[str]) -> bool:
+        return bool(stop) and before_stop(self.tokenizer.decode(token_ids), stop) is not None
+
+    def _text(self, token_ids: Sequence[int], stop: Sequence[str]) -> str:
+        """The answer's text as the client got it: cut before its first stop sequence."""
+        text = self.tokenizer.decode(token_ids)
+        cut = before_stop(text, stop)
+        return text if cut is None else cut
 
     def _prefill_prompt(self, prompt_ids: list[int], k, v) -> torch.Tensor:
         """Full prefill of the prompt into k, v; the last prompt token's hidden state [1, d]."""
@@ -873,9 +912,9 @@ class ShadowScorer(ShadowSampler):
             )
         return hidden
 
-    def _full_answer(self, targets, picks, agree, budget, num_prompt, k, v) -> list[int]:
+    def _full_answer(self, targets, picks, agree, budget, num_prompt, k, v, stop) -> list[int]:
         """Full prefill's own greedy answer: the targets up to the first disagreement, then
-        its own picks to EOS or `budget` tokens."""
+        its own picks to EOS, a stop sequence or `budget` tokens."""
         eos = self.model.config.eos_token_id
         first_diff = agree.index(False) if False in agree else len(agree)
         full = [t for t in targets[:first_diff] if t != eos]
@@ -885,6 +924,8 @@ class ShadowScorer(ShadowSampler):
         while token != eos and len(full) < budget:
             full.append(token)
             if len(full) == budget or position + 1 >= k.shape[2]:
+                break
+            if self._reaches_stop(full, stop):
                 break
             self._yield_to_serving()
             self.charge(1)

@@ -13,8 +13,9 @@ tokenizing run on a small thread pool, never on the event loop, so a huge prompt
 stall `/healthz` or other streams; a prompt whose character count alone proves it longer
 than the context is refused without tokenizing. A client that disconnects cancels its job
 (aiohttp cancels the handler; the compute thread sees the flag between tokens or drops the
-job unstarted). Every error, the router's 404 and 405 included, is an OpenAI-style JSON
-body (`error_middleware`).
+job unstarted); one that stops reading a stream is disconnected once a write has waited
+past its request's deadline plus `WRITE_GRACE_S`. Every error, the router's 404 and 405
+included, is an OpenAI-style JSON body (`error_middleware`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -76,6 +77,9 @@ WARM_UP_DOCUMENTS = ("Warm-up document one, a few words long.", "And a second on
 MAX_BODY_BYTES = 16 << 20
 # Threads that parse and tokenize request bodies.
 PARSE_THREADS = 2
+# Seconds past a request's deadline its streamed answer may take to reach the client (the
+# last writes after a 504 event included); then the connection is closed.
+WRITE_GRACE_S = 2.0
 _ERROR_TYPES = {404: "not_found_error", 429: "rate_limit_error", 503: "unavailable"}
 
 
@@ -265,7 +269,7 @@ class Server:
             ShadowRequest(
                 answered.prompt, answered.answer, answered.ratio,
                 stopped_at_eos=answered.stopped_at_eos, max_tokens=answered.max_tokens,
-                inline_statistic=answered.inline_statistic,
+                inline_statistic=answered.inline_statistic, stop=answered.stop,
             ),
             idle=self.worker.num_pending <= 1,
         )  # fmt: skip
@@ -393,7 +397,9 @@ class Server:
     def _submit(self, rag: RagRequest, prompt, max_tokens: int, arrived: float):
         deadline = arrived + self.settings.request_timeout
         loop = asyncio.get_running_loop()
-        job = Job(prompt, max_tokens, arrived, deadline, loop, ignore_eos=rag.ignore_eos)
+        job = Job(
+            prompt, max_tokens, arrived, deadline, loop, ignore_eos=rag.ignore_eos, stop=rag.stop
+        )
         try:
             self.worker.submit(job)
         except QueueFull as full:
@@ -484,19 +490,42 @@ class Server:
         return "ok", web.json_response(body)
 
     async def _stream(self, request: web.Request, job: Job, rag: RagRequest, writer):
+        """The answer as SSE chunks. Every write must end by the job's deadline plus
+        `WRITE_GRACE_S`: a client that stops reading fills the socket's buffers, and its
+        write would otherwise hold this handler, its pending place (what admission and a
+        drain count) and its unsent tokens until it reads or leaves. Past that the
+        connection is aborted and the request counts as a timeout."""
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(request)
+        try:
+            outcome = await self._stream_answer(response, job, rag, writer)
+            await _by_deadline(job, response.write(sse("[DONE]")))
+            await _by_deadline(job, response.write_eof())
+        except ClientStalled:
+            log.info("a streaming client took no data for too long; closing its connection")
+            if request.transport is not None:
+                request.transport.abort()
+            outcome = "timeout"
+        return outcome, response
+
+    async def _stream_answer(self, response, job: Job, rag: RagRequest, writer) -> str:
+        """The answer's chunks, its last chunk (or an error event) and the usage; the
+        outcome. `ClientStalled` when a write does not end by the deadline."""
+
+        async def send(data: dict) -> None:
+            await _by_deadline(job, response.write(sse(data)))
+
         text = IncrementalText(self.engine.tokenizer.decode, rag.stop)
-        prefill, finish, is_first, outcome = None, "stop", True, "ok"
+        prefill, finish, is_first = None, "stop", True
         try:
             async for event in self._events(job):
                 if isinstance(event, PrefillDone):
                     prefill = event
                 elif isinstance(event, int):
                     if delta := text.add(event):
-                        await response.write(sse(writer.chunk(delta, first=is_first)))
+                        await send(writer.chunk(delta, first=is_first))
                         is_first = False
                     if text.stopped:
                         job.stopped.set()
@@ -506,18 +535,31 @@ class Server:
                     raise TimeoutError
                 elif isinstance(event, Finished):
                     finish = event.reason
-            await response.write(sse(writer.chunk(text.rest(), finish, first=is_first)))
+            await send(writer.chunk(text.rest(), finish, first=is_first))
             if rag.include_usage:
-                await response.write(sse(writer.usage_chunk(usage(prefill, len(text.token_ids)))))
+                await send(writer.usage_chunk(usage(prefill, len(text.token_ids))))
         except TimeoutError:
-            outcome = "timeout"
-            await response.write(sse(_timeout_error(self.settings.request_timeout).body))
+            await send(_timeout_error(self.settings.request_timeout).body)
+            return "timeout"
         except HttpError as error:
-            outcome = _outcome_of(error.status)
-            await response.write(sse(error.body))
-        await response.write(sse("[DONE]"))
-        await response.write_eof()
-        return outcome, response
+            await send(error.body)
+            return _outcome_of(error.status)
+        return "ok"
+
+
+class ClientStalled(Exception):
+    """A streaming client did not take its answer by the request's deadline plus
+    `WRITE_GRACE_S`."""
+
+
+async def _by_deadline(job: Job, write: Awaitable[None]) -> None:
+    """Await `write` until the job's deadline plus `WRITE_GRACE_S`; `ClientStalled` past it."""
+    remaining = job.deadline + WRITE_GRACE_S - time.perf_counter()
+    try:
+        async with asyncio.timeout(max(remaining, 0.0)):
+            await write
+    except TimeoutError:
+        raise ClientStalled from None
 
 
 def _json(body: bytes):

@@ -30,6 +30,8 @@ class ServeSettings:
     # Requests decoding together (one batched forward pass per token for all of them).
     max_batch: int = 8
     # Seconds from arrival to the last token, queue wait included; then 504 (or an SSE error).
+    # A streaming client that has not taken its answer 2 s later (app.WRITE_GRACE_S) is
+    # disconnected.
     request_timeout: float = 120.0
     # max_tokens when a request sets none.
     default_max_tokens: int = 64

@@ -147,6 +147,8 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     # Set when the answer reached a stop sequence: decoding ends, the answer stands.
     stopped: threading.Event = field(default_factory=threading.Event)
+    # The request's stop sequences (the route watches for them; `Answered` carries them).
+    stop: tuple[str, ...] = ()
 
     def emit(self, event: object) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -189,6 +191,9 @@ class Answered:
     stopped_at_eos: bool  # the answer ended with the end-of-sequence token
     max_tokens: int  # its token limit
     inline_statistic: float | None
+    # The request's stop sequences: its text ended before the first it reached (the answer
+    # may hold tokens decoded after that, before the route's `stopped` reached the thread).
+    stop: tuple[str, ...]
 
 
 class EngineWorker:
@@ -411,7 +416,7 @@ class EngineWorker:
         if self.on_answered is not None and running.blended and reason in _SCORED_REASONS:
             answered = Answered(
                 running.job.prompt, tuple(running.answer), running.ratio, at_eos,
-                running.limit, running.inline_statistic,
+                running.limit, running.inline_statistic, running.job.stop,
             )  # fmt: skip
             try:
                 self.on_answered(answered)

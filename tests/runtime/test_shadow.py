@@ -514,6 +514,51 @@ def test_an_answer_that_stops_early_or_runs_on_scores_below_one(engine):
     assert score.top1 < 1.0 and score.f1 < 1.0
 
 
+def _stop_in_the_middle(engine, answer) -> tuple[str, int]:
+    """A stop sequence from the middle of the answer's text, and how many of its tokens
+    the text needs to reach it."""
+    text = engine.tokenizer.decode(answer)
+    stop = text[len(text) // 2 : len(text) // 2 + 4]
+    reached = next(n for n in range(1, len(answer)) if stop in engine.tokenizer.decode(answer[:n]))
+    return stop, reached
+
+
+def test_an_answer_ended_at_a_stop_sequence_scores_one_when_full_prefill_agrees_up_to_it(engine):
+    """The answer ends before its stop sequence (OpenAI's `stop`), so full prefill, which
+    would go on past it, is cut there too; tokens decoded after the stop sequence (before
+    the thread saw it was reached) are not part of the answer the client got."""
+    prompt = engine.build_prompt(SYSTEM, DOCS, QUESTION)
+    full = tuple(engine.generate(engine.prefill(prompt, mode="full"), 64))
+    stop, reached = _stop_in_the_middle(engine, full)
+    assert reached + 4 < len(full), "full prefill should go on past the stop sequence"
+    late = tuple(engine.tokenizer.encode(" purple giraffes"))
+    for answer in (full[:reached], full[:reached] + late):
+        request = ShadowRequest(prompt, answer, 0.1, max_tokens=64, stop=(stop,))
+        score = scorer(engine).score(request)
+        assert (score.f1, score.top1) == (1.0, 1.0), engine.tokenizer.decode(answer)
+
+
+def test_an_answer_that_differs_before_its_stop_sequence_scores_below_one(engine):
+    """Full prefill's own answer then runs on to where its text reaches the stop sequence
+    (as after EOS), and both answers are compared without it."""
+    prompt = engine.build_prompt(SYSTEM, DOCS, QUESTION)
+    full = tuple(engine.generate(engine.prefill(prompt, mode="full"), 64))
+    stop, reached = _stop_in_the_middle(engine, full)
+    answer = (*full[:2], *engine.tokenizer.encode(" purple giraffes sing"))
+    answer_text = engine.tokenizer.decode(answer)
+    answer += tuple(engine.tokenizer.encode(stop))
+    assert stop not in answer_text and reached <= len(answer) + RUN_ON_TOKENS
+    request = ShadowRequest(prompt, answer, 0.1, max_tokens=64, stop=(stop,))
+    score = scorer(engine).score(request)
+    assert score.top1 < 1.0 and score.f1 < 1.0
+    full_text = engine.tokenizer.decode(full)
+    question = answer_words(engine.tokenizer.decode(prompt.question.token_ids))
+    expected = answer_f1(
+        answer_words(full_text[: full_text.index(stop)]), answer_words(answer_text), question
+    )
+    assert score.f1 == pytest.approx(expected)
+
+
 def test_full_prefills_own_answer_may_run_past_the_blended_length_only_after_eos():
     assert answer_budget(5, stopped_at_eos=False, max_tokens=None) == 5
     assert answer_budget(5, stopped_at_eos=False, max_tokens=100) == 5

@@ -542,8 +542,10 @@ def test_only_answers_that_ran_to_their_end_are_offered_to_the_shadow(reason, of
     worker.on_answered = seen.append
     running = SimpleNamespace(
         sequence=SimpleNamespace(close=lambda: None),
-        job=SimpleNamespace(emit=lambda event: None, prompt="prompt"),
+        job=SimpleNamespace(emit=lambda event: None, prompt="prompt", stop=("\n\n",)),
         blended=True, answer=[], ratio=0.15, limit=8, inline_statistic=None,
     )  # fmt: skip
     assert EngineWorker._end(worker, running, reason) is False
     assert len(seen) == (1 if offered else 0)
+    # The shadow cuts both answers at the request's stop sequences.
+    assert all(answered.stop == ("\n\n",) for answered in seen)

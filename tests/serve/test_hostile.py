@@ -20,6 +20,7 @@ import pytest
 
 from holeblend_devtools.serve_process import get, post_json
 from tests.serve.conftest import example_settings_json, start_server
+from tests.serve.test_server import metric
 
 pytestmark = pytest.mark.slow
 
@@ -269,6 +270,56 @@ def test_a_server_with_stalled_clients_stops_within_a_bounded_time(tmp_path):
             sock.close()
     assert status == 0, server.log()
     assert took < 5, took  # the pods' grace period is 120 s by default, 30 s at least
+
+
+def _stalled_stream(port: int, model: str) -> socket.socket:
+    """A connection that asks for a long streamed answer and never reads: a small receive
+    buffer and small segments keep both ends' socket buffers small, so they fill soon."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
+    sock.connect(("127.0.0.1", port))
+    body = {"model": model, "prompt": QUESTION, "max_tokens": 2000, "ignore_eos": True}
+    data = json.dumps(body | {"stream": True}).encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n"
+    sock.sendall(head.encode() + b"Content-Type: application/json\r\n\r\n" + data)
+    return sock
+
+
+def test_a_streaming_client_that_stops_reading_is_cut_off_after_the_deadline(tmp_path):
+    """Once the socket buffers are full the server's next write waits for the client: a
+    client that never reads held the handler and its pending place (what a drain waits
+    for) until it left. Each SSE chunk repeats the model name, so a served name of 64 KiB
+    fills the buffers within three tokens, well inside the request's deadline."""
+    model = "m" * (64 << 10)
+    wire = json.loads(example_settings_json(mode="off"))
+    config = json.dumps(wire | {"model": wire["model"] | {"servedName": model}})
+    flags = {"request_timeout": 3.0, "drain_timeout": 20.0, "shutdown_timeout": 1.0}
+    server = start_server(tmp_path, config, **flags)
+    try:
+        with _stalled_stream(server.port, model) as sock:
+            waited_until = time.monotonic() + 30
+            while metric(server, "holeblend_requests_total", outcome="timeout") < 1:
+                assert time.monotonic() < waited_until, "the stalled request never ended"
+                time.sleep(0.2)
+            closed, received = _read_until_closed(sock, 10)
+            started = time.perf_counter()
+            server.process.terminate()
+            status = server.process.wait(15)
+            took = time.perf_counter() - started
+    finally:
+        server.stop()
+    assert closed and b"data: [DONE]" not in received  # the server cut the connection
+    assert status == 0, server.log()[-2000:]
+    assert took < flags["drain_timeout"] / 2  # nothing left pending for the drain
+
+
+def _read_until_closed(sock: socket.socket, seconds: float) -> tuple[bool, bytes]:
+    """`_closed_within`, a reset counting as closed."""
+    try:
+        return _closed_within(sock, seconds)
+    except ConnectionResetError:
+        return True, b""
 
 
 # --- Retry-After ---------------------------------------------------------------------
