@@ -805,7 +805,10 @@ class EngineSpec(ApiModel):
     (AppArmor, seccomp) and container-runtime settings (CRI-O, Kata, gVisor) are refused."""
     termination_grace_period_seconds: int = Field(default=120, ge=30, le=3600)
     """How long a stopping engine pod may take: a preStop pause lets the Service stop
-    routing to it, then in-flight requests finish before the pod is killed."""
+    routing to it, then in-flight requests finish before the pod is killed. On
+    holeblend-serve pods (accelerator.type cpu) at least 53 s are rendered: the 15 s pause
+    counts inside the grace period, and the server's drain (30 s), close (3 s) and stop
+    follow it."""
     blend_step_tokens: int | None = Field(default=None, ge=0, le=1048576)
     """vLLM pods: tokens' worth of blend compute per engine step. A request's load is
     asynchronous: its blend is spread over vLLM's steps, one model layer at a time, so

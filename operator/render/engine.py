@@ -287,9 +287,20 @@ def pod_spec(bd: BlendDeployment) -> dict:
         "volumes": engine_volumes(bd),
         **POD_HARDENING,
         "securityContext": accel.pod_security(bd.spec.accelerator),
-        "terminationGracePeriodSeconds": bd.spec.engine.termination_grace_period_seconds,
+        "terminationGracePeriodSeconds": termination_grace_period_seconds(bd),
     }
     return spec | accel.scheduling(bd.spec.accelerator)
+
+
+def termination_grace_period_seconds(bd: BlendDeployment) -> int:
+    """spec.engine.terminationGracePeriodSeconds, on holeblend-serve pods at least the preStop
+    pause plus the server's own stop. The kubelet counts the pause inside the grace period and
+    leaves SIGTERM only the rest: at 30 s a draining server would be killed 15 s into its 30 s
+    drain, cutting off the requests it was finishing."""
+    grace = bd.spec.engine.termination_grace_period_seconds
+    if not serve.runs_holeblend_serve(bd):
+        return grace
+    return max(grace, PRE_STOP_SLEEP_SECONDS + serve.STOP_SECONDS)
 
 
 def rollout_strategy(bd: BlendDeployment) -> dict:

@@ -5,7 +5,8 @@ On `accelerator.type: cpu` the engine container runs
 followed by `engine.extraArgs` (holeblend-serve flags such as `--queue-size 16`). It reads
 the same mounted blend.json as the vLLM connector and re-reads its live keys. Probes:
 startup and readiness on `/ready` (the model is loaded and warmed up; 503 while draining
-on SIGTERM), liveness on `/healthz`. GPU and NPU pods keep vLLM (see engine.py).
+on SIGTERM), liveness on `/healthz`. The pod's grace period is at least the preStop pause
+plus the server's drain and close (`STOP_SECONDS`). GPU and NPU pods keep vLLM (see engine.py).
 """
 
 from holeblend_contract.blend_settings import CONFIG_PATH
@@ -15,6 +16,10 @@ from holeblend_operator.render.pods import health_probe
 SERVE_COMMAND = "holeblend-serve"
 READY_PATH = "/ready"
 HEALTH_PATH = "/healthz"
+# How long holeblend-serve takes to stop after SIGTERM at its defaults: --drain-timeout (30 s)
+# for queued and running requests, --shutdown-timeout (3 s) for connections still open, and a
+# few seconds to join its threads and send its last calibration pairs.
+STOP_SECONDS = 30 + 3 + 5
 
 
 def runs_holeblend_serve(bd: BlendDeployment) -> bool:

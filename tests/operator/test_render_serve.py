@@ -1,5 +1,7 @@
 """CPU engine pods run holeblend-serve with the mounted blend.json; device pods keep vLLM."""
 
+import dataclasses
+
 import pytest
 
 from holeblend_contract.blend_settings import CONFIG_PATH
@@ -33,3 +35,33 @@ def test_extra_args_are_holeblend_serve_flags_on_cpu():
 def test_device_pods_keep_vllm(accelerator):
     bd = make_bd(accelerator={"type": accelerator, "count": 1})
     assert engine_pod(bd)["spec"]["containers"][0]["command"] == ["vllm"]
+
+
+# The kubelet runs the preStop hook inside the grace period and sends SIGTERM with what is
+# left, never less than 2 s (killContainer in pkg/kubelet/kuberuntime/kuberuntime_container.go:
+# gracePeriod -= preStop time; minimumGracePeriodInSeconds = 2), then SIGKILL.
+KUBELET_MINIMUM_GRACE_SECONDS = 2
+
+
+def seconds_after_pre_stop(pod_spec: dict) -> int:
+    sleep = pod_spec["containers"][0]["lifecycle"]["preStop"]["sleep"]["seconds"]
+    return max(pod_spec["terminationGracePeriodSeconds"] - sleep, KUBELET_MINIMUM_GRACE_SECONDS)
+
+
+@pytest.mark.parametrize("grace", [30, 45, 120, 600])
+def test_a_stopping_cpu_pod_has_time_for_holeblend_serves_whole_drain(grace):
+    from holeblend_runtime.serve.settings import ServeSettings
+
+    defaults = {f.name: f.default for f in dataclasses.fields(ServeSettings)}
+    stop = defaults["drain_timeout"] + defaults["shutdown_timeout"]
+    pod = engine_pod(cpu_bd(terminationGracePeriodSeconds=grace))["spec"]
+    assert seconds_after_pre_stop(pod) > stop
+    assert pod["terminationGracePeriodSeconds"] >= grace
+
+
+@pytest.mark.parametrize("accelerator", ["nvidia", "ascend"])
+def test_device_pods_keep_the_grace_period_they_ask_for(accelerator):
+    bd = make_bd(
+        accelerator={"type": accelerator, "count": 1}, engine={"terminationGracePeriodSeconds": 30}
+    )
+    assert engine_pod(bd)["spec"]["terminationGracePeriodSeconds"] == 30
