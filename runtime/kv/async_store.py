@@ -16,10 +16,11 @@ of the step. `AsyncKVStore` wraps the worker's store (`KVStore`, same protocol):
    the next `get_many` that asks for them takes the result, waiting for it if it is not
    in yet. Unclaimed prefetches are bounded (oldest dropped) and `discard` drops them.
 4. `flush` waits until every accepted entry is written; `close` flushes (bounded) and
-   stops the threads. What a flush out of time leaves is dropped then: the entries still
-   waiting are counted as failed (`num_failed`, `on_failure`) and no longer served, a `put`
-   waiting for room is refused (False), a `flush` returns False at once, and the entry
-   being written finishes its write. A `put` after `close` raises.
+   stops the threads (a read ahead not started by then is read when a `get_many` claims
+   it). What a flush out of time leaves is dropped then: the entries still waiting are
+   counted as failed (`num_failed`, `on_failure`) and no longer served, a `put` waiting
+   for room is refused (False), a `flush` returns False at once, and the entry being
+   written finishes its write. A `put` after `close` raises.
 
 On an accelerator the entry's tensors may still be computed by the device when `put`
 returns: the writer waits for an event recorded at `put` before reading them.
@@ -261,6 +262,9 @@ def _item(batch: Future[list[SegmentKV | None]], index: int) -> Future[SegmentKV
     item: Future[SegmentKV | None] = Future()
 
     def settle(done: Future[list[SegmentKV | None]]) -> None:
+        if done.cancelled():  # `close` dropped the read before it ran: read when claimed
+            item.set_exception(RuntimeError("the store closed before this read ahead ran"))
+            return
         error = done.exception()
         if error is not None:
             item.set_exception(error)

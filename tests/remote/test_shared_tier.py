@@ -2,12 +2,15 @@
 a full Redis and blobs larger than Redis takes."""
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
 from holeblend_contract.shared_tier import check_shared_url
 from holeblend_runtime.kv.shared_tier import (
+    BLOB_FORMAT,
+    DTYPE_SIZES,
     REDIS_MAX_BULK_BYTES,
     BlobError,
     BlobHeader,
@@ -149,6 +152,27 @@ def test_a_full_redis_refusing_writes_still_serves_the_blobs_it_holds():
         assert shared.stats.skipped_by_breaker == 0
 
 
+def test_commands_a_live_redis_refuses_are_misses_that_never_open_the_breaker(redis_server):
+    """An error reply (no permission, a key holding another type) fails that command only:
+    counted, a miss, and not taken for a gone copy; Redis answered, so the breaker (3
+    failures here) stays closed and the next commands still go to Redis."""
+    admin = tier(redis_server.url).client
+    admin.execute_command("ACL", "SETUSER", "noget", "on", ">pw", "~*", "+@all", "-get")
+    kv = segment()
+    refused = SharedTier(SharedTierConfig(redis_server.url, "ns/rag", timeout_s=0.5), "pw", "noget")
+    assert refused.put_blob(kv.key, kv_to_blob(kv, "ns/rag"))
+    assert [refused.load(LAYOUT.header("seg")) for _ in range(5)] == [(None, False)] * 5
+    assert refused.contains_many(["seg"]) == [True]
+    admin.rpush(refused.redis_key("listed"), b"x")
+    shared = tier(redis_server.url)
+    assert [shared.load(LAYOUT.header("listed")) for _ in range(5)] == [(None, False)] * 5
+    assert shared.get_checked(LAYOUT.header("seg")) is not None
+    assert refused.stats.errors_by_kind == {"NoPermissionError": 5}
+    assert shared.stats.errors_by_kind == {"ResponseError": 5}
+    for each in (refused, shared):
+        assert each.breaker.num_opened == 0 and each.stats.skipped_by_breaker == 0
+
+
 def test_a_blob_larger_than_redis_takes_is_refused_without_sending_it(redis_server):
     """Redis refuses an argument over its `proto-max-bulk-len` and closes the connection
     (a broken pipe, as if it were down). The tier reads the limit once and refuses such a
@@ -221,3 +245,12 @@ def test_a_url_with_a_password_is_refused_naming_the_field_and_the_fix():
 def test_unsupported_urls_are_refused(url):
     with pytest.raises(ValueError, match="sharedUrl"):
         check_shared_url(url)
+
+
+def test_the_documented_blob_format_is_the_one_written():
+    """docs/shared-tier.md names the format a blob carries and every dtype its header may
+    name (a reader of another implementation goes by that page)."""
+    doc = (Path(__file__).parents[2] / "docs/shared-tier.md").read_text()
+    assert f"## Blob format (version {BLOB_FORMAT})" in doc
+    header_row = next(line for line in doc.splitlines() if line.startswith("| H | header"))
+    assert [dtype for dtype in DTYPE_SIZES if f"`{dtype}`" not in header_row] == []

@@ -210,6 +210,32 @@ def test_a_pending_entry_is_not_prefetched_and_a_failed_prefetch_is_read_again(g
     assert store.get("a1") is not None
 
 
+def test_a_read_ahead_that_close_dropped_before_it_ran_is_read_when_claimed(gated):
+    """`close` stops the reader thread and drops the reads ahead queued behind the one it
+    runs; a `get_many` that claims such a read (the model thread of an engine shutting
+    down) reads the entry itself instead of waiting forever for a read that never runs."""
+    gated.inner.put(_entry("a2"))
+    release = threading.Event()
+    inner_get_many = gated.get_many
+
+    def slow(keys):
+        assert release.wait(WAIT_S)
+        return inner_get_many(keys)
+
+    gated.get_many = slow
+    store = AsyncKVStore(gated)
+    store.prefetch(["a1"])  # held in the reader thread (or queued) until released
+    store.prefetch(["a2"])  # queued behind it
+    assert store.close(WAIT_S)
+    release.set()
+    found: list[SegmentKV | None] = []
+    reader = threading.Thread(target=lambda: found.append(store.get("a2")), daemon=True)
+    reader.start()
+    reader.join(WAIT_S)
+    assert not reader.is_alive(), "a read ahead dropped by close is waited for forever"
+    assert found[0] is not None and torch.equal(found[0].k, gated.inner.get("a2").k)
+
+
 def test_close_writes_what_was_accepted_or_says_it_could_not(gated):
     store = AsyncKVStore(gated)
     store.put(_entry("a1"))
