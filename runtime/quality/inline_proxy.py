@@ -323,7 +323,8 @@ class InlineProxy:
         self._lock = threading.Lock()
         self._ratios: collections.OrderedDict[str, _RatioState] = collections.OrderedDict()
         # The fit a ratio without enough pairs of its own borrows (its pairs and those of
-        # every lower ratio), by ratio label; emptied whenever a pair is added.
+        # every lower ratio), by ratio label, the `MAX_RATIOS` built last; emptied
+        # whenever a pair is added.
         self._borrowed: dict[str, _RatioState] = {}
         # Called with (ratio, statistic, f1, top1) after each pair this pod's shadow
         # scored is kept (outside the lock): `SharedCalibration.publish`.
@@ -404,6 +405,10 @@ class InlineProxy:
                 for mine, theirs in ((fit.f1, lender.f1), (fit.top1, lender.top1)):
                     for x, y in theirs.pairs():
                         mine.add(x, y)
+            # Bounded as the ratios are: where no pair arrives (no shadow of its own) it
+            # is never emptied, and each ratio the tuner visits would keep a copy.
+            while len(self._borrowed) >= MAX_RATIOS:
+                del self._borrowed[next(iter(self._borrowed))]
             self._borrowed[label] = fit
         return fit
 

@@ -88,6 +88,9 @@ def kl_divergence(reference_logits: torch.Tensor, candidate_logits: torch.Tensor
     reference_log_probs = F.log_softmax(reference_logits.double(), dim=-1)
     candidate_log_probs = F.log_softmax(candidate_logits.double(), dim=-1)
     kl = F.kl_div(candidate_log_probs, reference_log_probs, log_target=True, reduction="none")
+    # A token the reference rules out (logit -inf) adds nothing, whatever the candidate
+    # gives it (0 log 0 is 0; kl_div's exp(-inf) * (-inf - x) is NaN).
+    kl = kl.masked_fill(reference_log_probs == float("-inf"), 0.0)
     # Clamp tiny negative sums left by rounding.
     return kl.sum(dim=-1).clamp_min(0.0)
 

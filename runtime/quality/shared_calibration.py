@@ -165,11 +165,14 @@ class SharedCalibration:
 
     def _run(self) -> None:
         while True:
+            # Read before the exchange: a stop asked while it runs may come after it took
+            # the pending pairs, and the pairs scored since still need one more.
+            is_last = self._stopping
             try:
                 self.exchange()
             except Exception:  # sharing never stops the pod
                 log.exception("sharing the quality proxies' calibration failed")
-            if self._stopping:
+            if is_last:
                 return
             self._wake.wait(self.interval_s)
             self._wake.clear()

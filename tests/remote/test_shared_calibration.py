@@ -3,6 +3,7 @@ server: the server's store and wire checks, and pods exchanging pairs through a 
 lookup server process (down, restarted, a pod that starts late)."""
 
 import math
+import threading
 import time
 
 import msgpack
@@ -287,6 +288,43 @@ def test_the_thread_publishes_a_scored_pair_soon_and_its_last_ones_on_stop(looku
     sharing.stop()
     pod.add_pair(0.3, _score(0.15, 0.8))  # after the stop: kept here, not sent
     assert reader_sharing.exchange() and reader.num_pairs(0.15) == 1
+
+
+class SendHeldUp(InProcessClient):
+    """`InProcessClient` whose first `pairs_add` waits (for `release`, at most 2 s) after
+    saying `entered`: an exchange caught sending when the pod is told to stop."""
+
+    def __init__(self, server: LookupServer):
+        super().__init__(server)
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def call(self, message: dict) -> dict:
+        if message["op"] == "pairs_add" and not self.entered.is_set():
+            self.entered.set()
+            self.release.wait(2.0)
+        return super().call(message)
+
+
+def test_a_pair_scored_while_the_last_exchange_sends_still_goes_out_on_stop():
+    """`stop` promises a last exchange: a pair scored after the exchange in flight took
+    the pending ones, with the stop asked before that exchange ends, must go out too."""
+    server = LookupServer()
+    pod = InlineProxy()
+    client = SendHeldUp(server)
+    sharing = SharedCalibration(client, SCOPE, "pod-a", pod, interval_s=3600.0).start()
+    pod.add_pair(0.2, _score(0.15, 0.9))  # wakes the thread, whose send is held up
+    assert client.entered.wait(2.0)
+    pod.add_pair(0.3, _score(0.15, 0.8))  # pending behind the send in flight
+    stopping = threading.Thread(target=sharing.stop)
+    stopping.start()
+    for _ in range(2000):  # until the stop was asked (it then waits for the thread)
+        if sharing._stopping:
+            break
+        time.sleep(0.001)
+    client.release.set()
+    stopping.join(5.0)
+    pairs = server.calibration.since(SCOPE, "pod-b", 0)[0]
+    assert sorted(pair[1] for pair in pairs) == [0.2, 0.3]
 
 
 def test_a_pair_off_its_range_is_dropped_before_sending_and_does_not_block_the_rest(

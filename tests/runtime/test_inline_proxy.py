@@ -1,7 +1,9 @@
 """The inline quality proxy (runtime/quality/inline_proxy.py): the blend's statistic, its
 calibration against shadow scores, and what is exported (nothing without calibration)."""
 
+import gc
 import threading
+import tracemalloc
 
 import pytest
 import torch
@@ -9,6 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from holeblend_runtime.blend.reuse import ReusePolicy, plan_reuse
 from holeblend_runtime.quality.inline_proxy import (
+    MAX_RATIOS,
     MIN_PAIRS,
     Calibration,
     InlineProxy,
@@ -201,6 +204,30 @@ def test_pairs_of_higher_ratios_never_lend_a_lower_ratio_an_estimate():
     proxy.add_pair(0.5, ShadowScore(f1=0.5, top1=0.8, ratio=0.02, seconds=1.0))
     assert proxy.observe(0.02, 0.5) == (pytest.approx(0.5), pytest.approx(0.8))
     assert registry.get_sample_value("holeblend_inline_proxy_pooled", {"ratio": "0.02"}) == 0
+
+
+def test_borrowed_fits_stay_bounded_while_no_pair_arrives():
+    """A pod whose shadows score nothing (shadowBudget 0, calibrated by the pairs its
+    deployment shared before) never adds a pair again, while the tuner moves the ratio:
+    each new ratio borrows a fit holding a copy of the lower ratios' pairs, and the memory
+    those fits hold must not grow with every ratio ever visited."""
+    proxy = InlineProxy()
+    for i in range(64):
+        x = i / 63
+        proxy.add_pair(x, ShadowScore(f1=1 - x, top1=1 - x, ratio=0.0, seconds=1.0))
+    tracemalloc.start()
+    try:
+        gc.collect()
+        before = tracemalloc.get_traced_memory()[0]
+        assert proxy.observe(0.0001, 0.5) is not None  # borrowed from ratio 0's pairs
+        one_fit = tracemalloc.get_traced_memory()[0] - before
+        for step in range(2, 8 * MAX_RATIOS):
+            assert proxy.observe(0.0001 * step, 0.5) is not None
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held < 2 * MAX_RATIOS * one_fit
 
 
 def test_the_statistic_is_the_deviation_left_in_tokens_not_recomputed_per_compared_token(
