@@ -94,6 +94,8 @@ from holeblend_runtime.vllm_connector.shadow import (
     is_shadow_request,
     replay_figures,
     replay_request,
+    stop_cut,
+    stop_strings,
 )
 from holeblend_runtime.vllm_connector.stepwise_loads import StepwiseLoads
 from holeblend_runtime.vllm_connector.store import (
@@ -578,16 +580,24 @@ class _SchedulerSide:
     def _finished_answer(self, request: Any) -> tuple[list[int], bool, frozenset[int]] | None:
         """A finished request's answer (its end token dropped), whether it ended at EOS or a
         stop token id, and the tokens that end an answer; None when it has nothing to
-        compare (aborted, or nothing answered)."""
+        compare (aborted by its client, or nothing answered). An answer ended by a stop
+        string comes here aborted: vLLM's API server checks stop strings itself and aborts
+        the request in the engine once its text reaches one, so an aborted answer whose
+        text reached one of its stop strings ran to its end (the tokens decoded after it,
+        before the abort arrived, are the shadow's to drop)."""
         answer = list(getattr(request, "output_token_ids", None) or [])
         reason = str(request.get_finished_reason())
+        params = getattr(request, "sampling_params", None)
         # vLLM stops at the tokenizer's EOS and at the request's stop token ids (which
         # hold generation_config's other EOS ids) and keeps that token in the output.
-        ends = end_token_ids(getattr(request, "sampling_params", None), self._eos_token_id())
+        ends = end_token_ids(params, self._eos_token_id())
         stopped_at_eos = bool(answer) and answer[-1] in ends
         if stopped_at_eos:
             answer.pop()
-        if reason not in _SCORED_FINISH_REASONS or not (answer or stopped_at_eos):
+        is_ended = reason in _SCORED_FINISH_REASONS or (
+            reason == "abort" and _reached_stop_string(answer, params, self.shadow)
+        )
+        if not is_ended or not (answer or stopped_at_eos):
             return None
         return answer, stopped_at_eos and reason == "stop", ends
 
@@ -630,6 +640,8 @@ class _SchedulerSide:
         max_tokens = getattr(params, "max_tokens", None)
         max_tokens = max_tokens if isinstance(max_tokens, int) else None
         stop_ids = tuple(sorted(ends - {self.shadow.eos_token_id}))
+        stop = stop_strings(params)
+        include_stop = getattr(params, "include_stop_str_in_output", False) is True
         question = self.shadow.decode(plan.prompt.question.token_ids)
         if self.budget is not None:
             self.budget.set_floor(*self.ratio.idle_floor())
@@ -637,13 +649,14 @@ class _SchedulerSide:
             shadow_request = VllmShadowRequest(
                 tuple(plan.prompt.token_ids), tuple(answer), question, ratio,
                 stopped_at_eos=stopped_at_eos, max_tokens=max_tokens,
-                inline_statistic=statistic, stop_token_ids=stop_ids,
+                inline_statistic=statistic, stop_token_ids=stop_ids, stop=stop,
+                include_stop=include_stop,
             )  # fmt: skip
         else:
             # A sampled answer is not full prefill's argmax even with no blending: the
             # shadow scores a greedy replay of the prompt instead.
             shadow_request = replay_request(
-                plan.prompt.token_ids, question, ratio, max_tokens, stop_ids
+                plan.prompt.token_ids, question, ratio, max_tokens, stop_ids, stop, include_stop
             )
         self.shadow.offer(shadow_request, idle=not self.in_flight)
 
@@ -654,6 +667,12 @@ _ENDED_REPLAYS_KEPT = 256
 
 # vLLM's FinishReason of a request that ran to its end (not aborted, not an error).
 _SCORED_FINISH_REASONS = {"stop", "length"}
+
+
+def _reached_stop_string(answer: list[int], params: Any, shadow: VllmShadow | None) -> bool:
+    """Whether an answer's text reached one of its request's stop strings."""
+    stop = stop_strings(params)
+    return bool(stop) and shadow is not None and stop_cut(shadow.decode(answer), stop) is not None
 
 
 def _shadow(

@@ -30,10 +30,17 @@ would, and vLLM schedules the work with the rest:
    (`holeblend_top1_agreement`); the one token it generates is full prefill's pick after
    the answer, which, when the blended answer ended with EOS or one of the request's
    stop token ids (`end_token_ids`), is scored too: any of them ends the answer.
+   An answer that reached one of the request's stop strings (`stop`) is scored as its
+   client got it, as holeblend-serve scores one: vLLM's API server checks stop strings
+   itself and aborts the request in the engine, which may have decoded more tokens by
+   then, so its tokens count up to the one whose text reached the stop string. That ends
+   it as EOS does for full prefill's own answer (step 3 runs on past it), but no end
+   position is scored: a stop string is text, not a token full prefill could pick.
 3. Where full prefill first disagrees, a second request continues greedily from its own
-   pick to its own end (EOS; the blended length when that was the request's limit, else
-   `RUN_ON_TOKENS` more within it): full prefill's answer, and **answer-token F1** of the
-   two (`holeblend_f1_proxy`), as holeblend-serve scores it.
+   pick to its own end (EOS, a stop string; the blended length when that was the
+   request's limit, else `RUN_ON_TOKENS` more within it): full prefill's answer, and
+   **answer-token F1** of the two (`holeblend_f1_proxy`), both texts as the client gets
+   them (cut at the first stop string), as holeblend-serve scores it.
 4. Every shadow request carries vLLM's `priority` at `SHADOW_PRIORITY`, the largest value
    the API takes: under `--scheduling-policy priority` vLLM serves smaller values first,
    so a waiting shadow is scheduled after every waiting user request, and it is the
@@ -56,6 +63,7 @@ Both proxies are observed by the ratio the request ran with, as in holeblend-ser
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import logging
@@ -174,6 +182,25 @@ def end_token_ids(params: Any, eos_token_id: int | None) -> frozenset[int]:
     return frozenset(token for token in ends if isinstance(token, int))
 
 
+def stop_strings(params: Any) -> tuple[str, ...]:
+    """A request's stop strings (vLLM's `SamplingParams.stop`: a list, a string or None)."""
+    stop = getattr(params, "stop", None)
+    if isinstance(stop, str):
+        return (stop,)
+    return tuple(s for s in stop or () if isinstance(s, str))
+
+
+def stop_cut(text: str, stop: Sequence[str], include: bool = False) -> int | None:
+    """Where vLLM cuts an answer's text at its stop strings: at the start of the one that
+    completes first (ties in the request's order), or at its end when the answer keeps
+    it (`include`: `include_stop_str_in_output`); None when the text reaches none."""
+    found = [(start + len(s), start) for s in stop if (start := text.find(s)) >= 0]
+    if not found:
+        return None
+    end, start = min(found, key=lambda cut: cut[0])
+    return end if include else start
+
+
 @dataclasses.dataclass(frozen=True)
 class VllmShadowRequest:
     """A finished request to score: its prompt, its answer and the ratio it ran with."""
@@ -183,7 +210,7 @@ class VllmShadowRequest:
     question: str  # the question's text: its words are not counted by the F1
     ratio: float
     # The answer ended with EOS or a stop token id (False: the token limit, a stop
-    # string, or unknown).
+    # string, which `stop` tells, or unknown).
     stopped_at_eos: bool = False
     max_tokens: int | None = None  # the request's token limit; None: unknown
     inline_statistic: float | None = None  # the blend's (quality/inline_proxy.py)
@@ -193,6 +220,11 @@ class VllmShadowRequest:
     # A sampled request: its answer is not scored; a greedy replay of its prompt is (no
     # answer_ids; max_tokens is the replay's limit).
     replay: bool = False
+    # The request's stop strings: an answer ends where its text first reaches one (the
+    # answer's tokens may go past it: `stop_cut`).
+    stop: tuple[str, ...] = ()
+    # The answer's text keeps the stop string it reached (`include_stop_str_in_output`).
+    include_stop: bool = False
 
     @property
     def num_shadow_tokens(self) -> int:
@@ -212,13 +244,17 @@ def replay_request(
     ratio: float,
     max_tokens: int | None,
     stop_token_ids: Sequence[int] = (),
+    stop: Sequence[str] = (),
+    include_stop: bool = False,
 ) -> VllmShadowRequest:
     """The shadow request of a sampled request: a greedy replay of its prompt, at most
-    `REPLAY_MAX_TOKENS` (or the request's own limit, if smaller) answer tokens."""
+    `REPLAY_MAX_TOKENS` (or the request's own limit, if smaller) answer tokens, scored up
+    to where its text reaches one of the request's stop strings."""
     limit = REPLAY_MAX_TOKENS if max_tokens is None else max(1, min(max_tokens, REPLAY_MAX_TOKENS))
     return VllmShadowRequest(
         tuple(prompt_ids), (), question, ratio, max_tokens=limit,
-        stop_token_ids=tuple(stop_token_ids), replay=True,
+        stop_token_ids=tuple(stop_token_ids), replay=True, stop=tuple(stop),
+        include_stop=include_stop,
     )  # fmt: skip
 
 
@@ -312,7 +348,9 @@ class VllmShadow(ShadowSampler):
         started = time.monotonic()
         if request.replay:
             request = self._replay(request)
-        prompt, answer = list(request.prompt_ids), list(request.answer_ids)
+        prompt = list(request.prompt_ids)
+        answer, at_stop = self._through_stop(list(request.answer_ids), request)
+        at_eos = request.stopped_at_eos and not at_stop
         eos = self.eos_token_id if self.eos_token_id is not None else -1
         ends = {eos, *request.stop_token_ids}
         forced = _first_choice(self._complete(prompt + answer, max_tokens=1, prompt_logprobs=1))
@@ -320,37 +358,77 @@ class VllmShadow(ShadowSampler):
         generated = forced.get("token_ids") or []
         if not generated:
             raise ShadowFailed(f"{self.url}: no token generated after the answer")
-        targets = end_targets(answer, request.stopped_at_eos, eos)
+        targets = end_targets(answer, at_eos, eos)
         picks = [*picks, int(generated[0])][: len(targets)]
         if len(picks) > len(answer) and picks[-1] in ends:
             picks[-1] = eos  # full prefill ends the answer there too, with any end token
         agree = first_disagreement(targets, picks)
         full = [t for t in targets[:agree] if t not in ends]
-        budget = answer_budget(len(answer), request.stopped_at_eos, request.max_tokens)
+        budget = answer_budget(len(answer), at_eos or at_stop, request.max_tokens)
         if agree < len(targets) and picks[agree] not in ends and len(full) < budget:
             full.append(picks[agree])
-            more_tokens = budget - len(full)
-            if more_tokens > 0:
-                self.charge(len(prompt) + len(full) + more_tokens)
-                more = _first_choice(self._complete(prompt + full, max_tokens=more_tokens))
-                for token in more.get("token_ids") or []:
-                    if token in ends:
-                        break
-                    full.append(token)
+            full += self._continued(prompt, full, budget - len(full), ends, request)
         top1 = sum(a == b for a, b in zip(targets, picks, strict=True)) / len(targets)
         f1 = answer_f1(
-            answer_words(self.decode(full)),
-            answer_words(self.decode(answer)),
+            answer_words(self._text(full, request)),
+            answer_words(self._text(answer, request)),
             answer_words(request.question),
         )
         return ShadowScore(
             f1, top1, request.ratio, time.monotonic() - started, request.inline_statistic
         )
 
+    def _continued(
+        self,
+        prompt: list[int],
+        full: list[int],
+        more_tokens: int,
+        ends: set[int],
+        request: VllmShadowRequest,
+    ) -> list[int]:
+        """Full prefill's own answer past `full`: at most `more_tokens`, up to its first end
+        token, or the token whose text reaches a stop string (vLLM stops there itself)."""
+        if more_tokens <= 0 or self._reaches_stop(full, request):
+            return []
+        self.charge(len(prompt) + len(full) + more_tokens)
+        stop = {"stop": list(request.stop)} if request.stop else {}
+        more = _first_choice(self._complete(prompt + full, max_tokens=more_tokens, **stop))
+        tokens = []
+        for token in more.get("token_ids") or []:
+            if token in ends:
+                break
+            tokens.append(token)
+        return tokens
+
+    def _through_stop(
+        self, answer: list[int], request: VllmShadowRequest
+    ) -> tuple[list[int], bool]:
+        """The answer's tokens up to the one whose text reached a stop string, and whether
+        one did. Reaching one is monotone in the answer's length (its text only grows), so
+        the shortest such prefix is bisected."""
+        if not self._reaches_stop(answer, request):
+            return answer, False
+        end = bisect.bisect_left(
+            range(len(answer) + 1), True, key=lambda n: self._reaches_stop(answer[:n], request)
+        )
+        return answer[:end], True
+
+    def _reaches_stop(self, token_ids: Sequence[int], request: VllmShadowRequest) -> bool:
+        return bool(request.stop) and stop_cut(self.decode(token_ids), request.stop) is not None
+
+    def _text(self, token_ids: Sequence[int], request: VllmShadowRequest) -> str:
+        """The answer's text as the client got it: cut at its first stop string."""
+        text = self.decode(token_ids)
+        cut = stop_cut(text, request.stop, request.include_stop)
+        return text if cut is None else text[:cut]
+
     def _replay(self, request: VllmShadowRequest) -> VllmShadowRequest:
         """The greedy, blended answer to a sampled request's prompt, as the request to
         score (its ratio and inline statistic the replay's own); ShadowSkipped when the
-        replay blended nothing."""
+        replay blended nothing. The replay is sent without the request's stop strings:
+        vLLM's API server ends a request at one by aborting it in the engine, and the
+        connector's figures of an aborted request never reach the answer; `score` cuts
+        the replay's answer where its text reaches one instead."""
         answer = self._complete(
             list(request.prompt_ids), max_tokens=request.max_tokens or REPLAY_MAX_TOKENS,
             replay=True,

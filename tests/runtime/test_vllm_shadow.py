@@ -26,6 +26,7 @@ from holeblend_runtime.vllm_connector.shadow import (
     is_replay_request,
     is_shadow_request,
     replay_request,
+    stop_cut,
     teacher_forced_top1,
 )
 
@@ -149,8 +150,9 @@ PROMPT = (1, 2, 3)
 class FullPrefillServer:
     """A fake vLLM API server whose model answers FULL after PROMPT whatever came before
     (its next token depends on the position only), then `end` (EOS unless told); it
-    records every body, and with `fcfs` refuses a priority other than 0 as vLLM's API
-    documents."""
+    stops at the token whose text (`words`) reaches one of the body's stop strings, as
+    vLLM's API server does; it records every body, and with `fcfs` refuses a priority
+    other than 0 as vLLM's API documents."""
 
     def __init__(self, fcfs: bool = False, end: int = EOS):
         self.bodies: list[dict] = []
@@ -207,10 +209,10 @@ class FullPrefillServer:
                 entry = {str(token): {"logprob": -1.0, "rank": 1 if token == top else 2}}
                 entry.setdefault(str(top), {"logprob": -0.1, "rank": 1})
                 logprobs.append(entry)
-        tokens = []
+        tokens, stop = [], body.get("stop") or []
         for position in range(len(prompt), len(prompt) + body["max_tokens"]):
             tokens.append(self.next_token(position))
-            if tokens[-1] == self.end:
+            if tokens[-1] == self.end or any(s in words(tokens) for s in stop):
                 break
         return {"prompt_logprobs": logprobs, "token_ids": tokens}
 
@@ -272,6 +274,70 @@ def test_an_answer_ending_at_another_stop_token_agrees_with_full_prefill_ending_
         # Full prefill goes on to its own end (FULL, not FULL plus the stop token).
         assert score.top1 == pytest.approx(2 / 3)
         assert score.f1 == pytest.approx(2 * (2 / 2) * (2 / 5) / (1 + 2 / 5))
+    finally:
+        server.close()
+
+
+def test_the_answers_text_is_cut_where_vllm_cuts_it():
+    """vLLM checks stop strings as each token's text arrives: the one completed first ends
+    the answer (ties in the request's order), though another may start earlier."""
+    assert stop_cut("abcd", ["bcd", "c"]) == 2
+    assert stop_cut("abcd", ["bcd", "c"], include=True) == 3
+    assert stop_cut("abcd", ["cd", "bcd"]) == 2 and stop_cut("abcd", ["bcd", "cd"]) == 1
+    assert stop_cut("abcd", ["x"]) is None and stop_cut("abcd", []) is None
+
+
+def test_an_answer_ended_by_a_stop_string_scores_one_when_full_prefill_agrees_up_to_it():
+    """vLLM's API server ends a request whose text reaches one of its `stop` strings by
+    aborting it in the engine, which may have decoded more tokens by then (99 here). The
+    answer the client got ends at the token that reached the stop string. Unaware of the
+    stop string, the shadow teacher-forced the 99 too (full prefill's 15 there, a
+    disagreement), cut full prefill's answer at the blended length and compared the
+    texts with the stop string and what followed it: 0.8 on both proxies."""
+    server = FullPrefillServer()
+    try:
+        scorer = scorer_for(server)
+        stopped = VllmShadowRequest(PROMPT, (*FULL[:4], 99), "q", 0.1, max_tokens=64, stop=("w14",))
+        assert (lambda s: (s.f1, s.top1))(scorer.score(stopped)) == (1.0, 1.0)
+        (forced,) = server.bodies  # all four agree: no continuation
+        assert forced["prompt"] == [*PROMPT, *FULL[:4]]
+    finally:
+        server.close()
+
+
+def test_an_answer_that_differs_before_its_stop_string_scores_below_one():
+    """Full prefill's own answer runs on past the blended length (as after EOS) to where
+    vLLM stops it at the same stop string; both texts are compared cut before it."""
+    server = FullPrefillServer()
+    try:
+        scorer = scorer_for(server)
+        differs = VllmShadowRequest(
+            PROMPT, (11, 12, 77, 14, 99), "q", 0.1, max_tokens=64, stop=("w14",)
+        )
+        score = scorer.score(differs)
+        assert score.top1 == pytest.approx(3 / 4)  # 11, 12 and 14 agree; 99 is not scored
+        # w11 w12 w13 against w11 w12 w77: neither stop string nor what follows counts.
+        assert score.f1 == pytest.approx(2 / 3)
+        continuation = server.bodies[-1]
+        assert continuation["prompt"] == [*PROMPT, 11, 12, 13]
+        assert continuation["stop"] == ["w14"] and continuation["max_tokens"] == 4 + 16 - 3
+    finally:
+        server.close()
+
+
+def test_a_stop_string_the_request_keeps_in_its_output_is_part_of_the_answer():
+    """With `include_stop_str_in_output` the client's text ends after the stop string."""
+    server = FullPrefillServer()
+    try:
+        scorer = scorer_for(server)
+        answer = (11, 77, 99)  # full prefill: 11 12 13 14 15, reaching no stop string
+        kept = VllmShadowRequest(
+            PROMPT, answer, "q", 0.1, max_tokens=64, stop=("w77",), include_stop=True
+        )
+        # w11 w77 against w11 .. w15: precision 1/2, recall 1/5.
+        assert scorer.score(kept).f1 == pytest.approx(2 * (1 / 2) * (1 / 5) / (1 / 2 + 1 / 5))
+        cut = VllmShadowRequest(PROMPT, answer, "q", 0.1, max_tokens=64, stop=("w77",))
+        assert scorer.score(cut).f1 == pytest.approx(2 * 1 * (1 / 5) / (1 + 1 / 5))
     finally:
         server.close()
 
@@ -482,6 +548,30 @@ def test_a_sampled_requests_greedy_replay_is_scored_on_the_replays_own_blend():
         assert len(pairs.pairs) == 1
         # The token limit is the request's own when smaller.
         assert replay_request(PROMPT, "q", 0.15, max_tokens=5).max_tokens == 5
+    finally:
+        server.close()
+
+
+def test_a_replay_is_scored_up_to_the_sampled_requests_stop_string():
+    """The replay goes without the stop strings: vLLM would end it at one by aborting it in
+    the engine, and the connector's figures of an aborted request never reach the
+    answer (it would count as `replay_not_blended`). Its answer is cut where its text
+    reaches one instead, and full prefill's own answer stops there as the client's
+    would."""
+    server = FullPrefillServer()
+    try:
+        scorer = scorer_for(server)
+        server.replayed = {
+            "answer_ids": [*FULL[:4], 15], "stopped_at_eos": True, "ratio": 0.2,
+            "inline_statistic": None,
+        }  # fmt: skip
+        sampled = replay_request(PROMPT, "q", 0.15, max_tokens=500, stop=("w13",))
+        assert scorer.offer(sampled) == "queued" and scorer.wait_idle(10)
+        assert scorer.outcomes == {"scored": 1}
+        replay, forced = server.bodies
+        assert "stop" not in replay
+        assert forced["prompt"] == [*PROMPT, *FULL[:3]]  # its EOS came after the stop
+        assert (scorer.scores[-1].f1, scorer.scores[-1].top1) == (1.0, 1.0)
     finally:
         server.close()
 

@@ -8,6 +8,7 @@ import types
 import pytest
 import torch
 from vllm import SamplingParams
+from vllm.v1.engine import FinishReason
 
 from holeblend_runtime.blend.config import BlendConfig
 from holeblend_runtime.blend.keys import SegmentKeyer
@@ -174,14 +175,17 @@ class Shadow:
         self.offered = []
 
     def decode(self, ids):
-        return "q"
+        return " ".join(f"w{i}" for i in ids)
 
     def offer(self, shadow_request, idle):
         self.offered.append(shadow_request)
 
 
-def offer(params: SamplingParams, answer=(11, 12, 13, 1)) -> Shadow:
-    """A blended request that finished with `answer` under `params`, offered."""
+def offer(
+    params: SamplingParams, answer=(11, 12, 13, 1), reason: FinishReason = FinishReason.STOP
+) -> Shadow:
+    """A blended request that finished (`reason`, as vLLM's engine saw it) with `answer`
+    under `params`, offered."""
     shadow = Shadow()
     side = types.SimpleNamespace(shadow=shadow, budget=None, in_flight=set())
     side._eos_token_id = lambda: connector._SchedulerSide._eos_token_id(side)
@@ -191,7 +195,7 @@ def offer(params: SamplingParams, answer=(11, 12, 13, 1)) -> Shadow:
     )
     plan = types.SimpleNamespace(is_blended=lambda n: True, prompt=prompt)
     finished = types.SimpleNamespace(
-        output_token_ids=list(answer), get_finished_reason=lambda: "stop", sampling_params=params
+        output_token_ids=list(answer), get_finished_reason=lambda: reason, sampling_params=params
     )
     connector._SchedulerSide._offer(side, plan, {"num_reused_tokens": 10}, finished, 0.15, 0.3)
     return shadow
@@ -250,6 +254,31 @@ def test_an_answer_ending_at_a_generation_config_eos_stopped_at_its_end():
     assert (offered.answer_ids, offered.stopped_at_eos, offered.stop_token_ids) == (
         (11,), True, (42,)
     )  # fmt: skip
+
+
+def test_an_answer_ended_by_a_stop_string_is_offered_with_the_requests_stop_strings():
+    """vLLM's API server checks stop strings itself: once the answer's text reaches one it
+    aborts the request in the engine, so the connector sees it finish aborted, often with
+    tokens decoded after the stop string. It was dropped as a client's abort and never
+    scored; it is offered with its stop strings (the shadow decodes "w11 w12 w13"), for
+    the shadow to score it as the client got it."""
+    params = SamplingParams(temperature=0.0, stop=["w12"], max_tokens=64)
+    (offered,) = offer(params, answer=(11, 12, 13), reason=FinishReason.ABORT).offered
+    assert offered.answer_ids == (11, 12, 13) and offered.stop == ("w12",)
+    assert not offered.include_stop and offered.stopped_at_eos is False
+    # A client that left: aborted before its text reached any stop string.
+    assert offer(params, answer=(11, 13), reason=FinishReason.ABORT).offered == []
+    # Ended in the engine (its limit) in the step its text reached one: carried all the
+    # same, with the stop string kept in the answer when the request asked for it.
+    params = SamplingParams(
+        temperature=0.0, stop=["w12"], include_stop_str_in_output=True, max_tokens=2
+    )
+    (offered,) = offer(params, answer=(11, 12), reason=FinishReason.LENGTH).offered
+    assert (offered.stop, offered.include_stop) == (("w12",), True)
+    # A sampled request's replay is scored up to the same stop strings.
+    params = SamplingParams(temperature=1.0, stop=["w12", "w7"], max_tokens=16)
+    (offered,) = offer(params, answer=(11, 12, 13), reason=FinishReason.ABORT).offered
+    assert offered.replay and offered.stop == ("w12", "w7")
 
 
 def test_the_model_name_keys_the_same_weights_path_apart(monkeypatch, tmp_path):
