@@ -347,9 +347,25 @@ class Operator:
         return kept.body() if kept is not None else None
 
     def keep_owner(self, key: Key, body: dict) -> None:
-        """Keep a newer copy of a known BlendDeployment (the tuner's status write returns one)."""
-        if key in self._owners:
-            self._owners[key] = Kept.of(body)
+        """Keep a newer copy of a known BlendDeployment (the tuner's status write returns one),
+        if its render inputs are those of the copy watched. Other inputs mean the watch has
+        delivered a change the write's answer predates (or will deliver one it holds):
+        kept, it would have the reconcile that change asked for apply the spec before it."""
+        watched = self._owners.get(key)
+        if watched is not None:
+            kept = Kept.of(body)
+            if kept.inputs == watched.inputs:
+                self._owners[key] = kept
+
+    def gone(self, key: Key, kept: Kept | None) -> None:
+        """The API server no longer has the BlendDeployment watched as `kept` (the tuner's
+        read found none): forget it as its DELETED event would have. After a watch gap
+        (410 Gone, a pause for a peer) kopf lists the objects again and sends no event for
+        those deleted meanwhile: without this, one tuned stays for the life of the process,
+        read every interval, its gauges exported. One watched again since (created anew
+        under its name while the read was under way) stays."""
+        if kept is not None and self._owners.get(key) is kept:
+            self._forget(key)
 
     def lock(self, key: Key) -> contextlib.AbstractAsyncContextManager:
         """The owner's lock: one reconcile, status refresh or tuning write at a time."""

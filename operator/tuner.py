@@ -301,7 +301,9 @@ def clamp_decision(spec: TuningSpec, ratio: object) -> Decision | None:
         return Decision("up", None, to, "ClampedToBounds", text, False, State())
     ratio = float(ratio)
     to = round_ratio(min(max(ratio, spec.min_ratio), spec.max_ratio))
-    if abs(to - ratio) <= RATIO_TOLERANCE / 10:
+    # Inside the bounds is not clamped, whatever its decimals (a spec's 0.33333 is not
+    # "outside" because rounding moves it).
+    if spec.min_ratio <= ratio <= spec.max_ratio or abs(to - ratio) <= RATIO_TOLERANCE / 10:
         return None
     direction: Direction = "up" if to > ratio else "down"
     bounds = f"[{spec.min_ratio}, {spec.max_ratio}]"
@@ -392,9 +394,11 @@ def _above(
     cooled = now - since
     if ratio <= spec.min_ratio + RATIO_TOLERANCE:
         return _hold(ratio, "AtMinRatio", f"{seen}; already at minRatio", True, learned)
+    # Rounded before the bound, not after: a minRatio below 0.00005 would round to 0, no
+    # ratio at all, which the next interval resets to maxRatio.
+    to = max(round_ratio(ratio - spec.step_down), spec.min_ratio)
     # A step the floor forbids is not taken however long the proxy stays above the band:
     # say so at once rather than count down a cooldown that leads nowhere.
-    to = round_ratio(max(ratio - spec.step_down, spec.min_ratio))
     if learned.floor is not None and to <= learned.floor + RATIO_TOLERANCE:
         text = f"{seen}, but {to} is not above {learned.floor}, measured below target"
         return _hold(ratio, "AtLearnedFloor", text, True, learned)

@@ -325,10 +325,15 @@ class TuningLoop:
         client = self.operator.client
         if not await self.is_leader(key[0]):
             return None
+        watched = self.operator.owners.get(key)
         body = await client.get(kube.BLEND_DEPLOYMENT, *key)
+        if body is None:
+            self.operator.gone(key, watched)
+            return None
         bd = _parse(body, self.operator.settings.host_path_prefixes)
         if bd is None or not bd.spec.tuning.enabled:
             return None
+        uid = bd.metadata.uid
         status = body.get("status") or {}
         spec, spec_ratio = bd.spec.tuning, bd.spec.blend.recompute_ratio
         ratio = ratio_in_force(spec_ratio, status)
@@ -342,9 +347,11 @@ class TuningLoop:
             # this lock) while the metrics were read, and a patch built on the earlier
             # read would put its conditions back. A ratio that moved meanwhile (a hand
             # patch, a spec change) makes this decision moot: the next interval decides.
+            # So does a new object of the same name (deleted and created again): the
+            # metrics and the state were the old one's.
             body = await client.get(kube.BLEND_DEPLOYMENT, *key)
             bd = _parse(body, self.operator.settings.host_path_prefixes)
-            if bd is None or not bd.spec.tuning.enabled:
+            if bd is None or not bd.spec.tuning.enabled or bd.metadata.uid != uid:
                 return None
             status = body.get("status") or {}
             if ratio_in_force(bd.spec.blend.recompute_ratio, status) != ratio:

@@ -304,6 +304,26 @@ def test_ratios_are_rounded_so_labels_and_files_stay_readable():
     assert decide(SPEC, 0.1234, reading(f1=0.5), State(), now=0).to_ratio == 0.1851
 
 
+def test_a_ratio_inside_the_bounds_with_more_decimals_is_not_clamped():
+    """A spec's recomputeRatio 0.33333 is inside [minRatio, maxRatio]: the law acts on the
+    reading (in band: hold, tuned), not "outside the tuning bounds; clamped to 0.3333"."""
+    decision = decide(SPEC, 0.33333, reading(f1=0.9), State(), now=0)
+    assert (decision.direction, decision.code, decision.is_tuned) == ("hold", "InBand", True)
+    assert decide(SPEC, 0.33333, reading(f1=0.5), State(), now=0).to_ratio == 0.5
+
+
+def test_a_step_down_to_a_min_ratio_below_the_rounding_stays_a_ratio():
+    """minRatio 0.00001: the step down lands on it, not on 0.0 (rounded), which is no
+    ratio and would send the next interval to maxRatio."""
+    spec = TuningSpec.model_validate(
+        SPEC.model_dump(by_alias=True) | {"minRatio": 0.00001, "cooldownSeconds": 0}
+    )
+    decision = decide(spec, 0.02, reading(f1=0.99, n=1000), State(above_since=0), now=100)
+    assert (decision.direction, decision.to_ratio) == ("down", 0.00001)
+    following = decide(spec, decision.to_ratio, reading(f1=0.99, n=1000), decision.state, 200)
+    assert (following.direction, following.code) == ("hold", "AtMinRatio")
+
+
 class Plant:
     """Quality rises with the ratio and saturates; each sample is noisy."""
 

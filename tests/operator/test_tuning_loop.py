@@ -13,9 +13,10 @@ import aiohttp.web
 import pytest
 import yaml
 
-from holeblend_operator import metrics
+from holeblend_operator import handlers, metrics
 from holeblend_operator.api import BlendDeployment, TuningSpec
 from holeblend_operator.host_paths import DEFAULT_HOST_PATH_PREFIXES
+from holeblend_operator.settings import OperatorSettings
 from holeblend_operator.tuner import Decision, Reading, State, decide, select_signal
 from holeblend_operator.tuning_loop import (
     HISTORY_LENGTH,
@@ -322,6 +323,7 @@ def _merge(target: dict, patch: dict) -> None:
 class _Operator:
     def __init__(self, client):
         self.client, self.kept, self.requested = client, None, []
+        self.owners = {}
         self.settings = types.SimpleNamespace(
             peering=None, host_path_prefixes=DEFAULT_HOST_PATH_PREFIXES
         )
@@ -379,6 +381,143 @@ def test_a_ratio_that_moves_during_the_metrics_read_is_decided_again_next_interv
     operator = _Operator(client)
     assert asyncio.run(_Loop(operator, hand_patch, low).tune(("ns", "r"))) is None
     assert client.body["status"]["recomputeRatio"] == 0.3 and operator.requested == []
+
+
+def test_a_namesake_created_during_the_metrics_read_gets_nothing_of_the_deleted_one():
+    """Deleted and created again (`kubectl delete` + `apply`) while the metrics were read:
+    the reading and the law's state were the old object's, and the new one, at the same
+    spec ratio, must not start with its decision (a raise, its cooldown, its history)."""
+    client = _StatusClient({})
+    low = dataclasses.replace(SEEN, f1_proxy=0.2)  # below target: the law would raise 0.15
+
+    async def recreate(client):
+        client.body["metadata"]["uid"] = "u-new"
+        client.body["status"] = {}
+
+    operator = _Operator(client)
+    assert asyncio.run(_Loop(operator, recreate, low).tune(KEY)) is None
+    assert client.body["status"] == {} and operator.requested == []
+
+
+class _Watched(handlers.Operator):
+    """The operator with the owners as its watch left them; its jobs are not run."""
+
+    def __init__(self, client):
+        super().__init__(OperatorSettings())
+        self.client = client
+
+    def request(self, key, options, trigger, delay=None, refetch=False):
+        pass
+
+
+class _DeletedClient(_StatusClient):
+    """A BlendDeployment the API server deletes after its first read; `meanwhile` runs
+    while the read that finds it gone is under way."""
+
+    def __init__(self, meanwhile=None):
+        super().__init__({})
+        self.reads, self.meanwhile = 0, meanwhile
+
+    async def get(self, kind, namespace, name):
+        self.reads += 1
+        if self.reads <= 2:  # the first evaluation: its read and its read under the lock
+            return await super().get(kind, namespace, name)
+        if self.meanwhile is not None:
+            self.meanwhile()
+        return None  # 404: kube.Client.get's None
+
+
+async def _nothing(client):
+    pass
+
+
+def test_an_owner_deleted_while_the_watch_was_down_is_forgotten_by_the_tuner():
+    """After a watch gap (410 Gone) kopf lists the BlendDeployments again and sends no
+    DELETED event for one deleted meanwhile. The tuner, which reads it every interval,
+    finds it gone: it is forgotten, and its gauges are no longer exported (a pinned-at-
+    a-bound alert would otherwise fire for it for the life of the process)."""
+    client = _DeletedClient()
+    operator = _Watched(client)
+    operator.owner_event(copy.deepcopy(client.body), None)  # as kopf's listing yields it
+    loop = _Loop(operator, _nothing)
+
+    async def evaluate_twice():
+        decision = await loop.tune(KEY)
+        assert _gauge("holeblend_operator_tuned_ratio", KEY) == decision.to_ratio
+        assert await loop.tune(KEY) is None
+
+    try:
+        asyncio.run(evaluate_twice())
+        assert KEY not in operator.owners
+        with pytest.raises(AssertionError, match="no holeblend_operator_tuned_ratio"):
+            _gauge("holeblend_operator_tuned_ratio", KEY)
+    finally:
+        metrics.TUNING.forget(KEY)
+
+
+def test_a_namesake_watched_during_the_read_that_found_the_owner_gone_is_kept():
+    created = {}
+
+    def create_anew():  # its ADDED event arrives while the 404 is on its way
+        body = copy.deepcopy(client.body)
+        body["metadata"]["uid"] = "u-new"
+        operator.owner_event(body, "ADDED")
+        created["kept"] = operator.owners[KEY]
+
+    client = _DeletedClient(create_anew)
+    operator = _Watched(client)
+    operator.owner_event(copy.deepcopy(client.body), None)
+    loop = _Loop(operator, _nothing)
+
+    async def evaluate_twice():
+        await loop.tune(KEY)
+        await loop.tune(KEY)
+
+    try:
+        asyncio.run(evaluate_twice())
+        assert operator.owners[KEY] is created["kept"]
+    finally:
+        metrics.TUNING.forget(KEY)
+
+
+class _SpecChangedClient(_StatusClient):
+    """A person changes the spec right after the tuner's status write, and the watch
+    delivers that change while the write's answer (the object before it) is on its way."""
+
+    def __init__(self):
+        super().__init__({})
+        self.watch = None  # the operator's owner_event
+
+    async def patch_status(self, namespace, name, patch):
+        answer = await super().patch_status(namespace, name, patch)
+        self.body["metadata"]["generation"] += 1
+        self.body["spec"] = SPEC | {"replicas": 2}
+        self.watch(copy.deepcopy(self.body), "MODIFIED")
+        return answer
+
+
+def test_the_tuners_status_write_does_not_hide_a_spec_change_seen_meanwhile():
+    """The answer to the tuner's status patch predates a spec change the watch already
+    delivered: kept as the owner's latest copy, the reconcile that change asked for would
+    apply the spec from before it, and the next status write's watch event (same inputs
+    as the change) would ask for none again."""
+    client = _SpecChangedClient()
+    requested = []
+
+    class Operator(_Watched):
+        def request(self, key, options, trigger, delay=None, refetch=False):
+            requested.append(trigger)
+
+    operator = Operator(client)
+    client.watch = operator.owner_event
+    operator.owner_event(copy.deepcopy(client.body), None)
+    try:
+        asyncio.run(_Loop(operator, _nothing).tune(KEY))
+    finally:
+        metrics.TUNING.forget(KEY)
+    assert "update" in requested
+    assert operator.owner(KEY)["metadata"]["generation"] == 3
+    assert operator.owner(KEY)["spec"]["replicas"] == 2
 
 
 def test_a_shorter_interval_applies_from_the_last_evaluation(monkeypatch):
