@@ -338,6 +338,11 @@ class TuningLoop:
         spec, spec_ratio = bd.spec.tuning, bd.spec.blend.recompute_ratio
         ratio = ratio_in_force(spec_ratio, status)
         seen = await self.read(bd, ratio)
+        if watched is not None and key not in self.operator.owners:
+            # Deleted while its metrics were read: its DELETED event forgot it before the
+            # read kept this interval's scrape history, which would otherwise stay for good.
+            self.forget(key)
+            return None
         if (why := no_proxies(bd)) is not None:
             seen = dataclasses.replace(seen, no_proxies=why)
         seen = select_signal(spec, seen)  # the proxy the law acts on, for status too

@@ -16,6 +16,7 @@ import yaml
 from holeblend_operator import handlers, metrics
 from holeblend_operator.api import BlendDeployment, TuningSpec
 from holeblend_operator.host_paths import DEFAULT_HOST_PATH_PREFIXES
+from holeblend_operator.render import engine_name
 from holeblend_operator.settings import OperatorSettings
 from holeblend_operator.tuner import Decision, Reading, State, decide, select_signal
 from holeblend_operator.tuning_loop import (
@@ -28,6 +29,7 @@ from holeblend_operator.tuning_loop import (
     status_patch,
     window_seconds,
 )
+from holeblend_operator.tuning_sources import ScrapeSource
 from tests.operator.test_tuning_sources import metrics_page, servers, vector, vllm_page
 
 SPEC = {
@@ -451,6 +453,30 @@ def test_an_owner_deleted_while_the_watch_was_down_is_forgotten_by_the_tuner():
         assert KEY not in operator.owners
         with pytest.raises(AssertionError, match="no holeblend_operator_tuned_ratio"):
             _gauge("holeblend_operator_tuned_ratio", KEY)
+    finally:
+        metrics.TUNING.forget(KEY)
+
+
+def test_an_owner_deleted_while_its_metrics_are_read_leaves_no_scrape_history():
+    """The DELETED event forgets the owner (its scrape history too) while the tuner's
+    direct scrape is under way; that scrape then keeps its snapshots. Without a second
+    forget they stayed for the life of the process."""
+    client = _StatusClient({})
+    operator = _Watched(client)
+    operator.owner_event(copy.deepcopy(client.body), None)
+    service = (KEY[0], engine_name(KEY[1]))
+
+    class Deleting(_Loop):
+        async def read(self, bd, ratio):
+            operator.owner_event(copy.deepcopy(client.body), "DELETED")
+            self._scrape = ScrapeSource(None)
+            self._scrape._history[(*service, "pod-0")] = []  # what the scrape kept
+            return SEEN
+
+    loop = Deleting(operator, _nothing)
+    try:
+        assert asyncio.run(loop.tune(KEY)) is None
+        assert not [k for k in loop._scrape._history if k[:2] == service]
     finally:
         metrics.TUNING.forget(KEY)
 
