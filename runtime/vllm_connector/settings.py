@@ -191,7 +191,8 @@ class RatioSource:
     floor, re-read when the file changes.
 
     A file that cannot be read or parsed keeps the last good values (logged): the kubelet
-    swaps the mounted file atomically, but serving never fails on it.
+    swaps the mounted file atomically, but serving never fails on it. A file that does not
+    parse is not read again until it changes: the scheduler asks at every step.
     """
 
     def __init__(self, settings: ConnectorSettings) -> None:
@@ -216,9 +217,9 @@ class RatioSource:
             stat = self._path.stat()
             stamp = (stat.st_mtime_ns, stat.st_size)
             if stamp != self._stamp:
+                self._stamp = stamp
                 settings = contract.load_blend_settings(self._path)
                 self._ratio = check_ratio(settings.recompute_ratio)
                 self._floor = (settings.shadow_idle_samples, settings.shadow_idle_seconds)
-                self._stamp = stamp
         except (OSError, ValueError) as error:
             log.warning("keeping recompute ratio %s and the idle floor: %s", self._ratio, error)

@@ -1,5 +1,6 @@
 """The connector's scheduler side without vLLM: settings, keys, hole-aware planning."""
 
+import logging
 import os
 import time
 
@@ -119,6 +120,26 @@ def test_settings_come_from_blend_json_and_the_ratio_is_live(tmp_path):
     path.write_text("{broken")
     os.utime(path, ns=(1, 2 * 10**18))
     assert ratio.ratio() == 0.4  # the last good value
+
+
+def test_a_broken_settings_file_is_read_and_reported_once_not_at_every_step(tmp_path, caplog):
+    """The scheduler asks for the ratio at every step: a file that does not parse keeps the
+    last good values with one warning until it changes, not one warning (and one read) per
+    step."""
+    path = tmp_path / "blend.json"
+    write_settings(path, 0.15)
+    ratio = RatioSource(load_settings({"holeblend_config": str(path)}))
+    assert ratio.ratio() == 0.15
+    path.write_text("{broken")
+    os.utime(path, ns=(1, 10**18))
+    with caplog.at_level(logging.WARNING, logger="holeblend_runtime.vllm_connector.settings"):
+        for _ in range(20):  # vLLM's steps
+            assert ratio.ratio() == 0.15
+            assert ratio.idle_floor() == (0, 60.0)
+    assert len([r for r in caplog.records if "blend.json" in r.getMessage()]) == 1
+    write_settings(path, 0.4)
+    os.utime(path, ns=(1, 2 * 10**18))
+    assert ratio.ratio() == 0.4  # fixed: read at once
 
 
 def test_the_shadows_idle_floor_is_live_too(tmp_path):
