@@ -4,7 +4,8 @@
    and `evict` them when they drop them; `lookup` answers hit flags and locations.
 2. A segment lives while some pod holds it or the shared tier does; the index keeps
    at most `max_entries` segments and `max_bytes` of their KV, dropping the least
-   recently used (admitted or hit) first.
+   recently used (admitted or hit) first. A segment larger than `max_bytes` on its own
+   is not indexed: making room for it would drop every other segment, then it.
 3. Pods heartbeat. A pod whose full announcement (a `resync` with `reset`) the index has
    not had since it started or dropped the pod is told to resync, on every heartbeat until
    that announcement arrives: it re-announces everything it holds, so a restarted server
@@ -150,6 +151,9 @@ class SegmentIndex:
         shared_gone = self._shared_gone
         num = 0
         for item in entries:
+            if item.num_bytes > self.limits.max_bytes:
+                self.counters["capacity_evictions"] += 1
+                continue
             if item.shared and shared_gone:
                 if is_resync:
                     if item.key in shared_gone:

@@ -8,7 +8,8 @@ Operations (fields of the request -> fields of the reply):
 - `lookup`: `keys` (list of str, at most `Limits.max_keys`), optional `model` (str: a
   key indexed for another model counts as a miss) -> `hits`: one item per key, `None`
   for a miss or `[num_tokens, in_shared_tier, [pod, ...]]` for a hit.
-- `admit`: `pod` (str), `entries` (list of entry maps, see `Entry`) -> `admitted` (int).
+- `admit`: `pod` (str), `entries` (list of entry maps, see `Entry`) -> `admitted` (int:
+  the entries indexed; one larger than the index's byte capacity alone is not).
 - `evict`: `pod` (str), `keys` (list of str), optional `shared` (bool: the shared copy
   is gone too; remembered, so a resync does not advertise it again) -> `evicted` (int:
   keys this pod no longer holds).
@@ -36,6 +37,7 @@ answers a version it does not speak with `unsupported_version` naming the ones i
 from __future__ import annotations
 
 import math
+import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +48,10 @@ WIRE_VERSION = 1
 SUPPORTED_VERSIONS = (WIRE_VERSION,)
 RPC_PATH = "/v1"
 CONTENT_TYPE = "application/msgpack"
+# How error messages quote a value the client sent (`_shown`).
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel = 3
+_SHOWN.maxstring = _SHOWN.maxother = 60
 
 OPS = ("lookup", "admit", "evict", "heartbeat", "resync", "stats", "pairs_add", "pairs_get")
 
@@ -126,12 +132,18 @@ def decode_request(body: bytes, limits: Limits) -> tuple[str, dict]:
     if version not in SUPPORTED_VERSIONS:
         raise WireError(
             "unsupported_version",
-            f"v: got {version!r}, this server speaks {list(SUPPORTED_VERSIONS)}",
+            f"v: got {_shown(version)}, this server speaks {list(SUPPORTED_VERSIONS)}",
         )
     op = message.get("op")
     if op not in OPS:
-        raise WireError("unknown_op", f"op: got {op!r}, expected one of {', '.join(OPS)}")
+        raise WireError("unknown_op", f"op: got {_shown(op)}, expected one of {', '.join(OPS)}")
     return op, message
+
+
+def _shown(value: Any) -> str:
+    """A client's value as an error message quotes it: ASCII, at most a few dozen
+    characters, at any nesting (msgpack nests 1,000 lists deep, past where repr() fails)."""
+    return _SHOWN.repr(value).encode("ascii", "backslashreplace").decode("ascii")
 
 
 def _unpack(body: bytes, limits: Limits) -> Any:
@@ -255,7 +267,10 @@ def _optional_name(item: dict, field: str, where: str, limits: Limits) -> str | 
 def _count(item: dict, field: str, where: str) -> int:
     value = item.get(field)
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 48:
-        raise WireError("bad_request", f"{where}.{field}: expected a non-negative integer")
+        raise WireError(
+            "bad_request",
+            f"{where}.{field}: expected an integer from 0 to 2**48 - 1, got {_shown(value)}",
+        )
     return value
 
 
@@ -306,7 +321,7 @@ def check_pair(item: Any, where: str = "pair") -> tuple[float, float, float, flo
     if not isinstance(item, (list, tuple)) or len(item) != 4:
         raise WireError("bad_request", f"{where}: expected [ratio, statistic, f1, top1]")
     if any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in item):
-        raise WireError("bad_request", f"{where}: expected four numbers, got {item!a}")
+        raise WireError("bad_request", f"{where}: expected four numbers, got {_shown(item)}")
     ratio, statistic, f1, top1 = (float(x) for x in item)
     if not 0 <= ratio <= 1:
         raise WireError("bad_request", f"{where}: ratio must be in [0, 1], got {ratio!r}")

@@ -26,13 +26,32 @@ _messages = st.fixed_dictionaries(
     {},
     optional={
         "v": st.sampled_from([0, 1, 2, "1", None]),
-        "op": st.sampled_from(["lookup", "admit", "evict", "heartbeat", "resync", "stats", "x", 7]),
+        "op": st.sampled_from(
+            [
+                "lookup",
+                "admit",
+                "evict",
+                "heartbeat",
+                "resync",
+                "stats",
+                "pairs_add",
+                "pairs_get",
+                "x",
+                7,
+            ]
+        ),
         "keys": st.one_of(_values, st.lists(st.text(min_size=1, max_size=300), max_size=40)),
         "pod": _values,
         "entries": _values,
         "reset": _values,
         "shared": _values,
         "model": _values,
+        "scope": _values,
+        "pairs": st.one_of(
+            _values, st.lists(st.lists(_values, min_size=4, max_size=4), max_size=3)
+        ),
+        "ids": _values,
+        "after": _values,
     },
 )
 
@@ -102,4 +121,38 @@ def test_a_huge_key_list_is_refused_with_the_limit_named(fuzz_server):
     )
     payload = msgpack.unpackb(reply.partition(b"\r\n\r\n")[2])
     assert payload["ok"] is False and "1024" in payload["error"]["message"]
+    assert LookupClient(fuzz_server.url).lookup(["still-serving"]) == [None]
+
+
+def _nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("v", _nested(1000)),
+        ("op", _nested(1000)),
+        ("pairs", [[0.5, 0.1, 0.9, _nested(1000)]]),
+        ("v", "x" * 100_000),
+    ],
+    ids=["v-nested", "op-nested", "pair-nested", "v-long"],
+)
+def test_a_deeply_nested_or_long_value_is_refused_naming_its_field_and_quoted_short(
+    fuzz_server, field, value
+):
+    """msgpack nests lists up to 1,000 deep, past where Python's repr() fails: the error
+    reply still names the field, and quotes a value of any size in a few dozen characters."""
+    message = {"v": 1, "op": "pairs_add", "scope": "s", "pod": "p", "pairs": [[0.5, 0.1, 0.9, 1]]}
+    message[field] = value
+    body = msgpack.packb(message, use_bin_type=True)
+    reply = _exchange(
+        fuzz_server.port, b"POST /v1 HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    )
+    assert int(reply.split(b" ")[1]) == 400, reply[:200]
+    error = msgpack.unpackb(reply.partition(b"\r\n\r\n")[2])["error"]
+    assert error["message"].startswith(field) and len(error["message"]) < 200, error
     assert LookupClient(fuzz_server.url).lookup(["still-serving"]) == [None]

@@ -48,6 +48,21 @@ def test_capacity_in_bytes_is_enforced():
     assert len(index) == 2 and index.num_bytes == 20
 
 
+def test_a_segment_larger_than_the_byte_capacity_is_not_indexed_and_drops_no_other():
+    """Making room for a segment over `max_bytes` dropped every indexed segment, then the
+    segment itself: one such admit emptied the index for all pods."""
+    index = SegmentIndex(IndexLimits(max_bytes=100))
+    index.admit("p", [entry("a"), entry("b")])
+    assert index.admit("q", [entry("huge", num_bytes=101), entry("c")]) == 1
+    assert [hit is not None for hit in index.lookup(["a", "b", "huge", "c"])] == [
+        True,
+        True,
+        False,
+        True,
+    ]
+    assert index.num_bytes == 30 and index.stats()["capacity_evictions"] == 1
+
+
 def test_a_segment_goes_when_its_last_holder_evicts_it_unless_the_shared_tier_has_it():
     index = SegmentIndex()
     index.admit("p", [entry("local"), entry("shared", shared=True)])

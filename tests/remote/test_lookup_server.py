@@ -227,3 +227,18 @@ def test_http_errors_for_wrong_paths_and_methods(lookup_server):
     with pytest.raises(urllib.error.HTTPError) as wrong_method:
         urllib.request.urlopen(lookup_server.url + "/v1")
     assert wrong_method.value.code == 405
+
+
+def test_a_count_out_of_range_is_refused_naming_the_field_the_range_and_the_value():
+    """A huge or negative count is refused as such: "expected a non-negative integer" was
+    false for 2**63, which is one, and named neither the limit nor what came."""
+    server = LookupServer()
+    for field, value in (("tokens", 1 << 63), ("bytes", -1), ("bytes", float("nan"))):
+        item = {**entry("k").to_wire(), field: value}
+        body = msgpack.packb({"v": 1, "op": "admit", "pod": "p", "entries": [item]})
+        status, _, payload = server.handle("POST", "/v1", body)
+        message = msgpack.unpackb(payload)["error"]["message"]
+        assert status == 400
+        assert (
+            message == f"entries[0].{field}: expected an integer from 0 to 2**48 - 1, got {value!r}"
+        )
