@@ -661,8 +661,9 @@ class BlendEngine:
 
     def _get_many(self, keys: Sequence[str | None]) -> list[SegmentKV | None]:
         """The store's entries for `keys` (None for a None key), in one batch: a tiered store
-        asks the lookup server once per prompt, not once per segment."""
-        wanted = [key for key in keys if key is not None]
+        asks the lookup server once per prompt, not once per segment, and a document the
+        prompt holds twice is asked for (and read from the shared tier) once."""
+        wanted = list(dict.fromkeys(key for key in keys if key is not None))
         found = dict(zip(wanted, self.store.get_many(wanted), strict=True))
         return [found.get(key) if key is not None else None for key in keys]
 

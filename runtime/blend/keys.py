@@ -1,11 +1,13 @@
 """Segment keys: the one definition of what names a segment's cached KV.
 
-A key hashes the segment's tokens with the model, the dtype the tiers hold its KV in and,
-for documents cached right after the system prompt (`BlendConfig.cache_after_system`), the
-tokens of that context (system prompt and separator): KV computed after another system
-prompt is other KV. The system prompt itself is cached alone from position 0, always in
-the model's own dtype (`system_kv_dtype`; documents in `kv_dtype`, which a narrower
-`kv.storeDtype` rounds): one segment shared by every prompt, the exact prefix of each.
+A key hashes the segment's tokens with the model, the dtype the tiers hold its KV in (and
+the model's own where that is another: KV rounded from a float32 model's is not a bfloat16
+model's) and, for documents cached right after the system prompt
+(`BlendConfig.cache_after_system`), the tokens of that context (system prompt and
+separator): KV computed after another system prompt is other KV. The system prompt itself
+is cached alone from position 0, always in the model's own dtype (`system_kv_dtype`;
+documents in `kv_dtype`, which a narrower `kv.storeDtype` rounds): one segment shared by
+every prompt, the exact prefix of each.
 Segments shorter than `min_segment_tokens` (and the question) are never cached: None.
 
 Both engines key through `SegmentKeyer`: holeblend-serve's (`BlendEngine`) and the vLLM
@@ -95,8 +97,19 @@ class SegmentKeyer:
 
     def _key(self, token_ids: Sequence[int], kv_dtype: str, context_key: str | None) -> str:
         return segment_key(
-            token_ids, model_id=self.model_id, kv_dtype=kv_dtype, context_key=context_key
+            token_ids,
+            model_id=self.model_id,
+            kv_dtype=self._kv_dtype_name(kv_dtype),
+            context_key=context_key,
         )
+
+    def _kv_dtype_name(self, kv_dtype: str) -> str:
+        """The dtype a key names: `kv_dtype`, and the model's when that is another
+        ("bfloat16<float32"). KV a float32 model computed and rounded to bfloat16 is not
+        what a bfloat16 model computes, which would otherwise take it for its own exact KV
+        (its first document as the exact prefix) from a tier both use."""
+        model_dtype = self.system_kv_dtype or self.kv_dtype
+        return kv_dtype if kv_dtype == model_dtype else f"{kv_dtype}<{model_dtype}"
 
     def document_offset(self, prompt: SegmentedPrompt) -> int:
         """Where a document starts when cached after the system prompt (0: alone)."""

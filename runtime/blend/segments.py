@@ -79,6 +79,17 @@ class SegmentedPrompt:
             raise ValueError(
                 f"segments: ranges {actual} do not lie between the separators {expected}"
             )
+        # Keys hash a segment's own token ids and the engine caches by kind: a segment
+        # other than the prompt's would store this prompt's KV under another text's key.
+        for position, segment in enumerate(self.segments):
+            own = _make_segment(position, len(expected), segment.start, segment.end, self.token_ids)
+            fields = (segment.kind, segment.index, tuple(segment.token_ids))
+            if fields != (own.kind, own.index, tuple(own.token_ids)):
+                raise ValueError(
+                    f"segments[{position}]: not the prompt's {own.kind} (index {own.index}) "
+                    f"with its tokens [{segment.start}, {segment.end}); make the segments "
+                    "with SegmentedPrompt.from_separators"
+                )
 
     @classmethod
     def from_separators(

@@ -82,6 +82,35 @@ def test_a_document_twice_in_one_prompt_is_stored_once_at_its_first_place(
     assert again.num_exact_prefix_tokens == prompt.segments[1].end - (stop - start)
 
 
+def test_a_document_twice_in_one_prompt_is_loaded_once_from_the_shared_tier(
+    reference_engine, rag_texts
+):
+    """Pod B, its own tier empty, finds a document that its prompt holds twice in the
+    shared tier: one Redis read of its blob, not one per copy (a blob is megabytes)."""
+    from holeblend_runtime.kv.store import LocalKVStore
+    from holeblend_runtime.kv.tiers import KVLayout, TierSettings, open_tiered_store
+    from holeblend_runtime.lookup_server.processes import RedisProcess
+
+    def pod(name: str, url: str) -> BlendEngine:
+        engine = BlendEngine(reference_engine.model, reference_engine.tokenizer)
+        layout = KVLayout.of(engine.config, engine.kv_dtype, "float32")
+        settings = TierSettings(1 << 28, url, None, "ns/rag", name)
+        engine.store = open_tiered_store(settings, layout, LocalKVStore(1 << 28))
+        return engine
+
+    system, documents, question = rag_texts
+    with RedisProcess(maxmemory="256mb") as redis:
+        a, b = pod("pod-a", redis.url), pod("pod-b", redis.url)
+        prompt = a.build_prompt(system, [documents[1], documents[2], documents[1]], question)
+        a.cache_segments(prompt)
+        prefill = b.prefill(prompt, "hole", ratio=0.15)
+        figures = b.store.figures()
+        a.store.close()
+        b.store.close()
+    assert prefill.reuse.reused_segments == (0, 1, 2, 3)
+    assert figures["shared_hits"] == 3  # the system prompt and two documents
+
+
 def test_full_mode_leaves_the_store_alone(new_engine, rag_texts):
     engine = new_engine()
     prompt = engine.build_prompt(*rag_texts)

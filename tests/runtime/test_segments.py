@@ -40,6 +40,30 @@ def test_segment_ranges_point_at_their_tokens():
     assert prompt.token_ids == tuple(tokens)
 
 
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"token_ids": (20, 22)},  # another document's tokens: its KV stored under their key
+        {"kind": SegmentKind.QUESTION},
+        {"index": 0},
+    ],
+)
+def test_a_hand_built_segment_that_is_not_the_prompt_s_is_refused(change):
+    """The ranges alone do not make a prompt: keys hash a segment's own token ids and the
+    engine caches by kind, so a segment must be the prompt's tokens, in its place."""
+    import dataclasses
+
+    from holeblend_runtime.blend.segments import SegmentedPrompt
+
+    prompt = _splitter().split([1, 2, *SEP, 10, 11, *SEP, 20, 21, *SEP, 30])
+    segments = list(prompt.segments)
+    segments[2] = dataclasses.replace(segments[2], **change)
+    with pytest.raises(ValueError, match=r"segments\[2\]"):
+        SegmentedPrompt(prompt.token_ids, tuple(segments), prompt.separator_ranges)
+    # The prompt as split, and the same ids in a list, are taken.
+    SegmentedPrompt(list(prompt.token_ids), prompt.segments, prompt.separator_ranges)
+
+
 def test_multi_token_separator_must_match_completely():
     # A lone first separator token is ordinary text, not a split point.
     tokens = [1, 900, 2, *SEP, 3, 901, 4, *SEP, 5]
@@ -191,3 +215,36 @@ def test_the_model_id_names_the_model_and_its_weights():
     assert ids[1].startswith("sha256-") and ids[1] == keyed_model_id("a|b", "c")
     with pytest.raises(ValueError, match="weights_id"):
         keyed_model_id("m", "")
+
+
+@pytest.mark.parametrize("cache_after_system", [True, False])
+def test_kv_rounded_from_another_model_dtype_is_keyed_apart(cache_after_system):
+    """A float32 model's KV held in bfloat16 is not what a bfloat16 model computes: the
+    bfloat16 model would take it for its own (its first document as an exact prefix).
+    Where KV is held in the model's own dtype, keys keep their layout."""
+    from holeblend_runtime.blend.config import BlendConfig
+    from holeblend_runtime.blend.keys import SegmentKeyer
+
+    prompt = _splitter().split([1, 2, *SEP, 10, 11, *SEP, 20, 21, *SEP, 30])
+
+    def keyer(model_dtype: str, kv_store_dtype: str) -> SegmentKeyer:
+        blend = BlendConfig(
+            kv_store_dtype=kv_store_dtype,
+            cache_after_system=cache_after_system,
+            min_segment_tokens=1,
+        )
+        return SegmentKeyer.for_model("m", model_dtype, blend)
+
+    rounded, native = keyer("float32", "bfloat16"), keyer("bfloat16", "auto")
+    assert rounded.kv_dtype == native.kv_dtype == "bfloat16"
+    rounded_keys, native_keys = rounded.keys(prompt), native.keys(prompt)
+    for document in (1, 2):
+        assert rounded_keys[document] != native_keys[document]
+    assert rounded_keys == keyer("float32", "bfloat16").keys(prompt)
+    context_key = None
+    if cache_after_system:
+        context = prompt.token_ids[: prompt.separator_ranges[0][1]]
+        context_key = segment_key(context, model_id="m", kv_dtype="bfloat16")
+    document = prompt.documents[0].token_ids
+    expected = segment_key(document, model_id="m", kv_dtype="bfloat16", context_key=context_key)
+    assert native_keys[1] == expected
