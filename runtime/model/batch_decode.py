@@ -230,9 +230,15 @@ def decode_step(model: Llama, sequences: Sequence[DecodeSequence], tokens: Seque
         raise ValueError(f"tokens: {len(tokens)} for {len(sequences)} sequences")
     if not sequences:
         return
+    seen: set[DecodeSequence] = set()  # sequences compare by identity
     for i, sequence in enumerate(sequences):
         if sequence.room < 1:
             raise ValueError(f"sequences[{i}]: the KV cache is full at {sequence.position}")
+        # Given twice, a sequence would advance two slots for the one written: later steps
+        # would read the skipped slot's zeros as a key.
+        if sequence in seen:
+            raise ValueError(f"sequences[{i}]: given twice; feed each sequence one token a step")
+        seen.add(sequence)
     groups: dict[KVPool, list[int]] = {}  # pools compare by identity
     for i, sequence in enumerate(sequences):
         assert sequence.pool is not None

@@ -50,14 +50,23 @@ class TextTokenizer:
         self.add_bos_token = config.add_bos_token and config.bos_token_id is not None
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text` alone (no BOS): pieces concatenate into prompts."""
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+        """Token ids of `text` alone (no BOS): pieces concatenate into prompts. ValueError
+        for a lone surrogate (text that is not Unicode)."""
+        try:
+            return self._tokenizer.encode(text, add_special_tokens=False).ids
+        except TypeError:
+            _refuse_lone_surrogates([text])
+            raise
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """`encode` of each text, in one call that releases the GIL while it tokenizes
         (`encode` holds it: 0.3 s for 600 KB of text, during which no other thread of the
         process runs, such as a server's event loop)."""
-        encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
+        try:
+            encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
+        except TypeError:
+            _refuse_lone_surrogates(texts)
+            raise
         return [encoding.ids for encoding in encodings]
 
     def encode_prompt(self, text: str) -> list[int]:
@@ -86,3 +95,19 @@ class TextTokenizer:
             )
             or 1
         )
+
+
+def _refuse_lone_surrogates(texts: Sequence[object]) -> None:
+    """ValueError for the first text holding a lone surrogate: JSON carries one
+    (`"\\ud800"`) into a Python string, but UTF-8 cannot, and the tokenizer then says
+    only that the text "must be str"."""
+    for text in texts:
+        if not isinstance(text, str):
+            continue
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise ValueError(
+                f"text: contains a lone surrogate at character {error.start} (after "
+                f"{text[max(error.start - 20, 0) : error.start]!r}); pass valid Unicode"
+            ) from None

@@ -127,6 +127,17 @@ def test_bad_steps_are_refused(prefills):
         engine.start_decode(prefilled[0], 0)
 
 
+def test_a_sequence_given_twice_in_one_step_is_refused(prefills):
+    """Twice in one step, a sequence would advance two slots for the one K/V written, and
+    later steps would read the skipped slot as a key."""
+    engine, prefilled = prefills
+    first, second = (engine.start_decode(p, 4) for p in prefilled[:2])
+    positions = [first.position, second.position]
+    with pytest.raises(ValueError, match=r"sequences\[2\]: given twice"):
+        engine.decode_step([first, second, first], [5, 6, 7])
+    assert [first.position, second.position] == positions
+
+
 def _pooled_and_alone(engine, prefilled, limit=6):
     """Each prefill decoded in the engine's pool and, the same KV, in a pool of its own."""
     pooled = [engine.start_decode(p, limit) for p in prefilled]

@@ -82,3 +82,20 @@ def test_document_ending_in_part_of_the_separator_keeps_its_tokens(
     alone = reference_engine.build_prompt(system, [documents[1], ending], question)
     keys, keys_alone = reference_engine.segment_keys(prompt), reference_engine.segment_keys(alone)
     assert keys[1] == keys_alone[2] and keys[2] == keys_alone[1]
+
+
+def test_text_with_a_lone_surrogate_is_refused_saying_where(reference_engine, rag_texts):
+    """JSON's "\\ud800" becomes a Python string that UTF-8 cannot hold: a ValueError that
+    says where, not the tokenizer's TypeError, for one text, a batch and a whole prompt."""
+    tokenizer = reference_engine.tokenizer
+    with pytest.raises(ValueError, match=r"lone surrogate at character 6 \(after 'Oskeby'\)"):
+        tokenizer.encode("Oskeby\ud800 museum")
+    with pytest.raises(ValueError, match="lone surrogate at character 0"):
+        tokenizer.encode_batch(["fine", "\udc00 broken"])
+    system, documents, question = rag_texts
+    with pytest.raises(ValueError, match="lone surrogate"):
+        reference_engine.build_prompt(system, [documents[0], "half an emoji \ud83d"], question)
+    assert tokenizer.encode_batch(["fine", "😀 e\u0301"]) == [
+        tokenizer.encode("fine"),
+        tokenizer.encode("😀 e\u0301"),
+    ]
