@@ -438,7 +438,7 @@ class Server:
                 f"{prompt.num_tokens} prompt tokens + {max_tokens} exceed the model context "
                 f"of {context}; ask for at most {context - prompt.num_tokens}"
             )
-            raise BadRequest("max_tokens", message)
+            raise BadRequest(rag.max_tokens_field, message)
         return prompt, min(max_tokens, context - prompt.num_tokens)
 
     async def _respond(self, request: web.Request, job: Job, rag: RagRequest):

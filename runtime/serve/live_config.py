@@ -41,9 +41,11 @@ class LiveConfig:
         on_reload: Callable[[], None] = lambda: None,
     ) -> None:
         self.path = path
+        # Taken before the settings are read: a file swapped in between then differs from
+        # it, and the first check applies it.
+        self._digest = _digest(path)
         self.startup = load_blend_settings(path)
         self._current = self.startup
-        self._digest = _digest(path)
         self._on_error = on_error
         self._on_reload = on_reload
         self._lock = threading.Lock()

@@ -61,6 +61,8 @@ class RagRequest:
     stop: tuple[str, ...] = ()
     # Decode past the end-of-sequence token, to max_tokens (vLLM's extension).
     ignore_eos: bool = False
+    # The field `max_tokens` came from, for the errors that name it.
+    max_tokens_field: str = "max_tokens"
 
 
 def parse_completion(body: Any, separator: str, is_control_token: Callable[[str], bool]):
@@ -106,19 +108,21 @@ def _request(kind: str, body: Mapping[str, Any], system, documents, question) ->
     n = _or_default(body, "n", 1)
     if type(n) is not int or n != 1:
         raise BadRequest("n", f"only n=1 is supported, got {n!r}")
+    max_tokens, max_tokens_field = _max_tokens(body)
     return RagRequest(
         kind=kind,
         model=_string(body.get("model"), "model", required=True),
         system=system,
         documents=documents,
         question=question,
-        max_tokens=_max_tokens(body),
+        max_tokens=max_tokens,
         stream=stream,
         include_usage=_bool(
             _or_default(options, "include_usage", False), "stream_options.include_usage"
         ),
         stop=_stop(body.get("stop")),
         ignore_eos=_bool(_or_default(body, "ignore_eos", False), "ignore_eos"),
+        max_tokens_field=max_tokens_field,
     )
 
 
@@ -205,11 +209,13 @@ BOOKKEEPING = {
     "prompt_cache_key": _of_type(str, "a string"),
     "safety_identifier": _of_type(str, "a string"),
 }
-# Not implemented by the blend engine: refused unless at their default.
+# Not implemented by the blend engine: refused unless at their default. `logprobs: 0` and
+# `prompt_logprobs: 0` are not defaults: they ask for the chosen tokens' own logprobs
+# (OpenAI's completions, vLLM).
 UNSUPPORTED = {
-    "logprobs": _only(False, 0),
+    "logprobs": _only(False),
     "top_logprobs": _only(0),
-    "prompt_logprobs": _only(0),
+    "prompt_logprobs": _only(None),
     "echo": _only(False),
     "best_of": _only(1),
     "suffix": _only(""),
@@ -262,16 +268,17 @@ def _or_default(body: Mapping[str, Any], name: str, default: Any) -> Any:
     return default if value is None else value
 
 
-def _max_tokens(body: Mapping[str, Any]) -> int | None:
-    """`max_completion_tokens`, else `max_tokens` (either null counts as unset)."""
-    name = "max_completion_tokens"
-    if (value := body.get(name)) is None:
-        name = "max_tokens"
+def _max_tokens(body: Mapping[str, Any]) -> tuple[int | None, str]:
+    """`max_completion_tokens`, else `max_tokens` (either null counts as unset; both are
+    checked), and the field it came from."""
+    found: tuple[int | None, str] = (None, "max_tokens")
+    for name in ("max_tokens", "max_completion_tokens"):
         if (value := body.get(name)) is None:
-            return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise BadRequest(name, f"must be a positive integer, got {value!r}")
-    return value
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise BadRequest(name, f"must be a positive integer, got {value!r}")
+        found = (value, name)
+    return found
 
 
 def _prompt(value: Any) -> str:

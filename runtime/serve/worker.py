@@ -7,8 +7,8 @@ continuous batching of the decode steps):
 1. `submit` admits a job while fewer than `queue_size` wait, else raises `QueueFull` (the
    route answers 429 with Retry-After: when a running job is expected to end, see
    `SlotEstimate`). A waiting job that is cancelled (`cancel`: its client went away or
-   got its timeout) gives its place back at once; so does one whose `cancelled` event
-   was set directly, by the next `submit` or `num_pending` at the latest.
+   got its timeout) gives its place back and leaves the queue at once; so does one whose
+   `cancelled` event was set directly, by the next `submit` or `num_pending` at the latest.
 2. Whenever a job waits and fewer than `max_batch` jobs are decoding, the thread takes the
    next one in arrival order before any decode step. A job cancelled or past its deadline
    before it starts is dropped without compute (and is no job duration for the
@@ -268,19 +268,35 @@ class EngineWorker:
 
     def cancel(self, job: Job) -> None:
         """Stop `job` (no effect once it finished): a running job ends at its next token; a
-        waiting one gives its queue place back now and is skipped without compute."""
+        waiting one gives its queue place back now and is dropped without compute."""
         job.cancelled.set()
         with self._lock:
             if job in self._waiting:
-                self._waiting.discard(job)
+                self._drop_waiting(job)
                 self.metrics.queue_depth.set(len(self._waiting))
 
     def _release_cancelled(self) -> None:
         """Under `_lock`: give back the places of waiting jobs whose `cancelled` was set
         without `cancel`."""
         if dead := [job for job in self._waiting if job.cancelled.is_set()]:
-            self._waiting.difference_update(dead)
+            for job in dead:
+                self._drop_waiting(job)
             self.metrics.queue_depth.set(len(self._waiting))
+
+    def _drop_waiting(self, job: Job) -> None:
+        """Under `_lock`: a cancelled waiting job leaves the queue now, not when the thread
+        reaches it (with the batch full that may be minutes, its prompt held all along),
+        and gets its `Finished`; one the thread already took is dropped there."""
+        self._waiting.discard(job)
+        with self._jobs.mutex:
+            try:
+                self._jobs.queue.remove(job)
+            except ValueError:  # taken by the thread, or not yet put
+                return
+        try:
+            job.emit(Finished("cancelled"))
+        except Exception:  # its loop is gone: nobody waits for it
+            log.exception("cannot report the end of a dropped request")
 
     def _run(self) -> None:
         # Set here, not inherited: a thread that never ran torch starts with the count the

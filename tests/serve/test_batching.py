@@ -549,3 +549,41 @@ def test_only_answers_that_ran_to_their_end_are_offered_to_the_shadow(reason, of
     assert len(seen) == (1 if offered else 0)
     # The shadow cuts both answers at the request's stop sequences.
     assert all(answered.stop == ("\n\n",) for answered in seen)
+
+
+@pytest.mark.parametrize("how", ["cancel", "event"])
+def test_a_cancelled_waiting_job_is_not_held_while_the_batch_is_busy(gated, how):
+    """A job cancelled while queued gave its place back but stayed in the thread's queue,
+    with its tokenized prompt, until the batch had room: clients that leave while queued
+    (a short client timeout under load) piled up prompts for as long as the batch stayed
+    full. It now leaves the queue at once, and still gets its one `Finished`."""
+    engine, worker = gated(queue_size=2, max_batch=1)
+
+    async def main() -> tuple[int, list]:
+        loop = asyncio.get_running_loop()
+        running = new_job(loop)
+        worker.submit(running)
+        await first_event(running, int)  # decoding, its steps held
+        refs, queues = [], []
+        for _ in range(5):
+            now = time.perf_counter()
+            job = Job(None, 1000, now, now + 120, loop)
+            worker.submit(job)
+            worker.cancel(job) if how == "cancel" else job.cancelled.set()
+            worker.num_pending  # noqa: B018 (where a directly set event is seen)
+            refs.append(weakref.ref(job))
+            queues.append(job.events)
+            del job
+        gc.collect()
+        num_held = sum(ref() is not None for ref in refs)
+        worker.cancel(running)
+        engine.steps.release()
+        ends = [await asyncio.wait_for(events.get(), 10) for events in queues]
+        assert await first_event(running, Finished) == Finished("cancelled")
+        return num_held, ends
+
+    num_held, ends = asyncio.run(main())
+    assert num_held == 0
+    assert ends == [Finished("cancelled")] * 5
+    assert engine.num_prefills == 1
+    assert settles_to_zero(worker) and queue_depth(worker) == 0

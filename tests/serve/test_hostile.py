@@ -145,6 +145,8 @@ def test_a_lone_surrogate_names_the_field(server):
         ("seed", 1.5),
         ("presence_penalty", True),
         ("logprobs", 5),
+        ("logprobs", 0),  # the chosen tokens' logprobs
+        ("prompt_logprobs", 0),
         ("echo", True),
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
         ("response_format", {"type": "json_object"}),

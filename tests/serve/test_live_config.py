@@ -148,3 +148,23 @@ def test_the_watcher_outlives_an_unexpected_error_and_applies_the_next_file(volu
 
     assert asyncio.run(main()), "the watcher ended"
     assert live.recompute_ratio == 0.5 and errors == [1] and live.num_errors == 1
+
+
+def test_a_file_swapped_in_while_the_server_starts_is_applied_by_the_first_check(
+    volume, monkeypatch
+):
+    """The kubelet's swap may land between the start-up read of the settings and the read
+    that remembers the file's bytes: those bytes were the new file's, so no check ever saw a
+    change and the ratio the tuner wrote stayed unapplied until it wrote another."""
+    load = live_config.load_blend_settings
+
+    def load_then_swap(path):
+        settings = load(path)
+        volume.publish(settings_text(recomputeRatio=0.4))
+        return settings
+
+    monkeypatch.setattr(live_config, "load_blend_settings", load_then_swap)
+    live = LiveConfig(volume.path)
+    monkeypatch.setattr(live_config, "load_blend_settings", load)
+    assert live.startup.recompute_ratio == 0.15
+    assert live.check() is True and live.recompute_ratio == 0.4

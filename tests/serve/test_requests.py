@@ -86,6 +86,45 @@ def test_a_bad_max_completion_tokens_is_named_in_the_error():
     assert caught.value.param == "max_tokens"
 
 
+def test_max_tokens_is_checked_when_max_completion_tokens_wins():
+    """A `max_tokens` of the wrong type next to a valid `max_completion_tokens` was
+    accepted unread."""
+    with pytest.raises(BadRequest) as caught:
+        completion(prompt="q", max_tokens="10", max_completion_tokens=5)
+    assert caught.value.param == "max_tokens"
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"max_completion_tokens": 7}, "max_completion_tokens"),
+        ({"max_tokens": 7}, "max_tokens"),
+        ({"max_tokens": 9, "max_completion_tokens": 7}, "max_completion_tokens"),
+        ({"max_tokens": 7, "max_completion_tokens": None}, "max_tokens"),
+        ({}, "max_tokens"),
+    ],
+)
+def test_the_request_names_the_field_its_max_tokens_came_from(body, field):
+    """Errors about the token limit (over the context) name the field the client sent."""
+    request = chat(messages=[{"role": "user", "content": "q"}], **body)
+    assert request.max_tokens_field == field
+
+
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+def test_a_zero_logprobs_field_asks_for_logprobs_and_is_refused(field):
+    """`logprobs: 0` (completions) and `prompt_logprobs: 0` ask for the logprob of each
+    chosen token (OpenAI's completions API, vLLM): they were accepted as the default and
+    the answer came with `logprobs: null`."""
+    with pytest.raises(BadRequest) as caught:
+        completion(prompt="Q?", **{field: 0})
+    assert caught.value.param == field
+
+
+def test_fields_that_ask_for_no_logprobs_are_accepted():
+    request = completion(prompt="Q?", logprobs=False, top_logprobs=0, prompt_logprobs=None)
+    assert request.question == "Q?"
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [

@@ -113,6 +113,12 @@ def test_chat_streams_sse_chunks_with_usage_and_done(server):
         ({"model": "smollm2", "prompt": 5}, 400, "prompt"),
         ({"model": "gpt-4", "prompt": "hi"}, 404, "model"),
         ({"model": "smollm2", "prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens"),
+        # The field the client sent, not its older name.
+        (
+            {"model": "smollm2", "prompt": "hi", "max_completion_tokens": 10**9},
+            400,
+            "max_completion_tokens",
+        ),
         ({"model": "smollm2", "prompt": "hi", "documents": ["a # # b"]}, 400, "documents[0]"),
     ],
 )
