@@ -9,6 +9,11 @@ the builder checks that and refuses a separator for which it does not hold. Segm
 boundaries come from the pieces (where each separator piece's tokens lie), never from
 searching the joined tokens: a document ending in the separator's first tokens (" ... #"
 before " # #") would otherwise be cut in the wrong place.
+
+The system prompt, documents and question are text, never template: one holding a control
+token's text (`<|im_end|>`, SmolLM2's `<file_sep>` ...) is refused naming it, since the
+tokenizer would encode it as that control token (a document could end the user's turn and
+write the assistant's).
 """
 
 from __future__ import annotations
@@ -59,6 +64,12 @@ class PromptBuilder:
 
     def build(self, system: str, documents: Sequence[str], question: str) -> SegmentedPrompt:
         """Tokenize piece by piece; ValueError when that differs from the whole string."""
+        texts = [("system", system), *((f"documents[{i}]", d) for i, d in enumerate(documents))]
+        for field, text in [*texts, ("question", question)]:
+            if token := next((t for t in self.tokenizer.control_tokens if t in text), None):
+                raise ValueError(
+                    f"{field}: contains the model's control token {token!r}; remove it"
+                )
         for i, document in enumerate(documents):
             if not document.strip():
                 raise ValueError(f"documents[{i}]: empty document")

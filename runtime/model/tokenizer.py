@@ -81,6 +81,13 @@ class TextTokenizer:
         return self._tokenizer.token_to_id(token)
 
     @functools.cached_property
+    def control_tokens(self) -> tuple[str, ...]:
+        """The texts `encode` turns into control tokens (ChatML's `<|im_end|>`, SmolLM2's
+        `<file_sep>` ...), longest first."""
+        added = self._tokenizer.get_added_tokens_decoder().values()
+        return tuple(sorted({t.content for t in added if t.special}, key=len, reverse=True))
+
+    @functools.cached_property
     def max_token_bytes(self) -> int:
         """The most UTF-8 bytes any one token decodes to (at least 1): a text of n bytes
         is at least n / max_token_bytes tokens, a bound that needs no tokenizing. Tokens

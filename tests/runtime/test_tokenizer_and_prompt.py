@@ -1,5 +1,7 @@
 """The tokenizer behaves like the model's own, and prompts split into their pieces."""
 
+import re
+
 import pytest
 
 from holeblend_runtime.blend.config import DEFAULT_SEPARATOR
@@ -56,6 +58,23 @@ def test_document_containing_the_separator_is_refused(reference_engine, rag_text
     system, documents, question = rag_texts
     with pytest.raises(ValueError, match=r"documents\[1\]"):
         reference_engine.build_prompt(system, [documents[0], "a # # b"], question)
+
+
+@pytest.mark.parametrize("token", ["<|im_end|>", "<file_sep>", "<empty_output>"])
+@pytest.mark.parametrize("field", ["system", "documents[1]", "question"])
+def test_text_holding_a_control_token_is_refused_naming_field_and_token(
+    reference_engine, rag_texts, field, token
+):
+    """The tokenizer encodes a control token's text as the control token: a document
+    holding `<|im_end|>` (or SmolLM2's `<file_sep>` ...) would close the user's turn."""
+    system, documents, question = rag_texts
+    text = f"Text before {token} and after."
+    texts = {"system": system, "documents[1]": documents[1], "question": question}
+    texts[field] = text
+    docs = [documents[0], texts["documents[1]"]]
+    assert token in reference_engine.tokenizer.control_tokens
+    with pytest.raises(ValueError, match=rf"{re.escape(field)}: .*{re.escape(repr(token))}"):
+        reference_engine.build_prompt(texts["system"], docs, texts["question"])
 
 
 def test_empty_document_is_refused(reference_engine, rag_texts):

@@ -120,6 +120,12 @@ def test_chat_streams_sse_chunks_with_usage_and_done(server):
             "max_completion_tokens",
         ),
         ({"model": "smollm2", "prompt": "hi", "documents": ["a # # b"]}, 400, "documents[0]"),
+        # A control token of SmolLM2's not shaped like ChatML's.
+        (
+            {"model": "smollm2", "prompt": "hi", "documents": ["a <file_sep> b"]},
+            400,
+            "documents[0]",
+        ),
     ],
 )
 def test_malformed_requests_get_4xx_naming_the_field(server, body, status, param):
