@@ -105,6 +105,8 @@ def _request(kind: str, body: Mapping[str, Any], system, documents, question) ->
     options = _or_default(body, "stream_options", {})
     if not isinstance(options, Mapping):
         raise BadRequest("stream_options", "must be an object")
+    if options and not stream:  # as OpenAI's API and vLLM's server answer it
+        raise BadRequest("stream_options", "may only be set with stream: true")
     n = _or_default(body, "n", 1)
     if type(n) is not int or n != 1:
         raise BadRequest("n", f"only n=1 is supported, got {n!r}")
@@ -328,7 +330,9 @@ def _content(value: Any, name: str) -> str:
         isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
         for p in value
     ):
-        return "".join(part["text"] for part in value)
+        # Joined by newlines, as vLLM's server renders text parts for a string template:
+        # the same request builds the same prompt on the deployment's vLLM pods.
+        return "\n".join(part["text"] for part in value)
     raise BadRequest(name, "must be a string or a list of text parts")
 
 

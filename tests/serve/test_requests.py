@@ -50,6 +50,14 @@ def test_structured_documents_extension():
     assert (request.system, request.documents, request.question) == ("S", ("a",), "Q?")
 
 
+def test_text_parts_of_a_message_are_joined_by_newlines_as_vllm_joins_them():
+    """The same chat request must build the same prompt on CPU pods as on vLLM pods,
+    whose server joins a message's text parts with newlines for a string template."""
+    parts = [{"type": "text", "text": "Doc A."}, {"type": "text", "text": "What?"}]
+    request = chat(messages=[{"role": "user", "content": parts}])
+    assert request.question == "Doc A.\nWhat?"
+
+
 def test_text_without_separator_is_a_question_without_documents():
     request = completion(prompt="Hello there")
     assert (request.system, request.documents, request.question) == ("", (), "Hello there")
@@ -211,6 +219,7 @@ def test_stop_is_a_string_or_a_list_of_strings(stop, expected):
         ({"messages": []}, "messages"),  # a chat field on the completions endpoint
         ({"stream_options": []}, "stream_options"),  # falsy, yet not an object
         ({"stream_options": False}, "stream_options"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
         ({"system": 5}, "system"),  # checked without documents too
         ({"documents": 0}, "documents"),
     ],
