@@ -3,7 +3,8 @@
 Grid: (token blocks, heads + 2 * kv_heads). Program (b, h) takes head h of the packed
 projection for its tokens: a Q head is rotated into Q, a K head rotated into K at the
 token's cache slot, a V head copied into V at that slot. Rotation in float32:
-out[:half] = x1 cos - x2 sin, out[half:] = x2 cos + x1 sin.
+out[:half] = x1 cos - x2 sin, out[half:] = x2 cos + x1 sin. Offsets are 64-bit: a long
+prompt's projection, or a large cache, spans more than 2**31 elements.
 """
 
 import triton
@@ -20,24 +21,25 @@ def rope_qkv_kernel(
     BLOCK_T: tl.constexpr, SCATTER: tl.constexpr,
 ):  # fmt: skip
     block = tl.program_id(0)
-    head = tl.program_id(1)
+    head = tl.program_id(1).to(tl.int64)
     rows = block * BLOCK_T + tl.arange(0, BLOCK_T)
+    offsets = rows.to(tl.int64)
     dims = tl.arange(0, HALF)
     is_row = rows < num_tokens
     mask = is_row[:, None]
-    source = X + rows[:, None] * stride_x + head * (2 * HALF) + dims[None, :]
+    source = X + offsets[:, None] * stride_x + head * (2 * HALF) + dims[None, :]
     x1 = tl.load(source, mask=mask, other=0.0)
     x2 = tl.load(source + HALF, mask=mask, other=0.0)
-    slot = tl.load(Slots + rows, mask=is_row, other=0) if SCATTER else rows
+    slot = tl.load(Slots + rows, mask=is_row, other=0).to(tl.int64) if SCATTER else offsets
     if head < NUM_HEADS + NUM_KV_HEADS:
-        cos = tl.load(Cos + rows[:, None] * stride_cos + dims[None, :], mask=mask, other=0.0)
-        sin = tl.load(Sin + rows[:, None] * stride_sin + dims[None, :], mask=mask, other=0.0)
+        cos = tl.load(Cos + offsets[:, None] * stride_cos + dims[None, :], mask=mask, other=0.0)
+        sin = tl.load(Sin + offsets[:, None] * stride_sin + dims[None, :], mask=mask, other=0.0)
         cos, sin = cos.to(tl.float32), sin.to(tl.float32)
         a, b = x1.to(tl.float32), x2.to(tl.float32)
         out1 = (a * cos - b * sin).to(Q.dtype.element_ty)
         out2 = (b * cos + a * sin).to(Q.dtype.element_ty)
         if head < NUM_HEADS:
-            target = Q + rows[:, None] * stride_qn + head * stride_qh + dims[None, :]
+            target = Q + offsets[:, None] * stride_qn + head * stride_qh + dims[None, :]
         else:
             kv_head = head - NUM_HEADS
             target = K + kv_head * stride_kh + slot[:, None] * stride_kn + dims[None, :]

@@ -3,7 +3,8 @@
 Query row i sits at prompt position `positions[i]` and attends to keys 0..positions[i]
 (its true position, whatever other rows are computed with it; a varlen kernel's
 bottom-right causal alignment is right only for a contiguous tail). GQA: query head h
-reads KV head h // (heads / kv_heads).
+reads KV head h // (heads / kv_heads). As the dense mask reads them, a position past the
+last key sees every key, and one below 0 none (its output is 0, SDPA's for such a row).
 
 Two implementations, equal within tolerance (tests):
 - `reference_attention`: plain torch, one SDPA call with a dense mask built from the
@@ -111,7 +112,7 @@ def triton_attention(
     grid = (triton_cdiv(num_queries, block_m), num_heads)
     _kernel()[grid](
         q, k, v, out, positions,
-        1.0 / math.sqrt(head_dim), num_queries,
+        1.0 / math.sqrt(head_dim), num_queries, k.shape[1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         GROUP=num_heads // k.shape[0], HEAD_DIM=head_dim,

@@ -3,6 +3,10 @@
 Grid: (query blocks, heads). Each program loads its queries' positions, reads keys
 0..(its largest position), without a mask below its smallest position (rounded down to a
 key block) and with the causal mask above, in FlashAttention-2's online softmax.
+
+Positions are clamped to -1..keys-1: past the last key a row reads every key, not the
+memory after them; below 0 it reads none, and its output is 0. Offsets are 64-bit: a
+token-major Q or a cache of a long prompt spans more than 2**31 elements.
 """
 
 import triton
@@ -17,7 +21,7 @@ def attend_block(
 ):  # fmt: skip
     keys = start + tl.arange(0, BLOCK_N)
     is_key = keys < num_keys
-    k = tl.load(k_base + keys[None, :] * stride_kn, mask=is_key[None, :], other=0.0)
+    k = tl.load(k_base + keys.to(tl.int64)[None, :] * stride_kn, mask=is_key[None, :], other=0.0)
     if DOT_FP32:
         k = k.to(tl.float32)
     scores = tl.dot(q, k, input_precision=PRECISION) * scale
@@ -27,7 +31,7 @@ def attend_block(
     p = tl.math.exp2(scores - new_max[:, None])
     correction = tl.math.exp2(row_max - new_max)
     row_sum = row_sum * correction + tl.sum(p, axis=1)
-    v = tl.load(v_base + keys[:, None] * stride_vn, mask=is_key[:, None], other=0.0)
+    v = tl.load(v_base + keys.to(tl.int64)[:, None] * stride_vn, mask=is_key[:, None], other=0.0)
     if DOT_FP32:
         v = v.to(tl.float32)
     acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -35,10 +39,10 @@ def attend_block(
 
 
 # One compiled kernel per (dtype, head size): the query count is not specialized on.
-@triton.jit(do_not_specialize=["num_queries"])
+@triton.jit(do_not_specialize=["num_queries", "key_count"])
 def sparse_causal_attention_kernel(
     Q, K, V, Out, Positions,
-    sm_scale, num_queries,
+    sm_scale, num_queries, key_count,
     stride_qh, stride_qn, stride_kh, stride_kn,
     stride_vh, stride_vn, stride_oh, stride_on,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -46,15 +50,17 @@ def sparse_causal_attention_kernel(
     DOT_FP32: tl.constexpr,
 ):  # fmt: skip
     block = tl.program_id(0)
-    head = tl.program_id(1)
+    head = tl.program_id(1).to(tl.int64)
     kv_head = head // GROUP
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offsets = rows.to(tl.int64)
     dims = tl.arange(0, HEAD_DIM)
     is_row = rows < num_queries
     # Padding rows take position 0: they read key 0 only, and are never stored.
-    pos = tl.load(Positions + rows, mask=is_row, other=0).to(tl.int32)
+    pos = tl.load(Positions + rows, mask=is_row, other=0)
+    pos = tl.minimum(tl.maximum(pos, -1), key_count - 1).to(tl.int32)
     q = tl.load(
-        Q + head * stride_qh + rows[:, None] * stride_qn + dims[None, :],
+        Q + head * stride_qh + offsets[:, None] * stride_qn + dims[None, :],
         mask=is_row[:, None],
         other=0.0,
     )
@@ -81,9 +87,10 @@ def sparse_causal_attention_kernel(
             acc, row_max, row_sum, q, pos, start, num_keys, k_base, v_base,
             stride_kn, stride_vn, scale, BLOCK_N, True, PRECISION, DOT_FP32,
         )  # fmt: skip
-    acc = acc / row_sum[:, None]
+    # A row that saw no key (position -1) has a sum of 0 (or NaN): its output is 0.
+    acc = tl.where(row_sum[:, None] > 0, acc / row_sum[:, None], 0.0)
     tl.store(
-        Out + head * stride_oh + rows[:, None] * stride_on + dims[None, :],
+        Out + head * stride_oh + offsets[:, None] * stride_on + dims[None, :],
         acc.to(Out.dtype.element_ty),
         mask=is_row[:, None],
     )

@@ -233,3 +233,41 @@ def test_the_kernel_refuses_shapes_it_cannot_take():
         triton_attention(q, k, k, torch.arange(2, 5))
     with pytest.raises(ValueError, match="positions"):
         reference_attention(q, k, k, torch.arange(2))
+
+
+def test_triton_kernel_reads_positions_outside_the_keys_as_the_dense_mask_does():
+    """A position past the last key sees every key (it reads no memory after them); one
+    below 0 sees none, and its output is 0 (as SDPA's for a row without keys), not NaN."""
+    generator = torch.Generator().manual_seed(7)
+    q, k, v = _inputs(4, 2, 5, 70, 16, torch.float32, generator)
+    positions = torch.tensor([-3, -1, 0, 69, 500], device=DEVICE)
+    got = triton_attention(q, k, v, positions)
+    assert torch.equal(got[:, :2], torch.zeros_like(got[:, :2]))
+    expected = _written_out(q[:, 2:], k, v, positions[2:].clamp(max=69))
+    torch.testing.assert_close(got[:, 2:], expected, atol=1e-5, rtol=1e-5)
+
+
+def _far_apart(memory, shape, strides, offset):
+    """A view of `memory` filled with random values (strides in elements)."""
+    view = memory.as_strided(shape, strides, offset)
+    view.copy_(torch.randn(shape, generator=torch.Generator().manual_seed(offset)))
+    return view
+
+
+def test_triton_kernel_addresses_rows_and_heads_past_two_to_the_31_elements():
+    """Offsets are 64-bit: the third query row and the third KV head start 2**31 elements
+    into their tensors (a token-major Q of a long prompt, a large cache); 32-bit offsets
+    would wrap to memory 2**31 elements before them."""
+    span = 2**30
+    try:
+        # Address space only: the pages the views do not touch are never allocated.
+        memory = torch.empty(2**32 + 512, dtype=torch.float16, device=DEVICE)
+    except RuntimeError:
+        pytest.skip("cannot reserve 2**32 elements of address space")
+    q = _far_apart(memory, (3, 3, 16), (16, span, 1), 2**31)
+    k = _far_apart(memory, (3, 5, 16), (span, 16, 1), 2**31 + 64)
+    v = _far_apart(memory, (3, 5, 16), (span, 16, 1), 2**31 + 192)
+    positions = torch.tensor([2, 3, 4], device=DEVICE)
+    expected = _written_out(q.float(), k.float(), v.float(), positions)
+    got = triton_attention(q, k, v, positions)
+    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)

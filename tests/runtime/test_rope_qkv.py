@@ -144,3 +144,32 @@ def test_shapes_that_do_not_fit_are_refused_naming_the_argument():
     with pytest.raises(ValueError, match="^k_out: expected"):
         triton_rope_qkv(x, table.cos, table.sin, 4, 2, k_out, k_out, positions.to(DEVICE))
     assert not is_triton_supported(x, 48) and is_triton_supported(x, 32)
+
+
+def test_the_kernel_addresses_rows_and_heads_past_two_to_the_31_elements():
+    """Offsets are 64-bit: the third token's projection row and the third KV head of the
+    cache start 2**31 elements into their tensors (a long prompt's projection, a large
+    cache); 32-bit offsets would wrap to memory 2**31 elements before them."""
+    heads, kv_heads, head_dim, span = 1, 3, 16, 2**30
+    try:
+        # Address space only: the pages the views do not touch are never allocated.
+        memory = torch.empty(2**32 + 512, dtype=torch.float16, device=DEVICE)
+    except RuntimeError:
+        pytest.skip("cannot reserve 2**32 elements of address space")
+    x = memory.as_strided((3, (heads + 2 * kv_heads) * head_dim), (span, 1), 2**31)
+    x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(0)))
+    k_out = memory.as_strided((kv_heads, 4, head_dim), (span, head_dim, 1), 2**31 + 128)
+    v_out = memory.as_strided((kv_heads, 4, head_dim), (span, head_dim, 1), 2**31 + 256)
+    k_out.zero_()
+    v_out.zero_()
+    positions = torch.tensor([3, 7, 9])
+    _, table = _inputs(heads, kv_heads, head_dim, positions, torch.float16)
+    slots = torch.tensor([2, 0, 3], device=DEVICE)
+    want_k, want_v = torch.zeros_like(k_out), torch.zeros_like(v_out)
+    want_q, _, _ = reference_rope_qkv(
+        x.contiguous(), table.cos, table.sin, heads, kv_heads, want_k, want_v, slots
+    )
+    q, _, _ = triton_rope_qkv(x, table.cos, table.sin, heads, kv_heads, k_out, v_out, slots)
+    torch.testing.assert_close(q, want_q, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(k_out, want_k, atol=2e-2, rtol=2e-2)
+    assert torch.equal(v_out, want_v)
