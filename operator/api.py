@@ -7,7 +7,7 @@ models. Field names are camelCase on the wire (aliases) and snake_case in Python
 import math
 import re
 from enum import StrEnum
-from typing import Annotated, Any, Literal, NamedTuple, get_args
+from typing import Annotated, Any, Literal, NamedTuple, get_args, get_origin
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -87,9 +87,15 @@ def _matching(
     return Annotated[str, AfterValidator(check), Field(json_schema_extra=schema)]
 
 
+# What str.isspace() calls whitespace, which the runtime refuses as a whole separator. Spelled
+# out: the API server's `pattern` is RE2, whose `\s` is ASCII only ([\t\n\f\r ]) and would
+# let a no-break space or a vertical tab through to an operator that then refuses it.
+_UNICODE_SPACE = (
+    "\t\n\v\f\r\x1c\x1d\x1e\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+)
 # Some character that is not whitespace, up to 64 in all.
 Separator = _matching(
-    r"[\s\S]*\S[\s\S]*",
+    rf"[\s\S]*[^{_UNICODE_SPACE}][\s\S]*",
     "a separator with a visible character (whitespace alone is refused by the runtime), "
     "like ' # #'",
     max_length=64,
@@ -227,6 +233,12 @@ def _wire_quantity(value: Any) -> Any:
         return str(value)
     if _is_json_float_integer(value) and value >= 0:
         return str(int(value))
+    if isinstance(value, float) and math.isfinite(value) and value >= 0:
+        # `cpu: 0.5` is fine in a pod, whose quantities parse numbers; here it is no integer.
+        raise ValueError(
+            "the API server takes a quantity as an integer or a string, not the number "
+            f"{value!r}; quote it: '{value!r}'"
+        )
     return value
 
 
@@ -289,7 +301,7 @@ class ApiModel(BaseModel):
 
         A null in a field that is not nullable (not `X | None`) is pruned and the field
         defaulted (apiextensions-apiserver pkg/apiserver/schema/defaulting/prunenulls.go);
-        `2.0` in an integer field is the integer 2 (kube-openapi
+        `2.0` in an integer field or list of integers is the integer 2 (kube-openapi
         pkg/validation/validate/type.go, isFloatInt: integral and at most 2**53).
         """
         if not isinstance(data, dict):
@@ -302,6 +314,8 @@ class ApiModel(BaseModel):
                 continue
             if annotation is not None and _is_json_float_integer(value) and _is_int(annotation):
                 value = int(value)
+            if isinstance(value, list) and _is_int_list(annotation):
+                value = [int(item) if _is_json_float_integer(item) else item for item in value]
             out[key] = value
         return out
 
@@ -324,6 +338,10 @@ def _admits_none(annotation: Any) -> bool:
 
 def _is_int(annotation: Any) -> bool:
     return annotation is int or (int in get_args(annotation) and bool not in get_args(annotation))
+
+
+def _is_int_list(annotation: Any) -> bool:
+    return get_origin(annotation) is list and _is_int(get_args(annotation)[0])
 
 
 def _is_json_float_integer(value: Any) -> bool:
@@ -387,7 +405,7 @@ _EXTENDED_IN_LIMITS = CelRule(
 # the above, for both requests and limits:
 # - extended resources (a '/' in the name, not under kubernetes.io/: IsExtendedResourceName
 #   in pkg/apis/core/helper/helpers.go) are whole numbers (ValidateResourceQuantityValue,
-#   "must be an integer"); CEL's `isInteger()` also wants them within int64;
+#   "must be an integer"); CEL's `isInteger()` also wants them written as one (`kube_int64`);
 # - hugepages-<size> quantities are whole multiples of the page size, which must be a
 #   positive whole quantity (validateResourceQuantityHugePageValue and
 #   IsHugePageResourceValueDivisible in pkg/apis/core/helper/helpers.go);
@@ -396,19 +414,56 @@ def _is_extended_name(name: str) -> bool:
     return "/" in name and "kubernetes.io/" not in name
 
 
+# Quantity suffixes as ParseQuantity reads them: a power of ten, or of two for the binary ones.
+_DECIMAL_EXPONENTS = {
+    "n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18,
+}  # fmt: skip
+_BINARY_EXPONENTS = {"Ki": 10, "Mi": 20, "Gi": 30, "Ti": 40, "Pi": 50, "Ei": 60}
+
+
+def kube_int64(quantity: str) -> int | None:
+    """`quantity` as Kubernetes' Quantity.AsInt64 gives it (CEL's `isInteger()` and
+    `asInteger()`), None where that fails.
+
+    AsInt64 reads the form ParseQuantity stored, not the value: it fails for a whole value
+    written with decimals or a smaller unit ('1.0', '1000m': a negative scale), for a
+    fraction with a binary suffix ('0.5Gi'), and for more digits than the int64 form takes
+    (over 18; 1Pi and up), all kept as a big decimal. ParseQuantity in
+    k8s.io/apimachinery/pkg/api/resource/quantity.go, int64Amount.AsInt64 in amount.go.
+    """
+    try:
+        quantity_value(quantity)
+    except ValueError:
+        return None
+    sign, num, denom, suffix = re.fullmatch(
+        r"([+-]?)0*([0-9]*)(?:\.([0-9]*))?(.*)", quantity
+    ).groups()
+    num, denom = num or "0", denom or ""
+    if suffix in _BINARY_EXPONENTS:
+        exponent = _BINARY_EXPONENTS[suffix]
+        if denom or 15 - len(num) - exponent * 3 // 10 - 1 < 0:
+            return None
+        value, scale = int(num) << exponent, 0
+    else:
+        exponent = _DECIMAL_EXPONENTS.get(suffix)
+        scale = (int(suffix[1:]) if exponent is None else exponent) - len(denom)
+        if len(num) + len(denom) > 18 or scale < 0:
+            return None
+        value = int(num + denom) * 10**scale
+    if value > INT64_MAX:
+        return None
+    return -value if sign == "-" else value
+
+
 def _is_whole(quantity: str) -> bool:
-    value = quantity_value(quantity)
-    return value == int(value) and abs(value) <= INT64_MAX
+    return kube_int64(quantity) is not None
 
 
 def _hugepage_multiple(name: str, quantity: str) -> bool:
-    try:
-        page = quantity_value(name.removeprefix("hugepages-"))
-    except ValueError:
+    page, value = kube_int64(name.removeprefix("hugepages-")), kube_int64(quantity)
+    if page is None or page <= 0 or value is None:
         return False
-    if not (_is_whole(str(page)) and page > 0 and _is_whole(quantity)):
-        return False
-    return int(quantity_value(quantity)) % int(page) == 0
+    return value % page == 0
 
 
 def _all_sections(r, check) -> bool:
@@ -425,7 +480,8 @@ _EXTENDED_WHOLE = CelRule(
         f"k.contains('kubernetes.io/') || {_WHOLE_CEL.format(f'self.{section}[k]')}))"
         for section in ("requests", "limits")
     ),
-    message="extended resources (like nvidia.com/gpu) are whole numbers; use e.g. '1', not '0.5'",
+    message="extended resources (like nvidia.com/gpu) are whole numbers, written as one (the API "
+    "server's integer check refuses '1.0' and '1000m'); use e.g. '1', not '0.5'",
     check=lambda r: _all_sections(
         r, lambda name, value: not _is_extended_name(name) or _is_whole(value)
     ),
@@ -440,7 +496,8 @@ _HUGEPAGES_WHOLE_PAGES = CelRule(
         for section in ("requests", "limits")
     ),
     message="hugepages-<size> must be a whole multiple of its page size (e.g. hugepages-2Mi: "
-    "4Mi, not 3Mi), with a page size like 2Mi or 1Gi",
+    "4Mi, not 3Mi), with a page size like 2Mi or 1Gi, both written without a fraction "
+    "(512Mi, not 0.5Gi)",
     check=lambda r: _all_sections(
         r,
         lambda name, value: not name.startswith("hugepages-") or _hugepage_multiple(name, value),

@@ -48,6 +48,7 @@ import celpy
 import jsonschema
 
 from holeblend_devtools import schemas
+from holeblend_operator.api import kube_int64
 from holeblend_operator.crd import open_api_schema
 from holeblend_operator.quantity import quantity_value
 
@@ -83,15 +84,15 @@ def _is_quantity(text) -> celpy.celtypes.BoolType:
 
 
 def _is_integer(q: _Quantity) -> celpy.celtypes.BoolType:
-    # Kubernetes' library: `isInteger()` is true when AsInt64 succeeds (whole and in int64).
-    value = quantity_value(str(q))
-    return celpy.celtypes.BoolType(value == int(value) and INT64_MIN <= value <= INT64_MAX)
+    # Kubernetes' library: `isInteger()` is true when AsInt64 succeeds, which depends on how
+    # the quantity is written, not only on its value ('1.0' and '1000m' are not integers).
+    return celpy.celtypes.BoolType(kube_int64(str(q)) is not None)
 
 
 def _as_integer(q: _Quantity) -> celpy.celtypes.IntType:
     if not _is_integer(q):
         raise ValueError(f"cannot convert quantity {q} to an int64")
-    return celpy.celtypes.IntType(int(quantity_value(str(q))))
+    return celpy.celtypes.IntType(kube_int64(str(q)))
 
 
 def _substring(text, start, end=None) -> celpy.celtypes.StringType:
@@ -107,8 +108,9 @@ def _matches(text, pattern) -> celpy.celtypes.BoolType:
 
 
 def go_search(pattern: str, text: str) -> bool:
-    """RE2's unanchored search, where `$` matches at the very end only (not before a final
-    newline as Python's `$` does)."""
+    r"""RE2's unanchored search, where `$` matches at the very end only (not before a final
+    newline as Python's `$` does) and `\s`, `\d`, `\w` are ASCII classes (Python's are
+    Unicode: its `\s` takes a no-break space, RE2's does not)."""
     if pattern not in _GO_PATTERNS:
         _GO_PATTERNS[pattern] = re.compile(_end_anchors(pattern))
     return _GO_PATTERNS[pattern].search(text) is not None
@@ -116,12 +118,27 @@ def go_search(pattern: str, text: str) -> bool:
 
 _GO_PATTERNS: dict[str, re.Pattern] = {}
 
+# RE2's Perl classes (github.com/google/re2/wiki/Syntax; Go's regexp/syntax): \s is
+# [\t\n\f\r ] (no \v), \d [0-9], \w [0-9A-Za-z_]; each as the ranges a Python class holds.
+_PERL_CLASSES = {
+    "s": r"\t\n\f\r ",
+    "S": r"\x00-\x08\x0b\x0e-\x1f\x21-\U0010ffff",
+    "d": "0-9",
+    "D": r"\x00-\x2f\x3a-\U0010ffff",
+    "w": "0-9A-Za-z_",
+    "W": r"\x00-\x2f\x3a-\x40\x5b-\x5e\x60\x7b-\U0010ffff",
+}
+
 
 def _end_anchors(pattern: str) -> str:
-    # Every `$` outside a character class and not escaped becomes Python's `\Z`.
+    # Every `$` outside a character class and not escaped becomes Python's `\Z`; every Perl
+    # class becomes RE2's ASCII one.
     out, escaped, in_class = [], False, False
     for char in pattern:
-        if escaped:
+        if escaped and char in _PERL_CLASSES:
+            out[-1] = _PERL_CLASSES[char] if in_class else f"[{_PERL_CLASSES[char]}]"
+            escaped = False
+        elif escaped:
             out.append(char)
             escaped = False
         elif char == "\\":

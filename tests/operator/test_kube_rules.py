@@ -12,7 +12,7 @@ import kubernetes_validate
 import pydantic
 import pytest
 
-from holeblend_operator.api import BlendDeployment, format_validation_error
+from holeblend_operator.api import BlendDeployment, format_validation_error, kube_int64
 from holeblend_operator.render import engine_selector, render_children
 from holeblend_operator.render.naming import bounded_label_value
 from tests.operator import kube_rules
@@ -150,9 +150,33 @@ def test_fractional_extended_resources_are_refused(quantity):
     assert kube_rules.resources_problems(resources) != []
 
 
-@pytest.mark.parametrize("quantity", ["2", "1000m", 3])
+@pytest.mark.parametrize("quantity", ["2", "1.5k", "2e1", 3])
 def test_whole_extended_resources_are_accepted(quantity):
     assert_accepted(manifest(engine__resources=_resources(**{"example.com/foo": quantity})))
+
+
+@pytest.mark.parametrize("quantity", ["1.0", "1000m", "2.00", "0.0"])
+def test_whole_extended_resources_written_with_decimals_are_refused_as_cel_reads_them(quantity):
+    # CEL's isInteger() is Quantity.AsInt64: false at a negative scale, whatever the value.
+    resources = _resources(**{"example.com/foo": quantity})
+    assert_refused(manifest(engine__resources=resources), "resources", "whole numbers")
+
+
+@pytest.mark.parametrize(
+    ("quantity", "integer"),
+    [("50k", 50000), ("1.5k", 1500), ("1e3", 1000), ("9E", 9 * 10**18), ("1Ti", 2**40)]
+    + [("1.0", None), ("1000m", None), ("0.5Gi", None), ("1Pi", None), ("10E", None)],
+)
+def test_quantities_are_integers_where_kubernetes_keeps_them_as_int64(quantity, integer):
+    assert kube_int64(quantity) == integer
+
+
+def test_hugepages_written_as_a_fraction_of_a_larger_unit_are_refused():
+    resources = _resources(**{"hugepages-2Mi": "0.5Gi", "memory": "8Gi"})
+    assert_refused(manifest(engine__resources=resources), "resources", "0.5Gi")
+    assert_accepted(
+        manifest(engine__resources=_resources(**{"hugepages-2Mi": "512Mi", "memory": "8Gi"}))
+    )
 
 
 @pytest.mark.parametrize(
@@ -356,6 +380,19 @@ def test_patterns_and_matches_end_where_go_ends_them():
     assert cel_errors(rule, "a\n") == ["<root>: no"]
 
 
+def test_perl_classes_in_patterns_are_ascii_as_in_go():
+    # RE2: \s is [\t\n\f\r ], \d [0-9], \w [0-9A-Za-z_]; Python's own are Unicode.
+    assert go_search(r"^\S$", "\xa0") and go_search(r"^\S$", "\v")
+    assert not go_search(r"^[\s\S]*\S[\s\S]*$", "  \t\r\n")
+    assert not go_search(r"\d", "\u0662") and not go_search(r"^\w$", "\xe9")
+    assert go_search(r"^[^\s]\D\W$", "\xa0\u0662\xe9")
+
+
+@pytest.mark.parametrize("space", [" \t", "\xa0", "\v", "\u2003\u3000", "\x85\u2028"])
+def test_a_separator_of_unicode_whitespace_alone_is_refused_by_both(space):
+    assert_refused(manifest(blend={"separator": space}), "separator", "visible character")
+
+
 # Instance labels: distinct names, distinct selectors.
 
 
@@ -397,6 +434,18 @@ def test_extended_resource_prefixes_leave_room_for_the_quota_name():
 def test_an_integral_float_quantity_is_an_integer():
     bd = assert_accepted(manifest(engine__resources={"limits": {"memory": 8.0 * 2**30}}))
     assert bd.spec.engine.resources.limits["memory"] == str(2**33)
+
+
+def test_integral_floats_in_a_list_of_integers_are_integers():
+    bd = assert_accepted(manifest(blend={"filterLayers": [8.0, 16]}))
+    assert bd.spec.blend.filter_layers == [8, 16]
+    assert_refused(manifest(blend={"filterLayers": [8.5]}), "filterLayers", "integer")
+
+
+def test_a_fractional_number_as_a_quantity_is_refused_with_the_quoted_fix():
+    m = manifest(engine__resources={"requests": {"cpu": 0.5}})
+    assert_refused(m, "requests.cpu", "quote it: '0.5'")
+    assert_accepted(manifest(engine__resources={"requests": {"cpu": "0.5"}}))
 
 
 @pytest.mark.parametrize("name", ["rag-", "Rag", "a..b", "a" * 254])
