@@ -7,6 +7,7 @@
 | CPU kernel window | `sliding_window: int`, -1 off | `sliding_window: tuple[int, int]`, (-1, -1) off |
 | `Scheduler._preempt_request` | takes `drop_stale_output=`, set from `requires_kv_delivery` | `(request, timestamp)` only |
 | requests waiting with KV blocks (remote loads) | their own queue, `kv_holding_waiting` | in `waiting` |
+| limits on running requests | the model runner's `max_num_running_reqs`, admission's `max_num_active_reqs` | `max_num_running_reqs` |
 | `vllm serve`'s argument parser | `vllm.entrypoints.launchers.cli_args` | `vllm.entrypoints.openai.cli_args` |
 
 Every function takes what it inspects as an argument and imports vLLM only when it needs one
@@ -135,6 +136,14 @@ def waiting_holding_kv(scheduler: Any) -> list[Any]:
     """The requests that wait holding KV blocks in a queue of their own (vLLM 0.32's
     `kv_holding_waiting`); empty where vLLM keeps them in `waiting` (0.23)."""
     return list(getattr(scheduler, "kv_holding_waiting", ()))
+
+
+def seat_limits(scheduler: Any) -> tuple[str, ...]:
+    """The scheduler's attributes that limit its running requests: the model runner's
+    seats (`max_num_running_reqs`) and, in vLLM 0.32, the admission cap under them
+    (`max_num_active_reqs`)."""
+    names = ("max_num_running_reqs", "max_num_active_reqs")
+    return tuple(name for name in names if hasattr(scheduler, name))
 
 
 def serve_arg_parser() -> Any:

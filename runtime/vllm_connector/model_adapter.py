@@ -4,8 +4,10 @@ the modules of a model vLLM has loaded, so our blender runs vLLM's own weights.
 Supported: vLLM's Llama, Qwen2 and Qwen3 families (decoder layers with `input_layernorm`,
 `self_attn.{qkv_proj, o_proj, rotary_emb, attn}` (+ `q_norm`/`k_norm` for Qwen3),
 `post_attention_layernorm`, `mlp`), plain rotate-half RoPE over the whole head
-(re-rotating cached K by a position difference needs unscaled frequencies). Anything else
-is refused at start-up with the reason.
+(re-rotating cached K by a position difference needs unscaled frequencies), and no sliding
+window shorter than the context (the blend attends over the whole prompt). Anything else is
+refused with the reason when the connector's worker first needs the model (its first step
+with a load or a store).
 
 Tensor parallelism: each rank's adapter holds that rank's heads (vLLM's sharded modules;
 their all-reduces run inside `o_proj` and the MLP), so the blend runs on every rank over
@@ -43,11 +45,11 @@ class VllmModelAdapter:
     forward_at = Llama.forward_at
 
     def __init__(self, model: torch.nn.Module, model_id: str, context_length: int) -> None:
+        _check_supported(model, context_length)
         self.model = model
         self.layers = list(model.model.layers)
         attention = self.layers[0].self_attn
         self.rotary = attention.rotary_emb
-        _check_supported(model, attention)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.config = _model_config(model, attention, model_id, context_length)
@@ -147,13 +149,24 @@ class VllmModelAdapter:
         return self.model.compute_logits(self.model.model.norm(h))
 
 
-def _check_supported(model: torch.nn.Module, attention: Any) -> None:
+def _check_supported(model: torch.nn.Module, context_length: int) -> None:
+    """Refuse, with the reason, a model the blend cannot run: the architecture is checked
+    first, as other architectures lay their modules out differently."""
     name = type(model).__name__
     if name not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"model: {name} is not supported by hole-mode blending; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    for i, layer in enumerate(model.model.layers):
+        window = getattr(layer.self_attn.attn, "sliding_window", None)
+        if window is not None and window < context_length:
+            raise ValueError(
+                f"model: layer {i} attends within a sliding window of {window} tokens, "
+                f"shorter than max_model_len {context_length}, and the blend attends over "
+                f"the whole prompt; serve with --max-model-len {window} or lower"
+            )
+    attention = model.model.layers[0].self_attn
     rotary = attention.rotary_emb
     if type(rotary).__name__ != "RotaryEmbedding" or not rotary.is_neox_style:
         raise ValueError(

@@ -10,8 +10,9 @@ on (docs/tuning.md). This scheduler decides each step, before vLLM's own schedul
 - **A user request needs the step** (one is waiting, loading its KV, or still prefilling):
   the shadows sit it out. They keep their KV blocks and their progress (vLLM's model runner
   keeps the state of a running request it does not schedule, as when the token budget runs
-  out) unless the user requests need those blocks: then the shadows are preempted first,
-  as vLLM's priority policy would (their blocks freed, recomputed from the start later).
+  out) and their seats (`--max-num-seqs`: vLLM admits no request into them) unless the
+  user requests need those blocks or seats: then the shadows are preempted first, as vLLM's
+  priority policy would (their blocks freed, recomputed from the start later).
 - **Only decoding user requests**: a shadow prefills at most `shadow_chunk_tokens` per step
   (kv_connector_extra_config `shadow_chunk_tokens`, from spec.tuning.shadowChunkTokens;
   default 128), so a prompt that arrives during that step waits
@@ -120,9 +121,14 @@ class ShadowYieldingScheduler(Scheduler):
             return self._without(idle_running, idle_waiting, *args, step=step, **kwargs)
         return self._chunked(*args, **kwargs)
 
-    def _room_for(self, users_waiting: Iterable[Request]) -> bool:
+    def _room_for(self, users_waiting: list[Request]) -> bool:
         """Whether the free KV blocks hold what the waiting user requests need to start
-        and every running request a block to grow by, with the shadows' blocks kept."""
+        and every running request a block to grow by, and the free seats
+        (`--max-num-seqs`) the waiting user requests, with the shadows' blocks and seats
+        kept."""
+        seats = min((getattr(self, name) for name in compat.seat_limits(self)), default=math.inf)
+        if len(self.running) + len(users_waiting) > seats:
+            return False
         free = self.kv_cache_manager.block_pool.get_num_free_blocks()
         need = sum(
             math.ceil((r.num_tokens - r.num_computed_tokens + 1) / self.block_size)
@@ -147,12 +153,17 @@ class ShadowYieldingScheduler(Scheduler):
         **kwargs: Any,
     ):
         """vLLM's step (or `step`) with these shadows set aside: running ones keep their
-        blocks."""
+        blocks and their seats (vLLM admits no request into those)."""
         self.running = [r for r in self.running if r not in running]
         self.waiting.remove_requests(waiting)
+        seats = {name: getattr(self, name) for name in compat.seat_limits(self)}
+        for name, value in seats.items():
+            setattr(self, name, value - len(running))
         try:
             return (step or super().schedule)(*args, **kwargs)
         finally:
+            for name, value in seats.items():
+                setattr(self, name, value)
             self.running.extend(running)  # the lowest priority: last
             for request in waiting:
                 self.waiting.add_request(request)
@@ -161,13 +172,22 @@ class ShadowYieldingScheduler(Scheduler):
     def _chunked(self, *args: Any, **kwargs: Any):
         """vLLM's step with every prompt chunk capped at `shadow_chunk_tokens`: the other
         requests only decode (one token each), so the cap applies to the shadows alone;
-        vLLM 0.32 lifts it when a shadow is the only request."""
+        vLLM 0.32 lifts it when a shadow is the only request, and its adaptive threshold
+        (`--long-prefill-token-threshold-adaptive`) would raise it to a share of the token
+        budget: that is off for the step."""
         config = self.scheduler_config
         own = config.long_prefill_token_threshold
         cap = min(own, self.shadow_chunk_tokens) if own > 0 else self.shadow_chunk_tokens
-        return self._step_with(
-            config, "long_prefill_token_threshold", cap, "chunked", *args, **kwargs
-        )
+        adaptive = getattr(self, "adaptive_long_prefill_threshold", False)  # vLLM 0.32
+        if adaptive:
+            self.adaptive_long_prefill_threshold = False
+        try:
+            return self._step_with(
+                config, "long_prefill_token_threshold", cap, "chunked", *args, **kwargs
+            )
+        finally:
+            if adaptive:
+                self.adaptive_long_prefill_threshold = adaptive
 
     def _alone(self, *args: Any, **kwargs: Any):
         """vLLM's step for the shadows alone, its token budget capped at

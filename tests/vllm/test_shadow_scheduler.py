@@ -6,7 +6,7 @@ running shadow's chunked prefill takes each step's whole token budget until it e
 at the price of chunking user prompts too. Then the operator's `ShadowYieldingScheduler`:
 a shadow sits out every step a user request waits or prefills in, prefills at most one
 small chunk per step beside decoding user requests and alone (a user prompt that arrives
-while a shadow runs on an idle engine waits for one chunk), and is preempted first when a user request needs its KV blocks; without shadows the steps are
+while a shadow runs on an idle engine waits for one chunk), and is preempted first when a user request needs its KV blocks or its seat; without shadows the steps are
 vLLM's own."""
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def scheduler(
     policy: str = "priority",
     threshold: int = 0,
     max_seqs: int = 8,
+    adaptive: bool = False,
 ):
     model = ModelConfig(
         model=str(export_smollm2()), dtype="float32", seed=0, skip_tokenizer_init=True,
@@ -59,6 +60,8 @@ def scheduler(
         cache_config=CacheConfig(block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=False),
     )  # fmt: skip
     config.scheduler_config.async_scheduling = asynchronous  # the platform's last word
+    if adaptive:  # --long-prefill-token-threshold-adaptive (vLLM 0.32; 0.23 has no such flag)
+        config.scheduler_config.long_prefill_token_threshold_adaptive = True
     config.cache_config.num_gpu_blocks = num_blocks
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
     kv = KVCacheConfig(
@@ -281,3 +284,49 @@ def test_it_follows_vllms_choice_of_asynchronous_scheduling(asynchronous):
     assert isinstance(engine, ShadowYieldingScheduler)
     assert isinstance(engine, AsyncScheduler) is asynchronous
     assert isinstance(engine, AsyncShadowYieldingScheduler) is asynchronous
+
+
+def test_a_user_request_that_needs_the_shadows_seat_preempts_it():
+    # --max-num-seqs 2: a decoding user request and a shadow fill the seats. A shadow set
+    # aside keeps its seat, so the arriving user request takes it only by preempting it
+    # (vLLM refuses a step with more running requests than seats).
+    engine = scheduler(max_seqs=2)
+    engine.add_request(request("decoder", 40))
+    engine.add_request(request("shadow", SHADOW_PROMPT, shadow=True))
+    assert step(engine) == {"decoder": 40}
+    assert step(engine) == {"decoder": 1, "shadow": CHUNK}
+    engine.add_request(request("late", USER_PROMPT))
+    assert step(engine) == {"decoder": 1, "late": USER_PROMPT}
+    assert engine.requests["shadow"].status == RequestStatus.PREEMPTED
+    assert engine.shadow_steps["preempted"] == 1
+    seen = [step(engine) for _ in range(SHADOW_PROMPT // CHUNK + USER_TOKENS + 2)]
+    assert all(len(tokens) <= 2 for tokens in seen)
+    assert engine.requests.get("shadow") is None  # it came back and ran to its end
+
+
+def test_a_shadow_set_aside_keeps_its_seat_from_the_other_shadows():
+    # --max-num-seqs 2: a decoding user request and the idle floor's shadow fill the seats;
+    # the budget's shadow, which may take a chunk beside the decode, must wait for a seat.
+    engine = scheduler(max_seqs=2)
+    engine.add_request(request("floor", SHADOW_PROMPT, idle=True))
+    assert step(engine) == {"floor": CHUNK}
+    engine.add_request(request("decoder", 40))
+    assert step(engine) == {"decoder": 40}
+    engine.add_request(request("budget", SHADOW_PROMPT, shadow=True))
+    steps = [step(engine) for _ in range(USER_TOKENS - 1)]
+    assert steps == [{"decoder": 1}] * (USER_TOKENS - 1)
+    assert engine.requests.get("decoder") is None
+    assert len(engine.running) <= 2
+
+
+@pytest.mark.parametrize("threshold", [0, THRESHOLD])
+def test_vllms_adaptive_threshold_does_not_widen_a_shadows_chunk_beside_a_decode(threshold):
+    # vLLM 0.32's adaptive threshold raises each prompt's cap to a fair share of the token
+    # budget (half of it with two requests): the shadow's chunk stays its own.
+    engine = scheduler(threshold=threshold, adaptive=True)
+    if not hasattr(engine, "adaptive_long_prefill_threshold"):
+        pytest.skip("this vLLM has no adaptive threshold (0.23): nothing to widen the chunk")
+    engine.add_request(request("decoder", 40))
+    engine.add_request(request("shadow", SHADOW_PROMPT, shadow=True))
+    assert step(engine) == {"decoder": 40}
+    assert step(engine) == {"decoder": 1, "shadow": CHUNK}

@@ -1,0 +1,48 @@
+"""The `vllm.general_plugins` entry point: it hands the model a runner loads to the
+connector, and says so when this vLLM has none of the runners it knows. Runners here are
+small classes in modules made for the test (no vLLM needed)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+
+import pytest
+
+from holeblend_runtime.vllm_connector import plugin
+
+
+@pytest.fixture
+def runner_module(monkeypatch):
+    """A module `fake_runner` holding a `Runner` whose load_model sets `self.model`."""
+
+    class Runner:
+        vllm_config = "config"
+
+        def load_model(self) -> str:
+            self.model = "weights"
+            return "loaded"
+
+    module = types.ModuleType("fake_runner")
+    module.Runner = Runner
+    monkeypatch.setitem(sys.modules, "fake_runner", module)
+    monkeypatch.setattr(plugin, "_loaded", {})
+    return module
+
+
+def test_the_model_a_runner_loads_is_handed_to_the_connector(runner_module, monkeypatch):
+    monkeypatch.setattr(plugin, "MODEL_RUNNERS", (("fake_runner", "Runner"),))
+    assert plugin.loaded_model() is None
+    plugin.register()
+    plugin.register()  # vLLM may run it more than once: wrapped once
+    assert runner_module.Runner().load_model() == "loaded"
+    assert plugin.loaded_model() == "weights"
+
+
+def test_a_vllm_without_any_known_runner_is_named_at_registration(monkeypatch, caplog):
+    monkeypatch.setattr(plugin, "MODEL_RUNNERS", (("no_such_runner_module", "Runner"),))
+    with caplog.at_level(logging.WARNING, logger=plugin.__name__):
+        plugin.register()
+    assert "no_such_runner_module.Runner" in caplog.text
+    assert "cannot hand the model" in caplog.text
