@@ -288,6 +288,10 @@ class HoleBlendConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.kv_caches = kv_caches
+        # The model is loaded and its cache allocated: the blend is built now, so a model
+        # the blend cannot run (or a plugin that did not hand it over) stops the engine
+        # at start-up with the reason, not at the first request that loads or stores.
+        self._worker.prepare()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -888,6 +892,10 @@ class _WorkerSide:
         if failed:
             self._stats["num_failed_stores"] = self._stats.get("num_failed_stores", 0) + failed
 
+    def prepare(self) -> None:
+        """Build the blend over the loaded model (its checks and warm-up included)."""
+        self._blend_worker()
+
     def _blend_worker(self) -> BlendWorker:
         if self._worker is None:
             self._worker = self._build_worker()
@@ -906,8 +914,8 @@ class _WorkerSide:
         adapter.use_paged_attention(self.block_size)
         tokenizer = TextTokenizer(_text_tokenizer(config).backend_tokenizer, adapter.config)
         engine = BlendEngine(adapter, tokenizer, self.settings.blend, self.store)
-        # The blend's shapes on an accelerator (a no-op on the CPU); paid by the step
-        # that first needs the worker, not by every new recompute-set size after it.
+        # The blend's shapes on an accelerator (a no-op on the CPU); paid at start-up,
+        # not by every new recompute-set size after it.
         log.info("holeblend: blend warm-up took %.2f s", engine.warm_up())
         caches = [self.kv_caches[name] for name in adapter.attention_layer_names()]
         modules = adapter.attention_modules()

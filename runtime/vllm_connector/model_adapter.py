@@ -6,8 +6,8 @@ Supported: vLLM's Llama, Qwen2 and Qwen3 families (decoder layers with `input_la
 `post_attention_layernorm`, `mlp`), plain rotate-half RoPE over the whole head
 (re-rotating cached K by a position difference needs unscaled frequencies), and no sliding
 window shorter than the context (the blend attends over the whole prompt). Anything else is
-refused with the reason when the connector's worker first needs the model (its first step
-with a load or a store).
+refused with the reason at start-up (the connector builds its blend when vLLM registers the
+KV caches).
 
 Tensor parallelism: each rank's adapter holds that rank's heads (vLLM's sharded modules;
 their all-reduces run inside `o_proj` and the MLP), so the blend runs on every rank over
