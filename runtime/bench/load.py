@@ -5,8 +5,9 @@
    mode, and wait until all are ready; send each its warm-up requests.
 3. Cut the measured requests into `num_blocks` blocks in stream order and send block
    after block, each block to every mode's server in turn through `num_clients`
-   closed-loop streaming clients. Only one server works at a time, and background load
-   on a shared machine falls on all modes alike (as the offline bench interleaves).
+   closed-loop streaming clients, the servers' order turned by one per block. Only one
+   server works at a time, and background load on a shared machine falls on all modes
+   alike (as the offline bench interleaves).
 4. The blending modes run their quality proxies as a BlendDeployment does by default (a
    shadow full prefill for a sampled share of requests, within a budget). A shadow still
    running when its mode's block ends would go on in the idle time of the next mode's
@@ -117,8 +118,9 @@ def run_load(
         warm_up = [r for r in requests if r.is_warmup]
         blocks = [(True, warm_up)] if warm_up else []
         blocks += [(False, block) for block in _blocks(requests, config)]
-        for is_warmup, block in blocks:
-            for mode, server in servers.items():
+        for turn, (is_warmup, block) in enumerate(blocks):
+            for mode in _turned(modes, turn):
+                server = servers[mode]
                 done, seconds, moved = _run_block(config, mode, server, models[mode], block)
                 if not is_warmup:
                     outcomes[mode] += done
@@ -184,6 +186,14 @@ def _server(config: LoadConfig, mode: str, workdir: Path) -> ServeProcess:
     settings_path = workdir / f"blend-{mode}.json"
     settings_path.write_text(blend_settings(mode, config.ratio))
     return ServeProcess(settings_path, workdir / f"serve-{mode}.log")
+
+
+def _turned(modes: Sequence[str], turn: int) -> list[str]:
+    """The modes starting at `turn` (mod their number): the servers' order turns by one per
+    block, so that no mode always runs first or last in a round, where a load that grows or
+    fades on a shared machine during each round would fall on it alone."""
+    shift = turn % len(modes)
+    return [*modes[shift:], *modes[:shift]]
 
 
 def _blocks(requests: Sequence[LoadRequest], config: LoadConfig) -> list[list[LoadRequest]]:

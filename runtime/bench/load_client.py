@@ -5,7 +5,8 @@
   the run.
 - `complete` sends one streaming `POST /v1/completions` with the RAG extension (a
   top-level `documents` list, `prompt` = the question) and times the first SSE chunk
-  (TTFT) and the last (request time). A 429 is retried after its `Retry-After`.
+  (TTFT) and the last (request time). A 429 is retried after its `Retry-After`; an error
+  event in the stream fails the request.
 - `drive` sends a list of requests through `num_clients` closed-loop clients (each sends
   its next request when the previous one returned).
 """
@@ -229,9 +230,17 @@ def _attempt(port: int, index: int, body: bytes, timeout_s: float, started: floa
 
 
 def _read_stream(index: int, response: http.client.HTTPResponse, started: float) -> Outcome:
-    ttft_s, pieces, usage, itls, last = None, [], None, [], None
+    """The stream's timings and text. An error event (a server that gives up on a request
+    after its 200 went out, at its timeout say, sends one) fails the request."""
+    ttft_s, pieces, usage, itls, last, error = None, [], None, [], None, None
     for chunk in parse_sse(response):
         now = time.perf_counter()
+        if not isinstance(chunk, dict):
+            error = f"not a JSON object: {json.dumps(chunk)[:300]}"
+            continue
+        if "error" in chunk:
+            error = f"error event: {json.dumps(chunk['error'])[:300]}"
+            continue
         if ttft_s is None:
             ttft_s = now - started
         text = "".join(choice.get("text") or "" for choice in chunk.get("choices") or ())
@@ -242,7 +251,8 @@ def _read_stream(index: int, response: http.client.HTTPResponse, started: float)
             pieces.append(text)
         usage = chunk.get("usage") or usage
     request_s = time.perf_counter() - started
-    return Outcome(index, 200, ttft_s, request_s, "".join(pieces), usage, itls_s=tuple(itls))
+    return Outcome(index, 200, ttft_s, request_s, "".join(pieces), usage, error=error,
+                   itls_s=tuple(itls))  # fmt: skip
 
 
 def _with_rejected(outcome: Outcome, num_rejected: int) -> Outcome:

@@ -44,8 +44,9 @@ class RequestMeasure:
     num_reused_tokens: int
     num_hole_tokens: int
     num_recomputed_tokens: int
+    # Time to the first token's logits, and call to return (lookup, blending and any
+    # synchronous store): both from the start of building the prompt (tokenizing it).
     ttft_s: float
-    # Call to return: lookup, blending and any synchronous store.
     request_s: float
     # Answer-token F1 of this answer against the full-prefill answer.
     f1_vs_full: float
@@ -55,8 +56,8 @@ class RequestMeasure:
     # Mean NLL of the gold answer tokens, teacher-forced.
     gold_loss: float
     f1_vs_gold: float
-    # CPU seconds the process spent in the call (all its threads): steadier than wall
-    # time on a shared machine; 0 where not measured.
+    # CPU seconds the process spent building the prompt and in the call (all its
+    # threads): steadier than wall time on a shared machine; 0 where not measured.
     request_cpu_s: float = 0.0
     # The check layer's deviation per compared cached token (how far the cached KV is from
     # this prompt's), and what the blend left of it unrecomputed (the inline proxy's

@@ -231,6 +231,10 @@ class Request:
     # Words of every accepted gold answer (F1 vs gold is the best over them).
     gold_words: tuple[tuple[str, ...], ...]
     question_words: tuple[str, ...]
+    # Wall and CPU seconds building the prompt took (tokenizing it): every send of it pays
+    # them before its prefill, in every mode, so they are added to its timings.
+    build_s: float = 0.0
+    build_cpu_s: float = 0.0
 
     def f1_vs_gold(self, words: Sequence[str]) -> float:
         """Plain answer-word F1 against the best gold answer: every gold word counts, also
@@ -393,11 +397,15 @@ class BenchRunner:
             without_holes=pass_number == 1,
             shuffle_seed=self.config.workload.seed if shuffle else None,
         )
+        started, cpu_started = time.perf_counter(), time.process_time()
+        prompt = self.engine.build_prompt(qa.system, documents, qa.question)
         return Request(
-            prompt=self.engine.build_prompt(qa.system, documents, qa.question),
+            prompt=prompt,
             gold_ids=tuple(self.tokenizer.encode(qa.gold_answer)),
             gold_words=tuple(tuple(answer_words(gold)) for gold in qa.gold_answers),
             question_words=tuple(answer_words(qa.question)),
+            build_s=time.perf_counter() - started,
+            build_cpu_s=time.process_time() - cpu_started,
         )
 
     def _warm_up(self, request: Request) -> None:
@@ -424,14 +432,14 @@ class BenchRunner:
             num_reused_tokens=prefill.num_reused_tokens,
             num_hole_tokens=prefill.num_hole_tokens,
             num_recomputed_tokens=prefill.num_recomputed_tokens,
-            ttft_s=prefill.ttft_s,
-            request_s=prefill.request_s,
+            ttft_s=request.build_s + prefill.ttft_s,
+            request_s=request.build_s + prefill.request_s,
             f1_vs_full=answer_f1(words, words, request.question_words),
             top1_vs_full=top1_agreement(span_logits, span_logits),
             kl_vs_full=kl_divergence(span_logits, span_logits).mean().item(),
             gold_loss=gold_loss,
             f1_vs_gold=request.f1_vs_gold(words),
-            request_cpu_s=cpu_s,
+            request_cpu_s=request.build_cpu_s + cpu_s,
             **_blend_figures(prefill),
         )
         return Reference(answer_ids, words, span_logits, measure)
@@ -466,13 +474,17 @@ class BenchRunner:
         request: Request,
         first: RequestMeasure,
     ) -> RequestMeasure:
-        """The prefill of `request` once more, timed; the rest of `first` (same state)."""
+        """The prefill of `request` once more, timed (with building its prompt, as
+        `request.build_s` says); the rest of `first` (same state)."""
         mode, ratio = mode_ratio
         cpu_started = time.process_time()
         prefill = engine.prefill(request.prompt, mode, 1.0 if ratio is None else ratio)
         cpu_s = time.process_time() - cpu_started
         return replace(
-            first, ttft_s=prefill.ttft_s, request_s=prefill.request_s, request_cpu_s=cpu_s
+            first,
+            ttft_s=request.build_s + prefill.ttft_s,
+            request_s=request.build_s + prefill.request_s,
+            request_cpu_s=request.build_cpu_s + cpu_s,
         )
 
     def _measure(
@@ -492,14 +504,14 @@ class BenchRunner:
             num_reused_tokens=prefill.num_reused_tokens,
             num_hole_tokens=prefill.num_hole_tokens,
             num_recomputed_tokens=prefill.num_recomputed_tokens,
-            ttft_s=prefill.ttft_s,
-            request_s=prefill.request_s,
+            ttft_s=request.build_s + prefill.ttft_s,
+            request_s=request.build_s + prefill.request_s,
             f1_vs_full=answer_f1(words, reference.answer_words, request.question_words),
             top1_vs_full=top1_agreement(reference.span_logits, span_logits),
             kl_vs_full=kl_divergence(reference.span_logits, span_logits).mean().item(),
             gold_loss=gold_loss,
             f1_vs_gold=request.f1_vs_gold(words),
-            request_cpu_s=cpu_s,
+            request_cpu_s=request.build_cpu_s + cpu_s,
             **_blend_figures(prefill),
         )
 

@@ -295,3 +295,87 @@ def test_load_bench_through_real_servers_writes_one_row_per_mode(tmp_path):
     assert 0.0 <= rows["hole"]["shadow_drain_s"] <= rows["hole"]["shadow_s"]
     for mode in rows:  # SIGTERM drained and stopped each server
         assert "stopped" in (tmp_path / f"serve-{mode}.log").read_text()
+
+
+class _TimeoutMidStreamHandler(BaseHTTPRequestHandler):
+    """Streams one token, then the error event holeblend-serve sends when a request runs
+    past its timeout after the 200 and the first chunks went out."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        self.wfile.write(f"data: {json.dumps({'choices': [{'text': 'Osk'}]})}\n\n".encode())
+        error = {"message": "the request did not finish within the server's timeout of 1 s",
+                 "type": "timeout", "param": None, "code": None}  # fmt: skip
+        self.wfile.write(f"data: {json.dumps({'error': error})}\n\n".encode())
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def log_message(self, *_):
+        pass
+
+
+def test_an_error_event_in_the_stream_fails_the_request(stream):
+    """A request the server gave up on after it began streaming is a failure: counted in
+    num_errors, not in the throughput, the TTFT percentiles or the answers compared."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _TimeoutMidStreamHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        outcome = complete(server.server_address[1], stream[0], "m", 4, timeout_s=10)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not outcome.is_ok
+    assert "timeout of 1 s" in outcome.error
+    row = summarize_load("hole", 0.15, 1, [outcome], 1.0, None, str.split, {})
+    assert row["num_errors"] == 1 and row["requests_per_s"] == 0.0
+    assert row["ttft_p50_s"] is None
+
+
+def test_the_servers_order_turns_from_block_to_block(monkeypatch, tmp_path):
+    """Each mode takes every place in a round once over as many blocks as modes: a load
+    that grows (or fades) on a shared machine during each round must not fall on the mode
+    that always runs last."""
+    config = load.LoadConfig(
+        LoadWorkloadConfig(num_corpus_documents=20, num_warmup=0, num_requests=6), num_blocks=3
+    )
+    requests = generate_load_workload(config.workload)
+    rounds: list[list[str]] = []
+
+    class _Server:
+        port = 1
+
+        def wait_ready(self, timeout):
+            pass
+
+        def model_name(self):
+            return "m"
+
+    @contextlib.contextmanager
+    def server(*_):
+        yield _Server()
+
+    def run_block(config, mode, server, model, block):
+        if not rounds or len(rounds[-1]) == len(config.modes):
+            rounds.append([])
+        rounds[-1].append(mode)
+        return [Outcome(r.index, 200, 0.1, 0.2, "x", None) for r in block], 0.5, ShadowSeconds()
+
+    monkeypatch.setattr(load, "_server", server)
+    monkeypatch.setattr(load, "_run_block", run_block)
+    rows = load.run_load(config, requests, tmp_path, str.split)
+    assert len(rounds) == 3 and all(sorted(r) == sorted(load.LOAD_MODES) for r in rounds)
+    for place in range(3):
+        assert {r[place] for r in rounds} == set(load.LOAD_MODES)
+    assert [row["mode"] for row in rows] == list(load.LOAD_MODES)
+    assert all(row["requests"] == 6 for row in rows)
+
+
+def test_a_chunk_that_is_not_a_json_object_fails_the_request_instead_of_its_client():
+    """A client thread that raised would drop its request from the counts without a word."""
+    from holeblend_runtime.bench.load_client import _read_stream
+
+    lines = [b'data: {"choices": [{"text": "Osk"}]}', b'data: ["eby"]', b"data: [DONE]"]
+    outcome = _read_stream(0, lines, time.perf_counter())
+    assert not outcome.is_ok and "not a JSON object" in outcome.error

@@ -3,6 +3,7 @@ and the CLI's quality options (no model involved)."""
 
 import dataclasses
 import statistics
+import time
 import types
 
 import numpy
@@ -360,3 +361,29 @@ def test_run_quality_pays_the_engines_start_up_warm_up_and_reports_it(monkeypatc
     first = document["config"]["first_pass"]
     assert first["regrouped"] and first["kept_predecessors"] == first["exact_prefixes"] == 0
     assert first["order"] in ("shuffle", "search")
+
+
+def test_timings_include_building_the_prompt_the_user_waits_for():
+    """Tokenizing the documents and question is on every request's path (the server builds
+    each prompt before its prefill), for full prefill and blending alike: leaving it out of
+    both clocks would make every speedup look larger than a user sees."""
+    build_s = 0.05
+
+    class _SlowBuild(_Engine):
+        def build_prompt(self, system, documents, question):
+            time.sleep(build_s)
+            return _Prompt(documents)
+
+    workload = WorkloadConfig(num_questions=2, num_documents=3)
+    config = BenchConfig(workload=workload, ratios=(0.15,), modes=("hole",), max_new_tokens=1,
+                         repeat=True)  # fmt: skip
+    store, log = _Store(), []
+    runner = BenchRunner(lambda _, entry: _SlowBuild(entry, store, log), _Tokenizer(), config)
+    prompts = generate_workload(workload)
+    warm_up = generate_workload(dataclasses.replace(workload, seed=99))[0]
+    measures, _ = runner.run_measures(prompts, show_progress=False, warm_up=warm_up)
+    assert {key[4] for key in measures} == {1, 2, 3}
+    for key, rows in measures.items():
+        for measure in rows:
+            assert measure.ttft_s >= build_s, key
+            assert measure.request_s >= measure.ttft_s, key
