@@ -166,8 +166,8 @@ def test_prefetch_reads_on_the_reader_thread_in_one_batch_and_get_many_claims_it
     assert gated.readers[-1] == threading.current_thread().name
 
 
-def test_a_prefetch_waiting_on_a_slow_read_is_waited_for_not_read_twice(gated, store):
-    gated.inner.put(_entry("a1"))
+def _held_reads(gated) -> threading.Event:
+    """Makes `gated`'s batched reads wait until the returned event is set."""
     release = threading.Event()
     inner_get_many = gated.get_many
 
@@ -176,6 +176,12 @@ def test_a_prefetch_waiting_on_a_slow_read_is_waited_for_not_read_twice(gated, s
         return inner_get_many(keys)
 
     gated.get_many = slow
+    return release
+
+
+def test_a_prefetch_waiting_on_a_slow_read_is_waited_for_not_read_twice(gated, store):
+    gated.inner.put(_entry("a1"))
+    release = _held_reads(gated)
     store.prefetch(["a1"])
     threading.Timer(0.2, release.set).start()
     started = time.monotonic()
@@ -215,14 +221,7 @@ def test_a_read_ahead_that_close_dropped_before_it_ran_is_read_when_claimed(gate
     runs; a `get_many` that claims such a read (the model thread of an engine shutting
     down) reads the entry itself instead of waiting forever for a read that never runs."""
     gated.inner.put(_entry("a2"))
-    release = threading.Event()
-    inner_get_many = gated.get_many
-
-    def slow(keys):
-        assert release.wait(WAIT_S)
-        return inner_get_many(keys)
-
-    gated.get_many = slow
+    release = _held_reads(gated)
     store = AsyncKVStore(gated)
     store.prefetch(["a1"])  # held in the reader thread (or queued) until released
     store.prefetch(["a2"])  # queued behind it

@@ -237,6 +237,23 @@ def test_a_rejected_requests_wait_counts_in_its_ttft_and_request_time(stream):
     assert 0.3 <= outcome.ttft_s <= outcome.request_s <= waited
 
 
+class _NoServer:
+    """Stands for a started server whose requests the test drives itself."""
+
+    port = 1
+
+    def wait_ready(self, timeout):
+        pass
+
+    def model_name(self):
+        return "m"
+
+
+@contextlib.contextmanager
+def _no_server(*_):
+    yield _NoServer()
+
+
 def test_zero_warm_up_requests_send_only_the_measured_blocks(monkeypatch, tmp_path):
     """`--warmup 0` is a documented setting: with no warm-up block the measured blocks
     still go to every server and are counted."""
@@ -248,24 +265,11 @@ def test_zero_warm_up_requests_send_only_the_measured_blocks(monkeypatch, tmp_pa
     requests = generate_load_workload(config.workload)
     sent = []
 
-    class _Server:
-        port = 1
-
-        def wait_ready(self, timeout):
-            pass
-
-        def model_name(self):
-            return "m"
-
-    @contextlib.contextmanager
-    def server(*_):
-        yield _Server()
-
     def fake_drive(port, block, *_):
         sent.append([r.index for r in block])
         return [Outcome(r.index, 200, 0.1, 0.2, "x", None) for r in block], 0.5
 
-    monkeypatch.setattr(load, "_server", server)
+    monkeypatch.setattr(load, "_server", _no_server)
     monkeypatch.setattr(load, "drive", fake_drive)
     rows = load.run_load(config, requests, tmp_path, str.split)
     assert sent == [[0, 1], [2, 3]]
@@ -343,26 +347,13 @@ def test_the_servers_order_turns_from_block_to_block(monkeypatch, tmp_path):
     requests = generate_load_workload(config.workload)
     rounds: list[list[str]] = []
 
-    class _Server:
-        port = 1
-
-        def wait_ready(self, timeout):
-            pass
-
-        def model_name(self):
-            return "m"
-
-    @contextlib.contextmanager
-    def server(*_):
-        yield _Server()
-
     def run_block(config, mode, server, model, block):
         if not rounds or len(rounds[-1]) == len(config.modes):
             rounds.append([])
         rounds[-1].append(mode)
         return [Outcome(r.index, 200, 0.1, 0.2, "x", None) for r in block], 0.5, ShadowSeconds()
 
-    monkeypatch.setattr(load, "_server", server)
+    monkeypatch.setattr(load, "_server", _no_server)
     monkeypatch.setattr(load, "_run_block", run_block)
     rows = load.run_load(config, requests, tmp_path, str.split)
     assert len(rounds) == 3 and all(sorted(r) == sorted(load.LOAD_MODES) for r in rounds)
