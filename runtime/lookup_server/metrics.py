@@ -2,7 +2,9 @@
 
 Index sizes, the lookup/hit counters and the shared calibration's pair counts are read
 from the server's `stats()` at scrape time (no work on the hot path); request latency is
-a histogram per operation; error replies are counted by their wire error code.
+a histogram per operation; every error reply is counted by a fixed code: the wire error
+code, or the server's own for framing, limits, timeouts, unknown paths, wrong methods and
+internal errors. Never the path or other client text, so the label's values stay few.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ class ServerMetrics:
         self._latency = {op: latency.labels(op) for op in OPS}
         self._errors = Counter(
             "holeblend_lookup_errors",
-            "Error replies, by wire error code.",
+            "Error replies (and connections dropped), by code.",
             ["code"],
             registry=self.registry,
         )

@@ -139,6 +139,10 @@ def log_text(value: object) -> str:
 
 
 class _HttpError(Exception):
+    """An error reply: `status`, the message as its text, and `code`, its label in
+    `holeblend_lookup_errors_total` (a fixed word, never client text such as the path, so
+    the metric's series stay few)."""
+
     def __init__(self, status: int, message: str, code: str = "bad_http") -> None:
         super().__init__(message)
         self.status = status
@@ -214,10 +218,10 @@ class LookupServer:
         """(status, content type, body) for one request."""
         if path == wire.RPC_PATH:
             if method != "POST":
-                raise _HttpError(405, f"{path} takes POST")
+                raise _HttpError(405, f"{path} takes POST", "method_not_allowed")
             return self._rpc(body)
         if method != "GET":
-            raise _HttpError(405, f"{path} takes GET")
+            raise _HttpError(405, f"{path} takes GET", "method_not_allowed")
         if path == "/healthz":
             return 200, "text/plain", b"ok\n"
         if path == "/ready":
@@ -228,7 +232,9 @@ class LookupServer:
             return 200, self.metrics.content_type, self.metrics.render()
         if path == "/stats":
             return 200, "application/json", json.dumps(self.stats()).encode()
-        raise _HttpError(404, f"no such path {path!a}; the API is POST {wire.RPC_PATH}")
+        raise _HttpError(
+            404, f"no such path {path!a}; the API is POST {wire.RPC_PATH}", "not_found"
+        )
 
     def _rpc(self, body: bytes) -> tuple[int, str, bytes]:
         started = time.perf_counter()
@@ -505,8 +511,10 @@ class _Connection(asyncio.Protocol):
         try:
             status, content_type, payload = self.server.handle(method, path, body)
         except _HttpError as error:
+            self.server.metrics.count_error(error.code)
             status, content_type, payload = error.status, "text/plain", f"{error}\n".encode()
         except Exception as error:  # a bug must cost one reply, never the server
+            self.server.metrics.count_error("internal")
             # The request line and the error text are the client's: escaped, one line each.
             log.error(
                 "lookup server: internal error on %s %s: %s\n%s",

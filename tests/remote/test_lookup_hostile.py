@@ -8,6 +8,7 @@ lookups go on within their budget.
 import asyncio
 import contextlib
 import logging
+import re
 import resource
 import select
 import signal
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import msgpack
@@ -105,8 +107,6 @@ def status_of(reply: bytes) -> int:
 
 
 def metric(server: processes.LookupProcess, line_start: str) -> float:
-    import urllib.request
-
     text = urllib.request.urlopen(server.url + "/metrics", timeout=5).read().decode()
     values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(line_start)]
     return values[0] if values else 0.0
@@ -612,6 +612,58 @@ def test_the_server_raises_a_low_open_file_limit_to_hold_its_connections():
         pytest.skip(f"the hard open-file limit here is {hard}")
     done = subprocess.run([sys.executable, "-I", "-c", script], capture_output=True, check=True)
     assert int(done.stdout) == 1000 + server_module.SPARE_FDS
+
+
+# --- error replies in the metrics ----------------------------------------------------------
+
+
+def test_unknown_paths_and_wrong_methods_are_counted_by_a_fixed_code(lookup_server):
+    """404 and 405 replies were counted nowhere, so `holeblend_lookup_errors_total` showed
+    no sign of a client calling a wrong path or method. The label is a fixed word, never
+    the path: a client that tries many paths adds no series."""
+    requests = (
+        b"GET /nope-1 HTTP/1.1\r\n\r\n"
+        b"GET /nope-2?x=1 HTTP/1.1\r\n\r\n"
+        b"POST /healthz HTTP/1.1\r\nContent-Length: 0\r\n\r\n"
+        b"PUT /v1 HTTP/1.1\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    )
+    with connect(lookup_server.port) as sock:
+        sock.sendall(requests)
+        reply, _ = read_until_closed(sock)
+    assert statuses_of(reply) == [404, 404, 405, 405]
+    errors = error_counts(urllib.request.urlopen(lookup_server.url + "/metrics", timeout=5))
+    assert errors == {"not_found": 2.0, "method_not_allowed": 2.0}
+
+
+def test_an_internal_error_costs_one_reply_and_is_counted(monkeypatch):
+    """A bug in an operation is answered 500 and the connection goes on serving; it was
+    not counted, so an alert on `holeblend_lookup_errors_total` missed the server's own
+    failures. No request causes one on purpose, so here the index fails."""
+
+    def broken(keys, model=None):
+        raise RuntimeError("the index is broken")
+
+    with server_on_a_thread() as (server, loop):
+        monkeypatch.setattr(server.index, "lookup", broken)
+        with connect(server.port) as sock:
+            sock.sendall(
+                lookup_request(["k"]) + b"GET /healthz HTTP/1.1\r\nConnection: close\r\n\r\n"
+            )
+            reply, _ = read_until_closed(sock)
+        assert statuses_of(reply) == [500, 200]
+        metrics = on_loop(loop, server.metrics.render)
+    assert error_counts(metrics.splitlines()) == {"internal": 1.0}
+
+
+def statuses_of(replies: bytes) -> list[int]:
+    return [int(status) for status in re.findall(rb"^HTTP/1\.1 (\d{3}) ", replies, re.MULTILINE)]
+
+
+def error_counts(lines) -> dict[str, float]:
+    """The `holeblend_lookup_errors_total` series of a scrape: {code: value}."""
+    pattern = re.compile(rb'^holeblend_lookup_errors_total\{code="([^"]*)"\} (\S+)$')
+    matches = (pattern.match(line.rstrip(b"\n")) for line in lines)
+    return {match[1].decode(): float(match[2]) for match in matches if match}
 
 
 # --- shutdown -------------------------------------------------------------------------------
