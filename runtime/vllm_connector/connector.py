@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -216,6 +217,10 @@ def _text_tokenizer(vllm_config: Any) -> Any:
     )
 
 
+# Seconds `shutdown` waits for the shadow's last score before the calibration stops.
+SHADOW_CLOSE_S = 5.0
+
+
 class HoleBlendConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -345,10 +350,18 @@ class HoleBlendConnector(KVConnectorBase_V1):
         return HoleBlendStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
-        if self._scheduler is not None and self._scheduler.lookups is not None:
-            self._scheduler.lookups.shutdown()
-        if self._scheduler is not None and self._scheduler.shared_calibration is not None:
-            self._scheduler.shared_calibration.stop()  # its last pairs go out
+        scheduler = self._scheduler
+        if scheduler is not None and scheduler.lookups is not None:
+            scheduler.lookups.shutdown()
+        # The shadow ends before the calibration's last exchange, so that a pair it scores
+        # now goes out with it; waited for a few seconds only, as it waits on the pod's API
+        # server, which may be going down too (a shadow still busy then is left to its
+        # daemon thread).
+        shadow = None if scheduler is None else scheduler.shadow
+        if shadow is not None and shadow.wait_idle(SHADOW_CLOSE_S):
+            shadow.close()
+        if scheduler is not None and scheduler.shared_calibration is not None:
+            scheduler.shared_calibration.stop()  # its last pairs go out
         if self._worker is not None:
             self._worker.close()  # what was accepted for storing is written first
         close_store(self.store)
@@ -788,6 +801,29 @@ def _record(figures: dict[str, Any]) -> None:
     metrics.RECOMPUTED_TOKENS.inc(figures["num_recomputed_tokens"])
 
 
+# holeblend's `vllm.general_plugins` entry point (pyproject.toml), by the name vLLM's
+# `VLLM_PLUGINS` filter lists it under.
+PLUGIN_NAME = "holeblend"
+
+
+def _model_not_handed_over() -> str:
+    """Why the worker has no model: the plugin did not run, because holeblend is not
+    installed in vLLM's environment or `VLLM_PLUGINS` (vLLM loads only the plugins it
+    names, when set) leaves it out; said precisely when the environment shows which."""
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is not None and PLUGIN_NAME not in allowed.split(","):
+        return (
+            f"holeblend: the model was not handed over: VLLM_PLUGINS={allowed!r} leaves out "
+            f"holeblend's vllm.general_plugins entry point {PLUGIN_NAME!r}; add it to "
+            "VLLM_PLUGINS (comma-separated, no spaces) or unset VLLM_PLUGINS"
+        )
+    return (
+        "holeblend: the model was not handed over: holeblend's vllm.general_plugins entry "
+        f"point {PLUGIN_NAME!r} did not run; install holeblend in the vLLM environment, and "
+        f"where VLLM_PLUGINS is set, name {PLUGIN_NAME!r} in it"
+    )
+
+
 class _WorkerSide:
     def __init__(
         self,
@@ -904,10 +940,7 @@ class _WorkerSide:
     def _build_worker(self) -> BlendWorker:
         model = plugin.loaded_model()
         if model is None:
-            raise RuntimeError(
-                "holeblend: the model was not handed over; install holeblend in the vLLM "
-                "environment so its vllm.general_plugins entry point runs"
-            )
+            raise RuntimeError(_model_not_handed_over())
         config = self.vllm_config
         model_id, _ = model_identity(config, self.settings)
         adapter = VllmModelAdapter(model, model_id, config.model_config.max_model_len)

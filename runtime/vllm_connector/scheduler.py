@@ -153,7 +153,8 @@ class ShadowYieldingScheduler(Scheduler):
         **kwargs: Any,
     ):
         """vLLM's step (or `step`) with these shadows set aside: running ones keep their
-        blocks and their seats (vLLM admits no request into those)."""
+        blocks and their seats (vLLM admits no request into those). Counted as paused,
+        unless `step` counts it (the budget's shadows chunked beside decoding ones)."""
         self.running = [r for r in self.running if r not in running]
         self.waiting.remove_requests(waiting)
         seats = {name: getattr(self, name) for name in compat.seat_limits(self)}
@@ -167,7 +168,8 @@ class ShadowYieldingScheduler(Scheduler):
             self.running.extend(running)  # the lowest priority: last
             for request in waiting:
                 self.waiting.add_request(request)
-            self._count("paused")
+            if step is None:
+                self._count("paused")
 
     def _chunked(self, *args: Any, **kwargs: Any):
         """vLLM's step with every prompt chunk capped at `shadow_chunk_tokens`: the other

@@ -83,6 +83,14 @@ class PagedKVWriter:
         self._updates = [compat.cache_update(module) for module in self.attention_modules]
 
     def slots(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
+        """The cache slots of positions [start, end) of a request whose blocks are
+        `block_ids`; ValueError, naming both, when the blocks end before `end`."""
+        needed = -(-end // self.block_size) if end > start else 0
+        if needed > len(block_ids):
+            raise ValueError(
+                f"block_ids: positions [{start}, {end}) need {needed} blocks of "
+                f"{self.block_size} tokens, the request has {len(block_ids)}"
+            )
         positions = torch.arange(start, end)
         blocks = torch.tensor(block_ids, dtype=torch.int64)[positions // self.block_size]
         return blocks * self.block_size + positions % self.block_size

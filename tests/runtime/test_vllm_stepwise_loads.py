@@ -6,6 +6,7 @@ drives them: `advance` once per step, `take_finished` with the requests vLLM fin
 """
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -223,6 +224,32 @@ def test_a_load_that_fails_is_reported_finished_and_its_blocks_failed(
     # The hole was not stored by the failed load: its store is released, to be computed.
     assert loads.due_stores([]) == ([hole_store] if stage == "advance" else [])
     assert loads.num_tracked == 0
+
+
+def test_slots_past_the_block_table_are_refused_naming_the_range_and_the_blocks():
+    writer = PagedKVWriter([], [], 16)
+    assert writer.slots([3, 1], 15, 17).tolist() == [63, 16]
+    assert writer.slots([], 5, 5).tolist() == []
+    with pytest.raises(ValueError, match=r"\[30, 33\) need 3 blocks of 16 tokens, .* has 2"):
+        writer.slots([3, 1], 30, 33)
+
+
+def test_a_load_whose_blocks_end_before_its_range_fails_saying_so(cached_engine, rag_texts, caplog):
+    engine, prompt = cached_engine(rag_texts, hole=HOLE)
+    _, worker, load, _ = _setup(engine, prompt)
+    assert load.load.end > BLOCK
+    short = dataclasses.replace(load, block_ids=load.block_ids[:1])
+    failed, on_failure = _failures()
+    loads = _loads(engine, 10_000, on_failure)
+    loads.start(worker, short)
+    with caplog.at_level(logging.ERROR):
+        assert loads.advance(worker) == []
+    assert failed == [short] and loads.take_finished(set()) == {"r"}
+    needed = -(-load.load.end // BLOCK)
+    says = (
+        f"positions [0, {load.load.end}) need {needed} blocks of {BLOCK} tokens, the request has 1"
+    )
+    assert says in caplog.text
 
 
 def test_step_tokens_must_be_positive():

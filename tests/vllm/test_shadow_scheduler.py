@@ -23,6 +23,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from holeblend_devtools.hf_export import export_smollm2
+from holeblend_runtime.vllm_connector import metrics
 from holeblend_runtime.vllm_connector.scheduler import (
     AsyncShadowYieldingScheduler,
     ShadowYieldingScheduler,
@@ -212,6 +213,29 @@ def test_an_idle_floor_shadow_runs_only_in_steps_no_user_request_is_in():
     assert engine.requests["floor"].num_preemptions == 0
 
 
+def test_a_step_beside_a_decode_is_counted_once_under_the_rule_that_ran_it():
+    """The floor's shadow sits out the steps the budget's chunks beside a decode: each such
+    step counts as chunked (a shadow prefilled beside decoding user requests), not as
+    paused too (with no budget shadow beside it, as paused: the test above)."""
+    engine = scheduler()
+    engine.add_request(request("decoder", 40))
+    engine.add_request(request("floor", SHADOW_PROMPT, idle=True))
+    engine.add_request(request("budget", SHADOW_PROMPT, shadow=True))
+    assert step(engine) == {"decoder": 40}
+    before, exported = dict(engine.shadow_steps), exported_steps()
+    decoding = [step(engine) for _ in range(USER_TOKENS - 1)]
+    assert decoding == [{"decoder": 1, "budget": CHUNK}] * (USER_TOKENS - 1)
+    counted = {action: engine.shadow_steps[action] - before[action] for action in before}
+    assert counted == {"paused": 0, "chunked": USER_TOKENS - 1, "alone": 0, "preempted": 0}
+    assert {a: n - exported[a] for a, n in exported_steps().items()} == counted
+
+
+def exported_steps() -> dict[str, float]:
+    """`holeblend_shadow_steps_total` by action."""
+    actions = ("paused", "chunked", "alone", "preempted")
+    return {a: metrics.sample("holeblend_shadow_steps_total", {"action": a}) for a in actions}
+
+
 def test_without_chunked_prefill_a_lone_shadow_keeps_whole_steps():
     # vLLM cannot split a prompt without chunked prefill: a capped budget would starve it.
     engine = scheduler()
@@ -322,11 +346,13 @@ def test_a_shadow_set_aside_keeps_its_seat_from_the_other_shadows():
 @pytest.mark.parametrize("threshold", [0, THRESHOLD])
 def test_vllms_adaptive_threshold_does_not_widen_a_shadows_chunk_beside_a_decode(threshold):
     # vLLM 0.32's adaptive threshold raises each prompt's cap to a fair share of the token
-    # budget (half of it with two requests): the shadow's chunk stays its own.
+    # budget (half of it with two requests): the shadow's chunk stays its own. (vLLM 0.23
+    # has no adaptive threshold: the same steps must hold there too.)
     engine = scheduler(threshold=threshold, adaptive=True)
-    if not hasattr(engine, "adaptive_long_prefill_threshold"):
-        pytest.skip("this vLLM has no adaptive threshold (0.23): nothing to widen the chunk")
     engine.add_request(request("decoder", 40))
     engine.add_request(request("shadow", SHADOW_PROMPT, shadow=True))
-    assert step(engine) == {"decoder": 40}
-    assert step(engine) == {"decoder": 1, "shadow": CHUNK}
+    steps = [step(engine)]  # the user's prompt first (in two steps on 0.23 at a threshold)
+    while "shadow" not in steps[-1] and len(steps) < 4:
+        steps.append(step(engine))
+    assert all(list(tokens) == ["decoder"] for tokens in steps[:-1])
+    assert steps[-1] == {"decoder": 1, "shadow": CHUNK}
