@@ -66,6 +66,6 @@ def _wrap_load_model(runner_class: type) -> None:
 
 def loaded_model() -> Any | None:
     """The model this process's runner loaded, or None before loading (or when the plugin
-    is not installed in vLLM's environment: the connector's worker then refuses its first
-    load with a RuntimeError saying to install holeblend there)."""
+    did not run: holeblend not installed in vLLM's environment, or left out of
+    `VLLM_PLUGINS`; the connector then stops the engine at start-up saying which)."""
     return _loaded.get("model")
