@@ -13,6 +13,7 @@ in a new order next to new neighbours, with 95% bootstrap intervals and a fronti
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 import tempfile
@@ -395,7 +396,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     if args.sdpa_reference:
         prompts = [runner.request(qa, pass_number=2).prompt for qa in workload]
-        record["sdpa_reference"] = sdpa_reference_s(model, prompts)
+        warm_prompt = runner.request(warm_up[0], pass_number=2).prompt
+        record["sdpa_reference"] = sdpa_reference_s(model, prompts, warm_prompt)
     if args.profile:
         record["profile"] = _profile(new_engine, config, runner, workload[0], args.profile_trace)
     document = {"model": model.config.model_id, "config": record, "results": results}
@@ -585,29 +587,34 @@ def _profile(
     trace_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Device busy share of one pass-2 prefill per mode (after its pass 1), warm; each
-    profiled prefill's trace written to `trace_dir`/MODE.json when given."""
+    profiled prefill's trace written to `trace_dir`/MODE.json when given. Every engine it
+    makes is closed when its mode is done (their background stores stop)."""
 
     def trace(mode: str) -> Path | None:
         return None if trace_dir is None else trace_dir / f"{mode}.json"
 
+    def closing_engine() -> contextlib.closing[BlendEngine]:
+        return contextlib.closing(new_engine(config.store_policies[0], config.selections[0]))
+
     ratio = config.ratios[0]
     first, second = (runner.request(qa, pass_number=p).prompt for p in (1, 2))
     shares: dict[str, Any] = {"ratio": ratio}
-    engine = new_engine(config.store_policies[0], config.selections[0])
-    shares["full"] = busy_share(lambda: engine.prefill(second, "full", 1.0), trace=trace("full"))
+    with closing_engine() as full:
+        shares["full"] = busy_share(lambda: full.prefill(second, "full", 1.0), trace=trace("full"))
     for mode in config.modes:
-        engine = new_engine(config.store_policies[0], config.selections[0])
-        engine.prefill(first, mode, ratio)
-        engine.wait_for_stores()
-        snapshot = set(engine.store.keys())
+        with closing_engine() as blending:
+            blending.prefill(first, mode, ratio)
+            blending.wait_for_stores()
+            snapshot = set(blending.store.keys())
 
-        def send(engine: BlendEngine = engine, mode: str = mode, snapshot: set = snapshot) -> None:
-            engine.prefill(second, mode, ratio)
-            for key in set(engine.store.keys()) - snapshot:
-                engine.store.remove(key)
+            def send(
+                engine: BlendEngine = blending, mode: str = mode, snapshot: set = snapshot
+            ) -> None:
+                engine.prefill(second, mode, ratio)
+                for key in set(engine.store.keys()) - snapshot:
+                    engine.store.remove(key)
 
-        shares[mode] = busy_share(send, trace=trace(mode))
-        engine.close()
+            shares[mode] = busy_share(send, trace=trace(mode))
     return shares
 
 

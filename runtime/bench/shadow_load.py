@@ -30,9 +30,14 @@ load with the proxies off and on, on holeblend-serve (this module) and on vllm-c
    Every run sends the same requests in the same order with the same gaps.
 3. Runs alternate proxies off, on, on, off (`ORDER`), and the two phases swap places from
    one run to the next, so drift on a shared machine hits both arms and both loads alike.
-4. Each request streams: its TTFT is from its send (= its arrival) to the first chunk with
-   text, its inter-token latencies are the gaps between its chunks with text (one token
-   each, or a few where the text of a token is not printable alone).
+4. Each request streams: its TTFT is from its arrival to the first chunk with text, its
+   inter-token latencies are the gaps between its chunks with text (one token each, or a
+   few where the text of a token is not printable alone). A paced request arrives at its
+   scheduled time, so when its send lags (the driver fell behind, or the machine, busy
+   serving, ran its thread late) the wait counts, as its user waits; timed from the send,
+   that wait would drop out just when the server is behind (coordinated omission). Each
+   paced request records its `lag_s` (send minus schedule). A saturated client's request
+   arrives when it is sent: a closed loop has no schedule.
 5. The server's /metrics, read before and after each phase, give the quality samples of
    the phase: shadow scores (`holeblend_f1_proxy_count`) and calibrated inline estimates
    (`holeblend_inline_f1_proxy_count`), per tuning interval (`INTERVAL_S`, the default
@@ -43,8 +48,8 @@ load with the proxies off and on, on holeblend-serve (this module) and on vllm-c
    `itl_p99_ratio` (on / off, p99 over both runs of each arm; percentiles interpolated
    between ranks as numpy does), `samples_per_interval` (the better of the two signals
    the tuner reads: `shadow_samples_per_interval`, `inline_samples_per_interval`),
-   `inline_f1_correlation`, the p50/p90/p99 figures of each arm and the verdicts
-   against the goals (`GOALS`).
+   `inline_f1_correlation`, the p50/p90/p99 figures of each arm (with the paced sends'
+   `lag_p99_s` and `lag_max_s`) and the verdicts against the goals (`GOALS`).
 """
 
 from __future__ import annotations
@@ -200,12 +205,14 @@ def build_plan(
 
 @dataclasses.dataclass
 class Timing:
-    """One streamed request: seconds from its send."""
+    """One streamed request: seconds from its arrival (its scheduled time when it had one,
+    else its send)."""
 
     ttft_s: float | None = None
     itls_s: list[float] = dataclasses.field(default_factory=list)  # gaps between chunks
     return_s: float | None = None
     error: str | None = None
+    lag_s: float | None = None  # send minus scheduled arrival; None: not scheduled
 
     @property
     def ok(self) -> bool:
@@ -225,9 +232,10 @@ def chunk_text(payload: dict) -> str:
     return delta.get("content") or "" if isinstance(delta, dict) else ""
 
 
-def read_stream(lines: Iterator[bytes], sent: float, clock=time.monotonic) -> Timing:
+def read_stream(lines: Iterator[bytes], arrived: float, clock=time.monotonic) -> Timing:
     """Times a server-sent event stream of completion chunks: the first chunk with text,
-    the gaps between chunks with text, the end. An error event fails the request."""
+    the gaps between chunks with text, the end, each from `arrived` (a `clock` reading).
+    An error event fails the request."""
     timing, last = Timing(), None
     for raw in lines:
         line = raw.strip()
@@ -245,29 +253,36 @@ def read_stream(lines: Iterator[bytes], sent: float, clock=time.monotonic) -> Ti
         if not isinstance(payload, dict) or not chunk_text(payload):
             continue
         if timing.ttft_s is None:
-            timing.ttft_s = now - sent
+            timing.ttft_s = now - arrived
         else:
             timing.itls_s.append(now - last)
         last = now
-    timing.return_s = clock() - sent
+    timing.return_s = clock() - arrived
     if timing.ttft_s is None and timing.error is None:
         timing.error = "no text streamed"
     return timing
 
 
-def stream(url: str, body: dict, timeout_s: float = REQUEST_TIMEOUT_S) -> Timing:
-    """POST `body` with `stream: true` to `url`; the timing of its chunks."""
+def stream(
+    url: str, body: dict, timeout_s: float = REQUEST_TIMEOUT_S, *, scheduled: float | None = None
+) -> Timing:
+    """POST `body` with `stream: true` to `url`; the timing of its chunks, from
+    `scheduled` (a `time.monotonic()` reading: when the request was due) if given, else
+    from the send."""
     request = urllib.request.Request(
         url, json.dumps(body | {"stream": True}).encode(), {"Content-Type": "application/json"}
     )
     sent = time.monotonic()
+    arrived = sent if scheduled is None else scheduled
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return read_stream(iter(response), sent)
+            timing = read_stream(iter(response), arrived)
     except urllib.error.HTTPError as error:
-        return Timing(return_s=time.monotonic() - sent, error=f"HTTP {error.code}")
+        timing = Timing(return_s=time.monotonic() - arrived, error=f"HTTP {error.code}")
     except (OSError, ValueError) as error:
-        return Timing(return_s=time.monotonic() - sent, error=str(error)[:200])
+        timing = Timing(return_s=time.monotonic() - arrived, error=str(error)[:200])
+    timing.lag_s = None if scheduled is None else sent - scheduled
+    return timing
 
 
 def drive_sequential(url: str, bodies: Sequence[dict]) -> list[Timing]:
@@ -277,18 +292,20 @@ def drive_sequential(url: str, bodies: Sequence[dict]) -> list[Timing]:
 def drive_paced(
     url: str, bodies: Sequence[dict], gaps: Sequence[float], send=stream
 ) -> list[Timing]:
-    """Open loop: request i starts gaps[0] + ... + gaps[i] seconds after the start, in its
-    own thread, whether or not the earlier ones returned."""
+    """Open loop: request i is due gaps[0] + ... + gaps[i] seconds after the start and is
+    sent then, in its own thread, whether or not the earlier ones returned. `send(url,
+    body, scheduled=due)` times it from when it was due, so a send that lags its schedule
+    counts the wait."""
     timings: list[Timing | None] = [None] * len(bodies)
 
-    def one(index: int) -> None:
-        timings[index] = send(url, bodies[index])
+    def one(index: int, due: float) -> None:
+        timings[index] = send(url, bodies[index], scheduled=due)
 
     threads, due = [], time.monotonic()
     for index, gap in enumerate(gaps[: len(bodies)]):
         due += gap
         time.sleep(max(0.0, due - time.monotonic()))
-        thread = threading.Thread(target=one, args=(index,), daemon=True)
+        thread = threading.Thread(target=one, args=(index, due), daemon=True)
         thread.start()
         threads.append(thread)
     for thread in threads:
@@ -298,7 +315,7 @@ def drive_paced(
 
 def drive_saturated(url: str, bodies: Sequence[dict], clients: int, send=stream) -> list[Timing]:
     """Closed loop, no think time: `clients` threads, each sending the next request in
-    order as soon as its previous one returned."""
+    order as soon as its previous one returned (timed from its send: no schedule)."""
     if clients < 1:
         raise ValueError(f"clients: must be >= 1, got {clients}")
     timings: list[Timing | None] = [None] * len(bodies)
@@ -553,10 +570,12 @@ def _mean(values: Sequence[float] | None) -> float | None:
 
 
 def arm_stats(timings: Sequence[dict]) -> dict:
-    """TTFT and inter-token latency percentiles of one arm's requests (dicts of `Timing`)."""
+    """TTFT and inter-token latency percentiles of one arm's requests (dicts of `Timing`),
+    and how far the scheduled ones were sent after their time (None: none scheduled)."""
     ok = [t for t in timings if t["error"] is None and t["ttft_s"] is not None]
     ttfts = [t["ttft_s"] for t in ok]
     itls = [gap for t in ok for gap in t["itls_s"]]
+    lags = [t["lag_s"] for t in timings if t.get("lag_s") is not None]
 
     def pct(values: list[float], share: float) -> float | None:
         return percentile(values, share) if values else None
@@ -572,6 +591,8 @@ def arm_stats(timings: Sequence[dict]) -> dict:
         "itl_p90_s": pct(itls, 0.9),
         "itl_p99_s": pct(itls, 0.99),
         "return_mean_s": _mean([t["return_s"] for t in ok]),
+        "lag_p99_s": pct(lags, 0.99),
+        "lag_max_s": max(lags) if lags else None,
     }
 
 

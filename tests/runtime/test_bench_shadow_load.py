@@ -5,6 +5,7 @@ OpenAI-compatible server over HTTP, and shrunk on the real holeblend-serve (slow
 speed goals themselves are the benchmark's to measure (docs/tuning.md), not these tests'."""
 
 import contextlib
+import dataclasses
 import json
 import threading
 import time
@@ -43,7 +44,7 @@ def test_ttft_is_the_first_chunk_with_text_and_itls_the_gaps_between_chunks_with
     lines += sse({"choices": [{"text": "", "finish_reason": "length"}]}, "[DONE]")
     # A time is read for each data line but [DONE] (5 chunks, then the last one), then the end.
     timing = shadow_load.read_stream(
-        iter(lines), sent=10.0, clock=Clock(10.5, 11.0, 11.2, 11.3, 11.6, 11.7, 12.0)
+        iter(lines), arrived=10.0, clock=Clock(10.5, 11.0, 11.2, 11.3, 11.6, 11.7, 12.0)
     )
     assert timing.ok
     assert timing.ttft_s == pytest.approx(1.0)  # the empty first chunk does not count
@@ -122,13 +123,16 @@ def test_the_plan_gives_each_phase_its_own_questions_and_the_calibration_one_tok
 
 
 def recording_send(delay_s: float):
-    """A fake `stream`: records sends and the most requests in flight at once."""
-    state = {"sent": [], "in_flight": 0, "most": 0}
+    """A fake `stream`: records sends, the times they were due (paced) and the most
+    requests in flight at once."""
+    state = {"sent": [], "scheduled": [], "in_flight": 0, "most": 0}
     lock = threading.Lock()
 
-    def send(url, body):
+    def send(url, body, scheduled=None):
         with lock:
             state["sent"].append((time.monotonic(), body["i"]))
+            if scheduled is not None:
+                state["scheduled"].append((scheduled, body["i"]))
             state["in_flight"] += 1
             state["most"] = max(state["most"], state["in_flight"])
         time.sleep(delay_s)
@@ -163,6 +167,9 @@ def test_paced_arrivals_keep_their_schedule_whether_or_not_earlier_requests_retu
     assert [i for _, i in sorted(state["sent"])] == [0, 1, 2, 3]
     assert offsets == pytest.approx([0.0, 0.2, 0.4, 0.6], abs=0.15)
     assert state["most"] == 4  # open loop: all four in flight at once
+    # Each send is handed the time it was due: the schedule itself, not when it got sent.
+    due = [t for t, _ in sorted(state["scheduled"], key=lambda s: s[1])]
+    assert numpy.diff(due) == pytest.approx([0.2, 0.2, 0.2])
 
 
 # --- the proxy counters and the rows ----------------------------------------------------------
@@ -446,6 +453,32 @@ def test_every_run_sends_the_same_requests_and_proxies_on_runs_calibrate(capsys)
         assert row["samples_per_interval"] > 0
     assert result["service_s"] > 0
     assert "fake run 1 (on)" in capsys.readouterr().out
+
+
+def test_a_paced_request_sent_after_its_time_counts_the_wait_in_its_latency():
+    """Coordinated omission: a paced request whose send lags its schedule (the driver or
+    the machine fell behind) is timed from when it was due, as its user waits from then;
+    the lag is recorded. A closed-loop request has no schedule: timed from its send."""
+    late_s = 0.3
+
+    def late_send(url, body, scheduled):
+        time.sleep(late_s)  # the sending thread gets its turn this late
+        return shadow_load.stream(url, body, scheduled=scheduled)
+
+    bodies = [{"hole": False, "max_tokens": 2}] * 3
+    with fake_server(on=False) as (_, target):
+        paced = shadow_load.drive_paced(
+            target.completions_url, bodies, [0.0, 0.05, 0.05], late_send
+        )
+        saturated = shadow_load.drive_saturated(target.completions_url, bodies, clients=2)
+    assert [t.ok for t in paced + saturated] == [True] * 6
+    for timing in paced:
+        assert timing.lag_s >= late_s
+        assert timing.ttft_s >= timing.lag_s and timing.return_s >= timing.ttft_s
+    assert all(t.lag_s is None for t in saturated)
+    stats = shadow_load.arm_stats([dataclasses.asdict(t) for t in paced + saturated])
+    assert stats["lag_max_s"] == max(t.lag_s for t in paced) >= late_s
+    assert shadow_load.arm_stats([dataclasses.asdict(t) for t in saturated])["lag_max_s"] is None
 
 
 # --- holeblend-serve for real, shrunk -------------------------------------------------------
