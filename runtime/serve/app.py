@@ -486,6 +486,7 @@ class Server:
             finished = Finished("stop")
         if finished.reason in ("timeout", "cancelled"):
             raise _timeout_error(self.settings.request_timeout)
+        self._count_completion_tokens(prefill, text)
         body = writer.whole(text.text, finished.reason, usage(prefill, len(text.token_ids)))
         return "ok", web.json_response(body)
 
@@ -544,7 +545,16 @@ class Server:
         except HttpError as error:
             await send(error.body)
             return _outcome_of(error.status)
+        finally:
+            self._count_completion_tokens(prefill, text)
         return "ok"
+
+    def _count_completion_tokens(self, prefill: PrefillDone | None, text: IncrementalText) -> None:
+        """Count the tokens of an answer's text (its `usage.completion_tokens`) as it ends:
+        the compute thread may have decoded more past a stop sequence, before the answer's
+        `stopped` reached it."""
+        if prefill is not None:
+            self.metrics.completion_tokens.labels(prefill.mode).inc(len(text.token_ids))
 
 
 class ClientStalled(Exception):

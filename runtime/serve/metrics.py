@@ -3,8 +3,9 @@
 One registry per server, so two servers in one process (tests) never share series.
 Labels: `mode` is the engine mode a request ran in (`full`, `prefix`, `hole`); `outcome` is
 `ok`, `bad_request`, `rejected` (queue full or draining), `timeout`, `cancelled` (the client
-went away) or `error`. Token counters and `holeblend_kv_deviation` count completed
-prefills only.
+went away) or `error`. The prompt-side token counters and `holeblend_kv_deviation` count
+completed prefills only; `holeblend_completion_tokens` counts the tokens of the answers'
+text as the routes end them (`usage.completion_tokens`), not the tokens decoded.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ class ServeMetrics:
         self.recomputed_tokens = _tokens(
             "recomputed", "Tokens computed in every layer (the recompute set).", registry
         )
-        self.completion_tokens = _tokens("completion", "Generated tokens.", registry)
+        self.completion_tokens = _tokens(
+            "completion", "Tokens of the answers' text (usage.completion_tokens).", registry
+        )
         self.ttft = Histogram(
             "holeblend_ttft_seconds", "Arrival to the first token's logits, queue wait included.",
             mode, buckets=LATENCY_BUCKETS, registry=registry,

@@ -22,7 +22,9 @@ continuous batching of the decode steps):
    end-of-sequence token, cancellation, a reached stop sequence and the deadline, and
    drops the jobs that ended. A failed step fails the jobs in it; the thread serves on.
 4. Events go back to the job's asyncio queue on the server's loop: `PrefillDone`, token
-   ids, then one `Finished` (or an exception).
+   ids, then one `Finished` (or an exception). A job whose loop is gone (closed: nobody
+   waits for it) fails at its next event; the event that reports its end is then only
+   logged, and the thread serves on.
 5. The quality proxies hook in at three points (app.py wires them): `on_prefilled` sees
    every completed prefill (the shadow budget counts its tokens, the inline proxy reads
    its blend's statistic), `on_answered` every answered request that blended
@@ -293,10 +295,7 @@ class EngineWorker:
                 self._jobs.queue.remove(job)
             except ValueError:  # taken by the thread, or not yet put
                 return
-        try:
-            job.emit(Finished("cancelled"))
-        except Exception:  # its loop is gone: nobody waits for it
-            log.exception("cannot report the end of a dropped request")
+        _report(job, Finished("cancelled"))
 
     def _run(self) -> None:
         # Set here, not inherited: a thread that never ran torch starts with the count the
@@ -351,18 +350,19 @@ class EngineWorker:
                 self._num_running += 1
                 self._slot.started(time.perf_counter(), job)
         if reason is not None:
-            try:
-                job.emit(Finished(reason))
-            except Exception:  # its loop is gone: nobody waits for it
-                log.exception("cannot report the end of a dropped request")
+            _report(job, Finished(reason))
             return
+        running = None
         try:
-            if self._advance(running := self._prefill(job)):
+            running = self._prefill(job)
+            if self._advance(running):
                 batch.append(running)
                 return
         except Exception as error:  # reported to the request; the thread serves on
             log.exception("request failed")
-            job.emit(error)
+            if running is not None:
+                running.sequence.close()
+            _report(job, error)
         self._finish(job)
 
     def _prefill(self, job: Job) -> _Running:
@@ -388,9 +388,7 @@ class EngineWorker:
         except Exception as error:  # fails the jobs of this step; the thread serves on
             log.exception("decode step failed for %d requests", len(batch))
             for running in batch:
-                running.sequence.close()
-                running.job.emit(error)
-                self._finish(running.job)
+                self._fail(running, error)
             return []
         going = []
         for running in batch:
@@ -400,9 +398,17 @@ class EngineWorker:
                     continue
             except Exception as error:
                 log.exception("request failed")
-                running.job.emit(error)
+                self._fail(running, error)
+                continue
             self._finish(running.job)
         return going
+
+    def _fail(self, running: _Running, error: Exception) -> None:
+        """End a job with `error`: its KV row goes back to the decode pool (if `_end` has
+        not given it back already) and the error goes to its request."""
+        running.sequence.close()
+        _report(running.job, error)
+        self._finish(running.job)
 
     def _advance(self, running: _Running) -> bool:
         """Take the job's next token from its logits: emit it, or end the job (then
@@ -416,7 +422,6 @@ class EngineWorker:
         job.emit(token)
         running.answer.append(token)
         sequence.produced()
-        self.metrics.completion_tokens.labels(str(running.mode)).inc()
         if sequence.is_at_limit:
             return self._end(running, self._end_of_answer(running))
         return True
@@ -457,7 +462,7 @@ class EngineWorker:
             with self._lock:
                 self._waiting.discard(job)
                 self.metrics.queue_depth.set(len(self._waiting))
-            job.emit(RuntimeError("the server stopped before this request started"))
+            _report(job, RuntimeError("the server stopped before this request started"))
 
     def _time_lookup(self, prompt: SegmentedPrompt) -> None:
         """Keys and store look-ups, as the prefill does them (the store is in-process)."""
@@ -467,6 +472,17 @@ class EngineWorker:
         keys = [key for key in self.engine.segment_keys(prompt) if key is not None]
         self.engine.store.contains_many(keys)  # one lookup-server call for the local misses
         self.metrics.lookup.observe(time.perf_counter() - started)
+
+
+def _report(job: Job, event: Finished | Exception) -> None:
+    """Emit a job's last event (its `Finished` or error). When that fails too, the job's
+    loop is gone ("Event loop is closed") and nobody waits for the event: the failure is
+    logged and the compute thread serves on (raised, it would end the thread, leaving the
+    server ready but serving nothing)."""
+    try:
+        job.emit(event)
+    except Exception:
+        log.exception("cannot report the end of a request; its event loop is gone")
 
 
 def is_blended(prefill: Prefill) -> bool:

@@ -276,6 +276,39 @@ def test_a_failing_decode_step_fails_its_jobs_and_the_worker_serves_on(
     assert settles_to_zero(worker)
 
 
+@pytest.mark.parametrize("closed", ["before its prefill", "in a failing step", "while decoding"])
+def test_a_job_whose_loop_is_closed_does_not_end_the_compute_thread(
+    make_worker, engine, prompts, alone, monkeypatch, closed
+):
+    """Every emit to a closed loop raises ("Event loop is closed"). The error paths emitted
+    the failure to the job again: that raised out of the compute thread, and the server
+    stayed ready while serving nothing. The job now ends (its KV row back in the pool), the
+    report nobody can receive is logged, and the next job is served."""
+    gone = asyncio.new_event_loop()
+    step = engine.decode_step
+
+    def closing(sequences, tokens):
+        if not gone.is_closed():
+            gone.close()  # on the compute thread, between two of the job's events
+            if closed == "in a failing step":
+                raise RuntimeError("step broke")
+        step(sequences, tokens)
+
+    if closed == "before its prefill":
+        gone.close()
+    else:
+        monkeypatch.setattr(engine, "decode_step", closing)
+    worker = make_worker(max_batch=8)
+    now = time.perf_counter()
+    worker.submit(Job(prompts[0], 8, now, now + 120, gone, True))
+    assert settles_to_zero(worker)
+    assert engine.decode_pool.live_rows == []
+    log = run_jobs(worker, prompts, {"next": (1, 6)})
+    assert tokens_of(log, "next") == alone(1, 6)
+    assert end_of(log, "next") == Finished("length")
+    assert settles_to_zero(worker)
+
+
 def test_stop_finishes_the_jobs_in_flight_and_refuses_new_ones(make_worker, prompts, alone):
     worker = make_worker(max_batch=2)
     stopped = threading.Event()

@@ -1,17 +1,26 @@
 """holeblend-serve end to end: OpenAI routes, reuse reported in usage, SSE, errors, live
-ratio, and the series a real Prometheus scrapes."""
+ratio, and the series a real Prometheus scrapes; in process, what the completion token
+counter counts while the event loop lags behind the compute thread."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 import time
 import urllib.request
+from collections.abc import Iterator
+from functools import partial
 
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 
 from holeblend_devtools.prometheus import ScrapeTarget, running_prometheus, vector, wait_for
 from holeblend_devtools.serve_process import get, post_json
+from holeblend_runtime.serve.app import Server
+from holeblend_runtime.serve.settings import ServeSettings
 from tests.serve.conftest import example_settings_json, replace_file, start_server
+from tests.serve.test_batching import settles_to_zero
 
 pytestmark = pytest.mark.slow
 
@@ -216,3 +225,72 @@ def test_only_requests_that_blended_are_offered_to_the_shadow_proxies(tmp_path):
         assert shadow_offers(server) == 1  # the third request's, none of the first two
     finally:
         assert server.stop() == 0, server.log()
+
+
+# --- in process: a test that must hold the server's event loop -----------------------------
+
+
+@pytest.fixture(scope="module")
+def in_process(tmp_path_factory) -> Iterator[Server]:
+    """A server in this process, loaded as holeblend-serve loads it (full prefill, so equal
+    prompts get equal answers; no quality proxies, no lookup server)."""
+    config = tmp_path_factory.mktemp("in-process") / "blend.json"
+    config.write_text(example_settings_json(mode="off", qualityProxies=False, lookupServerUrl=None))
+    server = Server(ServeSettings(config, torch_threads=1))
+    server.load()
+    server.is_ready = True
+    yield server
+    server.worker.stop()
+    server.engine.close()
+    server.close()
+
+
+def completion_tokens(server: Server) -> float:
+    sample = "holeblend_completion_tokens_total"
+    return server.metrics.registry.get_sample_value(sample, {"mode": "full"}) or 0.0
+
+
+async def finish_and_usage(response, stream: bool) -> tuple[str, int]:
+    """The answer's finish_reason and usage.completion_tokens, streamed or whole."""
+    if not stream:
+        reply = await response.json()
+        return reply["choices"][0]["finish_reason"], reply["usage"]["completion_tokens"]
+    lines = (await response.text()).split("\n\n")
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-2]]
+    return events[-2]["choices"][0]["finish_reason"], events[-1]["usage"]["completion_tokens"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_completion_tokens_count_the_answer_not_the_tokens_decoded_past_its_stop(
+    in_process, stream
+):
+    """The compute thread learns that an answer reached a stop sequence from the route, one
+    hop over the event loop, and decodes on until then: with the loop busy, to the answer's
+    limit. `holeblend_completion_tokens_total` counted those tokens too; it counts the
+    answer's `usage.completion_tokens`."""
+    server = in_process
+    body = {
+        "model": "smollm2", "system": SYSTEM, "documents": DOCS[:1],
+        "prompt": "Which lake shrank?", "max_tokens": 12, "ignore_eos": True,
+    }  # fmt: skip
+    streamed = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+    async with TestClient(TestServer(server.app())) as client:
+        whole = await (await client.post("/v1/completions", json=body)).json()
+        stop = whole["choices"][0]["text"].split()[1]  # a word early in the answer
+        before = completion_tokens(server)
+        stopped = body | streamed | {"stop": stop}
+        # The thread starts the job once the loop is held, as a busy one would be, and
+        # decodes the whole answer before the route sees any of it.
+        held = threading.Event()
+        server.worker.between_steps = partial(held.wait, 10)
+        try:
+            request = asyncio.create_task(client.post("/v1/completions", json=stopped))
+            while not server.worker.num_pending:
+                await asyncio.sleep(0.001)
+            held.set()
+            assert settles_to_zero(server.worker)
+        finally:
+            server.worker.between_steps = None
+        finish, num_tokens = await finish_and_usage(await request, stream)
+    assert finish == "stop" and num_tokens < 12
+    assert completion_tokens(server) - before == num_tokens
