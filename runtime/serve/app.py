@@ -293,9 +293,13 @@ class Server:
     # --- plain routes -----------------------------------------------------------------
 
     async def healthz(self, _: web.Request) -> web.Response:
+        if self.worker is not None and self.worker.has_died:
+            return web.json_response({"status": "the compute thread ended"}, status=503)
         return web.json_response({"status": "ok"})
 
     async def ready(self, _: web.Request) -> web.Response:
+        if self.worker is not None and self.worker.has_died:
+            return web.json_response({"status": "the compute thread ended"}, status=503)
         if self.is_ready and not self.is_draining:
             return web.json_response({"status": "ready"})
         state = "draining" if self.is_draining else "loading"

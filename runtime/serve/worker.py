@@ -249,6 +249,13 @@ class EngineWorker:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def has_died(self) -> bool:
+        """The compute thread ended without `stop` (something escaped it): nothing is
+        served any more, and the liveness probe says so (the kubelet restarts the pod)."""
+        thread = self._thread
+        return thread.ident is not None and not thread.is_alive() and not self._is_stopped
+
     def stop(self) -> None:
         """Finish the jobs submitted so far (running and waiting), then end the thread; a
         job submitted from now on is refused."""

@@ -294,3 +294,40 @@ async def test_completion_tokens_count_the_answer_not_the_tokens_decoded_past_it
         finish, num_tokens = await finish_and_usage(await request, stream)
     assert finish == "stop" and num_tokens < 12
     assert completion_tokens(server) - before == num_tokens
+
+
+class _Escaped(BaseException):
+    """What no handler of the compute thread catches."""
+
+
+async def test_a_compute_thread_that_died_fails_liveness_and_readiness(tmp_path):
+    """Should something escape the compute thread, the server would answer nothing yet
+    report itself alive and ready: the kubelet would never restart it."""
+    config = tmp_path / "blend.json"
+    config.write_text(example_settings_json(mode="off", qualityProxies=False, lookupServerUrl=None))
+    server = Server(ServeSettings(config, torch_threads=1))
+    server.load()
+    server.is_ready = True
+    try:
+        async with TestClient(TestServer(server.app())) as client:
+            assert (await client.get("/healthz")).status == 200
+            assert (await client.get("/ready")).status == 200
+
+            def escape():
+                raise _Escaped
+
+            server.worker.between_steps = escape
+            body = {"model": "smollm2", "prompt": "Which lake shrank?", "max_tokens": 2}
+            request = asyncio.create_task(client.post("/v1/completions", json=body))
+            deadline = time.monotonic() + 30
+            while not server.worker.has_died:
+                assert time.monotonic() < deadline, "the compute thread did not end"
+                await asyncio.sleep(0.01)
+            for path in ("/healthz", "/ready"):
+                response = await client.get(path)
+                assert response.status == 503
+                assert (await response.json())["status"] == "the compute thread ended"
+            request.cancel()
+    finally:
+        server.engine.close()
+        server.close()
