@@ -799,6 +799,18 @@ def end_targets(answer: Sequence[int], stopped_at_eos: bool, eos: int) -> list[i
     return [*answer, eos] if stopped_at_eos or not answer else list(answer)
 
 
+def through_stop(
+    answer: list[int], reaches: Callable[[Sequence[int]], bool]
+) -> tuple[list[int], bool]:
+    """The answer's tokens up to the one whose text reached a stop sequence (`reaches`: a
+    prefix's text holds one), and whether one did. Reaching one is monotone in the
+    answer's length (its text only grows), so the shortest such prefix is bisected."""
+    if not reaches(answer):
+        return answer, False
+    end = bisect.bisect_left(range(len(answer) + 1), True, key=lambda n: reaches(answer[:n]))
+    return answer[:end], True
+
+
 def before_stop(text: str, stop: Sequence[str]) -> str | None:
     """`text` up to the first stop sequence in it (OpenAI's `stop`: the answer ends before
     it); None when it holds none."""
@@ -864,15 +876,7 @@ class ShadowScorer(ShadowSampler):
         return ShadowScore(f1, top1, request.ratio, time.monotonic() - started)
 
     def _through_stop(self, answer: list[int], stop: Sequence[str]) -> tuple[list[int], bool]:
-        """The answer's tokens up to the one whose text reached a stop sequence, and
-        whether one did. Reaching one is monotone in the answer's length (its text only
-        grows), so the shortest such prefix is bisected."""
-        if not stop or not self._reaches_stop(answer, stop):
-            return answer, False
-        end = bisect.bisect_left(
-            range(len(answer) + 1), True, key=lambda n: self._reaches_stop(answer[:n], stop)
-        )
-        return answer[:end], True
+        return through_stop(answer, lambda ids: self._reaches_stop(ids, stop))
 
     def _reaches_stop(self, token_ids: Sequence[int], stop: Sequence[str]) -> bool:
         return bool(stop) and before_stop(self.tokenizer.decode(token_ids), stop) is not None

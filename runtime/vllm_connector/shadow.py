@@ -63,7 +63,6 @@ Both proxies are observed by the ratio the request ran with, as in holeblend-ser
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import json
 import logging
@@ -85,6 +84,7 @@ from holeblend_runtime.quality.shadow import (
     ShadowSkipped,
     answer_budget,
     end_targets,
+    through_stop,
 )
 
 log = logging.getLogger(__name__)
@@ -403,15 +403,7 @@ class VllmShadow(ShadowSampler):
     def _through_stop(
         self, answer: list[int], request: VllmShadowRequest
     ) -> tuple[list[int], bool]:
-        """The answer's tokens up to the one whose text reached a stop string, and whether
-        one did. Reaching one is monotone in the answer's length (its text only grows), so
-        the shortest such prefix is bisected."""
-        if not self._reaches_stop(answer, request):
-            return answer, False
-        end = bisect.bisect_left(
-            range(len(answer) + 1), True, key=lambda n: self._reaches_stop(answer[:n], request)
-        )
-        return answer[:end], True
+        return through_stop(answer, lambda ids: self._reaches_stop(ids, request))
 
     def _reaches_stop(self, token_ids: Sequence[int], request: VllmShadowRequest) -> bool:
         return bool(request.stop) and stop_cut(self.decode(token_ids), request.stop) is not None
