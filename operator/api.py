@@ -865,7 +865,8 @@ class EngineSpec(ApiModel):
     routing to it, then in-flight requests finish before the pod is killed. On
     holeblend-serve pods (accelerator.type cpu) at least 53 s are rendered: the 15 s pause
     counts inside the grace period, and the server's drain (30 s), close (3 s) and stop
-    follow it."""
+    follow it; a longer --drain-timeout or --shutdown-timeout in extraArgs (or its
+    HOLEBLEND_SERVE_* variable in env) lengthens it to match."""
     blend_step_tokens: int | None = Field(default=None, ge=0, le=1048576)
     """vLLM pods: tokens' worth of blend compute per engine step. A request's load is
     asynchronous: its blend is spread over vLLM's steps, one model layer at a time, so

@@ -294,13 +294,13 @@ def pod_spec(bd: BlendDeployment) -> dict:
 
 def termination_grace_period_seconds(bd: BlendDeployment) -> int:
     """spec.engine.terminationGracePeriodSeconds, on holeblend-serve pods at least the preStop
-    pause plus the server's own stop. The kubelet counts the pause inside the grace period and
-    leaves SIGTERM only the rest: at 30 s a draining server would be killed 15 s into its 30 s
-    drain, cutting off the requests it was finishing."""
+    pause plus the server's own stop, with the drain its flags ask for. The kubelet counts the
+    pause inside the grace period and leaves SIGTERM only the rest: at 30 s a draining server
+    would be killed 15 s into its 30 s drain, cutting off the requests it was finishing."""
     grace = bd.spec.engine.termination_grace_period_seconds
     if not serve.runs_holeblend_serve(bd):
         return grace
-    return max(grace, PRE_STOP_SLEEP_SECONDS + serve.STOP_SECONDS)
+    return max(grace, PRE_STOP_SLEEP_SECONDS + serve.stop_seconds(bd))
 
 
 def rollout_strategy(bd: BlendDeployment) -> dict:

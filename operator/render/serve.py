@@ -6,8 +6,11 @@ followed by `engine.extraArgs` (holeblend-serve flags such as `--queue-size 16`)
 the same mounted blend.json as the vLLM connector and re-reads its live keys. Probes:
 startup and readiness on `/ready` (the model is loaded and warmed up; 503 while draining
 on SIGTERM), liveness on `/healthz`. The pod's grace period is at least the preStop pause
-plus the server's drain and close (`STOP_SECONDS`). GPU and NPU pods keep vLLM (see engine.py).
+plus the server's drain and close (`stop_seconds`: the pod's own `--drain-timeout` and
+`--shutdown-timeout`). GPU and NPU pods keep vLLM (see engine.py).
 """
+
+import math
 
 from holeblend_contract.blend_settings import CONFIG_PATH
 from holeblend_operator.api import AcceleratorType, BlendDeployment
@@ -16,14 +19,47 @@ from holeblend_operator.render.pods import health_probe
 SERVE_COMMAND = "holeblend-serve"
 READY_PATH = "/ready"
 HEALTH_PATH = "/healthz"
-# How long holeblend-serve takes to stop after SIGTERM at its defaults: --drain-timeout (30 s)
-# for queued and running requests, --shutdown-timeout (3 s) for connections still open, and a
-# few seconds to join its threads and send its last calibration pairs.
-STOP_SECONDS = 30 + 3 + 5
+# How long holeblend-serve takes to stop after SIGTERM: --drain-timeout (30 s by default) for
+# queued and running requests, --shutdown-timeout (3 s) for connections still open, and a few
+# seconds to join its threads and send its last calibration pairs.
+DRAIN_SECONDS = 30
+SHUTDOWN_SECONDS = 3
+JOIN_SECONDS = 5
+SERVE_ENV_PREFIX = "HOLEBLEND_SERVE_"
 
 
 def runs_holeblend_serve(bd: BlendDeployment) -> bool:
     return bd.spec.accelerator.type == AcceleratorType.CPU
+
+
+def stop_seconds(bd: BlendDeployment) -> int:
+    """How long holeblend-serve takes to stop after SIGTERM with the drain and close this
+    pod's engine.extraArgs and engine.env give it (38 s at the defaults)."""
+    drain = seconds_setting(bd, "--drain-timeout", DRAIN_SECONDS)
+    shutdown = seconds_setting(bd, "--shutdown-timeout", SHUTDOWN_SECONDS)
+    return math.ceil(drain + shutdown) + JOIN_SECONDS
+
+
+def seconds_setting(bd: BlendDeployment, flag: str, default: float) -> float:
+    """A holeblend-serve timeout as its argparse reads it: the last `flag VALUE` or
+    `flag=VALUE` in engine.extraArgs, else its HOLEBLEND_SERVE_* variable in engine.env.
+    A value the server refuses (not a number, not above 0) stops the pod at start, and an
+    infinite one cannot be waited for: both leave the default."""
+    text = None
+    args = bd.spec.engine.extra_args
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            text = args[i + 1]
+        elif arg.startswith(flag + "="):
+            text = arg.removeprefix(flag + "=")
+    if text is None:
+        name = SERVE_ENV_PREFIX + flag.removeprefix("--").replace("-", "_").upper()
+        text = next((var.value for var in bd.spec.engine.env if var.name == name), None)
+    try:
+        seconds = float(text)
+    except (TypeError, ValueError):
+        return default
+    return seconds if 0 < seconds < math.inf else default
 
 
 def serve_args(bd: BlendDeployment) -> list[str]:

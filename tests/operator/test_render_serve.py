@@ -65,3 +65,45 @@ def test_device_pods_keep_the_grace_period_they_ask_for(accelerator):
         accelerator={"type": accelerator, "count": 1}, engine={"terminationGracePeriodSeconds": 30}
     )
     assert engine_pod(bd)["spec"]["terminationGracePeriodSeconds"] == 30
+
+
+def holeblend_serve_stop_seconds(container: dict) -> float:
+    """Drain plus close, as the server itself reads them from the rendered container."""
+    from holeblend_runtime.serve.settings import parse_settings
+
+    env = {var["name"]: var["value"] for var in container["env"]}
+    settings = parse_settings(container["args"], env)
+    return settings.drain_timeout + settings.shutdown_timeout
+
+
+@pytest.mark.parametrize(
+    ("extra_args", "env"),
+    [
+        (["--drain-timeout", "120"], {}),
+        (["--drain-timeout=90.5"], {}),
+        (["--drain-timeout", "200", "--queue-size", "16", "--drain-timeout=75"], {}),
+        (["--shutdown-timeout", "60"], {}),
+        ([], {"HOLEBLEND_SERVE_DRAIN_TIMEOUT": "100"}),
+        (["--drain-timeout", "45"], {"HOLEBLEND_SERVE_DRAIN_TIMEOUT": "300"}),
+    ],
+)
+def test_a_stopping_cpu_pod_has_time_for_the_drain_its_flags_ask_for(extra_args, env):
+    env_vars = [{"name": name, "value": value} for name, value in env.items()]
+    bd = cpu_bd(terminationGracePeriodSeconds=30, extraArgs=extra_args, env=env_vars)
+    pod = engine_pod(bd)["spec"]
+    assert seconds_after_pre_stop(pod) > holeblend_serve_stop_seconds(pod["containers"][0])
+
+
+@pytest.mark.parametrize(
+    "extra_args",
+    [
+        ["--drain-timeout", "soon"],
+        ["--drain-timeout="],
+        ["--drain-timeout"],
+        ["--drain-timeout", "inf"],
+    ],
+)
+def test_a_drain_that_is_no_finite_number_leaves_the_default_grace(extra_args):
+    pod = engine_pod(cpu_bd(terminationGracePeriodSeconds=30, extraArgs=extra_args))["spec"]
+    default = engine_pod(cpu_bd(terminationGracePeriodSeconds=30))["spec"]
+    assert pod["terminationGracePeriodSeconds"] == default["terminationGracePeriodSeconds"]
