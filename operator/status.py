@@ -45,7 +45,11 @@ class Observed:
 
 def build_status(bd: BlendDeployment, observed: Observed, previous: list[dict], now: str) -> dict:
     """The full status to write, keeping lastTransitionTime of conditions that did not flip."""
-    problem = observed.problem or deployment_problem(observed.engine, observed.engine_pods, bd)
+    problem = (
+        observed.problem
+        or deployment_problem(observed.engine, observed.engine_pods, bd)
+        or rollout_problem(observed.lookup, "lookup server")
+    )
     engine_ready = is_available(observed.engine, bd.spec.replicas)
     lookup_ready = not bd.spec.lookup_server.enabled or is_available(observed.lookup, None)
     conditions = [
@@ -138,7 +142,14 @@ def deployment_problem(
     for pod in pods:
         if found := _pod_problem(pod, bd):
             return found
-    for condition in (engine or {}).get("status", {}).get("conditions", []):
+    return rollout_problem(engine, "engine")
+
+
+def rollout_problem(deployment: dict | None, component: str) -> Problem | None:
+    """A failure the Deployment of `component` reports in its own conditions (pods it cannot
+    create, a rollout past its progress deadline). The lookup server's pods are not read:
+    its Deployment says so once the deadline has passed."""
+    for condition in (deployment or {}).get("status", {}).get("conditions", []):
         if condition.get("type") == "ReplicaFailure" and condition.get("status") == "True":
             return Problem(condition.get("reason", "ReplicaFailure"), condition.get("message", ""))
         if (
@@ -148,7 +159,7 @@ def deployment_problem(
             return Problem(
                 "ProgressDeadlineExceeded",
                 f"{condition.get('message', '')}; "
-                "check the engine pods with `kubectl describe pod`",
+                f"check the {component} pods with `kubectl describe pod`",
             )
     return None
 

@@ -169,6 +169,36 @@ def test_a_lookup_server_mid_rollout_is_not_available():
     assert conditions(status)["Ready"] == ("False", "LookupServerNotReady")
 
 
+@pytest.mark.parametrize(
+    "failure",
+    [
+        {
+            "type": "Progressing",
+            "status": "False",
+            "reason": "ProgressDeadlineExceeded",
+            "message": 'ReplicaSet "rag-lookup-6f7d" has timed out progressing.',
+        },
+        {
+            "type": "ReplicaFailure",
+            "status": "True",
+            "reason": "FailedCreate",
+            "message": 'pods "rag-lookup-6f7d-x" is forbidden: exceeded quota: compute',
+        },
+    ],
+)
+def test_a_stuck_lookup_server_is_degraded(failure):
+    """A lookup server that never comes up (a wrong image, a quota) is something a person
+    must fix, as it would be for the engine: not a rollout still under way."""
+    lookup = deployment(ready=0, conditions=[failure])
+    status = build_status(blend_deployment(), Observed(deployment(), lookup, []), [], "t")
+    assert conditions(status)["Degraded"][0] == "True"
+    assert failure["message"] in next(
+        c["message"] for c in status["conditions"] if c["type"] == "Degraded"
+    )
+    assert conditions(status)["Progressing"] == ("False", "Blocked")
+    assert status["phase"] == "Degraded"
+
+
 class StatusWrites:
     """Holds the owner's status as the API server would, merge-patching each status write."""
 
