@@ -1,7 +1,7 @@
 """A KV tier in a directory: one safetensors file per segment key, shared by processes.
 
 vLLM runs its scheduler and its workers in different processes; both see the same
-directory (on a pod, a tmpfs such as /dev/shm), so the scheduler's lookup and the
+directory (on a pod, a memory-backed volume of its own), so the scheduler's lookup and the
 worker's load agree without a server. Implements `KVStore`:
 
 1. `put` writes to a temporary file (`.<key>.<random>.partial`) and renames it, so readers
@@ -140,16 +140,20 @@ class DirectoryKVStore:
     def put(self, kv: SegmentKV) -> bool:
         if kv.num_bytes > self.capacity_bytes:
             return False
-        evicted = self._admission_evictions(kv)
-        if evicted is None:
-            self.num_refused += 1
-            return False
         tensors = {"k": kv.k.contiguous(), "v": kv.v.contiguous(), "positions": kv.positions}
         # Checked here, where the entry is written (off the request's path behind an
         # AsyncKVStore), taken afresh like LocalKVStore's: a reader then trusts it.
         is_finite = finite_flags([kv])[0]
         metadata = {"key": kv.key, "model_id": kv.model_id, _FINITE_KEY: str(is_finite).lower()}
         data = save({n: t.detach().cpu() for n, t in tensors.items()}, metadata)
+        if len(data) > self.capacity_bytes:
+            # The tensors fit the budget, the file with its header does not: making room
+            # would remove every other file and then the new one.
+            return False
+        evicted = self._admission_evictions(kv)
+        if evicted is None:
+            self.num_refused += 1
+            return False
         # Room is made before the write, so the directory stays within its budget (the
         # volume under it is sized for the budget plus little more).
         for key in evicted:

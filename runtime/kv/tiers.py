@@ -58,7 +58,7 @@ _DTYPES = {name: getattr(torch, name) for name in DTYPE_SIZES}
 
 class LocalTier(Protocol):
     """This pod's own tier: an in-process `LocalKVStore`, or the directory a vLLM pod's
-    scheduler and worker processes share (`kv_directory.DirectoryKVStore`)."""
+    scheduler and worker processes share (`kv.directory.DirectoryKVStore`)."""
 
     capacity_bytes: int
 

@@ -51,6 +51,19 @@ def test_a_put_makes_room_before_it_writes_so_the_directory_never_exceeds_its_bu
     assert store.keys() == ["k5", "k6", "k7"]
 
 
+def test_a_segment_whose_tensors_fit_the_budget_but_not_its_file_is_refused_and_evicts_nothing(
+    tmp_path,
+):
+    """The budget counts files, header included: a segment sized by its tensors alone
+    passed the check, emptied the directory to make room and was then removed itself."""
+    big = _entry("big", num_tokens=256)
+    store = DirectoryKVStore(tmp_path, big.num_bytes)
+    for key in ("a1", "a2"):
+        assert store.put(_entry(key, num_tokens=4))
+    assert not store.put(big)
+    assert sorted(store.keys()) == ["a1", "a2"] and not store.contains("big")
+
+
 def test_a_full_volume_evicts_older_segments_once_then_gives_up_without_raising(
     tmp_path, monkeypatch
 ):
