@@ -161,6 +161,19 @@ def test_peering_needs_more_than_one_replica(tmp_path):
             assert "kopf.dev" not in {g for r in role["rules"] for g in r["apiGroups"]}
 
 
+# --- upgrades ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", VALUES, ids=lambda v: v.stem if v else "defaults")
+def test_an_upgrade_stops_the_old_operator_before_starting_the_new_one(values, tmp_path):
+    """A rolling update starts the new pod beside the old one: one replica runs without
+    peering, so the two would reconcile every object at once, and a change of replicaCount
+    switches between standalone and peering replicas, which do not see each other."""
+    objects = render(tmp_path, *(["-f", str(values)] if values else []))
+    (deployment,) = of_kind(objects, "Deployment")
+    assert deployment["spec"].get("strategy") == {"type": "Recreate"}
+
+
 # --- Pod Security Standards: restricted -------------------------------------------------
 
 RESTRICTED_VOLUME_TYPES = {
