@@ -367,7 +367,7 @@ class Blender:
         picks = tuple(num_to_select(members.shape[0], ratio) for members in sections)
         num_uncached = int(active.shape[0]) - int(is_cached[active].sum())
         picks = _round_up_picks(picks, sections, num_uncached, self._bucket())
-        bounds = (self.config.check_layer, *self.config.filter_layers, self.model.num_layers - 1)
+        bounds = (self.config.check_layer, *self.config.filter_layers, self.model.num_layers)
         stage_layers = tuple(b - a for a, b in zip(bounds, bounds[1:], strict=False))
         stages = _Stages.plan(selector, picks, sections, num_uncached, stage_layers, self._bucket())
         query_rows = torch.empty(0, dtype=torch.int64)
@@ -657,8 +657,13 @@ def _round_up(
 
 def _deviation(fresh: torch.Tensor, stored: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Squared distance of `fresh` [heads, n, d] and `stored` [heads, slots, d] at
-    `positions`, summed over heads and dimensions: [n]."""
-    return (fresh - stored.index_select(1, positions)).pow(2).sum((0, 2))
+    `positions`, summed over heads and dimensions: [n] float32.
+
+    Squared in float32: in float16 a difference above 256 squares past the largest
+    finite value (65504), and so does a token's sum over heads and dimensions of smaller
+    ones, which makes the top-k a choice among infinities. A float32 model's tensors pass
+    through unchanged (`float()` of float32 is no copy)."""
+    return (fresh - stored.index_select(1, positions)).float().pow(2).sum((0, 2))
 
 
 @dataclass(frozen=True)
@@ -681,8 +686,10 @@ class _Stages:
         stage_layers: tuple[int, ...],
         bucket: int,
     ) -> _Stages:
-        """`stage_layers`: the sparse layers computed at each width, from the check layer
-        to the first filter layer, ..., after the last one. Budget-neutral: the narrowing
+        """`stage_layers`: the layers whose attention and MLP (most of a layer's work) run
+        at each width: from the check layer up to the first filter layer, ..., from the
+        last filter layer to the model's last layer (a filter layer's run for what it
+        keeps; only its Q/K/V for the wider set). Budget-neutral: the narrowing
         parts keep `factor` of their share after the last filter layer, and
         `(1 + filters left) x` that before each filter layer, so that the token-layers
         computed equal those of the budget at one width (filtering costs what K
@@ -704,11 +711,12 @@ class _Stages:
             parts = selector.split(k, size)
             # Where the widened set would not fit the section (high ratios), its tokens
             # are all computed up to the filter layer and the budget is kept after it:
-            # ratio 1.0 stays full prefill.
+            # ratio 1.0 stays full prefill. Decided before rounding down, which could
+            # make a whole section's widened set fit and drop some of it.
             fits = (
                 sum(parts)
                 - narrowing_sum(parts)
-                + (num_filters + 1) * int(narrowing_sum(parts) * factor)
+                + (num_filters + 1) * narrowing_sum(parts) * factor
                 <= size
             )
             final = tuple(

@@ -49,8 +49,9 @@ class BlendConfig:
     # "sinks:0.25+kDeviation" (see blend/selection.py and the contract's `parse_selection`).
     selection: str = DEFAULT_SELECTION
     # Later layers at which the recompute set is narrowed (gradual filtering): the check
-    # layer picks (1 + len) times the budget, each filter layer keeps fewer by that layer's
-    # K deviation, the last keeps the budget. Empty: one check layer.
+    # layer picks (1 + len) times what the last filter layer keeps, each filter layer keeps
+    # fewer by that layer's deviation; budget-neutral, so the last keeps less than the
+    # budget (see docs/blending.md). Empty: one check layer.
     filter_layers: tuple[int, ...] = ()
     # Pick the top ratio share separately in each run of cached tokens between holes.
     per_section: bool = False
