@@ -6,7 +6,9 @@ Everything goes through watch events, handled with kopf's low-level event handle
   ones seen schedules a reconcile: a first create (POST before looking), an update or, after
   a restart, a resume. Our own status writes change none of them and cost nothing more.
 - A child event whose object no longer contains what we render (edited or deleted by hand)
-  schedules a reconcile of its owner; Deployment events schedule a status refresh.
+  schedules a reconcile of its owner; Deployment events schedule a status refresh. A child
+  listed again after a watch gap schedules a reconcile of its owner too: kopf sends no
+  DELETED event for what was deleted during the gap.
 - Failures are retried here with capped, jittered exponential backoff; an invalid spec is
   reported in status and not retried until the spec changes. Retries and requeues read the
   owner afresh: an HA replica that kopf paused for a peer keeps its jobs but not its watches.
@@ -324,6 +326,14 @@ class Operator:
         job = self._pending.pop(key, None)
         if job is not None:
             job.task.cancel()
+        # Its children's versions and Deployments too: their DELETED events drop them, but
+        # an owner found gone after a watch gap (`gone`, `_refetch`) took its children with
+        # it meanwhile, and no event comes for those.
+        rendered = self._rendered.get(key)
+        for kind, name in rendered.index if rendered is not None else ():
+            self._current.pop((kind, key[0], name), None)
+            if kind == "Deployment":
+                self._deployments.pop((key[0], name), None)
         tables = (
             self._owners,
             self._inputs,
@@ -612,6 +622,15 @@ class Operator:
             return  # not ours, or the owner is gone and the garbage collector takes the child
         if self.is_drifted(child, event_type, key):
             self.request(key, DRIFT, "drift")
+        elif event_type is None and self._applied.get(key) == self._owners[key].inputs:
+            # Listed again after a watch gap (410 Gone, a pause for a peer): kopf sends no
+            # DELETED event for what was deleted meanwhile, so a sibling of this child may be
+            # gone while its watched copy (a Deployment Ready as last seen) stays. A reconcile
+            # without pruning creates it again and replaces that copy; the owner is read
+            # afresh first (and forgotten if it went too). Its refresh follows. (The listing
+            # at start-up looks the same: an owner whose resume ran before its children were
+            # listed gets one more reconcile, reads only where nothing moved.)
+            self.request(key, DRIFT, "relist", refetch=True)
         elif child.get("kind") == "Deployment":
             # Debounced while the Deployments settle; at once when the last one has: the
             # status is then final, and Ready shows without waiting out the debounce.

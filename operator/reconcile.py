@@ -112,14 +112,18 @@ async def refresh(
 ) -> bool:
     """Re-derive the status from the children (after a child changed); True if Ready.
 
-    `known` maps (kind, name) to children as last seen on the watch, saving a GET each."""
+    `known` maps (kind, name) to children as last seen on the watch, saving a GET each.
+    Ready counts the lookup server, as the status does: the handlers look again (reading
+    the owner afresh) only at owners not Ready, and the refresh after the lookup server's
+    next event may skip its write, comparing with a watched status older than this one."""
     try:
         bd, _ = prepared(body)
     except InvalidSpec:
         return True  # the handlers already reported it; nothing to wait for
     observed = await observe(client, bd, None, known or {})
     await write_status(client, bd, body.get("status") or {}, observed, now)
-    return is_available(observed.engine, bd.spec.replicas)
+    lookup_ready = not bd.spec.lookup_server.enabled or is_available(observed.lookup, None)
+    return is_available(observed.engine, bd.spec.replicas) and lookup_ready
 
 
 def desired_children(bd: BlendDeployment, body: dict) -> list[dict]:
