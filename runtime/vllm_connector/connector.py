@@ -428,6 +428,12 @@ class _SchedulerSide:
         # Replays that ended before their load's outcome came back (vLLM finishes a request
         # before it reads the step's connector output): that outcome is no user's blend.
         self.ended_replays: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # User requests that ended before their whole blend's outcome came back (in the
+        # step that loaded them, or aborted before vLLM read that step's output): their
+        # plan and the ratio they blended at, counted once the outcome says what ran.
+        self.awaiting_outcomes: collections.OrderedDict[str, tuple[ReusePlan, float]] = (
+            collections.OrderedDict()
+        )
         self.inline = InlineProxy(metrics=metrics.INLINE) if proxies else None
         # The deployment's pods share the inline proxy's calibration pairs through the
         # lookup server (the scheduler side holds the proxy and the shadow).
@@ -538,6 +544,9 @@ class _SchedulerSide:
             # were the plan's); keep outcomes only for requests still running.
             if outcome.request_id in self.plans:
                 self.outcomes[outcome.request_id] = outcome
+            if (awaited := self.awaiting_outcomes.pop(outcome.request_id, None)) is not None:
+                plan, ratio = awaited
+                _record(_figures(plan, outcome, ratio))
             if outcome.request_id in self.replays:
                 continue  # a shadow's replay: its statistic goes back with it, no figure
             if outcome.request_id in self.ended_replays:
@@ -556,6 +565,9 @@ class _SchedulerSide:
             if request_id in self.plans:
                 self.ledger.set_plan(request_id, 0)
                 self.failed_loads.add(request_id)
+            if (awaited := self.awaiting_outcomes.pop(request_id, None)) is not None:
+                plan, ratio = awaited
+                _record(_figures(plan, None, ratio, is_load_failed=True))
 
     def finished(self, request_id: str, request: Any = None) -> dict[str, Any] | None:
         """Forget the request; its reuse figures (None if it was not planned or never ran). With the
@@ -581,6 +593,8 @@ class _SchedulerSide:
                 self.ended_replays.popitem(last=False)
         if plan is None or (blended_at is None and _never_ran(request)):
             return None
+        if self._was_dropped(blended_at, outcome, is_load_failed):
+            return None
         # The plan's figures of a request that loaded count the ratio its blend ran with
         # (the live ratio may have changed since).
         ratio = self.ratio.ratio() if blended_at is None else blended_at
@@ -589,10 +603,34 @@ class _SchedulerSide:
         if is_replay:  # its figures go back to the shadow that sent it, in no user count
             replayed = self._replayed(plan, figures, request, blended_at, statistic)
             return figures if replayed is None else figures | {REPLAY_KEY: replayed}
-        _record(figures)
+        if outcome is None and blended_at is not None and not is_load_failed:
+            self._await_outcome(request_id, plan, blended_at)
+        else:
+            _record(figures)
         if self.shadow is not None and request is not None and blended_at is not None:
             self._offer(plan, figures, request, blended_at, statistic)
         return figures
+
+    def _await_outcome(self, request_id: str, plan: ReusePlan, ratio: float) -> None:
+        """Count a request that ended before its whole blend's outcome came back when the
+        outcome comes (vLLM reads the step's connector output after it finishes the step's
+        requests), from what ran: its plan's figures overstate the reuse by the segments
+        rejected at load. One whose outcome never comes is counted from its plan once
+        enough later ones wait."""
+        self.awaiting_outcomes[request_id] = (plan, ratio)
+        while len(self.awaiting_outcomes) > _ENDED_REPLAYS_KEPT:
+            plan, ratio = self.awaiting_outcomes.popitem(last=False)[1]
+            _record(_figures(plan, None, ratio))
+
+    def _was_dropped(
+        self, blended_at: float | None, outcome: LoadOutcome | None, is_load_failed: bool
+    ) -> bool:
+        """Whether a request ended while its asynchronous load's blend was under way (the
+        worker dropped it): such a load's outcome comes back in the step vLLM learns the
+        load ended, before it runs the request, so one that finished with none never ran
+        and its plan's reuse was never used."""
+        is_async = self.step_tokens is not None
+        return is_async and blended_at is not None and outcome is None and not is_load_failed
 
     def _finished_answer(self, request: Any) -> tuple[list[int], bool, frozenset[int]] | None:
         """A finished request's answer (its end token dropped), whether it ended at EOS or a
@@ -678,8 +716,9 @@ class _SchedulerSide:
         self.shadow.offer(shadow_request, idle=not self.in_flight)
 
 
-# Ended replays remembered for their late outcome: a step's outcomes come back in the
-# next step, so a handful is enough; the bound keeps outcomes that never come from piling up.
+# Ended replays, and ended user requests counted at their outcome, remembered for their
+# late outcome: a step's outcomes come back in the next step, so a handful is enough; the
+# bound keeps outcomes that never come from piling up.
 _ENDED_REPLAYS_KEPT = 256
 
 # vLLM's FinishReason of a request that ran to its end (not aborted, not an error).

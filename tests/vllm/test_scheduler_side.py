@@ -137,6 +137,7 @@ def test_a_replay_that_ends_before_its_load_outcome_comes_back_is_still_no_users
     from holeblend_runtime.vllm_connector import metrics
     from holeblend_runtime.vllm_connector.worker import LoadOutcome
 
+    side.step_tokens = None  # whole blends: a request can end in the step that loaded it
     replay = request("replay")
     replay.kv_transfer_params = {"holeblend": {"shadow": SHADOW_MARK, "replay": True}}
     matched = side.matched(replay, 0)
@@ -379,6 +380,7 @@ def test_a_request_ending_before_its_outcome_counts_the_ratio_its_blend_ran_with
     outcome comes a step later). Its recomputed tokens were derived from the ratio in
     force when it finished, not the one its blend ran with: a live ratio change (the
     tuner rewriting blend.json) misreported every such request of that step."""
+    side.step_tokens = None  # whole blends: a request can end in the step that loaded it
     side.ratio = types.SimpleNamespace(ratio=lambda: 0.0)
     r = request("r")
     side.allocated(r, blocks(0, 1), side.matched(r, 0))
@@ -405,6 +407,8 @@ def test_a_request_that_ends_before_it_ran_counts_no_reuse(side):
     """vLLM finishes a request that never ran (aborted while it waited for blocks, or
     refused) like any other: its plan's reused tokens went into the hit rate though
     nothing was loaded or computed. A request that ran counts as before."""
+    from holeblend_runtime.vllm_connector.worker import LoadOutcome
+
     waiting = request("waiting")
     assert side.matched(waiting, 0) > 0
     side.step_plan()  # not allocated: no free blocks
@@ -415,6 +419,7 @@ def test_a_request_that_ends_before_it_ran_counts_no_reuse(side):
     ran = request("ran")
     side.allocated(ran, blocks(0, 1), side.matched(ran, 0))
     side.step_plan()
+    side.record_outcomes((LoadOutcome("ran", 8, 4, 6, 0, 0.5, None, 0.15),))
     ran.num_computed_tokens = len(PROMPT)
     figures = side.finished("ran", ran)
     assert figures["num_reused_tokens"] > 0
@@ -422,3 +427,52 @@ def test_a_request_that_ends_before_it_ran_counts_no_reuse(side):
         before[0] + figures["num_reused_tokens"],
         before[1] + len(PROMPT),
     )
+
+
+def test_a_request_that_ends_while_its_blend_is_under_way_counts_no_reuse(side):
+    """With stepwise loads vLLM parks a request until its load ends, and the load's
+    outcome comes back in that same step. A request aborted while its blend was under way
+    (the worker drops the blend) ran nothing, yet its plan's reused tokens went into the
+    hit rate and its mode into the requests counted. One whose load failed is a full miss,
+    as before."""
+    aborted = request("aborted")
+    side.allocated(aborted, blocks(0, 1), side.matched(aborted, 0))
+    (load,) = side.step_plan().loads
+    assert load.is_async
+    before = reuse_counts()
+    aborted.num_computed_tokens = 0  # vLLM's own prefix cache held none of it
+    assert side.finished("aborted", aborted) is None
+    assert reuse_counts() == before
+    failed = request("failed")
+    side.allocated(failed, blocks(2, 3), side.matched(failed, 0))
+    side.step_plan()
+    side.record_failed_loads(["failed"])
+    figures = side.finished("failed", failed)
+    assert figures["is_load_failed"] and figures["num_reused_tokens"] == 0
+
+
+def test_a_request_that_ends_before_its_whole_blends_outcome_is_counted_from_the_outcome(side):
+    """With whole blends a request can end in the step that loaded it (or be aborted before
+    vLLM reads that step's output): vLLM finishes it before the load's outcome comes back.
+    Its counters took the plan's figures, so a segment rejected at load (evicted since
+    the lookup) still counted as reused; they now wait for the outcome. A load that fails
+    instead counts as a full miss."""
+    from holeblend_runtime.vllm_connector.worker import LoadOutcome
+
+    side.step_tokens = None
+    r = request("r")
+    side.allocated(r, blocks(0, 1), side.matched(r, 0))
+    side.step_plan()
+    before = reuse_counts()
+    figures = side.finished("r", r)
+    assert figures["source"] == "plan" and figures["num_reused_tokens"] > 4
+    side.record_outcomes((LoadOutcome("r", 4, 8, 12, 1, 0.5, None, 0.15),))
+    assert reuse_counts() == (before[0] + 4, before[1] + len(PROMPT))
+    assert side.awaiting_outcomes == {}
+    failed = request("failed")
+    side.allocated(failed, blocks(2, 3), side.matched(failed, 0))
+    side.step_plan()
+    side.finished("failed", failed)
+    side.record_failed_loads(["failed"])
+    assert reuse_counts() == (before[0] + 4, before[1] + 2 * len(PROMPT))
+    assert side.awaiting_outcomes == {}
