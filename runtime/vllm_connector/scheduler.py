@@ -122,17 +122,19 @@ class ShadowYieldingScheduler(Scheduler):
         return self._chunked(*args, **kwargs)
 
     def _room_for(self, users_waiting: list[Request]) -> bool:
-        """Whether the free KV blocks hold what the waiting user requests need to start
-        and every running request a block to grow by, and the free seats
-        (`--max-num-seqs`) the waiting user requests, with the shadows' blocks and seats
-        kept."""
+        """Whether the free KV blocks hold the rest of the prompts of the waiting and the
+        prefilling user requests and every running request a block to grow by, and the
+        free seats (`--max-num-seqs`) the waiting user requests, with the shadows' blocks
+        and seats kept. vLLM cannot take the blocks of a shadow set aside: a user prefill
+        that runs out of them is preempted instead (its prefill lost)."""
         seats = min((getattr(self, name) for name in compat.seat_limits(self)), default=math.inf)
         if len(self.running) + len(users_waiting) > seats:
             return False
         free = self.kv_cache_manager.block_pool.get_num_free_blocks()
+        prefilling = [r for r in self.running if _prefilling(r) and not is_shadow(r)]
         need = sum(
             math.ceil((r.num_tokens - r.num_computed_tokens + 1) / self.block_size)
-            for r in users_waiting
+            for r in users_waiting + prefilling
         )
         return free >= need + len(self.running)
 

@@ -282,6 +282,27 @@ def test_a_user_request_that_needs_the_shadows_blocks_preempts_it():
     assert sum(s.get("shadow", 0) for s in seen) >= SHADOW_PROMPT
 
 
+def test_user_prompts_prefilling_together_preempt_the_shadow_not_each_other():
+    # 80 blocks of 16 tokens, 32 free beside the shadow's 48. Chunked at the threshold, two
+    # user prompts prefill side by side; each fits the free blocks, both do not (25 and 19
+    # blocks). vLLM cannot take a shadow set aside's blocks: once the prefills ran out of
+    # free ones it preempted a user request, losing its prefill, and kept the shadow.
+    engine = scheduler(num_blocks=80, threshold=THRESHOLD)
+    engine.add_request(request("shadow", SHADOW_PROMPT, shadow=True))
+    for _ in range(48):
+        step(engine)
+    assert engine.requests["shadow"].num_computed_tokens == 48 * CHUNK
+    users, seen = {"a": 400, "b": 300}, []
+    for user, num_prompt in users.items():
+        engine.add_request(request(user, num_prompt))
+        seen.append(step(engine))
+    seen += [step(engine) for _ in range(sum(users.values()) // THRESHOLD + 2 * USER_TOKENS)]
+    assert all(engine.requests.get(user) is None for user in users)  # both finished
+    for user, num_prompt in users.items():  # each prompt computed once, then its decodes
+        assert sum(tokens.get(user, 0) for tokens in seen) == num_prompt + USER_TOKENS - 1
+    assert engine.requests["shadow"].num_preemptions == engine.shadow_steps["preempted"] == 1
+
+
 def test_a_user_request_with_room_beside_the_shadow_leaves_it_its_blocks():
     engine = scheduler(num_blocks=80)
     engine.add_request(request("shadow", SHADOW_PROMPT, shadow=True))
