@@ -218,14 +218,20 @@ def _fit_non_increasing(pairs: Sequence[tuple[float, float]]) -> list[_Block]:
 
 
 def _pearson(xs: Sequence[float], ys: Sequence[float]) -> float | None:
+    """None without spread: where all values of either are equal, whatever their size
+    (the rounding of a mean of equal values leaves squares that a fixed floor would count
+    as spread, and statistics of a small scale spread less than any such floor)."""
+    if min(xs) == max(xs) or min(ys) == max(ys):
+        return None
     n = len(xs)
     mean_x, mean_y = sum(xs) / n, sum(ys) / n
     sxx = sum((x - mean_x) ** 2 for x in xs)
     syy = sum((y - mean_y) ** 2 for y in ys)
-    if sxx <= 1e-24 or syy <= 1e-24:
+    if sxx == 0 or syy == 0:  # spread below what a float's square holds
         return None
     sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True))
-    return sxy / math.sqrt(sxx * syy)
+    # Rounding may take it just past +-1 (a perfectly falling calibration read -1 - 2e-16).
+    return max(-1.0, min(1.0, sxy / (math.sqrt(sxx) * math.sqrt(syy))))
 
 
 class InlineProxyMetrics:
@@ -255,7 +261,7 @@ class InlineProxyMetrics:
         self.correlation = Gauge(
             INLINE_CORRELATION_METRIC,
             "Pearson correlation of the inline statistic and the shadow F1, by ratio "
-            "(absent with too few pairs).",
+            "(absent with too few pairs or no spread).",
             ["ratio"],
             registry=registry,
         )

@@ -26,7 +26,8 @@ deployment already share a lookup server (the segment index); it keeps their pai
    its values: equal pairs of different requests (a repeated prompt, or a blend that
    recomputed every compared token: statistic 0) all count. A lookup server that does not
    answer those numbers (an older one) leaves only the values to go by: a pair equal to
-   one received before is then taken for it.
+   one received before is then taken for it. A pair received is checked as the server
+   checks those it stores; one off its range is dropped, the rest of its reply kept.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import itertools
 import logging
 import secrets
 import threading
+from collections.abc import Iterable
 
 from holeblend_runtime.lookup_server import wire
 from holeblend_runtime.lookup_server.client import ClientConfig, LookupClient
@@ -48,7 +50,7 @@ log = logging.getLogger(__name__)
 # Seconds between two exchanges with the lookup server (a pair scored here wakes it).
 INTERVAL_S = 30.0
 # Pairs scored here and not yet published, kept at most while the server does not answer
-# (beyond that some are dropped; a calibration keeps only the newest 256 per ratio anyway).
+# (beyond that the oldest are dropped; a calibration keeps only the newest 256 per ratio).
 MAX_PENDING = 4096
 # This pod's own published pairs kept to publish again to a restarted server.
 MAX_OWN = 1024
@@ -201,7 +203,7 @@ class SharedCalibration:
         )
         if reply is None:
             with self._lock:  # back in front of those published meanwhile
-                self._pending.extendleft(reversed(numbered))
+                self._requeue(numbered)
             self._count_failure()
             return False
         with self._lock:
@@ -227,15 +229,17 @@ class SharedCalibration:
                     # old numbering.
                     log.info("the lookup server restarted; publishing calibration pairs again")
                     with self._lock:
-                        self._pending.extendleft(reversed(self._own))
+                        self._requeue(self._own)
                         self._own.clear()
                     return self._receive()
-            pairs = [tuple(pair) for pair in reply["pairs"]]
+            pairs = _checked(reply["pairs"])
             ids = reply.get("ids")
             if not (isinstance(ids, list) and len(ids) == len(pairs)):
                 ids = [None] * len(pairs)  # an older server: only the values tell
             fresh = [
-                pair for pair, origin in zip(pairs, ids, strict=True) if self._is_new(pair, origin)
+                pair
+                for pair, origin in zip(pairs, ids, strict=True)
+                if pair is not None and self._is_new(pair, origin)
             ]
             for ratio, statistic, f1, top1 in fresh:
                 self.inline.add_shared(ratio, statistic, f1, top1)
@@ -244,6 +248,12 @@ class SharedCalibration:
             if not reply["more"]:
                 break
         return True
+
+    def _requeue(self, numbered: Iterable[Numbered]) -> None:
+        """Under the lock: `numbered` (older) in front of the pending pairs. Beyond
+        `MAX_PENDING` the oldest go: `extendleft` on a full deque drops from the other end,
+        the pairs scored last."""
+        self._pending = collections.deque([*numbered, *self._pending], maxlen=MAX_PENDING)
 
     def _is_new(self, pair: Pair, origin: object) -> bool:
         """Whether `pair` was not received before: after a server restart the others'
@@ -265,6 +275,23 @@ class SharedCalibration:
     def _count_failure(self) -> None:
         if self.inline.metrics is not None:
             self.inline.metrics.share_failures.inc()
+
+
+def _checked(items: list) -> list[Pair | None]:
+    """The received pairs as the server checks the pairs it stores, None in place of one
+    off its range: a server of another version, or one that did not check, must not put a
+    NaN or a ratio outside [0, 1] into the calibration, nor stop the pairs after it."""
+    pairs: list[Pair | None] = []
+    errors = []
+    for i, item in enumerate(items):
+        try:
+            pairs.append(wire.check_pair(item, f"pairs[{i}]"))
+        except wire.WireError as error:
+            pairs.append(None)
+            errors.append(error.message)
+    if errors:
+        log.warning("%d calibration pairs received dropped, first: %s", len(errors), errors[0])
+    return pairs
 
 
 def _identity(pair: Pair, origin: object) -> tuple:

@@ -18,6 +18,7 @@ from holeblend_runtime.lookup_server.server import LookupServer, ServerConfig
 from holeblend_runtime.quality.inline_proxy import MIN_PAIRS, STATISTIC_VERSION, InlineProxy
 from holeblend_runtime.quality.shadow import ShadowScore
 from holeblend_runtime.quality.shared_calibration import (
+    MAX_PENDING,
     SharedCalibration,
     calibration_scope,
 )
@@ -207,6 +208,84 @@ def test_a_restarted_server_gets_each_pair_once_and_the_other_pods_count_each_on
     late = InlineProxy()
     assert SharedCalibration(InProcessClient(restarted), SCOPE, "pod-c", late).exchange()
     assert late.num_pairs(0.2) == 2
+
+
+class Outage(InProcessClient):
+    """An in-process server that answers nothing while `down`."""
+
+    down = False
+
+    def call(self, message: dict) -> dict | None:
+        return None if self.down else super().call(message)
+
+
+def _statistics(server: LookupServer) -> list[float]:
+    """The statistics of every pair the server holds, oldest first."""
+    found, after, more = [], 0, True
+    while more:
+        pairs, after, more = server.calibration.since(SCOPE, "someone-else", after)
+        found += [pair[1] for pair in pairs]
+    return found
+
+
+def test_after_a_long_outage_and_a_restart_the_pairs_scored_last_still_go_out():
+    """Pairs scored while the server is down wait, the newest `MAX_PENDING`; a restarted
+    server then gets this pod's published pairs again in front of them, and what no longer
+    fits is the oldest, never the pairs scored last."""
+    client = Outage(LookupServer())
+    sharing = SharedCalibration(client, SCOPE, "pod-a", InlineProxy())
+    sharing.publish(0.2, 0.0, 1.0, 1.0)
+    assert sharing.exchange()  # published: sent again to a restarted server
+    client.down = True
+    for i in range(1, MAX_PENDING + 1):
+        sharing.publish(0.2, float(i), 0.5, 0.5)
+    assert not sharing.exchange()
+    client.down, client.server = False, LookupServer()  # back, restarted
+    assert sharing.exchange()
+    statistics = _statistics(client.server)
+    assert len(statistics) == MAX_PENDING
+    assert statistics[-1] == float(MAX_PENDING)  # the pair scored last
+
+
+class Replies:
+    """A lookup client that answers each `pairs_get` with the next of `replies`: a server
+    of another version, or one that did not check what it stored."""
+
+    def __init__(self, *replies: dict):
+        self.replies = list(replies)
+
+    def call(self, message: dict) -> dict:
+        assert message["op"] == "pairs_get", message
+        return self.replies.pop(0)
+
+    def close(self) -> None:
+        pass
+
+
+def test_received_pairs_off_their_range_are_dropped_and_the_rest_of_the_reply_is_kept():
+    """A pod checks the pairs it receives as the server checks those it stores: one off
+    its range (a NaN score, a ratio off [0, 1], three numbers, a number as text) never
+    reaches the calibration, and the other pairs of that reply all count."""
+    good = [[0.2, 0.1 * i, 0.9, 0.8] for i in range(1, 4)]
+    bad = [[0.2, 0.5, math.nan, 0.8], [7.0, 0.5, 0.9, 0.8], [0.2, 0.5, 0.9], [0.2, "1", 1, 1]]
+    pairs = [good[0], *bad, *good[1:]]
+    reply = {
+        "pairs": pairs,
+        "ids": [["pod-a", i] for i in range(1, len(pairs) + 1)],
+        "last": len(pairs),
+        "more": False,
+        "epoch": "e1",
+    }
+    registry = CollectorRegistry()
+    inline = InlineProxy(registry)
+    again = {**reply, "pairs": [], "ids": []}
+    sharing = SharedCalibration(Replies(reply, again), SCOPE, "pod-b", inline)
+    assert sharing.exchange() and sharing.exchange()
+    assert inline.num_pairs(0.2) == len(good) and inline.num_pairs(7.0) == 0
+    received = registry.get_sample_value(
+        "holeblend_inline_proxy_shared_pairs_total", {"direction": "received"}
+    )
+    assert received == len(good)
 
 
 # --- pods exchanging pairs through a real lookup server ------------------------------

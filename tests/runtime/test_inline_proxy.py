@@ -74,6 +74,26 @@ def test_no_spread_gives_no_correlation_and_garbage_pairs_are_ignored():
         Calibration(min_pairs=1)
 
 
+def test_the_correlation_needs_values_that_differ_at_any_scale_and_stays_within_one():
+    """No spread means equal values, whatever their size: equal statistics of any
+    magnitude have no correlation (the rounding of their mean must not make one up), and
+    statistics that differ by little still correlate. Rounding never takes |r| past 1."""
+    scores = [0.1 * i for i in range(MIN_PAIRS)]
+    for statistic in (0.1, 63.9, 12345.6):
+        equal = Calibration()
+        for score in scores:
+            equal.add(statistic, score)
+        assert equal.correlation() is None, statistic
+    close = Calibration()
+    for i, score in enumerate(scores):
+        close.add(1e-13 * i, score)
+    assert close.correlation() == pytest.approx(1.0)
+    falling = Calibration()
+    for i in range(MIN_PAIRS):
+        falling.add(0.1 * i, 1 - 0.05 * i)
+    assert -1.0 <= falling.correlation() <= -1.0 + 1e-12
+
+
 def test_only_calibrated_estimates_are_exported_by_ratio():
     registry = CollectorRegistry()
     proxy = InlineProxy(registry)
