@@ -431,6 +431,7 @@ def leftovers(probe: Probe) -> dict[str, int]:
         "outcomes": len(scheduler.outcomes),
         "blocks": len(scheduler.blocks),
         "ratios": len(scheduler.ratios),
+        "awaiting_outcomes": len(scheduler.awaiting_outcomes),
     }
     if probe.config.tensor_parallel_size == 1:  # the worker runs in this process
         worker = probe.connector("worker")._worker
