@@ -17,10 +17,12 @@ a blob that is corrupted, truncated, of another format, model, dtype or key is a
 Keys follow `holeblend_contract.shared_tier` (per-BlendDeployment prefix). Every Redis
 error or timeout is a miss (reads) or a refused store (writes), counted in `stats`. A
 circuit breaker skips Redis for a while after repeated failures to reach it (connection
-errors, timeouts); an error reply (`ResponseError`: out of memory under `noeviction`, no
-permission) shows Redis is up and does not feed it. A blob larger than Redis takes in one
-argument (`proto-max-bulk-len`) is refused without being sent. This module imports no
-torch (the tiered store converts tensors), so the lookup benchmark can use it.
+errors, timeouts, and the error replies of a server that cannot serve any command now:
+see `is_unavailable`); an error reply to one command (`ResponseError`: out of memory
+under `noeviction`, no permission, a key of another type) shows Redis is up and does not
+feed it. A blob larger than Redis takes in one argument (`proto-max-bulk-len`) is refused
+without being sent. This module imports no torch (the tiered store converts tensors), so
+the lookup benchmark can use it.
 """
 
 from __future__ import annotations
@@ -249,6 +251,28 @@ class SharedTierStats:
     errors_by_kind: dict = field(default_factory=dict)
 
 
+# Error replies that refuse every command for now, not this one: a replica whose link to
+# its primary is down (MASTERDOWN), a replica or a primary demoted by a failover
+# (READONLY), a cluster resharding or down (TRYAGAIN, CLUSTERDOWN). LOADING is a
+# `redis.ConnectionError` already; BUSY (a script running past `busy-reply-threshold`)
+# has no class of its own.
+_UNAVAILABLE_REPLIES = (
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.ClusterDownError,
+)
+
+
+def is_unavailable(error: redis.ResponseError) -> bool:
+    """Whether the error reply says the server cannot serve now (a failure for the
+    breaker) rather than refusing this one command."""
+    if isinstance(error, _UNAVAILABLE_REPLIES):
+        return True
+    # A pipeline prefixes its command to the reply: "Command # 1 (...) caused error: BUSY ..."
+    text = str(error)
+    return text.startswith("BUSY ") or "caused error: BUSY " in text
+
+
 # What one call to Redis came to (`SharedTier._call_with_breaker`): it ran; Redis answered
 # with an error (it is up); it failed to reach Redis or was skipped by the open breaker.
 ANSWERED, REFUSED, UNREACHED = "answered", "refused", "unreached"
@@ -416,14 +440,18 @@ class SharedTier:
         """(what the call came to, `function(*args)` or None): ANSWERED with its result;
         REFUSED when Redis answered with an error (counted in `errors` unless not
         `counts_refusal`; Redis is up, so it closes the breaker like a success);
-        UNREACHED when the breaker is open or Redis was not reached (a failure for the
-        breaker). Each call's own outcome, whatever other threads' calls come to."""
+        UNREACHED when the breaker is open, Redis was not reached or answered that it
+        cannot serve now (a failure for the breaker). Each call's own outcome, whatever
+        other threads' calls come to."""
         if self.breaker.is_open:
             self._count("skipped_by_breaker")
             return UNREACHED, None
         try:
             result = function(*args)
         except redis.ResponseError as error:
+            if is_unavailable(error):
+                self._failed(_name(function), error)
+                return UNREACHED, None
             self.breaker.succeeded()
             if counts_refusal:
                 self._count_error(error)

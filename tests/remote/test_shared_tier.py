@@ -1,10 +1,13 @@
 """The shared KV tier on a real redis-server: blob format, key layout, bad blobs, outages,
 a full Redis and blobs larger than Redis takes."""
 
+import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
+import redis
 import torch
 
 from holeblend_contract.shared_tier import check_shared_url
@@ -22,7 +25,7 @@ from holeblend_runtime.kv.shared_tier import (
 )
 from holeblend_runtime.kv.store import SegmentKV
 from holeblend_runtime.kv.tiers import KVLayout, blob_to_kv, kv_to_blob
-from holeblend_runtime.lookup_server.processes import RedisProcess
+from holeblend_runtime.lookup_server.processes import RedisProcess, free_port
 
 LAYOUT = KVLayout("model-a", "float32", num_layers=3, num_kv_heads=2, head_dim=8)
 
@@ -254,3 +257,95 @@ def test_the_documented_blob_format_is_the_one_written():
     assert f"## Blob format (version {BLOB_FORMAT})" in doc
     header_row = next(line for line in doc.splitlines() if line.startswith("| H | header"))
     assert [dtype for dtype in DTYPE_SIZES if f"`{dtype}`" not in header_row] == []
+
+
+def held_open_tier(url: str) -> SharedTier:
+    """A tier whose breaker, once open, stays open through the test (no trial call)."""
+    return SharedTier(SharedTierConfig(url, "ns/rag", timeout_s=0.5, breaker_open_s=60))
+
+
+def test_a_replica_that_lost_its_primary_opens_the_breaker_like_a_redis_that_is_down():
+    """A replica cut off from its primary (a failover in progress) answers every read with
+    MASTERDOWN (`replica-serve-stale-data no`) and every write with READONLY: Redis cannot
+    serve, so these count as failures and the breaker skips it, as it would a down Redis;
+    the refused reads are not taken for gone copies."""
+    with RedisProcess() as server:
+        shared = held_open_tier(server.url)
+        admin = shared.client
+        admin.config_set("replica-serve-stale-data", "no")
+        admin.replicaof("127.0.0.1", str(free_port()))
+        assert [shared.load(LAYOUT.header("seg")) for _ in range(3)] == [(None, False)] * 3
+        assert shared.breaker.num_opened == 1
+        assert shared.get_blob("seg") is None and shared.stats.skipped_by_breaker == 1
+        assert shared.stats.errors_by_kind == {"MasterDownError": 3}
+
+        writer = held_open_tier(server.url)
+        kv = segment()
+        assert [writer.put_blob(kv.key, kv_to_blob(kv, "ns/rag")) for _ in range(3)] == [False] * 3
+        assert writer.breaker.num_opened == 1
+        assert writer.stats.errors_by_kind == {"ReadOnlyError": 3}
+
+
+def test_a_redis_busy_running_a_script_opens_the_breaker():
+    """A script running past `busy-reply-threshold` makes Redis answer BUSY to every other
+    client until it ends: a failure for the breaker, for single commands and pipelines."""
+    with RedisProcess() as server:
+        admin = tier(server.url).client
+        admin.config_set("busy-reply-threshold", "10")
+        with socket.create_connection(("127.0.0.1", server.port)) as script:
+            script.sendall(b'EVAL "while true do end" 0\r\n')
+            wait_until_busy(admin)
+            try:
+                shared, pipelined = held_open_tier(server.url), held_open_tier(server.url)
+                assert [shared.load(LAYOUT.header("seg")) for _ in range(3)] == [(None, False)] * 3
+                assert [pipelined.contains_many(["seg"]) for _ in range(3)] == [[False]] * 3
+                for each in (shared, pipelined):
+                    assert each.breaker.num_opened == 1
+                    assert each.stats.errors_by_kind == {"ResponseError": 3}
+            finally:
+                admin.script_kill()
+
+
+def wait_until_busy(client) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            client.get("probe")
+        except redis.ResponseError as error:
+            if str(error).startswith("BUSY "):
+                return
+        time.sleep(0.01)
+    raise AssertionError("the script did not make Redis busy")
+
+
+def answer_every_command_with(listener: socket.socket, reply: bytes) -> None:
+    """A stand-in for a Redis Cluster node that cannot serve (no cluster runs here), for
+    one connection: the handshake (HELLO) is answered, every other command with `reply`."""
+    connection, _ = listener.accept()
+    with connection:
+        while chunk := connection.recv(65536):
+            for command in chunk.split(b"*")[1:]:  # the tests' keys hold no '*'
+                is_hello = b"HELLO" in command
+                connection.sendall(b"%1\r\n+proto\r\n:3\r\n" if is_hello else reply)
+
+
+@pytest.mark.parametrize(
+    "reply, kind",
+    [
+        (b"-TRYAGAIN Multiple keys request during rehashing of slot\r\n", "TryAgainError"),
+        (b"-CLUSTERDOWN The cluster is down\r\n", "ClusterDownError"),
+    ],
+    ids=["TRYAGAIN", "CLUSTERDOWN"],
+)
+def test_a_cluster_that_cannot_serve_opens_the_breaker(reply, kind):
+    """TRYAGAIN (a slot migrating) and CLUSTERDOWN refuse every command for now, whatever
+    the key: failures for the breaker, not refusals of one command."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        server = threading.Thread(target=answer_every_command_with, args=(listener, reply))
+        server.start()
+        shared = held_open_tier(f"redis://127.0.0.1:{listener.getsockname()[1]}/0")
+        assert [shared.load(LAYOUT.header("seg")) for _ in range(3)] == [(None, False)] * 3
+        assert shared.breaker.num_opened == 1
+        assert shared.stats.errors_by_kind == {kind: 3}
+        shared.close()
+    server.join(5)
