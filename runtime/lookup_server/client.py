@@ -76,6 +76,7 @@ class LookupConnection:
         self._resolver: ThreadPoolExecutor | None = None
         self._resolving: Future | None = None
         self._resolved: tuple | None = None
+        self._is_shut_down = False
         self._head = f"POST {wire.RPC_PATH} HTTP/1.1\r\nHost: {host}\r\nContent-Type: {wire.CONTENT_TYPE}\r\n"
 
     def call(self, message: dict) -> dict:
@@ -123,6 +124,10 @@ class LookupConnection:
             self._resolved = (info[0], info[4])
             return self._resolved
         if self._resolving is None:
+            if self._is_shut_down:
+                # A closed client is still called while its owner shuts down: a failed
+                # call (all miss), not a RuntimeError from the stopped resolver.
+                raise ConnectionError("the lookup client is closed")
             self._resolver = self._resolver or ThreadPoolExecutor(1, "lookup-dns")
             self._resolving = self._resolver.submit(
                 socket.getaddrinfo, host, port, type=socket.SOCK_STREAM
@@ -160,6 +165,7 @@ class LookupConnection:
     def shutdown(self) -> None:
         """Close the socket and the resolver thread."""
         self.close()
+        self._is_shut_down = True
         if self._resolver is not None:
             self._resolver.shutdown(wait=False, cancel_futures=True)
 

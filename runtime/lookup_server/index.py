@@ -13,7 +13,11 @@
    indexed but do not count as its announcement (after a restart a pod's first message
    is often an admit of a segment it just stored). A pod silent for `pod_timeout_s` is
    dropped with its locations; shared-tier copies outlive it.
-4. A shared copy a pod reported gone (`evict` with `shared`) is remembered as gone (at
+4. An announcement ends with the pod's next message of another kind (the announcer sends
+   its chunks back to back); what the pod held before and did not list again is dropped
+   then. It is no use of the segments: they keep their place in the LRU order, or every
+   periodic resync would make a pod's segments newer than the ones just looked up.
+5. A shared copy a pod reported gone (`evict` with `shared`) is remembered as gone (at
    most `max_shared_gone` keys): a resync that still lists it as shared (the writer does
    not know another pod found it gone) does not advertise it again. Only an `admit` with
    `shared`, sent after a pod wrote or loaded the copy, advertises it again.
@@ -94,6 +98,9 @@ class SegmentIndex:
         # Pods whose full announcement (resync with reset) arrived since they were last
         # unknown: the others are told to resync on every heartbeat.
         self._synced: set[str] = set()
+        # Per pod whose full announcement is under way: the keys it held before and has
+        # not listed again yet (dropped from its locations when the announcement ends).
+        self._unlisted: dict[str, set[str]] = {}
         # Keys whose shared copies a pod reported gone, oldest first (values unused).
         self._shared_gone: OrderedDict[str, None] = OrderedDict()
         self.num_bytes = 0
@@ -142,6 +149,7 @@ class SegmentIndex:
         if a shared copy of that key was reported gone before. An admit does not make an
         unknown pod synced: its heartbeats still ask it to resync.
         """
+        self._end_resync(pod)
         return self._admit(pod, entries, is_resync=False)
 
     def _admit(self, pod: str, entries: Iterable[Entry], is_resync: bool) -> int:
@@ -149,6 +157,7 @@ class SegmentIndex:
         now = self._clock()
         pod_keys = self._pod_keys[pod]
         shared_gone = self._shared_gone
+        unlisted = self._unlisted.get(pod, set()) if is_resync else set()
         num = 0
         for item in entries:
             if item.num_bytes > self.limits.max_bytes:
@@ -160,7 +169,8 @@ class SegmentIndex:
                         item = replace(item, shared=False)  # remembered, not written anew
                 else:
                     shared_gone.pop(item.key, None)
-            entry = self._upsert(item, now)
+            entry = self._upsert(item, now, is_use=not is_resync)
+            unlisted.discard(item.key)
             entry.pods.add(pod)
             pod_keys.add(item.key)
             num += 1
@@ -171,6 +181,7 @@ class SegmentIndex:
     def evict(self, pod: str, keys: Iterable[str], shared: bool = False) -> int:
         """`pod` dropped `keys`; with `shared`, their shared-tier copies are gone too (and
         remembered as gone, so that a resync does not advertise them again)."""
+        self._end_resync(pod)
         self.touch_pod(pod)
         pod_keys = self._pod_keys[pod]
         num = 0
@@ -193,16 +204,35 @@ class SegmentIndex:
     def heartbeat(self, pod: str) -> bool:
         """Note that `pod` is alive; True when it must resync: its full announcement has not
         arrived since this index started or dropped it."""
+        self._end_resync(pod)
         self.touch_pod(pod)
         return pod not in self._synced
 
     def resync(self, pod: str, entries: Sequence[Entry], reset: bool) -> int:
-        """A chunk of `pod`'s full announcement; `reset` (the first chunk) forgets what it
-        held before and makes it synced. Shared copies reported gone stay unadvertised."""
+        """A chunk of `pod`'s full announcement; `reset` (the first chunk) starts it and
+        makes the pod synced. What the pod held before and no chunk lists again is dropped
+        when the announcement ends (`_end_resync`). Shared copies reported gone stay
+        unadvertised."""
         if reset:
-            self.forget_pod(pod)
+            self._end_resync(pod)
+            self.touch_pod(pod)
             self._synced.add(pod)
+            self._unlisted[pod] = set(self._pod_keys[pod])
         return self._admit(pod, entries, is_resync=True)
+
+    def _end_resync(self, pod: str) -> None:
+        """End `pod`'s full announcement, if one is under way: drop the locations it did
+        not list again (a segment only it held goes, shared copies stay)."""
+        unlisted = self._unlisted.pop(pod, None)
+        if not unlisted:
+            return
+        pod_keys = self._pod_keys[pod]
+        for key in unlisted:
+            pod_keys.discard(key)
+            entry = self._entries.get(key)
+            if entry is not None:
+                entry.pods.discard(pod)
+                self._drop_if_unheld(key, entry)
 
     def touch_pod(self, pod: str) -> None:
         self._pod_seen[pod] = self._clock()
@@ -212,6 +242,7 @@ class SegmentIndex:
         """Drop `pod` and its locations; segments only it held go, shared copies stay."""
         self._pod_seen.pop(pod, None)
         self._synced.discard(pod)
+        self._unlisted.pop(pod, None)
         for key in self._pod_keys.pop(pod, ()):
             entry = self._entries.get(key)
             if entry is not None:
@@ -240,7 +271,7 @@ class SegmentIndex:
 
     # --- internals ----------------------------------------------------------------------
 
-    def _upsert(self, item: Entry, now: float) -> IndexEntry:
+    def _upsert(self, item: Entry, now: float, is_use: bool) -> IndexEntry:
         entry = self._entries.get(item.key)
         if entry is None:
             entry = IndexEntry(item, now)
@@ -251,8 +282,9 @@ class SegmentIndex:
         if item.shared and not entry.shared:
             entry.shared = True
             self.num_shared += 1
-        entry.last_use = now
-        self._entries.move_to_end(item.key)
+        if is_use:
+            entry.last_use = now
+            self._entries.move_to_end(item.key)
         return entry
 
     def _remember_shared_gone(self, key: str) -> None:

@@ -15,10 +15,27 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from holeblend_runtime.lookup_server.wire import ERROR_CODES as WIRE_ERROR_CODES
 from holeblend_runtime.lookup_server.wire import OPS
 
 # Lookups answer in tens of microseconds; the buckets resolve that range.
 LATENCY_BUCKETS = (5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.25)
+# Every code an error is counted under: the wire error codes, then the server's own.
+# Each is exported from the start, at 0 until counted, so a rate over it reads 0 (not
+# "no data") and an alert on it can fire on the first error.
+ERROR_CODES = (
+    *WIRE_ERROR_CODES,
+    "bad_http",
+    "header_timeout",
+    "body_timeout",
+    "write_timeout",
+    "write_budget",
+    "memory_budget",
+    "connection_limit",
+    "not_found",
+    "method_not_allowed",
+    "internal",
+)
 
 
 class _StatsCollector:
@@ -84,6 +101,8 @@ class ServerMetrics:
             ["code"],
             registry=self.registry,
         )
+        for code in ERROR_CODES:
+            self._errors.labels(code)
 
     def observe(self, op: str, seconds: float) -> None:
         self._latency[op].observe(seconds)

@@ -16,8 +16,9 @@ Operations (fields of the request -> fields of the reply):
 - `heartbeat`: `pod` (str) -> `resync` (bool: the server has not had this pod's full
   announcement, a `resync` with `reset`, since it started or dropped the pod, so the pod
   must re-announce everything it holds).
-- `resync`: `pod`, `entries`, `reset` (bool: forget what this pod held before; the first
-  chunk of a full resync) -> `admitted`.
+- `resync`: `pod`, `entries`, `reset` (bool: the first chunk of a full resync; what this
+  pod held before and no chunk lists again is forgotten at its next message of another
+  kind) -> `admitted`.
 - `stats` -> `stats` (map of counters and sizes).
 - `pairs_add`: `scope` (str), `pod` (str), `pairs` (list of `[ratio, statistic, f1,
   top1]`, at most `Limits.max_entries`: ratio in [0, 1], statistic finite and >= 0, the
@@ -54,6 +55,15 @@ _SHOWN.maxlevel = 3
 _SHOWN.maxstring = _SHOWN.maxother = 60
 
 OPS = ("lookup", "admit", "evict", "heartbeat", "resync", "stats", "pairs_add", "pairs_get")
+# The `code` of every error reply a server sends (`bad_reply` is the client's own).
+ERROR_CODES = (
+    "bad_request",
+    "too_large",
+    "too_many_keys",
+    "too_many_entries",
+    "unsupported_version",
+    "unknown_op",
+)
 
 
 class WireError(ValueError):

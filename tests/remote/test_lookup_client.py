@@ -128,6 +128,18 @@ def test_bad_lookup_urls_name_the_setting(url):
         parse_lookup_url(url)
 
 
+def test_a_closed_client_answers_all_miss_and_never_raises():
+    """A store closes its client while requests still look up (shutdown); one that had
+    to resolve the server's name again (its last connect failed) raised the stopped
+    resolver's RuntimeError into them."""
+    client = LookupClient(f"http://localhost:{free_port()}")
+    assert client.lookup(["a"]) == [None]  # nothing listens: resolved, refused, forgotten
+    client.close()
+    assert client.lookup(["a", "b"]) == [None, None]
+    assert client.call({"op": "stats"}) is None
+    assert client.stats.degraded_lookups == 2 and client.stats.failures == 3
+
+
 def test_a_hanging_dns_lookup_costs_at_most_the_budget(monkeypatch):
     real_getaddrinfo = socket.getaddrinfo
 

@@ -660,10 +660,11 @@ def statuses_of(replies: bytes) -> list[int]:
 
 
 def error_counts(lines) -> dict[str, float]:
-    """The `holeblend_lookup_errors_total` series of a scrape: {code: value}."""
+    """The counted `holeblend_lookup_errors_total` series of a scrape: {code: value}
+    (every known code is exported from the start, at 0)."""
     pattern = re.compile(rb'^holeblend_lookup_errors_total\{code="([^"]*)"\} (\S+)$')
     matches = (pattern.match(line.rstrip(b"\n")) for line in lines)
-    return {match[1].decode(): float(match[2]) for match in matches if match}
+    return {match[1].decode(): float(match[2]) for match in matches if match and float(match[2])}
 
 
 # --- shutdown -------------------------------------------------------------------------------

@@ -137,11 +137,16 @@ def test_keys_of_shared_copies_reported_gone_are_remembered_up_to_a_limit():
     assert [hit[1] for hit in index.lookup(["a", "b", "c"])] == [True, False, False]
 
 
-def test_resync_with_reset_replaces_what_the_pod_held():
+def test_resync_with_reset_replaces_what_the_pod_held_once_the_announcement_ends():
+    """What the pod held and no chunk lists again goes with the pod's next message of
+    another kind (the announcer sends all chunks first); shared copies stay."""
     index = SegmentIndex()
-    index.admit("p", [entry("old"), entry("kept")])
-    index.resync("p", [entry("kept"), entry("new")], reset=True)
-    assert [hit is not None for hit in index.lookup(["old", "kept", "new"])] == [False, True, True]
+    index.admit("p", [entry("old"), entry("kept"), entry("copy", shared=True)])
+    index.resync("p", [entry("kept")], reset=True)
+    index.resync("p", [entry("new")], reset=False)
+    index.heartbeat("p")
+    keys = ["old", "kept", "new", "copy"]
+    assert index.lookup(keys) == [None, [5, False, ["p"]], [5, False, ["p"]], [5, True, []]]
 
 
 def test_silent_pods_are_dropped_and_shared_copies_outlive_them():
@@ -218,3 +223,20 @@ def test_the_maintained_counts_match_a_full_count_after_any_operations(
         assert stats["shared_entries"] == sum(value.shared for value in values)
         assert stats["bytes"] == sum(value.num_bytes for value in values)
         assert stats["entries"] == len(values) <= max_entries
+
+
+def test_a_resync_is_no_use_so_capacity_still_drops_the_least_recently_used():
+    """A pod re-announces everything it holds every minute: that is no use of its
+    segments. Taken for one, it made them all newer than the segments just looked up (and
+    those only the pod held were dropped and indexed anew, last), so the next capacity
+    eviction dropped the segment in use."""
+    index = SegmentIndex(IndexLimits(max_entries=3))
+    index.admit("a", [entry("a-local"), entry("a-shared", shared=True)])
+    index.admit("b", [entry("b-used")])
+    index.lookup(["b-used"])
+    index.resync("a", [entry("a-local")], reset=True)
+    index.resync("a", [entry("a-shared", shared=True)], reset=False)
+    index.heartbeat("a")
+    index.admit("b", [entry("b-new"), entry("b-newer")])
+    keys = ["a-local", "a-shared", "b-used", "b-new", "b-newer"]
+    assert [hit is not None for hit in index.lookup(keys)] == [False, False, True, True, True]

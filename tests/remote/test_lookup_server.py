@@ -70,6 +70,35 @@ def test_probes_and_metrics_answer(lookup_server):
     assert 'holeblend_lookup_request_seconds_count{op="lookup"} 1.0' in metrics
 
 
+# The codes docs/lookup-server.md names for `holeblend_lookup_errors_total`.
+ERROR_CODES = (
+    *("bad_request", "too_large", "too_many_keys", "too_many_entries", "unsupported_version"),
+    *("unknown_op", "bad_http", "header_timeout", "body_timeout", "write_timeout"),
+    *("write_budget", "memory_budget", "connection_limit", "not_found", "method_not_allowed"),
+    "internal",
+)
+
+
+def error_counts(metrics: str) -> dict[str, float]:
+    prefix = 'holeblend_lookup_errors_total{code="'
+    lines = [line.removeprefix(prefix) for line in metrics.splitlines() if line.startswith(prefix)]
+    return {line.split('"')[0]: float(line.split()[-1]) for line in lines}
+
+
+def test_every_error_code_is_exported_at_zero_before_its_first_error(lookup_server):
+    """A rate over an error code that was never counted reads "no data", not 0, and an
+    alert on it cannot fire on the first error: a fresh server exports each code at 0,
+    and the errors it counts are among them."""
+    url = lookup_server.url
+    counts = error_counts(urllib.request.urlopen(url + "/metrics").read().decode())
+    assert counts == dict.fromkeys(ERROR_CODES, 0.0)
+    with pytest.raises(urllib.error.HTTPError):
+        urllib.request.urlopen(url + "/nowhere")
+    assert raw_post(lookup_server.port, msgpack.packb({"v": 1, "op": "nope"}))[0] == 400
+    counts = error_counts(urllib.request.urlopen(url + "/metrics").read().decode())
+    assert counts == {**dict.fromkeys(ERROR_CODES, 0.0), "not_found": 1.0, "unknown_op": 1.0}
+
+
 def test_the_request_latency_histogram_includes_encoding_the_reply():
     """`holeblend_lookup_request_seconds` is the time to answer a request: for a lookup of
     many hits most of that is encoding the reply, which it left out before (a 4 MB reply
