@@ -297,9 +297,11 @@ def test_every_name_is_valid_for_its_kind_whatever_the_release_name(release, mod
         if kind == "Service":  # Service names are DNS-1035 labels
             assert DNS_1035_LABEL.fullmatch(name), (kind, name)
         assert DNS_1123_SUBDOMAIN.fullmatch(name) and len(name) <= 253, (kind, name)
-        # Every name fits a label value and a DNS label (pods' names and hostnames derive
-        # from the Deployment's; the peering name is the --peering flag).
-        assert len(name) <= 63 and not name.endswith("-"), (kind, name)
+        # Every other name fits a label value and a DNS label (pods' names and hostnames
+        # derive from the Deployment's). The cluster-scoped objects and the peering (the
+        # --peering flag) add the release namespace: a DNS subdomain is all they need.
+        if kind not in ("ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering", "KopfPeering"):
+            assert len(name) <= 63 and not name.endswith("-"), (kind, name)
         for label, value in obj["metadata"].get("labels", {}).items():
             assert LABEL_VALUE.fullmatch(value), (kind, label, value)
     # References name the objects rendered.

@@ -23,9 +23,21 @@ letter.
 {{- end -}}
 {{- end -}}
 
-{{- /* The operator's name: its Deployment, ServiceAccount, RBAC objects and kopf peering. */ -}}
+{{- /* The operator's name: its Deployment, ServiceAccount, Roles and RoleBindings. */ -}}
 {{- define "holeblend.fullname" -}}
 {{- include "holeblend.name" (list . "") -}}
+{{- end -}}
+
+{{- /*
+The name of the release's cluster-scoped objects (ClusterRole, ClusterRoleBinding,
+ClusterKopfPeering) and so of its kopf peering: "<release>-operator-<release namespace>".
+Per-team installs share a release name in different namespaces; named by the release alone,
+the second install would find the first one's objects (helm refuses to adopt them). At most
+127 characters (the operator's 63, "-" and a namespace's 63), within the 253 of RBAC names
+and of a DNS subdomain.
+*/ -}}
+{{- define "holeblend.clusterName" -}}
+{{- printf "%s-%s" (include "holeblend.fullname" .) .Release.Namespace -}}
 {{- end -}}
 
 {{- define "holeblend.labels" -}}
