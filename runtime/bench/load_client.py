@@ -6,9 +6,10 @@
 - `complete` sends one streaming `POST /v1/completions` with the RAG extension (a
   top-level `documents` list, `prompt` = the question) and times the first SSE chunk
   (TTFT) and the last (request time). A 429 is retried after its `Retry-After`; an error
-  event in the stream fails the request.
+  event in the stream, or a stream that ends before `data: [DONE]`, fails the request.
 - `drive` sends a list of requests through `num_clients` closed-loop clients (each sends
-  its next request when the previous one returned).
+  its next request when the previous one returned); every request comes back as an
+  outcome, a failed one too.
 """
 
 from __future__ import annotations
@@ -142,7 +143,9 @@ def completion_body(request: LoadRequest, model: str, max_tokens: int) -> dict[s
 
 
 def parse_sse(lines: Iterable[bytes]) -> Iterator[dict[str, Any]]:
-    """The JSON payloads of `data:` lines, up to `data: [DONE]`."""
+    """The JSON payloads of `data:` lines, up to `data: [DONE]`. A stream that ends before
+    it was cut short (a server whose process died closes its connections cleanly, and the
+    HTTP client reads that as the end): ValueError, so that the request counts as failed."""
     for raw in lines:
         line = raw.decode("utf-8", errors="replace").strip()
         if not line.startswith("data:"):
@@ -151,6 +154,7 @@ def parse_sse(lines: Iterable[bytes]) -> Iterator[dict[str, Any]]:
         if payload == "[DONE]":
             return
         yield json.loads(payload)
+    raise ValueError("stream: the connection closed before `data: [DONE]` (answer cut short)")
 
 
 def complete(
@@ -193,7 +197,15 @@ def drive(
                 request = todo.get_nowait()
             except queue.Empty:
                 return
-            outcome = complete(port, request, model, max_tokens, timeout_s)
+            sent = time.perf_counter()
+            try:
+                outcome = complete(port, request, model, max_tokens, timeout_s)
+            except Exception as error:
+                # A chunk of a shape nobody foresaw, say: a client that raised would end
+                # here, its request missing from every count and the rest left to fewer
+                # clients (with one client, never sent).
+                outcome = Outcome(request.index, None, None, time.perf_counter() - sent, "",
+                                  None, error=f"{type(error).__name__}: {error}")  # fmt: skip
             with lock:
                 outcomes.append(outcome)
 
@@ -231,7 +243,8 @@ def _attempt(port: int, index: int, body: bytes, timeout_s: float, started: floa
 
 def _read_stream(index: int, response: http.client.HTTPResponse, started: float) -> Outcome:
     """The stream's timings and text. An error event (a server that gives up on a request
-    after its 200 went out, at its timeout say, sends one) fails the request."""
+    after its 200 went out, at its timeout say, sends one) fails the request, and so does
+    a stream without `data: [DONE]` (`parse_sse`)."""
     ttft_s, pieces, usage, itls, last, error = None, [], None, [], None, None
     for chunk in parse_sse(response):
         now = time.perf_counter()

@@ -235,10 +235,13 @@ def chunk_text(payload: dict) -> str:
 def read_stream(lines: Iterator[bytes], arrived: float, clock=time.monotonic) -> Timing:
     """Times a server-sent event stream of completion chunks: the first chunk with text,
     the gaps between chunks with text, the end, each from `arrived` (a `clock` reading).
-    An error event fails the request."""
-    timing, last = Timing(), None
+    An error event fails the request, and so does a stream that ends without `data:
+    [DONE]`: a connection closed mid-answer (a server whose process died closes it cleanly,
+    and the HTTP client reads that as the end) is a half answer, not a quick one."""
+    timing, last, done = Timing(), None, False
     for raw in lines:
         line = raw.strip()
+        done = done or line == b"data: [DONE]"
         if not line.startswith(b"data: ") or line == b"data: [DONE]":
             continue
         now = clock()
@@ -258,6 +261,8 @@ def read_stream(lines: Iterator[bytes], arrived: float, clock=time.monotonic) ->
             timing.itls_s.append(now - last)
         last = now
     timing.return_s = clock() - arrived
+    if not done and timing.error is None:
+        timing.error = "the stream ended before data: [DONE] (answer cut short)"
     if timing.ttft_s is None and timing.error is None:
         timing.error = "no text streamed"
     return timing

@@ -370,3 +370,65 @@ def test_a_chunk_that_is_not_a_json_object_fails_the_request_instead_of_its_clie
     lines = [b'data: {"choices": [{"text": "Osk"}]}', b'data: ["eby"]', b"data: [DONE]"]
     outcome = _read_stream(0, lines, time.perf_counter())
     assert not outcome.is_ok and "not a JSON object" in outcome.error
+
+
+class _CutShortHandler(BaseHTTPRequestHandler):
+    """Streams one token, then closes the connection without `data: [DONE]`, as a server
+    whose process died mid-answer does (the kernel closes its sockets cleanly)."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        self.wfile.write(f"data: {json.dumps({'choices': [{'text': 'Osk'}]})}\n\n".encode())
+
+    def log_message(self, *_):
+        pass
+
+
+def test_a_stream_cut_short_before_done_fails_the_request(stream):
+    """A half answer is not a success: it would count in the throughput with a short
+    request time, and in the answers compared with full prefill's."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _CutShortHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        outcome = complete(server.server_address[1], stream[0], "m", 4, timeout_s=10)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not outcome.is_ok
+    assert "[DONE]" in outcome.error
+    row = summarize_load("hole", 0.15, 1, [outcome], 1.0, None, str.split, {})
+    assert row["num_errors"] == 1 and row["requests_per_s"] == 0.0
+    assert row["ttft_p50_s"] is None
+
+
+class _MalformedChoicesHandler(BaseHTTPRequestHandler):
+    """A 200 stream whose chunk has a `choices` entry that is not an object."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        self.wfile.write(b'data: {"choices": [null]}\n\ndata: [DONE]\n\n')
+
+    def log_message(self, *_):
+        pass
+
+
+def test_a_request_that_breaks_its_client_is_counted_as_failed_and_the_client_goes_on(stream):
+    """A client thread that raised would end there: its request gone from every count and,
+    with one client, every request after it never sent."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _MalformedChoicesHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        outcomes, _ = drive(server.server_address[1], stream[:3], "m", 1, 4, timeout_s=10)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [o.index for o in outcomes] == [0, 1, 2]
+    assert all(not o.is_ok and o.error for o in outcomes)
+    row = summarize_load("hole", 0.15, 1, outcomes, 1.0, None, str.split, {})
+    assert row["requests"] == row["num_errors"] == 3

@@ -54,7 +54,7 @@ def test_ttft_is_the_first_chunk_with_text_and_itls_the_gaps_between_chunks_with
 
 def test_chat_deltas_count_as_text_and_an_error_event_or_no_text_fails_the_request():
     chat = shadow_load.read_stream(
-        iter(sse({"choices": [{"delta": {"content": "x"}}]})), 0.0, clock=Clock(1.0, 2.0)
+        iter(sse({"choices": [{"delta": {"content": "x"}}]}, "[DONE]")), 0.0, clock=Clock(1.0, 2.0)
     )
     assert chat.ok and chat.ttft_s == 1.0
     error = shadow_load.read_stream(
@@ -63,6 +63,19 @@ def test_chat_deltas_count_as_text_and_an_error_event_or_no_text_fails_the_reque
     assert not error.ok and "boom" in error.error
     empty = shadow_load.read_stream(iter(sse(text(""), "[DONE]")), 0.0, clock=Clock(1.0, 2.0))
     assert not empty.ok and empty.error == "no text streamed"
+
+
+def test_a_stream_that_ends_before_done_fails_the_request():
+    """A connection closed mid-answer (the server's process died, say) ends the stream
+    without `data: [DONE]`: a failed request, not a success with a short return time."""
+    cut = shadow_load.read_stream(iter(sse(text("A"), text(" b"))), 0.0, clock=Clock(1.0, 1.2, 1.3))
+    assert not cut.ok and "[DONE]" in cut.error
+    stats = shadow_load.arm_stats([dataclasses.asdict(cut)])
+    assert stats["failed_requests"] == 1 and stats["ttft_p99_s"] is None
+    whole = shadow_load.read_stream(
+        iter(sse(text("A"), text(" b"), "[DONE]")), 0.0, clock=Clock(1.0, 1.2, 1.3)
+    )
+    assert whole.ok
 
 
 def test_a_whole_prompt_follows_its_first_pass_lag_requests_later():
