@@ -130,7 +130,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "for filter layers and '#2' for its check layer (default: --selection alone, at "
         "--check-layer)",
     )
-    add("--seed", type=int, default=0, help="workload (and random selection) seed")
+    add("--seed", type=int, default=0, help="workload (and random selection) seed, >= 0")
     add("--max-new-tokens", type=int, help=f"answer length (default {DEFAULTS['max_new_tokens']})")
     add("--threads", type=int, default=2, help="torch CPU threads")
     add(
@@ -235,6 +235,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--profile-trace: traces the --profile prefills; add --profile")
     if args.threads < 1:
         parser.error(f"--threads: must be >= 1, got {args.threads}")
+    if args.seed < 0:
+        # random.Random(-7) draws what random.Random(7) draws: the same workload under
+        # another name, which numpy's bootstrap would refuse only after the whole sweep.
+        parser.error(f"--seed: must be >= 0, got {args.seed}")
     if (problem := _device_problem(args.device)) is not None:
         parser.error(f"--device: {problem}")
     if args.png is not None:  # before the sweep, not after it

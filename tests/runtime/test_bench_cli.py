@@ -148,3 +148,14 @@ def test_png_without_matplotlib_exits_2_before_the_sweep(monkeypatch, capsys, tm
         parse_args(["--quality", "--png", str(tmp_path / "frontier.png")])
     assert caught.value.code == 2
     assert "--png: the frontier plot needs matplotlib" in capsys.readouterr().err
+
+
+def test_a_negative_seed_exits_2_before_anything_loads(capsys):
+    """Python seeds `random.Random(-7)` as `random.Random(7)`: a negative seed would rerun
+    seed 7's workload under another name (no held-out run), and the quality sweep's
+    bootstrap refuses it only after the whole sweep has run."""
+    with pytest.raises(SystemExit) as caught:
+        parse_args(["--quick", "--seed", "-7"])
+    assert caught.value.code == 2
+    assert "--seed: must be >= 0, got -7" in capsys.readouterr().err
+    assert parse_args(["--seed", "0"]).seed == 0
