@@ -231,8 +231,12 @@ class SharedTierConfig:
     def __post_init__(self) -> None:
         check_shared_url(self.url, "kv.sharedUrl")
         key_prefix(self.deployment, BLOB_FORMAT)
-        if self.timeout_s <= 0:
+        if not self.timeout_s > 0:
             raise ValueError(f"timeout_s: must be > 0, got {self.timeout_s}")
+        if self.breaker_failures < 1:
+            raise ValueError(f"breaker_failures: must be >= 1, got {self.breaker_failures}")
+        if not self.breaker_open_s >= 0:
+            raise ValueError(f"breaker_open_s: must be >= 0, got {self.breaker_open_s}")
         if self.max_blob_bytes is not None and self.max_blob_bytes < 1:
             raise ValueError(f"max_blob_bytes: must be >= 1, got {self.max_blob_bytes}")
 

@@ -56,11 +56,18 @@ class Location:
 
 
 def parse_lookup_url(url: str) -> tuple[str, int]:
-    """(host, port) of an http://HOST:PORT lookup server URL."""
-    parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/"):
-        raise ValueError(f"lookupServerUrl: expected http://HOST:PORT, got {url!r}")
-    return parts.hostname, parts.port or 80
+    """(host, port) of an http://HOST:PORT lookup server URL (blend.json's
+    `lookupServerUrl`); ValueError naming it for anything else, a port outside 1-65535
+    included (urllib's own errors name no setting, and its port 0 would read as 80)."""
+    refusal = f"lookupServerUrl: expected http://HOST:PORT with a port in 1-65535, got {url!r}"
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        raise ValueError(refusal) from None
+    if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/") or port == 0:
+        raise ValueError(refusal)
+    return parts.hostname, port or 80
 
 
 class LookupConnection:
@@ -270,12 +277,14 @@ class ClientConfig:
     max_keys: int = wire.Limits().max_keys
 
     def __post_init__(self) -> None:
-        if self.timeout_ms <= 0:
+        if not self.timeout_ms > 0:
             raise ValueError(f"timeout_ms: must be > 0, got {self.timeout_ms}")
         if self.retries < 0:
             raise ValueError(f"retries: must be >= 0, got {self.retries}")
         if self.breaker_failures < 1:
             raise ValueError(f"breaker_failures: must be >= 1, got {self.breaker_failures}")
+        if not self.breaker_open_s >= 0:
+            raise ValueError(f"breaker_open_s: must be >= 0, got {self.breaker_open_s}")
         if self.max_keys < 1:
             raise ValueError(f"max_keys: must be >= 1, got {self.max_keys}")
 

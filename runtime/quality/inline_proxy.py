@@ -144,10 +144,7 @@ class Calibration:
     Fewer than `min_pairs` pairs: `estimate` is None (no signal)."""
 
     def __init__(self, min_pairs: int = MIN_PAIRS, max_pairs: int = MAX_PAIRS) -> None:
-        if min_pairs < 2:
-            raise ValueError(f"min_pairs: must be >= 2, got {min_pairs}")
-        if max_pairs < min_pairs:
-            raise ValueError(f"max_pairs: must be >= min_pairs ({min_pairs}), got {max_pairs}")
+        _check_pair_counts(min_pairs, max_pairs)
         self.min_pairs = min_pairs
         self._pairs: collections.deque[tuple[float, float]] = collections.deque(maxlen=max_pairs)
         self._fit: list[_Block] | None = None
@@ -196,6 +193,18 @@ class Calibration:
         if len(self._pairs) < self.min_pairs:
             return None
         return _pearson([x for x, _ in self._pairs], [y for _, y in self._pairs])
+
+
+def _check_pair_counts(min_pairs: int, max_pairs: int) -> None:
+    """ValueError naming the count that breaks 2 <= min_pairs <= max_pairs, whole numbers
+    (a fit needs two pairs; the deque of pairs takes only an int as its length)."""
+    for name, value in (("min_pairs", min_pairs), ("max_pairs", max_pairs)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name}: expected a whole number of pairs, got {value!r}")
+    if min_pairs < 2:
+        raise ValueError(f"min_pairs: must be >= 2, got {min_pairs}")
+    if max_pairs < min_pairs:
+        raise ValueError(f"max_pairs: must be >= min_pairs ({min_pairs}), got {max_pairs}")
 
 
 def _fit_non_increasing(pairs: Sequence[tuple[float, float]]) -> list[_Block]:
@@ -321,7 +330,9 @@ class InlineProxy:
         metrics: InlineProxyMetrics | None = None,
     ) -> None:
         """Series on `registry` (or the given `metrics`, e.g. a module's own); neither:
-        nothing is exported."""
+        nothing is exported. Bad pair counts are refused here, not by the first
+        calibration built on the serving thread."""
+        _check_pair_counts(min_pairs, max_pairs)
         self.min_pairs, self.max_pairs = min_pairs, max_pairs
         if metrics is None and registry is not None:
             metrics = InlineProxyMetrics(registry)

@@ -323,3 +323,24 @@ def test_only_replies_that_say_the_server_cannot_serve_open_the_breaker(reply, o
         client.close()
     finally:
         server.close()
+
+
+@pytest.mark.parametrize(
+    "url", ["http://x:99999", "http://x:abc", "http://x:-1", "http://x:0", "http://[::1:8100"]
+)
+def test_a_lookup_url_with_a_bad_port_names_the_setting_the_value_and_the_form(url):
+    """urllib's own errors ("Port out of range 0-65535") name no setting, and port 0 was
+    taken for 80."""
+    with pytest.raises(ValueError, match="lookupServerUrl") as caught:
+        parse_lookup_url(url)
+    assert repr(url) in str(caught.value) and "http://HOST:PORT" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("breaker_open_s", -1.0), ("breaker_open_s", float("nan")), ("timeout_ms", float("nan"))],
+)
+def test_a_bad_setting_is_refused_by_the_client_config_under_its_own_name(field, value):
+    """Not later by the circuit breaker (as `open_s`), nor by the socket on the first lookup."""
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        ClientConfig(**{field: value})

@@ -349,3 +349,18 @@ def test_a_cluster_that_cannot_serve_opens_the_breaker(reply, kind):
         assert shared.stats.errors_by_kind == {kind: 3}
         shared.close()
     server.join(5)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("breaker_failures", 0),
+        ("breaker_open_s", -1.0),
+        ("breaker_open_s", float("nan")),
+        ("timeout_s", float("nan")),
+    ],
+)
+def test_a_bad_setting_is_refused_by_the_config_under_its_own_name(field, value):
+    """Not later by the circuit breaker or redis-py, under names the user never wrote."""
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        SharedTierConfig("redis://kv:6379/0", "ns/rag", **{field: value})

@@ -300,3 +300,19 @@ def test_the_statistic_of_real_blends_falls_as_the_ratio_rises(new_engine):
             assert left[0] == pytest.approx(float(prefill.deviation.double().mean()))
     assert left[-1] == pytest.approx(0.0, abs=1e-9)
     assert left[0] > left[1] > left[2] > left[3]
+
+
+@pytest.mark.parametrize(
+    ("settings", "field"),
+    [
+        ({"min_pairs": 1}, "min_pairs"),
+        ({"min_pairs": 8, "max_pairs": 4}, "max_pairs"),
+        ({"max_pairs": 300.5}, "max_pairs"),
+        ({"min_pairs": True}, "min_pairs"),
+    ],
+)
+def test_bad_pair_counts_are_refused_at_construction_not_on_the_serving_thread(settings, field):
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        InlineProxy(**settings)
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        Calibration(**settings)
