@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -233,6 +234,22 @@ class ModelSettings(_Settings):
         return self.served_name or self.name
 
 
+def parse_lookup_url(url: str) -> tuple[str, int]:
+    """(host, port) of an http://HOST:PORT lookup server URL (`lookupServerUrl`);
+    ValueError naming it for anything else, a port outside 1-65535 included (urllib's own
+    errors name no setting, and its port 0 would read as 80). Checked when the file loads,
+    so a vLLM pod refuses it at start with this message, and by the lookup client."""
+    refusal = f"lookupServerUrl: expected http://HOST:PORT with a port in 1-65535, got {url!r}"
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        raise ValueError(refusal) from None
+    if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/") or port == 0:
+        raise ValueError(refusal)
+    return parts.hostname, port or 80
+
+
 class KVSettings(_Settings):
     # Byte budget of the pod's own tier (holeblend-serve: in-process; vLLM pods: the node
     # directory), least recently used entries evicted.
@@ -289,6 +306,16 @@ class BlendSettings(_Settings):
     def _check_separator(cls, value: str) -> str:
         if value.isspace():  # the runtime splits prompts on it: it must be visible
             raise ValueError("must contain a visible character, like ' # #'")
+        return value
+
+    @field_validator("lookup_server_url")
+    @classmethod
+    def _check_lookup_server_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                parse_lookup_url(value)
+            except ValueError as error:  # the file's error names the key already
+                raise ValueError(str(error).removeprefix("lookupServerUrl: ")) from None
         return value
 
     @field_validator("selection")

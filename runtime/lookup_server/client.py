@@ -26,8 +26,8 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
+from holeblend_contract.blend_settings import parse_lookup_url
 from holeblend_runtime.kv.circuit_breaker import CircuitBreaker
 from holeblend_runtime.lookup_server import wire
 
@@ -53,21 +53,6 @@ class Location:
     in_shared_tier: bool
     # Pods holding it in their local tier.
     pods: tuple[str, ...]
-
-
-def parse_lookup_url(url: str) -> tuple[str, int]:
-    """(host, port) of an http://HOST:PORT lookup server URL (blend.json's
-    `lookupServerUrl`); ValueError naming it for anything else, a port outside 1-65535
-    included (urllib's own errors name no setting, and its port 0 would read as 80)."""
-    refusal = f"lookupServerUrl: expected http://HOST:PORT with a port in 1-65535, got {url!r}"
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError:
-        raise ValueError(refusal) from None
-    if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/") or port == 0:
-        raise ValueError(refusal)
-    return parts.hostname, port or 80
 
 
 class LookupConnection:

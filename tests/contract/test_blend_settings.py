@@ -90,6 +90,11 @@ def test_newer_format_version_is_refused_with_the_fix():
         ({"selection": "k-deviation"}, "selection: unknown strategy 'k-deviation'"),
         ({"selection": "sinks:0.5+query:0.6"}, "selection: shares sum to 1.1"),
         ({"filterLayers": [2]}, "filterLayers: must be strictly increasing and above checkLayer 2"),
+        (
+            {"lookupServerUrl": "http://lookup:99999"},
+            r"^blend.json: lookupServerUrl: expected http://HOST:PORT with a port in 1-65535",
+        ),
+        ({"lookupServerUrl": "redis://lookup:7000"}, "lookupServerUrl: expected http://HOST:PORT"),
     ],
 )
 def test_bad_keys_and_values_name_the_key(extra, message):
