@@ -18,7 +18,9 @@ every BlendDeployment after each change (one more write and one more watch event
 keep two deep copies of every object for their diffs. No timer and no finalizer (kopf timers
 add one): owner references let the garbage collector delete the children, and nothing
 outside the cluster needs cleaning up. The ratio tuner runs as a plain task
-(`tuning_loop`) and asks for a reconcile when it changes the ratio.
+(`tuning_loop`) and asks for a reconcile when it changes the ratio. Another plain task
+(`sweep`) reads, once every SWEEP_S, each owner that no event has shown meanwhile and
+forgets those gone: one deleted during a watch gap gets no DELETED event.
 
 Memory: what is kept per BlendDeployment is bounded and small (docs/operator.md, "Memory
 and scale"): the owner as watched minus what nothing reads (managedFields, kubectl's
@@ -76,6 +78,8 @@ WORKER_LIMIT = 64  # kopf's per-object event workers at once (its default: no li
 # would hold its slot, and in a burst the events of the objects without a worker pile up
 # (as decoded bodies) in kopf's per-object queues meanwhile.
 WORKER_IDLE_S = 0.1
+# An owner that no event or read has shown for this long is read once (`sweep`).
+SWEEP_S = 3600.0
 
 Key = tuple[str, str]  # (namespace, name) of a BlendDeployment
 # kubectl's copy of the applied manifest: nothing here reads it, so kept owners leave it out.
@@ -128,11 +132,18 @@ class Kept:
     inputs: tuple  # _inputs(owner)
     raw_ratio: tuple  # _raw_ratio(owner)
     interval: float | None  # tuning_loop.interval_of(owner): None if not tuned
+    seen: float  # time.monotonic() when the API server last showed it (an event, a read)
 
     @classmethod
     def of(cls, body: dict) -> "Kept":
         slim = _slim_owner(body)
-        return cls(pack(slim), _inputs(slim), _raw_ratio(slim), tuning_loop.interval_of(slim))
+        return cls(
+            pack(slim),
+            _inputs(slim),
+            _raw_ratio(slim),
+            tuning_loop.interval_of(slim),
+            time.monotonic(),
+        )
 
     def body(self) -> dict:
         return unpack(self.packed)
@@ -229,6 +240,7 @@ class Operator:
         self.priority = settings.peering_priority
         self.tuning = tuning_loop.TuningLoop(self)
         self._tuning_task: asyncio.Task | None = None
+        self._sweep_task: asyncio.Task | None = None
 
     async def startup(self, settings: kopf.OperatorSettings, **_) -> None:
         settings.persistence.diffbase_storage = NoDiffBase(prefix=ANNOTATION_PREFIX)
@@ -253,6 +265,7 @@ class Operator:
             self.configuration(), self.settings.request_timeout_s, self.settings.api_concurrency
         )
         self._tuning_task = asyncio.get_running_loop().create_task(self.tuning.run())
+        self._sweep_task = asyncio.get_running_loop().create_task(self._sweep_forever())
 
     def _configure_peering(self, peering) -> None:
         if self.settings.peering is None:
@@ -278,7 +291,7 @@ class Operator:
 
     async def cleanup(self, **_) -> None:
         tasks = [job.task for job in self._pending.values()]
-        tasks += [self._tuning_task] if self._tuning_task is not None else []
+        tasks += [t for t in (self._tuning_task, self._sweep_task) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -334,12 +347,14 @@ class Operator:
             self._current.pop((kind, key[0], name), None)
             if kind == "Deployment":
                 self._deployments.pop((key[0], name), None)
+        # Not its lock: a job under way holds it, and `_lock` drops it when that job and those
+        # waiting are done. Dropped now, a namesake (deleted and created again at once) would
+        # get a new one, and its reconcile would run beside the old one's.
         tables = (
             self._owners,
             self._inputs,
             self._applied,
             self._retries,
-            self._locks,
             self._rendered,
         )
         for table in tables:
@@ -376,6 +391,34 @@ class Operator:
         under its name while the read was under way) stays."""
         if kept is not None and self._owners.get(key) is kept:
             self._forget(key)
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            try:
+                await self.sweep(time.monotonic() - SWEEP_S)
+            except Exception:  # a bug must not end the sweeps for good: log, sweep again later
+                LOG.exception("sweep of the BlendDeployments failed")
+
+    async def sweep(self, seen_before: float) -> None:
+        """Read each owner that no event or read has shown since `seen_before` (monotonic),
+        one at a time, and forget those the API server no longer has. After a watch gap on
+        the owners' own watch, kopf's listing sends nothing for one deleted meanwhile: the
+        tuner's read finds a tuned one gone, and a requeue one not Ready, but nothing reads
+        an untuned Ready one again, and what is kept of it would stay for the life of the
+        process. An owner whose watch is quiet costs one GET per SWEEP_S."""
+        for key, kept in list(self._owners.items()):
+            if kept.seen >= seen_before:
+                continue
+            try:
+                body = await self.client.get(kube.BLEND_DEPLOYMENT, *key)
+            except Exception as exc:  # API trouble: read at the next sweep
+                LOG.warning("reading %s/%s failed: %s", *key, exc)
+                continue
+            if body is None or body.get("metadata", {}).get("deletionTimestamp"):
+                self.gone(key, kept)
+            else:
+                kept.seen = time.monotonic()
 
     def lock(self, key: Key) -> contextlib.AbstractAsyncContextManager:
         """The owner's lock: one reconcile, status refresh or tuning write at a time."""
@@ -547,7 +590,8 @@ class Operator:
 
     def _drop_if_forgotten(self, key: Key) -> None:
         """An owner deleted while its reconcile or refresh ran: drop what that re-created
-        (its lock, its render), or it would stay for the life of the process."""
+        (its render, its next job), or it would stay for the life of the process. (Its lock
+        `_lock` drops once released.)"""
         if key not in self._owners:
             self._forget(key)
 

@@ -198,3 +198,46 @@ def test_a_lookup_server_ready_again_during_the_status_write_is_reported_ready()
 
     cluster = asyncio.run(scenario())
     assert cluster.ready() == ("True", "AllReplicasReady")
+
+
+def test_an_untuned_owner_deleted_while_its_own_watch_was_down_is_forgotten_by_the_sweep():
+    """The owner and its children deleted during a gap on every watch: the listing after it
+    sends nothing for them, and no tuner reads an untuned owner. The sweep reads each owner
+    no event has shown for a while and forgets this one with what was kept of it."""
+
+    async def scenario():
+        operator, cluster = await watched_ready()
+        cluster.owner, cluster.objects = None, {}
+        relist(operator, cluster)
+        await settle(operator)
+        await operator.sweep(time.monotonic())
+        return operator
+
+    operator = asyncio.run(scenario())
+    tables = (operator._owners, operator._inputs, operator._applied, operator._rendered)
+    assert [KEY in table for table in tables] == [False] * len(tables)
+    assert operator._current == {} and operator._deployments == {}
+
+
+def test_the_sweep_reads_an_owner_still_there_once_and_keeps_it():
+    """An owner whose watch is quiet costs one read per sweep period: the read shows it, and
+    a second sweep for the same age reads nothing."""
+
+    async def scenario():
+        operator, cluster = await watched_ready()
+        reads = []
+        get = cluster.get
+
+        async def counted_get(kind, namespace, name):
+            reads.append(kind.kind)
+            return await get(kind, namespace, name)
+
+        cluster.get = counted_get
+        quiet_since = time.monotonic()
+        await operator.sweep(quiet_since)
+        await operator.sweep(quiet_since)
+        return operator, reads
+
+    operator, reads = asyncio.run(scenario())
+    assert reads == ["BlendDeployment"]
+    assert KEY in operator.owners
