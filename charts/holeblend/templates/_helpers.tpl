@@ -40,6 +40,58 @@ and of a DNS subdomain.
 {{- printf "%s-%s" (include "holeblend.fullname" .) .Release.Namespace -}}
 {{- end -}}
 
+{{- /*
+The name of one of the release's dashboard ConfigMaps, given its file's name without ".json"
+(call with a list: `include "holeblend.dashboardName" (list . "holeblend-blenddeployment")`):
+"<release>-operator-<release namespace>-<dashboard>". The ConfigMap's one key is this name with
+".json": Grafana's sidecar writes every key of every ConfigMap it finds into one folder, and
+per-team installs share a release name and often the namespace the sidecar watches. Named by
+the release alone, the second install's ConfigMap would be the first one's (helm refuses it),
+and its file would overwrite the first one's. At most 63 characters like the release's other
+names: a longer one is cut to 54 and ends with 8 hex digits of a hash of the whole.
+*/ -}}
+{{- define "holeblend.dashboardName" -}}
+{{- $name := printf "%s-%s" (include "holeblend.clusterName" (index . 0)) (index . 1) -}}
+{{- if le (len $name) 63 -}}
+{{- $name -}}
+{{- else -}}
+{{- printf "%s-%s" ($name | trunc 54 | trimSuffix "-") ($name | sha256sum | trunc 8) -}}
+{{- end -}}
+{{- end -}}
+
+{{- /*
+The Grafana uid of one of the release's dashboards (called like holeblend.dashboardName):
+"<dashboard>-<8 hex digits of a hash of release namespace, release and dashboard>", the
+dashboard's part cut to 31 characters so the whole stays within Grafana's 40. Grafana keeps
+one dashboard per uid: with the file's own uid, two installs' dashboards would replace each
+other at every sidecar reload.
+*/ -}}
+{{- define "holeblend.dashboardUid" -}}
+{{- $ctx := index . 0 -}}
+{{- $dashboard := index . 1 -}}
+{{- $hash := printf "%s/%s/%s" $ctx.Release.Namespace $ctx.Release.Name $dashboard | sha256sum | trunc 8 -}}
+{{- printf "%s-%s" ($dashboard | trunc 31 | trimSuffix "-") $hash -}}
+{{- end -}}
+
+{{- /*
+The alert rules (rules/holeblend.rules.yaml) with every selector of every expression limited to
+watchNamespaces: `namespace=~"<a>|<b>"`, the namespace of the BlendDeployment both the engine's
+and the operator's tuning series carry. Per-team installs each watch their team's namespaces;
+unscoped, each install's rules would fire for every team's BlendDeployments. Call only with
+watchNamespaces set: an install that watches every namespace loads the file as it is.
+*/ -}}
+{{- define "holeblend.scopedRules" -}}
+{{- $rules := .Files.Get "rules/holeblend.rules.yaml" | fromYaml -}}
+{{- $matcher := printf "namespace=~%q" (join "|" .Values.watchNamespaces) -}}
+{{- range $rules.groups -}}
+{{- range .rules -}}
+{{- $expr := regexReplaceAll `\b(holeblend_[a-z0-9_]+|up)\{` .expr (printf "${1}{%s, " $matcher) -}}
+{{- $_ := set . "expr" (regexReplaceAll `\b(holeblend_[a-z0-9_]+)([^a-z0-9_{]|$)` $expr (printf "${1}{%s}${2}" $matcher)) -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml $rules -}}
+{{- end -}}
+
 {{- define "holeblend.labels" -}}
 app.kubernetes.io/name: holeblend
 app.kubernetes.io/instance: {{ .Release.Name | quote }}
