@@ -70,7 +70,11 @@ def check_shared_url(url: str, field: str = "spec.blend.kv.sharedUrl") -> str:
             "Secret; remove it from the URL and reference a Secret key in "
             "spec.blend.kv.sharedPasswordSecret instead"
         )
-    del port  # parsed only to reject a malformed port
+    if port == 0:
+        raise ValueError(
+            f"{field}: {url!r} names port 0, where no server listens; give the store's "
+            "port (e.g. redis://kv-cache:6379/0) or leave it out for the default"
+        )
     return url
 
 

@@ -364,3 +364,8 @@ def test_a_bad_setting_is_refused_by_the_config_under_its_own_name(field, value)
     """Not later by the circuit breaker or redis-py, under names the user never wrote."""
     with pytest.raises(ValueError, match=f"^{field}: "):
         SharedTierConfig("redis://kv:6379/0", "ns/rag", **{field: value})
+
+
+def test_a_shared_url_with_port_zero_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match=r"spec.blend.kv.sharedUrl: 'redis://kv:0/0' names port 0"):
+        check_shared_url("redis://kv:0/0")
