@@ -32,7 +32,8 @@ Quality first. Each interval, in this order:
 
 The cooldown counts from the last change (samples before it were taken at another ratio and
 do not count) or from the first reading above the band, and readings that cannot be trusted
-(too few samples yet) do not restart it; a reading inside the band does.
+(too few samples yet) do not restart it; a reading inside the band or below it does (one
+below by less than its noise too: the ratio was not above the band for a whole cooldown).
 
 What was learned (the floor: the highest ratio measured below target; the lowest ratio
 measured meeting it, and the one above that it replaced) is forgotten MEMORY_COOLDOWNS
@@ -261,7 +262,7 @@ def decide(spec: TuningSpec, ratio: object, reading: Reading, state: State, now:
                 f"down from {state.good} (known to meet the target): waiting for {need} "
                 "samples before raising"
             )
-            return _hold(ratio, "ConfirmingBelowTarget", text, False, state)
+            return _hold(ratio, "ConfirmingBelowTarget", text, False, replace_since(state, None))
         return _raise(spec, ratio, f"{seen} is below {low:.3f} (target - band)", state, now)
     if f1 <= high:
         text = f"{seen} is within {low:.3f}..{high:.3f}"

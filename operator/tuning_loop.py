@@ -42,6 +42,7 @@ from holeblend_operator import kube, metrics
 from holeblend_operator.api import (
     REASON_MAX_LENGTH,
     BlendDeployment,
+    BlendDeploymentStatus,
     ConditionType,
     ObservedMetrics,
     TuningSpec,
@@ -106,10 +107,24 @@ def ttft_histogram(bd: BlendDeployment) -> str:
 
 
 def window_seconds(spec: TuningSpec) -> float:
-    """How far back a reading looks: a cooldown, and at least ten intervals. Only samples
-    taken at the ratio in force count, so after a change the window fills from zero; a
-    long window lets a lightly loaded engine (few shadow samples) reach minSamples."""
+    """How far back a reading looks at most: a cooldown, and at least ten intervals (`read`
+    looks back no further than the last change, `since_last_change`). Only samples taken
+    at the ratio in force count, so after a change the window fills from zero; a long
+    window lets a lightly loaded engine (few shadow samples) reach minSamples."""
     return float(max(spec.cooldown_seconds, WINDOW_INTERVALS * spec.interval_seconds))
+
+
+def since_last_change(status: BlendDeploymentStatus, now: float) -> float | None:
+    """Seconds since the tuner last changed the ratio (status.tuning.history), or None when
+    the history shows no change. A window that reaches back past it counts samples taken
+    at the ratio now in force before the change (a raise back to a ratio run earlier):
+    they tell nothing of it since. History times are whole seconds, rounded down: the
+    change is taken as at the end of its second."""
+    for entry in reversed(status.tuning.history):
+        if entry.direction != "hold":
+            at = _epoch(entry.time)
+            return None if at is None else now - (at + 1)
+    return None
 
 
 def recent_seconds(spec: TuningSpec) -> float:
@@ -301,7 +316,8 @@ class TuningLoop:
         for key, kept in list(self.operator.owners.items()):
             interval = kept.interval  # interval_of(the owner), kept next to it
             if interval is None:  # not tuned (any more): no gauges, and nothing due
-                self._last.pop(key, None)
+                if self._last.pop(key, None) is not None:
+                    self._forget_scrape(key)
                 metrics.TUNING.forget(key, decisions=False)
                 continue
             last = self._last.setdefault(key, now)  # the first window needs filling
@@ -317,6 +333,11 @@ class TuningLoop:
         """A BlendDeployment deleted: nothing due, and its series and scrape history go."""
         self._last.pop(key, None)
         metrics.TUNING.forget(key)
+        self._forget_scrape(key)
+
+    def _forget_scrape(self, key: tuple) -> None:
+        """Drop the owner's scrape history: kept while it is not tuned, its snapshots would
+        be the baseline when tuning is switched on again, a window as long as the pause."""
         if self._scrape is not None:
             self._scrape.forget(key[0], engine_name(key[1]))
 
@@ -352,7 +373,9 @@ class TuningLoop:
             # this lock) while the metrics were read, and a patch built on the earlier
             # read would put its conditions back. A ratio that moved meanwhile (a hand
             # patch, a spec change) makes this decision moot: the next interval decides.
-            # So does a new object of the same name (deleted and created again): the
+            # So do tuning settings changed meanwhile (bounds, target: a raise past a
+            # lowered maxRatio would stand in status beside the clamped ratio the pods
+            # run), and a new object of the same name (deleted and created again): the
             # metrics and the state were the old one's.
             body = await client.get(kube.BLEND_DEPLOYMENT, *key)
             bd = _parse(body, self.operator.settings.host_path_prefixes)
@@ -361,6 +384,11 @@ class TuningLoop:
             status = body.get("status") or {}
             if ratio_in_force(bd.spec.blend.recompute_ratio, status) != ratio:
                 LOG.info("%s/%s: the ratio moved during the evaluation; decided again next", *key)
+                return None
+            if bd.spec.tuning != spec:
+                LOG.info(
+                    "%s/%s: spec.tuning changed during the evaluation; decided again next", *key
+                )
                 return None
             notices = spec_notices(body.get("spec"))
             patched = await client.patch_status(
@@ -385,7 +413,11 @@ class TuningLoop:
             return failed("no ratio in force")
         session = self._get_session()
         target = await self.target(bd)
-        window, recent = window_seconds(bd.spec.tuning), recent_seconds(bd.spec.tuning)
+        window = window_seconds(bd.spec.tuning)
+        since = since_last_change(bd.status, time.time())
+        if since is not None and since > 0:  # a change stamped ahead of this clock: no limit
+            window = min(window, since)
+        recent = min(recent_seconds(bd.spec.tuning), window)
         url = bd.spec.tuning.prometheus_url
         if url is not None:
             source = PrometheusSource(str(url), session)

@@ -201,6 +201,23 @@ def test_a_step_down_that_reads_below_by_less_than_its_noise_is_confirmed_before
     assert (climb.direction, climb.code) == ("up", "BelowTarget")
 
 
+def test_a_reading_below_the_band_while_confirming_restarts_the_cooldown():
+    """Stepped down at 30 s, the new ratio read below the band by less than its noise at
+    40 s: when it reads above at 70 s, it has not been above for a whole cooldown, so it
+    is not lowered again at once (a step down from a ratio that straddles the band)."""
+    spec = SpecWith(minSamples=4, band=0.05, targetF1Proxy=0.73, cooldownSeconds=30)
+    known = decide(spec, 0.6, reading(f1=0.9, n=30), State(), now=0).state
+    down = decide(spec, 0.6, reading(f1=0.9, n=30), replace(known, 0), now=30)
+    assert (down.direction, down.to_ratio) == ("down", 0.58)
+    wait = decide(spec, 0.58, reading(f1=0.6, n=5), down.state, now=40)
+    assert wait.code == "ConfirmingBelowTarget"
+    above = decide(spec, 0.58, reading(f1=0.95, n=40), wait.state, now=70)
+    assert (above.direction, above.code) == ("hold", "AboveTargetCooling")
+    assert "for 0 s of a 30 s cooldown" in above.reason
+    later = decide(spec, 0.58, reading(f1=0.95, n=40), above.state, now=100)
+    assert (later.direction, later.to_ratio) == ("down", 0.56)
+
+
 def test_a_workload_that_changed_under_a_held_ratio_is_read_from_the_recent_samples():
     spec = SpecWith(minSamples=4, band=0.05, targetF1Proxy=0.73)  # band 0.68..0.78
     # 100 samples over the window read 0.74, in band; the last 30 of them read 0.45: the

@@ -6,6 +6,7 @@ import contextlib
 import copy
 import dataclasses
 import datetime
+import time
 import types
 from pathlib import Path
 
@@ -29,8 +30,8 @@ from holeblend_operator.tuning_loop import (
     status_patch,
     window_seconds,
 )
-from holeblend_operator.tuning_sources import ScrapeSource
-from tests.operator.test_tuning_sources import metrics_page, servers, vector, vllm_page
+from holeblend_operator.tuning_sources import ScrapeSource, Target
+from tests.operator.test_tuning_sources import Clock, metrics_page, servers, vector, vllm_page
 
 SPEC = {
     "model": {"name": "m", "source": {"hub": {"id": "org/m"}}},
@@ -385,6 +386,30 @@ def test_a_ratio_that_moves_during_the_metrics_read_is_decided_again_next_interv
     assert client.body["status"]["recomputeRatio"] == 0.3 and operator.requested == []
 
 
+def test_tuning_bounds_changed_during_the_metrics_read_void_the_decision():
+    """maxRatio lowered to 0.2 while the metrics were read: the raise of 0.15 decided on the
+    old bounds (x1.5 to 0.225) must not reach status, where it would stand above the new
+    maxRatio while the pods run the clamped 0.2 (and the next interval would clamp it and
+    forget what the law had learned)."""
+    client = _StatusClient({})
+    low = dataclasses.replace(SEEN, f1_proxy=0.2)  # below target: the law would raise 0.15
+
+    async def narrow(client):
+        client.body["spec"] = SPEC | {"tuning": {"maxRatio": 0.2}}
+        client.body["metadata"]["generation"] += 1
+
+    operator = _Operator(client)
+    try:
+        assert asyncio.run(_Loop(operator, narrow, low).tune(KEY)) is None
+        assert "recomputeRatio" not in client.body["status"] and operator.requested == []
+        # The next interval decides on the new bounds.
+        decision = asyncio.run(_Loop(operator, _nothing, low).tune(KEY))
+    finally:
+        metrics.TUNING.forget(KEY)
+    assert (decision.direction, decision.to_ratio) == ("up", 0.2)
+    assert client.body["status"]["recomputeRatio"] == 0.2
+
+
 def test_a_namesake_created_during_the_metrics_read_gets_nothing_of_the_deleted_one():
     """Deleted and created again (`kubectl delete` + `apply`) while the metrics were read:
     the reading and the law's state were the old object's, and the new one, at the same
@@ -567,6 +592,57 @@ def test_a_shorter_interval_applies_from_the_last_evaluation(monkeypatch):
         owners[key] = types.SimpleNamespace(interval=float(interval))
         asyncio.run(loop.tick())
     assert evaluated == [3600.0, 3660.0]
+
+
+async def test_a_deployment_tuned_again_after_a_pause_does_not_count_the_pause():
+    """Tuning switched off for an hour and on again: the scrape history kept from before
+    would be the new window's baseline, and the first reading would count the hour's
+    samples as if they were the window's."""
+    async with servers(1) as ((pod,), session):
+        clock = Clock()
+        owners = {KEY: types.SimpleNamespace(interval=60.0)}
+        loop = TuningLoop(types.SimpleNamespace(owners=owners))
+        loop._scrape = ScrapeSource(session, clock=clock)
+        pods = Target(KEY[0], engine_name(KEY[1]), {"r-engine-0": f"{pod.url}/metrics"})
+        pod.answer = (200, metrics_page(18, 20), "text/plain")
+        await loop.tick()  # seen tuned: its first interval starts
+        await loop._scrape.read(pods, 0.15, window_s=600)
+        owners[KEY] = types.SimpleNamespace(interval=None)  # switched off
+        await loop.tick()
+        clock.now += 3600
+        owners[KEY] = types.SimpleNamespace(interval=60.0)  # and on again an hour later
+        pod.answer = (200, metrics_page(990, 1100), "text/plain")
+        seen = await loop._scrape.read(pods, 0.15, window_s=600)
+    assert seen.num_samples == 0  # its first sight since the pause is the baseline
+
+
+async def test_a_raise_back_to_a_ratio_run_earlier_counts_only_samples_since_the_raise():
+    """40 samples at 0.3 came in before a step down; the tuner raised back to 0.3 50 s ago,
+    and 5 samples came in since. Those 40 were taken before the change: counted, a ratio
+    that no longer meets the target reads as it did (and is remembered as meeting it
+    again) until the window (600 s) fills with new samples."""
+    async with servers(1) as ((pod,), session):
+        client = _PodsClient(SPEC | {"engine": {"port": pod.port}})
+        raised = {
+            "time": datetime.datetime.fromtimestamp(time.time() - 50, datetime.UTC).isoformat(),
+            "direction": "up",
+            "fromRatio": 0.28,
+            "toRatio": 0.3,
+            "reason": "BelowTarget: raised back to 0.3",
+        }
+        client.body["status"] = {
+            "recomputeRatio": 0.3,
+            "tuning": {"baseRatio": 0.15, "history": [raised]},
+        }
+        bd = BlendDeployment.model_validate(client.body)
+        clock = Clock()
+        loop = TuningLoop(_Operator(client))
+        loop._scrape = ScrapeSource(session, clock=clock)
+        for f1_sum, count in ((10, 10), (50, 50), (50.5, 55)):  # 60 s apart; the raise at 50
+            pod.answer = (200, metrics_page(f1_sum, count, ratio=0.3), "text/plain")
+            seen = await loop.read(bd, 0.3)
+            clock.now += 60
+    assert (seen.num_samples, seen.f1_proxy) == (5, pytest.approx(0.1))
 
 
 # The engine pods' /metrics, as the tuner reads them in status.metrics (HTTP servers on
