@@ -378,7 +378,9 @@ def _raise(spec: TuningSpec, ratio: float, seen: str, state: State, now: float) 
     if ratio >= spec.max_ratio - RATIO_TOLERANCE:
         text = f"{seen}, but the ratio is at maxRatio {spec.max_ratio}"
         return _hold(ratio, "PinnedAtMaxRatio", text, False, learned)
-    if learned.good is not None and learned.good > ratio:
+    # A good ratio above maxRatio (the bound lowered since) was never measured at maxRatio:
+    # the step up is capped there and says so.
+    if learned.good is not None and ratio < learned.good <= spec.max_ratio + RATIO_TOLERANCE:
         to = round_ratio(min(learned.good, spec.max_ratio))
         text = f"{seen}: raised back to {to}, the lowest ratio measured meeting the target"
     else:

@@ -522,3 +522,13 @@ def test_the_inline_proxy_reads_its_own_recent_part():
     decision = decide(SPEC, 0.2, seen, State(), now=100)
     assert decision.reason.startswith("the workload changed (the last 60 samples read 0.400")
     assert "(inline proxy" in decision.reason and decision.code == "BelowTarget"
+
+
+def test_a_raise_past_a_lowered_max_ratio_does_not_claim_max_ratio_was_measured():
+    """Good at 0.5, then maxRatio lowered to 0.4: a raise from 0.3 is capped at 0.4, a ratio
+    never measured, so the reason is the step up's, not "raised back to ... measured"."""
+    up = decide(SpecWith(maxRatio=0.4), 0.3, reading(f1=0.5), State(good=0.5, good_at=0), now=1)
+    assert (up.direction, up.to_ratio) == ("up", 0.4)
+    assert "raised x1.5 to 0.4" in up.reason and "measured meeting" not in up.reason
+    back = decide(SPEC, 0.3, reading(f1=0.5), State(good=0.5, good_at=0), now=1)
+    assert (back.to_ratio, "raised back to 0.5" in back.reason) == (0.5, True)
