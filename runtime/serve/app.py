@@ -164,6 +164,8 @@ class Server:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        # `.+`: a served name may hold slashes (`org/model`, as vLLM's are often named).
+        app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics_route)
@@ -306,8 +308,18 @@ class Server:
         return web.json_response({"status": state}, status=503)
 
     async def models(self, _: web.Request) -> web.Response:
-        model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "holeblend"}
-        return web.json_response({"object": "list", "data": [model]})
+        return web.json_response({"object": "list", "data": [self._model_object()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """OpenAI's retrieve-model route (the `openai` package's `models.retrieve`)."""
+        name = request.match_info["model"]
+        if name != self.model_name:
+            message = f"the model {name!r} does not exist; this server has {self.model_name!r}"
+            return HttpError(404, error_body(message, "model", "not_found_error")).response()
+        return web.json_response(self._model_object())
+
+    def _model_object(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "holeblend"}
 
     async def metrics_route(self, _: web.Request) -> web.Response:
         if self.engine is not None:

@@ -18,8 +18,8 @@ and supports one user turn. Text may not contain the template's control tokens
 Every top-level field is one of `FIELDS`: those the server implements, sampling fields
 that are checked for type and range and then ignored (greedy decoding is what temperature
 0 gives), and fields the blend engine does not implement, accepted only at their
-default value (`logprobs: 5`, `echo: true`, `tools: [...]`, ... are a 400 naming the
-field). Any other field is a 400 naming it, as OpenAI's API does.
+default value (`logprobs: 5`, `echo: true`, `tools: [...]`, `frequency_penalty: 0.5`, ...
+are a 400 naming the field). Any other field is a 400 naming it, as OpenAI's API does.
 """
 
 from __future__ import annotations
@@ -107,6 +107,7 @@ def _request(kind: str, body: Mapping[str, Any], system, documents, question) ->
         raise BadRequest("stream_options", "must be an object")
     if options and not stream:  # as OpenAI's API and vLLM's server answer it
         raise BadRequest("stream_options", "may only be set with stream: true")
+    _check_stream_options(options)
     n = _or_default(body, "n", 1)
     if type(n) is not int or n != 1:
         raise BadRequest("n", f"only n=1 is supported, got {n!r}")
@@ -178,6 +179,21 @@ def _of_type(kind: type, name: str):
     return check
 
 
+def _neutral(check: Callable[[Any], str | None], neutral: int):
+    """A penalty the blend engine does not apply: accepted only at its neutral value.
+    Greedy decoding with a penalty picks other tokens than without it (OpenAI's API and
+    vLLM apply penalties at temperature 0 too), so ignoring one changes the answer."""
+
+    def checked(value: Any) -> str | None:
+        if problem := check(value):
+            return problem
+        if value != neutral:
+            return f"is not supported by the blend engine; leave it out or send {neutral}"
+        return None
+
+    return checked
+
+
 def _only(*defaults: Any):
     """An unimplemented field: accepted only at one of its default values."""
 
@@ -191,13 +207,11 @@ def _only(*defaults: Any):
 
 
 _INT64 = (-(1 << 63), (1 << 63) - 1)
-# Sampling fields: checked, then ignored (decoding is greedy).
+# Sampling fields: checked, then ignored (decoding is greedy, and greedy's token is within
+# every top_p, top_k and min_p cut).
 SAMPLING = {
     "temperature": _number(0, 2),
     "top_p": _number(0, 1),
-    "frequency_penalty": _number(-2, 2),
-    "presence_penalty": _number(-2, 2),
-    "repetition_penalty": _number(0, 2, low_open=True),
     "top_k": _integer(-1, 1 << 31),
     "min_p": _number(0, 1),
     "seed": _integer(*_INT64),
@@ -215,6 +229,9 @@ BOOKKEEPING = {
 # `prompt_logprobs: 0` are not defaults: they ask for the chosen tokens' own logprobs
 # (OpenAI's completions, vLLM).
 UNSUPPORTED = {
+    "frequency_penalty": _neutral(_number(-2, 2), 0),
+    "presence_penalty": _neutral(_number(-2, 2), 0),
+    "repetition_penalty": _neutral(_number(0, 2, low_open=True), 1),
     "logprobs": _only(False),
     "top_logprobs": _only(0),
     "prompt_logprobs": _only(None),
@@ -264,6 +281,28 @@ def _check_fields(body: Mapping[str, Any], kind: str) -> None:
             raise BadRequest(name, problem)
 
 
+# `stream_options` keys besides `include_usage` (read where it is used): OpenAI's
+# `include_obfuscation` only pads chunks with random characters against side channels
+# (ignored); vLLM's `continuous_usage_stats` (the usage in every chunk) is not implemented.
+STREAM_OPTIONS = {
+    "include_obfuscation": _of_type(bool, "true or false"),
+    "continuous_usage_stats": _only(False),
+}
+
+
+def _check_stream_options(options: Mapping[str, Any]) -> None:
+    """As the top-level fields: a misspelt `include_usage` is a 400, not an answer
+    without the usage."""
+    for name, value in options.items():
+        param = f"stream_options.{str(name)[:64]}"
+        if name != "include_usage" and name not in STREAM_OPTIONS:
+            known = ", ".join(("include_usage", *STREAM_OPTIONS))
+            raise BadRequest(param, f"unknown field; stream_options takes {known}")
+        check = STREAM_OPTIONS.get(name)
+        if check is not None and value is not None and (problem := check(value)):
+            raise BadRequest(param, problem)
+
+
 def _or_default(body: Mapping[str, Any], name: str, default: Any) -> Any:
     """The field's value; its default when absent or null (JSON null means unset)."""
     value = body.get(name)
@@ -298,11 +337,13 @@ def _messages(value: Any) -> tuple[str | None, str]:
         raise BadRequest("messages", "must be a non-empty list of messages")
     system, user = None, None
     for i, message in enumerate(value):
-        role, content = _message(message, i)
+        # The role first: a message refused for its place is not judged by its content
+        # (an assistant's tool call has `content: null`).
+        role, field = _role(message, i), f"messages[{i}].content"
         if role == "system" and user is None and system is None:
-            system = content
+            system = _content(message.get("content"), field)
         elif role == "user" and user is None:
-            user = content
+            user = _content(message.get("content"), field)
         else:
             raise BadRequest(
                 f"messages[{i}]",
@@ -313,14 +354,13 @@ def _messages(value: Any) -> tuple[str | None, str]:
     return system, user
 
 
-def _message(message: Any, i: int) -> tuple[str, str]:
+def _role(message: Any, i: int) -> str:
     if not isinstance(message, Mapping):
         raise BadRequest(f"messages[{i}]", "must be an object with role and content")
     role = message.get("role")
     if role not in ("system", "user", "assistant", "tool", "developer"):
         raise BadRequest(f"messages[{i}].role", f"unknown role {role!r}")
-    role = "system" if role == "developer" else role
-    return role, _content(message.get("content"), f"messages[{i}].content")
+    return "system" if role == "developer" else role
 
 
 def _content(value: Any, name: str) -> str:

@@ -264,3 +264,66 @@ def test_a_lone_surrogate_is_refused_naming_the_field():
     with pytest.raises(BadRequest) as error:
         completion(prompt="Q?", documents=["fine", "bad \udc80"])
     assert error.value.param == "documents[1]"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("frequency_penalty", 0.5), ("presence_penalty", -1), ("repetition_penalty", 1.2)],
+)
+@pytest.mark.parametrize("parse", [completion, chat])
+def test_a_penalty_is_refused_as_greedy_decoding_would_not_apply_it(parse, field, value):
+    """A penalty changes even a greedy answer (OpenAI's API and vLLM apply it at
+    temperature 0): it was accepted and ignored, and the answer was the one without it."""
+    text = (
+        {"prompt": "q"} if parse is completion else {"messages": [{"role": "user", "content": "q"}]}
+    )
+    with pytest.raises(BadRequest) as caught:
+        parse(**text, **{field: value})
+    assert caught.value.param == field
+
+
+def test_neutral_penalties_are_accepted():
+    """What clients send by default: LangChain's `frequency_penalty: 0`, `vllm bench serve`'s
+    `repetition_penalty: 1.0`."""
+    request = completion(
+        prompt="Q?", frequency_penalty=0, presence_penalty=0.0, repetition_penalty=1.0
+    )
+    assert request.question == "Q?"
+
+
+@pytest.mark.parametrize(
+    ("options", "param"),
+    [
+        ({"include_usgae": True}, "stream_options.include_usgae"),
+        (
+            {"include_usage": True, "continuous_usage_stats": True},
+            "stream_options.continuous_usage_stats",
+        ),
+        ({"include_obfuscation": "no"}, "stream_options.include_obfuscation"),
+    ],
+)
+def test_stream_options_keys_are_checked_as_the_top_level_fields(options, param):
+    """A misspelt `include_usage` was accepted and the stream came without its usage;
+    vLLM's `continuous_usage_stats: true` (the usage in every chunk) was ignored."""
+    with pytest.raises(BadRequest) as caught:
+        completion(prompt="Q?", stream=True, stream_options=options)
+    assert caught.value.param == param
+
+
+def test_known_stream_options_are_accepted():
+    options = {"include_usage": True, "include_obfuscation": False, "continuous_usage_stats": False}
+    assert completion(prompt="Q?", stream=True, stream_options=options).include_usage
+
+
+def test_a_later_turn_is_refused_for_its_place_not_its_content():
+    """An assistant message with tool calls (`content: null`, valid in OpenAI's API) was
+    refused as "messages[1].content: must be a string or a list of text parts": the
+    client was told to fix a field that was right, not that the engine takes one turn."""
+    tool_call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "Q?"},
+        {"role": "assistant", "content": None, "tool_calls": [tool_call]},
+    ]
+    with pytest.raises(BadRequest, match="one optional system message and one user") as caught:
+        chat(messages=messages)
+    assert caught.value.param == "messages[1]"
