@@ -441,10 +441,12 @@ class Server:
         try:
             prompt = self.engine.build_prompt(rag.system, rag.documents, rag.question)
         except ValueError as error:
-            param = str(error).split(":", 1)[0]
-            raise BadRequest(
-                param if param.startswith("documents") else field, str(error)
-            ) from None
+            # The engine's message names the document it refuses ("documents[0]: ..."):
+            # that is the field, and the message keeps only the rest.
+            param, _, rest = str(error).partition(": ")
+            if param.startswith("documents") and rest:
+                raise BadRequest(param, rest) from None
+            raise BadRequest(field, str(error)) from None
         max_tokens = rag.max_tokens or self.settings.default_max_tokens
         if prompt.num_tokens >= context:
             message = f"{prompt.num_tokens} prompt tokens reach the model context of {context}"
