@@ -49,7 +49,9 @@ load with the proxies off and on, on holeblend-serve (this module) and on vllm-c
    between ranks as numpy does), `samples_per_interval` (the better of the two signals
    the tuner reads: `shadow_samples_per_interval`, `inline_samples_per_interval`),
    `inline_f1_correlation`, the p50/p90/p99 figures of each arm (with the paced sends'
-   `lag_p99_s` and `lag_max_s`) and the verdicts against the goals (`GOALS`).
+   `lag_p99_s` and `lag_max_s`) and the verdicts against the goals (`GOALS`). A failed
+   request of either arm fails both latency verdicts, whatever the ratios (the p99s are
+   over the answered requests only); `latency_unmet_because` then says how many failed.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import http.client
 import json
 import math
 import os
@@ -286,6 +289,9 @@ def stream(
         timing = Timing(return_s=time.monotonic() - arrived, error=f"HTTP {error.code}")
     except (OSError, ValueError) as error:
         timing = Timing(return_s=time.monotonic() - arrived, error=str(error)[:200])
+    except http.client.HTTPException as error:  # a reply HTTP cannot parse (not an OSError)
+        error_text = f"{type(error).__name__}: {error}"[:200]
+        timing = Timing(return_s=time.monotonic() - arrived, error=error_text)
     timing.lag_s = None if scheduled is None else sent - scheduled
     return timing
 
@@ -682,8 +688,25 @@ def summarize(result: dict) -> list[dict]:
             else False
             for key, goal in GOALS.items()
         }
+        row["latency_unmet_because"] = lost_requests(stats["on"], stats["off"])
+        if row["latency_unmet_because"]:
+            row["meets"] |= {key: False for key in GOALS if key.endswith("ratio")}
         rows.append(row)
     return rows
+
+
+def lost_requests(on: dict, off: dict) -> str | None:
+    """Why the latency goals are not met whatever the ratios (None: both arms answered
+    every request). The p99s are over the answered requests only, so with a failure (a
+    timeout, an error, a cut answer) in either arm the ratio compares different requests:
+    proxies-on failures would be a cost it leaves out, and an off arm that lost requests
+    (fast ones too: an error event after the first token) has no like-for-like p99."""
+    if not on["failed_requests"] and not off["failed_requests"]:
+        return None
+    return (
+        f"{on['failed_requests']} of {on['requests']} proxies-on and {off['failed_requests']}"
+        f" of {off['requests']} proxies-off requests failed; the p99 ratios leave them out"
+    )
 
 
 def report(config: dict, results: Sequence[dict]) -> dict:
@@ -804,27 +827,62 @@ def wait_ready(
     raise RuntimeError(f"{name} not ready after {timeout_s} s:\n{log.read_text()[-4000:]}")
 
 
+def whole_number(minimum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= `minimum`. Anything else is refused by the
+    option's name as the command line is parsed, not by a run whose servers started."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            message = f"must be a whole number >= {minimum}, got {text!r}"
+            raise argparse.ArgumentTypeError(message) from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def positive_number(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def add_plan_arguments(parser: argparse.ArgumentParser, sample_rate: float) -> None:
     """The options both engines' benchmarks take (so that their rows compare)."""
     parser.add_argument("--json", type=Path, help="write the result here")
-    parser.add_argument("--warm-questions", type=int, default=4)
+    # At least one: the first run measures the service time on the warm-up.
+    parser.add_argument("--warm-questions", type=whole_number(1), default=4)
     # 32 questions: 64 requests per phase, 128 per arm, so that a p99 is not the single
     # slowest request (with 16 and 20 it was the largest one or two of 64-80).
-    parser.add_argument("--paced-questions", type=int, default=32)
-    parser.add_argument("--saturated-questions", type=int, default=32)
+    parser.add_argument("--paced-questions", type=whole_number(0), default=32)
+    parser.add_argument("--saturated-questions", type=whole_number(0), default=32)
     parser.add_argument(
         "--calibrate-questions",
-        type=int,
+        type=whole_number(0),
         default=CALIBRATE_QUESTIONS,
         help="pairs both arms send one at a time before the phases (proxies on: each "
         "followed by its shadow, calibrating the inline proxy); 0: none",
     )
-    parser.add_argument("--load", type=float, default=0.6, help="paced: arrival / service rate")
-    parser.add_argument("--clients", type=int, default=4, help="saturated: closed-loop clients")
+    parser.add_argument(
+        "--load", type=positive_number, default=0.6, help="paced: arrival / service rate"
+    )
+    parser.add_argument(
+        "--clients", type=whole_number(1), default=4, help="saturated: closed-loop clients"
+    )
     parser.add_argument("--sample-rate", type=float, default=sample_rate)
     parser.add_argument("--ratio", type=float, default=0.15)
     parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=0, help="workload and gaps")
+    # >= 0: random.Random(-7) draws what random.Random(7) draws, so a negative seed would
+    # rerun seed 7's workload and gaps under another name.
+    parser.add_argument("--seed", type=whole_number(0), default=0, help="workload and gaps")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -4,6 +4,7 @@ samples per interval, verdicts), on fakes; then the whole flow against a fake
 OpenAI-compatible server over HTTP, and shrunk on the real holeblend-serve (slow). The
 speed goals themselves are the benchmark's to measure (docs/tuning.md), not these tests'."""
 
+import argparse
 import contextlib
 import dataclasses
 import json
@@ -133,6 +134,44 @@ def test_the_plan_gives_each_phase_its_own_questions_and_the_calibration_one_tok
         seed=1,
     )  # fmt: skip
     assert other.phases != plan.phases
+
+
+def test_a_negative_seed_is_refused_by_both_engines_benchmarks(capsys):
+    """Python seeds `random.Random(-7)` as `random.Random(7)`: a negative seed would run seed
+    7's workload and gaps under another name, not a held-out one. The vLLM benchmark's
+    parser takes the same options (`add_plan_arguments`)."""
+    vllm_parser = argparse.ArgumentParser()
+    shadow_load.add_plan_arguments(vllm_parser, sample_rate=0.2)
+    for parser in (shadow_load._parser(), vllm_parser):
+        with pytest.raises(SystemExit) as caught:
+            parser.parse_args(["--seed", "-7"])
+        assert caught.value.code == 2
+        assert "--seed: must be >= 0, got -7" in capsys.readouterr().err
+        assert parser.parse_args(["--seed", "7"]).seed == 7
+
+
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("--clients", "0", "must be >= 1, got 0"),
+        ("--warm-questions", "0", "must be >= 1, got 0"),
+        ("--paced-questions", "-1", "must be >= 0, got -1"),
+        ("--load", "0", "must be a finite number > 0, got 0"),
+        ("--load", "nan", "must be a finite number > 0, got nan"),
+    ],
+)
+def test_plan_options_a_run_cannot_use_are_refused_by_name_before_any_server_starts(
+    capsys, option, value, message
+):
+    """Zero clients, zero load (no service rate to pace at) or no warm-up (no service time
+    to measure) ended a run in a traceback after its first server had served requests."""
+    parser = argparse.ArgumentParser()
+    shadow_load.add_plan_arguments(parser, sample_rate=0.2)
+    with pytest.raises(SystemExit) as caught:
+        parser.parse_args([option, value])
+    assert caught.value.code == 2
+    assert f"{option}: {message}" in capsys.readouterr().err
+    assert vars(parser.parse_args([option, "1"]))[option[2:].replace("-", "_")] == 1
 
 
 def recording_send(delay_s: float):
@@ -338,11 +377,14 @@ def test_samples_per_interval_are_the_phases_growth_over_their_wall_time_per_60_
 def test_the_verdicts_follow_the_goals():
     paced, saturated = shadow_load.summarize(fake_result())
     for row in (paced, saturated):
-        assert row["meets"]["ttft_p99_ratio"] == (row["ttft_p99_ratio"] <= 1.10)
-        assert row["meets"]["itl_p99_ratio"] == (row["itl_p99_ratio"] <= 1.10)
+        answered = row["latency_unmet_because"] is None
+        assert row["meets"]["ttft_p99_ratio"] == (row["ttft_p99_ratio"] <= 1.10 and answered)
+        assert row["meets"]["itl_p99_ratio"] == (row["itl_p99_ratio"] <= 1.10 and answered)
         assert row["meets"]["samples_per_interval"] == (row["samples_per_interval"] >= 5)
     assert paced["meets"]["ttft_p99_ratio"] is False  # 2.485 / 1.97
     assert saturated["meets"]["samples_per_interval"] is True
+    assert paced["latency_unmet_because"] is None
+    assert "1 of 5 proxies-off requests failed" in saturated["latency_unmet_because"]
     result = fake_result()
     for p in result["phases"]:
         if p["arm"] == "on":
@@ -350,6 +392,37 @@ def test_the_verdicts_follow_the_goals():
     assert [r["meets"]["samples_per_interval"] for r in shadow_load.summarize(result)] == [
         False
     ] * 2
+
+
+def even_result(on_failed: int, off_failed: int) -> dict:
+    """Both arms answer alike (ratios 1.0, 10 samples per interval on); each arm's first
+    run also fails the given number of requests."""
+    phases = []
+    for run, (arm, loads) in enumerate(shadow_load.ORDER):
+        failed = {"on": on_failed, "off": off_failed}[arm] if run < 2 else 0
+        after = counts(5) if arm == "on" else counts()
+        for load in loads:
+            phases.append(phase(run, arm, load, [1.0, 2.0], 30.0, counts(), after, failed=failed))
+    return {"engine": "serve", "phases": phases}
+
+
+def test_a_latency_verdict_is_not_met_when_either_arm_lost_requests():
+    """A p99 over the answered requests leaves the failed ones out: a proxies-on arm that
+    lost requests would meet the latency goals with its cost hidden in the failures, and
+    with failures in either arm the two p99s are over different requests."""
+    for row in shadow_load.summarize(even_result(on_failed=0, off_failed=0)):
+        assert row["ttft_p99_ratio"] == row["itl_p99_ratio"] == 1.0
+        assert all(row["meets"].values()) and row["latency_unmet_because"] is None
+    for on_failed, off_failed in ((1, 0), (1, 1), (0, 2)):
+        for row in shadow_load.summarize(even_result(on_failed, off_failed)):
+            assert row["ttft_p99_ratio"] == row["itl_p99_ratio"] == 1.0
+            assert row["meets"] == {
+                "ttft_p99_ratio": False, "itl_p99_ratio": False, "samples_per_interval": True,
+            }  # fmt: skip
+            assert (
+                f"{on_failed} of {4 + on_failed} proxies-on and {off_failed} of "
+                f"{4 + off_failed} proxies-off requests failed"
+            ) in row["latency_unmet_because"]
 
 
 def test_merging_keeps_every_engines_rows_and_runs():
@@ -492,6 +565,55 @@ def test_a_paced_request_sent_after_its_time_counts_the_wait_in_its_latency():
     stats = shadow_load.arm_stats([dataclasses.asdict(t) for t in paced + saturated])
     assert stats["lag_max_s"] == max(t.lag_s for t in paced) >= late_s
     assert shadow_load.arm_stats([dataclasses.asdict(t) for t in saturated])["lag_max_s"] is None
+
+
+class BrokenEngine(BaseHTTPRequestHandler):
+    """Answers a request as its body's `reply` says: a status line that is not HTTP, a
+    chunked stream that breaks off after one token in a chunk-size line longer than HTTP
+    allows, or three streamed tokens."""
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if body["reply"] == "not http":
+            self.wfile.write(b"NOT HTTP AT ALL\r\n\r\n")
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        if body["reply"] == "long line":
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            event = f"data: {json.dumps(text('t0'))}\n\n".encode()
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+            self.wfile.write(b"1" * 70_000 + b"\r\n")
+            return
+        self.end_headers()
+        for index in range(3):
+            self.wfile.write(f"data: {json.dumps(text(f't{index}'))}\n\n".encode())
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def log_message(self, *_):
+        pass
+
+
+def test_a_reply_http_cannot_parse_fails_its_request_and_the_client_sends_on():
+    """A status line that is not HTTP (BadStatusLine) or a line longer than HTTP allows
+    (LineTooLong), like an IncompleteRead, is an `http.client.HTTPException`, not an
+    OSError: a failed request, not a client thread that dies and leaves the phase one
+    client short."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), BrokenEngine)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1/completions"
+    try:
+        bad = [shadow_load.stream(url, {"reply": r}) for r in ("not http", "long line")]
+        bodies = [{"reply": r} for r in ("not http", "ok", "long line", "ok")]
+        timings = shadow_load.drive_saturated(url, bodies, clients=1)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [t.ok for t in bad] == [False, False]
+    assert "BadStatusLine" in bad[0].error and "LineTooLong" in bad[1].error
+    assert [t.ok for t in timings] == [False, True, False, True]
+    assert "did not return" not in {t.error for t in timings}
 
 
 # --- holeblend-serve for real, shrunk -------------------------------------------------------
