@@ -341,7 +341,7 @@ class BlendEngine:
         ):
             reuse = plan_reuse(prompt, [e is not None for e in cached], policy)
             self.blend_reused(prompt, reuse, cached, self.blend_config.ratio)
-        for _ in self._generate(full, 2):
+        for _ in self._generate(full, 3, ignore_eos=True):
             pass
 
     def _synthetic_prompt(self, num_tokens: int) -> SegmentedPrompt:
@@ -874,13 +874,16 @@ class BlendEngine:
             raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
         position = prefill.num_prompt_tokens
         max_new_tokens = min(max_new_tokens, self.config.context_length - position)
-        k, v = self._grow_kv(prefill, max_new_tokens)
+        # Room for every token but the last: it is never fed (as in `start_decode`).
+        k, v = self._grow_kv(prefill, max(max_new_tokens - 1, 0))
         logits = prefill.logits
-        for _ in range(max_new_tokens):
+        for num_produced in range(1, max_new_tokens + 1):
             token = int(logits.argmax())
             if token == self.config.eos_token_id and not ignore_eos:
                 return
             yield token
+            if num_produced == max_new_tokens:
+                return
             h = self.model.forward(torch.tensor([token], device=self.model.device), k, v, position)
             logits, position = self.model.logits(h)[0], position + 1
 

@@ -158,12 +158,21 @@ def _mtime(path: Path) -> float:
 
 
 def _publish(staging: Path, entry: Path) -> None:
-    try:
-        staging.rename(entry)
-    except OSError:
-        # Another process published the same entry first; theirs is as good as ours.
-        if not _is_complete(entry):
-            raise
+    """Rename `staging` to `entry`. An entry already there and complete was published by
+    another process first (theirs is as good as ours); one missing a file is damage (a
+    removal cut short, a file deleted by hand: publishing is one rename of a whole
+    folder), which the rename could never replace: it is removed first."""
+    for attempt in range(2):
+        try:
+            staging.rename(entry)
+            return
+        except OSError:
+            if _is_complete(entry):
+                return
+            if attempt:
+                raise
+            log.warning("model cache %s is incomplete; rebuilding it", entry)
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _model_id(gguf_path: Path) -> str:
@@ -175,29 +184,41 @@ def _field(reader: Any, name: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
+def _required(reader: Any, name: str) -> Any:
+    """`_field` of a key the engine cannot do without: a file that lacks it (not a whole
+    llama.cpp conversion) is refused naming the key, not failed on `int(None)`."""
+    value = _field(reader, name)
+    if value is None:
+        raise ValueError(
+            f"{name}: missing from the GGUF; convert the model again with llama.cpp's "
+            "convert_hf_to_gguf.py"
+        )
+    return value
+
+
 def read_model_config(reader: Any, model_id: str) -> ModelConfig:
     """The model's shape from GGUF metadata (`<arch>.*` and `tokenizer.ggml.*` keys)."""
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"general.architecture: only llama is supported, got {arch!r}")
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_required(reader, f"{arch}.embedding_length"))
+    num_heads = int(_required(reader, f"{arch}.attention.head_count"))
     tensor_names = {t.name for t in reader.tensors}
     _check_full_head_rope(reader, arch, hidden // num_heads)
     return ModelConfig(
         model_id=model_id,
-        num_layers=int(_field(reader, f"{arch}.block_count")),
+        num_layers=int(_required(reader, f"{arch}.block_count")),
         hidden_size=hidden,
         num_heads=num_heads,
         num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
         head_dim=hidden // num_heads,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        intermediate_size=int(_required(reader, f"{arch}.feed_forward_length")),
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        vocab_size=len(_field(reader, "tokenizer.ggml.tokens")),
-        context_length=int(_field(reader, f"{arch}.context_length")),
+        rms_norm_eps=float(_required(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        vocab_size=len(_required(reader, "tokenizer.ggml.tokens")),
+        context_length=int(_required(reader, f"{arch}.context_length")),
         bos_token_id=_optional_int(_field(reader, "tokenizer.ggml.bos_token_id")),
-        eos_token_id=int(_field(reader, "tokenizer.ggml.eos_token_id")),
+        eos_token_id=int(_required(reader, "tokenizer.ggml.eos_token_id")),
         add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
         tie_word_embeddings="output.weight" not in tensor_names,
         rope_freq_factors=_rope_freq_factors(reader),
@@ -291,14 +312,14 @@ def read_tokenizer(reader: Any) -> Tokenizer:
         raise ValueError(
             f"tokenizer.ggml.model: only gpt2 (byte-level BPE) is supported, got {model!r}"
         )
-    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
-    token_types = list(_field(reader, "tokenizer.ggml.token_type"))
+    tokens = list(_required(reader, "tokenizer.ggml.tokens"))
+    token_types = list(_required(reader, "tokenizer.ggml.token_type"))
     special = [
         t for t, kind in zip(tokens, token_types, strict=True) if kind == _CONTROL_TOKEN_TYPE
     ]
     return build_bpe_tokenizer(
         tokens=tokens,
-        merges=list(_field(reader, "tokenizer.ggml.merges")),
+        merges=list(_required(reader, "tokenizer.ggml.merges")),
         special_tokens=special,
         pre_tokenizer=str(_field(reader, "tokenizer.ggml.pre", "gpt2")),
     )

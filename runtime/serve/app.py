@@ -187,7 +187,7 @@ class Server:
         self.engine.store = with_remote_tiers(self.engine, settings, store, self.metrics.registry)
         self.engine.warm_up()
         prompt = self.engine.build_prompt("Warm-up.", WARM_UP_DOCUMENTS, "Ready?")
-        self.engine.generate(self.engine.prefill(prompt, Mode.FULL), 2)
+        self.engine.generate(self.engine.prefill(prompt, Mode.FULL), 3)  # two decode steps
         self.metrics.kv_store_capacity_bytes.set(store.capacity_bytes)
         self.metrics.registry.register(AdmissionMetrics(store))
         self.engine.tokenizer.max_token_bytes  # noqa: B018 (computed once, here, off the loop)

@@ -128,6 +128,26 @@ def test_generation_is_greedy_and_agrees_with_scoring(cached_engine, rag_texts):
     assert logits.argmax(-1).tolist() == tokens
 
 
+def test_generation_never_feeds_its_last_token(new_engine, rag_texts, monkeypatch):
+    """An answer of n tokens costs n - 1 decode passes, as in the batched form: the last
+    token is returned, never fed (a one-token answer runs no pass at all)."""
+    engine = new_engine()
+    prefill = engine.prefill(engine.build_prompt(*rag_texts), "full")
+    longer = list(engine.generate_stream(prefill, 4, ignore_eos=True))
+    forward, fed = engine.model.forward, []
+
+    def counted(token_ids, *args, **kwargs):
+        fed.append(token_ids.tolist())
+        return forward(token_ids, *args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "forward", counted)
+    for n in (1, 3):
+        fed.clear()
+        tokens = list(engine.generate_stream(prefill, n, ignore_eos=True))
+        assert tokens == longer[:n]
+        assert fed == [[token] for token in tokens[:-1]]
+
+
 def test_blending_at_ratio_one_generates_what_full_prefill_generates(cached_engine, rag_texts):
     engine, prompt = cached_engine(rag_texts, hole=HOLE)
     full = engine.generate(engine.prefill(prompt, "full"), max_new_tokens=8)

@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+import re
 
 import pytest
 import torch
@@ -94,6 +95,78 @@ def test_damaged_weight_cache_is_rebuilt(tmp_path, reference_engine):
     torch.testing.assert_close(
         rebuilt.weights["blk.3.attn_k.weight"], files.weights["blk.3.attn_k.weight"]
     )
+
+
+@pytest.mark.parametrize("lost", ["weights.safetensors", "tokenizer.json", "config.json"])
+def test_a_cache_entry_missing_a_file_is_rebuilt(tmp_path, lost):
+    """An entry folder left without one of its files (a removal cut short, a file deleted
+    by hand) is rebuilt in place, not kept: the new entry could not be renamed onto it,
+    and every load failed until someone removed the folder."""
+    gguf = _write_one_layer_llama(tmp_path / "tiny.gguf")
+    first = load_model_files(gguf, tmp_path / "cache")
+    entry = cache_entry_dir(gguf, tmp_path / "cache")
+    (entry / lost).unlink()
+    rebuilt = load_model_files(gguf, tmp_path / "cache")
+    assert (entry / lost).is_file() and rebuilt.config == first.config
+    torch.testing.assert_close(rebuilt.weights, first.weights)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "llama.block_count",
+        "llama.context_length",
+        "llama.attention.layer_norm_rms_epsilon",
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.merges",
+    ],
+)
+def test_a_gguf_missing_required_metadata_is_refused_naming_the_key(tmp_path, key):
+    """A GGUF without a key the engine needs (not a whole llama.cpp conversion) is refused
+    naming the key, not failed with a TypeError from deep in the reader."""
+    gguf = _write_one_layer_llama(tmp_path / "tiny.gguf", without=key)
+    with pytest.raises(ValueError, match=rf"^{re.escape(key)}: missing from the GGUF"):
+        load_model_files(gguf, tmp_path / "cache")
+    assert load_model_files(_write_one_layer_llama(tmp_path / "whole.gguf"), tmp_path / "cache")
+
+
+def _write_one_layer_llama(path, without=None):
+    """A one-layer Llama GGUF (random weights, a 4-token vocabulary): loads in moments.
+    `without`: a metadata key left out."""
+    import gguf
+    import numpy as np
+
+    hidden, ffn, rng = 16, 32, np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, add, value in [
+        ("llama.block_count", writer.add_block_count, 1),
+        ("llama.context_length", writer.add_context_length, 64),
+        ("llama.embedding_length", writer.add_embedding_length, hidden),
+        ("llama.feed_forward_length", writer.add_feed_forward_length, ffn),
+        ("llama.attention.head_count", writer.add_head_count, 2),
+        ("llama.attention.layer_norm_rms_epsilon", writer.add_layer_norm_rms_eps, 1e-5),
+        ("tokenizer.ggml.model", writer.add_tokenizer_model, "gpt2"),
+        ("tokenizer.ggml.tokens", writer.add_token_list, ["a", "b", "ab", "<|end|>"]),
+        ("tokenizer.ggml.token_type", writer.add_token_types, [1, 1, 1, 3]),
+        ("tokenizer.ggml.merges", writer.add_token_merges, ["a b"]),
+        ("tokenizer.ggml.eos_token_id", writer.add_eos_token_id, 3),
+    ]:
+        if key != without:
+            add(value)
+    shapes = {"token_embd": (4, hidden), "output_norm": (hidden,)}
+    for name, shape in {
+        "attn_norm": (hidden,), "attn_q": (hidden, hidden), "attn_k": (hidden, hidden),
+        "attn_v": (hidden, hidden), "attn_output": (hidden, hidden), "ffn_norm": (hidden,),
+        "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden), "ffn_down": (hidden, ffn),
+    }.items():  # fmt: skip
+        shapes[f"blk.0.{name}"] = shape
+    for name, shape in shapes.items():
+        writer.add_tensor(f"{name}.weight", rng.normal(0, 0.02, shape).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
 
 
 def _fake_entry(cache: os.PathLike, prefix: str, age: int, suffix: str = "-v1"):
