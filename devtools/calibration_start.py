@@ -163,11 +163,12 @@ def run_arm(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="write the result here")
-    parser.add_argument("--seed", type=int, default=0, help="workload seed")
-    parser.add_argument("--saturated-questions", type=int, default=24)
-    parser.add_argument("--history-questions", type=int, default=24)
-    parser.add_argument("--clients", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=2, help="each server's torch threads")
+    whole = shadow_load.whole_number
+    parser.add_argument("--seed", type=whole(0), default=0, help="workload seed, >= 0")
+    parser.add_argument("--saturated-questions", type=whole(1), default=24)
+    parser.add_argument("--history-questions", type=whole(0), default=24)
+    parser.add_argument("--clients", type=whole(1), default=4)
+    parser.add_argument("--threads", type=whole(1), default=2, help="each server's torch threads")
     parser.add_argument("--work-dir", type=Path, default=Path("out/calibration-start"))
     parser.add_argument("--order", default=",".join(ARMS), help="the arms, in run order")
     args = parser.parse_args(argv)

@@ -32,3 +32,18 @@ def test_a_pod_started_into_a_calibrated_deployment_estimates_and_one_alone_does
     # Alone, a saturated pod's shadows score no 8 pairs in a few seconds: no estimate.
     assert alone["pairs_received"] == 0 and alone["inline_samples"] == 0
     assert alone["first_inline_estimate_s"] is None
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("--seed", "-7"), ("--clients", "0"), ("--saturated-questions", "0"), ("--threads", "0")],
+)
+def test_options_a_run_cannot_use_are_refused_by_name_before_any_server_starts(
+    capsys, option, value
+):
+    """A negative seed draws what its positive twin draws; no client or no question
+    would crash the run after its servers started."""
+    with pytest.raises(SystemExit) as stopped:
+        calibration_start.main([option, value])
+    assert stopped.value.code == 2
+    assert f"argument {option}: must be" in capsys.readouterr().err
