@@ -250,39 +250,57 @@ class BlendWorker:
         return torch.cat([self.writer.slots(request.block_ids, s.start, s.end) for s in segments])
 
     @torch.inference_mode()
-    def store_captured(self) -> tuple[int, tuple[StoreRequest, ...]]:
+    def store_captured(self) -> tuple[int, int, tuple[StoreRequest, ...]]:
         """After vLLM's forward: store the captured segments from the K/V it wrote (at
-        their positions in the prompt, no compute); (segments stored, the requests left to
-        compute: all of them when nothing was captured, else those whose load failed)."""
+        their positions in the prompt, no compute); (segments stored, segments whose store
+        failed, the requests left to compute: all of them when nothing was captured, else
+        those whose load failed). A request whose store fails is counted and the others go
+        on: the K/V of each request are its own rows."""
         requests, self._captured = self._captured, ()
         failed, self._failed_loads = self._failed_loads, set()
         captured = None if self.capture is None else self.capture.take()
         if captured is None:
-            return 0, requests
+            return 0, 0, requests
         k, v = captured
-        stored, first = 0, 0
+        stored = num_failed = first = 0
         # A request whose load failed in this step: computed in canonical context instead.
         untrusted = tuple(r for r in requests if r.request_id in failed)
         for request in requests:
+            num_tokens = sum(request.prompt.segments[i].num_tokens for i in request.segments)
+            rows = slice(first, first + num_tokens)
+            first += num_tokens
             if request.request_id in failed:
-                first += sum(request.prompt.segments[i].num_tokens for i in request.segments)
                 continue
-            keys = self.engine.segment_keys(request.prompt)
-            held = set()
-            if request.check_stored:  # not looked up: written only where the tier lacks it
-                found = self.engine.store.contains_many([keys[i] for i in request.segments])
-                held = {i for i, is_found in zip(request.segments, found, strict=True) if is_found}
-            for i in request.segments:
-                segment = request.prompt.segments[i]
-                rows = slice(first, first + segment.num_tokens)
-                first += segment.num_tokens
-                if i in held:
-                    continue
-                stored += self.engine.store_in_context(
-                    request.prompt, keys, [i], k[:, :, rows], v[:, :, rows], segment.start
+            try:
+                stored += self._store_rows(request, k[:, :, rows], v[:, :, rows])
+            except Exception:
+                log.exception(
+                    "storing the segments of %s from the forward failed", request.request_id
                 )
+                metrics.STORE_FAILURES.inc(len(request.segments))
+                num_failed += len(request.segments)
         metrics.STORED_SEGMENTS.labels(source="forward").inc(stored)
-        return stored, untrusted
+        return stored, num_failed, untrusted
+
+    def _store_rows(self, request: StoreRequest, k: torch.Tensor, v: torch.Tensor) -> int:
+        """Store the request's segments from `k`/`v` `[layers, kv_heads, tokens, head_dim]`,
+        its segments' rows one after another; the number stored."""
+        keys = self.engine.segment_keys(request.prompt)
+        held = set()
+        if request.check_stored:  # not looked up: written only where the tier lacks it
+            found = self.engine.store.contains_many([keys[i] for i in request.segments])
+            held = {i for i, is_found in zip(request.segments, found, strict=True) if is_found}
+        stored = first = 0
+        for i in request.segments:
+            segment = request.prompt.segments[i]
+            rows = slice(first, first + segment.num_tokens)
+            first += segment.num_tokens
+            if i in held:
+                continue
+            stored += self.engine.store_in_context(
+                request.prompt, keys, [i], k[:, :, rows], v[:, :, rows], segment.start
+            )
+        return stored
 
     def store_many(self, requests: Sequence[StoreRequest]) -> tuple[int, int]:
         """`store` each request; (segments stored, segments whose store failed). A failure
@@ -292,7 +310,7 @@ class BlendWorker:
         stored = failed = 0
         captured = self._captured
         try:
-            stored, uncaptured = self.store_captured()
+            stored, failed, uncaptured = self.store_captured()
         except Exception:
             log.exception("storing the segments this step computed failed")
             uncaptured = ()
@@ -373,7 +391,13 @@ class BlendWorker:
                 for i, key in enumerate(request.keys)
                 if key and entries[i] is None and prompt.segments[i].end <= blended.k.shape[2]
             ]
-            stored = self.engine.store_in_context(prompt, request.keys, holes, blended.k, blended.v)
+            try:
+                stored = self.engine.store_in_context(
+                    prompt, request.keys, holes, blended.k, blended.v
+                )
+            except Exception:  # written already: a store that failed never fails the load
+                log.exception("storing the holes of %s from its blend failed", request.request_id)
+                stored, holes = 0, []  # not offered: its store step computes them
             metrics.STORED_SEGMENTS.labels(source="blend").inc(stored)
             if holes:
                 self._offered[request.request_id] = frozenset(holes)
