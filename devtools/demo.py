@@ -40,8 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-seconds", type=float, default=90.0, help="RAG stream length")
     parser.add_argument("--png", default="out/demo-closed-loop.png")
     args = parser.parse_args(argv)
-    # SIGTERM (a CI timeout, a kill) unwinds like Ctrl-C, so every started process is stopped.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    exit_on_signals()
     with (
         tempfile.TemporaryDirectory(prefix="holeblend-demo-") as workdir,
         closed_loop.LiveStack(workdir) as stack,
@@ -50,8 +49,18 @@ def main(argv: list[str] | None = None) -> int:
         ok = operator_stage(stack.env, args.timeout)
         if ok:
             loop_stage(stack, args)
+        else:
+            show_logs(stack)
     step("stopped the engine, the operator, Prometheus and the emulator")
     return 0 if ok else 1
+
+
+def exit_on_signals() -> None:
+    """SIGTERM (a CI timeout, a kill) and SIGHUP (the terminal closed) unwind like Ctrl-C,
+    so every started process is stopped. Their default ends the interpreter at once, and
+    the pods, in sessions of their own, would run on holding their ports."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGHUP, lambda *_: sys.exit(129))
 
 
 DEMO_TUNING = {  # faster than the example's, so the loop acts within the demo
@@ -116,6 +125,18 @@ def operator_stage(env: dict, timeout: float) -> bool:
     kubectl(env, "get", "bd", "-o", "wide")
     show_conditions(env, name)
     return ready
+
+
+def show_logs(stack: closed_loop.LiveStack, num_bytes: int = 3000) -> None:
+    """The end of the operator's and of each pod's log. They go with the demo's temporary
+    directory, so this is where a user sees why the engine never became ready."""
+    logs = {"the operator": stack.workdir / "operator.log"}
+    for pod in stack.kubelet.pods.values():
+        logs[f"pod {pod.name}"] = stack.kubelet.log_path(pod)
+    for name, path in logs.items():
+        text = path.read_bytes()[-num_bytes:].decode(errors="replace") if path.exists() else ""
+        step(f"the end of {name}'s log ({path}, removed when the demo exits)")
+        print(text.strip() or "(empty)", flush=True)
 
 
 def demo_patch() -> str:

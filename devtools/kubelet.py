@@ -12,8 +12,9 @@ what a Deployment controller, a kubelet and kube-proxy would, on this machine:
    available at once, nothing runs.
 2. **Pods.** `spec.replicas` Pod objects per Deployment, each a process running the first
    container's command and args with its env. Each pod gets its own loopback address
-   (127.0.0.2, 127.0.0.3, ...) as its podIP; an argument `0.0.0.0` (listen on every
-   interface of the pod) becomes that address, so pods share ports as they do in a cluster.
+   (127.0.0.2, 127.0.0.3, ..., skipping those where another program holds its ports) as
+   its podIP; an argument `0.0.0.0` (listen on every interface of the pod) becomes that
+   address, so pods share ports as they do in a cluster.
    A changed pod template replaces the pods (stop, then start: Recreate).
 3. **ConfigMap volumes** are materialized the way kubelet does it: the keys in a
    timestamped directory, a `..data` symlink to it, and one symlink per key through
@@ -61,6 +62,7 @@ from holeblend_devtools import workloads
 DEPLOYMENTS, PODS = "apps/v1/deployments", "v1/pods"
 CONFIGMAPS, SERVICES = "v1/configmaps", "v1/services"
 LOCAL_PORT_ANNOTATION = "emulator.holeblend.io/local-port"
+LAST_POD_ADDRESS = 254  # pods get 127.0.0.2 to 127.0.0.254
 _SVC_URL = re.compile(r"(https?://)([a-z0-9-]+)\.([a-z0-9-]+)\.svc(?:\.cluster\.local)?:(\d+)")
 
 
@@ -130,12 +132,18 @@ class ProcessKubelet:
 
     def stop(self) -> None:
         self._stopped.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=30)
-        for pod in list(self.pods.values()):
-            _stop_process(pod)
-        for proxy in self._proxies.values():
-            proxy.close()
+        try:
+            if self._thread.is_alive():
+                self._thread.join(timeout=30)
+            for pod in list(self.pods.values()):
+                _stop_process(pod)
+        finally:
+            # A second Ctrl-C cuts the graceful stop short; pods run in their own sessions,
+            # so no terminal signal reaches them and nothing else would stop them.
+            for pod in list(self.pods.values()):
+                _kill_process(pod)
+            for proxy in self._proxies.values():
+                proxy.close()
 
     def local_url(self, namespace: str, service: str) -> str | None:
         proxy = self._proxies.get((namespace, service))
@@ -182,9 +190,8 @@ class ProcessKubelet:
 
     def _new_pod(self, deployment: dict, name: str, digest: str, configmaps: dict) -> Pod:
         meta, template = deployment["metadata"], deployment["spec"]["template"]
-        ip = f"127.0.0.{self._next_ip}"
-        self._next_ip += 1
         container = template["spec"]["containers"][0]
+        ip = self._free_address(container)
         volumes, configmap_of = {}, {}
         for volume in template["spec"].get("volumes", []):
             if "configMap" in volume:
@@ -215,6 +222,26 @@ class ProcessKubelet:
         self._sync_volumes(pod, configmaps)
         self._write_pod_status(pod)
         return pod
+
+    def _free_address(self, container: dict) -> str:
+        """The next pod address whose ports are free. Another program may hold them (a
+        second `make demo`, a server left running, anything listening on 0.0.0.0): the pod
+        would then crash on bind while its probe, answered by that program, calls it ready."""
+        ports = sorted(_ports(container))
+        for number in range(self._next_ip, LAST_POD_ADDRESS + 1):
+            ip = f"127.0.0.{number}"
+            if all(_is_free(ip, port) for port in ports):
+                self._next_ip = number + 1
+                return ip
+        print(
+            f"process kubelet: port(s) {ports} of container {container['name']} are in use on "
+            f"every pod address up to 127.0.0.{LAST_POD_ADDRESS} (something listens on "
+            "0.0.0.0?): stop that program, or give the container another port",
+            file=sys.stderr,
+        )
+        ip = f"127.0.0.{self._next_ip}"
+        self._next_ip += 1
+        return ip
 
     def _delete_pod(self, pod: Pod) -> None:
         _stop_process(pod)
@@ -434,6 +461,27 @@ def probe(pod: Pod) -> bool:
         return False
 
 
+def _ports(container: dict) -> set[int]:
+    """The ports the container listens on: those it declares and its probe's."""
+    ports = {int(declared["containerPort"]) for declared in container.get("ports", [])}
+    http = (container.get("readinessProbe") or {}).get("httpGet")
+    if http is not None:
+        ports.add(_container_port(container, http.get("port", 80)))
+    return ports
+
+
+def _is_free(ip: str, port: int) -> bool:
+    """Whether a server could listen on ip:port now (bound as servers bind, with
+    SO_REUSEADDR, so a recently closed connection does not count)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((ip, port))
+        except OSError:
+            return False
+    return True
+
+
 def _container_port(container: dict, port: int | str) -> int:
     for declared in container.get("ports", []):
         if declared.get("name") == port:
@@ -464,7 +512,7 @@ def write_atomically(directory: Path, data: dict[str, str]) -> None:
 
 
 def _stop_process(pod: Pod) -> None:
-    process, pod.process = pod.process, None
+    process = pod.process  # kept on the pod until it is stopped, for `_kill_process`
     if process is not None and process.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGTERM)
@@ -474,9 +522,17 @@ def _stop_process(pod: Pod) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+    pod.process = None
     if pod.log is not None:
         pod.log.close()
         pod.log = None
+
+
+def _kill_process(pod: Pod) -> None:
+    """SIGKILL a pod's process group that is still running (its stop was cut short)."""
+    if pod.process is not None and pod.process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pod.process.pid, signal.SIGKILL)
 
 
 class ServiceProxy:
