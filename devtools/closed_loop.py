@@ -104,20 +104,33 @@ class LiveStack:
             self.cluster, self.workdir / "pods", stand_in=self.stand_in
         ).__enter__()
         flags = ("--health-port", "0", "--log-format", "plain", "--log-level", "warning")
-        log = open(self.workdir / "operator.log", "w")  # noqa: SIM115 - kept with the process
-        self.operator = subprocess.Popen(
-            operator_command(*flags, *self._operator_flags), env=self.env, stdout=log, stderr=log
-        )
+        try:
+            log = open(self.workdir / "operator.log", "w")  # noqa: SIM115 - kept with the process
+            self.operator = subprocess.Popen(
+                operator_command(*flags, *self._operator_flags),
+                env=self.env,
+                stdout=log,
+                stderr=log,
+            )
+        except BaseException:  # the kubelet and the emulator started: stop them
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *_) -> None:
-        if self._prometheus is not None:
-            self._prometheus.close()
-        if self.operator is not None:
-            stop_process(self.operator)
-        if self.kubelet is not None:
-            self.kubelet.stop()
-        self.cluster.__exit__(None, None, None)
+        """Stop everything, each part even when stopping an earlier one was interrupted (a
+        second Ctrl-C while the operator stops would otherwise leave the pods running)."""
+        try:
+            if self._prometheus is not None:
+                self._prometheus.close()
+            if self.operator is not None:
+                stop_process(self.operator)
+        finally:
+            try:
+                if self.kubelet is not None:
+                    self.kubelet.stop()
+            finally:
+                self.cluster.__exit__(None, None, None)
 
     def apply(self, body: dict) -> None:
         self.cluster.call(self.cluster.api.put_object(BD, body))

@@ -31,3 +31,18 @@ def test_a_demo_whose_engine_never_gets_ready_shows_the_logs(tmp_path, capsys):
     (pod,) = stack.kubelet.pods.values()
     assert f"the end of pod {pod.name}'s log" in shown
     assert "cannot load the model: no such file /models/m" in shown
+
+
+def test_a_stack_whose_operator_cannot_start_stops_what_it_started(tmp_path, monkeypatch):
+    """The kubelet and the emulator started before the operator: its failed start must not
+    leave them running (the kubelet's thread would keep its pods alive)."""
+    monkeypatch.setattr(closed_loop, "operator_command", lambda *_: [str(tmp_path / "missing")])
+    stack = closed_loop.LiveStack(tmp_path)
+    try:
+        stack.__enter__()
+    except FileNotFoundError:
+        pass
+    else:
+        stack.__exit__()
+        raise AssertionError("the missing operator started")
+    assert stack.kubelet is not None and stack.kubelet._stopped.is_set()
