@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Collection, Generator, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from enum import StrEnum
@@ -417,7 +417,8 @@ class BlendEngine:
         if mode is Mode.FULL:
             return replace(self._full_prefill(prompt), ttft_s=self._elapsed(started))
         keys = self.segment_keys(prompt)
-        entries, num_rejected = self.fetch(prompt, keys)
+        entries, refused = self._fetch(prompt, keys)
+        num_rejected = len(refused)
         policy = ReusePolicy.PREFIX if mode is Mode.PREFIX else ReusePolicy.HOLE
         reuse = plan_reuse(prompt, [entry is not None for entry in entries], policy)
         # The missing segments are stored before the first token is waited for: on an
@@ -429,7 +430,7 @@ class BlendEngine:
             result = self._full_prefill(prompt, mode, reuse, num_rejected)
         else:
             result = self._reuse_prefill(prompt, mode, ratio, reuse, entries, num_rejected)
-        result = self._store_missing(result, keys, entries)
+        result = self._store_missing(result, keys, entries, refused)
         return replace(result, ttft_s=self._elapsed(started))
 
     def _check_length(self, prompt: SegmentedPrompt) -> None:
@@ -638,8 +639,16 @@ class BlendEngine:
         """Usable cached entries per segment (one batched get; None for a None key, a
         miss or an entry refused), and how many stored ones were refused (wrong model,
         shape, dtype, non-finite values)."""
+        entries, refused = self._fetch(prompt, keys)
+        return entries, len(refused)
+
+    def _fetch(
+        self, prompt: SegmentedPrompt, keys: Sequence[str | None]
+    ) -> tuple[list[SegmentKV | None], list[str]]:
+        """`fetch`, with the key of each segment whose stored entry was refused: a store
+        must replace those entries, not skip their keys as already held."""
         entries: list[SegmentKV | None] = []
-        num_rejected = 0
+        refused: list[str] = []
         stored = self._get_many(keys)
         problems = [
             None
@@ -654,10 +663,10 @@ class BlendEngine:
                 log.warning(
                     "refusing cached KV for segment %s: %s; computing it fresh", key, problem
                 )
-                num_rejected += 1
+                refused.append(key)
                 entry = None
             entries.append(self._to_model(entry))
-        return entries, num_rejected
+        return entries, refused
 
     def _get_many(self, keys: Sequence[str | None]) -> list[SegmentKV | None]:
         """The store's entries for `keys` (None for a None key), in one batch: a tiered store
@@ -725,13 +734,17 @@ class BlendEngine:
         result: Prefill,
         keys: Sequence[str | None],
         entries: Sequence[SegmentKV | None],
+        refused: Collection[str] = (),
     ) -> Prefill:
-        """Store (in-context) or queue (isolated) every cacheable segment that missed."""
+        """Store (in-context) or queue (isolated) every cacheable segment that missed;
+        `refused`: keys whose stored entry was refused, replaced by the store."""
         prompt = result.prompt
         missing = [i for i, (k, e) in enumerate(zip(keys, entries, strict=True)) if k and e is None]
         missing = _first_of_each_key(missing, keys)
         if self.blend_config.store_policy == ISOLATED:
-            num_queued = sum(self._queue_isolated(prompt, i, keys) for i in missing)
+            num_queued = sum(
+                self._queue_isolated(prompt, i, keys, keys[i] in refused) for i in missing
+            )
             return replace(result, num_queued_segments=num_queued)
         num_stored = self.store_in_context(prompt, keys, missing, result.k, result.v)
         return replace(result, num_stored_segments=num_stored)
@@ -762,7 +775,11 @@ class BlendEngine:
         return num_stored
 
     def _queue_isolated(
-        self, prompt: SegmentedPrompt, index: int, keys: Sequence[str | None]
+        self,
+        prompt: SegmentedPrompt,
+        index: int,
+        keys: Sequence[str | None],
+        is_replacing: bool = False,
     ) -> bool:
         def compute(before_layer: Callable[[int], None]) -> SegmentKV:
             context_k, context_v = self._context_kv(prompt, before_layer)
@@ -771,7 +788,7 @@ class BlendEngine:
                 prompt.segments[index],
             )
 
-        return self.store_worker.submit(StoreJob(keys[index], compute))
+        return self.store_worker.submit(StoreJob(keys[index], compute, is_replacing))
 
     @_in_foreground
     @torch.inference_mode()

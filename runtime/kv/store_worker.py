@@ -15,7 +15,11 @@ pass per document, which must not delay requests. This module runs it:
    waits at most for one layer of one document (a few milliseconds), and under
    constant load the worker makes no progress at all: it cannot starve serving; the
    stores are what gives.
-4. The entry is put into the store unless the store holds the key by then.
+4. The entry is put into the store unless the store holds the key by then (computed
+   meanwhile by a request, another engine or pod: a usable entry is not computed twice).
+   A job for a key whose stored entry the engine refused on load (non-finite values, a
+   wrong shape) stores over it instead, in every tier the store writes to, as the
+   `in-context` policy's store does: the key is held, but by an entry nobody can use.
 """
 
 from __future__ import annotations
@@ -89,6 +93,9 @@ class StoreJob:
     key: str
     # Computes the entry; calls its argument before every layer (it may block there).
     compute: Callable[[Callable[[int], None]], SegmentKV]
+    # Whether the store's entry under the key was refused on load: the job replaces it
+    # rather than skipping a key the store holds.
+    is_replacing: bool = False
 
 
 @dataclass(frozen=True)
@@ -99,7 +106,8 @@ class StoreStats:
     num_stored: int
     # Dropped because the queue was full.
     num_dropped: int
-    # Skipped because the store held the key when the job's turn came.
+    # Skipped because the store held the key when the job's turn came (and the job was
+    # not replacing a refused entry).
     num_skipped: int
     num_failed: int
     # Jobs queued or running now.
@@ -208,7 +216,7 @@ class IsolatedStoreWorker:
             return None if self._stop.is_set() else self._jobs[0]
 
     def _run_job(self, job: StoreJob) -> str:
-        if self.store.contains(job.key):
+        if not job.is_replacing and self.store.contains(job.key):
             return "skipped"
         waited = 0.0
 

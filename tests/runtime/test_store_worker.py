@@ -106,6 +106,17 @@ def test_a_key_the_store_already_holds_is_skipped(worker):
     assert w.stats().num_skipped == 1 and w.stats().num_stored == 0
 
 
+def test_a_job_replacing_a_refused_entry_stores_over_it(worker):
+    w = worker()
+    refused = _entry("a")
+    refused.k[0, 0, 0, 0] = float("nan")
+    w.store.put(refused)
+    w.submit(StoreJob("a", _job("a").compute, is_replacing=True))
+    assert w.drain(timeout=5)
+    assert w.stats().num_stored == 1 and w.stats().num_skipped == 0
+    assert w.store.get("a").is_finite
+
+
 def test_close_stops_the_thread_and_drops_what_is_queued(worker):
     activity = Activity()
     w = worker(activity=activity)
