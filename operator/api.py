@@ -251,10 +251,14 @@ Quantity = Annotated[
         max_length=QUANTITY_MAX_LENGTH,
     ),
     BeforeValidator(lambda v: _wire_quantity(v)),
+    # The API server takes exactly this anyOf under int-or-string (anything more in it, such
+    # as a minimum, makes the CRD non-structural and refused); beside it, `minimum` applies to
+    # integers only, as `pattern` and `maxLength` apply to strings only.
     WithJsonSchema(
         {
             "x-kubernetes-int-or-string": True,
-            "anyOf": [{"type": "integer", "minimum": 0}, {"type": "string"}],
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "minimum": 0,
             "pattern": f"^{QUANTITY_PATTERN}$",
             "maxLength": QUANTITY_MAX_LENGTH,
         }
@@ -266,7 +270,14 @@ ResourceKey = _matching(
     max_length=253,
     rules=(_EXTENDED_PREFIX_AT_MOST_244,),
 )
-ResourceList = Annotated[dict[ResourceKey, Quantity], Field(max_length=16)]
+# The API server estimates each CEL rule's cost when the CRD is applied and refuses the CRD
+# when one rule is over 10,000,000 or all are over 100,000,000. Before Kubernetes 1.34 it sizes
+# an x-kubernetes-int-or-string value as the whole request (3 MiB) whatever its maxLength, so
+# reading one quantity (`quantity(string(v))`) is estimated at 629,146 per key: a rule that
+# compares requests with limits reads two per key, and the rules of both containers' resources
+# read 20 per key in all. 6 keys keep every rule under its budget and the CRD under its own.
+RESOURCE_LIST_MAX_ITEMS = 6
+ResourceList = Annotated[dict[ResourceKey, Quantity], Field(max_length=RESOURCE_LIST_MAX_ITEMS)]
 
 
 # A byte budget the runtime reads as a whole number of bytes: also checked by the parser the
@@ -487,23 +498,27 @@ _EXTENDED_WHOLE = CelRule(
     ),
     field_path=".limits",
 )
-_HUGEPAGES_WHOLE_PAGES = CelRule(
-    rule=" && ".join(
-        f"(!has(self.{section}) || self.{section}.all(k, !k.startsWith('hugepages-') || "
+
+
+def _hugepages_whole_pages(section: str) -> CelRule:
+    # One rule per section: together they read each quantity of both sections twice, over the
+    # API server's cost budget for one rule (see RESOURCE_LIST_MAX_ITEMS).
+    return CelRule(
+        rule=f"!has(self.{section}) || self.{section}.all(k, !k.startsWith('hugepages-') || "
         f"(isQuantity(k.substring(10)) && {_PAGE_CEL}.isInteger() && "
         f"{_PAGE_CEL}.asInteger() > 0 && {_WHOLE_CEL.format(f'self.{section}[k]')} && "
-        f"{_QUANTITY_CEL.format(f'self.{section}[k]')}.asInteger() % {_PAGE_CEL}.asInteger() == 0)))"
-        for section in ("requests", "limits")
-    ),
-    message="hugepages-<size> must be a whole multiple of its page size (e.g. hugepages-2Mi: "
-    "4Mi, not 3Mi), with a page size like 2Mi or 1Gi, both written without a fraction "
-    "(512Mi, not 0.5Gi)",
-    check=lambda r: _all_sections(
-        r,
-        lambda name, value: not name.startswith("hugepages-") or _hugepage_multiple(name, value),
-    ),
-    field_path=".limits",
-)
+        f"{_QUANTITY_CEL.format(f'self.{section}[k]')}.asInteger() % {_PAGE_CEL}.asInteger() == 0))",
+        message="hugepages-<size> must be a whole multiple of its page size (e.g. hugepages-2Mi: "
+        "4Mi, not 3Mi), with a page size like 2Mi or 1Gi, both written without a fraction "
+        "(512Mi, not 0.5Gi)",
+        check=lambda r: all(
+            not name.startswith("hugepages-") or _hugepage_multiple(name, value)
+            for name, value in getattr(r, section).items()
+        ),
+        field_path=f".{section}",
+    )
+
+
 _HUGEPAGES_NEED_CPU_OR_MEMORY = CelRule(
     rule="!((has(self.requests) && self.requests.exists(k, k.startsWith('hugepages-'))) || "
     "(has(self.limits) && self.limits.exists(k, k.startsWith('hugepages-')))) || "
@@ -519,7 +534,8 @@ _RESOURCE_RULES = (
     _REQUESTS_WITHIN_LIMITS,
     _EXTENDED_IN_LIMITS,
     _EXTENDED_WHOLE,
-    _HUGEPAGES_WHOLE_PAGES,
+    _hugepages_whole_pages("requests"),
+    _hugepages_whole_pages("limits"),
     _HUGEPAGES_NEED_CPU_OR_MEMORY,
 )
 

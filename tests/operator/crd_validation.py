@@ -11,6 +11,10 @@ No API server runs here, so this module reproduces the parts of it the CRD depen
    `default` must be pruned (no unknown fields), must pass its own node's schema, and its
    node's CEL rules (and those below it) must pass on the default as written: nested
    defaults are NOT filled in first.
+   The CRD must also be structural (`structural_errors`): what the schema's value validations
+   under anyOf, allOf, oneOf and not may hold.
+3. The rules' estimated costs (`cost_errors`), as the API server checks them when a CRD is
+   created or updated: see "Static CEL cost" below.
 
 CEL values are typed the way the API server types them (`to_cel`): an integer in a
 `type: number` field is a double, and a null in a `nullable` field is not validated at all
@@ -329,4 +333,335 @@ def default_errors(schema: dict[str, Any], path: str = "openAPIV3Schema") -> lis
         errors += default_errors(schema["items"], f"{path}.items")
     for name, sub in schema.get("properties", {}).items():
         errors += default_errors(sub, f"{path}.properties[{name}]")
+    return errors
+
+
+# What apiextensions-apiserver's ValidateStructural (pkg/apiserver/schema/validation.go) forbids
+# in a value validation under anyOf, allOf, oneOf or not: everything that says what a value
+# is rather than what it must satisfy.
+_NESTED_FORBIDDEN = (
+    "type",
+    "default",
+    "description",
+    "title",
+    "nullable",
+    "additionalProperties",
+    "x-kubernetes-preserve-unknown-fields",
+    "x-kubernetes-embedded-resource",
+    "x-kubernetes-int-or-string",
+    "x-kubernetes-list-map-keys",
+    "x-kubernetes-list-type",
+    "x-kubernetes-map-type",
+    "x-kubernetes-validations",
+)
+# The one anyOf an x-kubernetes-int-or-string node may carry with types in it (nothing else
+# in its branches: the API server compares them with reflect.DeepEqual), alone or as the
+# first allOf entry.
+INT_OR_STRING_ANY_OF = [{"type": "integer"}, {"type": "string"}]
+
+
+def structural_errors(schema: dict[str, Any], path: str = "openAPIV3Schema") -> list[str]:
+    """What ValidateStructural reports for `schema` and every node below it."""
+    errors = []
+    is_int_or_string = bool(schema.get("x-kubernetes-int-or-string"))
+    skip_any_of = is_int_or_string and schema.get("anyOf") == INT_OR_STRING_ANY_OF
+    all_of = schema.get("allOf", [])
+    skip_first_all_of = (
+        is_int_or_string and all_of[:1] and all_of[0].get("anyOf") == (INT_OR_STRING_ANY_OF)
+    )
+    for junctor in ("anyOf", "allOf", "oneOf"):
+        for index, branch in enumerate(schema.get(junctor, [])):
+            if junctor == "anyOf" and skip_any_of:
+                continue
+            skip = junctor == "allOf" and index == 0 and skip_first_all_of
+            errors += _nested_errors(branch, f"{path}.{junctor}[{index}]", skip_any_of=skip)
+    if "not" in schema:
+        errors += _nested_errors(schema["not"], f"{path}.not")
+    for name, sub in schema.get("properties", {}).items():
+        errors += structural_errors(sub, f"{path}.properties[{name}]")
+    for key in ("items", "additionalProperties"):
+        if isinstance(schema.get(key), dict):
+            errors += structural_errors(schema[key], f"{path}.{key}")
+    return errors
+
+
+def _nested_errors(branch: dict[str, Any], path: str, skip_any_of: bool = False) -> list[str]:
+    errors = [
+        f"{path}.{key}: must be empty to be structural"
+        for key in _NESTED_FORBIDDEN
+        if key in branch
+    ]
+    for junctor in ("anyOf", "allOf", "oneOf"):
+        if junctor == "anyOf" and skip_any_of:
+            continue
+        for index, sub in enumerate(branch.get(junctor, [])):
+            errors += _nested_errors(sub, f"{path}.{junctor}[{index}]")
+    for name, sub in branch.get("properties", {}).items():
+        errors += _nested_errors(sub, f"{path}.properties[{name}]")
+    if isinstance(branch.get("items"), dict):
+        errors += _nested_errors(branch["items"], f"{path}.items")
+    if "not" in branch:
+        errors += _nested_errors(branch["not"], f"{path}.not")
+    return errors
+
+
+# Static CEL cost, as the API server estimates it when a CRD is created or updated.
+#
+# apiextensions-apiserver (pkg/apiserver/schema/cel/compilation.go and
+# pkg/apis/apiextensions/validation/validation.go) refuses a rule whose estimated cost, times
+# how often its node can occur in one object, is over StaticEstimatedCostLimit, and the CRD
+# when all its rules together are over StaticEstimatedCRDCostLimit. The estimate is cel-go's
+# checker/cost.go (v0.17.8 in Kubernetes 1.30, the oldest version the chart supports) with
+# Kubernetes' sizes and library costs (k8s.io/apiserver/pkg/cel/common/schemas.go,
+# pkg/cel/library/cost.go). What the estimate rests on:
+#
+# - A value's size is its schema's bound: a string's maxLength times 4 (bytes per code
+#   point), the longest enum value, or the whole request (3 MiB) without either; an
+#   x-kubernetes-int-or-string value is the whole request even with a maxLength before
+#   Kubernetes 1.34 (kubernetes#132837); a list's maxItems, a map's maxProperties. A map key
+#   has no bound of its own (size 0).
+# - A call costs 1; string traversals (startsWith, substring, string() of a dyn value,
+#   quantity(), isQuantity(), ==) cost ceil(size * 0.1); `matches` ceil((size + 1) * 0.1) times
+#   ceil(len(regex) * 0.25); `in` a list its size; both sides of && and || always count.
+# - A macro (all, exists, exists_one, filter, map) costs its range's size times its step.
+STATIC_ESTIMATED_COST_LIMIT = 10_000_000
+STATIC_ESTIMATED_CRD_COST_LIMIT = 100_000_000
+MAX_REQUEST_SIZE = 3 * 1024 * 1024
+_UNKNOWN = 2**64 - 1
+_TRAVERSAL = 0.1
+_REGEX_LENGTH = 0.25
+_MACROS = {"all", "exists", "exists_one", "filter", "map"}
+_TRAVERSING_FUNCTIONS = {"quantity", "isQuantity"}
+
+
+class _Value:
+    """What the estimator knows of a subexpression: its cost, its largest size, the schema
+    node it was read from (None for computed values) and, for a list literal, "list"."""
+
+    def __init__(
+        self, cost: int, size: int | None = None, schema: dict | None = None, kind: str = ""
+    ):
+        self.cost, self.size, self.schema = cost, size, schema
+        self.kind = kind or _kind(schema)
+
+
+def _kind(schema: dict | None) -> str:
+    if schema is None:
+        return "computed"
+    if schema.get("x-kubernetes-int-or-string"):
+        return "dyn"
+    if schema.get("type") == "object" and isinstance(schema.get("additionalProperties"), dict):
+        return "map"
+    return {"array": "list"}.get(schema.get("type"), schema.get("type", "dyn"))
+
+
+def max_elements(schema: dict) -> int:
+    """The size Kubernetes 1.30 gives a value of `schema` (DeclType.MaxElements)."""
+    kind = _kind(schema)
+    if kind == "dyn":
+        return MAX_REQUEST_SIZE - 2
+    if kind == "string":
+        if "maxLength" in schema:
+            return schema["maxLength"] * 4
+        if "enum" in schema:
+            return max(len(v) for v in schema["enum"])
+        return MAX_REQUEST_SIZE - 2
+    # Unbounded: as many of the smallest items as fit the request (here strings, `""`, plus a
+    # comma; a map's values with their key, quotes and colon).
+    if kind == "list":
+        return schema.get("maxItems", (MAX_REQUEST_SIZE - 2) // 3)
+    if kind == "map":
+        return schema.get("maxProperties", (MAX_REQUEST_SIZE - 2) // 8)
+    return 0
+
+
+def _size(value: _Value) -> int:
+    if value.size is not None:
+        return value.size
+    if value.schema is not None:
+        return max_elements(value.schema)
+    return _UNKNOWN
+
+
+def _traverse(size: int, factor: float = _TRAVERSAL) -> int:
+    return min(_UNKNOWN, math.ceil(size * factor))
+
+
+class _Coster:
+    """Walks a rule's parse tree (celpy's grammar) as cel-go's coster walks its AST: each
+    handler returns the subexpression's cost, size and schema node."""
+
+    def __init__(self, schema: dict[str, Any]):
+        self.scopes: list[dict[str, _Value]] = [{"self": _Value(0, schema=schema)}]
+
+    def cost(self, tree) -> _Value:
+        handler = getattr(self, f"_{tree.data}", None)
+        if handler is not None:
+            return handler(tree)
+        operands = [c for c in tree.children if hasattr(c, "data")]
+        if len(operands) == 1 and len(tree.children) == 1:
+            return self.cost(operands[0])
+        raise ValueError(f"no cost estimate for CEL node {tree.data}")
+
+    def _expr(self, tree) -> _Value:
+        if len(tree.children) == 1:
+            return self.cost(tree.children[0])
+        cond, yes, no = (self.cost(c) for c in tree.children)
+        return _Value(cond.cost + max(yes.cost, no.cost))
+
+    def _logical(self, tree) -> _Value:
+        if len(tree.children) == 1:
+            return self.cost(tree.children[0])
+        return _Value(sum(self.cost(c).cost for c in tree.children))
+
+    _conditionalor = _conditionaland = _logical
+
+    def _relation(self, tree) -> _Value:
+        if len(tree.children) == 1:
+            return self.cost(tree.children[0])
+        operator, right_tree = tree.children
+        left, right = self.cost(operator.children[0]), self.cost(right_tree)
+        args = left.cost + right.cost
+        if operator.data == "relation_in":
+            return _Value(args + (_size(right) if right.kind == "list" else 1))
+        if operator.data in ("relation_eq", "relation_ne"):
+            return _Value(args + _traverse(min(_size(left), _size(right))))
+        return _Value(args + 1)
+
+    def _arithmetic(self, tree) -> _Value:
+        if len(tree.children) == 1:
+            return self.cost(tree.children[0])
+        operator, right_tree = tree.children
+        return _Value(1 + self.cost(operator.children[0]).cost + self.cost(right_tree).cost)
+
+    _addition = _multiplication = _arithmetic
+
+    def _unary(self, tree) -> _Value:
+        if len(tree.children) == 1:
+            return self.cost(tree.children[0])
+        return _Value(1 + self.cost(tree.children[1]).cost)
+
+    def _member_dot(self, tree) -> _Value:
+        operand, name = self.cost(tree.children[0]), str(tree.children[1])
+        schema = (operand.schema or {}).get("properties", {}).get(name)
+        return _Value(operand.cost + 1, schema=schema)
+
+    def _member_index(self, tree) -> _Value:
+        operand, index = self.cost(tree.children[0]), self.cost(tree.children[1])
+        schema = operand.schema or {}
+        item = (
+            schema.get("items") if _kind(schema) == "list" else schema.get("additionalProperties")
+        )
+        return _Value(
+            operand.cost + index.cost + 1, schema=item if isinstance(item, dict) else None
+        )
+
+    def _ident(self, tree) -> _Value:
+        name = str(tree.children[0])
+        for scope in reversed(self.scopes):
+            if name in scope:
+                return _Value(1, scope[name].size, scope[name].schema)
+        raise ValueError(f"unknown CEL variable {name}")
+
+    def _literal(self, tree) -> _Value:
+        value = _CEL.program(_CEL.compile(str(tree.children[0]))).evaluate({})
+        is_text = isinstance(value, str | bytes)
+        return _Value(0, len(value) if is_text else 1)
+
+    def _paren_expr(self, tree) -> _Value:
+        return self.cost(tree.children[0])
+
+    def _list_lit(self, tree) -> _Value:
+        items = self._args(tree.children)
+        return _Value(10 + sum(i.cost for i in items), len(items), kind="list")
+
+    def _ident_arg(self, tree) -> _Value:
+        name, args = str(tree.children[0]), self._args(tree.children[1:])
+        if name == "has":
+            return _Value(args[0].cost)  # the presence test (1) instead of the field's select (1)
+        cost = sum(a.cost for a in args)
+        if name in _TRAVERSING_FUNCTIONS:
+            return _Value(cost + _traverse(_size(args[0])))
+        if name == "string" and args[0].kind == "dyn":
+            # A dyn argument may be bytes: bytes_to_string traverses it.
+            return _Value(cost + _traverse(_size(args[0])), _size(args[0]))
+        return _Value(cost + 1)
+
+    def _member_dot_arg(self, tree) -> _Value:
+        target, name = self.cost(tree.children[0]), str(tree.children[1])
+        if name in _MACROS:
+            return self._macro(target, name, tree.children[2].children)
+        args = self._args(tree.children[2:])
+        cost = target.cost + sum(a.cost for a in args)
+        if name == "matches":
+            regex = _traverse(_size(args[0]), _REGEX_LENGTH)
+            return _Value(cost + _traverse(_size(target) + 1) * regex)
+        if name == "contains":
+            return _Value(cost + _traverse(_size(target)) * _traverse(_size(args[0])))
+        if name in ("startsWith", "endsWith"):
+            return _Value(cost + _traverse(_size(args[0])))
+        if name in ("substring", "lowerAscii", "upperAscii", "trim"):
+            return _Value(cost + _traverse(_size(target)), _size(target))
+        return _Value(cost + 1)
+
+    def _args(self, children) -> list[_Value]:
+        return [self.cost(c) for c in children[0].children] if children and children[0] else []
+
+    def _macro(self, target: _Value, name: str, args) -> _Value:
+        variable, body = str(next(args[0].scan_values(lambda token: True))), args[1]
+        schema = target.schema
+        if schema is None:
+            item = None
+        elif target.kind == "list":
+            item = schema.get("items")
+        else:
+            item = {"type": "string", "maxLength": 0}  # map keys have no bound of their own
+        count = _size(target)
+        self.scopes.append({variable: _Value(0, 1 if item is None else None, item)})
+        step = self.cost(body).cost
+        self.scopes.pop()
+        # Each macro's accumulator init, loop condition, step and result as cel-go expands it.
+        fixed, per_item = {
+            "all": (1, 3),
+            "exists": (1, 4),
+            "exists_one": (2, 2),
+            "filter": (11, 13),
+            "map": (11, 12),
+        }[name]
+        size = count if name in ("filter", "map") else None
+        return _Value(target.cost + fixed + min(_UNKNOWN, count * (per_item + step)), size)
+
+
+def rule_cost(rule: str, schema: dict[str, Any]) -> int:
+    """The estimated cost of one rule on `schema` (before its node's cardinality)."""
+    return _Coster(schema).cost(_CEL.compile(rule)).cost
+
+
+def rule_costs(schema: dict[str, Any], path: str = "", cardinality: int = 1):
+    """(path, rule, cost times cardinality) for every rule under `schema`."""
+    for rule in schema.get("x-kubernetes-validations", []):
+        yield path or "<root>", rule["rule"], rule_cost(rule["rule"], schema) * cardinality
+    if "items" in schema:
+        yield from rule_costs(schema["items"], f"{path}[*]", cardinality * max_elements(schema))
+    extra = schema.get("additionalProperties")
+    if isinstance(extra, dict):
+        yield from rule_costs(extra, f"{path}[*]", cardinality * max_elements(schema))
+    for name, sub in schema.get("properties", {}).items():
+        yield from rule_costs(sub, f"{path}.{name}", cardinality)
+
+
+def cost_errors(schema: dict[str, Any]) -> list[str]:
+    """What the API server reports for the rules' estimated costs when the CRD is applied."""
+    costs = list(rule_costs(schema))
+    errors = [
+        f"{path}: estimated rule cost {cost:,} exceeds budget {STATIC_ESTIMATED_COST_LIMIT:,}"
+        for path, _, cost in costs
+        if cost > STATIC_ESTIMATED_COST_LIMIT
+    ]
+    total = sum(cost for _, _, cost in costs)
+    if total > STATIC_ESTIMATED_CRD_COST_LIMIT:
+        errors.append(
+            f"estimated cost of all rules {total:,} exceeds the CRD's budget "
+            f"{STATIC_ESTIMATED_CRD_COST_LIMIT:,}"
+        )
     return errors
