@@ -7,8 +7,9 @@ and the RBAC manifest is generated from it, so the two cannot drift apart.
 
 Failures are sorted for the caller: a missing object is `None` (or `False`), an object that
 already exists is `None` from `create`, a rejected object raises `Invalid`, and anything
-worth retrying (timeouts, connection errors, 409 conflicts, 429 and 5xx) raises
-`Unavailable`, which the handlers retry with a capped, jittered exponential backoff.
+worth retrying (timeouts, connection errors, a 401 for expired credentials, 409 conflicts,
+429 and 5xx) raises `Unavailable`, which the handlers retry with a capped, jittered
+exponential backoff.
 """
 
 import dataclasses
@@ -119,7 +120,7 @@ class Forbidden(Exception):
 
 
 class Unavailable(Exception):
-    """A failure worth retrying later: timeout, lost connection, conflict, 429 or 5xx."""
+    """A failure worth retrying later: timeout, lost connection, 401, conflict, 429 or 5xx."""
 
 
 class NotServed(Exception):
@@ -139,8 +140,12 @@ def load_configuration() -> kubernetes.client.Configuration:
 
 
 def connection_info(config: kubernetes.client.Configuration) -> kopf.ConnectionInfo:
-    """The same credentials for kopf's own requests (watches, events, peering)."""
-    token = (config.api_key or {}).get("authorization") or (config.api_key or {}).get("BearerToken")
+    """The same credentials for kopf's own requests (watches, events, peering).
+
+    kopf calls this again when the API server answers 401: the token is read through the
+    client's refresh hook, so a rotated service account token (or an exec plugin's) is
+    the one handed over, not the expired one kopf has just discarded."""
+    token = config.auth_settings().get("BearerToken", {}).get("value")
     scheme, _, token = (token or "").rpartition(" ")
     return kopf.ConnectionInfo(
         server=config.host,
@@ -234,6 +239,8 @@ class Client:
         url = path + (f"?{urllib.parse.urlencode(query)}" if query else "")
         status, data = await self._send(method, url, body)
         metrics.API_REQUESTS.labels(verb=verb, resource=kind.plural, code=str(status)).inc()
+        if status == 401:  # the token expired or rotated: read it afresh for the retry
+            self._auth_read_at = None
         return _interpret(status, data, verb, kind, missing_ok=missing_ok, exists_ok=exists_ok)
 
     async def _send(self, method: str, url: str, body: Any) -> tuple[int, bytes]:
@@ -297,7 +304,9 @@ def _interpret(
         return None
     if status in (400, 422):
         raise Invalid(f"{verb} {kind.kind}: {message}")
-    if status in (401, 403):
+    if status == 401:
+        raise Unavailable(f"{verb} {kind.plural}: HTTP 401: credentials rejected: {message}")
+    if status == 403:
         raise Forbidden(f"{verb} {kind.plural} forbidden: {message}; re-apply the operator's RBAC")
     where = "no answer" if status == 0 else f"HTTP {status}"
     raise Unavailable(f"{verb} {kind.plural}: {where}: {message}")

@@ -2,6 +2,7 @@
 
 import argparse
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 
@@ -39,8 +40,11 @@ class OperatorSettings:
             "blocked_retry_s",
             "request_timeout_s",
         ):
-            if getattr(self, field) < 0:
-                raise ValueError(f"{field} must be >= 0, got {getattr(self, field)}")
+            # NaN is not < 0 either, and an infinite delay never comes due: refuse both.
+            if not 0 <= getattr(self, field) < math.inf:
+                raise ValueError(f"{field} must be >= 0 and finite, got {getattr(self, field)}")
+        if self.request_timeout_s == 0:  # aiohttp and kopf read a zero timeout as none at all
+            raise ValueError("request_timeout_s must be > 0: a request without a timeout can hang")
         if not 0 <= self.health_port <= 65535:
             raise ValueError(f"health_port must be a TCP port (0-65535), got {self.health_port}")
         if self.peering_lifetime_s < 1:
