@@ -37,8 +37,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     configure_logging(config)
     tune_garbage_collector()  # here, not in serve(): tests embed serve() in their own process
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config))
+    except StartError as exc:
+        print(f"holeblend-operator run: {exc}", file=sys.stderr)
+        return 1
     return 0
+
+
+class StartError(Exception):
+    """The operator cannot start (a setting the machine cannot honour): said in one line."""
 
 
 def configure_logging(config: settings.OperatorSettings) -> None:
@@ -105,7 +113,17 @@ async def serve(config: settings.OperatorSettings, stop: asyncio.Event | None = 
         )
     )
     health = HealthServer(task, ready)
-    await health.start(config.health_host, config.health_port)
+    try:
+        await health.start(config.health_host, config.health_port)
+    except OSError as exc:  # the port is taken: stop kopf before it does anything
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        where = f"{config.health_host}:{config.health_port}"
+        raise StartError(
+            f"--health-port: cannot listen on {where} ({exc.strerror or exc}); "
+            "stop what holds it or pick another port"
+        ) from None
     logging.getLogger(__name__).info("health and metrics on port %s", health.port)
     trimming = asyncio.create_task(trim_heap_periodically(TRIM_INTERVAL_S))
     try:

@@ -1,10 +1,13 @@
 """/healthz fails when a kopf watch stream has died, since kopf carries on without it."""
 
 import asyncio
+import socket
 
 import aiohttp
+import pytest
 from kopf._cogs.aiokits.aiotasks import create_guarded_task  # how kopf runs its watchers
 
+from holeblend_operator import run_command, settings
 from holeblend_operator.health import HealthServer
 
 
@@ -58,3 +61,19 @@ async def test_watchers_that_kopf_stops_on_purpose_leave_the_operator_healthy():
     finally:
         operator.cancel()
         await health.stop()
+
+
+async def test_a_health_port_in_use_stops_the_start_with_one_line_naming_the_flag():
+    """The port is taken: a clean error naming --health-port, and kopf's task ended rather
+    than left running beside a traceback."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = settings.OperatorSettings(health_host="127.0.0.1", health_port=port)
+        before = set(asyncio.all_tasks())
+        with pytest.raises(
+            run_command.StartError, match=f"--health-port: cannot listen on 127.0.0.1:{port}"
+        ):
+            await run_command.serve(config)
+        assert not [t for t in asyncio.all_tasks() - before if not t.done()]
