@@ -8,14 +8,15 @@ finish before it closes.
 
 A completion request is checked fully before it is queued: body size (413) and arrival
 within `body_timeout` (408), body shape (400 naming the field), model name (404), prompt
-build and length against the context (400), queue room (429 with Retry-After). Parsing and
-tokenizing run on a small thread pool, never on the event loop, so a huge prompt cannot
-stall `/healthz` or other streams; a prompt whose character count alone proves it longer
-than the context is refused without tokenizing. A client that disconnects cancels its job
-(aiohttp cancels the handler; the compute thread sees the flag between tokens or drops the
-job unstarted); one that stops reading a stream is disconnected once a write has waited
-past its request's deadline plus `WRITE_GRACE_S`. Every error, the router's 404 and 405
-included, is an OpenAI-style JSON body (`error_middleware`).
+build and length against the context (400), queue room (429 with Retry-After; checked
+before the body is read too, so a full queue refuses at once). Parsing and tokenizing run
+on a small thread pool, never on the event loop, so a huge prompt cannot stall `/healthz`
+or other streams; a prompt whose character count alone proves it longer than the context
+is refused without tokenizing. A client that disconnects cancels its job (aiohttp cancels
+the handler; the compute thread sees the flag between tokens or drops the job unstarted);
+one that stops reading a stream is disconnected once a write has waited past its
+request's deadline plus `WRITE_GRACE_S`. Every error, the router's 404 and 405 included,
+is an OpenAI-style JSON body (`error_middleware`).
 """
 
 from __future__ import annotations
@@ -342,6 +343,7 @@ class Server:
         outcome, active = "error", False
         try:
             self._check_open()
+            self._check_room()
             body = await self._read_body(request)
             rag, prompt, max_tokens = await asyncio.get_running_loop().run_in_executor(
                 self._parse_pool, self._parse, body, parse
@@ -372,6 +374,15 @@ class Server:
         if self.is_draining or not self.is_ready:
             message = "shutting down" if self.is_draining else "the model is still loading"
             raise HttpError(503, error_body(message, None, "unavailable"), {"Retry-After": "5"})
+
+    def _check_room(self) -> None:
+        """429 at once while the queue is full: the body of a request that would be refused
+        is neither read nor tokenized (under overload that work took the CPU the compute
+        thread needs, and held every such body, for nothing). `_submit` checks again."""
+        try:
+            self.worker.check_room()
+        except QueueFull as full:
+            raise _queue_full_error(full) from None
 
     async def _read_body(self, request: web.Request) -> bytes:
         """The whole body within `body_timeout` (408) and `MAX_BODY_BYTES` (413); a body
@@ -419,8 +430,7 @@ class Server:
         try:
             self.worker.submit(job)
         except QueueFull as full:
-            body = error_body(str(full), None, "rate_limit_error")
-            raise HttpError(429, body, {"Retry-After": str(full.retry_after_s)}) from None
+            raise _queue_full_error(full) from None
         return job, rag
 
     def _is_control(self, text: str) -> bool:
@@ -598,6 +608,11 @@ def _json(body: bytes):
     except (ValueError, RecursionError) as error:
         message = str(error) if isinstance(error, ValueError) else "nested too deeply"
         raise BadRequest(None, f"the body is not valid JSON ({message})") from None
+
+
+def _queue_full_error(full: QueueFull) -> HttpError:
+    body = error_body(str(full), None, "rate_limit_error")
+    return HttpError(429, body, {"Retry-After": str(full.retry_after_s)})
 
 
 def _timeout_error(timeout: float) -> HttpError:

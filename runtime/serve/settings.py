@@ -25,7 +25,7 @@ class ServeSettings:
     config: Path
     host: str = "127.0.0.1"
     port: int = 8000
-    # Requests that may wait for the compute thread; one more is running. Full: 429.
+    # Requests that may wait for the compute thread; up to max_batch more run. Full: 429.
     queue_size: int = 8
     # Requests decoding together (one batched forward pass per token for all of them).
     max_batch: int = 8

@@ -10,11 +10,12 @@ continuous batching of the decode steps):
    got its timeout) gives its place back and leaves the queue at once; so does one whose
    `cancelled` event was set directly, by the next `submit` or `num_pending` at the latest.
 2. Whenever a job waits and fewer than `max_batch` jobs are decoding, the thread takes the
-   next one in arrival order before any decode step. A job cancelled or past its deadline
-   before it starts is dropped without compute (and is no job duration for the
-   Retry-After estimate). Otherwise it looks the segments up (timed), prefills in the
-   configured mode at the live ratio, takes its first token from the prefill's logits and
-   joins the batch (keeping only the prefill's figures: its KV now lives in the decode
+   next one in arrival order before any decode step, at most `max_batch` between two steps
+   (jobs that end at their prefill would otherwise starve the batch). A job cancelled or
+   past its deadline before it starts is dropped without compute (and is no job duration
+   for the Retry-After estimate). Otherwise it looks the segments up (timed), prefills in
+   the configured mode at the live ratio, takes its first token from the prefill's logits
+   and joins the batch (keeping only the prefill's figures: its KV now lives in the decode
    pool's row).
 3. Otherwise the thread runs one decode step for every job in the batch: one forward pass
    for all their last tokens (`BlendEngine.decode_step`; the weights are read once
@@ -268,12 +269,22 @@ class EngineWorker:
         with self._lock:
             if self._is_stopped:
                 raise RuntimeError("the engine worker is stopped")
-            self._release_cancelled()
-            if len(self._waiting) >= self.queue_size:
-                raise QueueFull(self._slot.retry_after_s(time.perf_counter()))
+            self._check_room()
             self._waiting.add(job)
             self.metrics.queue_depth.set(len(self._waiting))
         self._jobs.put(job)
+
+    def check_room(self) -> None:
+        """`QueueFull` if a job submitted now would be refused (the route asks before it
+        reads and tokenizes a request's body)."""
+        with self._lock:
+            self._check_room()
+
+    def _check_room(self) -> None:
+        """Under `_lock`: `QueueFull` while `queue_size` jobs wait."""
+        self._release_cancelled()
+        if len(self._waiting) >= self.queue_size:
+            raise QueueFull(self._slot.retry_after_s(time.perf_counter()))
 
     def cancel(self, job: Job) -> None:
         """Stop `job` (no effect once it finished): a running job ends at its next token; a
@@ -320,11 +331,14 @@ class EngineWorker:
 
     def _serve(self, batch: list[_Running]) -> bool:
         """Prefill first, else decode, until the batch is empty; True once told to stop
-        (the jobs in the batch still finish)."""
-        stopping = False
+        (the jobs in the batch still finish). At most `max_batch` jobs are taken between
+        two decode steps (the one that opened the batch counts): jobs that end at their
+        prefill (max_tokens 1) take no place in the batch, and while they kept arriving
+        the jobs decoding would get no token."""
+        stopping, num_taken = False, len(batch)
         while batch:
             self._before_step()
-            if not stopping and len(batch) < self.max_batch:
+            if not stopping and len(batch) < self.max_batch and num_taken < self.max_batch:
                 try:
                     job = self._jobs.get_nowait()
                 except queue.Empty:
@@ -334,8 +348,10 @@ class EngineWorker:
                         stopping = True
                     else:
                         self._admit(job, batch)
+                        num_taken += 1
                     continue
             batch[:] = self._step(batch)
+            num_taken = 0
         return stopping
 
     def _before_step(self) -> None:
