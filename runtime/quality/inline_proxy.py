@@ -34,7 +34,10 @@ request, at no cost beyond a sum over numbers the blend computed anyway:
    ratio's last estimate came from the borrowed fit (1) or its own (0),
    `holeblend_inline_proxy_correlation{ratio}` the Pearson correlation of statistic and
    shadow F1 (absent with too few pairs or no spread), and `holeblend_inline_residual_deviation{ratio}` the raw statistic of every
-   blended request (observed whether or not calibrated).
+   blended request (observed whether or not calibrated). A ratio's series do not outlive
+   it: the gauges go when its calibration is evicted (the `MAX_RATIOS` ratios given pairs
+   last keep theirs), the histograms and `pooled` when `MAX_RATIOS` other ratios were
+   observed since it (a ratio that only borrows a fit has no calibration to evict).
 4. **Sharing** (shared_calibration.py): with a lookup server, the pods of a deployment
    share their pairs through it (`on_pair` publishes this pod's, `add_shared` keeps the
    others'), so a pod that starts is calibrated as soon as its deployment is;
@@ -292,7 +295,8 @@ class InlineProxyMetrics:
         self.shared_pairs = Counter(
             INLINE_SHARED_METRIC,
             "Calibration pairs shared through the deployment's lookup server: published "
-            "(scored by this pod's shadow) and received (scored by the other pods').",
+            "(scored by this pod's shadow, each once: not its re-sends to a restarted "
+            "server) and received (scored by the other pods').",
             ["direction"],
             registry=registry,
         )
@@ -343,6 +347,8 @@ class InlineProxy:
         # every lower ratio), by ratio label, the `MAX_RATIOS` built last; emptied
         # whenever a pair is added.
         self._borrowed: dict[str, _RatioState] = {}
+        # The ratios whose per-request series are exported, the `MAX_RATIOS` observed last.
+        self._observed: collections.OrderedDict[str, None] = collections.OrderedDict()
         # Called with (ratio, statistic, f1, top1) after each pair this pod's shadow
         # scored is kept (outside the lock): `SharedCalibration.publish`.
         self.on_pair: Callable[[float, float, float, float], None] | None = None
@@ -359,12 +365,15 @@ class InlineProxy:
             pooled = estimates is None
             if pooled:
                 estimates = self._borrowed_fit(label).estimates(statistic, extrapolate=False)
-        if self.metrics is not None:
-            self.metrics.statistic.labels(ratio=label).observe(statistic)
-            if estimates is not None:
-                self.metrics.f1.labels(ratio=label).observe(estimates[0])
-                self.metrics.top1.labels(ratio=label).observe(estimates[1])
-                self.metrics.pooled.labels(ratio=label).set(float(pooled))
+            # Under the lock, as in `_add`: a series set after it let go could come back
+            # for a ratio another thread has just evicted, and stay exported for good.
+            if self.metrics is not None:
+                self._keep_observed(label)
+                self.metrics.statistic.labels(ratio=label).observe(statistic)
+                if estimates is not None:
+                    self.metrics.f1.labels(ratio=label).observe(estimates[0])
+                    self.metrics.top1.labels(ratio=label).observe(estimates[1])
+                    self.metrics.pooled.labels(ratio=label).set(float(pooled))
         return estimates
 
     def add_pair(self, statistic: float | None, score: ShadowScore) -> None:
@@ -443,6 +452,23 @@ class InlineProxy:
         self._ratios.move_to_end(label)
         return state
 
+    def _keep_observed(self, label: str) -> None:
+        """Under the lock: `label` becomes the ratio observed last; the series `observe`
+        sets for the ratio observed longest ago go beyond `MAX_RATIOS`. A ratio that only
+        ever borrowed a fit has no calibration of its own whose eviction (`_state`) would
+        remove them, and the tuner visits ever new ratios."""
+        self._observed[label] = None
+        self._observed.move_to_end(label)
+        while len(self._observed) > MAX_RATIOS:
+            old, _ = self._observed.popitem(last=False)
+            for series in (
+                self.metrics.statistic,
+                self.metrics.f1,
+                self.metrics.top1,
+                self.metrics.pooled,
+            ):
+                _remove(series, old)
+
     def _new_state(self) -> _RatioState:
         return _RatioState(
             Calibration(self.min_pairs, self.max_pairs),
@@ -450,6 +476,6 @@ class InlineProxy:
         )
 
 
-def _remove(gauge: Gauge, label: str) -> None:
+def _remove(series: Gauge | Histogram, label: str) -> None:
     with contextlib.suppress(KeyError):
-        gauge.remove(label)
+        series.remove(label)

@@ -121,6 +121,8 @@ class SharedCalibration:
         self._pending: collections.deque[Numbered] = collections.deque(maxlen=MAX_PENDING)
         self._own: collections.deque[Numbered] = collections.deque(maxlen=MAX_OWN)
         self._numbers = itertools.count(1)  # this pod's own numbers of its pairs
+        # The greatest number published so far: a pair numbered up to it is a re-send.
+        self._published_through = 0
         self._after = 0
         self._epoch: str | None = None
         self._seen: dict[tuple, None] = {}  # pairs received (`_identity`), oldest first
@@ -208,7 +210,12 @@ class SharedCalibration:
             return False
         with self._lock:
             self._own.extend(numbered)
-        self._count("published", len(numbered))
+        # Pairs sent again to a restarted server were counted when first published: the
+        # count is of the pairs this pod scored. Each send takes every pending pair, so
+        # the numbers past the greatest one published are the first sends.
+        first_sends = sum(1 for number, _ in numbered if number > self._published_through)
+        self._published_through = max(self._published_through, *(n for n, _ in numbered))
+        self._count("published", first_sends)
         return True
 
     def _receive(self) -> bool:

@@ -210,6 +210,23 @@ def test_a_restarted_server_gets_each_pair_once_and_the_other_pods_count_each_on
     assert late.num_pairs(0.2) == 2
 
 
+def test_pairs_sent_again_to_a_restarted_server_are_counted_published_once():
+    """`published` counts the pairs this pod scored: sending its own again to a restarted
+    server must not count them a second time."""
+    registry = CollectorRegistry()
+    publisher = InlineProxy(registry)
+    client = InProcessClient(LookupServer())
+    publishing = SharedCalibration(client, SCOPE, "pod-a", publisher)
+    publisher.add_pair(0.5, _score(0.2, 0.9))
+    assert publishing.exchange()
+    client.server = LookupServer()  # restarted
+    publisher.add_pair(0.7, _score(0.2, 0.8))
+    assert publishing.exchange()
+    assert len(client.server.calibration.since(SCOPE, "someone-else", 0)[0]) == 2
+    published = {"direction": "published"}
+    assert registry.get_sample_value("holeblend_inline_proxy_shared_pairs_total", published) == 2
+
+
 class Outage(InProcessClient):
     """An in-process server that answers nothing while `down`."""
 

@@ -17,7 +17,7 @@ from holeblend_runtime.quality.inline_proxy import (
     InlineProxy,
     residual_deviation,
 )
-from holeblend_runtime.quality.shadow import ShadowScore
+from holeblend_runtime.quality.shadow import ShadowScore, ratio_label
 
 SYSTEM = "Answer the question from the documents in a few words."
 DOCS = [
@@ -169,6 +169,80 @@ def test_the_pairs_gauge_holds_the_last_count_when_two_threads_add_pairs():
     second.join(2.0)
     assert proxy.num_pairs(0.2) == 2
     assert registry.get_sample_value("holeblend_inline_proxy_pairs", {"ratio": "0.2"}) == 2
+
+
+class _EvictsBeforeFirstLabels:
+    """A gauge whose first `labels` call first runs `evict` on another thread and waits
+    for it (at most half a second): an eviction that comes between a ratio's estimate
+    and the export of which fit it came from, wherever that export does not hold the
+    proxy's lock."""
+
+    def __init__(self, gauge, evict) -> None:
+        self.gauge, self.evict = gauge, evict
+        self.thread: threading.Thread | None = None
+
+    def labels(self, **labels):
+        if self.thread is None:
+            self.thread = threading.Thread(target=self.evict)
+            self.thread.start()
+            self.thread.join(0.5)
+        return self.gauge.labels(**labels)
+
+    def remove(self, *labels):
+        self.gauge.remove(*labels)
+
+
+def test_a_ratio_evicted_while_its_estimate_is_exported_leaves_no_pooled_series():
+    """The sharing thread may evict a ratio (`MAX_RATIOS` newer ones got pairs) between
+    the serving thread's estimate at it and the export of which fit it came from: the
+    `pooled` series must not come back for the evicted ratio, where nothing would ever
+    remove it again."""
+    registry = CollectorRegistry()
+    proxy = InlineProxy(registry)
+    for i in range(MIN_PAIRS):
+        proxy.add_shared(0.1, i / (MIN_PAIRS - 1), 1.0, 1.0)
+    proxy.add_shared(0.3, 0.5, 1.0, 1.0)  # too few of its own: borrows 0.1's fit
+
+    def evict():
+        for i in range(MAX_RATIOS):
+            proxy.add_shared(0.5 + i / 100, 0.5, 1.0, 1.0)
+
+    proxy.metrics.pooled = evicting = _EvictsBeforeFirstLabels(proxy.metrics.pooled, evict)
+    assert proxy.observe(0.3, 0.5) is not None
+    evicting.thread.join(2.0)
+    assert proxy.num_pairs(0.3) == 0
+    assert registry.get_sample_value("holeblend_inline_proxy_pooled", {"ratio": "0.3"}) is None
+
+
+def test_the_series_of_ratios_that_only_borrowed_a_fit_go_when_newer_ratios_are_observed():
+    """A pod whose shadows score nothing (calibrated by its deployment's pairs) while the
+    tuner moves the ratio: each ratio only borrows a fit, so it has no calibration whose
+    eviction would remove its series. They go once `MAX_RATIOS` other ratios were
+    observed since it; a ratio observed again is kept, with its counts."""
+    registry = CollectorRegistry()
+    proxy = InlineProxy(registry)
+    for i in range(MIN_PAIRS):
+        x = i / (MIN_PAIRS - 1)
+        proxy.add_shared(0.0, x, 1 - x, 1.0)
+    names = (
+        "holeblend_inline_residual_deviation_count",
+        "holeblend_inline_f1_proxy_count",
+        "holeblend_inline_top1_proxy_count",
+        "holeblend_inline_proxy_pooled",
+    )
+
+    def exported(ratio):
+        values = [registry.get_sample_value(name, {"ratio": ratio_label(ratio)}) for name in names]
+        return [value for value in values if value is not None]
+
+    ratios = [step / 100 for step in range(1, 2 * MAX_RATIOS + 1)]
+    for ratio in ratios:
+        assert proxy.observe(ratio, 0.5) is not None
+    assert all(exported(ratio) == [] for ratio in ratios[:-MAX_RATIOS])
+    assert all(exported(ratio) == [1, 1, 1, 1] for ratio in ratios[-MAX_RATIOS:])
+    oldest, next_oldest = ratios[-MAX_RATIOS], ratios[-MAX_RATIOS + 1]
+    assert proxy.observe(oldest, 0.5) is not None and proxy.observe(0.99, 0.5) is not None
+    assert exported(oldest) == [2, 2, 2, 1] and exported(next_oldest) == []
 
 
 def test_a_ratio_without_pairs_borrows_the_fit_of_lower_ratios_only_inside_its_span():
