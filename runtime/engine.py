@@ -797,8 +797,10 @@ class BlendEngine:
 
         The system prompt is computed alone from position 0. A document is computed right
         after the system prompt and separator, or alone, as the config says. Returns the
-        number the store accepted.
+        number the store accepted. A prompt longer than the model's context is refused, as
+        by `prefill`: its segments would be stored at positions every load refuses.
         """
+        self._check_length(prompt)
         chosen = range(len(prompt.segments)) if indexes is None else indexes
         return self._cache_segments(prompt, chosen, self.segment_keys(prompt))
 
@@ -860,8 +862,9 @@ class BlendEngine:
         given the prompt and token_ids[:i] (row 0 is the prefill's own logits)."""
         if not token_ids:
             raise ValueError("token_ids: nothing to score")
+        self._check_token_ids(token_ids)
         num_prompt = prefill.num_prompt_tokens
-        self._check_fits(num_prompt + len(token_ids) - 1)
+        self._check_fits(num_prompt, len(token_ids) - 1)
         k, v = self._grow_kv(prefill, len(token_ids) - 1)
         inputs = torch.tensor(list(token_ids[:-1]), device=self.model.device, dtype=torch.int64)
         if inputs.shape[0] == 0:
@@ -985,10 +988,21 @@ class BlendEngine:
         )
         return k, v
 
-    def _check_fits(self, num_tokens: int) -> None:
-        if num_tokens > self.config.context_length:
+    def _check_token_ids(self, token_ids: Sequence[int]) -> None:
+        """Refuse ids the embedding has no row for: a negative one would index from its end."""
+        vocab_size = self.config.vocab_size
+        for token in token_ids:
+            if not 0 <= token < vocab_size:
+                raise ValueError(f"token_ids: {token} is outside the vocabulary [0, {vocab_size})")
+
+    def _check_fits(self, num_prompt: int, num_fed: int) -> None:
+        """Refuse scoring past the context: the prompt's tokens and every answer token but
+        the last (never fed) take a position each."""
+        if num_prompt + num_fed > self.config.context_length:
             raise ValueError(
-                f"token_ids: {num_tokens} tokens exceed the model context of {self.config.context_length}"
+                f"token_ids: {num_prompt} prompt tokens + {num_fed} of token_ids (all but the "
+                f"last) = {num_prompt + num_fed} exceed the model context of "
+                f"{self.config.context_length}; shorten the prompt or token_ids"
             )
 
 
