@@ -378,7 +378,10 @@ class Server:
     def _check_room(self) -> None:
         """429 at once while the queue is full: the body of a request that would be refused
         is neither read nor tokenized (under overload that work took the CPU the compute
-        thread needs, and held every such body, for nothing). `_submit` checks again."""
+        thread needs, and held every such body, for nothing). `_submit` checks again.
+        Without a worker (not started) there is no queue to be full."""
+        if self.worker is None:
+            return
         try:
             self.worker.check_room()
         except QueueFull as full:
