@@ -75,6 +75,11 @@ def vllm_example(model_dir: Path, **tuning) -> dict:
     return body
 
 
+def log_tail(path: Path, num_bytes: int) -> str:
+    """The last `num_bytes` of a log file ("" if there is none yet)."""
+    return path.read_bytes()[-num_bytes:].decode(errors="replace") if path.exists() else ""
+
+
 class LiveStack:
     """Emulator + process kubelet + operator (+ Prometheus); everything stops on exit."""
 
@@ -167,9 +172,7 @@ class LiveStack:
         """The end of each engine pod's container log (for errors)."""
         tails = []
         for pod in self.engine_pods(name):
-            path = self.kubelet.log_path(pod)
-            text = path.read_bytes()[-num_bytes:].decode(errors="replace") if path.exists() else ""
-            tails.append(f"--- {pod.name}\n{text}")
+            tails.append(f"--- {pod.name}\n{log_tail(self.kubelet.log_path(pod), num_bytes)}")
         return "\n".join(tails) or "(no engine pod)"
 
     def engine_pods(self, name: str) -> list:

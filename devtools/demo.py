@@ -134,7 +134,7 @@ def show_logs(stack: closed_loop.LiveStack, num_bytes: int = 3000) -> None:
     for pod in stack.kubelet.pods.values():
         logs[f"pod {pod.name}"] = stack.kubelet.log_path(pod)
     for name, path in logs.items():
-        text = path.read_bytes()[-num_bytes:].decode(errors="replace") if path.exists() else ""
+        text = closed_loop.log_tail(path, num_bytes)
         step(f"the end of {name}'s log ({path}, removed when the demo exits)")
         print(text.strip() or "(empty)", flush=True)
 

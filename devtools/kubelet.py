@@ -449,11 +449,10 @@ def _search_path(stand_in: DeviceStandIn | None = None) -> str:
 
 def probe(pod: Pod) -> bool:
     check = pod.container.get("readinessProbe") or {}
-    http = check.get("httpGet")
-    if http is None:
+    port = _probe_port(pod.container)
+    if port is None:
         return pod.process is not None and pod.process.poll() is None
-    port = _container_port(pod.container, http.get("port", 80))
-    url = f"http://{pod.ip}:{port}{http.get('path', '/')}"
+    url = f"http://{pod.ip}:{port}{check['httpGet'].get('path', '/')}"
     try:
         with urllib.request.urlopen(url, timeout=check.get("timeoutSeconds", 1)) as response:
             return 200 <= response.status < 400
@@ -464,10 +463,14 @@ def probe(pod: Pod) -> bool:
 def _ports(container: dict) -> set[int]:
     """The ports the container listens on: those it declares and its probe's."""
     ports = {int(declared["containerPort"]) for declared in container.get("ports", [])}
+    probed = _probe_port(container)
+    return ports if probed is None else ports | {probed}
+
+
+def _probe_port(container: dict) -> int | None:
+    """The port of the container's HTTP readiness probe; None without one."""
     http = (container.get("readinessProbe") or {}).get("httpGet")
-    if http is not None:
-        ports.add(_container_port(container, http.get("port", 80)))
-    return ports
+    return None if http is None else _container_port(container, http.get("port", 80))
 
 
 def _is_free(ip: str, port: int) -> bool:
@@ -519,8 +522,7 @@ def _stop_process(pod: Pod) -> None:
         try:
             process.wait(timeout=20)
         except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
+            _kill_process(pod)
             process.wait()
     pod.process = None
     if pod.log is not None:

@@ -139,13 +139,19 @@ def load_configuration() -> kubernetes.client.Configuration:
     return config
 
 
+def bearer_token(config: kubernetes.client.Configuration) -> str | None:
+    """The "Bearer <token>" header value, read through the client's refresh hook (a
+    rotated service account token, an exec plugin's); None without a token."""
+    return config.auth_settings().get("BearerToken", {}).get("value")
+
+
 def connection_info(config: kubernetes.client.Configuration) -> kopf.ConnectionInfo:
     """The same credentials for kopf's own requests (watches, events, peering).
 
     kopf calls this again when the API server answers 401: the token is read through the
     client's refresh hook, so a rotated service account token (or an exec plugin's) is
     the one handed over, not the expired one kopf has just discarded."""
-    token = config.auth_settings().get("BearerToken", {}).get("value")
+    token = bearer_token(config)
     scheme, _, token = (token or "").rpartition(" ")
     return kopf.ConnectionInfo(
         server=config.host,
@@ -269,7 +275,7 @@ class Client:
         # account tokens), which costs about a millisecond: do it once a minute, not per request.
         now = time.monotonic()
         if self._auth_read_at is None or now - self._auth_read_at > AUTH_REFRESH_S:
-            token = self._api.configuration.auth_settings().get("BearerToken", {}).get("value")
+            token = bearer_token(self._api.configuration)
             self._auth = {"Authorization": token} if token else {}
             self._auth_read_at = now
         return self._auth

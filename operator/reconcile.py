@@ -31,6 +31,7 @@ from holeblend_operator.status import (
     build_status,
     invalid_spec_status,
     is_available,
+    is_ready,
     without_times,
 )
 
@@ -122,8 +123,7 @@ async def refresh(
         return True  # the handlers already reported it; nothing to wait for
     observed = await observe(client, bd, None, known or {})
     await write_status(client, bd, body.get("status") or {}, observed, now)
-    lookup_ready = not bd.spec.lookup_server.enabled or is_available(observed.lookup, None)
-    return is_available(observed.engine, bd.spec.replicas) and lookup_ready
+    return is_ready(bd, observed)
 
 
 def desired_children(bd: BlendDeployment, body: dict) -> list[dict]:

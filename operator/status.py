@@ -43,6 +43,15 @@ class Observed:
     problem: Problem | None = None  # a failure of the reconcile itself (apply error, ...)
 
 
+def is_ready(bd: BlendDeployment, observed: Observed) -> bool:
+    """The Ready condition's rule: the engine, and the lookup server if enabled, available."""
+    return is_available(observed.engine, bd.spec.replicas) and is_lookup_ready(bd, observed)
+
+
+def is_lookup_ready(bd: BlendDeployment, observed: Observed) -> bool:
+    return not bd.spec.lookup_server.enabled or is_available(observed.lookup, None)
+
+
 def build_status(bd: BlendDeployment, observed: Observed, previous: list[dict], now: str) -> dict:
     """The full status to write, keeping lastTransitionTime of conditions that did not flip."""
     problem = (
@@ -51,7 +60,7 @@ def build_status(bd: BlendDeployment, observed: Observed, previous: list[dict], 
         or rollout_problem(observed.lookup, "lookup server")
     )
     engine_ready = is_available(observed.engine, bd.spec.replicas)
-    lookup_ready = not bd.spec.lookup_server.enabled or is_available(observed.lookup, None)
+    lookup_ready = is_lookup_ready(bd, observed)
     conditions = [
         _ready(engine_ready, lookup_ready, bd),
         _progressing(observed.engine, engine_ready and lookup_ready, problem),

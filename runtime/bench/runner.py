@@ -360,7 +360,7 @@ class BenchRunner:
                             measures[(*point, REPEAT_PASS)].append(again)
                             _forget_stored_since(engine, stored)
                             repeated_s[point] += engine.store_stats().compute_s - before_s
-                        if forget:
+                        elif forget:
                             _forget_stored_since(engine, stored)
                         bar.update(1 + is_repeated)
                 for point, engine in engines.items():

@@ -157,7 +157,7 @@ class SegmentIndex:
         now = self._clock()
         pod_keys = self._pod_keys[pod]
         shared_gone = self._shared_gone
-        unlisted = self._unlisted.get(pod, set()) if is_resync else set()
+        unlisted = self._unlisted.get(pod) if is_resync else None
         num = 0
         for item in entries:
             if item.num_bytes > self.limits.max_bytes:
@@ -170,7 +170,8 @@ class SegmentIndex:
                 else:
                     shared_gone.pop(item.key, None)
             entry = self._upsert(item, now, is_use=not is_resync)
-            unlisted.discard(item.key)
+            if unlisted is not None:
+                unlisted.discard(item.key)
             entry.pods.add(pod)
             pod_keys.add(item.key)
             num += 1

@@ -602,7 +602,12 @@ class _SchedulerSide:
                 self.ended_replays.popitem(last=False)
         if plan is None or (blended_at is None and _never_ran(request)):
             return None
-        if self._was_dropped(blended_at, outcome, is_load_failed):
+        # It loaded, and its load's outcome has not come back (nor did the load fail).
+        awaiting = blended_at is not None and outcome is None and not is_load_failed
+        if awaiting and self.step_tokens is not None:
+            # An asynchronous load's outcome comes back in the step vLLM learns the load
+            # ended, before it runs the request: one that finished with none ended while its
+            # blend was under way (the worker dropped it), and its plan's reuse was never used.
             return None
         # The plan's figures of a request that loaded count the ratio its blend ran with
         # (the live ratio may have changed since).
@@ -612,7 +617,7 @@ class _SchedulerSide:
         if is_replay:  # its figures go back to the shadow that sent it, in no user count
             replayed = self._replayed(plan, figures, request, blended_at, statistic)
             return figures if replayed is None else figures | {REPLAY_KEY: replayed}
-        if outcome is None and blended_at is not None and not is_load_failed:
+        if awaiting:  # a whole blend's outcome comes in the next step: counted from it
             self._await_outcome(request_id, plan, blended_at)
         else:
             _record(figures)
@@ -630,16 +635,6 @@ class _SchedulerSide:
         while len(self.awaiting_outcomes) > _ENDED_REPLAYS_KEPT:
             plan, ratio = self.awaiting_outcomes.popitem(last=False)[1]
             _record(_figures(plan, None, ratio))
-
-    def _was_dropped(
-        self, blended_at: float | None, outcome: LoadOutcome | None, is_load_failed: bool
-    ) -> bool:
-        """Whether a request ended while its asynchronous load's blend was under way (the
-        worker dropped it): such a load's outcome comes back in the step vLLM learns the
-        load ended, before it runs the request, so one that finished with none never ran
-        and its plan's reuse was never used."""
-        is_async = self.step_tokens is not None
-        return is_async and blended_at is not None and outcome is None and not is_load_failed
 
     def _finished_answer(self, request: Any) -> tuple[list[int], bool, frozenset[int]] | None:
         """A finished request's answer (its end token dropped), whether it ended at EOS or a

@@ -104,8 +104,9 @@ class ShadowYieldingScheduler(Scheduler):
             return super().schedule(*args, **kwargs)
         # Requests that wait holding KV blocks (remote loads) count as waiting users too.
         users_waiting += [r for r in compat.waiting_holding_kv(self) if not is_shadow(r)]
-        if users_waiting or any(_prefilling(r) for r in users_running):
-            if running_shadows and not self._room_for(users_waiting):
+        prefilling = [r for r in users_running if _prefilling(r)]
+        if users_waiting or prefilling:
+            if running_shadows and not self._room_for(users_waiting, prefilling):
                 self._preempt(running_shadows)
                 waiting_shadows += running_shadows
                 running_shadows = []
@@ -121,7 +122,7 @@ class ShadowYieldingScheduler(Scheduler):
             return self._without(idle_running, idle_waiting, *args, step=step, **kwargs)
         return self._chunked(*args, **kwargs)
 
-    def _room_for(self, users_waiting: list[Request]) -> bool:
+    def _room_for(self, users_waiting: list[Request], prefilling: list[Request]) -> bool:
         """Whether the free KV blocks hold the rest of the prompts of the waiting and the
         prefilling user requests and every running request a block to grow by, and the
         free seats (`--max-num-seqs`) the waiting user requests, with the shadows' blocks
@@ -131,7 +132,6 @@ class ShadowYieldingScheduler(Scheduler):
         if len(self.running) + len(users_waiting) > seats:
             return False
         free = self.kv_cache_manager.block_pool.get_num_free_blocks()
-        prefilling = [r for r in self.running if _prefilling(r) and not is_shadow(r)]
         need = sum(
             math.ceil((r.num_tokens - r.num_computed_tokens + 1) / self.block_size)
             for r in users_waiting + prefilling
