@@ -387,3 +387,46 @@ def test_timings_include_building_the_prompt_the_user_waits_for():
         for measure in rows:
             assert measure.ttft_s >= build_s, key
             assert measure.request_s >= measure.ttft_s, key
+
+
+# Store compute each blended send queues, done when the engine's stores are waited for.
+STORE_S = 1.0
+
+
+class _BackgroundEngine(_Engine):
+    """Stores what it blends in the background, as the isolated policy does: a send queues
+    `STORE_S` of compute, spent when the stores are waited for."""
+
+    def __init__(self):
+        super().__init__("isolated", _Store(), [])
+        self.queued, self.compute_s = [], 0.0
+
+    def prefill(self, prompt, mode, ratio):
+        if mode != "full":
+            self.queued.append(prompt.documents)
+        return _Prefill(0)
+
+    def wait_for_stores(self, timeout=None):
+        for documents in self.queued:
+            self.compute_s += STORE_S
+            self.store.entries.update(documents)
+        self.queued = []
+        return True
+
+    def store_stats(self):
+        return types.SimpleNamespace(compute_s=self.compute_s)
+
+
+def test_pass_three_reports_its_own_background_store_compute():
+    """Each pass-3 send stores its segments again (what its pass-2 send stored is removed
+    first): that compute belongs to pass 3's row, not added to pass 2's, or pass 2 looks
+    twice as costly in the background and pass 3 free."""
+    workload = WorkloadConfig(num_questions=2, num_documents=3)
+    config = BenchConfig(workload=workload, ratios=(0.15,), modes=("hole",),
+                         store_policies=("isolated",), max_new_tokens=1, repeat=True)  # fmt: skip
+    runner = BenchRunner(lambda policy, entry: _BackgroundEngine(), _Tokenizer(), config)
+    warm_up = generate_workload(WorkloadConfig(seed=99, num_questions=1, num_documents=3))[0]
+    rows = runner.run(generate_workload(workload), show_progress=False, warm_up=warm_up)
+    background = {row["pass"]: row["background_store_s_mean"] for row in rows
+                  if row["mode"] == "hole"}  # fmt: skip
+    assert background == {1: STORE_S, 2: STORE_S, 3: STORE_S}
