@@ -29,6 +29,7 @@ How a flag is recognised (vLLM's FlexibleArgumentParser and argparse, which our 
 
 import re
 
+from holeblend_contract import serve_settings
 from holeblend_contract.blend_settings import CONFIG_ENV
 from holeblend_contract.shared_tier import DEPLOYMENT_ENV, PASSWORD_ENV
 
@@ -121,7 +122,7 @@ USER_ENV = {
     "HOLEBLEND_ATTENTION": "forces holeblend-serve's attention backend",
     "HOLEBLEND_CACHE_DIR": "holeblend-serve's converted-model cache",
 }
-USER_ENV_PREFIXES = ("HOLEBLEND_SERVE_",)
+USER_ENV_PREFIXES = (serve_settings.ENV_PREFIX,)
 
 # Label and annotation keys of the engine pod template that are the operator's.
 RESERVED_METADATA_PREFIXES = ("app.kubernetes.io/", "blend.holeblend.io/")

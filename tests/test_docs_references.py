@@ -27,6 +27,7 @@ from unittest import mock
 
 import pytest
 
+from holeblend_contract import serve_settings as serve_contract
 from holeblend_operator import cli as operator_cli
 from holeblend_operator import settings as operator_settings
 from holeblend_runtime.bench import cli as bench_cli
@@ -380,7 +381,7 @@ def test_flags_are_read_up_to_the_end_of_their_command():
 
 # Variables read one per flag, `PREFIX<FLAG>`, which a page may name as a family.
 PER_FLAG_PREFIXES = (
-    serve_settings.ENV_PREFIX,
+    serve_contract.ENV_PREFIX,
     operator_settings.ENV_PREFIX,
     lookup_cli.ENV_PREFIX,
 )
@@ -396,7 +397,7 @@ def variables_read() -> set[str]:
             text = source.read_text()
             read |= set(re.findall(r"[\"'](HOLEBLEND_[A-Z0-9_]*[A-Z0-9])[\"']", text))
     for field in dataclasses.fields(serve_settings.ServeSettings):
-        read.add(serve_settings.env_name(field.name))
+        read.add(serve_contract.env_name(field.name))
     for field in dataclasses.fields(operator_settings.OperatorSettings):
         read.add(operator_settings.ENV_PREFIX + field.name.upper())
     for flag in options(lookup_cli.serve_parser()) - {"-h", "--help"}:

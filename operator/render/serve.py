@@ -13,19 +13,17 @@ plus the server's drain and close (`stop_seconds`: the pod's own `--drain-timeou
 import math
 
 from holeblend_contract.blend_settings import CONFIG_PATH
+from holeblend_contract.serve_settings import DRAIN_TIMEOUT_S, SHUTDOWN_TIMEOUT_S, env_name
 from holeblend_operator.api import AcceleratorType, BlendDeployment
 from holeblend_operator.render.pods import health_probe
 
 SERVE_COMMAND = "holeblend-serve"
 READY_PATH = "/ready"
 HEALTH_PATH = "/healthz"
-# How long holeblend-serve takes to stop after SIGTERM: --drain-timeout (30 s by default) for
-# queued and running requests, --shutdown-timeout (3 s) for connections still open, and a few
-# seconds to join its threads and send its last calibration pairs.
-DRAIN_SECONDS = 30
-SHUTDOWN_SECONDS = 3
+# How long holeblend-serve takes to stop after SIGTERM: --drain-timeout for queued and running
+# requests, --shutdown-timeout for connections still open, and a few seconds to join its
+# threads and send its last calibration pairs.
 JOIN_SECONDS = 5
-SERVE_ENV_PREFIX = "HOLEBLEND_SERVE_"
 
 
 def runs_holeblend_serve(bd: BlendDeployment) -> bool:
@@ -35,8 +33,8 @@ def runs_holeblend_serve(bd: BlendDeployment) -> bool:
 def stop_seconds(bd: BlendDeployment) -> int:
     """How long holeblend-serve takes to stop after SIGTERM with the drain and close this
     pod's engine.extraArgs and engine.env give it (38 s at the defaults)."""
-    drain = seconds_setting(bd, "--drain-timeout", DRAIN_SECONDS)
-    shutdown = seconds_setting(bd, "--shutdown-timeout", SHUTDOWN_SECONDS)
+    drain = seconds_setting(bd, "--drain-timeout", DRAIN_TIMEOUT_S)
+    shutdown = seconds_setting(bd, "--shutdown-timeout", SHUTDOWN_TIMEOUT_S)
     return math.ceil(drain + shutdown) + JOIN_SECONDS
 
 
@@ -53,7 +51,7 @@ def seconds_setting(bd: BlendDeployment, flag: str, default: float) -> float:
         elif arg.startswith(flag + "="):
             text = arg.removeprefix(flag + "=")
     if text is None:
-        name = SERVE_ENV_PREFIX + flag.removeprefix("--").replace("-", "_").upper()
+        name = env_name(flag.removeprefix("--").replace("-", "_"))
         text = next((var.value for var in bd.spec.engine.env if var.name == name), None)
     try:
         seconds = float(text)

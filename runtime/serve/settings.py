@@ -15,8 +15,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from holeblend_contract.blend_settings import CONFIG_ENV
-
-ENV_PREFIX = "HOLEBLEND_SERVE_"
+from holeblend_contract.serve_settings import DRAIN_TIMEOUT_S, SHUTDOWN_TIMEOUT_S, env_name
 
 
 @dataclass(frozen=True)
@@ -36,13 +35,13 @@ class ServeSettings:
     # max_tokens when a request sets none.
     default_max_tokens: int = 64
     # Seconds SIGTERM waits for queued and running requests before closing.
-    drain_timeout: float = 30.0
+    drain_timeout: float = DRAIN_TIMEOUT_S
     # Seconds a request body may take to arrive once its head did; then 408.
     body_timeout: float = 30.0
     # Seconds a connection may stay idle, or take to send a request head; then it is closed.
     idle_timeout: float = 15.0
     # Seconds the listener's close waits for connections after the drain; then they are cut.
-    shutdown_timeout: float = 3.0
+    shutdown_timeout: float = SHUTDOWN_TIMEOUT_S
     # Seconds between checks of the config directory for a new blend.json.
     reload_interval: float = 1.0
     # Threads torch uses on the compute thread.
@@ -81,10 +80,6 @@ def _at_least(name: str, value: int, low: int) -> None:
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
-
-
-def env_name(name: str) -> str:
-    return ENV_PREFIX + name.upper()
 
 
 def parse_settings(
