@@ -1587,6 +1587,12 @@ class TuningStatus(ApiModel):
     one then falls below target, a raise goes back to this one instead of a whole step up."""
     meets_target_above_at: str | None = None
     """When `meetsTargetAboveRatio` was measured (RFC 3339)."""
+    learned_target_f1_proxy: float | None = Field(default=None, gt=0, le=1)
+    """spec.tuning.targetF1Proxy when the ratios above were learned: when the target or
+    the band changes, what they no longer tell of the new one is forgotten (a floor when
+    target - band falls, the known-good ratios when it rises)."""
+    learned_band: float | None = Field(default=None, ge=0, le=0.5)
+    """spec.tuning.band when the ratios above were learned."""
 
 
 class ObservedMetrics(ApiModel):

@@ -41,7 +41,9 @@ cooldowns after it was measured, so a workload that becomes easier is found agai
 probe one step below. A reading inside the band teaches "meets the target" only with
 REMEMBER_IN_BAND_FACTOR x minSamples samples (a few samples read in band by luck). When
 the lowest known-good ratio later falls below target, the one above it is the way back
-up, so the raise does not overshoot by a whole step.
+up, so the raise does not overshoot by a whole step. A change of the target or the band
+forgets what it makes unknown (`State.retargeted`): a floor when target - band falls, the
+known-good ratios when it rises.
 
 Every decision carries a reason code, a sentence with the numbers it saw, and the state
 for the next call.
@@ -191,6 +193,34 @@ class State:
         if floor is not None and floor >= ratio - RATIO_TOLERANCE:
             floor, floor_at = None, None  # the workload changed: that ratio is no longer low
         return State(above_since, floor, floor_at, good, good_at, above, above_at)
+
+    def retargeted(self, old_target: float, old_band: float, spec: TuningSpec) -> tuple[State, str]:
+        """This state, learned against the target `old_target` and band `old_band`, for
+        `spec`'s, and a phrase naming what was forgotten ('' when nothing). A reading below
+        the old target - band is below a higher one too, one meeting it meets a lower one,
+        and one above the old target + band is above a lower one; the rest says nothing of
+        the new target."""
+        low, old_low = spec.target_f1_proxy - spec.band, old_target - old_band
+        high, old_high = spec.target_f1_proxy + spec.band, old_target + old_band
+        state, forgot = self, []
+        if low < old_low and self.floor is not None:
+            state = dataclasses.replace(state, floor=None, floor_at=None)
+            forgot.append(f"ratio {self.floor}, measured below the old target")
+        if low > old_low and self.good is not None:
+            state = dataclasses.replace(
+                state, good=None, good_at=None, good_above=None, good_above_at=None
+            )
+            forgot.append(f"ratio {self.good}, measured meeting the old target")
+        if high > old_high and self.above_since is not None:
+            state = replace_since(state, None)
+            forgot.append("the cooldown begun above the old target + band")
+        if not forgot:
+            return self, ""
+        change = (
+            f"target {old_target} band {old_band} changed to "
+            f"{spec.target_f1_proxy} band {spec.band}"
+        )
+        return state, f"{change}: forgot {' and '.join(forgot)}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -162,6 +162,18 @@ def state_from(status: dict, spec_ratio: float) -> State:
     )
 
 
+def retargeted(status: dict, spec: TuningSpec, state: State) -> tuple[State, str]:
+    """`state` without what was learned against a target or band that spec.tuning no
+    longer has (`State.retargeted`, from the target and band status says the state was
+    learned against), and a phrase for the reason. A status written before it recorded
+    them says nothing of the target: its state is kept."""
+    tuning = status.get("tuning") or {}
+    target, band = tuning.get("learnedTargetF1Proxy"), tuning.get("learnedBand")
+    if not all(isinstance(x, int | float) and not isinstance(x, bool) for x in (target, band)):
+        return state, ""
+    return state.retargeted(float(target), float(band), spec)
+
+
 def _was_disabled(status: dict) -> bool:
     """Whether the Tuned condition is the one the reconcile writes while tuning is off
     (status._tuned): the tuner has not decided since it was switched on again."""
@@ -230,6 +242,8 @@ def status_patch(
             "meetsTargetAt": _rfc3339_or_none(state.good_at),
             "meetsTargetAboveRatio": state.good_above,
             "meetsTargetAboveAt": _rfc3339_or_none(state.good_above_at),
+            "learnedTargetF1Proxy": bd.spec.tuning.target_f1_proxy,
+            "learnedBand": bd.spec.tuning.band,
         },
         # Every field, null when not read now: a merge patch leaves out what it omits, so
         # a figure of an earlier interval would stand beside this one's observedAt.
@@ -367,7 +381,10 @@ class TuningLoop:
         if (why := no_proxies(bd)) is not None:
             seen = dataclasses.replace(seen, no_proxies=why)
         seen = select_signal(spec, seen)  # the proxy the law acts on, for status too
-        decision = decide(spec, ratio, seen, state_from(status, spec_ratio), time.time())
+        state, forgot = retargeted(status, spec, state_from(status, spec_ratio))
+        decision = decide(spec, ratio, seen, state, time.time())
+        if forgot:
+            decision = dataclasses.replace(decision, reason=f"{decision.reason}; {forgot}")
         async with self.operator.lock(key):
             # The status as it is now: the reconcile's refresh may have written it (under
             # this lock) while the metrics were read, and a patch built on the earlier

@@ -532,3 +532,22 @@ def test_a_raise_past_a_lowered_max_ratio_does_not_claim_max_ratio_was_measured(
     assert "raised x1.5 to 0.4" in up.reason and "measured meeting" not in up.reason
     back = decide(SPEC, 0.3, reading(f1=0.5), State(good=0.5, good_at=0), now=1)
     assert (back.to_ratio, "raised back to 0.5" in back.reason) == (0.5, True)
+
+
+def test_a_changed_target_forgets_only_what_it_makes_unknown():
+    """Below 0.88 is below a higher target - band too, meeting 0.88 meets a lower one."""
+    learned = State(above_since=5, floor=0.1, floor_at=1, good=0.2, good_at=2, good_above=0.3)
+    learned = dataclasses.replace(learned, good_above_at=3)
+    raised, why = learned.retargeted(0.9, 0.02, SpecWith(targetF1Proxy=0.95))
+    assert raised == State(floor=0.1, floor_at=1)
+    assert why == (
+        "target 0.9 band 0.02 changed to 0.95 band 0.02: forgot ratio 0.2, measured meeting "
+        "the old target and the cooldown begun above the old target + band"
+    )
+    lowered, why = learned.retargeted(0.9, 0.02, SpecWith(targetF1Proxy=0.8))
+    assert lowered == dataclasses.replace(learned, floor=None, floor_at=None)
+    assert why.endswith("forgot ratio 0.1, measured below the old target")
+    # A wider band lowers target - band and raises target + band.
+    wider, _ = learned.retargeted(0.9, 0.02, SpecWith(band=0.05))
+    assert wider == dataclasses.replace(learned, above_since=None, floor=None, floor_at=None)
+    assert learned.retargeted(0.9, 0.02, SpecWith(maxRatio=0.4)) == (learned, "")

@@ -774,3 +774,93 @@ async def test_holeblend_serve_pods_keep_holeblend_ttft_on_one_port():
     assert seen["ttftSeconds"] == pytest.approx(0.5)  # not vLLM's 100 s
     assert asked == [pod.port, pod.port]  # one scrape per pod and read, no second port
     assert (target.ttft, target.ttft_urls) == ("holeblend_ttft_seconds", {})
+
+
+def _learned_status(**learned) -> dict:
+    """Status at the tuned ratio 0.13 (spec ratio 0.15) with what the law learned `ago`
+    seconds back (within its memory of 20 cooldowns of 60 s)."""
+    ago = learned.pop("ago", 0)
+    at = datetime.datetime.fromtimestamp(time.time() - ago, datetime.UTC)
+    stamp = at.strftime("%Y-%m-%dT%H:%M:%SZ")
+    tuning = {"baseRatio": 0.15} | {
+        key: stamp if value is None else value for key, value in learned.items()
+    }
+    return {"recomputeRatio": 0.13, "tuning": tuning}
+
+
+def _retargeted(client, target: float) -> None:
+    client.body["spec"] = SPEC | {"tuning": {"targetF1Proxy": target, "cooldownSeconds": 60}}
+    client.body["metadata"]["generation"] += 1
+
+
+def test_a_lowered_target_does_not_hold_the_ratio_at_a_floor_measured_against_the_old_one():
+    """0.13 read below 0.87 (target 0.9 - band) and 0.15 above 0.93: held at the floor.
+    The target lowered to 0.7, 0.15 reads far above 0.73 for longer than a cooldown: the
+    step down to 0.13, never measured against 0.7, is taken rather than held for 20
+    cooldowns on a floor that belonged to the old target."""
+    client = _StatusClient(
+        _learned_status(belowTargetRatio=0.13, belowTargetAt=None, aboveTargetSince=None, ago=120)
+        | {"recomputeRatio": 0.15}
+    )
+    _retargeted(client, 0.9)
+    above = dataclasses.replace(SEEN, f1_proxy=0.99)  # 40 samples at 0.15
+    loop = _Loop(_Operator(client), _nothing, above)
+    try:
+        held = asyncio.run(loop.tune(KEY))
+        _retargeted(client, 0.7)
+        lowered = asyncio.run(loop.tune(KEY))
+    finally:
+        metrics.TUNING.forget(KEY)
+    assert held.code == "AtLearnedFloor"
+    assert (lowered.direction, lowered.to_ratio) == ("down", 0.13)
+    assert "forgot ratio 0.13, measured below the old target" in lowered.reason
+    assert "belowTargetRatio" not in client.body["status"]["tuning"]
+
+
+def test_a_raised_target_does_not_wait_on_a_ratio_measured_meeting_the_old_one():
+    """0.15 met target 0.7 and the ratio was stepped down to 0.13. The target raised to
+    0.9, 0.13 reads 0.85, below 0.87: nothing is known to meet 0.9, so the ratio is
+    raised a whole step at once, neither held (`ConfirmingBelowTarget`, a wait justified
+    only by a ratio above meeting the target) nor sent back to 0.15 as "measured meeting
+    the target"."""
+    client = _StatusClient(_learned_status(meetsTargetRatio=0.15, meetsTargetAt=None))
+    _retargeted(client, 0.7)
+    few = dataclasses.replace(SEEN, f1_proxy=0.85, num_samples=5, ratios_in_force=(0.13,))
+    loop = _Loop(_Operator(client), _nothing, few)
+    try:
+        assert asyncio.run(loop.tune(KEY)).code == "TooFewSamples"
+        _retargeted(client, 0.9)
+        loop.seen = dataclasses.replace(few, num_samples=40)
+        raised = asyncio.run(loop.tune(KEY))
+    finally:
+        metrics.TUNING.forget(KEY)
+    assert (raised.direction, raised.to_ratio, raised.code) == ("up", 0.195, "BelowTarget")
+    assert "forgot ratio 0.15, measured meeting the old target" in raised.reason
+    assert "meetsTargetRatio" not in client.body["status"]["tuning"]
+
+
+def test_a_restarted_operator_knows_the_target_its_ratios_were_learned_against():
+    """Status records the target and band with the learned ratios, so a new process (a
+    restart, a failover to another replica) forgets what a changed target makes unknown;
+    a status from before it recorded them keeps its ratios (nothing says they are stale)."""
+    client = _StatusClient(_learned_status(meetsTargetRatio=0.15, meetsTargetAt=None))
+    _retargeted(client, 0.7)
+    few = dataclasses.replace(SEEN, f1_proxy=0.85, num_samples=5, ratios_in_force=(0.13,))
+    try:
+        asyncio.run(_Loop(_Operator(client), _nothing, few).tune(KEY))
+        tuning = client.body["status"]["tuning"]
+        assert (tuning["learnedTargetF1Proxy"], tuning["learnedBand"]) == (0.7, 0.03)
+        legacy = copy.deepcopy(client.body)
+        _retargeted(client, 0.9)
+        restarted = _Loop(_Operator(client), _nothing, dataclasses.replace(few, num_samples=40))
+        raised = asyncio.run(restarted.tune(KEY))
+        for name in ("learnedTargetF1Proxy", "learnedBand"):
+            del legacy["status"]["tuning"][name]
+        client.body = legacy
+        _retargeted(client, 0.9)
+        kept = asyncio.run(restarted.tune(KEY))
+    finally:
+        metrics.TUNING.forget(KEY)
+    assert "forgot ratio 0.15, measured meeting the old target" in raised.reason
+    assert "forgot" not in kept.reason
+    assert client.body["status"]["tuning"]["meetsTargetRatio"] == 0.15
