@@ -9,15 +9,20 @@ Failures are sorted for the caller: a missing object is `None` (or `False`), an 
 already exists is `None` from `create`, a rejected object raises `Invalid`, and anything
 worth retrying (timeouts, connection errors, a 401 for expired credentials, 409 conflicts,
 429 and 5xx) raises `Unavailable`, which the handlers retry with a capped, jittered
-exponential backoff.
+exponential backoff. A 429 or 5xx that says when to come back (Retry-After, in seconds) is
+sent again then, up to RETRY_AFTER_RESENDS times, before it counts as a failure: an API
+server shedding load (priority and fairness) expects its clients to wait that long.
 """
 
+import asyncio
+import contextlib
 import dataclasses
 import json
 import os
 import ssl
 import time
 import urllib.parse
+from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
@@ -30,6 +35,9 @@ from holeblend_operator.api import GROUP, PLURAL, VERSION
 
 MERGE_PATCH = "application/merge-patch+json"
 AUTH_REFRESH_S = 60.0  # how often credentials are re-read (tokens expire in minutes to hours)
+RETRY_AFTER_MAX_S = 60.0  # the longest Retry-After honoured; a longer one waits this long
+RETRY_AFTER_RESENDS = 3  # per request; then the handlers' backoff takes over
+CLOSE_GRACE_S = 5.0  # how long `close` waits for the answers to requests in flight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,10 +186,14 @@ class Client:
         self._max_in_flight = max_in_flight
         # Built now, not on the first request: loading the CA bundle takes tens of ms,
         # which would otherwise delay the first reconcile.
+        self._ca = _read_ca(api.configuration)  # what the context trusts, to notice a change
         self._ssl = _ssl_context(api.configuration)
         self._session: aiohttp.ClientSession | None = None
         self._auth: dict[str, str] = {}
         self._auth_read_at: float | None = None
+        self._in_flight = 0
+        self._idle = asyncio.Event()  # set while no request is in flight
+        self._idle.set()
 
     @classmethod
     def from_configuration(
@@ -190,6 +202,11 @@ class Client:
         return cls(kubernetes.client.ApiClient(config), timeout_s, max_in_flight)
 
     async def close(self) -> None:
+        """Close the session once the requests in flight have their answers (CLOSE_GRACE_S at
+        most). Closed under them, a write the API server received, and may well apply, would
+        be reported failed, and its reconcile retried as the operator stops."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), CLOSE_GRACE_S)
         if self._session is not None:
             await self._session.close()
 
@@ -243,13 +260,22 @@ class Client:
         if verb not in kind.verbs:  # keeps ACCESS (and so RBAC) complete: see the module doc
             raise PermissionError(f"{verb} {kind.plural} is not declared in kube.ACCESS")
         url = path + (f"?{urllib.parse.urlencode(query)}" if query else "")
-        status, data = await self._send(method, url, body)
-        metrics.API_REQUESTS.labels(verb=verb, resource=kind.plural, code=str(status)).inc()
+        resends = 0
+        while True:
+            status, data, resend_after_s = await self._send(method, url, body)
+            metrics.API_REQUESTS.labels(verb=verb, resource=kind.plural, code=str(status)).inc()
+            if resend_after_s is None or resends == RETRY_AFTER_RESENDS:
+                break
+            resends += 1
+            await asyncio.sleep(resend_after_s)
         if status == 401:  # the token expired or rotated: read it afresh for the retry
             self._auth_read_at = None
         return _interpret(status, data, verb, kind, missing_ok=missing_ok, exists_ok=exists_ok)
 
-    async def _send(self, method: str, url: str, body: Any) -> tuple[int, bytes]:
+    async def _send(self, method: str, url: str, body: Any) -> tuple[int, bytes, float | None]:
+        """The answer's status and body, and when to send the request again: after the
+        server's Retry-After, or at once if a TLS handshake failed under a CA bundle that has
+        changed since (None: not again)."""
         content_type = MERGE_PATCH if method == "PATCH" else "application/json"
         headers = {
             "Accept": "application/json",
@@ -257,18 +283,49 @@ class Client:
             **self._auth_headers(),
         }
         data = None if body is None else json.dumps(body)
+        context = self._ssl
+        self._in_flight += 1
+        self._idle.clear()
         try:
             async with self._get_session().request(
-                method, self._host + url, headers=headers, data=data, timeout=self._timeout
+                method,
+                self._host + url,
+                headers=headers,
+                data=data,
+                timeout=self._timeout,
+                ssl=context,
             ) as response:
-                return response.status, await response.read()
+                return (
+                    response.status,
+                    await response.read(),
+                    _retry_after(response.status, response.headers),
+                )
+        except aiohttp.ClientConnectorCertificateError as exc:
+            self._reload_ca()
+            return 0, _no_answer(exc), 0.0 if self._ssl is not context else None
         except (
             aiohttp.ClientError,
             TimeoutError,
             OSError,
             RuntimeError,
         ) as exc:  # RuntimeError: closed
-            return 0, f"{type(exc).__name__}: {exc}".encode()  # 0: no answer
+            return 0, _no_answer(exc), None
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight:
+                self._idle.set()
+
+    def _reload_ca(self) -> None:
+        """Trust the CA bundle's file as it is now, if it changed: the cluster's CA rotated
+        and the kubelet replaced the mounted file. Read after a failed TLS handshake only,
+        not per request; a file unreadable at that moment keeps the bundle already loaded."""
+        config = self._api.configuration
+        try:
+            ca = _read_ca(config)
+            if ca != self._ca:
+                self._ssl, self._ca = _ssl_context(config), ca
+        except (OSError, ValueError, ssl.SSLError):  # gone, or written half, for a moment
+            pass
 
     def _auth_headers(self) -> dict[str, str]:
         # The client's auth settings run its token-refresh hook (exec plugins, rotated service
@@ -287,6 +344,14 @@ class Client:
         return self._session
 
 
+def _read_ca(config: kubernetes.client.Configuration) -> bytes | None:
+    """The CA bundle's text; None where the system's CAs are trusted (or none checked)."""
+    if not (config.verify_ssl and config.ssl_ca_cert):
+        return None
+    with open(config.ssl_ca_cert, "rb") as file:
+        return file.read()
+
+
 def _ssl_context(config: kubernetes.client.Configuration) -> ssl.SSLContext | bool:
     if not config.verify_ssl:
         return False
@@ -294,6 +359,23 @@ def _ssl_context(config: kubernetes.client.Configuration) -> ssl.SSLContext | bo
     if config.cert_file:
         context.load_cert_chain(config.cert_file, config.key_file)
     return context
+
+
+def _retry_after(status: int, headers: Mapping[str, str]) -> float | None:
+    """The wait a 429 or 5xx answer asks for in its Retry-After header, at most
+    RETRY_AFTER_MAX_S; None for other answers, and for an absent header or one that is not
+    a number of seconds (an HTTP date): the handlers' backoff then."""
+    if status != 429 and status < 500:
+        return None
+    value = headers.get("Retry-After", "").strip()
+    if not (value.isascii() and value.isdigit()):
+        return None
+    return min(float(value), RETRY_AFTER_MAX_S)
+
+
+def _no_answer(exc: Exception) -> bytes:
+    """The body for a request that got no answer (status 0): what went wrong."""
+    return f"{type(exc).__name__}: {exc}".encode()
 
 
 def _interpret(
