@@ -9,14 +9,16 @@ finish before it closes.
 A completion request is checked fully before it is queued: body size (413) and arrival
 within `body_timeout` (408), body shape (400 naming the field), model name (404), prompt
 build and length against the context (400), queue room (429 with Retry-After; checked
-before the body is read too, so a full queue refuses at once). Parsing and tokenizing run
-on a small thread pool, never on the event loop, so a huge prompt cannot stall `/healthz`
-or other streams; a prompt whose character count alone proves it longer than the context
-is refused without tokenizing. A client that disconnects cancels its job (aiohttp cancels
-the handler; the compute thread sees the flag between tokens or drops the job unstarted);
-one that stops reading a stream is disconnected once a write has waited past its
-request's deadline plus `WRITE_GRACE_S`. Every error, the router's 404 and 405 included,
-is an OpenAI-style JSON body (`error_middleware`).
+before the body is read too, so a full queue refuses at once; from then until it is queued
+or refused the request holds its place, so no more bodies are read and parsed at once
+than the queue has room for). Parsing and tokenizing run on a small thread pool, never on
+the event loop, so a huge prompt cannot stall `/healthz` or other streams; a prompt whose
+character count alone proves it longer than the context is refused without tokenizing.
+A client that disconnects cancels its job (aiohttp cancels the handler; the compute
+thread sees the flag between tokens or drops the job unstarted); one that stops reading a
+stream is disconnected once a write has waited past its request's deadline plus
+`WRITE_GRACE_S`. Every error, the router's 404 and 405 included, is an OpenAI-style JSON
+body (`error_middleware`).
 """
 
 from __future__ import annotations
@@ -149,6 +151,9 @@ class Server:
         self.is_draining = False
         # Requests with a parsed body, not yet answered (what a drain waits for).
         self.num_active = 0
+        # Requests past the queue check, not yet queued (their bodies being read or
+        # parsed): each holds a place in the queue.
+        self.num_reserved = 0
         self._parse_pool = serial_pool(PARSE_THREADS, "holeblend-parse")
 
     def _on_reload(self) -> None:
@@ -340,10 +345,12 @@ class Server:
 
     async def _complete(self, request: web.Request, parse: Callable) -> web.StreamResponse:
         arrived = time.perf_counter()
-        outcome, active = "error", False
+        outcome, active, reserved = "error", False, False
         try:
             self._check_open()
             self._check_room()
+            self.num_reserved += 1
+            reserved = True
             body = await self._read_body(request)
             rag, prompt, max_tokens = await asyncio.get_running_loop().run_in_executor(
                 self._parse_pool, self._parse, body, parse
@@ -351,6 +358,8 @@ class Server:
             self._check_open()  # the drain may have begun while the body arrived
             self.num_active += 1
             active = True
+            self.num_reserved -= 1  # the job takes the place it held
+            reserved = False
             job, rag = self._submit(rag, prompt, max_tokens, arrived)
             outcome, response = await self._respond(request, job, rag)
             return response
@@ -362,6 +371,7 @@ class Server:
             raise
         finally:
             self.num_active -= active
+            self.num_reserved -= reserved
             self._count(outcome, arrived)
 
     def _count(self, outcome: str, arrived: float) -> None:
@@ -378,12 +388,15 @@ class Server:
     def _check_room(self) -> None:
         """429 at once while the queue is full: the body of a request that would be refused
         is neither read nor tokenized (under overload that work took the CPU the compute
-        thread needs, and held every such body, for nothing). `_submit` checks again.
-        Without a worker (not started) there is no queue to be full."""
+        thread needs, and held every such body, for nothing). The requests let in whose
+        bodies are still being read or parsed count as queued: a burst that arrives while
+        the queue is empty would otherwise all pass, each body held and parsed before its
+        429 at `_submit`, which checks again. Without a worker (not started) there is no
+        queue to be full."""
         if self.worker is None:
             return
         try:
-            self.worker.check_room()
+            self.worker.check_room(self.num_reserved)
         except QueueFull as full:
             raise _queue_full_error(full) from None
 

@@ -274,16 +274,18 @@ class EngineWorker:
             self.metrics.queue_depth.set(len(self._waiting))
         self._jobs.put(job)
 
-    def check_room(self) -> None:
-        """`QueueFull` if a job submitted now would be refused (the route asks before it
-        reads and tokenizes a request's body)."""
+    def check_room(self, num_reserved: int = 0) -> None:
+        """`QueueFull` if a job submitted now would be refused, with `num_reserved` more
+        jobs to come counted as waiting (the route asks before it reads and tokenizes a
+        request's body, counting those it let in that are not yet submitted)."""
         with self._lock:
-            self._check_room()
+            self._check_room(num_reserved)
 
-    def _check_room(self) -> None:
-        """Under `_lock`: `QueueFull` while `queue_size` jobs wait."""
+    def _check_room(self, num_reserved: int = 0) -> None:
+        """Under `_lock`: `QueueFull` while `queue_size` jobs wait (`num_reserved` more
+        counted)."""
         self._release_cancelled()
-        if len(self._waiting) >= self.queue_size:
+        if len(self._waiting) + num_reserved >= self.queue_size:
             raise QueueFull(self._slot.retry_after_s(time.perf_counter()))
 
     def cancel(self, job: Job) -> None:
