@@ -139,6 +139,13 @@ def waiting_holding_kv(scheduler: Any) -> list[Any]:
     return list(getattr(scheduler, "kv_holding_waiting", ()))
 
 
+def waiting_queues(scheduler: Any) -> list[Any]:
+    """The scheduler's queues of waiting requests: `waiting` and, in vLLM 0.32, the queue
+    of those holding KV blocks (`kv_holding_waiting`)."""
+    holding = getattr(scheduler, "kv_holding_waiting", None)
+    return [scheduler.waiting] if holding is None else [scheduler.waiting, holding]
+
+
 def seat_limits(scheduler: Any) -> tuple[str, ...]:
     """The scheduler's attributes that limit its running requests: the model runner's
     seats (`max_num_running_reqs`) and, in vLLM 0.32, the admission cap under them

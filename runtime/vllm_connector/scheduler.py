@@ -99,11 +99,11 @@ class ShadowYieldingScheduler(Scheduler):
     def schedule(self, *args: Any, **kwargs: Any):
         # One pass over each queue per step (this runs before every step of vLLM's).
         running_shadows, users_running = _split(self.running)
-        waiting_shadows, users_waiting = _split(self.waiting)
+        # Requests that wait holding KV blocks (a shadow's replay after its load, too)
+        # wait in vLLM 0.32's own queue, which it drains before `waiting`.
+        waiting_shadows, users_waiting = _split([*self.waiting, *compat.waiting_holding_kv(self)])
         if not running_shadows and not waiting_shadows:
             return super().schedule(*args, **kwargs)
-        # Requests that wait holding KV blocks (remote loads) count as waiting users too.
-        users_waiting += [r for r in compat.waiting_holding_kv(self) if not is_shadow(r)]
         prefilling = [r for r in users_running if _prefilling(r)]
         if users_waiting or prefilling:
             if running_shadows and not self._room_for(users_waiting, prefilling):
@@ -158,7 +158,10 @@ class ShadowYieldingScheduler(Scheduler):
         blocks and their seats (vLLM admits no request into those). Counted as paused,
         unless `step` counts it (the budget's shadows chunked beside decoding ones)."""
         self.running = [r for r in self.running if r not in running]
-        self.waiting.remove_requests(waiting)
+        aside = set(waiting)
+        taken = [(q, [r for r in q if r in aside]) for q in compat.waiting_queues(self)]
+        for queue, requests in taken:
+            queue.remove_requests(requests)
         seats = {name: getattr(self, name) for name in compat.seat_limits(self)}
         for name, value in seats.items():
             setattr(self, name, value - len(running))
@@ -168,8 +171,9 @@ class ShadowYieldingScheduler(Scheduler):
             for name, value in seats.items():
                 setattr(self, name, value)
             self.running.extend(running)  # the lowest priority: last
-            for request in waiting:
-                self.waiting.add_request(request)
+            for queue, requests in taken:
+                for request in requests:
+                    queue.add_request(request)
             if step is None:
                 self._count("paused")
 

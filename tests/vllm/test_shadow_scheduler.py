@@ -377,3 +377,30 @@ def test_vllms_adaptive_threshold_does_not_widen_a_shadows_chunk_beside_a_decode
         steps.append(step(engine))
     assert all(list(tokens) == ["decoder"] for tokens in steps[:-1])
     assert steps[-1] == {"decoder": 1, "shadow": CHUNK}
+
+
+def loaded_shadow(engine: Scheduler, num_prompt: int, num_loaded: int) -> Request:
+    """A shadow (a replay: blended like a user request) whose asynchronous load is done,
+    as vLLM leaves one: its loaded tokens computed, in their blocks, waiting with them
+    (vLLM 0.32 in `kv_holding_waiting`, drained before `waiting`; 0.23 in `waiting`)."""
+    shadow = request("shadow", num_prompt, shadow=True)
+    engine.add_request(shadow)
+    engine.waiting.remove_request(shadow)
+    assert engine.kv_cache_manager.allocate_slots(shadow, num_loaded) is not None
+    shadow.num_computed_tokens = num_loaded
+    enqueue = getattr(engine, "_enqueue_waiting_request", engine.waiting.add_request)
+    enqueue(shadow)
+    return shadow
+
+
+def test_a_shadow_waiting_with_its_loaded_kv_yields_to_a_user_request_and_keeps_its_load():
+    engine = scheduler()
+    shadow = loaded_shadow(engine, 400, num_loaded=256)
+    engine.add_request(request("user", USER_PROMPT))
+    assert step(engine) == {"user": USER_PROMPT}  # the shadow sits the user prefill out
+    assert shadow.num_computed_tokens == 256
+    seen = [step(engine) for _ in range(USER_TOKENS + (400 - 256) // CHUNK + 2)]
+    assert seen[0] == {"user": 1, "shadow": CHUNK}  # then one chunk beside the decode
+    assert engine.requests.get("shadow") is None  # finished
+    # Its load is not computed again: the rest of its prompt, then its decodes.
+    assert sum(s.get("shadow", 0) for s in seen) == 400 - 256 + USER_TOKENS - 1
