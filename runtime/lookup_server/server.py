@@ -25,7 +25,8 @@
      a client that opens thousands of idle connections cannot take the process's file
      descriptors (the kept-alive connections of the others stay served).
 4. A timer drops pods that stopped heartbeating, and moves the (acyclic, long-lived)
-   index entries out of the cyclic garbage collector's reach (`gc.freeze`).
+   index entries out of the cyclic garbage collector's reach (`gc.freeze`), after
+   collecting the garbage made since the last time (`LookupServer.freeze_long_lived`).
 5. Client-controlled text (pod names, request paths) is logged escaped (`log_text`), so a
    newline in it cannot forge a log line.
 """
@@ -64,6 +65,9 @@ LINGER_S = 2.0
 # File descriptors the process needs besides its client connections: the listener, the
 # event loop's, the standard streams, and room for a few connections closing.
 SPARE_FDS = 64
+# Objects frozen since the last full collection, as a share of those it kept, that call
+# for the next one: the rule CPython uses for its own full passes.
+FULL_COLLECTION_GROWTH = 0.25
 _REASONS = {
     200: "OK",
     400: "Bad Request",
@@ -164,6 +168,9 @@ class LookupServer:
         # Open connections (closed at shutdown) and the request bytes they hold.
         self.connections: set[_Connection] = set()
         self.buffered_bytes = 0
+        # Objects the last full collection kept (None: none ran), and objects frozen since.
+        self._num_frozen_at_full: int | None = None
+        self._num_frozen_since_full = 0
 
     @property
     def port(self) -> int:
@@ -207,10 +214,34 @@ class LookupServer:
     def sweep_silent_pods(self) -> None:
         for pod in self.index.drop_silent_pods():
             log.info("pod %s stopped heartbeating; its locations are dropped", log_text(pod))
-        # Index entries are long-lived and hold no reference cycles (refcounting frees
-        # them): keep them out of the cyclic collector, whose full passes over 300,000
-        # entries took 166 ms here, a stall of every lookup.
+        self.freeze_long_lived()
+
+    def freeze_long_lived(self) -> None:
+        """Keep the index entries out of the cyclic collector, whose full passes over
+        300,000 entries took 166 ms here, a stall of every lookup, without keeping garbage.
+
+        Index entries are long-lived and hold no reference cycles (refcounting frees them),
+        but `gc.freeze` moves every object the collector tracks out of its reach for good:
+        1. Collect first. The pass walks only what the last freeze left out (the objects
+           made since), and frees the cyclic garbage among them (exceptions and their
+           frames, finished futures) instead of freezing it.
+        2. An object frozen alive may become cyclic garbage later (asyncio's own transports
+           hold a cycle: without uvloop, every connection open across a sweep does).
+           Once the objects frozen since the last full collection outnumber
+           FULL_COLLECTION_GROWTH of those it kept, the next sweep unfreezes all before
+           collecting: one stall per such growth of the heap, never one per sweep.
+        """
+        at_full = self._num_frozen_at_full
+        if at_full is not None and self._num_frozen_since_full > FULL_COLLECTION_GROWTH * at_full:
+            gc.unfreeze()
+            self._num_frozen_at_full = None
+        gc.collect()
+        num_new = len(gc.get_objects(generation=2))  # after a collection, all unfrozen ones
         gc.freeze()
+        if self._num_frozen_at_full is None:  # nothing was frozen: that pass was a full one
+            self._num_frozen_at_full, self._num_frozen_since_full = num_new, 0
+        else:
+            self._num_frozen_since_full += num_new
 
     # --- request handling (inline on the loop) ----------------------------------------
 
