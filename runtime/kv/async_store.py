@@ -6,10 +6,12 @@ write, a Redis SET of several MiB or a round trip to the shared tier delays ever
 of the step. `AsyncKVStore` wraps the worker's store (`KVStore`, same protocol):
 
 1. `put` hands the entry to a writer thread and returns at once (True: accepted for
-   writing). The writer puts entries in order into the inner store. The entries waiting
-   are bounded in bytes: a `put` beyond the bound waits for room (back-pressure, nothing
-   dropped). A put that fails is logged and counted (`num_failed`, `on_failure`), never
-   raised: a segment not stored is a future miss.
+   writing). The writer puts entries in order into the inner store. A `put` for a key
+   whose entry still waits (not yet being written) takes that entry's place: the segment
+   is written once, the later entry, as two writes in order would leave it. The entries
+   waiting are bounded in bytes: a `put` beyond the bound waits for room (back-pressure,
+   nothing dropped). A put that fails is logged and counted (`num_failed`, `on_failure`),
+   never raised: a segment not stored is a future miss.
 2. An entry waiting to be written is already visible: `get`/`get_many` return it and
    `contains` counts it, so a store followed by a load of the same segment never misses.
 3. `prefetch(keys)` starts reading entries on a reader thread (one batched `get_many`);
@@ -93,6 +95,8 @@ class AsyncKVStore:
         with self._condition:
             if self._is_closed:
                 raise RuntimeError("put: the store is closed")
+            if self._replace_waiting(kv, ready):
+                return True
             # An entry larger than the bound alone waits for an empty queue.
             while (
                 not self._is_closed
@@ -108,6 +112,22 @@ class AsyncKVStore:
             self._pending_bytes += kv.num_bytes
             self._condition.notify_all()
         return True
+
+    def _replace_waiting(self, kv: SegmentKV, ready: object | None) -> bool:
+        """Put `kv` in the place of the entry waiting under its key, if one waits and is not
+        being written; whether it did (the lock held)."""
+        waiting = self._pending.get(kv.key)
+        if waiting is None:
+            return False
+        for i, (queued, _) in enumerate(self._queue):
+            if queued is waiting:
+                if i == 0 and self._is_writing:
+                    return False
+                self._queue[i] = (kv, ready)
+                self._pending[kv.key] = kv
+                self._pending_bytes += kv.num_bytes - waiting.num_bytes
+                return True
+        return False
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every accepted entry is written (or failed); False on timeout, or once

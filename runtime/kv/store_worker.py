@@ -9,7 +9,7 @@ pass per document, which must not delay requests. This module runs it:
    (`BlendEngine.busy()`).
 2. The engine submits one `StoreJob` per missing segment to an `IsolatedStoreWorker`.
    Its queue is bounded: a full queue drops the job (counted), a key already queued is
-   not queued twice.
+   not queued twice (a replacing job for it makes the queued one replace, point 4).
 3. One daemon thread takes jobs in order. Before each layer of its forward pass it waits
    until the activity has been idle for a short grace period, so a request that arrives
    waits at most for one layer of one document (a few milliseconds), and under
@@ -139,6 +139,8 @@ class IsolatedStoreWorker:
         self._condition = threading.Condition()
         self._jobs: deque[StoreJob] = deque()
         self._pending_keys: set[str] = set()
+        # Pending keys a replacing job was submitted for after their first job.
+        self._replacing_keys: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._counts = dict.fromkeys(("submitted", "stored", "dropped", "skipped", "failed"), 0)
@@ -148,6 +150,8 @@ class IsolatedStoreWorker:
         """Queue `job`; False when it is dropped (queue full, or closed)."""
         with self._condition:
             if job.key in self._pending_keys:
+                if job.is_replacing:
+                    self._replacing_keys.add(job.key)
                 return True
             if self._stop.is_set() or len(self._pending_keys) >= self.max_pending:
                 self._counts["dropped"] += 1
@@ -178,6 +182,7 @@ class IsolatedStoreWorker:
             self._counts["dropped"] += len(self._jobs)
             self._jobs.clear()
             self._pending_keys.clear()
+            self._replacing_keys.clear()
             self._condition.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -216,7 +221,9 @@ class IsolatedStoreWorker:
             return None if self._stop.is_set() else self._jobs[0]
 
     def _run_job(self, job: StoreJob) -> str:
-        if not job.is_replacing and self.store.contains(job.key):
+        with self._condition:
+            is_replacing = job.is_replacing or job.key in self._replacing_keys
+        if not is_replacing and self.store.contains(job.key):
             return "skipped"
         waited = 0.0
 
@@ -240,4 +247,5 @@ class IsolatedStoreWorker:
                 self._jobs.popleft()
                 self._counts[outcome] += 1
             self._pending_keys.discard(job.key)
+            self._replacing_keys.discard(job.key)
             self._condition.notify_all()

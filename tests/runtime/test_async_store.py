@@ -33,12 +33,15 @@ class GatedStore:
         self.gate.set()
         self.failing: set[str] = set()
         self.writers: set[str] = set()
+        # Keys in the order their puts reached this store.
+        self.written: list[str] = []
         self.readers: list[str] = []
         self.num_gets = 0
 
     def put(self, kv: SegmentKV) -> bool:
         self.writers.add(threading.current_thread().name)
         assert self.gate.wait(WAIT_S), "the test never opened the gate"
+        self.written.append(kv.key)
         if kv.key in self.failing:
             raise OSError(f"disk full writing {kv.key}")
         return self.inner.put(kv)
@@ -86,6 +89,36 @@ def test_put_returns_before_the_write_and_the_entry_is_readable_meanwhile(gated,
     written = gated.inner.get("a1")
     assert torch.equal(written.k, entry.k) and torch.equal(written.v, entry.v)
     assert gated.writers == {"holeblend-kv-write"}
+
+
+def test_a_put_for_a_key_still_waiting_takes_its_place_and_it_is_written_once(gated, store):
+    """Two requests storing the same segment close together: one write (of the later
+    entry), one entry waiting, one counted."""
+    gated.gate.clear()
+    store.put(_entry("a1"))
+    first, later = _entry("b2", seed=1), _entry("b2", seed=2)
+    store.put(first)
+    store.put(later)
+    assert store.num_pending == 2 and store.get("b2") is later
+    gated.gate.set()
+    assert store.flush(WAIT_S)
+    assert gated.written == ["a1", "b2"] and store.num_written == 2
+    assert torch.equal(gated.inner.get("b2").k, later.k)
+
+
+def test_a_put_for_the_key_being_written_is_written_after_it(gated, store):
+    gated.gate.clear()
+    first, later = _entry("b2", seed=1), _entry("b2", seed=2)
+    store.put(first)
+    deadline = time.monotonic() + WAIT_S
+    while not gated.writers:  # the writer is inside the first put
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    store.put(later)
+    gated.gate.set()
+    assert store.flush(WAIT_S)
+    assert gated.written == ["b2", "b2"] and store.num_written == 2
+    assert torch.equal(gated.inner.get("b2").k, later.k)
 
 
 def test_a_put_beyond_the_byte_bound_waits_for_room_and_nothing_is_dropped(gated, tmp_path):

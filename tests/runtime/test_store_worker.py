@@ -117,6 +117,29 @@ def test_a_job_replacing_a_refused_entry_stores_over_it(worker):
     assert w.store.get("a").is_finite
 
 
+def test_a_replacing_job_for_a_queued_key_is_not_dropped_as_a_duplicate(worker):
+    """A refused entry stored while a plain job for its key waits: the replacing job that
+    follows is merged into the queued one, which stores over the entry instead of skipping."""
+    w = worker()
+    release = threading.Event()
+
+    def blocked(before_layer):
+        assert release.wait(5)
+        return _job("first").compute(before_layer)
+
+    w.submit(StoreJob("first", blocked))
+    assert w.submit(_job("a"))
+    refused = _entry("a")
+    refused.k[0, 0, 0, 0] = float("nan")
+    w.store.put(refused)
+    assert w.submit(StoreJob("a", _job("a").compute, is_replacing=True))
+    release.set()
+    assert w.drain(timeout=5)
+    stats = w.stats()
+    assert (stats.num_submitted, stats.num_stored, stats.num_skipped) == (2, 2, 0)
+    assert w.store.get("a").is_finite
+
+
 def test_close_stops_the_thread_and_drops_what_is_queued(worker):
     activity = Activity()
     w = worker(activity=activity)
