@@ -80,6 +80,10 @@ WORKER_LIMIT = 64  # kopf's per-object event workers at once (its default: no li
 WORKER_IDLE_S = 0.1
 # An owner that no event or read has shown for this long is read once (`sweep`).
 SWEEP_S = 3600.0
+# How long `cleanup` lets the reconciles and refreshes under way finish before it cancels
+# them and closes the client. With kube.CLOSE_GRACE_S and the 5 s kopf then gives leftover
+# tasks, well within the pod's terminationGracePeriodSeconds (the chart sets none: 30 s).
+SHUTDOWN_GRACE_S = 10.0
 
 Key = tuple[str, str]  # (namespace, name) of a BlendDeployment
 # kubectl's copy of the applied manifest: nothing here reads it, so kept owners leave it out.
@@ -224,6 +228,8 @@ class Operator:
         # (observedGeneration) only inputs whose children were applied.
         self._applied: dict[Key, tuple] = {}
         self._pending: dict[Key, Job] = {}
+        self._running: set[asyncio.Task] = set()  # jobs no longer pending, under way
+        self._stopping = False  # set by `cleanup`: no job is scheduled or started any more
         self._retries: dict[Key, int] = {}  # failed reconciles in a row
         self._locks: dict[Key, list] = {}  # [lock, holders and waiters] while in use
         # Reconciles and refreshes under way at once: twice the API concurrency keeps every
@@ -290,11 +296,21 @@ class Operator:
         return self._configuration
 
     async def cleanup(self, **_) -> None:
+        """Stop: cancel the pending jobs and the plain tasks, let the jobs under way finish
+        (SHUTDOWN_GRACE_S at most), then close the client. Closed under a running reconcile,
+        the client would fail its next request, and the reconcile would report a failure
+        (a Warning event) and schedule a retry for a process that is going away."""
+        self._stopping = True
         tasks = [job.task for job in self._pending.values()]
         tasks += [t for t in (self._tuning_task, self._sweep_task) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._running:
+            _, late = await asyncio.wait(self._running, timeout=SHUTDOWN_GRACE_S)
+            for task in late:  # the next process resumes every owner
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
         if self.client is not None:
             await self.client.close()
 
@@ -448,6 +464,8 @@ class Operator:
         owner is blocked. Jobs for later (retries, requeues) `refetch`: by then the watched
         copies may be stale, e.g. in an HA replica that kopf paused for a peer, whose watches
         stopped."""
+        if self._stopping:
+            return  # the next process resumes every owner
         delay = self.settings.status_debounce_s if delay is None else delay
         due = time.monotonic() + delay
         pending = self._pending.get(key)
@@ -473,6 +491,9 @@ class Operator:
     async def _later(self, key: Key, due: float) -> None:
         await asyncio.sleep(max(0.0, due - time.monotonic()))
         job = self._pending.pop(key)
+        task = asyncio.current_task()
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
         options, trigger = job.options, job.trigger
         if job.refetch:
             changed = await self._refetch(key, job)
@@ -511,6 +532,9 @@ class Operator:
             # one reconcile or refresh per owner at a time (the lock first: a lock holder never
             # waits for a slot while others wait for its lock)
             async with self._lock(key), self._slots:
+                if self._stopping:  # waited for its turn while the operator began to stop
+                    result = "stopped"
+                    return
                 latest = self._latest(key, kept)
                 # unpacked only now: the many that wait for a slot in a burst hold no copy
                 body = latest.body()
@@ -566,6 +590,8 @@ class Operator:
         later = {"delay": self.settings.requeue_s, "refetch": True}
         try:
             async with self._lock(key), self._slots:
+                if self._stopping:
+                    return
                 latest = self._latest(key, kept)
                 if latest.inputs != self._applied.get(key):
                     # Not reconciled yet (e.g. the spec changed while this waited for the
