@@ -99,6 +99,9 @@ async def serve(config: settings.OperatorSettings, stop: asyncio.Event | None = 
     registry = kopf.OperatorRegistry()
     operator = handlers.register(config, registry)
     ready = asyncio.Event()
+    # Started before kopf, which takes every task it finds running at its start for someone
+    # else's; one started after, it would take for its own leftover and wait 5 s on at exit.
+    trimming = asyncio.create_task(trim_heap_periodically(TRIM_INTERVAL_S))
     task = asyncio.create_task(
         kopf.operator(
             registry=registry,
@@ -117,15 +120,17 @@ async def serve(config: settings.OperatorSettings, stop: asyncio.Event | None = 
         await health.start(config.health_host, config.health_port)
     except OSError as exc:  # the port is taken: stop kopf before it does anything
         task.cancel()
+        trimming.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
+        with contextlib.suppress(asyncio.CancelledError):
+            await trimming
         where = f"{config.health_host}:{config.health_port}"
         raise StartError(
             f"--health-port: cannot listen on {where} ({exc.strerror or exc}); "
             "stop what holds it or pick another port"
         ) from None
     logging.getLogger(__name__).info("health and metrics on port %s", health.port)
-    trimming = asyncio.create_task(trim_heap_periodically(TRIM_INTERVAL_S))
     try:
         await task
     finally:
