@@ -243,11 +243,9 @@ def _check_full_head_rope(reader: Any, arch: str, head_dim: int) -> None:
 def _rope_freq_factors(reader: Any) -> tuple[float, ...] | None:
     """The `rope_freqs.weight` tensor's divisors (Llama 3.1-3.3: llama.cpp's converter
     stores their "llama3" RoPE scaling so, not as metadata); None without the tensor."""
-    from gguf.quants import dequantize
-
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS_TENSOR:
-            values = dequantize(tensor.data, tensor.tensor_type).reshape(-1)
+            values = _tensor_values(reader, tensor).reshape(-1)
             return tuple(float(v) for v in values)
     return None
 
@@ -263,10 +261,12 @@ def _rope_scaling_factor(reader: Any, arch: str) -> float:
             f"{key}: RoPE scaling {kind!r} is not supported; supported: "
             f"{', '.join(_ROPE_SCALING_TYPES)}, and Llama 3's as a rope_freqs.weight tensor"
         )
+    if kind == "none":  # llama.cpp never scales then, whatever factor the file holds
+        return 1.0
     factor = _field(reader, f"{arch}.rope.scaling.factor")
     if factor is None:  # the key's name in older files
         factor = _field(reader, f"{arch}.rope.scale_linear")
-    # As llama.cpp reads it: absent or 0 means unscaled, whatever the type says.
+    # As llama.cpp reads it: absent or 0 means unscaled.
     return float(factor) if factor else 1.0
 
 
@@ -276,14 +276,39 @@ def _optional_int(value: Any) -> int | None:
 
 def read_weights(reader: Any, config: ModelConfig) -> dict[str, torch.Tensor]:
     """Dequantized fp32 tensors in logical shape, Q and K in rotate-half layout."""
-    from gguf.quants import dequantize
-
     weights = {}
     for tensor in reader.tensors:
-        array = dequantize(tensor.data, tensor.tensor_type).astype("float32", copy=False)
-        weight = torch.from_numpy(array.copy())
+        weight = torch.from_numpy(_tensor_values(reader, tensor).copy())
         weights[tensor.name] = _unpermute_if_qk(tensor.name, weight, config)
     return weights
+
+
+def _tensor_values(reader: Any, tensor: Any) -> Any:
+    """A GGUF tensor's values, dequantized to float32 in the host's byte order (numpy).
+
+    A file of the other byte order (a big-endian GGUF on a little-endian host) holds F32
+    and F16 tensors as swapped numbers, which `dequantize` would reinterpret as native
+    ones: they are swapped back. Its quantized blocks hold swapped scales `dequantize`
+    cannot read: refused, as is a type it does not implement, naming the tensor."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    kind, data = tensor.tensor_type, tensor.data
+    if reader.byte_order == "S":
+        if kind not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            raise ValueError(
+                f"{tensor.name}: a {kind.name} tensor in a GGUF of the other byte order is "
+                "not supported; convert the file with `gguf-convert-endian FILE native`"
+            )
+        data = data.astype(data.dtype.newbyteorder("="))
+    try:
+        values = dequantize(data, kind)
+    except NotImplementedError:
+        raise ValueError(
+            f"{tensor.name}: tensor type {kind.name} is not supported; convert the model "
+            "again to F32, F16, BF16 or a llama.cpp quantization such as Q8_0 or Q4_K"
+        ) from None
+    return values.astype("float32", copy=False)
 
 
 def _unpermute_if_qk(name: str, weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:

@@ -130,14 +130,17 @@ def test_a_gguf_missing_required_metadata_is_refused_naming_the_key(tmp_path, ke
     assert load_model_files(_write_one_layer_llama(tmp_path / "whole.gguf"), tmp_path / "cache")
 
 
-def _write_one_layer_llama(path, without=None):
+def _write_one_layer_llama(path, without=None, byte_order="little", stored=None):
     """A one-layer Llama GGUF (random weights, a 4-token vocabulary): loads in moments.
-    `without`: a metadata key left out."""
+    `without`: a metadata key left out; `byte_order`: "little" or "big" (the numbers of
+    metadata and of F32/F16/F64 tensors swapped); `stored`: tensor name -> the GGML type it
+    is written as (F32 by default; F16, F64 or a quantization)."""
     import gguf
     import numpy as np
 
     hidden, ffn, rng = 16, 32, np.random.default_rng(0)
-    writer = gguf.GGUFWriter(str(path), "llama")
+    endianess = gguf.GGUFEndian[byte_order.upper()]
+    writer = gguf.GGUFWriter(str(path), "llama", endianess=endianess)
     for key, add, value in [
         ("llama.block_count", writer.add_block_count, 1),
         ("llama.context_length", writer.add_context_length, 64),
@@ -160,13 +163,65 @@ def _write_one_layer_llama(path, without=None):
         "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden), "ffn_down": (hidden, ffn),
     }.items():  # fmt: skip
         shapes[f"blk.0.{name}"] = shape
+    numbers = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
     for name, shape in shapes.items():
-        writer.add_tensor(f"{name}.weight", rng.normal(0, 0.02, shape).astype(np.float32))
+        values = rng.normal(0, 0.02, shape)
+        kind = (stored or {}).get(f"{name}.weight", "F32")
+        if kind in numbers:
+            values = values.astype(numbers[kind])
+        else:
+            values = gguf.quants.quantize(
+                values.astype(np.float32), gguf.GGMLQuantizationType[kind]
+            )
+        writer.add_tensor(f"{name}.weight", values, raw_dtype=gguf.GGMLQuantizationType[kind])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def test_a_big_endian_gguf_loads_the_weights_a_little_endian_one_holds(tmp_path):
+    """A GGUF written big-endian (llama.cpp's converter for s390x) holds its F32 and F16
+    numbers byte-swapped: they load as the little-endian file's values, not as the swapped
+    bytes read as native numbers."""
+    stored = {"token_embd.weight": "F16"}
+    little, big = (
+        load_model_files(
+            _write_one_layer_llama(tmp_path / f"{order}.gguf", byte_order=order, stored=stored),
+            tmp_path / "cache",
+        )
+        for order in ("little", "big")
+    )
+    assert dataclasses.replace(big.config, model_id="") == dataclasses.replace(
+        little.config, model_id=""
+    )
+    assert big.weights.keys() == little.weights.keys()
+    for name, weight in little.weights.items():
+        assert torch.equal(big.weights[name], weight), name
+
+
+def test_a_quantized_tensor_of_a_big_endian_gguf_is_refused_naming_it(tmp_path):
+    """Quantized blocks of a byte-swapped file hold swapped scales the reader cannot read:
+    refused naming the tensor, its type and the conversion that fixes the file."""
+    gguf = _write_one_layer_llama(
+        tmp_path / "big.gguf", byte_order="big", stored={"blk.0.ffn_down.weight": "Q8_0"}
+    )
+    with pytest.raises(ValueError, match=r"^blk\.0\.ffn_down\.weight: a Q8_0 tensor .*endian"):
+        load_model_files(gguf, tmp_path / "cache")
+    little = _write_one_layer_llama(
+        tmp_path / "little.gguf", stored={"blk.0.ffn_down.weight": "Q8_0"}
+    )
+    weights = load_model_files(little, tmp_path / "cache").weights
+    assert weights["blk.0.ffn_down.weight"].shape == (16, 32)
+
+
+def test_a_tensor_type_the_reader_cannot_dequantize_is_refused_naming_the_tensor(tmp_path):
+    """A tensor of a type gguf does not dequantize (F64 here) is a ValueError naming the
+    tensor and the type, not gguf's NotImplementedError naming neither the tensor nor a fix."""
+    gguf = _write_one_layer_llama(tmp_path / "f64.gguf", stored={"blk.0.ffn_up.weight": "F64"})
+    with pytest.raises(ValueError, match=r"^blk\.0\.ffn_up\.weight: tensor type F64 is not"):
+        load_model_files(gguf, tmp_path / "cache")
 
 
 def _fake_entry(cache: os.PathLike, prefix: str, age: int, suffix: str = "-v1"):

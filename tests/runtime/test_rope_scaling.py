@@ -144,6 +144,14 @@ def test_linear_scaling_divides_positions(tmp_path):
     _assert_table_is(model.rope(POSITIONS), POSITIONS / 4, _base_inverse_frequencies())
 
 
+def test_scaling_type_none_leaves_rope_unscaled_whatever_the_factor(tmp_path):
+    """llama.cpp never scales a model whose scaling type is "none" (the factor is read but
+    not applied): the engine's angles are plain RoPE's, not positions divided by 4."""
+    model = _loaded_model(tmp_path, scaling_type="none", scaling_factor=4.0)
+    assert model.config.rope_divisors is None
+    _assert_table_is(model.rope(POSITIONS), POSITIONS, _base_inverse_frequencies())
+
+
 @pytest.mark.parametrize("kind", ["yarn", "longrope"])
 def test_unimplemented_scaling_types_are_refused_at_load(tmp_path, kind):
     path = _write_tiny_llama(tmp_path / "tiny.gguf", scaling_type=kind, scaling_factor=4.0)
