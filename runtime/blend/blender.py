@@ -501,9 +501,12 @@ class Blender:
         keys = cache.k[layer]
         kv_heads, num_slots = keys.shape[0], keys.shape[1]
         group = heads // kv_heads
-        # Heads sharing a K/V head are adjacent (GQA): one product per K/V head.
-        grouped = query.reshape(kv_heads, group * num_queries, head_dim)
-        logits = (grouped @ keys.transpose(1, 2)).float() * head_dim**-0.5
+        # Heads sharing a K/V head are adjacent (GQA): one product per K/V head. Scaled
+        # before the product, as attention itself scales: in float16 an unscaled product
+        # passes 65504 at a scaled logit of about 5,800 (head_dim 128), and the softmax of
+        # its infinities is NaN for every slot.
+        grouped = (query * head_dim**-0.5).reshape(kv_heads, group * num_queries, head_dim)
+        logits = (grouped @ keys.transpose(1, 2)).float()
         positions = on_device.active[on_device.query_rows].repeat(group)
         slots = torch.arange(num_slots, device=keys.device)
         logits.masked_fill_(slots[None, None, :] > positions[None, :, None], float("-inf"))

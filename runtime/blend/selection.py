@@ -163,6 +163,15 @@ class Selector:
     def __init__(self, parts: Sequence[tuple[Strategy, float]]) -> None:
         if not parts:
             raise ValueError("selection: needs at least one strategy")
+        shares = [share for _, share in parts]
+        # `split` gives k tokens in all only for shares that sum to 1 (the contract's
+        # tolerance): under it the parts pick fewer, over it more than k, and a last part
+        # that finds too few tokens left picks ones already taken.
+        if any(not 0 <= share <= 1 for share in shares) or abs(sum(shares) - 1) > 1e-6:
+            raise ValueError(
+                f"selection: shares must each be in [0, 1] and sum to 1, got {shares}; "
+                "build the selector with make_strategy or give the shares of the whole budget"
+            )
         self.parts = tuple(parts)
         self.name = "+".join(
             s.name if len(parts) == 1 else f"{s.name}:{share:g}" for s, share in parts

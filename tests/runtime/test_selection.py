@@ -217,3 +217,12 @@ def test_filter_layers_at_ratio_one_reproduce_full_prefill(cached_engine, rag_te
     blended = engine.prefill(prompt, "hole", ratio=1.0)
     full = engine.prefill(prompt, "full", ratio=1.0)
     torch.testing.assert_close(blended.logits, full.logits, atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("shares", [(0.25, 0.25), (0.75, 0.75), (1.5, -0.5)])
+def test_a_selector_whose_shares_do_not_sum_to_one_is_refused(shares):
+    """Such shares would pick fewer tokens than the budget, or more, taking some twice."""
+    from holeblend_runtime.blend.selection import KDeviation, Sinks
+
+    with pytest.raises(ValueError, match=r"selection: shares must .* sum to 1"):
+        Selector([(Sinks(), shares[0]), (KDeviation(), shares[1])])
