@@ -11,9 +11,11 @@ within `body_timeout` (408), body shape (400 naming the field), model name (404)
 build and length against the context (400), queue room (429 with Retry-After; checked
 before the body is read too, so a full queue refuses at once; from then until it is queued
 or refused the request holds its place, so no more bodies are read and parsed at once
-than the queue has room for). Parsing and tokenizing run on a small thread pool, never on
-the event loop, so a huge prompt cannot stall `/healthz` or other streams; a prompt whose
-character count alone proves it longer than the context is refused without tokenizing.
+than the queue has room for). A client that sends `Expect: 100-continue` gets the 503,
+429 or 413 (for the length it announces) in place of `100 Continue`, before it sends the
+body. Parsing and tokenizing run on a small thread pool, never on the event loop, so a
+huge prompt cannot stall `/healthz` or other streams; a prompt whose character count
+alone proves it longer than the context is refused without tokenizing.
 A client that disconnects cancels its job (aiohttp cancels the handler; the compute
 thread sees the flag between tokens or drops the job unstarted); one that stops reading a
 stream is disconnected once a write has waited past its request's deadline plus
@@ -29,7 +31,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from aiohttp import web
+from aiohttp import HttpVersion11, hdrs, web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from holeblend_contract.blend_settings import Dtype
@@ -167,8 +169,10 @@ class Server:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[error_middleware])
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions, expect_handler=self._expect)
+        app.router.add_post(
+            "/v1/chat/completions", self.chat_completions, expect_handler=self._expect
+        )
         app.router.add_get("/v1/models", self.models)
         # `.+`: a served name may hold slashes (`org/model`, as vLLM's are often named).
         app.router.add_get("/v1/models/{model:.+}", self.model)
@@ -374,6 +378,30 @@ class Server:
             self.num_reserved -= reserved
             self._count(outcome, arrived)
 
+    async def _expect(self, request: web.Request) -> web.Response | None:
+        """`Expect: 100-continue` (aiohttp calls this before the route): the final answer
+        at once for a request that would be refused before its body is read (503, 429, or
+        413 for the length it announces), else `100 Continue`. aiohttp's own handler sent
+        100 before any check, so a client waiting for it sent its whole body for nothing.
+        A refusal closes the connection: the client did not send the body it announced.
+        An HTTP/1.0 client does not wait (nothing to answer); another expectation is 417."""
+        if request.version != HttpVersion11:
+            return None
+        arrived = time.perf_counter()
+        try:
+            _check_expectation(request.headers[hdrs.EXPECT])
+            self._check_open()
+            self._check_room()
+            if (request.content_length or 0) > MAX_BODY_BYTES:
+                raise _too_large_error()
+        except HttpError as error:
+            self._count(_outcome_of(error.status), arrived)
+            error.close = True
+            return error.response()
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the access log's response size counts the answer only
+        return None
+
     def _count(self, outcome: str, arrived: float) -> None:
         mode = str(self.worker.mode) if self.worker else "unknown"
         self.metrics.requests.labels(mode, outcome).inc()
@@ -381,9 +409,15 @@ class Server:
             self.metrics.request_duration.labels(mode).observe(time.perf_counter() - arrived)
 
     def _check_open(self) -> None:
-        if self.is_draining or not self.is_ready:
+        """503 while loading or draining, and once the compute thread has died: a request
+        queued then would wait out its timeout for a thread that never takes it."""
+        if self.worker is not None and self.worker.has_died:
+            message = "the compute thread ended; this server answers no more requests"
+        elif self.is_draining or not self.is_ready:
             message = "shutting down" if self.is_draining else "the model is still loading"
-            raise HttpError(503, error_body(message, None, "unavailable"), {"Retry-After": "5"})
+        else:
+            return
+        raise HttpError(503, error_body(message, None, "unavailable"), {"Retry-After": "5"})
 
     def _check_room(self) -> None:
         """429 at once while the queue is full: the body of a request that would be refused
@@ -408,8 +442,7 @@ class Server:
             async with asyncio.timeout(timeout):
                 return await request.read()
         except web.HTTPRequestEntityTooLarge:
-            message = f"the body is over the server's limit of {MAX_BODY_BYTES} bytes"
-            raise HttpError(413, error_body(message, None), close=True) from None
+            raise _too_large_error() from None
         except TimeoutError:
             message = f"the body did not arrive within the server's body timeout of {timeout} s"
             raise HttpError(408, error_body(message, None), close=True) from None
@@ -624,6 +657,17 @@ def _json(body: bytes):
     except (ValueError, RecursionError) as error:
         message = str(error) if isinstance(error, ValueError) else "nested too deeply"
         raise BadRequest(None, f"the body is not valid JSON ({message})") from None
+
+
+def _check_expectation(expect: str) -> None:
+    if expect.lower() != "100-continue":
+        message = f"the Expect header {expect!r} is not supported; only 100-continue is"
+        raise HttpError(417, error_body(message, None))
+
+
+def _too_large_error() -> HttpError:
+    message = f"the body is over the server's limit of {MAX_BODY_BYTES} bytes"
+    return HttpError(413, error_body(message, None), close=True)
 
 
 def _queue_full_error(full: QueueFull) -> HttpError:

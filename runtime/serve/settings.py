@@ -24,7 +24,9 @@ class ServeSettings:
     config: Path
     host: str = "127.0.0.1"
     port: int = 8000
-    # Requests that may wait for the compute thread; up to max_batch more run. Full: 429.
+    # Requests that may wait for the compute thread, those whose bodies are still being read
+    # or parsed included (each holds its place from the queue check until it is queued or
+    # refused); up to max_batch more run. Full: 429.
     queue_size: int = 8
     # Requests decoding together (one batched forward pass per token for all of them).
     max_batch: int = 8

@@ -1,21 +1,24 @@
 """Admission before a body is read (runtime/serve/app.py): a request holds its queue place
-from the queue check until it is queued or refused, on a server in this process with the
-real model and a queue of one."""
+from the queue check until it is queued or refused, and a client that sends
+`Expect: 100-continue` gets its refusal before it sends the body; on a server in this
+process with the real model and a queue of one."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import Iterator
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from holeblend_runtime.serve.app import Server
+from holeblend_runtime.serve.app import MAX_BODY_BYTES, Server
 from holeblend_runtime.serve.settings import ServeSettings
 from tests.serve.conftest import example_settings_json
 
 BODY = {"model": "smollm2", "prompt": "Which lake shrank?", "max_tokens": 2}
+BODY_BYTES = json.dumps(BODY).encode()
 
 
 class ParseGate:
@@ -122,3 +125,130 @@ async def test_a_client_that_leaves_while_its_body_is_parsed_gives_its_place_bac
             leaving.cancel()
             await until(lambda: requests_counted(server, "cancelled") > cancelled, "cancelled")
         assert (await client.post("/v1/completions", json=BODY)).status == 200
+
+
+# --- Expect: 100-continue --------------------------------------------------------------
+
+
+async def send_head(client: TestClient, length: int, expect: str = "100-continue"):
+    """A raw POST's head with `Expect`, none of its body: what curl (for a large body) and
+    many HTTP clients send first, waiting for `100 Continue` before the body."""
+    reader, writer = await asyncio.open_connection(client.host, client.port)
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {length}\r\nExpect: {expect}\r\n\r\n"
+    )
+    writer.write(head.encode())
+    await writer.drain()
+    return reader, writer
+
+
+async def read_answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    """The next answer on the connection: status, headers (lower-case names), body."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    status_line, *lines = head.decode().split("\r\n")[:-2]
+    headers = {name.lower(): value for name, value in (line.split(": ", 1) for line in lines)}
+    body = await asyncio.wait_for(reader.readexactly(int(headers.get("content-length", 0))), 10)
+    return int(status_line.split()[1]), headers, body
+
+
+async def test_an_upload_that_expects_100_continue_gets_it_then_its_answer(in_process):
+    async with TestClient(TestServer(in_process.app())) as client:
+        reader, writer = await send_head(client, len(BODY_BYTES))
+        assert (await read_answer(reader))[0] == 100
+        writer.write(BODY_BYTES)
+        status, _, body = await read_answer(reader)
+        writer.close()
+        assert status == 200, body
+        assert json.loads(body)["choices"][0]["finish_reason"]
+
+
+async def test_a_full_queue_refuses_an_upload_before_its_body_is_sent(in_process):
+    """aiohttp answered `100 Continue` before the route's checks: a client waiting for it
+    sent its whole body, only to get the 429 the server knew of before. The 429 now comes
+    instead of `100 Continue`, with its Retry-After and JSON body, and the connection
+    closes (the body was never sent)."""
+    server = in_process
+    rejected = requests_counted(server, "rejected")
+    async with TestClient(TestServer(server.app())) as client:
+        with ParseGate(server) as gate:
+            holding = asyncio.create_task(client.post("/v1/completions", json=BODY))
+            await until(lambda: gate.num_started == 1, "parsed")
+            reader, writer = await send_head(client, len(BODY_BYTES))
+            status, headers, body = await read_answer(reader)
+            writer.close()
+            assert status == 429, body
+            assert int(headers["retry-after"]) >= 1
+            assert headers["connection"].lower() == "close"
+            assert json.loads(body)["error"]["type"] == "rate_limit_error"
+            assert requests_counted(server, "rejected") == rejected + 1
+            gate.opened.set()
+            assert (await holding).status == 200
+
+
+async def test_a_server_not_ready_refuses_an_upload_before_its_body_is_sent(in_process):
+    server = in_process
+    server.is_ready = False
+    try:
+        async with TestClient(TestServer(server.app())) as client:
+            reader, writer = await send_head(client, len(BODY_BYTES))
+            status, headers, body = await read_answer(reader)
+            writer.close()
+    finally:
+        server.is_ready = True
+    assert status == 503, body
+    assert int(headers["retry-after"]) >= 1
+    assert json.loads(body)["error"]["message"] == "the model is still loading"
+
+
+async def test_an_announced_body_over_the_limit_is_a_413_before_it_is_sent(in_process):
+    async with TestClient(TestServer(in_process.app())) as client:
+        reader, writer = await send_head(client, MAX_BODY_BYTES + 1)
+        status, headers, body = await read_answer(reader)
+        writer.close()
+    assert status == 413, body
+    assert headers["connection"].lower() == "close"
+    assert str(MAX_BODY_BYTES) in json.loads(body)["error"]["message"]
+
+
+async def test_an_unknown_expectation_is_a_json_417(in_process):
+    async with TestClient(TestServer(in_process.app())) as client:
+        reader, writer = await send_head(client, len(BODY_BYTES), expect="200-ok")
+        status, _, body = await read_answer(reader)
+        writer.close()
+    assert status == 417, body
+    error = json.loads(body)["error"]
+    assert "200-ok" in error["message"] and error["type"] == "invalid_request_error"
+
+
+class _Escaped(BaseException):
+    """What no handler of the compute thread catches."""
+
+
+async def test_a_server_whose_compute_thread_died_refuses_requests_at_once(tmp_path):
+    """Once the compute thread had died, a request was still queued, for a thread that would
+    never take it: it waited out its timeout (a 504, counted as a timeout) until the kubelet
+    restarted the pod. It is now a 503 at once, so a client can go to another replica."""
+    config = tmp_path / "blend.json"
+    config.write_text(example_settings_json(mode="off", qualityProxies=False, lookupServerUrl=None))
+    server = Server(ServeSettings(config, torch_threads=1, request_timeout=2))
+    server.load()
+    server.is_ready = True
+
+    def escape():
+        raise _Escaped
+
+    try:
+        async with TestClient(TestServer(server.app())) as client:
+            server.worker.between_steps = escape
+            killing = asyncio.create_task(client.post("/v1/completions", json=BODY))
+            await until(lambda: server.worker.has_died, "died")
+            response = await client.post("/v1/completions", json=BODY)
+            assert response.status == 503
+            error = (await response.json())["error"]
+            assert "compute thread" in error["message"] and error["type"] == "unavailable"
+            assert int(response.headers["Retry-After"]) >= 1
+            killing.cancel()
+    finally:
+        server.engine.close()
+        server.close()
