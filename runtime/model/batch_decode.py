@@ -47,10 +47,13 @@ class KVPool:
 
     The pool grows when a sequence needs a row or slots it does not have, and shrinks
     when its live rows use at most a quarter of what it holds; both reallocate and copy the
-    live rows, and happen only in `add` (the decoding thread's call): `release`, which a
-    sequence's finalizer may call from any thread, only marks its row free. An idle pool
-    keeps its buffers until the next `add` (which may shrink them) or `clear`. A step
-    holds `lock`, so a sequence added from another thread never moves buffers under it.
+    live rows, and happen only in `add` and `grow` (the decoding thread's calls): `release`,
+    which a sequence's finalizer may call from any thread, only marks its row free. A
+    finalizer may also run on the thread inside `add` or `grow` (a garbage collection pass
+    triggered by one of their allocations; `lock` re-enters), so both change the live rows
+    in place, never from a copy taken before an allocation. An idle pool keeps its buffers
+    until the next `add` (which may shrink them) or `clear`. A step holds `lock`, so a
+    sequence added from another thread never moves buffers under it.
     """
 
     def __init__(self, model: Llama) -> None:
@@ -58,7 +61,7 @@ class KVPool:
         self.lock = threading.RLock()
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
-        # Slots each live row needs (prompt plus room for the answer); absent: free.
+        # Slots each live row holds (its tokens plus room for the next ones); absent: free.
         self._needs: dict[int, int] = {}
 
     @property
@@ -75,26 +78,36 @@ class KVPool:
             return sorted(self._needs)
 
     def add(self, k: torch.Tensor, v: torch.Tensor, num_slots: int) -> int:
-        """A row for a sequence of `num_slots` slots whose first tokens' K/V are k, v
+        """A row of `num_slots` slots (more with `grow`) whose first tokens' K/V are k, v
         [layers, kv_heads, tokens, head_dim] (copied in); the row's index."""
         tokens = k.shape[2]
         if num_slots < tokens:
             raise ValueError(f"num_slots: {num_slots} is fewer than the {tokens} tokens given")
         with self.lock:
             row = next(r for r in range(len(self._needs) + 1) if r not in self._needs)
-            needs = {**self._needs, row: num_slots}
-            self._fit(max(needs) + 1, _round_up(max(needs.values()), SLOT_QUANTUM))
+            rows = max([row, *self._needs]) + 1
+            self._fit(rows, _round_up(max([num_slots, *self._needs.values()]), SLOT_QUANTUM))
             assert self.k is not None and self.v is not None
             self.k[:, row, :, :tokens] = k
             self.v[:, row, :, :tokens] = v
             # What a row's earlier sequence left there is read, masked, by later steps.
             self.k[:, row, :, tokens:] = 0
             self.v[:, row, :, tokens:] = 0
-            self._needs = needs
+            self._needs[row] = num_slots
             return row
 
+    def grow(self, row: int, num_slots: int) -> None:
+        """Live row `row` holds at least `num_slots` slots (its K/V kept, zeros after)."""
+        with self.lock:
+            if self._needs.get(row, num_slots) >= num_slots:
+                return
+            slots = _round_up(max([num_slots, *self._needs.values()]), SLOT_QUANTUM)
+            self._fit(max(self._needs) + 1, slots)
+            if row in self._needs:  # unless released meanwhile (see the class docstring)
+                self._needs[row] = num_slots
+
     def release(self, row: int) -> None:
-        """Row `row` is free (its sequence ended); its buffers stay until the next `add`."""
+        """Row `row` is free (its sequence ended); its buffers stay until the next `add` or `grow`."""
         with self.lock:
             self._needs.pop(row, None)
 
@@ -122,7 +135,7 @@ class KVPool:
         # where a row's sequence is shorter, and a masked NaN would still poison the row:
         # a live row is zero past what it holds (`add` does the same for a new one). A
         # free row's output is dropped, so its slots may hold anything.
-        for row, need in self._needs.items():
+        for row, need in list(self._needs.items()):
             kept = min(need, have_slots)
             new_k[:, row, :, :kept] = self.k[:, row, :, :kept]  # type: ignore[index]
             new_v[:, row, :, :kept] = self.v[:, row, :, :kept]  # type: ignore[index]
@@ -159,6 +172,10 @@ class DecodeSequence:
     max_new_tokens: int
     # Slots of the row: the prompt and room for the tokens fed.
     num_slots: int = 0
+    # Slots the pool holds for the row now: up to the next multiple of SLOT_QUANTUM, grown
+    # by SLOT_QUANTUM as the answer reaches it (`decode_step`), so a large limit reserves
+    # nothing up front.
+    num_held: int = 0
     # Tokens produced so far (the caller counts them with `produced`).
     num_produced: int = 0
     _release: weakref.finalize | None = field(default=None, init=False, repr=False)
@@ -211,19 +228,27 @@ def start_sequence(
     max_new_tokens: int,
 ) -> DecodeSequence:
     """A sequence whose prompt's K/V are k, v [layers, kv_heads, tokens, head_dim], with
-    room in `pool` for every produced token but the last (which is never fed)."""
+    room in `pool` for every produced token but the last (which is never fed).
+
+    The pool holds the row's slots up to the next multiple of SLOT_QUANTUM at first, and
+    more as the answer reaches them: every row of a pool has the longest row's slots, so a
+    row sized for a large limit up front would make every row that long (8 rows of 8,192
+    slots of SmolLM2-135M in float32: 3 GB) however short the answers turn out."""
     position = k.shape[2]
     if max_new_tokens <= 1:  # nothing is ever fed: no row
         return DecodeSequence(None, -1, position, logits, max_new_tokens)
     num_slots = position + max_new_tokens - 1
-    row = pool.add(k, v, num_slots)
-    return DecodeSequence(pool, row, position, logits, max_new_tokens, num_slots)
+    num_held = min(num_slots, _round_up(position + 1, SLOT_QUANTUM))
+    row = pool.add(k, v, num_held)
+    return DecodeSequence(pool, row, position, logits, max_new_tokens, num_slots, num_held=num_held)
 
 
 def decode_step(model: Llama, sequences: Sequence[DecodeSequence], tokens: Sequence[int]) -> None:
     """Feed `tokens[i]` to `sequences[i]` in one batched forward pass: writes each token's
     K/V at its sequence's position, advances the position and sets the new logits. The
-    sequences of one pool share one attention call per layer.
+    sequences of one pool share one attention call per layer. A sequence at the end of
+    its held slots first gets SLOT_QUANTUM more (`KVPool.grow`: the pool reallocates when
+    the longest row outgrows it, once per SLOT_QUANTUM tokens).
 
     Call it under `torch.inference_mode()` when the pools were filled there."""
     if len(sequences) != len(tokens):
@@ -247,6 +272,11 @@ def decode_step(model: Llama, sequences: Sequence[DecodeSequence], tokens: Seque
     for lock in locks:
         lock.acquire()
     try:
+        for sequence in sequences:
+            if sequence.position >= sequence.num_held:
+                num_held = min(sequence.num_slots, sequence.position + SLOT_QUANTUM)
+                sequence.pool.grow(sequence.row, num_held)  # type: ignore[union-attr]
+                sequence.num_held = num_held
         _step(model, sequences, tokens, list(groups.items()))
     finally:
         for lock in locks:

@@ -4,6 +4,8 @@ alone."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -258,3 +260,108 @@ def test_a_dropped_sequence_gives_its_row_back(prefills):
     assert row not in engine.decode_pool.live_rows
     answers = engine.generate_batch(prefilled[:2], [3, 3])
     assert len(answers) == 2 and engine.decode_pool.live_rows == []
+
+
+class _CollectingTensor(torch.Tensor):
+    """A pool buffer whose first write runs a garbage collection pass, as an allocation
+    inside that write may."""
+
+    collected = False
+
+    def __setitem__(self, index, value):
+        if not _CollectingTensor.collected:
+            _CollectingTensor.collected = True
+            gc.collect()
+        super().__setitem__(index, value)
+
+
+@pytest.mark.parametrize("during", ["allocation", "copy"])
+def test_a_row_freed_by_a_finalizer_inside_add_stays_free(new_engine, during, monkeypatch):
+    """A dropped sequence in a reference cycle is finalized by whichever allocation runs
+    the next garbage collection pass: here one inside `add`, on its own thread (the lock
+    re-enters), while the new buffers are allocated or while the live rows are copied
+    into them. Its row must end free, not live forever."""
+    engine = new_engine()
+    model, pool = engine.model, batch_decode.KVPool(engine.model)
+    k, v = model.new_kv(10)
+    kept = batch_decode.start_sequence(pool, k, v, torch.zeros(1), 4)
+    dropped = batch_decode.start_sequence(pool, k, v, torch.zeros(1), 4)
+    dropped.itself = dropped  # freed by a collection pass only
+    empty = torch.empty
+    collects = [True]
+
+    def allocating(*args, **kwargs):
+        if during == "allocation" and collects:
+            collects.pop()
+            gc.collect()
+        tensor = empty(*args, **kwargs)
+        return tensor.as_subclass(_CollectingTensor) if during == "copy" else tensor
+
+    monkeypatch.setattr(_CollectingTensor, "collected", False)
+    gc.disable()
+    try:
+        del dropped
+        monkeypatch.setattr(torch, "empty", allocating)
+        row = pool.add(k, v, num_slots=20)  # a third row: the pool reallocates
+        monkeypatch.undo()
+    finally:
+        gc.enable()
+    assert pool.live_rows == [kept.row, row] == [0, 2]
+    assert pool.add(k, v, num_slots=20) == 1  # the freed row is taken again
+
+
+def test_a_long_answer_limit_holds_slots_only_as_the_answer_grows(new_engine):
+    """A limit of 5,000 tokens reserves no 5,000 slots up front: every row of a pool has
+    the longest row's slots, so it would make all of them that long. The row grows by
+    SLOT_QUANTUM when the answer reaches its end, its KV kept: the logits of decoding
+    into one buffer of all the slots (`Llama.forward`, as `generate` does)."""
+    engine = new_engine()
+    model = engine.model
+    generator = torch.Generator().manual_seed(2)
+    prompt = batch_decode.SLOT_QUANTUM - 3
+    tokens = torch.randint(model.config.vocab_size, (6,), generator=generator).tolist()
+    with torch.inference_mode():
+        k, v = model.new_kv(prompt + len(tokens))
+        k.normal_(generator=generator), v.normal_(generator=generator)
+        k[:, :, prompt:], v[:, :, prompt:] = 0, 0
+        logits = torch.zeros(model.config.vocab_size)
+        pool = batch_decode.KVPool(model)
+        short = batch_decode.start_sequence(pool, k[:, :, :5], v[:, :, :5], logits, 3)
+        long = batch_decode.start_sequence(pool, k[:, :, :prompt], v[:, :, :prompt], logits, 5000)
+        assert pool.num_slots == batch_decode.SLOT_QUANTUM
+        batch_decode.decode_step(model, [short], [tokens[0]])
+        for position, token in enumerate(tokens, start=prompt):
+            batch_decode.decode_step(model, [long], [token])
+            h = model.forward(torch.tensor([token]), k, v, position)
+            torch.testing.assert_close(long.logits, model.logits(h)[0], atol=1e-4, rtol=0.0)
+    assert pool.num_slots == 2 * batch_decode.SLOT_QUANTUM and long.position == prompt + 6
+    torch.testing.assert_close(pool.k[:, long.row, :, : long.position], k, atol=0, rtol=0)
+    assert not pool.k[:, long.row, :, long.position :].any()
+    assert not pool.k[:, short.row, :, short.position :].any()
+
+
+def test_a_row_that_failed_to_grow_grows_at_the_next_step(new_engine, monkeypatch):
+    """Out of memory while a row grows fails that step only: the next one grows the row
+    and decodes, its KV kept."""
+    engine = new_engine()
+    model = engine.model
+    prompt = batch_decode.SLOT_QUANTUM - 1
+    with torch.inference_mode():
+        k, v = model.new_kv(prompt)
+        k.normal_(generator=torch.Generator().manual_seed(3))
+        pool = batch_decode.KVPool(model)
+        logits = torch.zeros(model.config.vocab_size)
+        sequence = batch_decode.start_sequence(pool, k, v, logits, 5000)
+        batch_decode.decode_step(model, [sequence], [4])  # the row's last slot held
+        assert pool.num_slots == prompt + 1
+
+        def out_of_memory(*args, **kwargs):
+            raise RuntimeError("not enough memory")
+
+        monkeypatch.setattr(torch, "empty", out_of_memory)
+        with pytest.raises(RuntimeError, match="not enough memory"):
+            batch_decode.decode_step(model, [sequence], [5])
+        monkeypatch.undo()
+        batch_decode.decode_step(model, [sequence], [5])
+    assert sequence.position == prompt + 2 and pool.num_slots == 2 * batch_decode.SLOT_QUANTUM
+    torch.testing.assert_close(pool.k[:, sequence.row, :, :prompt], k, atol=0, rtol=0)
