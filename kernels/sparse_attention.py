@@ -108,20 +108,51 @@ def triton_attention(
     out = out.transpose(0, 1)
     if num_queries == 0:
         return out
-    block_m = _BLOCK_M[head_dim]
-    grid = (triton_cdiv(num_queries, block_m), num_heads)
-    _kernel()[grid](
-        q, k, v, out, positions,
-        1.0 / math.sqrt(head_dim), num_queries, k.shape[1],
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        GROUP=num_heads // k.shape[0], HEAD_DIM=head_dim,
-        BLOCK_M=block_m, BLOCK_N=_BLOCK_N,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_FP32=q.dtype == torch.float32 or _is_interpreted(),
-        num_warps=8 if head_dim >= 128 else 4, num_stages=3,
-    )  # fmt: skip
+    from triton.runtime.errors import OutOfResources
+
+    def launch(block_m: int, num_stages: int) -> None:
+        grid = (triton_cdiv(num_queries, block_m), num_heads)
+        _kernel()[grid](
+            q, k, v, out, positions,
+            1.0 / math.sqrt(head_dim), num_queries, k.shape[1],
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+            GROUP=num_heads // k.shape[0], HEAD_DIM=head_dim,
+            BLOCK_M=block_m, BLOCK_N=_BLOCK_N,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            DOT_FP32=q.dtype == torch.float32 or _is_interpreted(),
+            num_warps=8 if head_dim >= 128 else 4, num_stages=num_stages,
+        )  # fmt: skip
+
+    where = (head_dim, q.dtype, str(q.device))
+    if where in _TILES:
+        launch(*_TILES[where])
+        return out
+    *first, last = _tile_choices(head_dim)
+    for tile in first:
+        try:
+            launch(*tile)
+        except OutOfResources:
+            continue
+        _TILES[where] = tile
+        return out
+    launch(*last)
+    _TILES[where] = last
     return out
+
+
+# (head size, dtype, device) -> the (BLOCK_M, num_stages) that compiled there.
+_TILES: dict[tuple, tuple[int, int]] = {}
+
+
+def _tile_choices(head_dim: int) -> list[tuple[int, int]]:
+    """(BLOCK_M, num_stages) to try in order, fastest first. The pipelined K/V tiles take
+    num_stages x 2 x BLOCK_N x head_dim elements of shared memory beside the query tile:
+    in float32 at head size 128 (or 256 in any dtype) three stages need more than a
+    Hopper SM's 227 KiB, and Triton refuses the launch (OutOfResources) rather than spill.
+    Fewer stages, then half the query tile, fit; the first that compiles is kept."""
+    block_m = _BLOCK_M[head_dim]
+    return [(block_m, 3), (block_m, 2), (block_m, 1), (max(block_m // 2, 16), 1)]
 
 
 def triton_cdiv(a: int, b: int) -> int:

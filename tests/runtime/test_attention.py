@@ -271,3 +271,52 @@ def test_triton_kernel_addresses_rows_and_heads_past_two_to_the_31_elements():
     expected = _written_out(q.float(), k.float(), v.float(), positions)
     got = triton_attention(q, k, v, positions)
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+class _SharedMemoryLimit:
+    """The real kernel behind a launch check as a GPU makes it: a tiling whose pipelined
+    K/V tiles and query tile need more shared memory than `limit` bytes is refused with
+    Triton's OutOfResources (the interpreter has no such limit)."""
+
+    def __init__(self, kernel, limit: int):
+        self.kernel, self.limit, self.tried = kernel, limit, []
+
+    def __getitem__(self, grid):
+        def launch(*args, BLOCK_M, BLOCK_N, HEAD_DIM, num_stages, **kwargs):
+            from triton.runtime.errors import OutOfResources
+
+            size = args[0].element_size()
+            shared = (BLOCK_M + num_stages * 2 * BLOCK_N) * HEAD_DIM * size
+            self.tried.append((BLOCK_M, num_stages))
+            if shared > self.limit:
+                raise OutOfResources(shared, self.limit, "shared memory")
+            self.kernel[grid](
+                *args, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
+                num_stages=num_stages, **kwargs,
+            )  # fmt: skip
+
+        return launch
+
+
+def test_triton_kernel_falls_back_to_a_tiling_the_shared_memory_holds(monkeypatch):
+    """float32 at head size 128 with three stages needs 256 KiB, more than a Hopper SM's
+    227: the launch takes fewer stages (then a smaller query tile) instead of failing, and
+    keeps the tiling that compiled for the next call."""
+    from holeblend_kernels import sparse_attention
+
+    limit = _SharedMemoryLimit(sparse_attention._kernel(), 227 * 1024)
+    monkeypatch.setattr(sparse_attention, "_kernel", lambda: limit)
+    monkeypatch.setattr(sparse_attention, "_TILES", {}, raising=False)
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 5, 128, generator=generator).to(DEVICE)
+    k, v = (torch.randn(1, 40, 128, generator=generator).to(DEVICE) for _ in range(2))
+    positions = torch.tensor([3, 17, 20, 31, 39], device=DEVICE)
+    out = triton_attention(q, k, v, positions)
+    torch.testing.assert_close(out, _written_out(q, k, v, positions), atol=1e-4, rtol=1e-4)
+    assert limit.tried == [(128, 3), (128, 2)]  # 3 stages: 256 KiB; 2: 192 KiB
+    triton_attention(q, k, v, positions)
+    assert limit.tried[2:] == [(128, 2)]  # kept, not tried again from the top
+    limit.limit = 0  # no tiling fits: Triton's own error, not a silent wrong answer
+    monkeypatch.setattr(sparse_attention, "_TILES", {}, raising=False)
+    with pytest.raises(Exception, match="shared memory"):
+        triton_attention(q, k, v, positions)
