@@ -9,7 +9,7 @@
 | requests waiting with KV blocks (remote loads) | their own queue, `kv_holding_waiting` | in `waiting` |
 | limits on running requests | the model runner's `max_num_running_reqs`, admission's `max_num_active_reqs` | `max_num_running_reqs` |
 | `vllm serve`'s argument parser | `vllm.entrypoints.launchers.cli_args` | `vllm.entrypoints.openai.cli_args` |
-| a step that runs no forward | calls `wait_for_save` | does not; the connector runs the step's stores at `clear_connector_metadata` |
+| a step that runs no forward | calls `wait_for_save` | does not; the connector runs the step's stores at `get_finished`, before vLLM takes the step's stats |
 
 Every function takes what it inspects as an argument and imports vLLM only when it needs one
 of vLLM's own ops, so the worker stays testable without vLLM (the fakes in the tests have a

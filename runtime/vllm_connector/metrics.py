@@ -1,9 +1,12 @@
 """Prometheus metrics of the connector (`holeblend_` prefix), in their own registry.
 
 The scheduler side records one observation per finished request (reuse figures planned
-by the lookup, completed by the worker's outcome) and the worker's blend time. vLLM runs
-the scheduler in its engine-core process, so `serve_metrics` exports this registry on
-its own port there (`$HOLEBLEND_METRICS_PORT`), next to vLLM's own /metrics.
+by the lookup, completed by the worker's outcome), the worker's blend time and the segments
+the workers stored (from vLLM's connector stats). vLLM runs the scheduler in its engine-core
+process, so `serve_metrics` exports this registry on its own port there
+(`$HOLEBLEND_METRICS_PORT`), next to vLLM's own /metrics. What a worker records itself
+(load and store failures, the store queue, its tiers' and admission counters) is in that
+registry only at tensor parallel 1, where vLLM runs the worker in the engine-core process.
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ STORED_SEGMENTS = Counter(
     "holeblend_stored_segments",
     "Missing segments stored, by where their KV came from: blend (the holes a load "
     "computed), forward (captured from vLLM's forward, no compute), computed (a forward "
-    "pass of their own in canonical context)",
+    "pass of their own in canonical context); counted by the scheduler side from the workers' "
+    "connector stats (tensor-parallel rank 0's)",
     ["source"],
     registry=REGISTRY,
 )

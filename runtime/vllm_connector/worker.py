@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -216,6 +216,10 @@ class BlendWorker:
         # Take each blend's inline statistic (blend.json's qualityProxies): on an
         # accelerator reading it waits for the blend's device work.
         self.inline_statistic = inline_statistic
+        # Segments stored since `take_stored`, by where their KV came from (the sources of
+        # `holeblend_stored_segments_total`): the connector's stats carry them to the
+        # scheduler side, whose process exports the metrics at any tensor-parallel size.
+        self._num_stored: Counter[str] = Counter()
 
     @torch.inference_mode()
     def store(self, request: StoreRequest) -> int:
@@ -231,7 +235,12 @@ class BlendWorker:
         found = self._on_every_rank(self.engine.store.contains_many([keys[i] for i in wanted]))
         missing = [i for i, is_found in zip(wanted, found, strict=True) if not is_found]
         stored = self.engine.cache_segments(request.prompt, missing) if missing else 0
-        metrics.STORED_SEGMENTS.labels(source="computed").inc(stored)
+        self._num_stored["computed"] += stored
+        return stored
+
+    def take_stored(self) -> dict[str, int]:
+        """Segments stored since the last call, by source (`blend`, `forward`, `computed`)."""
+        stored, self._num_stored = dict(self._num_stored), Counter()
         return stored
 
     def arm_capture(self, requests: Sequence[StoreRequest]) -> None:
@@ -255,7 +264,8 @@ class BlendWorker:
         their positions in the prompt, no compute); (segments stored, segments whose store
         failed, the requests left to compute: all of them when nothing was captured, else
         those whose load failed). A request whose store fails is counted and the others go
-        on: the K/V of each request are its own rows."""
+        on: the K/V of each request are its own rows. A segment several requests of the step
+        computed (the same document) is stored once, from the first."""
         requests, self._captured = self._captured, ()
         failed, self._failed_loads = self._failed_loads, set()
         captured = None if self.capture is None else self.capture.take()
@@ -263,6 +273,7 @@ class BlendWorker:
             return 0, 0, requests
         k, v = captured
         stored = num_failed = first = 0
+        done: set[str] = set()
         # A request whose load failed in this step: computed in canonical context instead.
         untrusted = tuple(r for r in requests if r.request_id in failed)
         for request in requests:
@@ -272,19 +283,22 @@ class BlendWorker:
             if request.request_id in failed:
                 continue
             try:
-                stored += self._store_rows(request, k[:, :, rows], v[:, :, rows])
+                stored += self._store_rows(request, k[:, :, rows], v[:, :, rows], done)
             except Exception:
                 log.exception(
                     "storing the segments of %s from the forward failed", request.request_id
                 )
                 metrics.STORE_FAILURES.inc(len(request.segments))
                 num_failed += len(request.segments)
-        metrics.STORED_SEGMENTS.labels(source="forward").inc(stored)
+        self._num_stored["forward"] += stored
         return stored, num_failed, untrusted
 
-    def _store_rows(self, request: StoreRequest, k: torch.Tensor, v: torch.Tensor) -> int:
+    def _store_rows(
+        self, request: StoreRequest, k: torch.Tensor, v: torch.Tensor, done: set[str]
+    ) -> int:
         """Store the request's segments from `k`/`v` `[layers, kv_heads, tokens, head_dim]`,
-        its segments' rows one after another; the number stored."""
+        its segments' rows one after another, less those whose key is in `done` (stored
+        already in this step), and add the keys stored to `done`; the number stored."""
         keys = self.engine.segment_keys(request.prompt)
         held = set()
         if request.check_stored:  # not looked up: written only where the tier lacks it
@@ -295,11 +309,14 @@ class BlendWorker:
             segment = request.prompt.segments[i]
             rows = slice(first, first + segment.num_tokens)
             first += segment.num_tokens
-            if i in held:
+            if i in held or keys[i] in done:
                 continue
-            stored += self.engine.store_in_context(
+            num_stored = self.engine.store_in_context(
                 request.prompt, keys, [i], k[:, :, rows], v[:, :, rows], segment.start
             )
+            if num_stored:
+                done.add(keys[i])
+            stored += num_stored
         return stored
 
     def store_many(self, requests: Sequence[StoreRequest]) -> tuple[int, int]:
@@ -398,7 +415,7 @@ class BlendWorker:
             except Exception:  # written already: a store that failed never fails the load
                 log.exception("storing the holes of %s from its blend failed", request.request_id)
                 stored, holes = 0, []  # not offered: its store step computes them
-            metrics.STORED_SEGMENTS.labels(source="blend").inc(stored)
+            self._num_stored["blend"] += stored
             if holes:
                 self._offered[request.request_id] = frozenset(holes)
             else:
