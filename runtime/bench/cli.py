@@ -83,6 +83,19 @@ SMOLLM2 = "smollm2"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Keys every result row gets besides RESULT_KEYS: what ran where.
 ROW_CONTEXT_KEYS = ("device", "dtype", "model", "model_shape")
+# Flags the load benchmark does not read (its servers run SmolLM2 on their own settings:
+# holeblend-serve takes only --config, --host and --port), and flags only it reads.
+OFFLINE_FLAGS = (
+    "--questions", "--documents", "--inflate", "--holes", "--ratios", "--modes",
+    "--store-policies", "--shuffle-first-pass", "--check-layer", "--selection",
+    "--selections", "--threads", "--model", "--tokenizer", "--device", "--dtype",
+    "--prompt-tokens", "--repeat", "--sdpa-reference", "--profile", "--profile-trace",
+    "--store-gib", "--kv-store", "--kv-store-dtype", "--musique-start", "--frontier-x",
+)  # fmt: skip
+LOAD_FLAGS = (
+    "--load-modes", "--load-ratio", "--clients", "--requests", "--warmup", "--blocks",
+    "--corpus", "--request-documents", "--zipf", "--workdir",
+)  # fmt: skip
 # Tokens of a prompt besides its documents (system prompt, question, chat template), and
 # per document (separator): to aim --prompt-tokens.
 _PROMPT_OVERHEAD_TOKENS = 60
@@ -220,6 +233,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     add("--no-progress", action="store_true", help="no progress bar on stderr")
     args = parser.parse_args(argv)
+    if args.load and (ignored := _given(parser, args, OFFLINE_FLAGS)):
+        parser.error(
+            f"{ignored[0]}: not read by the load benchmark (its servers run SmolLM2 on "
+            "their own settings; its flags: --load-modes, --load-ratio, --clients, "
+            "--requests, ...): drop it, or run without --load"
+        )
+    if not args.load and (ignored := _given(parser, args, LOAD_FLAGS)):
+        parser.error(f"{ignored[0]}: a flag of the load benchmark; add --load")
     if args.musique is not None:
         args.quality = True
     if args.modes is None:
@@ -256,6 +277,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _given(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, flags: Sequence[str]
+) -> list[str]:
+    """The `flags` set to other than their default: given on the command line."""
+    dests = {flag: flag.removeprefix("--").replace("-", "_") for flag in flags}
+    return [f for f, dest in dests.items() if getattr(args, dest) != parser.get_default(dest)]
+
+
 def _device_problem(name: str) -> str | None:
     """Why torch cannot run on device `name`, or None: checked before anything loads."""
     try:
@@ -281,7 +310,9 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         num_inflate=_num_inflate(args),
         min_document_tokens=args.min_doc_tokens,
         max_document_tokens=args.max_doc_tokens,
-        holes=args.holes,
+        # A MuSiQue file decides the passages per prompt (--documents does not apply):
+        # `quality_workload` checks --holes against each item's and records it.
+        holes=args.holes if args.musique is None else "none",
         shuffle_first_pass=args.shuffle_first_pass,
         regroup_first_pass=args.quality,
     )
@@ -439,7 +470,9 @@ def quality_workload(
         start=args.musique_start,
     )
     # The file decides the passages per prompt (--documents does not apply).
-    workload = dataclasses.replace(config.workload, num_documents=len(prompts[0].documents))
+    workload = dataclasses.replace(
+        config.workload, num_documents=len(prompts[0].documents), holes=args.holes
+    )
     config = dataclasses.replace(config, workload=workload)
     # Warm up on an item outside the run (the one before it, or after it).
     used = range(args.musique_start, args.musique_start + len(prompts))

@@ -87,6 +87,11 @@ class LoadConfig:
             raise ValueError(f"num_clients: must be >= 1, got {self.num_clients}")
         if self.num_blocks < 1:
             raise ValueError(f"num_blocks: must be >= 1, got {self.num_blocks}")
+        if self.num_blocks > self.workload.num_requests:
+            raise ValueError(
+                f"num_blocks: {self.num_blocks} blocks need as many measured requests, got "
+                f"{self.workload.num_requests}; lower --blocks or raise --requests"
+            )
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
 
@@ -197,9 +202,12 @@ def _turned(modes: Sequence[str], turn: int) -> list[str]:
 
 
 def _blocks(requests: Sequence[LoadRequest], config: LoadConfig) -> list[list[LoadRequest]]:
+    """The measured requests in stream order, in `num_blocks` blocks whose sizes differ by
+    one at most (blocks of a rounded-up size would make fewer: 4 requests in blocks of 2
+    are 2 blocks, not 3, and the servers' order would not turn through every place)."""
     measured = [r for r in requests if not r.is_warmup]
-    size = -(-len(measured) // config.num_blocks)
-    return [measured[i : i + size] for i in range(0, len(measured), size)]
+    n, count = len(measured), config.num_blocks
+    return [measured[n * i // count : n * (i + 1) // count] for i in range(count)]
 
 
 def summarize_load(

@@ -144,6 +144,11 @@ def musique_prompt(item: MusiqueItem, *, seed: int, index: int, holes: str) -> Q
         for i in order
     )
     holders = [i for i, d in enumerate(documents) if item.answers[0].lower() in d.text.lower()]
+    try:
+        holes_at = hole_positions(holes, len(documents))
+    except ValueError as error:
+        # Items may differ in their number of passages: say which one the spec misses.
+        raise ValueError(f"{error} (MuSiQue item {index} has {len(documents)} passages)") from None
     return QAPrompt(
         system=MUSIQUE_SYSTEM_PROMPT,
         documents=documents,
@@ -151,6 +156,6 @@ def musique_prompt(item: MusiqueItem, *, seed: int, index: int, holes: str) -> Q
         gold_answer=item.answers[0],
         # Multi-hop: the first passage naming the answer, or -1 when none does verbatim.
         answer_document=holders[0] if holders else -1,
-        hole_documents=hole_positions(holes, len(documents)),
+        hole_documents=holes_at,
         gold_aliases=item.answers[1:],
     )

@@ -855,6 +855,18 @@ def positive_number(text: str) -> float:
     return value
 
 
+def share(text: str) -> float:
+    """An argparse type: a number within [0, 1] (a recompute ratio, a sample rate), refused
+    by the option's name before a server starts rather than by the settings it writes."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number within [0, 1], got {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be within [0, 1], got {text}")
+    return value
+
+
 def add_plan_arguments(parser: argparse.ArgumentParser, sample_rate: float) -> None:
     """The options both engines' benchmarks take (so that their rows compare)."""
     parser.add_argument("--json", type=Path, help="write the result here")
@@ -877,9 +889,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser, sample_rate: float) -> N
     parser.add_argument(
         "--clients", type=whole_number(1), default=4, help="saturated: closed-loop clients"
     )
-    parser.add_argument("--sample-rate", type=float, default=sample_rate)
-    parser.add_argument("--ratio", type=float, default=0.15)
-    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--sample-rate", type=share, default=sample_rate)
+    parser.add_argument("--ratio", type=share, default=0.15)
+    parser.add_argument("--max-tokens", type=whole_number(1), default=8)
     # >= 0: random.Random(-7) draws what random.Random(7) draws, so a negative seed would
     # rerun seed 7's workload and gaps under another name.
     parser.add_argument("--seed", type=whole_number(0), default=0, help="workload and gaps")

@@ -159,3 +159,41 @@ def test_a_negative_seed_exits_2_before_anything_loads(capsys):
     assert caught.value.code == 2
     assert "--seed: must be >= 0, got -7" in capsys.readouterr().err
     assert parse_args(["--seed", "0"]).seed == 0
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--device", "meta"],
+        ["--model", "llama-3-8b"],
+        ["--modes", "hole"],
+        ["--ratios", "0.3"],
+        ["--selection", "random"],
+        ["--check-layer", "3"],
+        ["--profile"],
+    ],
+)
+def test_the_load_benchmark_refuses_flags_its_servers_never_read(argv, capsys):
+    """holeblend-serve runs SmolLM2 on its own settings: a run asked for another device,
+    model, mode or ratio would report the servers' figures under the flags' names."""
+    with pytest.raises(SystemExit) as caught:
+        parse_args(["--load", *argv])
+    assert caught.value.code == 2
+    error = capsys.readouterr().err
+    assert f"{argv[0]}: not read by the load benchmark" in error
+    assert "drop it, or run without --load" in error
+
+
+@pytest.mark.parametrize("argv", [["--clients", "8"], ["--load-ratio", "0.3"], ["--zipf", "0"]])
+def test_load_benchmark_flags_without_load_are_refused(argv, capsys):
+    with pytest.raises(SystemExit) as caught:
+        parse_args(argv)
+    assert caught.value.code == 2
+    assert f"{argv[0]}: a flag of the load benchmark; add --load" in capsys.readouterr().err
+
+
+def test_the_load_benchmark_keeps_the_flags_it_reads():
+    argv = ["--load", "--quick", "--seed", "3", "--max-new-tokens", "5", "--min-doc-tokens",
+            "30", "--load-modes", "full,hole", "--clients", "2", "--json", "x.json"]  # fmt: skip
+    args = parse_args(argv)
+    assert args.load and args.clients == 2 and args.seed == 3 and args.max_new_tokens == 5

@@ -432,3 +432,35 @@ def test_a_request_that_breaks_its_client_is_counted_as_failed_and_the_client_go
     assert all(not o.is_ok and o.error for o in outcomes)
     row = summarize_load("hole", 0.15, 1, outcomes, 1.0, None, str.split, {})
     assert row["requests"] == row["num_errors"] == 3
+
+
+def test_the_measured_requests_go_in_as_many_blocks_as_asked(monkeypatch, tmp_path):
+    """4 measured requests asked for in 3 blocks go in 3 blocks (of 1, 1 and 2, in stream
+    order), not in 2 blocks of 2: with fewer blocks than modes the servers' order never
+    turns through every place, and the JSON's `num_blocks` would name blocks never sent."""
+    config = load.LoadConfig(
+        LoadWorkloadConfig(num_corpus_documents=20, num_warmup=0, num_requests=4), num_blocks=3
+    )
+    requests = generate_load_workload(config.workload)
+    rounds: list[list[tuple[str, list[int]]]] = []
+
+    def run_block(config, mode, server, model, block):
+        if not rounds or len(rounds[-1]) == len(config.modes):
+            rounds.append([])
+        rounds[-1].append((mode, [r.index for r in block]))
+        return [Outcome(r.index, 200, 0.1, 0.2, "x", None) for r in block], 0.5, ShadowSeconds()
+
+    monkeypatch.setattr(load, "_server", _no_server)
+    monkeypatch.setattr(load, "_run_block", run_block)
+    rows = load.run_load(config, requests, tmp_path, str.split)
+    assert len(rounds) == 3
+    for place in range(3):
+        assert {r[place][0] for r in rounds} == set(load.LOAD_MODES)
+    blocks = [r[0][1] for r in rounds]
+    assert sorted(len(b) for b in blocks) == [1, 1, 2] and sum(blocks, []) == [0, 1, 2, 3]
+    assert all(row["requests"] == 4 for row in rows)
+
+
+def test_more_blocks_than_measured_requests_are_refused():
+    with pytest.raises(ValueError, match="num_blocks: 4 blocks need as many measured requests"):
+        load.LoadConfig(LoadWorkloadConfig(num_requests=2), num_blocks=4)

@@ -158,13 +158,19 @@ def test_a_negative_seed_is_refused_by_both_engines_benchmarks(capsys):
         ("--paced-questions", "-1", "must be >= 0, got -1"),
         ("--load", "0", "must be a finite number > 0, got 0"),
         ("--load", "nan", "must be a finite number > 0, got nan"),
+        ("--ratio", "1.5", "must be within [0, 1], got 1.5"),
+        ("--ratio", "x", "must be a number within [0, 1], got 'x'"),
+        ("--sample-rate", "-0.2", "must be within [0, 1], got -0.2"),
+        ("--max-tokens", "0", "must be >= 1, got 0"),
     ],
 )
 def test_plan_options_a_run_cannot_use_are_refused_by_name_before_any_server_starts(
     capsys, option, value, message
 ):
     """Zero clients, zero load (no service rate to pace at) or no warm-up (no service time
-    to measure) ended a run in a traceback after its first server had served requests."""
+    to measure) ended a run in a traceback after its first server had served requests; a
+    ratio or sample rate outside [0, 1] in the settings' validation error as the first
+    server was about to start, and an answer length below 1 in a failed warm-up."""
     parser = argparse.ArgumentParser()
     shadow_load.add_plan_arguments(parser, sample_rate=0.2)
     with pytest.raises(SystemExit) as caught:

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from holeblend_runtime.bench.cli import bench_config, parse_args, quality_workload
 from holeblend_runtime.bench.musique import (
     bundled_musique_path,
     load_musique,
@@ -230,3 +231,20 @@ def test_too_many_questions_name_the_flag(tmp_path):
         musique_workload(items, seed=0, num_questions=2)
     with pytest.raises(ValueError, match="holes"):
         musique_workload(items, seed=0, num_questions=1, holes="12")
+
+
+def test_a_hole_spec_past_an_items_passages_names_the_item(tmp_path):
+    """Items may differ in their number of passages: the error says which one is short."""
+    items = load_musique(_write(tmp_path, [_item(0), _item(1, passages=3)]))
+    with pytest.raises(ValueError, match=r"got '5' \(MuSiQue item 1 has 3 passages\)"):
+        musique_workload(items, seed=0, num_questions=2, holes="5")
+
+
+def test_holes_are_checked_against_the_files_passages_not_documents(tmp_path):
+    """--documents does not apply to a MuSiQue run: a file of 14 passages per item takes a
+    hole at position 12 although --documents stays at its default of 10."""
+    path = _write(tmp_path, [_item(n, passages=14) for n in range(3)])
+    args = parse_args(["--musique", str(path), "--questions", "2", "--holes", "12"])
+    name, config, prompts, warm_up = quality_workload(args, bench_config(args), len)
+    assert all(p.hole_documents == (12,) for p in [*prompts, warm_up])
+    assert (config.workload.num_documents, config.workload.holes) == (14, "12")
