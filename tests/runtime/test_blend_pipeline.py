@@ -499,3 +499,39 @@ def test_a_load_whose_hole_store_fails_is_written_and_its_store_step_computes_th
         torch.testing.assert_close(cache, want, atol=0, rtol=0)
     assert worker.store(StoreRequest("r", prompt, plan.missing_segments)) == 1
     assert engine.store.contains_many([plan.keys[HOLE]])[0]
+
+
+def test_a_segment_two_requests_of_one_step_computed_is_stored_and_counted_once(
+    new_engine, rag_texts, monkeypatch
+):
+    """Two requests with the same missing document are prefilled in one step, each at its
+    own blocks: the document is written to the tier once, from the first request's rows,
+    and counted once (`take_stored`, which the connector's stats carry to
+    `holeblend_stored_segments_total`)."""
+    engine = new_engine()
+    prompt = engine.build_prompt(*rag_texts)
+    keys = engine.segment_keys(prompt)
+    last = max(i for i, key in enumerate(keys) if key is not None)
+    full = engine.prefill(prompt, "full", 1.0)
+    engine.store.remove(keys[last])  # full prefill stored it: start from a miss
+    per_request = -(-prompt.num_tokens // BLOCK)
+    worker, blocks = _capturing_worker(engine, 2 * per_request * BLOCK)
+    blocks_a, blocks_b = blocks[:per_request], blocks[per_request:]
+    requests = [
+        StoreRequest("a", prompt, (last,), blocks_a),
+        StoreRequest("b", prompt, (last,), blocks_b),
+    ]
+    worker.arm_capture(requests)
+    # One forward for both: each layer's cache update writes both requests' tokens.
+    writer, n = worker.writer, prompt.num_tokens
+    slots = torch.cat([writer.slots(b, 0, n) for b in (blocks_a, blocks_b)])
+    for layer, module in enumerate(writer.attention_modules):
+        k, v = (kv[layer].transpose(0, 1).repeat(2, 1, 1) for kv in (full.k, full.v))
+        module.impl.do_kv_cache_update(module, k, v, writer.kv_caches[layer], slots)
+    written = []
+    real_put = engine.store.put
+    monkeypatch.setattr(engine.store, "put", lambda kv: written.append(kv.key) or real_put(kv))
+    assert worker.store_many(requests) == (1, 0)
+    assert written == [keys[last]]
+    assert worker.take_stored() == {"forward": 1}
+    assert worker.take_stored() == {}

@@ -1,11 +1,15 @@
 """Selection strategies: hand-built cases, then the blender on the real model."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from holeblend_runtime.blend.blender import Blender, _Stages
 from holeblend_runtime.blend.config import BlendConfig
 from holeblend_runtime.blend.selection import CheckScores, Selector, make_strategy, needs
+from holeblend_runtime.model.llama import Llama
+from holeblend_runtime.model.presets import preset_config, random_weights
 
 HOLE = 3  # segment index: segments 0 and 1 are the exact prefix, 2 and 4+ are reused
 STRATEGIES = ["kDeviation", "vDeviation", "kvDeviation", "sinks", "query", "random"]
@@ -117,31 +121,56 @@ def test_needs_says_what_the_selection_reads():
     assert needs(BlendConfig(selection="query:0.5+kvDeviation")) == {"query", "v"}
 
 
+def _question_attention(model, q, keys, positions):
+    """The blender's grouped product, scale and causal mask, and the same written out as a
+    per-head loop in float32."""
+
+    class _Cache:
+        k = keys
+
+        class on_device:
+            query_rows = torch.arange(len(positions))
+            active = positions
+
+    got = Blender(model, BlendConfig())._query_attention(q, _Cache, 0)
+    c = model.config
+    group = c.num_heads // c.num_kv_heads
+    expected = torch.zeros(keys.shape[2])
+    for head in range(c.num_heads):
+        k = keys[0, head // group].float()
+        for row, position in enumerate(positions.tolist()):
+            logits = q[head, row].float() @ k[: position + 1].T / c.head_dim**0.5
+            expected[: position + 1] += logits.softmax(-1)
+    return got, expected
+
+
 def test_query_attention_equals_attention_computed_head_by_head(reference_engine):
-    """The grouped product, scale and causal mask against a plain per-head loop."""
     model = reference_engine.model
     c = model.config
     generator = torch.Generator().manual_seed(0)
     num_slots, positions = 30, torch.tensor([20, 25, 29])
     q = torch.randn(c.num_heads, 3, c.head_dim, generator=generator)
     keys = torch.randn(1, c.num_kv_heads, num_slots, c.head_dim, generator=generator)
-
-    class _Cache:
-        k = keys
-
-        class on_device:
-            query_rows = torch.arange(3)
-            active = positions
-
-    got = Blender(model, BlendConfig())._query_attention(q, _Cache, 0)
-    group = c.num_heads // c.num_kv_heads
-    expected = torch.zeros(num_slots)
-    for head in range(c.num_heads):
-        k = keys[0, head // group]
-        for row, position in enumerate(positions.tolist()):
-            logits = q[head, row] @ k[: position + 1].T / c.head_dim**0.5
-            expected[: position + 1] += logits.softmax(-1)
+    got, expected = _question_attention(model, q, keys, positions)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_the_question_s_attention_in_float16_stays_finite_where_q_dot_k_passes_its_range():
+    """A key far from the others (an attention sink: 80 in every element, queries near
+    64): q . k is about 82,000, past float16's 65504, while the scaled logit (about
+    20,000) is not. The question's attention goes to that key, as in float32, instead of
+    the NaN a softmax of infinities gives every slot."""
+    dtype = torch.float16
+    c = dataclasses.replace(preset_config("smollm2-135m"), num_layers=3)
+    model = Llama(c, random_weights(c, dtype=dtype), dtype=dtype)
+    generator = torch.Generator().manual_seed(0)
+    num_slots, positions = 30, torch.tensor([20, 25, 29])
+    q = (60 + 8 * torch.rand(c.num_heads, 3, c.head_dim, generator=generator)).to(dtype)
+    keys = 2 * torch.rand(1, c.num_kv_heads, num_slots, c.head_dim, generator=generator) - 1
+    keys[:, :, 9] = 80.0
+    got, expected = _question_attention(model, q, keys.to(dtype), positions)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, expected, atol=1e-3, rtol=0)
 
 
 def _cached_positions(prefill, prompt):

@@ -3,6 +3,7 @@ configured by the CPU example's blend.json as the operator renders it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,6 +47,27 @@ def start_server(folder: Path, config_text: str, **flags) -> ServeProcess:
         raise
     server.config = config
     return server
+
+
+@contextlib.contextmanager
+def in_process_server(folder: Path, **settings) -> Iterator:
+    """A server in this process, loaded as holeblend-serve loads it (full prefill, so equal
+    prompts get equal answers; no quality proxies, no lookup server), ready; `settings`:
+    ServeSettings fields."""
+    from holeblend_runtime.serve.app import Server
+    from holeblend_runtime.serve.settings import ServeSettings
+
+    config = folder / "blend.json"
+    config.write_text(example_settings_json(mode="off", qualityProxies=False, lookupServerUrl=None))
+    server = Server(ServeSettings(config, torch_threads=1, **settings))
+    server.load()
+    server.is_ready = True
+    try:
+        yield server
+    finally:
+        server.worker.stop()
+        server.engine.close()
+        server.close()
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from holeblend_runtime.serve.app import MAX_BODY_BYTES, Server
-from holeblend_runtime.serve.settings import ServeSettings
-from tests.serve.conftest import example_settings_json
+from tests.serve.conftest import in_process_server
 
 BODY = {"model": "smollm2", "prompt": "Which lake shrank?", "max_tokens": 2}
 BODY_BYTES = json.dumps(BODY).encode()
@@ -46,15 +45,8 @@ class ParseGate:
 
 @pytest.fixture(scope="module")
 def in_process(tmp_path_factory) -> Iterator[Server]:
-    config = tmp_path_factory.mktemp("admission") / "blend.json"
-    config.write_text(example_settings_json(mode="off", qualityProxies=False, lookupServerUrl=None))
-    server = Server(ServeSettings(config, torch_threads=1, queue_size=1))
-    server.load()
-    server.is_ready = True
-    yield server
-    server.worker.stop()
-    server.engine.close()
-    server.close()
+    with in_process_server(tmp_path_factory.mktemp("admission"), queue_size=1) as server:
+        yield server
 
 
 def requests_counted(server: Server, outcome: str) -> float:
@@ -219,36 +211,3 @@ async def test_an_unknown_expectation_is_a_json_417(in_process):
     assert status == 417, body
     error = json.loads(body)["error"]
     assert "200-ok" in error["message"] and error["type"] == "invalid_request_error"
-
-
-class _Escaped(BaseException):
-    """What no handler of the compute thread catches."""
-
-
-async def test_a_server_whose_compute_thread_died_refuses_requests_at_once(tmp_path):
-    """Once the compute thread had died, a request was still queued, for a thread that would
-    never take it: it waited out its timeout (a 504, counted as a timeout) until the kubelet
-    restarted the pod. It is now a 503 at once, so a client can go to another replica."""
-    config = tmp_path / "blend.json"
-    config.write_text(example_settings_json(mode="off", qualityProxies=False, lookupServerUrl=None))
-    server = Server(ServeSettings(config, torch_threads=1, request_timeout=2))
-    server.load()
-    server.is_ready = True
-
-    def escape():
-        raise _Escaped
-
-    try:
-        async with TestClient(TestServer(server.app())) as client:
-            server.worker.between_steps = escape
-            killing = asyncio.create_task(client.post("/v1/completions", json=BODY))
-            await until(lambda: server.worker.has_died, "died")
-            response = await client.post("/v1/completions", json=BODY)
-            assert response.status == 503
-            error = (await response.json())["error"]
-            assert "compute thread" in error["message"] and error["type"] == "unavailable"
-            assert int(response.headers["Retry-After"]) >= 1
-            killing.cancel()
-    finally:
-        server.engine.close()
-        server.close()

@@ -19,7 +19,12 @@ from holeblend_devtools.prometheus import ScrapeTarget, running_prometheus, vect
 from holeblend_devtools.serve_process import get, post_json
 from holeblend_runtime.serve.app import Server
 from holeblend_runtime.serve.settings import ServeSettings
-from tests.serve.conftest import example_settings_json, replace_file, start_server
+from tests.serve.conftest import (
+    example_settings_json,
+    in_process_server,
+    replace_file,
+    start_server,
+)
 from tests.serve.test_batching import settles_to_zero
 
 pytestmark = pytest.mark.slow
@@ -234,17 +239,8 @@ def test_only_requests_that_blended_are_offered_to_the_shadow_proxies(tmp_path):
 
 @pytest.fixture(scope="module")
 def in_process(tmp_path_factory) -> Iterator[Server]:
-    """A server in this process, loaded as holeblend-serve loads it (full prefill, so equal
-    prompts get equal answers; no quality proxies, no lookup server)."""
-    config = tmp_path_factory.mktemp("in-process") / "blend.json"
-    config.write_text(example_settings_json(mode="off", qualityProxies=False, lookupServerUrl=None))
-    server = Server(ServeSettings(config, torch_threads=1))
-    server.load()
-    server.is_ready = True
-    yield server
-    server.worker.stop()
-    server.engine.close()
-    server.close()
+    with in_process_server(tmp_path_factory.mktemp("in-process")) as server:
+        yield server
 
 
 def completion_tokens(server: Server) -> float:
@@ -304,7 +300,8 @@ class _Escaped(BaseException):
 
 async def test_a_compute_thread_that_died_fails_liveness_and_readiness(tmp_path):
     """Should something escape the compute thread, the server would answer nothing yet
-    report itself alive and ready: the kubelet would never restart it."""
+    report itself alive and ready: the kubelet would never restart it. Nor does it queue
+    requests any more."""
     config = tmp_path / "blend.json"
     config.write_text(example_settings_json(mode="off", qualityProxies=False, lookupServerUrl=None))
     server = Server(ServeSettings(config, torch_threads=1))
@@ -329,6 +326,13 @@ async def test_a_compute_thread_that_died_fails_liveness_and_readiness(tmp_path)
                 response = await client.get(path)
                 assert response.status == 503
                 assert (await response.json())["status"] == "the compute thread ended"
+            # A request is refused at once, not queued for a thread that never takes it
+            # (it waited out its timeout for a 504), so a client can go to another replica.
+            response = await client.post("/v1/completions", json=body)
+            assert response.status == 503
+            error = (await response.json())["error"]
+            assert "compute thread" in error["message"] and error["type"] == "unavailable"
+            assert int(response.headers["Retry-After"]) >= 1
             request.cancel()
     finally:
         server.engine.close()
