@@ -54,10 +54,16 @@ class KVPool:
     in place, never from a copy taken before an allocation. An idle pool keeps its buffers
     until the next `add` (which may shrink them) or `clear`. A step holds `lock`, so a
     sequence added from another thread never moves buffers under it.
+
+    `max_rows` (None: no limit) caps the growth where the caller knows how many sequences
+    decode at once at most (a server's batch): beyond it `add` refuses a sequence.
     """
 
-    def __init__(self, model: Llama) -> None:
+    def __init__(self, model: Llama, max_rows: int | None = None) -> None:
+        if max_rows is not None and max_rows < 1:
+            raise ValueError(f"max_rows: must be >= 1, got {max_rows}")
         self.model = model
+        self.max_rows = max_rows
         self.lock = threading.RLock()
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
@@ -86,6 +92,8 @@ class KVPool:
         with self.lock:
             row = next(r for r in range(len(self._needs) + 1) if r not in self._needs)
             rows = max([row, *self._needs]) + 1
+            if self.max_rows is not None and rows > self.max_rows:
+                raise RuntimeError(f"max_rows: all {self.max_rows} rows are in use")
             self._fit(rows, _round_up(max([num_slots, *self._needs.values()]), SLOT_QUANTUM))
             assert self.k is not None and self.v is not None
             self.k[:, row, :, :tokens] = k
@@ -119,14 +127,17 @@ class KVPool:
             self.k = self.v = None
 
     def _fit(self, rows: int, slots: int) -> None:
-        """Reallocate when the pool lacks rows or slots (rows grow by half again, so a
-        batch filling up reallocates a few times, not once per sequence), or when its
-        live rows need at most a quarter of what it holds."""
+        """Reallocate when the pool lacks rows or slots (rows grow by half again, up to
+        `max_rows`, so a batch filling up reallocates a few times, not once per sequence),
+        or when its live rows need at most a quarter of what it holds."""
         have_rows, have_slots = self.num_rows, self.num_slots
         if have_rows >= rows and have_slots >= slots and rows * slots * 4 > have_rows * have_slots:
             return
         if have_rows < rows:
-            rows = max(rows, have_rows + (have_rows + 1) // 2)
+            grown = have_rows + (have_rows + 1) // 2
+            if self.max_rows is not None:
+                grown = min(grown, self.max_rows)
+            rows = max(rows, grown)
         c = self.model.config
         shape = (c.num_layers, rows, c.num_kv_heads, slots, c.head_dim)
         new_k = torch.empty(shape, device=self.model.device, dtype=self.model.dtype)

@@ -67,6 +67,7 @@ from holeblend_runtime.serve.responses import (
 from holeblend_runtime.serve.settings import ServeSettings
 from holeblend_runtime.serve.worker import (
     Answered,
+    ComputeThreadEnded,
     EngineWorker,
     Finished,
     Job,
@@ -412,12 +413,12 @@ class Server:
         """503 while loading or draining, and once the compute thread has died: a request
         queued then would wait out its timeout for a thread that never takes it."""
         if self.worker is not None and self.worker.has_died:
-            message = "the compute thread ended; this server answers no more requests"
+            message = str(ComputeThreadEnded())
         elif self.is_draining or not self.is_ready:
             message = "shutting down" if self.is_draining else "the model is still loading"
         else:
             return
-        raise HttpError(503, error_body(message, None, "unavailable"), {"Retry-After": "5"})
+        raise _unavailable_error(message)
 
     def _check_room(self) -> None:
         """429 at once while the queue is full: the body of a request that would be refused
@@ -535,6 +536,8 @@ class Server:
             remaining = job.deadline - time.perf_counter()
             async with asyncio.timeout(max(remaining, 0) + 1.0):
                 event = await job.events.get()
+            if isinstance(event, ComputeThreadEnded):  # queued or running when it ended
+                raise _unavailable_error(str(event))
             if isinstance(event, Exception):
                 message = f"the engine failed: {event}"
                 raise HttpError(500, error_body(message, None, "server_error"))
@@ -663,6 +666,10 @@ def _check_expectation(expect: str) -> None:
     if expect.lower() != "100-continue":
         message = f"the Expect header {expect!r} is not supported; only 100-continue is"
         raise HttpError(417, error_body(message, None))
+
+
+def _unavailable_error(message: str) -> HttpError:
+    return HttpError(503, error_body(message, None, "unavailable"), {"Retry-After": "5"})
 
 
 def _too_large_error() -> HttpError:

@@ -33,6 +33,10 @@ continuous batching of the decode steps):
    decode step (the shadow gate: a user step waits for at most a catch-up slice of
    shadow work, `SHADOW_CATCH_UP_S`, plus the unit that crosses it).
 
+Should something escape the thread (no handler catches it), every job waiting or running
+gets `ComputeThreadEnded` at once, as does one submitted from then on: nothing would answer
+it, and it would wait out its deadline.
+
 `max_batch` 1 serves one request at a time: prefill, then its whole answer.
 """
 
@@ -69,6 +73,13 @@ class QueueFull(Exception):
     def __init__(self, retry_after_s: int) -> None:
         super().__init__(f"queue full; retry after {retry_after_s} s")
         self.retry_after_s = retry_after_s
+
+
+class ComputeThreadEnded(RuntimeError):
+    """Something escaped the compute thread, which ended: no job is served any more."""
+
+    def __init__(self) -> None:
+        super().__init__("the compute thread ended; this server answers no more requests")
 
 
 class SlotEstimate:
@@ -225,8 +236,10 @@ class EngineWorker:
         # Submitted jobs not yet taken by the thread, cancelled ones excepted (they gave
         # their place back); `_jobs` may still hold those, the thread skips them.
         self._waiting: set[Job] = set()
-        self._num_running = 0
+        # Jobs taken and not yet finished: those `ComputeThreadEnded` fails should it end.
+        self._running: set[Job] = set()
         self._is_stopped = False
+        self._has_ended = False  # something escaped the thread
         self._slot = SlotEstimate()
         self._thread = threading.Thread(target=self._run, name="holeblend-engine", daemon=True)
         # The quality proxies' hooks (step 5 of the module doc): after each completed
@@ -235,13 +248,15 @@ class EngineWorker:
         self.on_prefilled: Callable[[Prefill], float | None] | None = None
         self.on_answered: Callable[[Answered], None] | None = None
         self.between_steps: Callable[[], None] | None = None
+        # No more than max_batch sequences decode at once: the decode pool grows no further.
+        engine.decode_pool.max_rows = max_batch
 
     @property
     def num_pending(self) -> int:
         """Waiting (not cancelled) plus running jobs."""
         with self._lock:
             self._release_cancelled()
-            return len(self._waiting) + self._num_running
+            return len(self._waiting) + len(self._running)
 
     @property
     def mode(self) -> Mode:
@@ -269,10 +284,15 @@ class EngineWorker:
         with self._lock:
             if self._is_stopped:
                 raise RuntimeError("the engine worker is stopped")
-            self._check_room()
-            self._waiting.add(job)
-            self.metrics.queue_depth.set(len(self._waiting))
-        self._jobs.put(job)
+            has_ended = self._has_ended
+            if not has_ended:
+                self._check_room()
+                self._waiting.add(job)
+                self.metrics.queue_depth.set(len(self._waiting))
+        if has_ended:  # nothing would ever take it
+            _report(job, ComputeThreadEnded())
+        else:
+            self._jobs.put(job)
 
     def check_room(self, num_reserved: int = 0) -> None:
         """`QueueFull` if a job submitted now would be refused, with `num_reserved` more
@@ -318,17 +338,21 @@ class EngineWorker:
         _report(job, Finished("cancelled"))
 
     def _run(self) -> None:
-        # Set here, not inherited: a thread that never ran torch starts with the count the
-        # last `torch.set_num_threads` anywhere left, 1 after a serial thread's.
-        compute_threads(self.torch_threads)
-        while (job := self._jobs.get()) is not None:
-            # Busy (background stores wait) from the first job in flight until none is.
-            with self.engine.busy():
-                batch: list[_Running] = []
-                self._before_step()
-                self._admit(job, batch)
-                if self._serve(batch):
-                    break
+        try:
+            # Set here, not inherited: a thread that never ran torch starts with the count
+            # the last `torch.set_num_threads` anywhere left, 1 after a serial thread's.
+            compute_threads(self.torch_threads)
+            while (job := self._jobs.get()) is not None:
+                # Busy (background stores wait) from the first job in flight until none is.
+                with self.engine.busy():
+                    batch: list[_Running] = []
+                    self._before_step()
+                    self._admit(job, batch)
+                    if self._serve(batch):
+                        break
+        except BaseException:
+            self._fail_all()
+            raise
         self._refuse_waiting()
 
     def _serve(self, batch: list[_Running]) -> bool:
@@ -372,7 +396,7 @@ class EngineWorker:
             self.metrics.queue_depth.set(len(self._waiting))
             reason = job.stop_reason()
             if reason is None:
-                self._num_running += 1
+                self._running.add(job)
                 self._slot.started(time.perf_counter(), job)
         if reason is not None:
             _report(job, Finished(reason))
@@ -472,7 +496,7 @@ class EngineWorker:
 
     def _finish(self, job: Job) -> None:
         with self._lock:
-            self._num_running -= 1
+            self._running.discard(job)
             self._slot.finished(time.perf_counter(), job)
 
     def _refuse_waiting(self) -> None:
@@ -488,6 +512,21 @@ class EngineWorker:
                 self._waiting.discard(job)
                 self.metrics.queue_depth.set(len(self._waiting))
             _report(job, RuntimeError("the server stopped before this request started"))
+
+    def _fail_all(self) -> None:
+        """Something escaped the thread, which ends: every job waiting (the one it had
+        just taken included) or running gets `ComputeThreadEnded` now; nothing would
+        ever answer it, and it would wait out its deadline for a 504."""
+        with self._lock:
+            self._has_ended = True
+            jobs = [*self._waiting, *self._running]
+            self._waiting.clear()
+            self._running.clear()
+            self.metrics.queue_depth.set(0)
+        with self._jobs.mutex:
+            self._jobs.queue.clear()
+        for job in jobs:
+            _report(job, ComputeThreadEnded())
 
     def _time_lookup(self, prompt: SegmentedPrompt) -> None:
         """Keys and store look-ups, as the prefill does them (the store is in-process)."""

@@ -365,3 +365,28 @@ def test_a_row_that_failed_to_grow_grows_at_the_next_step(new_engine, monkeypatc
         batch_decode.decode_step(model, [sequence], [5])
     assert sequence.position == prompt + 2 and pool.num_slots == 2 * batch_decode.SLOT_QUANTUM
     torch.testing.assert_close(pool.k[:, sequence.row, :, :prompt], k, atol=0, rtol=0)
+
+
+def test_the_pool_grows_by_half_again_up_to_max_rows_and_no_further(new_engine):
+    """Rows grow by half again, so a batch filling up reallocates a few times: a fourth
+    sequence gave a pool of three rows five, and one shrunk to seven gave an eighth
+    sequence eleven (8,192 slots of SmolLM2-135M in float32: 4.15 GB instead of 3.02 GB)
+    though the server never decodes more than `--max-batch` at once. The growth now stops
+    at `max_rows`, and a sequence beyond it is refused."""
+    engine = new_engine()
+    model = engine.model
+    k, v = model.new_kv(10)
+    capped, free = batch_decode.KVPool(model, max_rows=4), batch_decode.KVPool(model)
+    for pool in (capped, free):
+        for _ in range(4):
+            pool.add(k, v, num_slots=20)
+    assert free.num_rows == 5 and capped.num_rows == 4
+    with pytest.raises(RuntimeError, match="max_rows: all 4 rows are in use"):
+        capped.add(k, v, num_slots=20)
+    assert capped.live_rows == [0, 1, 2, 3]
+    roomy = batch_decode.KVPool(model, max_rows=8)
+    for _ in range(4):
+        roomy.add(k, v, num_slots=20)
+    assert roomy.num_rows == 5  # by half again below the cap
+    with pytest.raises(ValueError, match="max_rows: must be >= 1, got 0"):
+        batch_decode.KVPool(model, max_rows=0)

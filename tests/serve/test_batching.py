@@ -342,6 +342,17 @@ def test_the_batch_holds_at_most_max_batch_jobs(make_worker, engine, prompts, mo
     assert max(sizes) == 2 and sum(sizes) == 4 * 3  # each job fed 3 of its 4 tokens
 
 
+def test_the_decode_pool_holds_at_most_max_batch_rows(make_worker, engine, prompts):
+    """The pool's rows grow by half again: four requests decoding together gave it five
+    rows (a fifth row of the longest answer's slots, held for nothing), and after a shrink
+    to seven rows an eighth request gave it eleven. The worker caps it at `max_batch`."""
+    engine.decode_pool.clear()  # every row was given back: the earlier tests settled
+    worker = make_worker(max_batch=4)
+    log = run_jobs(worker, prompts, {name: (i, 4) for i, name in enumerate("abcd")})
+    assert [end_of(log, name) for name in "abcd"] == [Finished("length")] * 4
+    assert engine.decode_pool.num_rows == 4
+
+
 def test_the_engine_thread_computes_with_its_own_thread_count(
     engine, prompts, tmp_path, monkeypatch
 ):
@@ -403,6 +414,7 @@ class GatedEngine:
     def __init__(self) -> None:
         self.config = SimpleNamespace(context_length=8192, eos_token_id=2)
         self.steps = threading.Semaphore(0)
+        self.decode_pool = SimpleNamespace(max_rows=None)  # the worker caps it at max_batch
         self.run_free = threading.Event()
         self.num_prefills = 0
         self.k_refs: list[weakref.ref] = []
@@ -620,3 +632,49 @@ def test_a_cancelled_waiting_job_is_not_held_while_the_batch_is_busy(gated, how)
     assert ends == [Finished("cancelled")] * 5
     assert engine.num_prefills == 1
     assert settles_to_zero(worker) and queue_depth(worker) == 0
+
+
+class _Escaped(BaseException):
+    """What no handler of the compute thread catches."""
+
+
+def _escape() -> None:
+    raise _Escaped
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.parametrize("when", ["taking a job", "decoding"])
+def test_every_job_fails_at_once_when_something_escapes_the_compute_thread(gated, when):
+    """Something escaped the compute thread: the job it had just taken still counted as
+    queued, and it, the jobs decoding and those queued behind them waited out their
+    deadline (a 504 after 120 s by default) while the probes and the route already said
+    503. Each now gets the failure at once, nothing counts as queued or pending, and a job
+    submitted after that gets it too."""
+    engine, worker = gated(queue_size=4, max_batch=1)
+
+    async def main() -> list:
+        loop = asyncio.get_running_loop()
+        jobs = []
+        if when == "decoding":
+            jobs.append(new_job(loop))
+            worker.submit(jobs[0])
+            await first_event(jobs[0], int)  # decoding, its steps held
+        worker.between_steps = _escape
+        for _ in range(2):
+            jobs.append(new_job(loop))
+            worker.submit(jobs[-1])
+        engine.steps.release()
+        errors = [await first_event(job, Exception) for job in jobs]
+        deadline = time.monotonic() + 10
+        while not worker.has_died:
+            assert time.monotonic() < deadline, "the compute thread did not end"
+            await asyncio.sleep(0.01)
+        late = new_job(loop)
+        worker.submit(late)
+        return [*errors, await first_event(late, Exception)]
+
+    errors = asyncio.run(main())
+    assert len(errors) == (4 if when == "decoding" else 3)
+    for error in errors:
+        assert str(error) == "the compute thread ended; this server answers no more requests"
+    assert worker.num_pending == 0 and queue_depth(worker) == 0

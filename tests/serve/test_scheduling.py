@@ -53,6 +53,7 @@ class LoggedEngine:
         self.blend_config = SimpleNamespace(separator=" # #")
         self.tokenizer = SimpleNamespace(token_to_id=lambda text: None, max_token_bytes=16)
         self.log: list[str] = []
+        self.decode_pool = SimpleNamespace(max_rows=None)  # the worker caps it at max_batch
         self.on_prefill = lambda: None
         self.steps_open = threading.Event()
         self.steps_open.set()
