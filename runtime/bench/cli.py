@@ -96,6 +96,9 @@ LOAD_FLAGS = (
     "--load-modes", "--load-ratio", "--clients", "--requests", "--warmup", "--blocks",
     "--corpus", "--request-documents", "--zipf", "--workdir",
 )  # fmt: skip
+# Flags of the synthetic documents that a MuSiQue file decides itself (its passages, their
+# number and length).
+SYNTHETIC_FLAGS = ("--inflate", "--prompt-tokens", "--min-doc-tokens", "--max-doc-tokens")
 # Tokens of a prompt besides its documents (system prompt, question, chat template), and
 # per document (separator): to aim --prompt-tokens.
 _PROMPT_OVERHEAD_TOKENS = 60
@@ -241,6 +244,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         )
     if not args.load and (ignored := _given(parser, args, LOAD_FLAGS)):
         parser.error(f"{ignored[0]}: a flag of the load benchmark; add --load")
+    if args.musique is not None and (ignored := _given(parser, args, SYNTHETIC_FLAGS)):
+        parser.error(
+            f"{ignored[0]}: shapes the synthetic documents; a MuSiQue file brings its own "
+            "passages: drop it, or run --quality without --musique"
+        )
+    if args.musique is None and _given(parser, args, ("--musique-start",)):
+        parser.error("--musique-start: picks the first MuSiQue item; add --musique FILE")
+    if args.png is None and _given(parser, args, ("--frontier-x",)):
+        parser.error("--frontier-x: the x axis of the --png frontier plot; add --png FILE")
     if args.musique is not None:
         args.quality = True
     if args.modes is None:
@@ -430,9 +442,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         else {"regrouped": False, "order": "prompt"}
     )
     if args.sdpa_reference:
-        prompts = [runner.request(qa, pass_number=2).prompt for qa in workload]
-        warm_prompt = runner.request(warm_up[0], pass_number=2).prompt
-        record["sdpa_reference"] = sdpa_reference_s(model, prompts, warm_prompt)
+        record["sdpa_reference"] = _sdpa_reference(model, runner, workload, warm_up[0])
     if args.profile:
         record["profile"] = _profile(new_engine, config, runner, workload[0], args.profile_trace)
     document = {"model": model.config.model_id, "config": record, "results": results}
@@ -440,6 +450,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.json is not None:
         write_json(args.json, document["model"], document["config"], results)
     return document
+
+
+def _sdpa_reference(
+    model: Llama, runner: BenchRunner, workload: Sequence[QAPrompt], warm_up: QAPrompt
+) -> dict[str, Any]:
+    """The plain SDPA forward on pass 2's prompts, each with its build time added as the
+    engine rows' TTFT has it (`build_mean_s` says how much of the means that is)."""
+    requests = [runner.request(qa, pass_number=2) for qa in workload]
+    warm_prompt = runner.request(warm_up, pass_number=2).prompt
+    prompts, build_s = [r.prompt for r in requests], [r.build_s for r in requests]
+    return sdpa_reference_s(model, prompts, warm_prompt, build_s=build_s)
 
 
 def _point_blend(blend: BlendConfig, store_policy: str, entry: str) -> BlendConfig:

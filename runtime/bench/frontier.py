@@ -50,9 +50,11 @@ def plot_frontier(rows: Sequence[dict[str, Any]], path: Path, title: str, x: str
             points = sorted(points, key=lambda r: r[x_key])
             xs = [p[x_key] for p in points]
             ys = [p[key] for p in points]
+            # No bar for a row without an interval (one prompt).
+            cis = [p[f"{key}_ci"] or (p[key], p[key]) for p in points]
             errors = [
-                [max(0.0, p[key] - p[f"{key}_ci"][0]) for p in points],
-                [max(0.0, p[f"{key}_ci"][1] - p[key]) for p in points],
+                [max(0.0, p[key] - ci[0]) for p, ci in zip(points, cis, strict=True)],
+                [max(0.0, ci[1] - p[key]) for p, ci in zip(points, cis, strict=True)],
             ]
             name = selection if len({m for m, _ in lines}) == 1 else f"{mode} {selection}"
             axis.errorbar(xs, ys, yerr=errors, marker="o", capsize=3, label=name)

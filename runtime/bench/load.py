@@ -236,6 +236,9 @@ def summarize_load(
         "ttft_p99_s": percentile(ttfts, 0.99) if ttfts else None,
         "itl_p50_s": percentile(itls, 0.5) if itls else None,
         "itl_p99_s": percentile(itls, 0.99) if itls else None,
+        # What the percentiles are of: with few samples they interpolate between the largest.
+        "num_ttft_samples": len(ttfts),
+        "num_itl_samples": len(itls),
         "request_s_mean": statistics.fmean(o.request_s for o in ok) if ok else None,
         "reused_share": reused_share(ok),
         "top1_vs_full": None,

@@ -5,7 +5,8 @@ full prefill's mean time over the row's on the same prompts in the same run; the
 resamples prompts (full and blended together, so the pairing holds). Beside each quality
 mean: the paired difference against the baseline selection (kDeviation when swept) at the
 same mode and ratio, resampled over the same prompts, and the row's mean TTFT and call to
-return over the baseline's. Every row keeps its per-prompt measurements.
+return over the baseline's. A row of one prompt has no intervals (None). Every row keeps
+its per-prompt measurements.
 """
 
 from __future__ import annotations
@@ -199,6 +200,9 @@ def _row(
             row[f"{name}_diff_ci"] = bootstrap_interval(differences, seed)
         for name, key in BASELINE_TIMES:
             row[name], row[f"{name}_ci"] = _ratio(column[key], base_column[key], seed)
+    if len(rows) < 2:
+        # One prompt's bootstrap interval is the point itself: it says nothing of the spread.
+        row.update({key: None for key in row if key.endswith("_ci")})
     row["meets_goals"] = None if mode == FULL else meets_goals(row)
     row["per_prompt"] = {
         "ttft_s": column["ttft_s"],

@@ -71,6 +71,42 @@ def test_the_sdpa_reference_warms_up_untimed_before_timing_each_prompt_twice(tin
     assert result["num_prompts"] == 2 and result["ttft_mean_s"] > 0
 
 
+def test_the_sdpa_reference_adds_each_prompts_build_time_as_the_engine_rows_do(tiny):
+    """The engine rows' TTFT starts when building the prompt starts: a reference of the
+    forward alone would make full prefill look slower against it than it is."""
+    model, tokenizer = tiny
+    builder = PromptBuilder(tokenizer, BlendConfig().separator, 8)
+    short, long = (
+        builder.build("Answer briefly.", ["A river runs north. " * n], "Where does it run?")
+        for n in (2, 5)
+    )
+    result = device_timing.sdpa_reference_s(model, [short, long], build_s=[10.0, 20.0])
+    assert result["build_mean_s"] == 15.0
+    assert result["ttft_mean_s"] > 15.0 and result["ttft_seen_mean_s"] > 15.0
+    with pytest.raises(ValueError, match="build_s: 1 values for 2 prompts"):
+        device_timing.sdpa_reference_s(model, [short, long], build_s=[1.0])
+
+
+def test_the_bench_times_the_sdpa_reference_with_its_prompts_build(tiny):
+    from holeblend_runtime.bench.cli import _sdpa_reference
+
+    model, tokenizer = tiny
+    args = parse_args(
+        ["--questions", "2", "--documents", "2", "--min-doc-tokens", "20", "--max-doc-tokens",
+         "30", "--no-progress"]
+    )  # fmt: skip
+    config = bench_config(args)
+    runner = BenchRunner(
+        lambda policy, entry: BlendEngine(model, tokenizer, BlendConfig()), tokenizer, config
+    )
+    workload = generate_workload(config.workload, lambda text: len(tokenizer.encode(text)))
+    warm_up = generate_workload(dataclasses.replace(config.workload, seed=99))[0]
+    result = _sdpa_reference(model, runner, workload, warm_up)
+    assert result["num_prompts"] == 2
+    assert 0.0 < result["build_mean_s"] < result["ttft_mean_s"]
+    runner.engine.close()
+
+
 class CountingEngine(BlendEngine):
     """A real engine that counts its `close` calls."""
 

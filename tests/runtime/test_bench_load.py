@@ -139,6 +139,20 @@ def test_load_row_has_every_key_and_token_weighted_reuse():
     assert no_gaps["itl_p50_s"] is None and no_gaps["itl_p99_s"] is None
 
 
+def test_load_row_says_how_many_samples_its_percentiles_are_of():
+    """A p99 of three samples is interpolated between the two largest, not a measured
+    tail: the row says how few there were."""
+    outcomes = [
+        _outcome(0, 1.0, 80, itls=(0.1, 0.3)),
+        _outcome(1, 3.0, 20, itls=(0.2,)),
+        _outcome(2, 9.0, 0, status=500, itls=(5.0,)),
+    ]
+    row = summarize_load("hole", 0.15, 1, outcomes, 1.0, None, str.split, {})
+    assert (row["num_ttft_samples"], row["num_itl_samples"]) == (2, 3)
+    empty = summarize_load("full", None, 1, [], 1.0, None, str.split, {})
+    assert (empty["num_ttft_samples"], empty["num_itl_samples"]) == (0, 0)
+
+
 def test_shadow_seconds_between_scrapes_count_every_unit_and_the_idle_ones_apart():
     def scrape(idle, serving):
         return {

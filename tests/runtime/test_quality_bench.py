@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from holeblend_runtime.bench.cli import _point_blend, bench_config, parse_args
+from holeblend_runtime.bench.frontier import plot_frontier
 from holeblend_runtime.bench.quality_report import (
     bootstrap_interval,
     meets_goals,
@@ -130,6 +131,28 @@ def test_rows_carry_means_intervals_speedups_and_paired_differences():
         assert (row["workload"], row["seed"], row["pass"]) == ("synthetic", 0, 2)
 
 
+def test_a_row_of_one_prompt_has_no_intervals_and_still_plots(tmp_path):
+    """Resampling one prompt gives the point itself, [x, x]: printed as an interval it
+    would read as a certain result."""
+    pytest.importorskip("matplotlib")
+    measures = {key: value[:1] for key, value in _measures().items()}
+    rows = quality_rows(measures, [2], workload="synthetic", seed=0)
+    intervals = [key for key in rows[1] if key.endswith("_ci")]
+    assert "top1_vs_full_ci" in intervals and "speedup_vs_full_ci" in intervals
+    assert "top1_vs_full_diff_ci" in intervals
+    for row in rows:
+        assert row["num_prompts"] == 1
+        assert all(row[key] is None for key in intervals if key in row)
+    assert rows[1]["top1_vs_full"] == 1.0 and rows[1]["speedup_vs_full"] == pytest.approx(3.0)
+    path = tmp_path / "one.png"
+    plot_frontier(rows, path, "one prompt")
+    assert path.read_bytes().startswith(b"\x89PNG")
+    two = quality_rows(
+        {key: value[:2] for key, value in _measures().items()}, [2], workload="synthetic", seed=0
+    )
+    assert all(isinstance(two[1][key], list) for key in intervals)
+
+
 def test_a_check_layer_entry_runs_at_that_layer_and_says_so_in_its_row():
     measures = _measures()
     measures[("hole", 0.15, "in-context", "kDeviation@4#2", 2)] = measures.pop(
@@ -229,6 +252,44 @@ def test_other_benchmarks_are_refused_with_the_quality_sweep(capsys, flag):
     with pytest.raises(SystemExit):
         parse_args(["--musique", "x.json", flag])
     assert f"{flag}: not part of the quality sweep" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flag", [["--inflate", "3"], ["--prompt-tokens", "4000"], ["--min-doc-tokens", "50"],
+             ["--max-doc-tokens", "200"]],
+)  # fmt: skip
+def test_musique_refuses_the_flags_of_the_synthetic_documents(capsys, flag):
+    """A MuSiQue file brings its own passages: these flags would change nothing in the run
+    while its JSON recorded them."""
+    with pytest.raises(SystemExit) as caught:
+        parse_args(["--musique", "x.json", *flag])
+    assert caught.value.code == 2
+    error = capsys.readouterr().err
+    assert f"{flag[0]}: shapes the synthetic documents" in error
+    assert "run --quality without --musique" in error
+    assert bench_config(parse_args(["--quality", *flag])).workload is not None
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--quality", "--musique-start", "50"], "--musique-start: picks the first MuSiQue item"),
+        (["--quality", "--frontier-x", "request"], "--frontier-x: the x axis of the --png"),
+    ],
+)
+def test_quality_flags_without_what_they_modify_are_refused(capsys, argv, message):
+    with pytest.raises(SystemExit) as caught:
+        parse_args(argv)
+    assert caught.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_musique_start_and_frontier_x_pass_with_what_they_modify():
+    args = parse_args(
+        ["--musique", "x.json", "--musique-start", "50", "--png", "q.png", "--frontier-x",
+         "request"]
+    )  # fmt: skip
+    assert (args.musique_start, args.frontier_x) == (50, "request")
 
 
 class _Store:
@@ -387,6 +448,35 @@ def test_timings_include_building_the_prompt_the_user_waits_for():
         for measure in rows:
             assert measure.ttft_s >= build_s, key
             assert measure.request_s >= measure.ttft_s, key
+
+
+def test_a_prompts_build_time_leaves_out_tokenizing_the_gold_answer(monkeypatch):
+    """The gold answer is the bench's yardstick, never part of a user's request: its
+    tokenizing must not be charged to the build every mode's timings include."""
+    from holeblend_runtime.bench import runner as runner_module
+
+    clock = types.SimpleNamespace(now=0.0)
+    clock.perf_counter = clock.process_time = lambda: clock.now
+
+    class _TimedBuild(_Engine):
+        def build_prompt(self, system, documents, question):
+            clock.now += 0.25
+            return _Prompt(documents)
+
+    class _SlowGoldTokenizer(_Tokenizer):
+        def encode(self, text):
+            clock.now += 1.0
+            return super().encode(text)
+
+    monkeypatch.setattr(runner_module, "time", clock)
+    workload = WorkloadConfig(num_questions=1, num_documents=3)
+    config = BenchConfig(workload=workload, ratios=(0.15,), modes=("hole",), max_new_tokens=1)
+    runner = BenchRunner(lambda _, entry: _TimedBuild(entry, _Store(), []), _SlowGoldTokenizer(),
+                         config)  # fmt: skip
+    [qa] = generate_workload(workload)
+    request = runner.request(qa, pass_number=2)
+    assert request.gold_ids == (1, 2)
+    assert (request.build_s, request.build_cpu_s) == (0.25, 0.25)
 
 
 # Store compute each blended send queues, done when the engine's stores are waited for.
