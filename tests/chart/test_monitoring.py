@@ -94,6 +94,37 @@ def test_the_dashboard_shows_what_the_issue_asks_for():
     assert "holeblend_operator_tuning_decisions_total" in decisions["expr"]
 
 
+def test_the_decisions_annotation_marks_every_decision_also_a_counters_first(tmp_path):
+    """The operator creates the counter of a (direction, reason) at its first decision: at
+    1, with no earlier sample for changes() to compare. That decision is marked like the
+    next one; a hold, and the minutes between decisions, are not."""
+    (annotation,) = dashboard()["annotations"]["list"]
+    expr = substituted(annotation["expr"])
+    labels = 'namespace="default",name="smollm2-demo",pod="holeblend-operator-0"'
+    family = "holeblend_operator_tuning_decisions_total"
+    decided = f'{family}{{{labels},direction="up",reason="BelowTarget"}}'
+    held = f'{family}{{{labels},direction="hold",reason="InBand"}}'
+    series = [
+        {"series": decided, "values": "_x10 1x10 2x10"},  # decided at 10m and at 21m
+        {"series": held, "values": "_x4 1+1x30"},  # held every minute from 4m
+    ]
+    up = [{"labels": '{direction="up", reason="BelowTarget"}', "value": 1}]
+    marks = {"9m": [], "10m": up, "11m": up, "14m": [], "21m": up, "25m": []}
+    test = {
+        "interval": "1m",
+        "input_series": series,
+        "promql_expr_test": [
+            {"expr": expr, "eval_time": at, "exp_samples": samples} for at, samples in marks.items()
+        ],
+    }
+    path = tmp_path / "test.yaml"
+    path.write_text(yaml.safe_dump({"evaluation_interval": "1m", "tests": [test]}))
+    result = subprocess.run(
+        ["promtool", "test", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_with_the_default_values_no_monitoring_object_is_rendered(tmp_path):
     objects = _render(tmp_path, None)
     assert not [o for o in objects if o["kind"] in MONITORING_KINDS]

@@ -82,8 +82,8 @@ def test_operator_expressions_return_series_from_the_real_operator_metrics(opera
     with prometheus.running_prometheus([target]) as url:
         for expr in OPERATOR_EXPRESSIONS:
             if "changes(" in expr:
-                # The annotation fires only when the counter moves between scrapes 2 minutes
-                # apart; its selector must find the counter of this BlendDeployment.
+                # The annotation marks a counter that appeared or moved in the last 2 minutes;
+                # its selector must find the counter of this BlendDeployment.
                 expr = re.search(r"holeblend_operator_tuning_decisions_total\{[^}]*\}", expr)[0]
             assert wait_for_series(url, substituted(expr)), expr
 

@@ -9,6 +9,7 @@ names the offending key in its message.
 import json
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -21,10 +22,13 @@ from tests.chart.test_chart import CHART, HELM, VALUES, _helm
 SCHEMA_FILE = CHART / "values.schema.json"
 SCHEMA = json.loads(SCHEMA_FILE.read_text())
 DEFAULTS = yaml.safe_load((CHART / "values.yaml").read_text())
+CHART_YAML = yaml.safe_load((CHART / "Chart.yaml").read_text())
 TEMPLATE_FILES = sorted((CHART / "templates").iterdir())
 # `.Values.a.b` and `$.Values.a.b`: the value paths the templates read.
 VALUE_PATH = re.compile(r"\.Values((?:\.[A-Za-z_][A-Za-z0-9_]*)+)")
 DIGEST = "sha256:" + "0123456789abcdef" * 4
+# Keys helm itself sets: `global` reaches a chart that is a dependency of another one.
+HELM_KEYS = {"global"}
 
 
 @pytest.fixture(autouse=True)
@@ -123,7 +127,8 @@ def test_every_schema_key_is_read_by_a_template():
     dead = [
         ".".join(leaf)
         for leaf in schema_leaves()
-        if not any(leaf[: len(path)] == path for path in read)  # read itself or whole
+        if leaf[0] not in HELM_KEYS
+        and not any(leaf[: len(path)] == path for path in read)  # read itself or whole
     ]
     assert not dead, f"values.schema.json declares keys no template reads: {dead}"
 
@@ -136,7 +141,8 @@ def test_every_object_the_chart_defines_is_closed():
 def test_values_yaml_sets_exactly_the_keys_the_schema_declares():
     def walk(values: dict, path: tuple[str, ...]) -> None:
         node = schema_node(path)
-        assert set(values) == set(node["properties"]), ".".join(path) or "top level"
+        declared = set(node["properties"]) - (HELM_KEYS if not path else set())
+        assert set(values) == declared, ".".join(path) or "top level"
         assert set(node.get("required", values)) == set(values), ".".join(path) or "top level"
         for key, value in values.items():
             if isinstance(value, dict) and "properties" in (schema_node((*path, key)) or {}):
@@ -193,6 +199,47 @@ def test_helm_refuses_bad_values_naming_the_key(args, key, tmp_path):
     assert key in output, output
     output = _helm_fails(tmp_path, "lint", "--strict", str(CHART), *args)
     assert "[ERROR] values.yaml" in output and key in output, output
+
+
+def parent_chart(tmp_path: Path) -> Path:
+    """A chart with no templates of its own that has this one as its dependency."""
+    parent = tmp_path / "parent"
+    shutil.copytree(CHART, parent / "charts" / CHART.name)
+    chart = {
+        "apiVersion": "v2",
+        "name": "parent",
+        "version": "0.1.0",
+        "dependencies": [{"name": CHART.name, "version": CHART_YAML["version"]}],
+    }
+    (parent / "Chart.yaml").write_text(yaml.safe_dump(chart))
+    return parent
+
+
+def test_the_chart_renders_as_a_dependency_of_another_chart(tmp_path):
+    """helm hands a dependency the parent's `global` values, even when there are none."""
+    parent = parent_chart(tmp_path)
+    for args in ([], ["--set", "global.imageRegistry=registry.example.com"]):
+        text = _helm(
+            "template",
+            "hb",
+            str(parent),
+            "--set",
+            "holeblend.replicaCount=2",
+            *args,
+            tmp_path=tmp_path,
+        )
+        (deployment,) = [
+            doc for doc in yaml.safe_load_all(text) if doc and doc["kind"] == "Deployment"
+        ]
+        assert deployment["spec"]["replicas"] == 2
+
+
+def test_a_dependency_still_refuses_a_misspelt_key(tmp_path):
+    parent = parent_chart(tmp_path)
+    output = _helm_fails(
+        tmp_path, "template", "hb", str(parent), "--set", "holeblend.replicacount=2"
+    )
+    assert "replicacount" in output, output
 
 
 def test_a_values_file_with_a_typo_is_refused(tmp_path):
