@@ -81,6 +81,12 @@ BLEND_DEPLOYMENT = Kind(f"{GROUP}/{VERSION}", "BlendDeployment", PLURAL, ("get",
 BLEND_DEPLOYMENT_STATUS = Kind(
     f"{GROUP}/{VERSION}", "BlendDeployment", f"{PLURAL}/status", ("patch",)
 )
+# Children carry an owner reference with blockOwnerDeletion (kopf.adopt): where the
+# OwnerReferencesPermissionEnforcement admission plugin runs (OpenShift, hardened clusters),
+# setting it requires update on the owner's finalizers, else every child create is refused.
+BLEND_DEPLOYMENT_FINALIZERS = Kind(
+    f"{GROUP}/{VERSION}", "BlendDeployment", f"{PLURAL}/finalizers", ("update",)
+)
 PODS = Kind("v1", "Pod", "pods", ("list",))
 # Children by kind, as the render functions name them.
 CHILD_KINDS = {
@@ -116,7 +122,14 @@ FRAMEWORK_KINDS = (
     ),
     Kind("kopf.dev/v1", "KopfPeering", "kopfpeerings", ("list", "watch", "patch", "get")),
 )
-ACCESS = (BLEND_DEPLOYMENT, BLEND_DEPLOYMENT_STATUS, PODS, *CHILD_KINDS.values(), *FRAMEWORK_KINDS)
+ACCESS = (
+    BLEND_DEPLOYMENT,
+    BLEND_DEPLOYMENT_STATUS,
+    BLEND_DEPLOYMENT_FINALIZERS,
+    PODS,
+    *CHILD_KINDS.values(),
+    *FRAMEWORK_KINDS,
+)
 
 
 class Invalid(Exception):
