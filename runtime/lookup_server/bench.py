@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from holeblend_runtime.kv.shared_tier import BlobHeader, SharedTier, SharedTierConfig, blob_pieces
+from holeblend_runtime.lookup_server.cli import _POSITIVE_FLOAT, _POSITIVE_INT
 from holeblend_runtime.lookup_server.client import ClientConfig, LookupClient
 from holeblend_runtime.lookup_server.processes import LookupProcess, RedisProcess
 from holeblend_runtime.lookup_server.wire import Entry
@@ -45,12 +46,19 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         prog="holeblend-lookup bench", description=__doc__.split("\n")[0], allow_abbrev=False
     )
     parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--duration", type=float, default=3.0, help="seconds per client count")
-    parser.add_argument("--entries", type=int, default=10_000, help="segments in the index")
+    parser.add_argument(
+        "--duration", type=_POSITIVE_FLOAT, default=3.0, help="seconds per client count"
+    )
+    parser.add_argument(
+        "--entries", type=_POSITIVE_INT, default=10_000, help="segments in the index"
+    )
     parser.add_argument("--url", help="an already running lookup server (default: start one)")
     parser.add_argument("--redis-url", help="an existing Redis (default: start redis-server)")
     parser.add_argument(
-        "--repeats", type=int, default=15, help="round trips per blob size (median reported)"
+        "--repeats",
+        type=_POSITIVE_INT,
+        default=15,
+        help="round trips per blob size (median reported)",
     )
     parser.add_argument("--skip-shared-tier", action="store_true")
     return parser.parse_args(argv)

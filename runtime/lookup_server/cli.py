@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -22,6 +23,22 @@ ENV_PREFIX = "HOLEBLEND_LOOKUP_"
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# The configuration fields whose errors a flag can cause, and that flag.
+FLAG_OF_FIELD = {
+    "max_entries": "max-entries",
+    "max_bytes": "max-bytes",
+    "pod_timeout_s": "pod-timeout",
+    "max_keys": "max-keys",
+    "max_body_bytes": "max-body-bytes",
+    "drain_s": "drain-seconds",
+    "header_timeout_s": "header-timeout",
+    "body_timeout_s": "body-timeout",
+    "idle_timeout_s": "idle-timeout",
+    "write_timeout_s": "write-timeout",
+    "max_buffer_bytes": "max-buffer-bytes",
+    "max_connections": "max-connections",
+}
+_FIELD_NAMES = re.compile(r"\b(" + "|".join(FLAG_OF_FIELD) + r")\b")
 
 
 class _FromEnv(str):
@@ -179,7 +196,22 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             max_connections=args.max_connections,
         )
     except ValueError as error:
-        raise SystemExit(f"holeblend-lookup: {error}") from None
+        raise SystemExit(f"holeblend-lookup: {_as_flags(str(error))}") from None
+
+
+def _as_flags(message: str) -> str:
+    """`message` with the configuration fields it names written as the flags that set
+    them, each variable named at its first mention: what the person reading it set."""
+    named: set[str] = set()
+
+    def flag(match: re.Match) -> str:
+        name = FLAG_OF_FIELD[match.group(1)]
+        if name in named:
+            return f"--{name}"
+        named.add(name)
+        return f"--{name} (env {_env_name(name)})"
+
+    return _FIELD_NAMES.sub(flag, message)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

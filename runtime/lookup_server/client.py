@@ -401,7 +401,7 @@ def _locations(reply: dict, num_keys: int) -> list[Location | None] | None:
         return None
     try:
         return [_location(hit) for hit in hits]
-    except (TypeError, ValueError) as error:
+    except (TypeError, ValueError, OverflowError) as error:
         log.warning("lookup reply with a malformed location (%s): %.200r", error, reply)
         return None
 

@@ -15,8 +15,9 @@
    dropped with its locations; shared-tier copies outlive it.
 4. An announcement ends with the pod's next message of another kind (the announcer sends
    its chunks back to back); what the pod held before and did not list again is dropped
-   then. It is no use of the segments: they keep their place in the LRU order, or every
-   periodic resync would make a pod's segments newer than the ones just looked up.
+   then. It is no use of the segments: they keep their place in the LRU order, and one the
+   index does not hold (dropped for capacity) comes back as the least recently used, or
+   every periodic resync would make a pod's segments newer than the ones just looked up.
 5. A shared copy a pod reported gone (`evict` with `shared`) is remembered as gone (at
    most `max_shared_gone` keys): a resync that still lists it as shared (the writer does
    not know another pod found it gone) does not advertise it again. Only an `admit` with
@@ -277,6 +278,8 @@ class SegmentIndex:
         if entry is None:
             entry = IndexEntry(item, now)
             self._entries[item.key] = entry
+            if not is_use:
+                self._entries.move_to_end(item.key, last=False)
             self.num_bytes += entry.num_bytes
             self.num_shared += entry.shared
             return entry

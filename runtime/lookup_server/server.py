@@ -122,8 +122,10 @@ class ServerConfig:
         largest = self.limits.max_body_bytes + MAX_HEADER_BYTES
         if self.large_body_budget < largest:
             raise ValueError(
-                f"max_buffer_bytes: must hold one largest request ({largest} bytes) in its "
-                f"first seven eighths, got {self.max_buffer_bytes}"
+                f"max_buffer_bytes: must hold one largest request in its first seven eighths, "
+                f"got {self.max_buffer_bytes}: a max_body_bytes of {self.limits.max_body_bytes} "
+                f"(and a {MAX_HEADER_BYTES}-byte head) needs {-(-largest * 8 // 7)}; set "
+                "max_buffer_bytes to that or lower max_body_bytes"
             )
         if self.requests_per_turn < 1:
             raise ValueError(f"requests_per_turn: must be >= 1, got {self.requests_per_turn}")

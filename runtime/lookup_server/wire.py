@@ -189,6 +189,8 @@ def decode_reply(body: bytes) -> dict:
         raise WireError("bad_reply", f"reply is not a version {WIRE_VERSION} map")
     if not reply.get("ok"):
         error = reply.get("error") or {}
+        if not isinstance(error, dict):
+            raise WireError("bad_reply", "error reply whose error is not a map")
         raise WireError(str(error.get("code", "error")), str(error.get("message", "")))
     return reply
 

@@ -5,6 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from holeblend_runtime.lookup_server.bench import parse_args
+
 LOOKUP = str(Path(sys.executable).parent / "holeblend-lookup")
 
 
@@ -20,3 +24,14 @@ def test_bench_writes_lookup_rows_and_shared_tier_rows(tmp_path):
     assert [row["blob_mb"] for row in report["shared_tier"]] == [1, 8, 32]
     for row in report["shared_tier"]:
         assert row["tier_get_gb_s"] > 0 and row["raw_get_gb_s"] > 0 and row["put_vs_raw"] > 0
+
+
+@pytest.mark.parametrize("flag", ["--duration", "--entries", "--repeats"])
+def test_a_bench_flag_of_zero_exits_2_naming_it_before_anything_starts(flag, capsys):
+    """Zero was taken, and the bench started a server and Redis before it crashed with a
+    ZeroDivisionError or StatisticsError traceback."""
+    with pytest.raises(SystemExit) as caught:
+        parse_args([flag, "0"])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{flag}: '0': expected" in err and "Traceback" not in err

@@ -1,5 +1,7 @@
 """`holeblend-lookup`: bad flags and HOLEBLEND_LOOKUP_* values exit 2 naming them, never a traceback."""
 
+import re
+
 import pytest
 
 from holeblend_runtime.lookup_server.cli import config_from_args, serve_parser
@@ -73,3 +75,18 @@ def test_the_connection_limit_reaches_the_server_config(monkeypatch):
     assert config_from_args(args).max_connections == 32
     monkeypatch.delenv("HOLEBLEND_LOOKUP_MAX_CONNECTIONS")
     assert config_from_args(parse([], monkeypatch)).max_connections == 4096
+
+
+def test_a_body_limit_the_buffer_cannot_hold_names_both_flags_and_a_buffer_that_fits(monkeypatch):
+    """The error named the configuration's fields (`max_buffer_bytes`), which a person who
+    set HOLEBLEND_LOOKUP_MAX_BODY_BYTES never wrote, and no value that would do."""
+    args = parse([], monkeypatch, {"HOLEBLEND_LOOKUP_MAX_BODY_BYTES": "100000000"})
+    with pytest.raises(SystemExit) as caught:
+        config_from_args(args)
+    message = str(caught.value)
+    assert "--max-body-bytes (env HOLEBLEND_LOOKUP_MAX_BODY_BYTES)" in message
+    assert "--max-buffer-bytes (env HOLEBLEND_LOOKUP_MAX_BUFFER_BYTES)" in message
+    assert "max_buffer_bytes" not in message and "max_body_bytes" not in message
+    needed = re.search(r"needs (\d+)", message).group(1)
+    monkeypatch.setenv("HOLEBLEND_LOOKUP_MAX_BUFFER_BYTES", needed)
+    assert config_from_args(serve_parser().parse_args([])).max_buffer_bytes == int(needed)

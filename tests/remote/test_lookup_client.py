@@ -4,6 +4,7 @@ import socket
 import threading
 import time
 
+import msgpack
 import pytest
 
 from holeblend_runtime.lookup_server.client import (
@@ -83,6 +84,11 @@ def plain_reply(status: str, text: bytes) -> bytes:
         b"HTTP/1.1 %s\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n"
         b"Connection: close\r\n\r\n%s" % (status.encode(), len(text), text)
     )
+
+
+def msgpack_reply(message: dict) -> bytes:
+    body = msgpack.packb(message)
+    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
 
 
 def test_an_unreachable_server_answers_all_miss_quickly_and_opens_the_breaker():
@@ -236,12 +242,13 @@ def test_lookup_counters_lose_nothing_under_concurrent_lookups():
         [[4, True, ["p"]], [4, True]],  # a location short of a field
         [[4, True, ["p"]], ["four", True, ["p"]]],  # a count that is not one
         [[4, True, ["p"]], [4, True, "p"]],  # pods not a list
+        [[4, True, ["p"]], [float("inf"), True, ["p"]]],  # a count no integer holds
     ],
 )
 def test_a_reply_that_is_not_one_location_per_key_is_all_miss_not_an_exception(hits):
     """A server of another build (or a bug) answering ok with malformed hits raised
-    KeyError, TypeError or ValueError into the request (on a vLLM pod: its scheduler
-    thread); the lookup answers all-miss, counted as degraded, like a failed one."""
+    KeyError, TypeError, ValueError or OverflowError into the request (on a vLLM pod: its
+    scheduler thread); the lookup answers all-miss, counted as degraded, like a failed one."""
 
     class Answering:
         def call(self, message: dict) -> dict:
@@ -308,8 +315,18 @@ def test_a_request_over_the_servers_body_limit_does_not_open_the_breaker():
         (plain_reply("200 OK", b"not msgpack"), True),
         (b"HTTP/1.1 200 OK\r\nContent-Length: twelve\r\n\r\n", True),
         (b"SSH-2.0-OpenSSH_9.6\r\n\r\n", True),
+        (msgpack_reply({"v": 1, "ok": False, "error": "boom"}), True),
     ],
-    ids=["503", "502", "500", "400", "200-not-msgpack", "bad-content-length", "not-http"],
+    ids=[
+        "503",
+        "502",
+        "500",
+        "400",
+        "200-not-msgpack",
+        "bad-content-length",
+        "not-http",
+        "error-not-a-map",
+    ],
 )
 def test_only_replies_that_say_the_server_cannot_serve_open_the_breaker(reply, opens_the_breaker):
     server = CannedServer(reply)

@@ -240,3 +240,19 @@ def test_a_resync_is_no_use_so_capacity_still_drops_the_least_recently_used():
     index.admit("b", [entry("b-new"), entry("b-newer")])
     keys = ["a-local", "a-shared", "b-used", "b-new", "b-newer"]
     assert [hit is not None for hit in index.lookup(keys)] == [False, False, True, True, True]
+
+
+def test_a_resync_brings_back_segments_capacity_dropped_as_the_least_recently_used():
+    """A pod holding more than the index takes lists, in every periodic resync, segments
+    that capacity dropped. Indexed anew as the newest, they pushed out one after another
+    the segments looked up since, while nobody used theirs."""
+    index = SegmentIndex(IndexLimits(max_entries=3))
+    held = [entry(f"a-{i}") for i in range(3)]
+    index.admit("a", held)
+    index.admit("b", [entry("b-used")])  # drops a-0
+    index.lookup(["b-used"])
+    for _ in range(3):
+        index.resync("a", held, reset=True)
+        index.heartbeat("a")
+    assert index.lookup(["b-used"])[0] is not None
+    assert len(index) == 3 and index.counters["capacity_evictions"] == 4
