@@ -358,7 +358,10 @@ class TuningLoop:
     async def tune(self, key: tuple) -> Decision | None:
         """One evaluation of one BlendDeployment; the decision, or None if not tuned now."""
         client = self.operator.client
-        if not await self.is_leader(key[0]):
+        leader = await self.is_leader(key[0])
+        if not leader:
+            if leader is False:  # a standby: the active replica exports the owner's gauges
+                metrics.TUNING.forget(key, decisions=False)
             return None
         watched = self.operator.owners.get(key)
         body = await client.get(kube.BLEND_DEPLOYMENT, *key)
@@ -463,7 +466,9 @@ class TuningLoop:
         name = engine_name(bd.metadata.name)
         return Target(namespace, name, urls, ttft_histogram(bd), ttft_urls)
 
-    async def is_leader(self, namespace: str) -> bool:
+    async def is_leader(self, namespace: str) -> bool | None:
+        """Whether this replica is the active one in the namespace's peering; None when the
+        peering object cannot be read (a standby must not write, but keeps what it had)."""
         settings = self.operator.settings
         if settings.peering is None:
             return True
@@ -475,7 +480,7 @@ class TuningLoop:
             )
         except Exception as exc:  # cannot tell: a standby must not write, so do nothing
             LOG.warning("reading the peering object failed: %s", exc)
-            return False
+            return None
         peers = (peering or {}).get("status") or {}
         return self.operator.identity in peers and is_active(
             peers,

@@ -185,3 +185,48 @@ def test_a_real_prometheus_loads_every_alert_rule(prometheus_url):
     loaded = prometheus.rules(prometheus_url)
     assert len(loaded) == len(rule_expressions())
     assert all(rule["health"] in ("ok", "unknown") for rule in loaded), loaded
+
+
+def test_a_tuner_whose_bounds_are_equal_is_not_reported_pinned(tmp_path):
+    """minRatio == maxRatio (the API allows it) leaves the tuner nothing to do: neither
+    pinned alert fires (both did, for good, the max one saying quality needs a higher
+    ratio). With room between the bounds, the ratio held at one still fires its alert."""
+    tuning = 'namespace="default",name="{name}",pod="holeblend-operator-0"'
+    series = []
+    for name, low, high in (("fixed", 0.15, 0.15), ("tuned", 0.15, 0.3)):
+        labels = tuning.format(name=name)
+        for family, value in (("tuned", 0.15), ("tuning_max", high), ("tuning_min", low)):
+            metric = f"holeblend_operator_{family}_ratio{{{labels}}}"
+            series.append({"series": metric, "values": f"{value}x40"})
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    (rule,) = [
+        r for g in groups for r in g["rules"] if r["alert"] == "HoleblendTunerPinnedAtMinRatio"
+    ]
+    annotations = {
+        key: text.replace("{{ $labels.namespace }}", "default").replace(
+            "{{ $labels.name }}", "tuned"
+        )
+        for key, text in rule["annotations"].items()
+    }
+    firing = {
+        "exp_labels": {"severity": "info", "namespace": "default", "name": "tuned"},
+        "exp_annotations": annotations,
+    }
+    test = {
+        "interval": "1m",
+        "input_series": series,
+        "alert_rule_test": [
+            {"eval_time": "35m", "alertname": "HoleblendTunerPinnedAtMaxRatio", "exp_alerts": []},
+            {
+                "eval_time": "35m",
+                "alertname": "HoleblendTunerPinnedAtMinRatio",
+                "exp_alerts": [firing],
+            },
+        ],
+    }
+    path = tmp_path / "test.yaml"
+    path.write_text(yaml.safe_dump({"rule_files": [str(RULES)], "tests": [test]}))
+    result = subprocess.run(
+        ["promtool", "test", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

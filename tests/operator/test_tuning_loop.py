@@ -864,3 +864,43 @@ def test_a_restarted_operator_knows_the_target_its_ratios_were_learned_against()
     assert "forgot ratio 0.15, measured meeting the old target" in raised.reason
     assert "forgot" not in kept.reason
     assert client.body["status"]["tuning"]["meetsTargetRatio"] == 0.15
+
+
+class _PeeringClient(_StatusClient):
+    """The owner, and a peering object whose peers are `peers` (kopf's status of it)."""
+
+    def __init__(self, status: dict, peers: dict):
+        super().__init__(status)
+        self.peers = peers
+
+    async def get(self, kind, namespace, name):
+        if kind.group == "kopf.dev":
+            if self.peers is None:
+                raise OSError("the API server is down")
+            return {"status": copy.deepcopy(self.peers)}
+        return await super().get(kind, namespace, name)
+
+
+def test_a_replica_that_became_a_standby_stops_exporting_the_owners_gauges():
+    """Both replicas' metrics are scraped and the alerts take the max per owner: the gauges
+    a standby kept from when it was active (a pinned-at-a-bound ratio) would stand beside
+    the active replica's for good. An unreadable peering object says nothing: kept."""
+    client = _PeeringClient({}, None)
+    operator = _Operator(client)
+    operator.settings.peering, operator.settings.namespaces = "holeblend", ["ns"]
+    operator.identity, operator.priority = "me", 5
+    loop = _Loop(operator, _nothing)
+    try:
+        client.peers = {"me": peer(5)}
+        decision = asyncio.run(loop.tune(KEY))
+        assert _gauge("holeblend_operator_tuned_ratio", KEY) == decision.to_ratio
+        client.peers = None
+        assert asyncio.run(loop.tune(KEY)) is None
+        assert _gauge("holeblend_operator_tuned_ratio", KEY) == decision.to_ratio
+        ago = (NOW_DT - datetime.datetime.now(datetime.UTC)).total_seconds()  # seen now
+        client.peers = {"me": peer(5, ago), "newer": peer(9, ago)}
+        assert asyncio.run(loop.tune(KEY)) is None
+        with pytest.raises(AssertionError, match="no holeblend_operator_tuned_ratio"):
+            _gauge("holeblend_operator_tuned_ratio", KEY)
+    finally:
+        metrics.TUNING.forget(KEY)
