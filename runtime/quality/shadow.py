@@ -42,7 +42,8 @@ and scores the blended request against it:
    own end: EOS, or the blended answer's length when that was the request's token limit,
    else `RUN_ON_TOKENS` past the blended length (within the limit). **Answer-token F1**
    of the two answers (`holeblend_f1_proxy`, SQuAD-style words, words copied from the
-   question skipped) is the second proxy. So an answer that stops early, or runs on where
+   question skipped: the question as written, not the chat template's closing that ends
+   its segment) is the second proxy. So an answer that stops early, or runs on where
    full prefill would have stopped, loses on both. With the request's stop sequences,
    both answers are scored as the client gets them, ending before the first one their
    text reaches: the blended answer's tokens count up to the one that reached it (tokens
@@ -75,6 +76,7 @@ from typing import TYPE_CHECKING
 import torch
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
+from holeblend_runtime.blend.prompt import ChatMLTemplate
 from holeblend_runtime.blend.segments import SegmentedPrompt
 from holeblend_runtime.model.threads import serial_thread
 from holeblend_runtime.quality.scores import answer_f1, answer_words
@@ -669,6 +671,7 @@ class ShadowSampler(abc.ABC):
         self._patience_out: Callable[[], bool] = lambda: False
         self.scores: list[ShadowScore] = []  # kept for benchmarks and tests (bounded below)
         self.outcomes: collections.Counter[str] = collections.Counter()  # offers by outcome
+        self._outcomes_lock = threading.Lock()  # counted by the serving and worker threads
         # Serially: a second OpenMP team in the process would slow every forward of the
         # engine's thread for as long as this thread lives (model/threads.py).
         self._thread = serial_thread(self._work, "shadow-prefill")
@@ -772,7 +775,8 @@ class ShadowSampler(abc.ABC):
         self.gate.enter()
 
     def _count(self, outcome: str) -> str:
-        self.outcomes[outcome] += 1
+        with self._outcomes_lock:
+            self.outcomes[outcome] += 1
         if self.metrics is not None:
             self.metrics.offers.labels(outcome=outcome).inc()
         return outcome
@@ -818,6 +822,17 @@ def before_stop(text: str, stop: Sequence[str]) -> str | None:
     return text[: min(found)] if found else None
 
 
+def question_words(question: str, closing: str) -> list[str]:
+    """The words the F1 skips in both answers (`answer_f1`): those of the question segment's
+    text (`question`) without the chat template's closing that ends it (`closing`, decoded
+    as the segment is: ChatML's "<|im_end|>\n<|im_start|>assistant\n" decodes to
+    "\nassistant\n"). The closing's words ("assistant") are the template's: taken for the
+    question's, they would be dropped from both answers, where holeblend-bench skips only
+    the question's own. A segment that does not end with it (a prompt sent without the
+    template) is kept whole."""
+    return answer_words(question.removesuffix(closing))
+
+
 class ShadowScorer(ShadowSampler):
     """Scores sampled requests against full prefill of the engine's own model (steps 2-4)."""
 
@@ -835,6 +850,9 @@ class ShadowScorer(ShadowSampler):
             raise ValueError(f"chunk_tokens: must be >= 1, got {chunk_tokens}")
         self.model, self.tokenizer = model, tokenizer
         self.chunk_tokens = chunk_tokens
+        # The end of every question segment, as `score` decodes it: the engine's prompts
+        # are ChatML (blend/prompt.py).
+        self.closing = tokenizer.decode(tokenizer.encode(ChatMLTemplate().closing()))
         # Keep the last prompt's full-prefill KV, so that several answers to one prompt (an
         # offline sweep over ratios) cost one full prefill. Off in the engine: its prompts
         # rarely repeat back to back, and the copy would hold memory between samples.
@@ -866,7 +884,9 @@ class ShadowScorer(ShadowSampler):
         full_answer = self._full_answer(
             targets, picks, agree, budget, len(prompt_ids), k, v, request.stop
         )
-        question = answer_words(self.tokenizer.decode(request.prompt.question.token_ids))
+        question = question_words(
+            self.tokenizer.decode(request.prompt.question.token_ids), self.closing
+        )
         f1 = answer_f1(
             answer_words(self._text(full_answer, request.stop)),
             answer_words(self._text(answer, request.stop)),

@@ -219,6 +219,9 @@ class SharedCalibration:
         return True
 
     def _receive(self) -> bool:
+        """At most `MAX_READS` calls, a restart's read from the start among them: a server
+        that reports a new epoch on every reply costs one exchange, not a call per reply
+        for ever."""
         for _ in range(MAX_READS):
             reply = self.client.call(
                 {"op": "pairs_get", "scope": self.scope, "pod": self.pod, "after": self._after}
@@ -238,7 +241,7 @@ class SharedCalibration:
                     with self._lock:
                         self._requeue(self._own)
                         self._own.clear()
-                    return self._receive()
+                    continue
             pairs = _checked(reply["pairs"])
             ids = reply.get("ids")
             if not (isinstance(ids, list) and len(ids) == len(pairs)):

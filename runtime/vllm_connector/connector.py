@@ -100,6 +100,7 @@ from holeblend_runtime.vllm_connector.shadow import (
     replay_request,
     stop_cut,
     stop_strings,
+    template_closing,
 )
 from holeblend_runtime.vllm_connector.stepwise_loads import StepwiseLoads
 from holeblend_runtime.vllm_connector.store import (
@@ -761,12 +762,17 @@ def _shadow(
     tokenizer = _text_tokenizer(vllm_config)
     served = vllm_config.model_config.served_model_name
     served = served[0] if isinstance(served, list | tuple) else served
+
+    def decode(ids: Sequence[int]) -> str:
+        return tokenizer.decode(list(ids), skip_special_tokens=True)
+
     return VllmShadow.create(
         url,
         served or vllm_config.model_config.model,
         settings.shadow_sample_rate,
-        lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True),
+        decode,
         eos_token_id=tokenizer.eos_token_id,
+        closing=template_closing(tokenizer, decode),
         budget=budget,
         inline=inline,
         metrics=metrics.SHADOW,

@@ -84,6 +84,7 @@ from holeblend_runtime.quality.shadow import (
     ShadowSkipped,
     answer_budget,
     end_targets,
+    question_words,
     through_stop,
 )
 
@@ -182,6 +183,25 @@ def end_token_ids(params: Any, eos_token_id: int | None) -> frozenset[int]:
     return frozenset(token for token in ends if isinstance(token, int))
 
 
+def template_closing(tokenizer: Any, decode: Callable[[Sequence[int]], str]) -> str:
+    """What the tokenizer's chat template writes after a user's message (the end of its
+    turn, the assistant's header), as `decode` gives it: the end of a chat request's
+    question segment (`VllmShadow.closing`). "" when the tokenizer has no chat template,
+    or its template refuses a lone user message."""
+    marker = "holeblend-question-end"
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True
+        )
+    except Exception as error:  # no template, or one that wants more than a user turn
+        log.info("the question's words may include the chat template's closing: %s", error)
+        return ""
+    if not isinstance(text, str) or marker not in text:
+        return ""
+    closing = text[text.rindex(marker) + len(marker) :]
+    return decode(tokenizer.encode(closing, add_special_tokens=False))
+
+
 def stop_strings(params: Any) -> tuple[str, ...]:
     """A request's stop strings (vLLM's `SamplingParams.stop`: a list, a string or None)."""
     stop = getattr(params, "stop", None)
@@ -207,7 +227,9 @@ class VllmShadowRequest:
 
     prompt_ids: tuple[int, ...]
     answer_ids: tuple[int, ...]  # the end token (EOS or a stop token id) not included
-    question: str  # the question's text: its words are not counted by the F1
+    # The question segment's text (the chat template's closing, `VllmShadow.closing`, at
+    # its end): the question's words are not counted by the F1.
+    question: str
     ratio: float
     # The answer ended with EOS or a stop token id (False: the token limit, a stop
     # string, which `stop` tells, or unknown).
@@ -317,6 +339,7 @@ class VllmShadow(ShadowSampler):
         api_key: str | None = None,
         timeout_s: float = 60.0,
         priority: int = SHADOW_PRIORITY,
+        closing: str = "",
         **options,
     ):
         if not 0 <= sample_rate <= 1:
@@ -325,6 +348,9 @@ class VllmShadow(ShadowSampler):
         self.model, self.decode, self.eos_token_id = model, decode, eos_token_id
         self.api_key, self.timeout_s = api_key, timeout_s
         self.priority = priority
+        # What the chat template writes after the user's message, as `decode` gives it
+        # (`quality.shadow.question_words`); "": none known.
+        self.closing = closing
         super().__init__(sample_rate, **options)
 
     @classmethod
@@ -372,7 +398,7 @@ class VllmShadow(ShadowSampler):
         f1 = answer_f1(
             answer_words(self._text(full, request)),
             answer_words(self._text(answer, request)),
-            answer_words(request.question),
+            question_words(request.question, self.closing),
         )
         return ShadowScore(
             f1, top1, request.ratio, time.monotonic() - started, request.inline_statistic
@@ -493,16 +519,16 @@ class VllmShadow(ShadowSampler):
         try:
             with urllib.request.urlopen(call, timeout=timeout_s) as response:
                 answer = json.loads(response.read())
-        except TimeoutError as exc:
-            if idle:
-                raise ShadowExpired(f"{self.url}: no answer within {timeout_s:g} s") from exc
-            raise ShadowFailed(f"{self.url}: {exc}") from exc
         except urllib.error.HTTPError as exc:
             detail = exc.read()[:500]
             if self.priority and exc.code in (400, 422) and b"priority" in detail.lower():
                 raise _PriorityRefused(detail.decode("utf-8", "replace")[:200]) from exc
             raise ShadowFailed(f"{self.url}: HTTP {exc.code}: {detail[:200]!r}") from exc
         except (urllib.error.URLError, OSError, ValueError) as exc:
+            # A read that times out raises TimeoutError; a connect that does (a server too
+            # busy to accept), a URLError holding it.
+            if idle and isinstance(getattr(exc, "reason", exc), TimeoutError):
+                raise ShadowExpired(f"{self.url}: no answer within {timeout_s:g} s") from exc
             raise ShadowFailed(f"{self.url}: {exc}") from exc
         choices = answer.get("choices") if isinstance(answer, dict) else None
         if not choices or not isinstance(choices[0], dict):

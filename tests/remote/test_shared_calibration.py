@@ -19,6 +19,7 @@ from holeblend_runtime.quality.inline_proxy import MIN_PAIRS, STATISTIC_VERSION,
 from holeblend_runtime.quality.shadow import ShadowScore
 from holeblend_runtime.quality.shared_calibration import (
     MAX_PENDING,
+    MAX_READS,
     SharedCalibration,
     calibration_scope,
 )
@@ -303,6 +304,44 @@ def test_received_pairs_off_their_range_are_dropped_and_the_rest_of_the_reply_is
         "holeblend_inline_proxy_shared_pairs_total", {"direction": "received"}
     )
     assert received == len(good)
+
+
+class Flapping:
+    """A lookup client whose server reports a new epoch on every reply (it restarts
+    between any two calls), then, once `settled`, keeps its last one."""
+
+    def __init__(self):
+        self.num_calls = 0
+        self.settled = False
+
+    def call(self, message: dict) -> dict:
+        if message["op"] == "pairs_add":
+            return {"added": len(message["pairs"])}
+        if not self.settled:
+            self.num_calls += 1
+        pairs = [[0.2, 0.5, 0.9, 0.8]] if self.settled else []
+        ids = [["pod-a", 1]] if self.settled else []
+        epoch = "settled" if self.settled else f"e{self.num_calls}"
+        return {"pairs": pairs, "ids": ids, "last": len(pairs), "more": False, "epoch": epoch}
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_server_that_reports_a_new_epoch_on_every_reply_costs_one_bounded_exchange():
+    """Each new epoch is a restart, read again from the start: a server reporting one on
+    every reply made the exchange call itself until RecursionError, every interval. It
+    now makes at most MAX_READS calls, and the pod reads the server once it settles."""
+    client = Flapping()
+    inline = InlineProxy()
+    sharing = SharedCalibration(client, SCOPE, "pod-b", inline)
+    sharing.publish(0.2, 0.1, 1.0, 1.0)
+    assert sharing.exchange()  # the first epoch seen
+    assert sharing.exchange()
+    assert client.num_calls <= 1 + MAX_READS
+    client.settled = True
+    assert sharing.exchange() and sharing.exchange()
+    assert inline.num_pairs(0.2) == 1
 
 
 # --- pods exchanging pairs through a real lookup server ------------------------------

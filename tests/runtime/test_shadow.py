@@ -72,13 +72,32 @@ def test_the_proxies_match_the_engines_own_full_prefill(engine):
     agree = [a == b for a, b in zip(expected_top1, request.answer_ids, strict=True)]
     assert score.top1 == pytest.approx(sum(agree) / len(agree))
     full_answer = engine.generate(full, len(request.answer_ids))
-    question = answer_words(engine.tokenizer.decode(request.prompt.question.token_ids))
+    question = answer_words(QUESTION)  # as written, as holeblend-bench skips it
     expected_f1 = answer_f1(
         answer_words(engine.tokenizer.decode(full_answer)),
         answer_words(engine.tokenizer.decode(request.answer_ids)),
         question,
     )
     assert score.f1 == pytest.approx(expected_f1)
+
+
+def test_the_f1_skips_the_questions_words_not_the_chat_templates(engine):
+    """The question segment ends with ChatML's closing, which decodes to "\nassistant\n":
+    "assistant" was taken for a question word and dropped from both answers. Only the
+    words of the question as written are skipped, as holeblend-bench skips them."""
+    prompt = engine.build_prompt(SYSTEM, DOCS, QUESTION)
+    full = engine.generate(engine.prefill(prompt, mode="full"), ANSWER_TOKENS)
+    answer = (*full, *engine.tokenizer.encode(" the lab assistant"))
+    request = ShadowRequest(prompt, answer, 0.1, max_tokens=len(answer))
+    score = scorer(engine).score(request)
+    full_answer = engine.generate(engine.prefill(prompt, mode="full"), len(answer))
+    expected = answer_f1(
+        answer_words(engine.tokenizer.decode(full_answer)),
+        answer_words(engine.tokenizer.decode(answer)),
+        answer_words(QUESTION),
+    )
+    assert "assistant" not in answer_words(engine.tokenizer.decode(full_answer))
+    assert score.f1 == pytest.approx(expected)
 
 
 def test_an_answer_unrelated_to_the_prompt_scores_low(engine):
@@ -552,7 +571,7 @@ def test_an_answer_that_differs_before_its_stop_sequence_scores_below_one(engine
     score = scorer(engine).score(request)
     assert score.top1 < 1.0 and score.f1 < 1.0
     full_text = engine.tokenizer.decode(full)
-    question = answer_words(engine.tokenizer.decode(prompt.question.token_ids))
+    question = answer_words(QUESTION)
     expected = answer_f1(
         answer_words(full_text[: full_text.index(stop)]), answer_words(answer_text), question
     )

@@ -4,9 +4,12 @@ priority and its fallback, the budget, and what happens to offers when the slot 
 or the API server is down or answers garbage. Scoring against a real vLLM server is in
 tests/vllm/test_shadow_serve.py."""
 
+import collections
+import contextlib
 import http.server
 import json
 import logging
+import socket
 import threading
 
 import pytest
@@ -115,6 +118,37 @@ def test_offers_are_dropped_not_queued_when_the_slot_is_taken():
         assert scorer.outcomes == {"dropped_full": 1, "failed": 1}  # HTML is no answer
     finally:
         server.close()
+
+
+class BothRead(collections.Counter):
+    """Counts where two threads both read a count before either writes it back, as a
+    thread switch between the read and the write of `+= 1` lets them."""
+
+    def __init__(self):
+        super().__init__()
+        self.both_read = threading.Barrier(2)
+
+    def __getitem__(self, key):
+        count = super().__getitem__(key)
+        with contextlib.suppress(threading.BrokenBarrierError):
+            self.both_read.wait(timeout=1)  # a second thread that cannot read: go on
+        return count
+
+
+def test_offers_counted_on_two_threads_at_once_are_both_counted():
+    """The serving thread counts the offers it drops while the worker thread counts the
+    shadows it ends: two updates of one count at once lost one."""
+    sampler = shadow("http://127.0.0.1:9", sample_rate=0.0)
+    sampler.outcomes = BothRead()
+    try:
+        threads = [threading.Thread(target=sampler.offer, args=(REQUEST,)) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        assert dict(sampler.outcomes) == {"not_sampled": 2}
+    finally:
+        sampler.close()
 
 
 @pytest.mark.parametrize(
@@ -274,6 +308,24 @@ def test_an_answer_ending_at_another_stop_token_agrees_with_full_prefill_ending_
         # Full prefill goes on to its own end (FULL, not FULL plus the stop token).
         assert score.top1 == pytest.approx(2 / 3)
         assert score.f1 == pytest.approx(2 * (2 / 2) * (2 / 5) / (1 + 2 / 5))
+    finally:
+        server.close()
+
+
+def test_the_f1_skips_the_questions_words_not_the_chat_templates():
+    """The connector decodes the question segment, which ends with the chat template's
+    closing (ChatML's decodes to "\nassistant\n", here " w20"): its words were taken for
+    the question's and dropped from both answers. Only the question's own are skipped,
+    as holeblend-serve and holeblend-bench skip them."""
+    server = FullPrefillServer()
+    try:
+        scorer = scorer_for(server, closing=" w20")
+        # Full prefill's w11 w12 w13 against w11 w12 w20.
+        request = VllmShadowRequest(PROMPT, (11, 12, 20), "w5 w6 w20", 0.1, max_tokens=3)
+        assert scorer.score(request).f1 == pytest.approx(2 / 3)
+        # A question that does not end with the closing (no template) is kept whole.
+        request = VllmShadowRequest(PROMPT, (11, 12, 20), "w5 w20 w6", 0.1, max_tokens=3)
+        assert scorer.score(request).f1 == pytest.approx(2 * (2 / 3) / (1 + 2 / 3))
     finally:
         server.close()
 
@@ -496,6 +548,50 @@ def test_the_idle_floors_shadow_is_marked_and_given_up_past_its_patience(monkeyp
         release.set()
         http_server.shutdown()
         http_server.server_close()
+
+
+def full_listener() -> tuple[socket.socket, list[socket.socket]]:
+    """A listening socket that accepts nothing, its backlog filled: a connect to it waits
+    until its timeout, as to an API server too busy to accept."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    waiting = []
+    for _ in range(16):
+        client = socket.socket()
+        client.settimeout(0.2)
+        waiting.append(client)
+        try:
+            client.connect(listener.getsockname())
+        except TimeoutError:
+            return listener, waiting
+    pytest.skip("this system accepts connections past a full backlog")
+
+
+def test_an_idle_floors_shadow_that_cannot_connect_in_its_patience_is_given_up_or_taken_over(
+    monkeypatch,
+):
+    """A connect that times out arrives as a URLError, not a TimeoutError: it failed the
+    idle floor's shadow, where a read that timed out gave it up or had the budget take
+    it over."""
+    monkeypatch.setattr(shadow_module, "IDLE_PATIENCE_S", 0.3)
+    listener, waiting = full_listener()
+    url = "http://{}:{}".format(*listener.getsockname())
+    try:
+        in_debt = ShadowBudget(0.05, burst_tokens=0, idle_samples=2)
+        in_debt.admit(1)
+        floor = shadow(url, sample_rate=0.0, timeout_s=30, budget=in_debt)
+        assert floor.offer(REQUEST, idle=True) == "queued" and floor.wait_idle(10)
+        assert floor.outcomes == {"expired": 1}
+        account = ShadowBudget(0.05, idle_samples=1)
+        floor = shadow(url, sample_rate=0.0, timeout_s=0.3, budget=account)
+        assert floor.offer(REQUEST, idle=True) == "queued" and floor.wait_idle(10)
+        assert floor.outcomes == {"failed": 1}  # taken over; its own timeout fails it
+        assert account.shadow_tokens == REQUEST.num_shadow_tokens
+    finally:
+        for client in waiting:
+            client.close()
+        listener.close()
 
 
 class Pairs:
