@@ -6,7 +6,13 @@ them (driver, DCMI, npu-smi) stay on the node and are mounted read-only from it.
 pods need only the device resource: the NVIDIA container toolkit injects the driver.
 """
 
-from holeblend_operator.api import AcceleratorSpec, AcceleratorType, BlendDeployment, EnvVar
+from holeblend_operator.api import (
+    AcceleratorSpec,
+    AcceleratorType,
+    BlendDeployment,
+    EnvVar,
+    Toleration,
+)
 from holeblend_operator.render.pods import (
     RESTRICTED_CONTAINER_SECURITY,
     RESTRICTED_POD_SECURITY,
@@ -106,13 +112,17 @@ def scheduling(accelerator: AcceleratorSpec) -> dict:
     """nodeSelector, tolerations and schedulerName of the pod spec, only those that are set."""
     fields = {
         "nodeSelector": dict(sorted(accelerator.node_selector.items())),
-        "tolerations": [
-            t.model_dump(by_alias=True, exclude_none=True, mode="json")
-            for t in accelerator.tolerations
-        ],
+        "tolerations": [toleration(t) for t in accelerator.tolerations],
         "schedulerName": accelerator.scheduler_name,
     }
     return {key: value for key, value in fields.items() if value}
+
+
+def toleration(t: Toleration) -> dict:
+    """A toleration as the API server stores it: unset and "" fields left out (its string
+    fields are `omitempty`; "" means the same as unset), so that the live object matches."""
+    fields = t.model_dump(by_alias=True, exclude_none=True, mode="json")
+    return {key: value for key, value in fields.items() if value != ""}
 
 
 # Scratch space of engines with a read-only root filesystem: $HOME (caches of vLLM, torch,

@@ -182,9 +182,15 @@ def engine_env(bd: BlendDeployment) -> list[dict]:
     ]
     user_names = {var.name for var in bd.spec.engine.env}
     kept = [var for var in ours if var.name not in user_names]
-    plain = [{"name": var.name, "value": var.value} for var in kept]
     shared = [var for var in shared_tier_env(bd) if var["name"] not in user_names]
-    return [*plain, *shared, *({"name": v.name, "value": v.value} for v in bd.spec.engine.env)]
+    return [*map(env_entry, kept), *shared, *map(env_entry, bd.spec.engine.env)]
+
+
+def env_entry(var: EnvVar) -> dict:
+    """A variable as the API server stores it: an empty value is left out (EnvVar.Value is
+    `omitempty`), so a rendered "" would never match the live object and every reconcile
+    would patch it again."""
+    return {"name": var.name, "value": var.value} if var.value else {"name": var.name}
 
 
 def exports_connector_metrics(bd: BlendDeployment) -> bool:
