@@ -267,8 +267,9 @@ class AdmissionMetrics:
         for name, help_text, figure in (
             (
                 "holeblend_kv_store_write_failures",
-                "Segments the pod's own KV tier could not write, its volume full even "
-                "after evicting older files (the shared tier still takes them)",
+                "Segments the pod's own KV tier could not write: its volume full even "
+                "after evicting older files, or its directory removed or unwritable (the "
+                "shared tier still takes them)",
                 "num_write_failures",
             ),
             (

@@ -13,9 +13,10 @@ worker's load agree without a server. Implements `KVStore`:
    file.
 2. `get` reads the file once, header and tensors through one `safe_open`, and checks it; a file
    that cannot be parsed (a corrupt blob) is removed and reported as a miss, so serving
-   falls back to computing the segment. A file removed by another writer's eviction after
-   it was read is a hit all the same: the entry is in memory; one removed or replaced
-   while it was read is a miss, not a corrupt file.
+   falls back to computing the segment (a read-only directory keeps it; there a hit does
+   not refresh the file's time, and is served all the same). A file removed by another
+   writer's eviction after it was read is a hit all the same: the entry is in memory; one
+   removed or replaced while it was read is a miss, not a corrupt file.
    Whether the values are finite is checked once, by `put`, and kept in the file's
    metadata (`SegmentKV.is_finite`), so readers do not scan every value on every reuse.
 3. The byte budget is kept by removing the least recently used files (a hit refreshes
@@ -23,7 +24,8 @@ worker's load agree without a server. Implements `KVStore`:
    after it (files other processes wrote meanwhile). A volume that fills up before the
    budget does (ENOSPC: a tmpfs smaller than the budget, or shared with other files)
    costs older segments until the new one fits; one that does not fit the emptied
-   volume is not stored here (`num_write_failures`), and the caller goes on (the shared
+   volume is not stored here (`num_write_failures`, which also counts the writes that
+   raised: a directory removed or unwritable), and the caller goes on (the shared
    tier is still written). With
    an admission policy
    (`holeblend_runtime.kv.admission`), a `put` into a full directory first asks whether
@@ -126,9 +128,12 @@ class DirectoryKVStore:
                 return None
             log.warning("removing corrupt KV file %s: %s", path, error)
             self.num_corrupt += 1
-            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # a read-only directory keeps it: a miss still
+                path.unlink(missing_ok=True)
             return None
-        with contextlib.suppress(FileNotFoundError):  # evicted since it was read
+        # Evicted since it was read, or in a directory that cannot be written (read-only):
+        # the hit stands, only its recency is not refreshed.
+        with contextlib.suppress(OSError):
             os.utime(path)
         if self.admission is not None:
             self.admission.record(key, self._num_files, hit=True)
@@ -156,10 +161,17 @@ class DirectoryKVStore:
             return False
         # Room is made before the write, so the directory stays within its budget (the
         # volume under it is sized for the budget plus little more).
-        for key in evicted:
-            self.remove(key)
-        self._evict(incoming=(kv.key, len(data)))
-        if not self._write_making_room(kv.key, data):
+        try:
+            for key in evicted:
+                self.remove(key)
+            self._evict(incoming=(kv.key, len(data)))
+            is_written = self._write_making_room(kv.key, data)
+        except OSError:
+            # A directory that vanished or cannot be written: the caller's to handle (a
+            # tiered store logs it and writes the shared tier), counted here all the same.
+            self.num_write_failures += 1
+            raise
+        if not is_written:
             self.num_write_failures += 1
             log.warning(
                 "KV directory %s is full; segment %s not stored here (files hold %d bytes of "

@@ -12,7 +12,8 @@ name, a NUL byte and the payload: a blob carries its deployment's identity, so a
 written by (or copied from) another deployment fails the check even where the store's
 ACLs would let it through. The payload is K, then V (each `shape` of `dtype`),
 then the int64 RoPE positions. A reader checks every field against what it expects;
-a blob that is corrupted, truncated, of another format, model, dtype or key is a miss.
+a blob that is corrupted, truncated, of another format, model, dtype or key is a miss,
+and the tier no longer reports it held (`contains_many`) until it stores the key again.
 
 Keys follow `holeblend_contract.shared_tier` (per-BlendDeployment prefix). Every Redis
 error or timeout is a miss (reads) or a refused store (writes), counted in `stats`. A
@@ -31,6 +32,7 @@ import logging
 import os
 import struct
 import threading
+from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
@@ -52,6 +54,8 @@ DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 POSITION_BYTES = 8  # int64
 # Redis's default `proto-max-bulk-len`: the largest argument (a SET's value) it takes.
 REDIS_MAX_BULK_BYTES = 512 * 1024 * 1024
+# Keys whose blob a tier refused that it remembers at most (oldest forgotten first).
+MAX_REFUSED_KEYS = 4096
 
 
 @dataclass(frozen=True)
@@ -178,7 +182,8 @@ def _header(meta: dict) -> BlobHeader:
     shape = meta.get("shape")
     if not (isinstance(shape, list) and len(shape) == 4 and all(_is_count(n) for n in shape)):
         raise BlobError(f"shape: expected 4 non-negative integers, got {shape!r}")
-    if meta.get("dtype") not in DTYPE_SIZES:
+    # A name first: a list or map (a corrupted or forged header) cannot be looked up.
+    if not isinstance(meta.get("dtype"), str) or meta["dtype"] not in DTYPE_SIZES:
         raise BlobError(f"dtype: {meta.get('dtype')!r} is not one of {sorted(DTYPE_SIZES)}")
     for name in ("key", "model"):
         if not isinstance(meta.get(name), str):
@@ -320,6 +325,11 @@ class SharedTier:
         self._stats_lock = threading.Lock()
         # The largest blob stored: `config.max_blob_bytes`, else None until read from Redis.
         self.max_blob_bytes = config.max_blob_bytes
+        # Keys whose blob `load` refused, until this tier stores them again: Redis still
+        # holds that blob, and a caller told it is held (`contains_many`) would never
+        # store a usable one over it. Under this lock.
+        self._refused: OrderedDict[str, None] = OrderedDict()
+        self._refused_lock = threading.Lock()
 
     def redis_key(self, segment_key: str) -> str:
         return self.prefix + segment_key
@@ -352,7 +362,10 @@ class SharedTier:
         status, reply = self._call_with_breaker(
             self._set_pieces, self.redis_key(segment_key), pieces, total
         )
-        return status == ANSWERED and reply is True
+        is_stored = status == ANSWERED and reply is True
+        if is_stored:
+            self._mark_refused(segment_key, is_refused=False)
+        return is_stored
 
     def _blob_limit(self) -> int | None:
         """`max_blob_bytes`, read from Redis the first time when not configured (Redis's
@@ -397,9 +410,10 @@ class SharedTier:
         return status == ANSWERED, blob
 
     def contains_many(self, segment_keys: Sequence[str]) -> list[bool]:
-        """Whether Redis holds a blob under each key (one pipelined round trip of EXISTS,
-        no blob read); all False when Redis refused, failed or was skipped (never raises):
-        a key not known to be there is computed, never counted on."""
+        """Whether Redis holds a usable blob under each key (one pipelined round trip of
+        EXISTS, no blob read; False for a key whose blob `load` refused, until it is stored
+        again); all False when Redis refused, failed or was skipped (never raises): a key
+        not known to be there is computed, never counted on."""
         if not segment_keys:
             return []
         status, reply = self._call_with_breaker(
@@ -407,7 +421,11 @@ class SharedTier:
         )
         if status != ANSWERED:
             return [False] * len(segment_keys)
-        return [bool(count) for count in reply]
+        with self._refused_lock:
+            return [
+                bool(count) and key not in self._refused
+                for key, count in zip(segment_keys, reply, strict=True)
+            ]
 
     def _exists_many(self, redis_keys: Sequence[str]) -> list:
         pipe = self.client.pipeline(transaction=False)
@@ -429,11 +447,26 @@ class SharedTier:
         if blob is None:
             return None, is_answer
         try:
-            return decode_blob(blob, expected, self.deployment, also_dtypes), True
+            checked = decode_blob(blob, expected, self.deployment, also_dtypes)
         except BlobError as error:
             self._count("bad_blobs")
             log.warning("shared tier: refusing blob of segment %s: %s", expected.key, error)
+            self._mark_refused(expected.key, is_refused=True)
             return None, True
+        self._mark_refused(expected.key, is_refused=False)
+        return checked, True
+
+    def _mark_refused(self, segment_key: str, is_refused: bool) -> None:
+        """Remember that the key's blob was refused, or forget it once a usable blob is
+        there (loaded, or stored by this tier)."""
+        with self._refused_lock:
+            if not is_refused:
+                self._refused.pop(segment_key, None)
+                return
+            self._refused[segment_key] = None
+            self._refused.move_to_end(segment_key)
+            if len(self._refused) > MAX_REFUSED_KEYS:
+                self._refused.popitem(last=False)
 
     def delete(self, segment_key: str) -> None:
         self._call_with_breaker(self.client.delete, self.redis_key(segment_key))

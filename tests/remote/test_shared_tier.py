@@ -369,3 +369,28 @@ def test_a_bad_setting_is_refused_by_the_config_under_its_own_name(field, value)
 def test_a_shared_url_with_port_zero_is_refused_naming_the_field():
     with pytest.raises(ValueError, match=r"spec.blend.kv.sharedUrl: 'redis://kv:0/0' names port 0"):
         check_shared_url("redis://kv:0/0")
+
+
+def _with_header_field(blob: bytes, name: str, value: object) -> bytes:
+    """`blob` with one header field replaced (payload and checksum left as they are)."""
+    import msgpack
+
+    prefix = 10  # magic, format, header length
+    meta_len = int.from_bytes(blob[6:10], "little")
+    meta = msgpack.unpackb(blob[prefix : prefix + meta_len])
+    meta[name] = value
+    packed = msgpack.packb(meta)
+    return blob[:6] + len(packed).to_bytes(4, "little") + packed + blob[prefix + meta_len :]
+
+
+@pytest.mark.parametrize("dtype", [["float32"], {"float32": 1}])
+def test_a_header_whose_dtype_is_not_a_name_is_a_bad_blob_not_an_exception(redis_server, dtype):
+    """A dtype that is a list or a map (a corrupted or forged header) was looked up in
+    the dtype table and raised TypeError through the tier's load into the request."""
+    blob = _with_header_field(kv_to_blob(segment(), "ns/rag"), "dtype", dtype)
+    with pytest.raises(BlobError, match="dtype"):
+        decode_blob(blob, LAYOUT.header("seg"), "ns/rag")
+    shared = tier(redis_server.url)
+    shared.client.set(shared.redis_key("seg"), blob)
+    assert shared.load(LAYOUT.header("seg")) == (None, True)
+    assert shared.stats.bad_blobs == 1

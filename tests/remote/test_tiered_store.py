@@ -343,6 +343,29 @@ def test_without_a_lookup_server_contains_asks_the_shared_tier_what_it_holds(red
         b.close()
 
 
+def test_without_a_lookup_server_a_refused_blob_is_not_contained_until_stored_again(
+    redis_server,
+):
+    """Redis still holds a blob the tier refused (corrupt, foreign), so EXISTS said it was
+    held: the store worker and the vLLM worker skip storing what is contained, and with no
+    lookup server to hear that the copy is unusable the segment missed on every request."""
+    a, b = pod("pod-a", redis_server.url, None), pod("pod-b", redis_server.url, None)
+    try:
+        a.put(segment("doc-1"))
+        key = a.shared.redis_key("doc-1")
+        blob = bytearray(a.shared.client.get(key))
+        blob[100] ^= 0x10
+        a.shared.client.set(key, bytes(blob))
+        assert b.get("doc-1") is None and b.shared.stats.bad_blobs == 1
+        assert b.contains_many(["doc-1", "never-stored"]) == [False, False]
+        assert b.put(segment("doc-1"))  # over the refused blob
+        assert b.shared.contains_many(["doc-1"]) == [True]
+        assert b.shared.get_checked(LAYOUT.header("doc-1")) is not None
+    finally:
+        a.close()
+        b.close()
+
+
 def test_without_a_lookup_server_contains_is_false_while_redis_is_down():
     from holeblend_runtime.lookup_server.processes import free_port
 

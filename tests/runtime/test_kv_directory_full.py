@@ -108,6 +108,24 @@ def test_a_full_volume_evicts_older_segments_once_then_gives_up_without_raising(
         store.put(_entry("a5"))
 
 
+def test_a_write_that_raises_is_counted_with_the_full_volumes_failures(tmp_path):
+    """A directory removed under the pod (a wiped volume) makes every put raise; a tiered
+    store logs that and goes on to the shared tier, so the count is the one sign of it on
+    /metrics (it stayed 0)."""
+    from holeblend_runtime.kv.tiers import KVLayout, TieredKVStore
+
+    store = DirectoryKVStore(tmp_path / "kv", 1 << 30)
+    assert store.put(_entry("a1"))
+    shutil.rmtree(store.root)
+    with pytest.raises(FileNotFoundError):
+        store.put(_entry("a2"))
+    tiered = TieredKVStore(store, KVLayout("m", "float32", 2, 2, 16))
+    assert not tiered.put(_entry("a3"))
+    registry = CollectorRegistry()
+    registry.register(AdmissionMetrics(store))
+    assert registry.get_sample_value("holeblend_kv_store_write_failures_total") == 2
+
+
 _ON_A_TMPFS = textwrap.dedent(
     """
     import sys, torch
@@ -158,3 +176,45 @@ def test_on_a_real_tmpfs_smaller_than_the_budget_every_segment_is_stored(tmp_pat
     assert done.returncode == 0, done.stderr[-3000:]
     held, failures, fits = done.stdout.split()
     assert int(held) >= 2 and int(failures) == 1 and fits == "True"
+
+
+_READ_ONLY = textwrap.dedent(
+    """
+    import subprocess, sys, torch
+    from holeblend_runtime.kv.directory import DirectoryKVStore
+    from holeblend_runtime.kv.store import SegmentKV
+
+    root = sys.argv[1]
+    k = torch.randn(2, 2, 8, 16)
+    store = DirectoryKVStore(root, 1 << 24)
+    assert store.put(SegmentKV("a1", k, k.clone(), torch.arange(8), "m"))
+    (store.root / "bad.safetensors").write_bytes(b"not a safetensors file")
+    subprocess.run(["mount", "-o", "remount,ro", root], check=True)
+    found = store.get("a1")
+    assert found is not None and torch.equal(found.k, k)
+    assert store.get("bad") is None and store.num_corrupt == 1
+    print("served")
+    """
+)
+
+
+def test_a_read_only_directory_serves_its_segments_and_misses_its_corrupt_files(tmp_path):
+    """A hit refreshes its file's time and a corrupt file is removed: on a read-only
+    volume both raised EROFS out of `get`, failing the load instead of serving the
+    segment (or computing it)."""
+    mount = tmp_path / "kv"
+    mount.mkdir()
+    script = tmp_path / "read_only.py"
+    script.write_text(_READ_ONLY)
+    probe = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "true"], capture_output=True
+    )
+    if probe.returncode != 0:
+        pytest.skip(f"this kernel refuses user namespaces: {probe.stderr.decode().strip()}")
+    command = f"mount -t tmpfs -o size=1m tmpfs {mount} && exec {sys.executable} {script} {mount}"
+    done = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", command],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["served"]
