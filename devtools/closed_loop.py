@@ -35,7 +35,7 @@ from holeblend_devtools.background import (
     operator_command,
     stop_process,
 )
-from holeblend_devtools.kubelet import DeviceStandIn, ProcessKubelet
+from holeblend_devtools.kubelet import LOCAL_OPENER, DeviceStandIn, ProcessKubelet
 from holeblend_runtime.bench.workload import QAPrompt, WorkloadConfig, generate_workload
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -329,7 +329,7 @@ class RagStream:
         )
         started = time.monotonic()
         try:
-            with urllib.request.urlopen(request, timeout=120) as response:
+            with LOCAL_OPENER.open(request, timeout=120) as response:
                 answer = json.loads(response.read())
                 status = response.status
         except urllib.error.HTTPError as error:

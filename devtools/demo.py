@@ -46,10 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         closed_loop.LiveStack(workdir) as stack,
     ):
         step(f"Kubernetes API emulator on {stack.cluster.url}, process kubelet, operator")
-        ok = operator_stage(stack.env, args.timeout)
-        if ok:
-            loop_stage(stack, args)
-        else:
+        ok = operator_stage(stack.env, args.timeout) and loop_stage(stack, args)
+        if not ok:
             show_logs(stack)
     step("stopped the engine, the operator, Prometheus and the emulator")
     return 0 if ok else 1
@@ -73,7 +71,8 @@ DEMO_TUNING = {  # faster than the example's, so the loop acts within the demo
 }
 
 
-def loop_stage(stack: closed_loop.LiveStack, args) -> None:
+def loop_stage(stack: closed_loop.LiveStack, args) -> bool:
+    """The RAG stream with the tuner acting; False when a request of it failed."""
     name = "smollm2-demo"
     if prometheus.is_installed():
         url = stack.start_prometheus(name)
@@ -93,7 +92,8 @@ def loop_stage(stack: closed_loop.LiveStack, args) -> None:
         stream.start()
         time.sleep(args.stream_seconds)
         stream.stop()
-    print(json.dumps(closed_loop.summary_of_usage(stream.sent)))
+    usage = closed_loop.summary_of_usage(stream.sent)
+    print(json.dumps(usage))
     kubectl(stack.env, "get", "bd", "-o", "wide")
     show_conditions(stack.env, name)
     step("tuning history (status.tuning.history)")
@@ -101,6 +101,10 @@ def loop_stage(stack: closed_loop.LiveStack, args) -> None:
     target = DEMO_TUNING["targetF1Proxy"]
     timeline.plot(recorder.samples, args.png, f"{name}: closed loop", target=target)
     step(f"wrote {args.png}")
+    num_failed = usage["requests"] - usage["ok"]
+    if num_failed:
+        step(f"{num_failed} of the {usage['requests']} requests to the engine failed")
+    return not num_failed
 
 
 def show_conditions(env: dict, name: str) -> None:
@@ -150,18 +154,27 @@ def demo_patch() -> str:
 def wait_ready(env: dict, name: str, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        phase = subprocess.run(
-            [KUBECTL, "get", "bd", name, "-o", "jsonpath={.status.phase}"],
-            env=env,
-            capture_output=True,
-            text=True,
-        ).stdout
-        if phase == "Ready":
+        if read_phase(env, name, max(deadline - time.monotonic(), 0.1)) == "Ready":
             step(f"{name} is Ready")
             return True
         time.sleep(0.3)
     step(f"{name} did not become Ready in {timeout} s")
     return False
+
+
+def read_phase(env: dict, name: str, timeout: float) -> str:
+    """The BlendDeployment's phase; "" when kubectl gets no answer within `timeout` (it waits
+    for an API server that stopped answering as long as it takes)."""
+    try:
+        return subprocess.run(
+            [KUBECTL, "get", "bd", name, "-o", "jsonpath={.status.phase}"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        ).stdout
+    except subprocess.TimeoutExpired:
+        return ""
 
 
 def kubectl(env: dict, *args: str) -> None:

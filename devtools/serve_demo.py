@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from holeblend_contract.blend_settings import CONFIG_KEY
+from holeblend_devtools.demo import exit_on_signals
 from holeblend_devtools.serve_process import ServeProcess, get, post_json
 from holeblend_operator.api import BlendDeployment
 from holeblend_operator.render import runtime_configmap
@@ -79,6 +80,7 @@ def print_metrics(server: ServeProcess) -> None:
 
 
 def main() -> int:
+    exit_on_signals()  # a kill of this process stops the server too
     with tempfile.TemporaryDirectory(prefix="holeblend-serve-demo-") as folder:
         config = write_config(Path(folder))
         print(f"== holeblend-serve --config {config} (rendered from {EXAMPLE.name})")
