@@ -31,10 +31,10 @@ import signal
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 from holeblend_contract.blend_settings import DEFAULT_SHADOW_SAMPLE_RATE
+from holeblend_runtime import local_http
 from holeblend_runtime.bench import shadow_load
 from holeblend_runtime.lookup_server.processes import LookupProcess
 from holeblend_runtime.quality.inline_proxy import MIN_PAIRS
@@ -108,7 +108,7 @@ def history(lookup_url: str, plan: shadow_load.Plan, work: Path, threads: int) -
 def wait_index_empty(lookup: LookupProcess, timeout_s: float = 30.0) -> None:
     """Until the server's index holds no segment (a stopped pod's go after its timeout)."""
     deadline = time.monotonic() + timeout_s
-    while json.loads(urllib.request.urlopen(f"{lookup.url}/stats").read())["entries"]:
+    while json.loads(local_http.LOCAL.open(f"{lookup.url}/stats").read())["entries"]:
         if time.monotonic() > deadline:
             raise RuntimeError(f"the lookup server still indexes segments after {timeout_s} s")
         time.sleep(0.5)

@@ -35,7 +35,8 @@ from holeblend_devtools.background import (
     operator_command,
     stop_process,
 )
-from holeblend_devtools.kubelet import LOCAL_OPENER, DeviceStandIn, ProcessKubelet
+from holeblend_devtools.kubelet import DeviceStandIn, ProcessKubelet
+from holeblend_runtime import local_http
 from holeblend_runtime.bench.workload import QAPrompt, WorkloadConfig, generate_workload
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -329,7 +330,7 @@ class RagStream:
         )
         started = time.monotonic()
         try:
-            with LOCAL_OPENER.open(request, timeout=120) as response:
+            with local_http.LOCAL.open(request, timeout=120) as response:
                 answer = json.loads(response.read())
                 status = response.status
         except urllib.error.HTTPError as error:

@@ -53,11 +53,11 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from holeblend_devtools import workloads
+from holeblend_runtime import local_http
 
 DEPLOYMENTS, PODS = "apps/v1/deployments", "v1/pods"
 CONFIGMAPS, SERVICES = "v1/configmaps", "v1/services"
@@ -66,7 +66,6 @@ LAST_POD_ADDRESS = 254  # pods get 127.0.0.2 to 127.0.0.254
 _SVC_URL = re.compile(r"(https?://)([a-z0-9-]+)\.([a-z0-9-]+)\.svc(?:\.cluster\.local)?:(\d+)")
 # For the pods' and Services' local addresses: never through an HTTP proxy from the
 # environment (http_proxy), which cannot reach them; no_proxy rarely names 127.0.0.2 and up.
-LOCAL_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -457,7 +456,7 @@ def probe(pod: Pod) -> bool:
         return pod.process is not None and pod.process.poll() is None
     url = f"http://{pod.ip}:{port}{check['httpGet'].get('path', '/')}"
     try:
-        with LOCAL_OPENER.open(url, timeout=check.get("timeoutSeconds", 1)) as response:
+        with local_http.LOCAL.open(url, timeout=check.get("timeoutSeconds", 1)) as response:
             return 200 <= response.status < 400
     except OSError:
         return False

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import yaml
 
+from holeblend_runtime import local_http
+
 
 @dataclasses.dataclass(frozen=True)
 class ScrapeTarget:
@@ -99,7 +101,7 @@ def _wait_ready(url: str, process: subprocess.Popen, timeout_s: float, log: Path
             raise RuntimeError(f"prometheus exited: {log.read_text()[-2000:]}")
         with (
             contextlib.suppress(OSError),
-            urllib.request.urlopen(f"{url}/-/ready", timeout=1) as response,
+            local_http.LOCAL.open(f"{url}/-/ready", timeout=1) as response,
         ):
             if response.status == 200:
                 return
@@ -111,7 +113,7 @@ def query(url: str, promql: str) -> list[dict]:
     """The result of an instant query (a list of {metric, value}; a scalar as one item)."""
     full = f"{url}/api/v1/query?{urllib.parse.urlencode({'query': promql})}"
     try:
-        with urllib.request.urlopen(full, timeout=10) as response:
+        with local_http.LOCAL.open(full, timeout=10) as response:
             answer = json.loads(response.read())
     except urllib.error.HTTPError as exc:
         answer = json.loads(exc.read() or b"{}")
@@ -143,6 +145,6 @@ def wait_for(url: str, promql: str, predicate, timeout_s: float = 60) -> dict[tu
 
 def rules(url: str) -> list[dict]:
     """The loaded alerting and recording rules with their health (ok / err / unknown)."""
-    with urllib.request.urlopen(f"{url}/api/v1/rules", timeout=10) as response:
+    with local_http.LOCAL.open(f"{url}/api/v1/rules", timeout=10) as response:
         groups = json.loads(response.read())["data"]["groups"]
     return [rule for group in groups for rule in group["rules"]]

@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 from holeblend_devtools.background import stop_process
+from holeblend_runtime import local_http
 
 SERVE = str(Path(sys.executable).parent / "holeblend-serve")
 
@@ -63,7 +64,7 @@ class ServeProcess:
 def get(url: str, timeout: float = 5) -> tuple[int, str]:
     """(status, body); status 0 when nothing answered."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
+        with local_http.LOCAL.open(url, timeout=timeout) as response:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as error:
         return error.code, error.read().decode()
@@ -76,7 +77,7 @@ def post_json(url: str, body: object, timeout: float = 120) -> tuple[int, dict, 
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
+        with local_http.LOCAL.open(request, timeout=timeout) as response:
             return response.status, json.loads(response.read()), dict(response.headers)
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read() or b"{}"), dict(error.headers)

@@ -11,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from holeblend_runtime import local_http
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +79,7 @@ class Recorder:
         if self.metrics_url is None:
             return None, None
         try:
-            with urllib.request.urlopen(self.metrics_url, timeout=5) as response:
+            with local_http.LOCAL.open(self.metrics_url, timeout=5) as response:
                 text = response.read().decode()
         except OSError:
             return None, None

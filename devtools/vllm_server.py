@@ -27,6 +27,7 @@ from pathlib import Path
 from holeblend_contract import blend_settings as contract
 from holeblend_devtools.hf_export import export_smollm2
 from holeblend_devtools.vllm_probe import blend_settings
+from holeblend_runtime import local_http
 from holeblend_runtime.bench.shadow_load import rendered_idle_floor, scrape, wait_ready
 from holeblend_runtime.lookup_server.processes import free_port
 
@@ -56,7 +57,7 @@ class Server:
     def complete(self, prompt: list[int], max_tokens: int, **extra) -> dict:
         """A greedy completion of token ids; the whole answer, with its token ids."""
         call = self.request(prompt, max_tokens, return_token_ids=True, **extra)
-        with urllib.request.urlopen(call, timeout=300) as response:
+        with local_http.LOCAL.open(call, timeout=300) as response:
             return json.loads(response.read())
 
     def samples(self) -> dict[tuple[str, tuple], float]:

@@ -78,6 +78,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from holeblend_runtime import local_http
 from holeblend_runtime.bench.report import percentile
 from holeblend_runtime.bench.workload import QAPrompt, WorkloadConfig, generate_workload
 
@@ -283,7 +284,7 @@ def stream(
     sent = time.monotonic()
     arrived = sent if scheduled is None else scheduled
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        with local_http.LOCAL.open(request, timeout=timeout_s) as response:
             timing = read_stream(iter(response), arrived)
     except urllib.error.HTTPError as error:
         timing = Timing(return_s=time.monotonic() - arrived, error=f"HTTP {error.code}")
@@ -366,7 +367,7 @@ def scrape(
 
     for attempt in range(1, attempts + 1):
         try:
-            with urllib.request.urlopen(metrics_url, timeout=timeout_s) as response:
+            with local_http.LOCAL.open(metrics_url, timeout=timeout_s) as response:
                 text = response.read().decode()
             break
         except (TimeoutError, urllib.error.URLError) as error:
@@ -818,7 +819,7 @@ def wait_ready(
         if process.poll() is not None:
             raise RuntimeError(f"{name} exited {process.returncode}:\n{log.read_text()[-4000:]}")
         try:
-            with urllib.request.urlopen(url, timeout=2) as response:
+            with local_http.LOCAL.open(url, timeout=2) as response:
                 if response.status == 200:
                     return
         except OSError:

@@ -13,8 +13,9 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
+
+from holeblend_runtime import local_http
 
 
 def free_port() -> int:
@@ -81,7 +82,7 @@ class LookupProcess:
 
     def is_ready(self) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.url}/ready", timeout=0.5) as reply:
+            with local_http.LOCAL.open(f"{self.url}/ready", timeout=0.5) as reply:
                 return reply.status == 200
         except OSError:
             return False

@@ -75,6 +75,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from holeblend_runtime import local_http
 from holeblend_runtime.quality.scores import answer_f1, answer_words
 from holeblend_runtime.quality.shadow import (
     IDLE_PATIENCE_S,
@@ -517,7 +518,7 @@ class VllmShadow(ShadowSampler):
         call = urllib.request.Request(self.url, json.dumps(body).encode(), headers, method="POST")
         timeout_s = min(self.timeout_s, IDLE_PATIENCE_S) if idle else self.timeout_s
         try:
-            with urllib.request.urlopen(call, timeout=timeout_s) as response:
+            with local_http.LOCAL.open(call, timeout=timeout_s) as response:
                 answer = json.loads(response.read())
         except urllib.error.HTTPError as exc:
             detail = exc.read()[:500]

@@ -11,6 +11,7 @@ import json
 import logging
 import socket
 import threading
+import urllib.request
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -679,3 +680,20 @@ def test_a_replay_is_charged_for_its_own_blend_and_answer_too():
     # recomputed half of the prompt and its answer.
     assert replay.num_shadow_tokens == (30 + 8 + 1) + (15 + 8)
     assert greedy.num_shadow_tokens == 30 + 0 + 1
+
+
+def test_shadows_reach_the_pods_own_server_with_a_proxy_in_the_environment(monkeypatch):
+    """Pods behind a corporate proxy carry http_proxy, and no_proxy rarely lists the pod's
+    own address: a shadow sent through the proxy never reached the engine (here: a proxy
+    that is down), and the pod scored nothing."""
+    server = FullPrefillServer()
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
+    monkeypatch.setenv("no_proxy", "")
+    monkeypatch.setattr(urllib.request, "_opener", None)  # urlopen's, built from the env
+    try:
+        score = scorer_for(server).score(
+            VllmShadowRequest(PROMPT, FULL, "q", 0.1, stopped_at_eos=True)
+        )
+    finally:
+        server.close()
+    assert (score.f1, score.top1) == (1.0, 1.0)
