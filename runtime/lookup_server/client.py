@@ -3,8 +3,9 @@
 1. `LookupConnection` speaks the wire format (`lookup_server/wire.py`) over one
    keep-alive HTTP/1.1 socket with a millisecond timeout; any failure closes it.
 2. `LookupClient` wraps calls in a budget: `timeout_ms` per attempt, at most `retries`
-   more attempts, and a circuit breaker that stops trying for `breaker_open_s` after
-   `breaker_failures` consecutive failures. Only failures that say the server cannot
+   more attempts, the wait for the connection (threads share it) included, and a
+   circuit breaker that stops trying for `breaker_open_s` after `breaker_failures`
+   consecutive failures. Only failures that say the server cannot
    serve count toward it (no connection, no reply in time, garbage, a 502/503/504);
    an error the server answered for one request (`bad_request`, `too_large`, ...) is
    that request's answer, and the server is up. A failed or skipped `lookup` answers
@@ -71,20 +72,23 @@ class LookupConnection:
         self._is_shut_down = False
         self._head = f"POST {wire.RPC_PATH} HTTP/1.1\r\nHost: {host}\r\nContent-Type: {wire.CONTENT_TYPE}\r\n"
 
-    def call(self, message: dict) -> dict:
-        """The reply map; OSError on transport failures, WireError on error replies."""
+    def call(self, message: dict, deadline: float | None = None) -> dict:
+        """The reply map; OSError on transport failures, WireError on error replies. The
+        attempt ends by `deadline` (the caller's budget) if that comes before its own."""
         body = wire.encode(message)
         try:
-            return _decode_reply(*self._exchange(body))
+            return _decode_reply(*self._exchange(body, deadline))
         except (OSError, wire.WireError) as error:
             if not isinstance(error, wire.WireError) or error.code == "bad_reply":
                 self.close()
             raise
 
-    def _exchange(self, body: bytes) -> tuple[int, bytes]:
+    def _exchange(self, body: bytes, call_deadline: float | None) -> tuple[int, bytes]:
         # One attempt's budget covers all of it: name resolution, connect, send and reply
         # (each step waits for what is left, not for a budget of its own).
         deadline = time.monotonic() + self.timeout_s
+        if call_deadline is not None:
+            deadline = min(deadline, call_deadline)
         if self._sock is not None and _is_stale(self._sock):
             self.close()  # the server closed it (idle timeout, restart): connect anew
         sock = self._sock or self._connect(deadline)
@@ -279,7 +283,8 @@ class ClientStats:
     """What the client did; exported as metrics by the engine's registry."""
 
     calls: int = 0
-    # Calls that got no reply map: the server failed or refused them.
+    # Calls that got no reply map: the server failed or refused them, or another thread's
+    # call held the connection past this call's budget.
     failures: int = 0
     # Failed calls the server refused with an error reply (they do not count toward the
     # circuit breaker).
@@ -287,7 +292,8 @@ class ClientStats:
     skipped_by_breaker: int = 0
     keys_looked_up: int = 0
     keys_hit: int = 0
-    # Lookups answered "all miss" because the server failed or the breaker was open.
+    # Lookups answered "all miss": the server failed, the breaker was open, or the
+    # connection stayed busy with another thread's call past the lookup's budget.
     degraded_lookups: int = 0
     counts_by_op: dict = field(default_factory=dict)
 
@@ -307,7 +313,7 @@ class LookupClient:
         host, port = parse_lookup_url(url)
         self._connection = LookupConnection(host, port, self.config.timeout_ms / 1000)
         self._lock = threading.Lock()
-        # `stats` changes made outside `_lock` (which is held over network calls).
+        # `stats` changes, made both under `_lock` (held over network calls) and without it.
         self._stats_lock = threading.Lock()
         self.breaker = CircuitBreaker(
             self.config.breaker_failures, self.config.breaker_open_s, clock
@@ -341,20 +347,38 @@ class LookupClient:
         return hits
 
     def call(self, message: dict) -> dict | None:
-        """The reply, or None after the retries failed or while the breaker is open."""
-        with self._lock:
+        """The reply, or None after the retries failed, while the breaker is open, or when
+        the connection stayed busy with another thread's call (the engine's lookups and
+        the store worker's `contains` share it) past this call's budget: every attempt's
+        timeout, the wait for the connection included."""
+        budget_s = (self.config.retries + 1) * self.config.timeout_ms / 1000
+        deadline = time.monotonic() + budget_s
+        if not self._lock.acquire(timeout=budget_s):
+            self._count_call(message["op"], is_failed=True)  # not the server's failure
+            return None
+        try:
             if self.breaker.is_open:
                 self.stats.skipped_by_breaker += 1
                 return None
-            return self._call_with_retries(message)
+            return self._call_with_retries(message, deadline)
+        finally:
+            self._lock.release()
 
-    def _call_with_retries(self, message: dict) -> dict | None:
-        self.stats.calls += 1
+    def _count_call(self, op: str, is_failed: bool = False) -> None:
+        with self._stats_lock:
+            self.stats.calls += 1
+            self.stats.counts_by_op[op] = self.stats.counts_by_op.get(op, 0) + 1
+            self.stats.failures += int(is_failed)
+
+    def _call_with_retries(self, message: dict, deadline: float) -> dict | None:
         op = message["op"]
-        self.stats.counts_by_op[op] = self.stats.counts_by_op.get(op, 0) + 1
+        self._count_call(op)
+        last_error: Exception = TimeoutError("the call's budget went to waiting for the connection")
         for _ in range(self.config.retries + 1):
+            if time.monotonic() >= deadline:
+                break  # no attempt could end in time: a socket and an address are kept
             try:
-                reply = self._connection.call(message)
+                reply = self._connection.call(message, deadline)
             except wire.WireError as error:
                 last_error = error
                 if error.code != "bad_reply":
@@ -369,7 +393,8 @@ class LookupClient:
         return None
 
     def _record_failure(self, op: str, error: Exception) -> None:
-        self.stats.failures += 1
+        with self._stats_lock:
+            self.stats.failures += 1
         if isinstance(error, wire.WireError) and error.code not in SERVER_ERRORS:
             self._record_refusal(op, error)
             return
@@ -528,6 +553,10 @@ class Announcer:
             self._resync()
 
     def _resync(self) -> None:
+        """Announce everything the pod holds. The flag is cleared first: a resync asked for
+        while this one runs (a dropped announcement, `request_resync`) runs after it."""
+        with self._cond:
+            self._needs_resync = False
         entries = [entry.to_wire() for entry in self.holdings()]
         chunks = [
             entries[i : i + self.config.batch] for i in range(0, len(entries), self.config.batch)
@@ -535,8 +564,8 @@ class Announcer:
         for i, chunk in enumerate(chunks or [[]]):
             message = {"op": "resync", "pod": self.pod, "entries": chunk, "reset": i == 0}
             if self.client.call(message) is None:
-                return  # try again on the next heartbeat
-        self._needs_resync = False
+                self._needs_resync = True  # try again on the next heartbeat
+                return
         self._last_resync = time.monotonic()
 
     def _send(self, batch: list[tuple[str, object]]) -> None:

@@ -11,6 +11,7 @@ from holeblend_runtime.lookup_server.client import (
     ClientConfig,
     Location,
     LookupClient,
+    LookupConnection,
     parse_lookup_url,
 )
 from holeblend_runtime.lookup_server.processes import LookupProcess, free_port
@@ -220,18 +221,85 @@ def test_a_lookup_of_more_keys_than_the_server_takes_goes_in_several_requests(lo
 
 def test_lookup_counters_lose_nothing_under_concurrent_lookups():
     class Answering:
-        def call(self, message: dict) -> dict:
+        def call(self, message: dict, deadline: float | None = None) -> dict:
             return {"hits": [[4, True, ["p"]] if k == "hit" else None for k in message["keys"]]}
 
         def shutdown(self) -> None:
             pass
 
-    client = LookupClient(f"http://127.0.0.1:{free_port()}")
+    # A budget no wait for the connection outlasts, however the threads are scheduled: a
+    # lookup that waited longer would answer all miss, and this test counts, not times.
+    config = ClientConfig(timeout_ms=60_000)
+    client = LookupClient(f"http://127.0.0.1:{free_port()}", config)
     client._connection = Answering()
     threads, rounds, keys = 8, 3000, ["hit", "miss"] * 4
     run_contended(lambda: client.lookup(keys), threads, rounds)
     assert client.stats.keys_looked_up == 8 * threads * rounds
     assert client.stats.keys_hit == 4 * threads * rounds
+    assert client.stats.calls == threads * rounds and client.stats.failures == 0
+
+
+def test_a_lookup_waits_for_another_threads_call_only_within_its_own_budget():
+    """The engine's lookups and the store worker's `contains` share one client and its
+    connection: a lookup waited out another thread's whole call (up to every attempt's
+    timeout) before its own began, against "never slower than the budget". It answers all
+    miss once its budget is spent waiting, counted as a failed call, not against the breaker."""
+    entered, release = threading.Event(), threading.Event()
+
+    class HeldFirstCall:
+        """Holds the first call until released, as a server slow to answer it."""
+
+        def call(self, message: dict, deadline: float | None = None) -> dict:
+            if message["op"] == "heartbeat":
+                entered.set()
+                release.wait(10)
+            return {"v": 1, "ok": True, "hits": [None] * len(message.get("keys", []))}
+
+        def shutdown(self) -> None:
+            pass
+
+    client = LookupClient(
+        f"http://127.0.0.1:{free_port()}", ClientConfig(timeout_ms=20, breaker_failures=1)
+    )
+    client._connection = HeldFirstCall()
+    holder = threading.Thread(target=client.call, args=({"op": "heartbeat", "pod": "p"},))
+    holder.start()
+    try:
+        assert entered.wait(5)
+        answers = []
+        waiter = threading.Thread(target=lambda: answers.append(client.lookup(["a", "b"])))
+        waiter.start()
+        waiter.join(2)  # 40 ms of budget; the held call goes on until released
+        assert answers == [[None, None]]
+        assert client.stats.degraded_lookups == 1 and client.stats.failures == 1
+        assert not client.breaker.is_open
+    finally:
+        release.set()
+        holder.join(5)
+    assert client.lookup(["a"]) == [None] and client.stats.degraded_lookups == 1
+    assert client.stats.calls == 3 and client.stats.failures == 1
+
+
+def test_an_attempt_ends_by_the_calls_deadline_when_that_comes_first():
+    """A call that waited for the connection has less than a whole attempt's timeout left."""
+    server = SilentServer()
+    connection = LookupConnection("127.0.0.1", server.port, timeout_s=10)
+    errors = []
+
+    def call() -> None:
+        try:
+            connection.call({"op": "stats"}, deadline=time.monotonic() + 0.03)
+        except OSError as error:
+            errors.append(error)
+
+    try:
+        caller = threading.Thread(target=call)
+        caller.start()
+        caller.join(2)  # the attempt's own timeout is 10 s
+        assert len(errors) == 1 and isinstance(errors[0], TimeoutError)
+    finally:
+        connection.shutdown()
+        server.close()
 
 
 @pytest.mark.parametrize(
@@ -251,7 +319,7 @@ def test_a_reply_that_is_not_one_location_per_key_is_all_miss_not_an_exception(h
     scheduler thread); the lookup answers all-miss, counted as degraded, like a failed one."""
 
     class Answering:
-        def call(self, message: dict) -> dict:
+        def call(self, message: dict, deadline: float | None = None) -> dict:
             return {"v": 1, "ok": True} if hits is None else {"v": 1, "ok": True, "hits": hits}
 
         def shutdown(self) -> None:

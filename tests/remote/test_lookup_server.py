@@ -1,6 +1,7 @@
 """The lookup server as a real process: operations, limits, probes, metrics, restarts."""
 
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -194,6 +195,36 @@ def test_the_announcer_outlives_a_failure_and_resyncs_after_it(lookup_server):
         assert announcer.flush()
         assert client.lookup(["later"])[0] is not None
     finally:
+        announcer.stop()
+
+
+@pytest.mark.parametrize("asked_by", ["request_resync", "queue_overflow"])
+def test_a_resync_asked_for_during_a_resync_is_not_lost(lookup_server, asked_by):
+    """A resync cleared the flag when it ended: a request raised while it ran (a dropped
+    announcement, `request_resync`) was forgotten until the periodic resync a minute later."""
+    entered, release = threading.Event(), threading.Event()
+    calls = []
+
+    def holdings():
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            entered.set()
+            release.wait(5)
+        return [entry("seg-0")]
+
+    config = AnnouncerConfig(heartbeat_s=0.05, resync_s=60, max_pending=2)
+    announcer = Announcer(LookupClient(lookup_server.url), "pod-a", holdings, config).start()
+    try:
+        assert entered.wait(5)
+        if asked_by == "request_resync":
+            announcer.request_resync()
+        else:
+            for i in range(3):  # one more than the queue holds: the oldest is dropped
+                announcer.admit(entry(f"new-{i}"))
+        release.set()
+        _wait_for(lambda: len(calls) >= 2, timeout_s=2)
+    finally:
+        release.set()
         announcer.stop()
 
 
