@@ -460,12 +460,13 @@ class TierMetrics:
             ),
             (
                 "lookup_client_failures",
-                "Lookup server calls that failed after retries.",
+                "Lookup server calls that failed after retries, or that found the shared "
+                "connection busy past their time budget.",
                 "lookup_failures",
             ),
             (
                 "lookup_client_degraded",
-                "Lookups answered all-miss (server failed or breaker open).",
+                "Lookups answered all-miss (server failed, breaker open, or the call out of time).",
                 "lookup_degraded",
             ),
         ):
