@@ -29,22 +29,25 @@ _loaded: dict[str, Any] = {}
 
 
 def register() -> None:
-    found = False
+    found, reasons = False, []
     for module_name, class_name in MODEL_RUNNERS:
         try:
             runner_class = getattr(importlib.import_module(module_name), class_name)
-        except (ImportError, AttributeError):
-            continue  # not in this vLLM build (e.g. no CPU runner in a CUDA image)
+        except (ImportError, AttributeError) as error:
+            # Not in this vLLM build (e.g. no CPU runner in a CUDA image), or a runner that
+            # fails to import (a missing library): said below if no runner is left.
+            reasons.append(f"{module_name}.{class_name}: {error}")
+            continue
         _wrap_load_model(runner_class)
         found = True
     if not found:
         # Else the connector's worker would only say, at its first load, that the model
         # was not handed over, as if holeblend were not installed.
-        names = ", ".join(f"{module}.{name}" for module, name in MODEL_RUNNERS)
         log.warning(
-            "holeblend: this vLLM has none of the model runners the plugin wraps (%s); it "
-            "cannot hand the model to the KV connector: use a vLLM version holeblend supports",
-            names,
+            "holeblend: none of the model runners the plugin wraps imports in this vLLM "
+            "(%s); it cannot hand the model to the KV connector: use a vLLM version "
+            "holeblend supports, installed with its dependencies",
+            "; ".join(reasons),
         )
 
 

@@ -40,6 +40,14 @@ BLEND_STEP_TOKENS_KEY = "blend_step_tokens"
 # Most prompt tokens a shadow request prefills in a step beside decoding user requests
 # (scheduler.py; spec.tuning.shadowChunkTokens).
 SHADOW_CHUNK_TOKENS_KEY = contract.SHADOW_CHUNK_TOKENS_KEY
+# Every key of kv_connector_extra_config the connector reads.
+EXTRA_CONFIG_KEYS = (
+    CONFIG_KEY,
+    KV_DIR_KEY,
+    LOOKUP_DEADLINE_KEY,
+    BLEND_STEP_TOKENS_KEY,
+    SHADOW_CHUNK_TOKENS_KEY,
+)
 _MODES = tuple(mode.value for mode in contract.BlendMode)
 
 
@@ -112,9 +120,20 @@ class ConnectorSettings:
 
 
 def load_settings(extra_config: Mapping[str, Any]) -> ConnectorSettings:
-    """Settings from `kv_connector_extra_config` and the blend.json it (or the env) names."""
-    path = extra_config.get(CONFIG_KEY) or os.environ.get(contract.CONFIG_ENV)
-    kv_dir = Path(str(extra_config.get(KV_DIR_KEY) or DEFAULT_KV_DIR))
+    """Settings from `kv_connector_extra_config` and the blend.json it (or the env) names.
+
+    A key the connector does not read is named in a warning, not refused: a misspelt key
+    would otherwise leave its default in force unseen, and an operator newer than this
+    image may render keys it does not know yet."""
+    if unknown := sorted(str(key) for key in extra_config if key not in EXTRA_CONFIG_KEYS):
+        log.warning(
+            "kv_connector_extra_config: ignoring %s, not a key holeblend reads (check the "
+            "spelling); its keys: %s",
+            ", ".join(unknown),
+            ", ".join(EXTRA_CONFIG_KEYS),
+        )
+    path = _path(extra_config, CONFIG_KEY) or os.environ.get(contract.CONFIG_ENV)
+    kv_dir = Path(_path(extra_config, KV_DIR_KEY) or DEFAULT_KV_DIR)
     deadline_s = _deadline_s(extra_config.get(LOOKUP_DEADLINE_KEY))
     step_tokens = _step_tokens(extra_config.get(BLEND_STEP_TOKENS_KEY))
     if not path:
@@ -166,6 +185,13 @@ def shadow_chunk_tokens(extra_config: Mapping[str, Any]) -> int:
             f"shadow request prefills per step beside user requests), got {value!r}"
         )
     return value
+
+
+def _path(extra_config: Mapping[str, Any], key: str) -> str | None:
+    value = extra_config.get(key)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{key}: expected a path (a string), got {value!r}")
+    return value or None
 
 
 def _step_tokens(value: Any) -> int | None:

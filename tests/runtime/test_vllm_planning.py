@@ -209,6 +209,24 @@ def test_a_newer_settings_format_is_refused_naming_the_key(tmp_path):
         load_settings({"holeblend_config": str(path)})
 
 
+def test_a_misspelt_connector_key_is_named_not_silently_left_at_its_default(caplog):
+    with caplog.at_level(logging.WARNING, logger="holeblend_runtime.vllm_connector.settings"):
+        settings = load_settings({"lookup_deadline": 40, "kv_dir": "/tmp/kv"})
+    assert settings.lookup_deadline_s is None
+    assert "ignoring lookup_deadline, not a key" in caplog.text
+    assert "lookup_deadline_ms" in caplog.text  # the keys it reads, to compare with
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="holeblend_runtime.vllm_connector.settings"):
+        load_settings({"kv_dir": "/tmp/kv", "blend_step_tokens": 64})
+    assert caplog.text == ""
+
+
+@pytest.mark.parametrize("key", ["holeblend_config", "kv_dir"])
+def test_a_path_key_that_is_not_a_string_is_refused_naming_it(key):
+    with pytest.raises(ValueError, match=f"{key}: expected a path"):
+        load_settings({key: 5})
+
+
 def test_a_corrupt_kv_file_is_a_miss_and_is_removed(tmp_path):
     engine = BlendEngine.load()
     store = DirectoryKVStore(tmp_path, 1 << 30)

@@ -46,3 +46,15 @@ def test_a_vllm_without_any_known_runner_is_named_at_registration(monkeypatch, c
         plugin.register()
     assert "no_such_runner_module.Runner" in caplog.text
     assert "cannot hand the model" in caplog.text
+
+
+def test_a_runner_that_fails_to_import_is_named_with_its_error(monkeypatch, tmp_path, caplog):
+    (tmp_path / "broken_runner.py").write_text(
+        'raise ImportError("libcudart.so.12: cannot open shared object file")\n'
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "broken_runner", raising=False)
+    monkeypatch.setattr(plugin, "MODEL_RUNNERS", (("broken_runner", "Runner"),))
+    with caplog.at_level(logging.WARNING, logger=plugin.__name__):
+        plugin.register()
+    assert "broken_runner.Runner: libcudart.so.12: cannot open shared object file" in caplog.text
