@@ -25,7 +25,15 @@ __all__ = ["HoleBlendConnector"]
 
 def __getattr__(name: str) -> Any:
     if name == "HoleBlendConnector":
-        from holeblend_runtime.vllm_connector.connector import HoleBlendConnector
-
+        try:
+            from holeblend_runtime.vllm_connector.connector import HoleBlendConnector
+        except ModuleNotFoundError as error:
+            if error.name != "vllm" and not (error.name or "").startswith("vllm."):
+                raise
+            raise ModuleNotFoundError(
+                "HoleBlendConnector needs vLLM: install holeblend with the vllm extra "
+                "(pip install 'holeblend[vllm]'), or a supported vLLM (0.32 or 0.23)",
+                name=error.name,
+            ) from error
         return HoleBlendConnector
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,6 +4,7 @@ small classes in modules made for the test (no vLLM needed)."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import sys
 import types
@@ -58,3 +59,12 @@ def test_a_runner_that_fails_to_import_is_named_with_its_error(monkeypatch, tmp_
     with caplog.at_level(logging.WARNING, logger=plugin.__name__):
         plugin.register()
     assert "broken_runner.Runner: libcudart.so.12: cannot open shared object file" in caplog.text
+
+
+def test_the_connector_without_vllm_says_what_to_install():
+    """vLLM loads the class by name; where vLLM is missing (an engine image built without
+    the extra) the error says what to install, not a bare "No module named 'vllm'"."""
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: tests/vllm covers the connector")
+    with pytest.raises(ModuleNotFoundError, match=r"holeblend\[vllm\]"):
+        from holeblend_runtime.vllm_connector import HoleBlendConnector  # noqa: F401
