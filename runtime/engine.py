@@ -441,6 +441,15 @@ class BlendEngine:
                 f"prompt: {prompt.num_tokens} tokens exceed the model context "
                 f"of {self.config.context_length}"
             )
+        # A hand-built prompt may hold any ids: the embedding would read a negative one
+        # from its end, silently, and its KV would be stored under that id's key.
+        vocab_size = self.config.vocab_size
+        low, high = min(prompt.token_ids), max(prompt.token_ids)
+        if low < 0 or high >= vocab_size:
+            raise ValueError(
+                f"prompt: token id {low if low < 0 else high} is outside the vocabulary "
+                f"[0, {vocab_size}); build the prompt with this model's tokenizer"
+            )
 
     def _full_prefill(
         self,
@@ -660,10 +669,12 @@ class BlendEngine:
         problems = _finite_problems(stored, problems)
         for key, entry, problem in zip(keys, stored, problems, strict=True):
             if problem is not None:
-                log.warning(
-                    "refusing cached KV for segment %s: %s; computing it fresh", key, problem
-                )
-                refused.append(key)
+                # A document the prompt holds twice is one stored entry, refused once.
+                if key not in refused:
+                    log.warning(
+                        "refusing cached KV for segment %s: %s; computing it fresh", key, problem
+                    )
+                    refused.append(key)
                 entry = None
             entries.append(self._to_model(entry))
         return entries, refused

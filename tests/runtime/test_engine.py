@@ -234,6 +234,20 @@ def test_corrupted_cached_kv_is_refused_and_computed_fresh(cached_engine, rag_te
     assert engine.kv_problem(engine.store.get(key), key, prompt.segments[HOLE].num_tokens) is None
 
 
+def test_a_bad_entry_of_a_document_held_twice_is_refused_once(new_engine, rag_texts):
+    """One stored entry serves both copies of a document: refused, it counts once (as
+    the store reads it once) and is replaced once."""
+    system, documents, question = rag_texts
+    engine = new_engine()
+    prompt = engine.build_prompt(system, [documents[0], documents[1], documents[0]], question)
+    engine.cache_segments(prompt)
+    key = engine.segment_keys(prompt)[1]
+    engine.store.put(_corrupt(engine.store.get(key), "nan", engine.config))
+    prefill = engine.prefill(prompt, "hole", ratio=0.15)
+    assert prefill.num_rejected_segments == 1
+    assert engine.fetch(prompt, engine.segment_keys(prompt))[1] == 0
+
+
 def test_entry_stored_under_another_key_is_refused(cached_engine, rag_texts):
     engine, prompt = cached_engine(rag_texts, hole=None)
     keys = engine.segment_keys(prompt)

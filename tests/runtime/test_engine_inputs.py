@@ -5,6 +5,8 @@ import dataclasses
 
 import pytest
 
+from holeblend_runtime.blend.segments import SegmentedPrompt
+
 
 def _shorten_context(engine, monkeypatch, context_length):
     """The shared model's context cut to `context_length` tokens for this test (the RoPE
@@ -53,5 +55,25 @@ def test_cache_segments_refuses_a_prompt_longer_than_the_context(
     prompt = engine.build_prompt(system, [" ".join(documents)], question)
     _shorten_context(engine, monkeypatch, prompt.segments[1].end - 1)
     with pytest.raises(ValueError, match=rf"prompt: {prompt.num_tokens} tokens .*context of"):
+        engine.cache_segments(prompt)
+    assert len(engine.store) == 0
+
+
+@pytest.mark.parametrize("bad", ["negative", "vocab size"])
+def test_prefill_and_cache_segments_refuse_prompt_ids_outside_the_vocabulary(
+    new_engine, rag_texts, bad
+):
+    """A hand-built prompt with an id the embedding has no row for: a negative one would
+    be read from the embedding's end and its KV stored under that id's key."""
+    engine = new_engine()
+    built = engine.build_prompt(*rag_texts)
+    bad_id = -1 if bad == "negative" else engine.config.vocab_size
+    token_ids = list(built.token_ids)
+    token_ids[built.segments[1].start] = bad_id
+    prompt = SegmentedPrompt.from_separators(token_ids, built.separator_ranges)
+    for mode in ("full", "prefix", "hole"):
+        with pytest.raises(ValueError, match=rf"prompt: token id {bad_id} .*vocabulary"):
+            engine.prefill(prompt, mode)
+    with pytest.raises(ValueError, match=rf"prompt: token id {bad_id} .*vocabulary"):
         engine.cache_segments(prompt)
     assert len(engine.store) == 0
