@@ -1264,7 +1264,8 @@ class BlendSpec(ApiModel):
     At most 4 layers, each 2..255. Empty: one check layer, as CacheBlend. Changing it
     restarts the pods."""
     min_segment_tokens: int = Field(default=contract.DEFAULT_MIN_SEGMENT_TOKENS, ge=1, le=65536)
-    """Segments shorter than this are recomputed, never cached."""
+    """Documents shorter than this are recomputed, never cached (the system prompt is
+    cached whatever its length)."""
     segment_context: SegmentContext = Field(default=SegmentContext.AFTER_SYSTEM, strict=False)
     """afterSystem: cache a document's KV as computed right after the system prompt
     (about half the blending error at low ratios); alone: from position 0."""

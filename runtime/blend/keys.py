@@ -8,7 +8,7 @@ separator): KV computed after another system prompt is other KV. The system prom
 is cached alone from position 0, always in the model's own dtype (`system_kv_dtype`;
 documents in `kv_dtype`, which a narrower `kv.storeDtype` rounds): one segment shared by
 every prompt, the exact prefix of each.
-Segments shorter than `min_segment_tokens` (and the question) are never cached: None.
+Documents shorter than `min_segment_tokens` (and the question) are never cached: None.
 
 Both engines key through `SegmentKeyer`: holeblend-serve's (`BlendEngine`) and the vLLM
 connector's scheduler side, so a segment stored by one is found by the other.

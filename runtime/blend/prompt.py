@@ -8,7 +8,9 @@ merges with its neighbours and the pieces tokenize exactly as the whole prompt d
 the builder checks that and refuses a separator for which it does not hold. Segment
 boundaries come from the pieces (where each separator piece's tokens lie), never from
 searching the joined tokens: a document ending in the separator's first tokens (" ... #"
-before " # #") would otherwise be cut in the wrong place.
+before " # #") would otherwise be cut in the wrong place. A system prompt or question
+holding the separator is refused, as a document is: split on the separator's tokens (the
+vLLM connector, holeblend-serve's requests), it would make a document of its own.
 
 The system prompt, documents and question are text, never template: one holding a control
 token's text (`<|im_end|>`, SmolLM2's `<file_sep>` ...) is refused naming it, since the
@@ -75,6 +77,12 @@ class PromptBuilder:
                 raise ValueError(f"documents[{i}]: empty document")
             if self.separator in _with_leading_space(document):
                 raise ValueError(f"documents[{i}]: contains the separator {self.separator!r}")
+        for field, text in (("system", system), ("question", _with_leading_space(question))):
+            if self.separator in text:
+                raise ValueError(
+                    f"{field}: contains the separator {self.separator!r} outside the "
+                    "documents; remove it"
+                )
         pieces = self.pieces(system, documents, question)
         token_ids, separator_ranges = self._encode_pieces(pieces)
         return SegmentedPrompt.from_separators(token_ids, separator_ranges)

@@ -44,14 +44,18 @@ class Segment:
         return self.end - self.start
 
     def is_cacheable(self, min_segment_tokens: int) -> bool:
-        """System prompt and documents with at least `min_segment_tokens` tokens.
+        """A non-empty system prompt, and documents with at least `min_segment_tokens` tokens.
 
-        The question is unique to a request, so storing it would only waste the budget;
-        the system prompt is cached because standard CacheBlend reuses it as the first
-        segment of every prompt.
+        The question is unique to a request, so storing it would only waste the budget.
+        The system prompt is cached whatever its length: one entry serves every prompt,
+        and standard CacheBlend reuses it as the first segment of each, so a short one
+        left uncached would end prefix reuse before the first document (and cost hole
+        mode its exact prefix).
         """
-        is_reusable_kind = self.kind is not SegmentKind.QUESTION
-        return is_reusable_kind and self.num_tokens >= max(min_segment_tokens, 1)
+        if self.kind is SegmentKind.QUESTION:
+            return False
+        min_tokens = 1 if self.kind is SegmentKind.SYSTEM else max(min_segment_tokens, 1)
+        return self.num_tokens >= min_tokens
 
 
 @dataclass(frozen=True)
@@ -136,7 +140,7 @@ class SegmentSplitter:
 
     # The separator string tokenized once, e.g. the ids of " # #".
     separator_ids: Sequence[int]
-    # Segments shorter than this are not cached (too little to gain, one entry each).
+    # Documents shorter than this are not cached (too little to gain, one entry each).
     min_segment_tokens: int
 
     def __post_init__(self) -> None:
