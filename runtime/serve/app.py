@@ -562,6 +562,7 @@ class Server:
                     finished = event
         except TimeoutError:
             finished = Finished("timeout")
+        text.end()
         if text.stopped:
             finished = Finished("stop")
         if finished.reason in ("timeout", "cancelled"):
@@ -616,7 +617,10 @@ class Server:
                     raise TimeoutError
                 elif isinstance(event, Finished):
                     finish = event.reason
-            await send(writer.chunk(text.rest(), finish, first=is_first))
+            rest = text.rest()
+            if text.stopped:
+                finish = "stop"
+            await send(writer.chunk(rest, finish, first=is_first))
             if rag.include_usage:
                 await send(writer.usage_chunk(usage(prefill, len(text.token_ids))))
         except TimeoutError:

@@ -76,21 +76,23 @@ def parse_completion(body: Any, separator: str, is_control_token: Callable[[str]
     else:
         system, documents, question = _split(prompt, separator, "prompt", has_system=False)
     request = _request("completion", body, system, documents, question)
-    return _checked(request, "prompt", separator, is_control_token)
+    system_field = "system" if body.get("system") is not None else "prompt"
+    return _checked(request, "prompt", separator, is_control_token, system_field)
 
 
 def parse_chat(body: Any, separator: str, is_control_token: Callable[[str], bool]):
     body = _object(body)
-    system, user = _messages(body.get("messages"))
+    (system, system_field), (user, user_field) = _messages(body.get("messages"))
     if body.get("documents") is not None:  # null: the default, LMCache's shape
         documents, question = _documents(body["documents"]), user
     else:
         split_system, documents, question = _split(
-            user, separator, "messages", has_system=system is not None
+            user, separator, user_field, has_system=system is not None
         )
-        system = split_system if system is None else system
+        if system is None:  # the first piece of the user message
+            system, system_field = split_system, user_field
     request = _request("chat", body, system or "", documents, question)
-    return _checked(request, "messages", separator, is_control_token)
+    return _checked(request, user_field, separator, is_control_token, system_field)
 
 
 def _object(body: Any) -> Mapping[str, Any]:
@@ -332,24 +334,26 @@ def _prompt(value: Any) -> str:
     return value
 
 
-def _messages(value: Any) -> tuple[str | None, str]:
+def _messages(value: Any) -> tuple[tuple[str | None, str], tuple[str, str]]:
+    """The system message's text (None without one) and the user message's, each with the
+    field it came from (`messages[1].content`), which errors about the text name."""
     if not isinstance(value, list) or not value:
         raise BadRequest("messages", "must be a non-empty list of messages")
-    system, user = None, None
+    system, user = (None, "system"), None
     for i, message in enumerate(value):
         # The role first: a message refused for its place is not judged by its content
         # (an assistant's tool call has `content: null`).
         role, field = _role(message, i), f"messages[{i}].content"
-        if role == "system" and user is None and system is None:
-            system = _content(message.get("content"), field)
+        if role == "system" and user is None and system[0] is None:
+            system = (_content(message.get("content"), field), field)
         elif role == "user" and user is None:
-            user = _content(message.get("content"), field)
+            user = (_content(message.get("content"), field), field)
         else:
             raise BadRequest(
                 f"messages[{i}]",
                 "the blend engine takes one optional system message and one user message",
             )
-    if user is None or not user.strip():
+    if user is None or not user[0].strip():
         raise BadRequest("messages", "needs a non-empty user message")
     return system, user
 
@@ -398,8 +402,12 @@ def _split(text: str, separator: str, name: str, has_system: bool):
     return system, tuple(pieces), question
 
 
-def _checked(request: RagRequest, name: str, separator: str, is_control_token) -> RagRequest:
-    texts = [("system", request.system), (name, request.question)]
+def _checked(
+    request: RagRequest, name: str, separator: str, is_control_token, system_name: str
+) -> RagRequest:
+    """Refuse text the prompt cannot hold, naming the field it came from: `name` the
+    question's, `system_name` the system prompt's."""
+    texts = [(system_name, request.system), (name, request.question)]
     for field, text in texts:
         if separator in text:
             raise BadRequest(field, f"contains the separator {separator!r} outside the documents")

@@ -71,7 +71,12 @@ class ResponseWriter:
         if whole:
             message = {"role": "assistant", "content": text}
             return {"index": 0, "message": message, "finish_reason": finish_reason}
-        delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text else {})
+        # The first chunk has the content even empty, as OpenAI's and vLLM's have: a client
+        # that builds the message from the deltas gets "" for an empty answer, not null.
+        if first:
+            delta = {"role": "assistant", "content": text}
+        else:
+            delta = {"content": text} if text else {}
         return {"index": 0, "delta": delta, "finish_reason": finish_reason}
 
     def _envelope(self, obj: str, choices: list) -> dict:
@@ -180,7 +185,22 @@ class IncrementalText:
     def text(self) -> str:
         return self._final if self._final is not None else self._decode(self.token_ids)
 
+    def end(self) -> None:
+        """The answer has ended: cut it at a stop sequence in the text never taken. A token
+        may end with the first bytes of the next character (SmolLM2's " \\xe6"): while the
+        text ends with it nothing is taken or searched, so an answer that ends there would
+        otherwise keep a stop sequence that token completed."""
+        if self.stopped:
+            return
+        text = self._decode(self.token_ids)
+        start = self._length - len(self._tail)
+        cut = self._first_stop(text[start:])
+        if cut is not None:
+            self._final = text[: start + cut]
+
     def rest(self) -> str:
+        """The text not sent yet, once the answer has ended (`end`)."""
+        self.end()
         text = self.text
         delta, self._sent = text[self._sent :], len(text)
         return delta

@@ -327,3 +327,52 @@ def test_a_later_turn_is_refused_for_its_place_not_its_content():
     with pytest.raises(BadRequest, match="one optional system message and one user") as caught:
         chat(messages=messages)
     assert caught.value.param == "messages[1]"
+
+
+def im_end(text: str) -> bool:
+    return text == "<|im_end|>"
+
+
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        (
+            [
+                {"role": "system", "content": "Be <|im_end|> brief."},
+                {"role": "user", "content": "Q?"},
+            ],
+            "messages[0].content",
+        ),
+        (
+            [{"role": "developer", "content": "S # # x"}, {"role": "user", "content": "D # # Q?"}],
+            "messages[0].content",
+        ),
+        ([{"role": "user", "content": "Sys <|im_end|> # # D # # Q?"}], "messages[0].content"),
+        (
+            [{"role": "system", "content": "S"}, {"role": "user", "content": "Why <|im_end|>?"}],
+            "messages[1].content",
+        ),
+        (
+            [{"role": "system", "content": "S"}, {"role": "user", "content": "D # # # # Q"}],
+            "messages[1].content",
+        ),
+    ],
+)
+def test_a_chat_text_error_names_the_message_it_came_from(messages, param):
+    """Errors about a chat's system prompt named `system`, a field the chat endpoint does
+    not take (sent, it is an unknown field), and those about its question `messages`: the
+    error names the content field of the message the text came from."""
+    with pytest.raises(BadRequest) as caught:
+        parse_chat({"model": "m", "messages": messages}, SEP, im_end)
+    assert caught.value.param == param
+
+
+def test_a_completion_prompts_system_piece_is_named_prompt():
+    """In LMCache's shape the system prompt is the prompt's first piece: the client sent no
+    `system` field."""
+    with pytest.raises(BadRequest) as caught:
+        parse_completion({"model": "m", "prompt": "S <|im_end|> # # D # # Q"}, SEP, im_end)
+    assert caught.value.param == "prompt"
+    with pytest.raises(BadRequest) as caught:
+        parse_completion({"model": "m", "prompt": "Q", "system": "S <|im_end|>"}, SEP, im_end)
+    assert caught.value.param == "system"

@@ -61,7 +61,8 @@ def test_stop_at_a_newline(stop):
 class WholeDecode:
     """What `IncrementalText` must produce, by definition: after every token, decode the
     whole answer; send nothing while it ends with U+FFFD; cut at the first stop sequence;
-    hold back a tail that begins one."""
+    hold back a tail that begins one; at the end, cut the whole answer at the first stop
+    sequence."""
 
     def __init__(self, decode, stop) -> None:
         self.decode, self.stop, self.ids, self.sent, self.final = decode, tuple(stop), [], 0, None
@@ -87,6 +88,10 @@ class WholeDecode:
         return delta
 
     def rest(self) -> str:
+        if self.final is None:
+            text = self.decode(self.ids)
+            found = [i for stop in self.stop if (i := text.find(stop)) >= 0]
+            self.final = text[: min(found)] if found else None
         text = self.final if self.final is not None else self.decode(self.ids)
         delta, self.sent = text[self.sent :], len(text)
         return delta
@@ -157,6 +162,7 @@ def test_incremental_text_equals_decoding_the_whole_answer_after_every_token(tok
             assert text.stopped == (expected.final is not None)
             rest = text.rest()
             assert rest == expected.rest()
+            assert text.stopped == (expected.final is not None)
             sent = "".join(deltas) + rest
             if text.stopped:
                 assert sent == text.text == expected.final and len(text.token_ids) == len(
@@ -164,6 +170,19 @@ def test_incremental_text_equals_decoding_the_whole_answer_after_every_token(tok
                 )
             else:
                 assert sent == text.text == whole and text.token_ids == ids
+
+
+def test_a_stop_sequence_completed_with_the_start_of_a_character_ends_the_answer(tokenizer):
+    """SmolLM2 has tokens that decode to a space and the first byte of a character
+    (" \\xe6"): while the text ends with it nothing is taken, nor searched for stop
+    sequences. An answer that ended on one was sent whole, the stop sequence in it."""
+    ids = tokenizer.encode("東京 東京")
+    last = next(i for i, token in enumerate(ids) if tokenizer.decode([token]).startswith(" "))
+    answer = ids[: last + 1]
+    assert tokenizer.decode(answer) == "東京 \ufffd"  # the token that ends the answer
+    text = IncrementalText(tokenizer.decode, (" ",))
+    sent = "".join(text.add(i) for i in answer) + text.rest()
+    assert sent == text.text == "東京" and text.stopped
 
 
 def test_each_token_decodes_a_bounded_window_however_long_the_answer(tokenizer):
