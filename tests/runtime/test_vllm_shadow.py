@@ -498,6 +498,16 @@ def test_the_shadow_needs_the_engine_url_and_a_sample_rate(monkeypatch):
         VllmShadow("http://x", "m", 1.5, str)
 
 
+def _given_up_in_debt(url: str) -> None:
+    """An idle floor's shadow to `url`, its budget in debt: without an answer within its
+    patience it is given up (expired), not taken over."""
+    in_debt = ShadowBudget(0.05, burst_tokens=0, idle_samples=2)
+    in_debt.admit(1)
+    floor = shadow(url, sample_rate=0.0, timeout_s=30, budget=in_debt)
+    assert floor.offer(REQUEST, idle=True) == "queued" and floor.wait_idle(10)
+    assert floor.outcomes == {"expired": 1}
+
+
 def test_the_idle_floors_shadow_is_marked_and_given_up_past_its_patience(monkeypatch):
     bodies, release = [], threading.Event()
 
@@ -520,11 +530,7 @@ def test_the_idle_floors_shadow_is_marked_and_given_up_past_its_patience(monkeyp
         # The sample rate takes nothing: only the idle floor admits, and its shadow's
         # request says so; without an answer within its patience, and with the account in
         # debt (it cannot take the shadow over), it is given up.
-        in_debt = ShadowBudget(0.05, burst_tokens=0, idle_samples=2)
-        in_debt.admit(1)
-        floor = shadow(url, sample_rate=0.0, timeout_s=30, budget=in_debt)
-        assert floor.offer(REQUEST, idle=True) == "queued" and floor.wait_idle(10)
-        assert floor.outcomes == {"expired": 1}
+        _given_up_in_debt(url)
         assert bodies[-1]["kv_transfer_params"] == {
             "holeblend": {"shadow": SHADOW_MARK, "idle": True}
         }
@@ -579,11 +585,7 @@ def test_an_idle_floors_shadow_that_cannot_connect_in_its_patience_is_given_up_o
     listener, waiting = full_listener()
     url = "http://{}:{}".format(*listener.getsockname())
     try:
-        in_debt = ShadowBudget(0.05, burst_tokens=0, idle_samples=2)
-        in_debt.admit(1)
-        floor = shadow(url, sample_rate=0.0, timeout_s=30, budget=in_debt)
-        assert floor.offer(REQUEST, idle=True) == "queued" and floor.wait_idle(10)
-        assert floor.outcomes == {"expired": 1}
+        _given_up_in_debt(url)
         account = ShadowBudget(0.05, idle_samples=1)
         floor = shadow(url, sample_rate=0.0, timeout_s=0.3, budget=account)
         assert floor.offer(REQUEST, idle=True) == "queued" and floor.wait_idle(10)
