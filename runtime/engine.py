@@ -90,7 +90,7 @@ class Prefill:
     mode: Mode
     # The recompute ratio used (1.0 for full mode).
     ratio: float
-    reuse: SegmentReuse | None  # None in full mode
+    reuse: SegmentReuse | None  # in full mode a plan with no hits
     # [vocab] next-token logits after the last prompt token.
     logits: torch.Tensor
     # [layers, kv_heads, tokens, head_dim]: the whole prompt's KV cache.
