@@ -1,7 +1,9 @@
 """Liveness on /healthz and the operator's Prometheus metrics on /metrics."""
 
 import asyncio
+import errno
 import logging
+import socket
 import time
 import weakref
 
@@ -52,6 +54,37 @@ class CertificateFailures(logging.Handler):
         return now - self._first
 
 
+def every_address_socket(port: int) -> socket.socket:
+    """A socket bound to `port` on every address of the node: one dual-stack IPv6 socket,
+    which takes IPv4 connections too, or an IPv4 one where the node has no IPv6. The kubelet
+    probes a pod, and Prometheus scrapes it, on the pod's address: an IPv6 one alone in an
+    IPv6-only cluster, which a socket on 0.0.0.0 never answers. (asyncio binds "::" for
+    IPv6 only, and None as two sockets, each with its own port when `port` is 0.)"""
+    try:
+        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    except OSError:  # a kernel without IPv6
+        return _bound(socket.socket(socket.AF_INET, socket.SOCK_STREAM), "0.0.0.0", port)
+    try:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        return _bound(sock, "::", port)
+    except OSError as exc:
+        sock.close()
+        if exc.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+            raise  # e.g. the port is taken: say so, rather than listen on IPv4 alone
+        return _bound(socket.socket(socket.AF_INET, socket.SOCK_STREAM), "0.0.0.0", port)
+
+
+def _bound(sock: socket.socket, host: str, port: int) -> socket.socket:
+    """`sock` bound to (host, port), as asyncio binds its servers' sockets; closed if not."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 class HealthServer:
     """Healthy while the kopf operator task runs, has finished starting up, none of its
     watch streams has died, and its API requests have not been failing certificate
@@ -76,7 +109,10 @@ class HealthServer:
         app.router.add_get("/metrics", self._metrics)
         self._runner = aiohttp.web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = aiohttp.web.TCPSite(self._runner, host, port)
+        if host:
+            site = aiohttp.web.TCPSite(self._runner, host, port)
+        else:
+            site = aiohttp.web.SockSite(self._runner, every_address_socket(port))
         await site.start()
         self.port = self._runner.addresses[0][1]
         logging.getLogger("kopf").addHandler(self._certificates)

@@ -5,7 +5,8 @@ applied object, and the applied object itself. A child whose hash matches and wh
 fields still contain what was applied is left alone (no write). Otherwise it gets one JSON
 merge patch: the desired object plus nulls for fields applied last time and no longer
 rendered (e.g. an Ascend nodeSelector after switching to CPU), so removals happen without
-replacing the object and without touching fields the API server or others own.
+replacing the object and without touching fields the API server or others own. A spec whose
+child would carry more annotations than the API server accepts is invalid (InvalidSpec).
 Quantities (QUANTITY_FIELDS) are compared by value: the API server stores them in
 canonical form, "0.5" as "500m" and "1024Mi" as "1Gi".
 """
@@ -37,6 +38,10 @@ from holeblend_operator.status import (
 
 HASH_ANNOTATION = f"{GROUP}/input-hash"
 LAST_APPLIED_ANNOTATION = f"{GROUP}/last-applied"
+# The most an object's annotations may hold, keys and values in UTF-8 bytes (apimachinery's
+# ValidateAnnotations, TotalAnnotationSizeLimitB). The applied copy is the child itself, so
+# the engine Deployment's grows with the spec's env, arguments and pod annotations.
+ANNOTATIONS_MAX_BYTES = 256 * 1024
 DEPLOYMENT = kube.CHILD_KINDS["Deployment"]
 
 # Fields of type resource.Quantity, by the last keys of their path ("*": any key, such as a
@@ -134,7 +139,37 @@ def desired_children(bd: BlendDeployment, body: dict) -> list[dict]:
         annotations = child["metadata"].setdefault("annotations", {})
         annotations[HASH_ANNOTATION] = hashlib.sha256(applied.encode()).hexdigest()[:16]
         annotations[LAST_APPLIED_ANNOTATION] = applied
+        _check_annotation_size(child, body)
     return children
+
+
+def _check_annotation_size(child: dict, body: dict) -> None:
+    """InvalidSpec if the child's annotations, its applied copy included, exceed what the API
+    server accepts: every write of it would be refused, naming an annotation nobody wrote."""
+    annotations = child["metadata"]["annotations"]
+    size = sum(len(key.encode()) + len(value.encode()) for key, value in annotations.items())
+    if size <= ANNOTATIONS_MAX_BYTES:
+        return
+    fields = sorted(_field_sizes(body.get("spec") or {}), key=lambda item: -item[1])
+    largest = [field for field in fields[:3] if field[1] >= 1024] or fields[:1]
+    raise InvalidSpec(
+        f"{child['kind']} {child['metadata']['name']} would carry {size} bytes of annotations "
+        f"(its applied copy, {LAST_APPLIED_ANNOTATION}, included), over the "
+        f"{ANNOTATIONS_MAX_BYTES} bytes Kubernetes allows; shorten the largest fields: "
+        + ", ".join(f"spec.{path} ({num_bytes} bytes)" for path, num_bytes in largest)
+    )
+
+
+def _field_sizes(spec: dict) -> list[tuple[str, int]]:
+    """The spec's fields two levels down (engine.env, engine.extraArgs, ...) with the size of
+    their JSON text, as the applied copy spells it."""
+    sizes = []
+    for section, value in spec.items():
+        fields = value.items() if isinstance(value, dict) else [(None, value)]
+        for name, field in fields:
+            path = section if name is None else f"{section}.{name}"
+            sizes.append((path, len(json.dumps(field, separators=(",", ":")))))
+    return sizes
 
 
 # Applied before the rest, which is applied only once they all succeeded: what the pods

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import ctypes
 import ctypes.util
+import errno
 import gc
 import logging
 import sys
@@ -125,9 +126,15 @@ async def serve(config: settings.OperatorSettings, stop: asyncio.Event | None = 
             await task
         with contextlib.suppress(asyncio.CancelledError):
             await trimming
-        where = f"{config.health_host}:{config.health_port}"
+        reason = exc.strerror or exc
+        if config.health_host and exc.errno != errno.EADDRINUSE:
+            raise StartError(
+                f"--health-host: cannot listen on {config.health_host!r} ({reason}); give an "
+                "address of this pod, or leave it empty to listen on every address"
+            ) from None
+        where = f"{config.health_host or 'every address'}:{config.health_port}"
         raise StartError(
-            f"--health-port: cannot listen on {where} ({exc.strerror or exc}); "
+            f"--health-port: cannot listen on {where} ({reason}); "
             "stop what holds it or pick another port"
         ) from None
     logging.getLogger(__name__).info("health and metrics on port %s", health.port)

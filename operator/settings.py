@@ -17,7 +17,8 @@ class OperatorSettings:
     peering: str | None = None  # kopf peering name for HA (one active replica); None: standalone
     peering_priority: int = 0  # highest live priority is active; 0 picks a random one per process
     peering_lifetime_s: int = 60  # a silent peer counts as dead after this; standby takes over
-    health_host: str = "0.0.0.0"  # where /healthz and /metrics listen
+    # where /healthz and /metrics listen; empty: every address, IPv6 and IPv4 (dual-stack)
+    health_host: str = ""
     health_port: int = 8080  # 0 picks a free port (tests)
     status_debounce_s: float = 0.5  # child events within this window cause one refresh per owner
     requeue_s: float = 30.0  # look again at an owner that is not ready (or failed) after this

@@ -84,7 +84,11 @@ def annotations_problems(annotations: dict[str, str], where: str = "annotations"
         for key in annotations
         for problem in qualified_name_problems(key.lower())
     ]
-    if sum(len(k) + len(v) for k, v in annotations.items()) > ANNOTATIONS_MAX_BYTES:
+    # Go's len: UTF-8 bytes, not characters.
+    if (
+        sum(len(k.encode()) + len(v.encode()) for k, v in annotations.items())
+        > ANNOTATIONS_MAX_BYTES
+    ):
         problems.append(f"{where}: over 256 KiB")
     return problems
 

@@ -77,3 +77,10 @@ async def test_a_health_port_in_use_stops_the_start_with_one_line_naming_the_fla
         ):
             await run_command.serve(config)
         assert not [t for t in asyncio.all_tasks() - before if not t.done()]
+
+
+async def test_an_address_not_of_this_host_names_the_health_host_flag():
+    """An address the pod does not have is --health-host's fault, not the port's."""
+    config = settings.OperatorSettings(health_host="192.0.2.1", health_port=0)
+    with pytest.raises(run_command.StartError, match="--health-host: cannot listen on '192.0.2.1'"):
+        await run_command.serve(config)
