@@ -27,6 +27,7 @@ from tests.e2e.conftest import (
     running_operator,
     status_of,
 )
+from tests.serve.conftest import StandInHandler
 
 PODS = "v1/pods"
 CONFIGMAPS = "v1/configmaps"
@@ -67,17 +68,9 @@ class EnginePod:
     def _handler(self):
         pod = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
+        class Handler(StandInHandler):
             def do_GET(self):
-                body = pod.page().encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *_):
-                pass
+                self.reply(200, pod.page().encode(), "text/plain; version=0.0.4")
 
         return Handler
 

@@ -1,7 +1,9 @@
 """Rotated credentials reach both the operator's client and kopf's re-login."""
 
+import contextlib
 import ssl
 import sys
+from collections.abc import AsyncIterator
 
 import aiohttp.web
 import pytest
@@ -88,6 +90,34 @@ def write_kubeconfig(tmp_path, token_file, server="https://127.0.0.1:6443"):
     return path
 
 
+@contextlib.asynccontextmanager
+async def serving_pod_lists(
+    get_pod_list, ssl_context: ssl.SSLContext | None = None
+) -> AsyncIterator[str]:
+    """An API server on 127.0.0.1 whose pod list in `default` is answered by `get_pod_list`
+    (over TLS with `ssl_context`); yields its URL."""
+    app = aiohttp.web.Application()
+    app.router.add_get("/api/v1/namespaces/default/pods", get_pod_list)
+    runner = aiohttp.web.AppRunner(app)
+    await runner.setup()
+    try:
+        await aiohttp.web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ssl_context).start()
+        scheme = "https" if ssl_context else "http"
+        yield f"{scheme}://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def client_of(config) -> AsyncIterator[kube.Client]:
+    """The operator's client (5 s timeout, 4 requests in flight at most), closed at the end."""
+    client = kube.Client.from_configuration(config, 5.0, 4)
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
 def test_kopf_logs_in_again_with_the_rotated_token_not_the_expired_one(tmp_path, monkeypatch):
     token_file = tmp_path / "token"
     token_file.write_text("first")
@@ -118,24 +148,14 @@ async def test_a_401_is_retried_with_the_rotated_token_not_blamed_on_rbac(tmp_pa
             return aiohttp.web.json_response({"message": "Unauthorized"}, status=401)
         return aiohttp.web.json_response({"items": [{"metadata": {"name": "p"}}]})
 
-    app = aiohttp.web.Application()
-    app.router.add_get("/api/v1/namespaces/default/pods", get_pod_list)
-    runner = aiohttp.web.AppRunner(app)
-    await runner.setup()
-    site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    server = f"http://127.0.0.1:{runner.addresses[0][1]}"
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(tmp_path, token_file, server)))
-    client = kube.Client.from_configuration(kube.load_configuration(), 5.0, 4)
-    try:
-        with pytest.raises(kube.Unavailable, match="401"):  # retried, not "re-apply the RBAC"
-            await client.list(kube.PODS, "default", "app=x")
-        token_file.write_text("second")
-        found = await client.list(kube.PODS, "default", "app=x")
-    finally:
-        await client.close()
-        await runner.cleanup()
+    async with serving_pod_lists(get_pod_list) as server:
+        monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(tmp_path, token_file, server)))
+        async with client_of(kube.load_configuration()) as client:
+            with pytest.raises(kube.Unavailable, match="401"):  # retried, not "re-apply the RBAC"
+                await client.list(kube.PODS, "default", "app=x")
+            token_file.write_text("second")
+            found = await client.list(kube.PODS, "default", "app=x")
     assert seen == ["Bearer first", "Bearer second"]
     assert [pod["metadata"]["name"] for pod in found] == ["p"]
 
@@ -149,23 +169,15 @@ async def test_a_rotated_cluster_ca_is_trusted_without_a_restart(tmp_path):
     async def get_pod_list(_):
         return aiohttp.web.json_response({"items": [{"metadata": {"name": "p"}}]})
 
-    app = aiohttp.web.Application()
-    app.router.add_get("/api/v1/namespaces/default/pods", get_pod_list)
-    runner = aiohttp.web.AppRunner(app)
-    await runner.setup()
-    await aiohttp.web.TCPSite(runner, "127.0.0.1", 0, ssl_context=serving).start()
     ca_file = tmp_path / "ca.crt"  # the service account's mounted bundle
     ca_file.write_text(OLD_CA)
-    config = kube.kubernetes.client.Configuration()
-    config.host = f"https://127.0.0.1:{runner.addresses[0][1]}"
-    config.ssl_ca_cert = str(ca_file)
-    client = kube.Client.from_configuration(config, 5.0, 4)
-    try:
-        with pytest.raises(kube.Unavailable, match="certificate"):  # not the CA trusted yet
-            await client.list(kube.PODS, "default", "app=x")
-        ca_file.write_text(OLD_CA + NEW_CA)  # the kubelet updates the bundle as the CA rotates
-        found = await client.list(kube.PODS, "default", "app=x")
-    finally:
-        await client.close()
-        await runner.cleanup()
+    async with serving_pod_lists(get_pod_list, serving) as server:
+        config = kube.kubernetes.client.Configuration()
+        config.host = server
+        config.ssl_ca_cert = str(ca_file)
+        async with client_of(config) as client:
+            with pytest.raises(kube.Unavailable, match="certificate"):  # not the CA trusted yet
+                await client.list(kube.PODS, "default", "app=x")
+            ca_file.write_text(OLD_CA + NEW_CA)  # the kubelet updates the bundle as the CA rotates
+            found = await client.list(kube.PODS, "default", "app=x")
     assert [pod["metadata"]["name"] for pod in found] == ["p"]

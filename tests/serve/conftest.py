@@ -1,9 +1,11 @@
 """Servers for the serving tests: the installed `holeblend-serve` on the real SmolLM2 model,
-configured by the CPU example's blend.json as the operator renders it."""
+configured by the CPU example's blend.json as the operator renders it, and the handler of
+the stand-in servers that play an engine."""
 
 from __future__ import annotations
 
 import contextlib
+import http.server
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +20,21 @@ from holeblend_operator.render.runtime_config import blend_settings
 CPU_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "cpu.yaml"
 # One torch thread, tiny answers: the tests check behaviour, not speed.
 FAST = {"torch_threads": 1, "default_max_tokens": 2, "reload_interval": 0.2}
+
+
+class StandInHandler(http.server.BaseHTTPRequestHandler):
+    """A request handler for a stand-in server (an engine, a pod's metrics port): `reply`
+    sends a whole answer with its length, and no request is logged to stderr."""
+
+    def reply(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_) -> None:
+        pass
 
 
 def example_settings_json(**wire_overrides) -> str:

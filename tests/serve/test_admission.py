@@ -6,9 +6,10 @@ process with the real model and a queue of one."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -62,6 +63,16 @@ async def until(predicate, what: str) -> None:
     raise AssertionError(f"never {what}")
 
 
+@contextlib.asynccontextmanager
+async def one_parse_held(server: Server, client: TestClient) -> AsyncIterator[asyncio.Task]:
+    """One request sent on `client`, its parse held at the gate, so that it holds the
+    queue's one place until the block ends and the gate opens; yields the request's task."""
+    with ParseGate(server) as gate:
+        request = asyncio.create_task(client.post("/v1/completions", json=BODY))
+        await until(lambda: gate.num_started == 1, "parsed")
+        yield request
+
+
 async def test_a_burst_beyond_the_queue_is_refused_before_its_bodies_are_parsed(in_process):
     """A request was checked against the queue before its body was read, but counted in
     it only once parsed: a burst arriving at an empty queue all passed the check, and every
@@ -109,9 +120,7 @@ async def test_a_client_that_leaves_while_its_body_is_parsed_gives_its_place_bac
     server = in_process
     cancelled = requests_counted(server, "cancelled")
     async with TestClient(TestServer(server.app())) as client:
-        with ParseGate(server) as gate:
-            leaving = asyncio.create_task(client.post("/v1/completions", json=BODY))
-            await until(lambda: gate.num_started == 1, "parsed")
+        async with one_parse_held(server, client) as leaving:
             other = await asyncio.wait_for(client.post("/v1/completions", json=BODY), 10)
             assert other.status == 429
             leaving.cancel()
@@ -163,9 +172,7 @@ async def test_a_full_queue_refuses_an_upload_before_its_body_is_sent(in_process
     server = in_process
     rejected = requests_counted(server, "rejected")
     async with TestClient(TestServer(server.app())) as client:
-        with ParseGate(server) as gate:
-            holding = asyncio.create_task(client.post("/v1/completions", json=BODY))
-            await until(lambda: gate.num_started == 1, "parsed")
+        async with one_parse_held(server, client) as holding:
             reader, writer = await send_head(client, len(BODY_BYTES))
             status, headers, body = await read_answer(reader)
             writer.close()
@@ -174,8 +181,7 @@ async def test_a_full_queue_refuses_an_upload_before_its_body_is_sent(in_process
             assert headers["connection"].lower() == "close"
             assert json.loads(body)["error"]["type"] == "rate_limit_error"
             assert requests_counted(server, "rejected") == rejected + 1
-            gate.opened.set()
-            assert (await holding).status == 200
+        assert (await holding).status == 200
 
 
 async def test_a_server_not_ready_refuses_an_upload_before_its_body_is_sent(in_process):

@@ -16,6 +16,7 @@ import pytest
 
 from holeblend_devtools import closed_loop, demo, kubelet
 from holeblend_runtime.bench.workload import WorkloadConfig
+from tests.serve.conftest import StandInHandler
 
 # Where a corporate machine's proxy would be: here nothing listens, so a request sent
 # through it fails.
@@ -34,7 +35,7 @@ class Engine(http.server.ThreadingHTTPServer):
         return self.server_address[1]
 
 
-class Handler(http.server.BaseHTTPRequestHandler):
+class Handler(StandInHandler):
     def do_GET(self):
         self.answer()
 
@@ -43,15 +44,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.answer()
 
     def answer(self):
-        body = b'{"usage": {"prompt_tokens": 10}}'
-        self.send_response(self.server.status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
+        self.reply(self.server.status, b'{"usage": {"prompt_tokens": 10}}')
 
 
 def serving(address: str, status: int = 200):

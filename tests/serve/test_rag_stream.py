@@ -11,6 +11,7 @@ import pytest
 from holeblend_devtools import closed_loop
 from holeblend_devtools.closed_loop_runs import WORKLOAD
 from holeblend_runtime.bench.workload import generate_workload
+from tests.serve.conftest import StandInHandler
 
 THINK_S = 0.4
 
@@ -25,19 +26,11 @@ class Recorder(http.server.ThreadingHTTPServer):
         return f"http://127.0.0.1:{self.server_address[1]}"
 
 
-class Handler(http.server.BaseHTTPRequestHandler):
+class Handler(StandInHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.bodies.append((time.monotonic(), body))
-        answer = json.dumps({"usage": {"prompt_tokens": 10}}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(answer)))
-        self.end_headers()
-        self.wfile.write(answer)
-
-    def log_message(self, *args):
-        pass
+        self.reply(200, json.dumps({"usage": {"prompt_tokens": 10}}).encode())
 
 
 @pytest.fixture
