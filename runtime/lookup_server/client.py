@@ -21,6 +21,7 @@ from __future__ import annotations
 import ipaddress
 import itertools
 import logging
+import math
 import socket
 import threading
 import time
@@ -135,6 +136,11 @@ class LookupConnection:
         except OSError:
             self._resolving = None  # failed: ask again next time
             raise
+        except UnicodeError as error:
+            # A name no DNS query can carry (an empty label, "lookup..svc", or one over 63
+            # characters): a failed call like an unknown name, never an error in the request.
+            self._resolving = None
+            raise OSError(f"lookup server host {host!a} is not a valid DNS name: {error}") from None
         self._resolving = None
         self._resolved = (infos[0][0], infos[0][4])
         return self._resolved
@@ -324,16 +330,18 @@ class LookupClient:
     def lookup(self, keys: Sequence[str]) -> list[Location | None]:
         """One location per key; all None when the server cannot answer in budget. Keys
         beyond `config.max_keys` go in further requests (one refused request would
-        otherwise make every key a miss, and count against the breaker)."""
+        otherwise make every key a miss, and count against the breaker), all within the
+        one budget of a call: the caller waits no longer for many keys than for a few."""
         if not keys:
             return []
         hits: list[Location | None] = []
         size = self.config.max_keys
+        deadline = time.monotonic() + self.budget_s
         for start in range(0, len(keys), size):
             message = {"op": "lookup", "keys": list(keys[start : start + size])}
             if self.model is not None:
                 message["model"] = self.model
-            reply = self.call(message)
+            reply = self.call(message, deadline)
             found = None if reply is None else _locations(reply, len(message["keys"]))
             if found is None:  # failed, or an answer that is not one location per key
                 hits = [None] * len(keys)
@@ -346,14 +354,20 @@ class LookupClient:
             self.stats.keys_hit += sum(hit is not None for hit in hits)
         return hits
 
-    def call(self, message: dict) -> dict | None:
+    @property
+    def budget_s(self) -> float:
+        """Seconds one call may take: every attempt's timeout."""
+        return (self.config.retries + 1) * self.config.timeout_ms / 1000
+
+    def call(self, message: dict, deadline: float | None = None) -> dict | None:
         """The reply, or None after the retries failed, while the breaker is open, or when
         the connection stayed busy with another thread's call (the engine's lookups and
         the store worker's `contains` share it) past this call's budget: every attempt's
-        timeout, the wait for the connection included."""
-        budget_s = (self.config.retries + 1) * self.config.timeout_ms / 1000
-        deadline = time.monotonic() + budget_s
-        if not self._lock.acquire(timeout=budget_s):
+        timeout, the wait for the connection included. `deadline` (monotonic time) ends
+        it sooner when it comes first: the several requests of one lookup share one."""
+        budget_deadline = time.monotonic() + self.budget_s
+        deadline = budget_deadline if deadline is None else min(deadline, budget_deadline)
+        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             self._count_call(message["op"], is_failed=True)  # not the server's failure
             return None
         try:
@@ -450,6 +464,16 @@ class AnnouncerConfig:
     batch: int = 256
     # Queued announcements kept at most; older ones are dropped (a resync repairs that).
     max_pending: int = 65536
+
+    def __post_init__(self) -> None:
+        if not 0 < self.heartbeat_s < math.inf:
+            raise ValueError(f"heartbeat_s: must be > 0 and finite, got {self.heartbeat_s}")
+        if not self.resync_s > 0:
+            raise ValueError(f"resync_s: must be > 0, got {self.resync_s}")
+        if self.batch < 1:
+            raise ValueError(f"batch: must be >= 1, got {self.batch}")
+        if self.max_pending < 1:
+            raise ValueError(f"max_pending: must be >= 1, got {self.max_pending}")
 
 
 class Announcer:

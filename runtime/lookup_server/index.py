@@ -108,8 +108,19 @@ class SegmentIndex:
         # Entries in the shared tier, kept up to date on every change so `stats` (the
         # /stats endpoint, every /metrics scrape) costs the same at any index size.
         self.num_shared = 0
+        # `admits` counts the entries of admits (segments pods just stored); `resynced` those
+        # of resyncs, which re-announce what pods hold already: no new stores.
         self.counters = dict.fromkeys(
-            ("lookups", "hits", "admits", "evicts", "capacity_evictions", "pods_dropped"), 0
+            (
+                "lookups",
+                "hits",
+                "admits",
+                "resynced",
+                "evicts",
+                "capacity_evictions",
+                "pods_dropped",
+            ),
+            0,
         )
 
     def __len__(self) -> int:
@@ -176,7 +187,7 @@ class SegmentIndex:
             entry.pods.add(pod)
             pod_keys.add(item.key)
             num += 1
-        self.counters["admits"] += num
+        self.counters["resynced" if is_resync else "admits"] += num
         self._enforce_capacity()
         return num
 

@@ -65,6 +65,7 @@ class _StatsCollector:
             ("lookups", "Keys looked up."),
             ("hits", "Keys found."),
             ("admits", "Segments admitted by pods."),
+            ("resynced", "Segment entries pods announced again in resyncs (nothing new stored)."),
             ("evicts", "Segments evicted by pods."),
             ("capacity_evictions", "Segments dropped to stay within the index capacity."),
             ("pods_dropped", "Pods dropped after they stopped heartbeating."),

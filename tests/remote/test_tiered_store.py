@@ -252,9 +252,9 @@ def test_the_writers_resyncs_do_not_advertise_again_a_copy_another_pod_found_gon
         assert [entry.key for entry in b.holdings()] == []
         b.announcer.flush()
         wait_for(lambda: not b.lookup.lookup(["doc-1"])[0].in_shared_tier)
-        admits = b.lookup.call({"op": "stats"})["stats"]["admits"]
+        resynced = b.lookup.call({"op": "stats"})["stats"]["resynced"]
         # A's resyncs (one entry each) arrive every 0.3 s: wait for two.
-        wait_for(lambda: b.lookup.call({"op": "stats"})["stats"]["admits"] >= admits + 2)
+        wait_for(lambda: b.lookup.call({"op": "stats"})["stats"]["resynced"] >= resynced + 2)
         assert [(e.key, e.shared) for e in a.holdings()] == [("doc-1", True)]
         hit = b.lookup.lookup(["doc-1"])[0]
         assert hit.pods == ("pod-a",) and not hit.in_shared_tier
