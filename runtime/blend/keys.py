@@ -16,7 +16,10 @@ connector's scheduler side, so a segment stored by one is found by the other.
 The model a key names (`keyed_model_id`) is blend.json's `model.name` together with the
 engine's own identity of the weights it loaded (vLLM: `path@revision`; holeblend-serve:
 the GGUF's `stem:size`): new weights behind the same path or file name, deployed under a
-new `model.name`, never reuse the old weights' KV.
+new `model.name`, never reuse the old weights' KV. vLLM's adds `+rope-<digest>` of the
+RoPE settings it runs the weights with when `--hf-overrides` make them other than the
+checkpoint's own: K is stored rotated, so KV computed under another RoPE is other KV
+(without such overrides the id, and every key, stays as before).
 """
 
 from __future__ import annotations
@@ -39,21 +42,20 @@ def keyed_model_id(name: str | None, weights_id: str) -> str:
     """The model id segment keys, stored entries and calibration scopes name: `name`
     (blend.json's `model.name`) and `weights_id` (the engine's identity of the weights it
     loaded) as `name|weights_id`; `weights_id` alone without a name (no settings file).
-    Deterministic; `sha256-<32 hex>` of both when that would be long, when `name` holds
-    the separator or a character a log line should not (the id stays unambiguous)."""
+    Deterministic; `sha256-<32 hex>` of both when that would be long (a long weights path
+    without a name too), when `name` holds the separator or a character a log line should
+    not (the id stays unambiguous)."""
     if not weights_id:
         raise ValueError("weights_id: must not be empty")
-    if not name:
-        return weights_id
-    model_id = f"{name}{MODEL_ID_SEPARATOR}{weights_id}"
+    model_id = f"{name}{MODEL_ID_SEPARATOR}{weights_id}" if name else weights_id
     if (
         len(model_id) <= MAX_MODEL_ID_CHARS
-        and MODEL_ID_SEPARATOR not in name
+        and MODEL_ID_SEPARATOR not in (name or "")
         and model_id.isprintable()
     ):
         return model_id
     digest = hashlib.sha256()
-    for part in (name, weights_id):
+    for part in (name or "", weights_id):
         data = part.encode()
         digest.update(len(data).to_bytes(8, "big") + data)
     return f"sha256-{digest.hexdigest()[:32]}"

@@ -10,6 +10,7 @@
 | limits on running requests | the model runner's `max_num_running_reqs`, admission's `max_num_active_reqs` | `max_num_running_reqs` |
 | `vllm serve`'s argument parser | `vllm.entrypoints.launchers.cli_args` | `vllm.entrypoints.openai.cli_args` |
 | a step that runs no forward | calls `wait_for_save` | does not; the connector runs the step's stores at `get_finished`, before vLLM takes the step's stats |
+| the revision a config kept in another repo (`hf_config_path`) is read at | its own, `ModelConfig._hf_config_revision` | the model's `revision` |
 
 Every function takes what it inspects as an argument and imports vLLM only when it needs one
 of vLLM's own ops, so the worker stays testable without vLLM (the fakes in the tests have a
@@ -163,6 +164,12 @@ def serve_arg_parser() -> Any:
     except ImportError:  # vLLM 0.23
         from vllm.entrypoints.openai.cli_args import make_arg_parser
     return make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+
+
+def hf_config_revision(model_config: Any) -> str | None:
+    """The revision vLLM read the model's config at (the checkpoint's config is read again
+    there, without overrides, to tell the RoPE they set)."""
+    return getattr(model_config, "_hf_config_revision", None) or model_config.revision
 
 
 @functools.cache

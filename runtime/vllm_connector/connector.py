@@ -37,6 +37,9 @@ installed) a load fails loudly at the first request.
 from __future__ import annotations
 
 import collections
+import functools
+import hashlib
+import json
 import logging
 import os
 from collections.abc import Sequence
@@ -51,6 +54,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.transformers_utils.config import get_config, get_hf_text_config
 
 from holeblend_runtime.blend.config import IN_CONTEXT
 from holeblend_runtime.blend.keys import SegmentKeyer, keyed_model_id
@@ -64,7 +68,7 @@ from holeblend_runtime.model.tokenizer import TextTokenizer
 from holeblend_runtime.quality.inline_proxy import InlineProxy
 from holeblend_runtime.quality.shadow import ShadowBudget
 from holeblend_runtime.quality.shared_calibration import SharedCalibration, calibration_scope
-from holeblend_runtime.vllm_connector import metrics, plugin
+from holeblend_runtime.vllm_connector import compat, metrics, plugin
 from holeblend_runtime.vllm_connector.accounting import LoadLedger
 from holeblend_runtime.vllm_connector.forward_stores import ForwardStores
 from holeblend_runtime.vllm_connector.metadata import (
@@ -165,11 +169,103 @@ def segment_keyer(vllm_config: Any, settings: ConnectorSettings) -> SegmentKeyer
     derives the model's id and dtypes (the scheduler's planner, the workers' engine and
     stored layout and the calibration scope all read it). The id names blend.json's
     `model.name` and the weights vLLM serves (`model@revision`: the operator passes the
-    same path for other weights, so the name tells them apart; `keyed_model_id`)."""
+    same path for other weights, so the name tells them apart; `keyed_model_id`), and the
+    RoPE it runs them with where `--hf-overrides` make that other than the checkpoint's
+    (`rope_suffix`)."""
     config = vllm_config.model_config
-    weights_id = f"{config.model}@{config.revision or 'main'}"
+    weights_id = f"{config.model}@{config.revision or 'main'}{rope_suffix(config)}"
     model_id = keyed_model_id(settings.model_name, weights_id)
     return SegmentKeyer.for_model(model_id, dtype_name(config.dtype), settings.blend)
+
+
+# Hex digits of the RoPE settings' digest in a weights id.
+ROPE_DIGEST_CHARS = 12
+# RoPE types whose rotation does not read the model's `max_position_embeddings`.
+_ROPE_TYPES_WITHOUT_MAX_POSITION = frozenset({"default", "linear"})
+
+
+def rope_suffix(model_config: Any) -> str:
+    """`+rope-<digest>` of the RoPE settings the model runs with when vLLM's hf_overrides
+    make them other than the checkpoint's own; "" otherwise, so a deployment without
+    overrides keeps its keys. K is stored rotated: KV computed under the checkpoint's RoPE
+    (in a shared tier that outlives a rolling update) is not this deployment's. The
+    comparison is with the checkpoint's config read again without the overrides (a
+    callable override, or one that sets a field vLLM then ignores, is judged by its
+    effect); where that read fails the settings are named anyway: a needless miss rather
+    than another RoPE's KV."""
+    if not getattr(model_config, "hf_overrides", None):
+        return ""
+    rope = rope_settings(model_config.hf_text_config)
+    checkpoint = (
+        model_config.hf_config_path or model_config.model,
+        model_config.trust_remote_code,
+        compat.hf_config_revision(model_config),
+        model_config.code_revision,
+        model_config.config_format,
+        model_config.hf_token,
+    )
+    try:
+        own = _checkpoint_rope(*checkpoint)
+    except Exception as error:
+        log.warning("checkpoint's RoPE unreadable (%s): keys name the served RoPE", error)
+        own = None
+    if rope == own:
+        return ""
+    return f"+rope-{hashlib.sha256(rope.encode()).hexdigest()[:ROPE_DIGEST_CHARS]}"
+
+
+@functools.lru_cache(maxsize=8)
+def _checkpoint_rope(
+    model: str,
+    trust_remote_code: bool,
+    revision: str | None,
+    code_revision: str | None,
+    config_format: Any,
+    token: Any,
+) -> str:
+    """`rope_settings` of the checkpoint's config as vLLM reads it, without overrides
+    (once per process: the scheduler and each worker key several times)."""
+    config = get_config(
+        model, trust_remote_code, revision, code_revision, config_format, token=token
+    )
+    return rope_settings(get_hf_text_config(config))
+
+
+def rope_settings(text_config: Any) -> str:
+    """The RoPE settings a model's attention rotates K with, as canonical JSON.
+    transformers 5 keeps them in `rope_parameters` (one dict, or one per layer type), as
+    vLLM 0.23 does under transformers 4 (it copies them there); a transformers 4 config
+    without it in `rope_theta` and `rope_scaling`. Written alike for the same settings
+    whichever holds them: legacy `type` as `rope_type`, numbers as floats, unset (None)
+    entries left out; `max_position_embeddings` added for the types whose rotation reads
+    it (dynamic NTK, longrope, YaRN's fallback)."""
+    parameters = getattr(text_config, "rope_parameters", None)
+    if parameters is None:
+        scaling = getattr(text_config, "rope_scaling", None) or {}
+        parameters = {**scaling, "rope_theta": getattr(text_config, "rope_theta", None)}
+    parameters = _canonical_rope(parameters)
+    nested = bool(parameters) and all(isinstance(p, dict) for p in parameters.values())
+    flat = list(parameters.values()) if nested else [parameters]
+    for entry in flat:
+        entry.setdefault("rope_type", "default")
+    if any(entry["rope_type"] not in _ROPE_TYPES_WITHOUT_MAX_POSITION for entry in flat):
+        max_position = getattr(text_config, "max_position_embeddings", None)
+        parameters = {"parameters": parameters, "max_position_embeddings": max_position}
+    return json.dumps(_canonical_rope(parameters), sort_keys=True, default=str)
+
+
+def _canonical_rope(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {
+            "rope_type" if key == "type" else str(key): _canonical_rope(item)
+            for key, item in value.items()
+            if item is not None
+        }
+    if isinstance(value, list | tuple):
+        return [_canonical_rope(item) for item in value]
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return value
 
 
 def model_identity(vllm_config: Any, settings: ConnectorSettings) -> tuple[str, str]:

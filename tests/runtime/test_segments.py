@@ -213,6 +213,10 @@ def test_the_model_id_names_the_model_and_its_weights():
     assert len(set(ids)) == len(ids)
     assert all(len(i) <= MAX_MODEL_ID_CHARS and i.isprintable() for i in ids)
     assert ids[1].startswith("sha256-") and ids[1] == keyed_model_id("a|b", "c")
+    # Without a name, a weights path over the wire's limit is hashed too.
+    long_path = keyed_model_id(None, "/models/" + "d" * 300 + "@main")
+    assert long_path.startswith("sha256-") and len(long_path) <= MAX_MODEL_ID_CHARS
+    assert long_path != keyed_model_id(None, "/models/" + "e" * 300 + "@main")
     with pytest.raises(ValueError, match="weights_id"):
         keyed_model_id("m", "")
 
