@@ -256,7 +256,8 @@ class BlendEngine:
         (blend.json's model.name; None: none) joins the GGUF's identity in the model id
         that segment keys and stored entries name (`keys.keyed_model_id`); `max_model_len`
         (model.maxModelLen; None: the model's own) caps prompt plus answer, ValueError
-        above the model's context."""
+        above the model's context. The tokenizer carries the GGUF's chat template, whose
+        default system prompt a prompt without one gets (`PromptBuilder.build`)."""
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         files = load_model_files(gguf_path, cache_dir)
@@ -269,7 +270,8 @@ class BlendEngine:
                 )
             config = replace(config, context_length=max_model_len)
         model = Llama(config, files.weights, device=device, dtype=dtype)
-        return cls(model, TextTokenizer(files.tokenizer, config), blend, store)
+        tokenizer = TextTokenizer(files.tokenizer, config, files.chat_template)
+        return cls(model, tokenizer, blend, store)
 
     @property
     def config(self) -> ModelConfig:
@@ -388,7 +390,10 @@ class BlendEngine:
             return kv
         return replace(kv, k=widened(kv.k, dtype), v=widened(kv.v, dtype))
 
-    def build_prompt(self, system: str, documents: Sequence[str], question: str) -> SegmentedPrompt:
+    def build_prompt(
+        self, system: str | None, documents: Sequence[str], question: str
+    ) -> SegmentedPrompt:
+        """`system` None: the conversation has none (the chat template's default)."""
         return self.prompt_builder.build(system, documents, question)
 
     # --- keys -------------------------------------------------------------------------

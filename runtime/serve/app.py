@@ -205,6 +205,7 @@ class Server:
         self.worker = EngineWorker(
             self.engine, self.live, self.metrics, self.settings.queue_size,
             self.settings.max_batch, self.settings.torch_threads,
+            self.settings.decode_pool_bytes,
         )  # fmt: skip
         self._start_quality_proxies()
         self.worker.start()
@@ -489,7 +490,7 @@ class Server:
     def _prompt(self, rag: RagRequest) -> tuple[SegmentedPrompt, int]:
         field = "prompt" if rag.kind == "completion" else "messages"
         context = self.engine.config.context_length
-        num_chars = len(rag.system) + len(rag.question) + sum(map(len, rag.documents))
+        num_chars = len(rag.system or "") + len(rag.question) + sum(map(len, rag.documents))
         # Each token covers at most max_token_bytes bytes, each character at least one.
         at_least = -(-num_chars // self.engine.tokenizer.max_token_bytes)
         if at_least >= context:

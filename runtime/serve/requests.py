@@ -4,12 +4,16 @@ Both endpoints give a system prompt, documents and a question, in one of two sha
 
 - LMCache's CacheBlend shape: the separator inside the text. `/v1/completions`: `prompt` is
   `system SEP doc SEP ... SEP question`. `/v1/chat/completions`: the last user message is
-  `doc SEP ... SEP question` after a system message, or `system SEP doc ... SEP question`
-  without one. Text without a separator is a question with no documents.
+  `[SEP] doc SEP ... SEP question` after a system message, or `system SEP doc ... SEP
+  question` without one. Text without a separator is a question with no documents.
 - The structured extension: a top-level `documents` list of strings; the question is
   `prompt` (completions, with an optional `system` string; `system` alone is this shape
   with no documents) or the last user message (chat, with the system message as the
   system prompt). `documents: null` is as absent.
+
+A chat without a system message (and, in LMCache's shape, without text before the first
+separator) has no system prompt (None): the prompt gets the one the model's chat template
+writes then, as vLLM renders it. A system message, even empty, is the system prompt.
 
 The blend engine applies the model's chat template on both endpoints, decodes greedily
 and supports one user turn. Text may not contain the template's control tokens
@@ -49,7 +53,8 @@ class RagRequest:
     # "completion" or "chat": the shape of the response.
     kind: str
     model: str
-    system: str
+    # None: a chat without one (the chat template's default system prompt).
+    system: str | None
     documents: tuple[str, ...]
     question: str
     # None: the server's default.
@@ -89,9 +94,9 @@ def parse_chat(body: Any, separator: str, is_control_token: Callable[[str], bool
         split_system, documents, question = _split(
             user, separator, user_field, has_system=system is not None
         )
-        if system is None:  # the first piece of the user message
+        if system is None and split_system:  # the first piece of the user message
             system, system_field = split_system, user_field
-    request = _request("chat", body, system or "", documents, question)
+    request = _request("chat", body, system, documents, question)
     return _checked(request, user_field, separator, is_control_token, system_field)
 
 
@@ -390,9 +395,13 @@ def _documents(value: Any) -> tuple[str, ...]:
 
 
 def _split(text: str, separator: str, name: str, has_system: bool):
-    """LMCache's shape: `[system SEP] doc SEP ... SEP question`."""
+    """LMCache's shape: `[system SEP] doc SEP ... SEP question`. After a system message the
+    text may open with the separator (`SEP doc ... SEP question`): what the chat template
+    writes for it is the prompt holeblend-serve builds, so vLLM's split finds its segments."""
     pieces = [piece.strip() for piece in text.split(separator)]
-    system = "" if has_system else pieces.pop(0) if len(pieces) > 1 else ""
+    system = ""
+    if len(pieces) > 1 and (not has_system or not pieces[0]):
+        system = pieces.pop(0)
     question = pieces.pop()
     for i, piece in enumerate(pieces):
         if not piece:
@@ -407,7 +416,7 @@ def _checked(
 ) -> RagRequest:
     """Refuse text the prompt cannot hold, naming the field it came from: `name` the
     question's, `system_name` the system prompt's."""
-    texts = [(system_name, request.system), (name, request.question)]
+    texts = [(system_name, request.system or ""), (name, request.question)]
     for field, text in texts:
         if separator in text:
             raise BadRequest(field, f"contains the separator {separator!r} outside the documents")

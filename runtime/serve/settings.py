@@ -30,6 +30,10 @@ class ServeSettings:
     queue_size: int = 8
     # Requests decoding together (one batched forward pass per token for all of them).
     max_batch: int = 8
+    # Byte budget of the decode pool's K and V (None: none): a request joins the decoding
+    # batch only when the pool, grown for it and every answer in it to its limit, stays
+    # within it; else it waits, first in line. A request over it alone runs alone.
+    decode_pool_bytes: int | None = None
     # Seconds from arrival to the last token, queue wait included; then 504 (or an SSE error).
     # A streaming client that has not taken its answer 2 s later (app.WRITE_GRACE_S) is
     # disconnected.
@@ -65,6 +69,8 @@ class ServeSettings:
             raise ValueError(
                 f"--max-batch: must be >= 1 (requests decoding together), got {self.max_batch}"
             )
+        if self.decode_pool_bytes is not None:
+            _at_least("decode_pool_bytes", self.decode_pool_bytes, 1)
         _at_least("default_max_tokens", self.default_max_tokens, 1)
         _at_least("torch_threads", self.torch_threads, 1)
         for name in (

@@ -11,7 +11,11 @@ continuous batching of the decode steps):
    `cancelled` event was set directly, by the next `submit` or `num_pending` at the latest.
 2. Whenever a job waits and fewer than `max_batch` jobs are decoding, the thread takes the
    next one in arrival order before any decode step, at most `max_batch` between two steps
-   (jobs that end at their prefill would otherwise starve the batch). A job cancelled or
+   (jobs that end at their prefill would otherwise starve the batch). With a byte budget
+   for the decode pool (`decode_pool_bytes`), the next job joins a batch only when the
+   pool, grown for it and for every answer in it to its limit, stays within the budget;
+   else it stays first in line (no job passes it) until rows are freed, and when the
+   batch is empty it runs, alone, whatever it needs. A job cancelled or
    past its deadline before it starts is dropped without compute (and is no job duration
    for the Retry-After estimate). Otherwise it looks the segments up (timed), prefills in
    the configured mode at the live ratio, takes its first token from the prefill's logits
@@ -221,11 +225,16 @@ class EngineWorker:
         queue_size: int,
         max_batch: int = 8,
         torch_threads: int | None = None,
+        decode_pool_bytes: int | None = None,
     ) -> None:
         """`torch_threads`: the engine thread's torch threads (None: the count of the
-        thread that builds the worker, i.e. the one the engine was loaded with)."""
+        thread that builds the worker, i.e. the one the engine was loaded with).
+        `decode_pool_bytes`: the decode pool's byte budget (None: none), which decides
+        when the next job joins the batch (step 2 of the module doc)."""
         if max_batch < 1:
             raise ValueError(f"max_batch: must be >= 1, got {max_batch}")
+        if decode_pool_bytes is not None and decode_pool_bytes < 1:
+            raise ValueError(f"decode_pool_bytes: must be >= 1, got {decode_pool_bytes}")
         self.engine, self.live, self.metrics = engine, live, metrics
         self.queue_size, self.max_batch = queue_size, max_batch
         self.torch_threads = torch.get_num_threads() if torch_threads is None else torch_threads
@@ -250,6 +259,7 @@ class EngineWorker:
         self.between_steps: Callable[[], None] | None = None
         # No more than max_batch sequences decode at once: the decode pool grows no further.
         engine.decode_pool.max_rows = max_batch
+        engine.decode_pool.max_bytes = decode_pool_bytes
 
     @property
     def num_pending(self) -> int:
@@ -366,7 +376,7 @@ class EngineWorker:
             self._before_step()
             if not stopping and len(batch) < self.max_batch and num_taken < self.max_batch:
                 try:
-                    job = self._jobs.get_nowait()
+                    job = self._take()
                 except queue.Empty:
                     pass
                 else:
@@ -379,6 +389,31 @@ class EngineWorker:
             batch[:] = self._step(batch)
             num_taken = 0
         return stopping
+
+    def _take(self) -> Job | None:
+        """The next queued job to join the running batch (None: told to stop);
+        `queue.Empty` when none is queued or the next does not fit the decode pool's byte
+        budget beside the batch. That one stays first in line, where `cancel` still finds
+        it, and is taken when it fits or, once the batch is empty, by `_run`. Checked and
+        taken under the queue's lock, so a cancelled job removed meanwhile lets no
+        unchecked one in."""
+        with self._jobs.mutex:
+            if not self._jobs.queue:
+                raise queue.Empty
+            job = self._jobs.queue[0]
+            if job is not None and not self._fits(job):
+                raise queue.Empty
+            return self._jobs.queue.popleft()
+
+    def _fits(self, job: Job) -> bool:
+        """Whether `job` joins the batch now: the decode pool stays within its budget
+        with it (`KVPool.can_start`), or it would be dropped without compute anyway."""
+        pool = self.engine.decode_pool
+        if pool.max_bytes is None or job.stop_reason() is not None:
+            return True
+        num_tokens = job.prompt.num_tokens
+        limit = min(job.max_tokens, self.engine.config.context_length - num_tokens)
+        return pool.can_start(num_tokens, limit)
 
     def _before_step(self) -> None:
         if self.between_steps is not None:
