@@ -234,11 +234,17 @@ class ModelSettings(_Settings):
         return self.served_name or self.name
 
 
+# RFC 1035 2.3.4: a label is 1-63 octets, a name 255 on the wire: 253 as written.
+MAX_DNS_LABEL_LENGTH = 63
+MAX_DNS_NAME_LENGTH = 253
+
+
 def parse_lookup_url(url: str) -> tuple[str, int]:
     """(host, port) of an http://HOST:PORT lookup server URL (`lookupServerUrl`);
     ValueError naming it for anything else, a port outside 1-65535 included (urllib's own
-    errors name no setting, and its port 0 would read as 80). Checked when the file loads,
-    so a vLLM pod refuses it at start with this message, and by the lookup client."""
+    errors name no setting, and its port 0 would read as 80), and a host name no DNS query
+    can carry (every lookup would fail once the pod runs). Checked when the file loads, so
+    a vLLM pod refuses it at start with this message, and by the lookup client."""
     refusal = f"lookupServerUrl: expected http://HOST:PORT with a port in 1-65535, got {url!r}"
     try:
         parts = urlsplit(url)
@@ -247,7 +253,27 @@ def parse_lookup_url(url: str) -> tuple[str, int]:
         raise ValueError(refusal) from None
     if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/") or port == 0:
         raise ValueError(refusal)
+    if ":" not in parts.hostname and not _is_dns_name(parts.hostname):
+        raise ValueError(
+            f"lookupServerUrl: host {parts.hostname!r} is not a DNS name (dot-separated labels "
+            f"of 1-{MAX_DNS_LABEL_LENGTH} characters, at most {MAX_DNS_NAME_LENGTH} in all); "
+            "write the lookup Service's name, like http://NAME.NAMESPACE.svc:PORT, "
+            "or an IP address"
+        )
     return parts.hostname, port or 80
+
+
+def _is_dns_name(host: str) -> bool:
+    """Whether a DNS query can carry `host` (an IPv4 address is one too), its labels
+    counted as the resolver sends them (IDNA: a non-ASCII label takes its xn-- form)."""
+    try:
+        name = host.encode("idna").decode("ascii").removesuffix(".")
+    except UnicodeError:  # the codec's own refusal: an empty label or one too long
+        return False
+    labels = name.split(".")
+    return len(name) <= MAX_DNS_NAME_LENGTH and all(
+        0 < len(label) <= MAX_DNS_LABEL_LENGTH for label in labels
+    )
 
 
 class KVSettings(_Settings):

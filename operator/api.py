@@ -1516,6 +1516,11 @@ class ConditionType(StrEnum):
     TUNED = "Tuned"
 
 
+# The longest condition message the status schema accepts (characters): the API server
+# refuses a status patch with a longer one.
+CONDITION_MESSAGE_MAX_LENGTH = 32768
+
+
 class Condition(ApiModel):
     """A standard Kubernetes condition."""
 
@@ -1525,7 +1530,7 @@ class Condition(ApiModel):
     """Whether the condition holds."""
     reason: str = Field(default="", max_length=1024)
     """CamelCase reason code."""
-    message: str = Field(default="", max_length=32768)
+    message: str = Field(default="", max_length=CONDITION_MESSAGE_MAX_LENGTH)
     """What happened and what to do, for a person."""
     last_transition_time: str | None = Field(default=None, max_length=64)
     """When status last changed (RFC 3339)."""
@@ -1703,6 +1708,11 @@ def spec_notices(spec: Any) -> list[str]:
     ]
 
 
+# The most characters of a refused value a message quotes: enough to find it in the
+# manifest, while a long one (a 40,000-character annotation) would not fit in the status.
+QUOTED_INPUT_MAX_LENGTH = 100
+
+
 def format_validation_error(exc) -> str:
     """One line per problem, `field.path: what is wrong`, joined with '; '."""
     problems = []
@@ -1711,10 +1721,20 @@ def format_validation_error(exc) -> str:
         message = error["msg"].removeprefix("Value error, ")
         if error["type"] == "extra_forbidden":
             message = "unknown field; check its spelling against `kubectl explain bd.spec`"
-        if error["type"] not in ("extra_forbidden", "missing") and _is_scalar(error["input"]):
-            message += f" (got {error['input']!r})"
+        value = error.get("input")
+        if isinstance(value, str) and len(value) > QUOTED_INPUT_MAX_LENGTH:
+            message = message.replace(repr(value), _quoted(value))  # validators quote it too
+        if error["type"] not in ("extra_forbidden", "missing") and _is_scalar(value):
+            message += f" (got {_quoted(value)})"
         problems.append(f"{path}: {message}" if path else message)
     return "; ".join(problems)
+
+
+def _quoted(value) -> str:
+    """`value` as a message quotes it: a long string by its start and its length."""
+    if isinstance(value, str) and len(value) > QUOTED_INPUT_MAX_LENGTH:
+        return f"{value[:QUOTED_INPUT_MAX_LENGTH]!r}... ({len(value)} characters)"
+    return repr(value)
 
 
 def _is_scalar(value) -> bool:

@@ -11,7 +11,12 @@ person reads them in `kubectl describe`.
 import dataclasses
 from typing import Any
 
-from holeblend_operator.api import BlendDeployment, ConditionType, Phase
+from holeblend_operator.api import (
+    CONDITION_MESSAGE_MAX_LENGTH,
+    BlendDeployment,
+    ConditionType,
+    Phase,
+)
 from holeblend_operator.render import effective_recompute_ratio, selector_string
 
 # Container waiting reasons that will not clear up by themselves.
@@ -313,8 +318,21 @@ def _condition(kind: ConditionType, status: bool, reason: str, message: str) -> 
         "type": kind.value,
         "status": "True" if status else "False",
         "reason": reason,
-        "message": message,
+        "message": bounded_message(message),
     }
+
+
+def bounded_message(message: str) -> str:
+    """`message`, cut to the length the status schema accepts, saying so at its end.
+
+    The API server refuses the whole status patch when one message is longer (a pod's or an
+    API error's text quoted in it), and the condition would then never show. The bound
+    counts characters, as the API server does (Unicode code points), so a cut never falls
+    inside a character's UTF-8 bytes."""
+    if len(message) <= CONDITION_MESSAGE_MAX_LENGTH:
+        return message
+    marker = f" ... (cut: {len(message)} characters in all)"
+    return message[: CONDITION_MESSAGE_MAX_LENGTH - len(marker)] + marker
 
 
 def stamp_transitions(
