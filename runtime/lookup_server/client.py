@@ -98,6 +98,11 @@ class LookupConnection:
         return self._read_reply(sock, deadline)
 
     def _connect(self, deadline: float) -> socket.socket:
+        if self._is_shut_down:
+            # A closed client is still called while its owner shuts down: a failed call
+            # (all miss), never a new socket that nothing would close again, nor a
+            # RuntimeError from the stopped resolver.
+            raise ConnectionError("the lookup client is closed")
         family, address = self._resolve(deadline)
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -121,10 +126,6 @@ class LookupConnection:
             self._resolved = (info[0], info[4])
             return self._resolved
         if self._resolving is None:
-            if self._is_shut_down:
-                # A closed client is still called while its owner shuts down: a failed
-                # call (all miss), not a RuntimeError from the stopped resolver.
-                raise ConnectionError("the lookup client is closed")
             self._resolver = self._resolver or ThreadPoolExecutor(1, "lookup-dns")
             self._resolving = self._resolver.submit(
                 socket.getaddrinfo, host, port, type=socket.SOCK_STREAM
@@ -136,11 +137,6 @@ class LookupConnection:
         except OSError:
             self._resolving = None  # failed: ask again next time
             raise
-        except UnicodeError as error:
-            # A name no DNS query can carry (an empty label, "lookup..svc", or one over 63
-            # characters): a failed call like an unknown name, never an error in the request.
-            self._resolving = None
-            raise OSError(f"lookup server host {host!a} is not a valid DNS name: {error}") from None
         self._resolving = None
         self._resolved = (infos[0][0], infos[0][4])
         return self._resolved
@@ -272,14 +268,16 @@ class ClientConfig:
     max_keys: int = wire.Limits().max_keys
 
     def __post_init__(self) -> None:
-        if not self.timeout_ms > 0:
-            raise ValueError(f"timeout_ms: must be > 0, got {self.timeout_ms}")
+        if not 0 < self.timeout_ms < math.inf:
+            # An infinite budget is no budget: every call would raise OverflowError (from
+            # the lock's or the socket's timeout) into the request that looked up.
+            raise ValueError(f"timeout_ms: must be > 0 and finite, got {self.timeout_ms}")
         if self.retries < 0:
             raise ValueError(f"retries: must be >= 0, got {self.retries}")
         if self.breaker_failures < 1:
             raise ValueError(f"breaker_failures: must be >= 1, got {self.breaker_failures}")
-        if not self.breaker_open_s >= 0:
-            raise ValueError(f"breaker_open_s: must be >= 0, got {self.breaker_open_s}")
+        if not 0 <= self.breaker_open_s < math.inf:
+            raise ValueError(f"breaker_open_s: must be >= 0 and finite, got {self.breaker_open_s}")
         if self.max_keys < 1:
             raise ValueError(f"max_keys: must be >= 1, got {self.max_keys}")
 
@@ -426,6 +424,8 @@ class LookupClient:
             log.warning("lookup server refused a %s request (%s); logged once", op, error)
 
     def close(self) -> None:
+        """Close the connection; a later call fails (a lookup answers all miss) and
+        connects no more."""
         with self._lock:
             self._connection.shutdown()
 
@@ -460,7 +460,8 @@ class AnnouncerConfig:
     heartbeat_s: float = 2.0
     # Seconds between full re-announcements even when the server does not ask.
     resync_s: float = 60.0
-    # Admits or evicts sent in one request at most.
+    # Admits or evicts sent in one request at most; evicts also at most the client's
+    # `max_keys` (the server refuses a longer list of keys whole).
     batch: int = 256
     # Queued announcements kept at most; older ones are dropped (a resync repairs that).
     max_pending: int = 65536
@@ -470,8 +471,12 @@ class AnnouncerConfig:
             raise ValueError(f"heartbeat_s: must be > 0 and finite, got {self.heartbeat_s}")
         if not self.resync_s > 0:
             raise ValueError(f"resync_s: must be > 0, got {self.resync_s}")
-        if self.batch < 1:
-            raise ValueError(f"batch: must be >= 1, got {self.batch}")
+        max_entries = wire.Limits().max_entries
+        if not 1 <= self.batch <= max_entries:
+            raise ValueError(
+                f"batch: must be in 1..{max_entries} (the entries the server takes in one "
+                f"admit or resync), got {self.batch}"
+            )
         if self.max_pending < 1:
             raise ValueError(f"max_pending: must be >= 1, got {self.max_pending}")
 
@@ -594,9 +599,11 @@ class Announcer:
 
     def _send(self, batch: list[tuple[str, object]]) -> None:
         """Send runs of the same kind in order, so an evict after an admit stays last."""
-        size = self.config.batch
         for kind, run in itertools.groupby(batch, key=lambda item: item[0]):
             values = [value for _, value in run]
+            size = self.config.batch
+            if kind != "admit":
+                size = min(size, self.client.config.max_keys)
             for i in range(0, len(values), size):
                 self._send_one(self._message(kind, values[i : i + size]))
 

@@ -29,6 +29,7 @@ inline on that loop with no queue in front of them.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -83,8 +84,9 @@ class IndexLimits:
         for field in ("max_entries", "max_bytes", "max_shared_gone"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field}: must be >= 1, got {getattr(self, field)}")
-        if self.pod_timeout_s <= 0:
-            raise ValueError(f"pod_timeout_s: must be > 0, got {self.pod_timeout_s}")
+        if not 0 < self.pod_timeout_s < math.inf:
+            # NaN or inf would keep every silent pod (and its locations) for good.
+            raise ValueError(f"pod_timeout_s: must be > 0 and finite, got {self.pod_timeout_s}")
 
 
 class SegmentIndex:
@@ -173,7 +175,8 @@ class SegmentIndex:
         num = 0
         for item in entries:
             if item.num_bytes > self.limits.max_bytes:
-                self.counters["capacity_evictions"] += 1
+                # Counted when admitted: each resync lists it again, and is no new store.
+                self.counters["capacity_evictions"] += not is_resync
                 continue
             if item.shared and shared_gone:
                 if is_resync:

@@ -37,6 +37,7 @@ import asyncio
 import gc
 import json
 import logging
+import math
 import resource
 import signal
 import time
@@ -117,8 +118,9 @@ class ServerConfig:
         for name in ("header_timeout_s", "body_timeout_s", "idle_timeout_s", "write_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
-        if self.drain_s < 0:
-            raise ValueError(f"drain_s: must be >= 0, got {self.drain_s}")
+        if not 0 <= self.drain_s < math.inf:
+            # NaN makes SIGTERM's handler fail (the server never exits), inf never exits.
+            raise ValueError(f"drain_s: must be >= 0 and finite, got {self.drain_s}")
         largest = self.limits.max_body_bytes + MAX_HEADER_BYTES
         if self.large_body_budget < largest:
             raise ValueError(
