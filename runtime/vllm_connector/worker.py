@@ -448,16 +448,32 @@ class BlendWorker:
 
     def _fetch(self, request: LoadRequest) -> tuple[SegmentReuse, list[SegmentKV | None], int]:
         """The planned segments' KV in one batched get, checked as the engine checks its
-        own (`BlendEngine.fetch`); one that is missing or unusable becomes a hole.
-        Returns the lookup of what is actually reused, the entries and how many planned
-        segments were not usable."""
+        own (`BlendEngine.fetch`); one that is missing or unusable becomes a hole. Under
+        tensor parallelism both are agreed over the ranks: a hole on one rank is a hole on
+        every rank, and a fetch that raises on one rank raises on every rank. Returns the
+        lookup of what is actually reused, the entries and how many planned segments were
+        not usable."""
         planned = set(request.reused_segments)
         keys = [key if i in planned else None for i, key in enumerate(request.keys)]
-        entries, _ = self.engine.fetch(request.prompt, keys)
+        failure: Exception | None = None
+        try:
+            entries, _ = self.engine.fetch(request.prompt, keys)
+        except Exception as error:  # raised after the other ranks hear of it
+            failure, entries = error, [None] * len(keys)
         # Every rank must blend the same segments, or their collectives would pair up
-        # different work: one rank's unusable entry is a hole on all of them.
-        agreed = self._on_every_rank([entry is not None for entry in entries])
-        entries = [entry if ok else None for entry, ok in zip(entries, agreed, strict=True)]
+        # different work: one rank's unusable entry is a hole on all of them, and one
+        # rank's failed fetch (an I/O error) fails the load on all of them, in the same
+        # all-reduce (the other ranks would otherwise wait in the blend's collectives for a
+        # rank that went on to vLLM's forward).
+        agreed = self._on_every_rank([failure is None, *(entry is not None for entry in entries)])
+        if failure is not None:
+            raise failure
+        if not agreed[0]:
+            raise RuntimeError(
+                "fetching the load's KV failed on another tensor-parallel rank; the load "
+                "fails on every rank (that rank logged why)"
+            )
+        entries = [entry if ok else None for entry, ok in zip(entries, agreed[1:], strict=True)]
         unusable = [i for i in sorted(planned) if entries[i] is None]
         for i in unusable:
             log.warning("segment %s: not usable; computing it fresh", request.keys[i])
