@@ -502,11 +502,13 @@ class Server:
         try:
             prompt = self.engine.build_prompt(rag.system, rag.documents, rag.question)
         except ValueError as error:
-            # The engine's message names the document it refuses ("documents[0]: ..."):
-            # that is the field, and the message keeps only the rest.
+            # The engine's message names the piece it refuses ("documents[0]: ...",
+            # "question: ..."): the field it came from is the param, and the message keeps
+            # only the rest.
             param, _, rest = str(error).partition(": ")
-            if param.startswith("documents") and rest:
-                raise BadRequest(param, rest) from None
+            fields = {"system": rag.system_field, "question": rag.question_field}
+            if (param.startswith("documents") or param in fields) and rest:
+                raise BadRequest(fields.get(param, param), rest) from None
             raise BadRequest(field, str(error)) from None
         max_tokens = rag.max_tokens or self.settings.default_max_tokens
         if prompt.num_tokens >= context:
@@ -532,7 +534,10 @@ class Server:
             self.worker.cancel(job)
 
     async def _events(self, job: Job):
-        """The job's events until Finished; TimeoutError past the deadline."""
+        """The job's events until Finished, or until the route marked its answer stopped (a
+        stop sequence reached): that answer stands, whatever the compute thread reports
+        for the tokens it decoded past it (an error, a deadline passed). TimeoutError past
+        the deadline."""
         while True:
             remaining = job.deadline - time.perf_counter()
             async with asyncio.timeout(max(remaining, 0) + 1.0):
@@ -545,7 +550,7 @@ class Server:
             if isinstance(event, PrefillDone):
                 self.metrics.ttft.labels(event.mode).observe(event.ttft_s)
             yield event
-            if isinstance(event, Finished):
+            if isinstance(event, Finished) or job.stopped.is_set():
                 return
 
     async def _whole(self, job: Job, rag: RagRequest, writer: ResponseWriter):
@@ -564,12 +569,13 @@ class Server:
         except TimeoutError:
             finished = Finished("timeout")
         text.end()
+        num_tokens = _num_completion_tokens(text, finished)
         if text.stopped:
             finished = Finished("stop")
         if finished.reason in ("timeout", "cancelled"):
             raise _timeout_error(self.settings.request_timeout)
-        self._count_completion_tokens(prefill, text)
-        body = writer.whole(text.text, finished.reason, usage(prefill, len(text.token_ids)))
+        self._count_completion_tokens(prefill, num_tokens)
+        body = writer.whole(text.text, finished.reason, usage(prefill, num_tokens))
         return "ok", web.json_response(body)
 
     async def _stream(self, request: web.Request, job: Job, rag: RagRequest, writer):
@@ -601,7 +607,7 @@ class Server:
             await _by_deadline(job, response.write(sse(data)))
 
         text = IncrementalText(self.engine.tokenizer.decode, rag.stop)
-        prefill, finish, is_first = None, "stop", True
+        prefill, finished, is_first = None, None, True
         try:
             async for event in self._events(job):
                 if isinstance(event, PrefillDone):
@@ -612,18 +618,16 @@ class Server:
                         is_first = False
                     if text.stopped:
                         job.stopped.set()
-                elif text.stopped:
-                    finish = "stop"
-                elif isinstance(event, Finished) and event.reason in ("timeout", "cancelled"):
+                elif event.reason in ("timeout", "cancelled"):
                     raise TimeoutError
-                elif isinstance(event, Finished):
-                    finish = event.reason
+                else:
+                    finished = event
             rest = text.rest()
-            if text.stopped:
-                finish = "stop"
+            finish = "stop" if text.stopped else finished.reason
             await send(writer.chunk(rest, finish, first=is_first))
             if rag.include_usage:
-                await send(writer.usage_chunk(usage(prefill, len(text.token_ids))))
+                num_tokens = _num_completion_tokens(text, finished)
+                await send(writer.usage_chunk(usage(prefill, num_tokens)))
         except TimeoutError:
             await send(_timeout_error(self.settings.request_timeout).body)
             return "timeout"
@@ -631,15 +635,25 @@ class Server:
             await send(error.body)
             return _outcome_of(error.status)
         finally:
-            self._count_completion_tokens(prefill, text)
+            self._count_completion_tokens(prefill, _num_completion_tokens(text, finished))
         return "ok"
 
-    def _count_completion_tokens(self, prefill: PrefillDone | None, text: IncrementalText) -> None:
-        """Count the tokens of an answer's text (its `usage.completion_tokens`) as it ends:
-        the compute thread may have decoded more past a stop sequence, before the answer's
-        `stopped` reached it."""
+    def _count_completion_tokens(self, prefill: PrefillDone | None, num_tokens: int) -> None:
+        """Count an answer's `usage.completion_tokens` as it ends: the compute thread may
+        have decoded more past a stop sequence, before the answer's `stopped` reached it."""
         if prefill is not None:
-            self.metrics.completion_tokens.labels(prefill.mode).inc(len(text.token_ids))
+            self.metrics.completion_tokens.labels(prefill.mode).inc(num_tokens)
+
+
+def _num_completion_tokens(text: IncrementalText, finished: Finished | None) -> int:
+    """The answer's tokens (`usage.completion_tokens`), counted as vLLM counts them: an
+    answer that ended at the end-of-sequence token counts that token too (vLLM's output
+    token ids hold it), one cut at a stop sequence ends with the token that completed it.
+    The compute thread's "stop" is the end-of-sequence token unless the route saw a stop
+    sequence (the thread's `stopped`); `finished` None: no end reported (a stop sequence,
+    or the answer cut short)."""
+    at_eos = finished is not None and finished.reason == "stop" and not text.stopped
+    return len(text.token_ids) + at_eos
 
 
 class ClientStalled(Exception):

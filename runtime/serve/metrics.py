@@ -4,8 +4,9 @@ One registry per server, so two servers in one process (tests) never share serie
 Labels: `mode` is the engine mode a request ran in (`full`, `prefix`, `hole`); `outcome` is
 `ok`, `bad_request`, `rejected` (queue full or draining), `timeout`, `cancelled` (the client
 went away) or `error`. The prompt-side token counters and `holeblend_kv_deviation` count
-completed prefills only; `holeblend_completion_tokens` counts the tokens of the answers'
-text as the routes end them (`usage.completion_tokens`), not the tokens decoded.
+completed prefills only; `holeblend_completion_tokens` counts the tokens of the answers as
+the routes end them (`usage.completion_tokens`, the end-of-sequence token an answer ended
+at included, as vLLM counts it), not the tokens decoded past a stop sequence.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class ServeMetrics:
             "recomputed", "Tokens computed in every layer (the recompute set).", registry
         )
         self.completion_tokens = _tokens(
-            "completion", "Tokens of the answers' text (usage.completion_tokens).", registry
+            "completion", "Tokens of the answers (usage.completion_tokens).", registry
         )
         self.ttft = Histogram(
             "holeblend_ttft_seconds", "Arrival to the first token's logits, queue wait included.",

@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 CONTROL_TOKEN = re.compile(r"<\|[^<>|\s]{1,64}\|>")
@@ -68,6 +68,10 @@ class RagRequest:
     ignore_eos: bool = False
     # The field `max_tokens` came from, for the errors that name it.
     max_tokens_field: str = "max_tokens"
+    # The fields the question and the system prompt came from (`messages[1].content`), for
+    # the errors the prompt's build names them in.
+    question_field: str = "prompt"
+    system_field: str = "system"
 
 
 def parse_completion(body: Any, separator: str, is_control_token: Callable[[str], bool]):
@@ -397,11 +401,14 @@ def _documents(value: Any) -> tuple[str, ...]:
 def _split(text: str, separator: str, name: str, has_system: bool):
     """LMCache's shape: `[system SEP] doc SEP ... SEP question`. After a system message the
     text may open with the separator (`SEP doc ... SEP question`): what the chat template
-    writes for it is the prompt holeblend-serve builds, so vLLM's split finds its segments."""
-    pieces = [piece.strip() for piece in text.split(separator)]
+    writes for it is the prompt holeblend-serve builds, so vLLM's split finds its segments.
+    The system prompt is kept as written, as the structured shape's `system` (and a system
+    message) is, so both shapes build the same prompt; text of whitespace only is none."""
+    written = text.split(separator)
+    pieces = [piece.strip() for piece in written]
     system = ""
     if len(pieces) > 1 and (not has_system or not pieces[0]):
-        system = pieces.pop(0)
+        system = written[0] if pieces.pop(0) else ""
     question = pieces.pop()
     for i, piece in enumerate(pieces):
         if not piece:
@@ -426,7 +433,7 @@ def _checked(
         for match in CONTROL_TOKEN.finditer(text):
             if is_control_token(match.group()):
                 raise BadRequest(field, f"contains the control token {match.group()!r}; remove it")
-    return request
+    return replace(request, question_field=name, system_field=system_name)
 
 
 def _unicode(text: str, name: str) -> None:
