@@ -1,6 +1,6 @@
 """`holeblend-lookup`: serve one BlendDeployment's segment index, or benchmark it.
 
-    holeblend-lookup --host 0.0.0.0 --port 8100 [--max-entries N] [--max-bytes N] ...
+    holeblend-lookup --host :: --port 8100 [--max-entries N] [--max-bytes N] ...
     holeblend-lookup bench --json out/lookup-bench.json
 
 Every serve flag can also be set as `HOLEBLEND_LOOKUP_<FLAG>` (e.g. HOLEBLEND_LOOKUP_PORT).
@@ -93,7 +93,7 @@ def serve_parser() -> argparse.ArgumentParser:
     )
     defaults_index, defaults_limits, defaults = IndexLimits(), Limits(), ServerConfig()
     for flag, kind, default, help_text in (
-        ("host", str, "127.0.0.1", "address to listen on"),
+        ("host", str, "127.0.0.1", "address to listen on (:: every address, IPv6 and IPv4)"),
         ("port", _PORT, 8100, "port of the API, /metrics, /healthz and /ready"),
         (
             "max-entries",

@@ -15,9 +15,10 @@
      replies is dropped after `write_timeout_s` (one `call_later` timer per connection);
    - request bytes buffered across all connections stay within `max_buffer_bytes`: a
      request's announced body is reserved when its head arrives, and one that does not
-     fit is answered 503 and its connection closed. Large bodies and replies left unread
-     may use only seven eighths of it, so lookups and heartbeats always find room; a
-     connection whose unread replies do not fit there is aborted;
+     fit is answered 503 and its connection closed. Large bodies, requests still waiting
+     for their bytes and replies left unread may use only seven eighths of it, so lookups
+     and heartbeats, which arrive whole, always find room; a connection whose unread
+     replies do not fit there is aborted;
    - one connection gets at most `requests_per_turn` answers per event-loop turn, and
      none while its replies pile up unread (asyncio write flow control), so a client
      pipelining thousands of requests cannot delay the others' lookups;
@@ -44,6 +45,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
+from holeblend_contract.dual_stack import EVERY_ADDRESS, every_address_socket
 from holeblend_runtime.lookup_server import wire
 from holeblend_runtime.lookup_server.calibration import CalibrationLimits, CalibrationPairs
 from holeblend_runtime.lookup_server.index import IndexLimits, SegmentIndex
@@ -83,7 +85,7 @@ _REASONS = {
 
 @dataclass(frozen=True)
 class ServerConfig:
-    # Address to listen on.
+    # Address to listen on; "::" is every address, IPv6 and IPv4 (`every_address_socket`).
     host: str = "127.0.0.1"
     # Port to listen on (0: any free port, see `LookupServer.port`).
     port: int = 8100
@@ -183,9 +185,14 @@ class LookupServer:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            lambda: _Connection(self, loop), self.config.host, self.config.port, reuse_address=True
-        )
+        host, port = self.config.host, self.config.port
+        if host == EVERY_ADDRESS:
+            sock = every_address_socket(port)
+            self._server = await loop.create_server(lambda: _Connection(self, loop), sock=sock)
+        else:
+            self._server = await loop.create_server(
+                lambda: _Connection(self, loop), host, port, reuse_address=True
+            )
         self._sweeper = asyncio.create_task(self._sweep_silent_pods())
         log.info("lookup server listening on %s:%d", self.config.host, self.port)
 
@@ -472,6 +479,12 @@ class _Connection(asyncio.Protocol):
         if self.saw_eof:
             self._close()  # the client is done sending and no complete request is left
             return
+        if self.charged and self.server.buffered_bytes > self.config.large_body_budget:
+            # Waiting for the rest of a request, this connection would hold part of the
+            # budget's last eighth: that is room for requests that arrive whole.
+            in_use = self.server.buffered_bytes - self.charged
+            self._refuse_over_budget(self.charged, in_use, self.config.large_body_budget)
+            return
         if self.reading_paused and not self.writing_paused:
             self.reading_paused = False
             self.transport.resume_reading()  # type: ignore[union-attr]
@@ -596,18 +609,22 @@ class _Connection(asyncio.Protocol):
             server.buffered_bytes = in_use + needed
             self.charged = needed
             return True
+        self._refuse_over_budget(needed, in_use, budget)
+        return False
+
+    def _refuse_over_budget(self, needed: int, in_use: int, budget: int) -> None:
         limit = self.config.max_buffer_bytes
+        share = "" if budget == limit else f", and unfinished requests may hold only {budget}"
         self._fail(
             _HttpError(
                 503,
                 f"server busy: this request needs {needed} bytes of buffer and {in_use} of the "
-                f"server's {limit}-byte request memory budget (--max-buffer-bytes) are in use; "
-                "retry shortly",
+                f"server's {limit}-byte request memory budget (--max-buffer-bytes) are in "
+                f"use{share}; retry shortly",
                 code="memory_budget",
             ),
             "Retry-After: 1\r\n",
         )
-        return False
 
     def _set_charge(self, num_bytes: int) -> None:
         self.server.buffered_bytes += num_bytes - self.charged
@@ -814,7 +831,14 @@ def run(config: ServerConfig) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, server.drain)  # Linux pods: always available
     try:
-        loop.run_until_complete(server.start())
+        try:
+            loop.run_until_complete(server.start())
+        except OSError as error:  # the port is taken, or the host no address of this machine
+            raise SystemExit(
+                f"holeblend-lookup: cannot listen on --host {config.host} --port {config.port}: "
+                f"{error}; choose a free --port, and a --host this machine has (:: or 0.0.0.0 "
+                "for every address)"
+            ) from None
         print(f"holeblend-lookup: serving on {config.host}:{server.port}", flush=True)
         loop.run_until_complete(server.serve_forever())
     finally:
