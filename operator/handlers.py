@@ -799,7 +799,9 @@ class Operator:
             if effective_recompute_ratio(bd) == rendered.ratio:
                 rendered.raw_ratio = raw_ratio
                 return rendered
-        bd, children = reconcile.prepare(owner, self.settings.host_path_prefixes)
+        bd, children = reconcile.prepare(
+            owner, self.settings.host_path_prefixes, self.settings.pod_listen_address
+        )
         rendered = Rendered.of(inputs, raw_ratio, effective_recompute_ratio(bd), children)
         self._rendered[key] = rendered
         return rendered

@@ -1,14 +1,14 @@
 """Liveness on /healthz and the operator's Prometheus metrics on /metrics."""
 
 import asyncio
-import errno
 import logging
-import socket
 import time
 import weakref
 
 import aiohttp.web
 import prometheus_client
+
+from holeblend_contract.dual_stack import every_address_socket
 
 # kopf's names for its watch-stream tasks, one per resource and namespace.
 WATCHER_TASK_PREFIXES = ("watcher for ", "peering observer for ")
@@ -52,37 +52,6 @@ class CertificateFailures(logging.Handler):
         if self._last is None or now - self._last > CERTIFICATE_QUIET_S:
             return 0.0
         return now - self._first
-
-
-def every_address_socket(port: int) -> socket.socket:
-    """A socket bound to `port` on every address of the node: one dual-stack IPv6 socket,
-    which takes IPv4 connections too, or an IPv4 one where the node has no IPv6. The kubelet
-    probes a pod, and Prometheus scrapes it, on the pod's address: an IPv6 one alone in an
-    IPv6-only cluster, which a socket on 0.0.0.0 never answers. (asyncio binds "::" for
-    IPv6 only, and None as two sockets, each with its own port when `port` is 0.)"""
-    try:
-        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
-    except OSError:  # a kernel without IPv6
-        return _bound(socket.socket(socket.AF_INET, socket.SOCK_STREAM), "0.0.0.0", port)
-    try:
-        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        return _bound(sock, "::", port)
-    except OSError as exc:
-        sock.close()
-        if exc.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
-            raise  # e.g. the port is taken: say so, rather than listen on IPv4 alone
-        return _bound(socket.socket(socket.AF_INET, socket.SOCK_STREAM), "0.0.0.0", port)
-
-
-def _bound(sock: socket.socket, host: str, port: int) -> socket.socket:
-    """`sock` bound to (host, port), as asyncio binds its servers' sockets; closed if not."""
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 class HealthServer:

@@ -26,6 +26,7 @@ from holeblend_operator.host_paths import DEFAULT_HOST_PATH_PREFIXES, validation
 from holeblend_operator.quantity import quantity_value
 from holeblend_operator.render import engine_name, lookup_name, render_children, selector_string
 from holeblend_operator.render.labels import MANAGED_BY, instance_label
+from holeblend_operator.settings import DEFAULT_POD_LISTEN_ADDRESS
 from holeblend_operator.status import (
     Observed,
     Problem,
@@ -84,11 +85,14 @@ def parse(
 
 
 def prepare(
-    body: dict, host_path_prefixes: tuple[str, ...] = DEFAULT_HOST_PATH_PREFIXES
+    body: dict,
+    host_path_prefixes: tuple[str, ...] = DEFAULT_HOST_PATH_PREFIXES,
+    pod_listen_address: str = DEFAULT_POD_LISTEN_ADDRESS,
 ) -> tuple[BlendDeployment, list[dict]]:
-    """The validated spec and the desired children (InvalidSpec if the spec is invalid)."""
+    """The validated spec and the desired children (InvalidSpec if the spec is invalid), whose
+    servers listen on `pod_listen_address` (the operator's --pod-listen-address)."""
     bd = parse(body, host_path_prefixes)
-    return bd, desired_children(bd, body)
+    return bd, desired_children(bd, body, pod_listen_address)
 
 
 async def reconcile(
@@ -131,8 +135,10 @@ async def refresh(
     return is_ready(bd, observed)
 
 
-def desired_children(bd: BlendDeployment, body: dict) -> list[dict]:
-    children = render_children(bd)
+def desired_children(
+    bd: BlendDeployment, body: dict, pod_listen_address: str = DEFAULT_POD_LISTEN_ADDRESS
+) -> list[dict]:
+    children = render_children(bd, pod_listen_address)
     kopf.adopt(children, owner=body)
     for child in children:
         applied = _canonical(child)

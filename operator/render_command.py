@@ -13,6 +13,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
+from holeblend_operator import settings
 from holeblend_operator.api import (
     API_VERSION,
     KIND,
@@ -51,12 +52,22 @@ def add_parser(subparsers) -> None:
         "-f", "--filename", required=True, help="BlendDeployment manifest ('-' for stdin)"
     )
     parser.add_argument("-o", "--output", choices=("yaml", "json"), default="yaml")
+    parser.add_argument(
+        "--pod-listen-address",
+        choices=settings.POD_LISTEN_ADDRESSES,
+        default=settings.DEFAULT_POD_LISTEN_ADDRESS,
+        help="where the pods listen, as the operator's own flag of that name",
+    )
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        children = [child for bd in load_manifests(args.filename) for child in render_children(bd)]
+        children = [
+            child
+            for bd in load_manifests(args.filename)
+            for child in render_children(bd, args.pod_listen_address)
+        ]
     except ManifestError as exc:
         print(f"holeblend-operator render: {exc}", file=sys.stderr)
         return 1

@@ -52,7 +52,7 @@ _NO_HYBRID_KV = (
 # flag -> the spec field to use instead (or why nothing may set it)
 RESERVED_FLAGS = {
     # Set by the operator on vLLM (render/engine.py) and on holeblend-serve (render/serve.py).
-    "--host": "nothing: the engine listens on all addresses of its pod",
+    "--host": "nothing: the engine listens where the operator's --pod-listen-address says",
     "--port": "engine.port",
     "--config": (
         "nothing: the operator mounts the blend settings file for holeblend-serve, and a vLLM "
@@ -99,7 +99,7 @@ RESERVED_ENV = {
     PASSWORD_ENV: "blend.kv.sharedPasswordSecret",
     # holeblend-serve reads these only when the flag is absent, and the operator passes it.
     "HOLEBLEND_SERVE_CONFIG": "blend (the operator passes --config to holeblend-serve)",
-    "HOLEBLEND_SERVE_HOST": "nothing: the engine listens on all addresses of its pod",
+    "HOLEBLEND_SERVE_HOST": "nothing: the engine listens where the operator's --pod-listen-address says",
     "HOLEBLEND_SERVE_PORT": "engine.port",
     "ASCEND_RT_VISIBLE_DEVICES": "accelerator.count",
     "ASCEND_VISIBLE_DEVICES": "accelerator.count",

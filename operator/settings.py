@@ -9,6 +9,12 @@ from collections.abc import Mapping
 from holeblend_operator.host_paths import DEFAULT_HOST_PATH_PREFIXES
 
 ENV_PREFIX = "HOLEBLEND_OPERATOR_"
+# Where the pods the operator runs (engines, lookup servers) listen: every IPv4 address. "::"
+# (every address, IPv6 and IPv4) is for IPv6-only and dual-stack clusters; not the default,
+# as vLLM cannot start on "::" on a node whose kernel has IPv6 turned off.
+DEFAULT_POD_LISTEN_ADDRESS = "0.0.0.0"
+# What --pod-listen-address takes: every IPv4 address, or every address (IPv6 and IPv4).
+POD_LISTEN_ADDRESSES = (DEFAULT_POD_LISTEN_ADDRESS, "::")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +37,7 @@ class OperatorSettings:
     log_level: str = "info"  # debug, info, warning
     # node directories BlendDeployments may mount (hostPath); see holeblend_operator.host_paths
     host_path_prefixes: tuple[str, ...] = DEFAULT_HOST_PATH_PREFIXES
+    pod_listen_address: str = DEFAULT_POD_LISTEN_ADDRESS  # "0.0.0.0", or "::" (IPv6 and IPv4)
 
     def __post_init__(self) -> None:
         for field in (
@@ -61,6 +68,12 @@ class OperatorSettings:
                 )
         if self.log_level not in ("debug", "info", "warning"):
             raise ValueError(f"log_level must be debug, info or warning, got {self.log_level!r}")
+        if self.pod_listen_address not in POD_LISTEN_ADDRESSES:
+            raise ValueError(
+                "pod_listen_address (--pod-listen-address) must be 0.0.0.0 (every IPv4 "
+                "address) or :: (every address, IPv6 and IPv4): one address for every pod "
+                f"would be no pod's own; got {self.pod_listen_address!r}"
+            )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

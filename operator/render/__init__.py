@@ -26,6 +26,7 @@ from holeblend_operator.render.runtime_config import (
 )
 from holeblend_operator.render.service import engine_service, lookup_service
 from holeblend_operator.render.service_monitor import service_monitor
+from holeblend_operator.settings import DEFAULT_POD_LISTEN_ADDRESS
 
 __all__ = [
     "CONFIG_HASH_ANNOTATION",
@@ -46,12 +47,16 @@ __all__ = [
 ]
 
 
-def render_children(bd: BlendDeployment) -> list[dict]:
-    """Every child of `bd` in a stable order; optional children only when enabled."""
+def render_children(
+    bd: BlendDeployment, pod_listen_address: str = DEFAULT_POD_LISTEN_ADDRESS
+) -> list[dict]:
+    """Every child of `bd` in a stable order; optional children only when enabled. The
+    engine and lookup servers listen on `pod_listen_address` (the operator's setting)."""
     spec = bd.spec
-    children = [engine_deployment(bd), engine_service(bd), runtime_configmap(bd)]
+    engine = engine_deployment(bd, pod_listen_address)
+    children = [engine, engine_service(bd), runtime_configmap(bd)]
     if spec.lookup_server.enabled:
-        children += [lookup_deployment(bd), lookup_service(bd)]
+        children += [lookup_deployment(bd, pod_listen_address), lookup_service(bd)]
     if spec.disruption_budget.enabled:
         children.append(engine_disruption_budget(bd))
     if spec.monitoring.service_monitor.enabled:

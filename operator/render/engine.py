@@ -26,6 +26,7 @@ from holeblend_operator.render.runtime_config import (
     scores_quality_proxies,
 )
 from holeblend_operator.render.shared_tier import shared_tier_env
+from holeblend_operator.settings import DEFAULT_POD_LISTEN_ADDRESS
 
 MODEL_DIR = "/models"
 # vLLM pods' own KV tier (the connector's directory, one file per segment): a memory-backed
@@ -43,6 +44,8 @@ CONNECTOR_CLASS = "HoleBlendConnector"
 CONNECTOR_MODULE = "holeblend_runtime.vllm_connector"
 # The connector exports its holeblend_* series on this env's port (vLLM owns /metrics).
 METRICS_PORT_ENV = "HOLEBLEND_METRICS_PORT"
+# Where the connector's metrics listen (the engine's --host); absent: 0.0.0.0.
+METRICS_HOST_ENV = "HOLEBLEND_METRICS_HOST"
 # The old opt-in to the vLLM pods' quality proxies in engine.env (spec.tuning.qualityProxies
 # replaces it); still honoured: its value becomes blend.json's engineUrl.
 ENGINE_URL_ENV = LEGACY_ENGINE_URL_ENV
@@ -143,11 +146,11 @@ def blend_flags(bd: BlendDeployment) -> list[str]:
     return flags if block_size is None else [*flags, "--block-size", str(block_size)]
 
 
-def vllm_args(bd: BlendDeployment) -> list[str]:
+def vllm_args(bd: BlendDeployment, listen_address: str = DEFAULT_POD_LISTEN_ADDRESS) -> list[str]:
     model, engine = bd.spec.model, bd.spec.engine
     args = ["serve", model_argument(model.source)]
     args += ["--served-model-name", model.served_name or model.name]
-    args += ["--host", "0.0.0.0", "--port", str(engine.port)]
+    args += ["--host", listen_address, "--port", str(engine.port)]
     args += ["--dtype", str(model.dtype)]
     args += ["--tensor-parallel-size", str(engine.tensor_parallel_size)]
     if model.max_model_len is not None:
@@ -168,15 +171,16 @@ def priority_flags(bd: BlendDeployment) -> list[str]:
     return [*PRIORITY_FLAGS, SCHEDULER_FLAG, contract.SHADOW_SCHEDULER_CLS]
 
 
-def engine_env(bd: BlendDeployment) -> list[dict]:
-    """Our variables first, then the user's; a user variable replaces ours of the same name."""
+def engine_env(bd: BlendDeployment, listen_address: str = "0.0.0.0") -> list[dict]:
+    """Our variables first, then the user's; a user variable replaces ours of the same name.
+    The connector's metrics listen where the engine does (`listen_address`; the variable is
+    left out at the default, 0.0.0.0, the connector's own)."""
+    metrics = [EnvVar(name=METRICS_PORT_ENV, value=str(bd.spec.engine.metrics_port))]
+    if listen_address != "0.0.0.0":
+        metrics.append(EnvVar(name=METRICS_HOST_ENV, value=listen_address))
     ours = [
         EnvVar(name="HOLEBLEND_CONFIG", value=CONFIG_PATH),
-        *(
-            [EnvVar(name=METRICS_PORT_ENV, value=str(bd.spec.engine.metrics_port))]
-            if exports_connector_metrics(bd)
-            else []
-        ),
+        *(metrics if exports_connector_metrics(bd) else []),
         *accel.accelerator_env(bd),
         *accel.scratch_env(bd.spec.accelerator),
     ]
@@ -220,15 +224,15 @@ def probes() -> dict:
     }
 
 
-def engine_container(bd: BlendDeployment) -> dict:
+def engine_container(bd: BlendDeployment, listen_address: str) -> dict:
     engine, accelerator = bd.spec.engine, bd.spec.accelerator
     container = {
         "name": "engine",
         "image": engine_image(engine.image, accelerator.type),
         "imagePullPolicy": engine.image_pull_policy,
         "command": ["vllm"],
-        "args": vllm_args(bd),
-        "env": engine_env(bd),
+        "args": vllm_args(bd, listen_address),
+        "env": engine_env(bd, listen_address),
         "ports": container_ports(bd),
         "resources": accel.container_resources(bd),
         "volumeMounts": engine_volume_mounts(bd),
@@ -237,7 +241,7 @@ def engine_container(bd: BlendDeployment) -> dict:
     }
     container |= probes()
     if serve.runs_holeblend_serve(bd):
-        container |= serve.serve_container_fields(bd)
+        container |= serve.serve_container_fields(bd, listen_address)
     return container
 
 
@@ -287,9 +291,9 @@ def engine_volumes(bd: BlendDeployment) -> list[dict]:
     ]
 
 
-def pod_spec(bd: BlendDeployment) -> dict:
+def pod_spec(bd: BlendDeployment, listen_address: str) -> dict:
     spec = {
-        "containers": [engine_container(bd)],
+        "containers": [engine_container(bd, listen_address)],
         "volumes": engine_volumes(bd),
         **POD_HARDENING,
         "securityContext": accel.pod_security(bd.spec.accelerator),
@@ -334,7 +338,11 @@ def pod_template_metadata(bd: BlendDeployment) -> dict:
     }
 
 
-def engine_deployment(bd: BlendDeployment) -> dict:
+def engine_deployment(
+    bd: BlendDeployment, listen_address: str = DEFAULT_POD_LISTEN_ADDRESS
+) -> dict:
+    """`listen_address`: where the engine's server listens (the operator's
+    --pod-listen-address): vLLM's or holeblend-serve's --host."""
     name = engine_name(bd.metadata.name)
     template_meta = pod_template_metadata(bd)
     return {
@@ -346,6 +354,6 @@ def engine_deployment(bd: BlendDeployment) -> dict:
             "selector": {"matchLabels": engine_selector(bd)},
             "strategy": rollout_strategy(bd),
             "progressDeadlineSeconds": progress_deadline_seconds(),
-            "template": {"metadata": template_meta, "spec": pod_spec(bd)},
+            "template": {"metadata": template_meta, "spec": pod_spec(bd, listen_address)},
         },
     }

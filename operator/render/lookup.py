@@ -16,6 +16,7 @@ from holeblend_operator.render.pods import (
     health_probe,
     resources,
 )
+from holeblend_operator.settings import DEFAULT_POD_LISTEN_ADDRESS
 
 # The runtime module that serves the index; the contract with holeblend_runtime.
 LOOKUP_SERVER_MODULE = "holeblend_runtime.lookup_server"
@@ -24,13 +25,13 @@ HEALTH_PATH = "/healthz"
 READY_PATH = "/ready"
 
 
-def lookup_container(bd: BlendDeployment) -> dict:
+def lookup_container(bd: BlendDeployment, listen_address: str = DEFAULT_POD_LISTEN_ADDRESS) -> dict:
     server = bd.spec.lookup_server
     container = {
         "name": "lookup-server",
         "image": lookup_image(server.image),
         "command": ["python", "-m", LOOKUP_SERVER_MODULE],
-        "args": ["--host", "0.0.0.0", "--port", str(server.port)],
+        "args": ["--host", listen_address, "--port", str(server.port)],
         "ports": [{"name": "http", "containerPort": server.port, "protocol": "TCP"}],
         "readinessProbe": health_probe(READY_PATH, periodSeconds=2, failureThreshold=2),
         "livenessProbe": health_probe(
@@ -41,10 +42,13 @@ def lookup_container(bd: BlendDeployment) -> dict:
     return container | {"resources": resources(server.resources.requests, server.resources.limits)}
 
 
-def lookup_deployment(bd: BlendDeployment) -> dict:
+def lookup_deployment(
+    bd: BlendDeployment, listen_address: str = DEFAULT_POD_LISTEN_ADDRESS
+) -> dict:
+    """`listen_address`: where the server listens (the operator's --pod-listen-address)."""
     name = lookup_name(bd.metadata.name)
     pod_spec = {
-        "containers": [lookup_container(bd)],
+        "containers": [lookup_container(bd, listen_address)],
         **POD_HARDENING,
         "securityContext": dict(RESTRICTED_POD_SECURITY),
     }

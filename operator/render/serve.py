@@ -1,7 +1,8 @@
 """CPU engine pods: `holeblend-serve` (the blend engine) instead of vLLM.
 
 On `accelerator.type: cpu` the engine container runs
-`holeblend-serve --config /etc/holeblend/blend.json --host 0.0.0.0 --port <engine.port>`,
+`holeblend-serve --config /etc/holeblend/blend.json --host <listen address> --port <engine.port>`
+(the operator's --pod-listen-address, 0.0.0.0 unless set),
 followed by `engine.extraArgs` (holeblend-serve flags such as `--queue-size 16`). It reads
 the same mounted blend.json as the vLLM connector and re-reads its live keys. Probes:
 startup and readiness on `/ready` (the model is loaded and warmed up; 503 while draining
@@ -16,6 +17,7 @@ from holeblend_contract.blend_settings import CONFIG_PATH
 from holeblend_contract.serve_settings import DRAIN_TIMEOUT_S, SHUTDOWN_TIMEOUT_S, env_name
 from holeblend_operator.api import AcceleratorType, BlendDeployment
 from holeblend_operator.render.pods import health_probe
+from holeblend_operator.settings import DEFAULT_POD_LISTEN_ADDRESS
 
 SERVE_COMMAND = "holeblend-serve"
 READY_PATH = "/ready"
@@ -60,8 +62,8 @@ def seconds_setting(bd: BlendDeployment, flag: str, default: float) -> float:
     return seconds if 0 < seconds < math.inf else default
 
 
-def serve_args(bd: BlendDeployment) -> list[str]:
-    args = ["--config", CONFIG_PATH, "--host", "0.0.0.0", "--port", str(bd.spec.engine.port)]
+def serve_args(bd: BlendDeployment, listen_address: str = DEFAULT_POD_LISTEN_ADDRESS) -> list[str]:
+    args = ["--config", CONFIG_PATH, "--host", listen_address, "--port", str(bd.spec.engine.port)]
     return [*args, *bd.spec.engine.extra_args]
 
 
@@ -77,6 +79,9 @@ def serve_probes() -> dict:
     }
 
 
-def serve_container_fields(bd: BlendDeployment) -> dict:
+def serve_container_fields(
+    bd: BlendDeployment, listen_address: str = DEFAULT_POD_LISTEN_ADDRESS
+) -> dict:
     """What replaces vLLM's command, args and probes in a CPU engine container."""
-    return {"command": [SERVE_COMMAND], "args": serve_args(bd), **serve_probes()}
+    args = serve_args(bd, listen_address)
+    return {"command": [SERVE_COMMAND], "args": args, **serve_probes()}

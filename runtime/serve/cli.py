@@ -1,12 +1,14 @@
 """`holeblend-serve --config FILE --host H --port P` (flags also from HOLEBLEND_SERVE_*).
 
-Exit status: 0 after a graceful shutdown (SIGTERM/SIGINT), 2 for bad flags or an unusable
-blend.json at start (the message names the key), 1 when the model cannot be loaded.
+Exit status: 0 after a graceful shutdown (SIGTERM/SIGINT), 2 for bad flags (an address or
+port it cannot listen on included) or an unusable blend.json at start (the message names the
+key), 1 when the model cannot be loaded.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
 import sys
@@ -16,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from aiohttp import web
 
 from holeblend_contract.blend_settings import BlendSettingsError
+from holeblend_contract.dual_stack import EVERY_ADDRESS, every_address_socket
 from holeblend_runtime.kv.tiers import TieredKVStore
 from holeblend_runtime.serve.app import Server
 from holeblend_runtime.serve.settings import ServeSettings, parse_settings
@@ -53,8 +56,13 @@ async def serve(server: Server, settings: ServeSettings) -> int:
         lingering_time=min(settings.body_timeout, 2.0),
     )
     await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port)
-    await site.start()
+    try:
+        await listening_site(runner, settings.host, settings.port).start()
+    except OSError as error:
+        await runner.cleanup()
+        server.close()
+        print(f"holeblend-serve: {listen_error(error, settings)}", file=sys.stderr)
+        return 2
     # The bound addresses (port 0 asks the system for a free one).
     bound = [address[:2] for address in runner.addresses]
     where = ", ".join(f"{host}:{port}" for host, port in bound)
@@ -71,6 +79,26 @@ async def serve(server: Server, settings: ServeSettings) -> int:
     _stop_threads(server)
     log.info("stopped")
     return status
+
+
+def listening_site(runner: web.AppRunner, host: str, port: int) -> web.BaseSite:
+    """Where the server listens: `host` "::" is every address, IPv6 and IPv4, on one
+    dual-stack socket (aiohttp would bind it for IPv6 alone); any other host as given."""
+    if host == EVERY_ADDRESS:
+        return web.SockSite(runner, every_address_socket(port))
+    return web.TCPSite(runner, host, port)
+
+
+def listen_error(error: OSError, settings: ServeSettings) -> str:
+    """Why the server cannot listen, naming the flag to change."""
+    reason = error.strerror or error
+    where = f"{settings.host}:{settings.port}"
+    if error.errno in (errno.EADDRINUSE, errno.EACCES):  # taken, or below 1024 without root
+        return f"--port: cannot listen on {where} ({reason}); stop what holds it or pick another"
+    return (
+        f"--host: cannot listen on {where} ({reason}); give an address of this machine, or "
+        ":: or 0.0.0.0 for every address"
+    )
 
 
 def _log_watcher_end(watcher: asyncio.Task) -> None:

@@ -24,6 +24,7 @@ from holeblend_runtime.quality.shadow import ShadowMetrics
 log = logging.getLogger(__name__)
 
 METRICS_PORT_ENV = "HOLEBLEND_METRICS_PORT"
+METRICS_HOST_ENV = "HOLEBLEND_METRICS_HOST"
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 REQUESTS = Counter("holeblend_requests", "Requests by reuse mode", ["mode"], registry=REGISTRY)
@@ -105,12 +106,14 @@ REGISTRY.register(ADMISSION)
 
 
 def serve_metrics() -> int | None:
-    """Export the registry on `$HOLEBLEND_METRICS_PORT` if set; the port or None."""
+    """Export the registry on `$HOLEBLEND_METRICS_PORT` if set, on `$HOLEBLEND_METRICS_HOST`
+    (default 0.0.0.0; the operator sets "::" with --pod-listen-address ::, one IPv6 socket
+    that takes IPv4 too where net.ipv6.bindv6only is 0, as vLLM's own); the port or None."""
     port = os.environ.get(METRICS_PORT_ENV)
     if not port:
         return None
     try:
-        start_http_server(int(port), registry=REGISTRY)
+        start_http_server(int(port), os.environ.get(METRICS_HOST_ENV, "0.0.0.0"), REGISTRY)
     except (OSError, ValueError) as error:
         log.warning("cannot export holeblend metrics on port %s: %s", port, error)
         return None
