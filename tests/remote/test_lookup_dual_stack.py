@@ -1,39 +1,25 @@
 """`--host ::` listens on every address, IPv6 and IPv4, so an IPv6-only cluster reaches the
 lookup server (on 0.0.0.0 it answered IPv4 alone, and asyncio binds "::" for IPv6 only)."""
 
-import asyncio
 import contextlib
 import errno
 import socket
 import subprocess
 import sys
-import threading
 
 import pytest
 
 from holeblend_runtime.lookup_server import processes
 from holeblend_runtime.lookup_server import server as server_module
 from holeblend_runtime.lookup_server.client import ClientConfig, LookupClient
-from holeblend_runtime.lookup_server.server import LookupServer, ServerConfig
 
-from .test_lookup_hostile import on_loop, read_until_closed, status_of
+from .test_lookup_hostile import read_until_closed, server_on_a_thread, status_of
 
 
 @contextlib.contextmanager
 def every_address_server():
-    loop = server_module.new_event_loop()
-    server = LookupServer(ServerConfig(host="::", port=0))
-    loop.run_until_complete(server.start())
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
+    with server_on_a_thread(host="::") as (server, _):
         yield server
-    finally:
-        on_loop(loop, server.stop)
-        asyncio.run_coroutine_threadsafe(server.serve_forever(), loop).result(5)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
-        loop.close()
 
 
 @pytest.mark.parametrize("address", ["::1", "127.0.0.1"])

@@ -451,12 +451,12 @@ class _FakeTransport:
 
 
 @contextlib.contextmanager
-def server_on_a_thread(**config):
+def server_on_a_thread(host: str = "127.0.0.1", **config):
     """An in-process server on an event loop of its own (uvloop, as served), so that a test
     can watch its open connections."""
     loop = server_module.new_event_loop()
     server = LookupServer(
-        ServerConfig(host="127.0.0.1", port=0, index=IndexLimits(pod_timeout_s=600), **config)
+        ServerConfig(host=host, port=0, index=IndexLimits(pod_timeout_s=600), **config)
     )
     loop.run_until_complete(server.start())
     thread = threading.Thread(target=loop.run_forever, daemon=True)
