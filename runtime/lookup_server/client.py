@@ -71,7 +71,10 @@ class LookupConnection:
         self._resolving: Future | None = None
         self._resolved: tuple | None = None
         self._is_shut_down = False
-        self._head = f"POST {wire.RPC_PATH} HTTP/1.1\r\nHost: {host}\r\nContent-Type: {wire.CONTENT_TYPE}\r\n"
+        self._head = (
+            f"POST {wire.RPC_PATH} HTTP/1.1\r\nHost: {_host_header(host, port)}\r\n"
+            f"Content-Type: {wire.CONTENT_TYPE}\r\n"
+        )
 
     def call(self, message: dict, deadline: float | None = None) -> dict:
         """The reply map; OSError on transport failures, WireError on error replies. The
@@ -188,6 +191,12 @@ def _is_stale(sock: socket.socket) -> bool:
     except OSError:
         return True
     return True
+
+
+def _host_header(host: str, port: int) -> str:
+    """The Host header's value: host and port, an IPv6 address in brackets (RFC 7230 and
+    3986: `Host: ::1` is not valid HTTP, and a proxy in front of the server may refuse it)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _is_ip_literal(host: str) -> bool:
