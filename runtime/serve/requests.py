@@ -7,9 +7,10 @@ Both endpoints give a system prompt, documents and a question, in one of two sha
   `[SEP] doc SEP ... SEP question` after a system message, or `system SEP doc ... SEP
   question` without one. Text without a separator is a question with no documents.
 - The structured extension: a top-level `documents` list of strings; the question is
-  `prompt` (completions, with an optional `system` string; `system` alone is this shape
-  with no documents) or the last user message (chat, with the system message as the
-  system prompt). `documents: null` is as absent.
+  `prompt` (completions, with an optional `system` string, none when whitespace only as
+  in LMCache's shape; `system` alone is this shape with no documents) or the last user
+  message (chat, with the system message as the system prompt). `documents: null` is as
+  absent.
 
 A chat without a system message (and, in LMCache's shape, without text before the first
 separator) has no system prompt (None): the prompt gets the one the model's chat template
@@ -81,6 +82,7 @@ def parse_completion(body: Any, separator: str, is_control_token: Callable[[str]
     # system prompt of a question without documents (never silently dropped).
     if body.get("documents") is not None or body.get("system") is not None:
         system = _string(body.get("system"), "system")
+        system = system if system.strip() else ""  # as LMCache's shape reads it
         documents, question = _documents(_or_default(body, "documents", [])), prompt
     else:
         system, documents, question = _split(prompt, separator, "prompt", has_system=False)
@@ -146,11 +148,15 @@ MAX_STOP_CHARS = 256
 
 
 def _stop(value: Any) -> tuple[str, ...]:
+    """As vLLM's server reads it: `[]` (its default) and null are no stop sequences; an
+    empty string, alone or in the list, is refused."""
     if value is None:
         return ()
     stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not 1 <= len(stops) <= MAX_STOP_SEQUENCES:
-        raise BadRequest("stop", f"must be a string or a list of 1 to {MAX_STOP_SEQUENCES} strings")
+    if not isinstance(stops, list) or len(stops) > MAX_STOP_SEQUENCES:
+        raise BadRequest(
+            "stop", f"must be a string or a list of at most {MAX_STOP_SEQUENCES} strings"
+        )
     for i, stop in enumerate(stops):
         name = "stop" if isinstance(value, str) else f"stop[{i}]"
         if not isinstance(stop, str) or not 1 <= len(stop) <= MAX_STOP_CHARS:

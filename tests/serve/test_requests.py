@@ -199,11 +199,30 @@ def test_stop_is_a_string_or_a_list_of_strings(stop, expected):
     assert completion(prompt="Q?", stop=stop).stop == expected
 
 
+@pytest.mark.parametrize("parse", [completion, chat])
+def test_an_empty_stop_list_is_no_stop_sequences_as_in_vllm(parse):
+    """`stop: []` is vLLM's default for the field, and clients that send every field send
+    it: it was a 400, so a request vLLM pods answer was refused on CPU pods."""
+    text = (
+        {"prompt": "q"} if parse is completion else {"messages": [{"role": "user", "content": "q"}]}
+    )
+    assert parse(**text, stop=[]).stop == ()
+
+
+@pytest.mark.parametrize(
+    ("stop", "param"), [("", "stop"), ([""], "stop[0]"), (["a", ""], "stop[1]")]
+)
+def test_an_empty_stop_string_is_refused_as_vllm_refuses_it(stop, param):
+    with pytest.raises(BadRequest) as caught:
+        completion(prompt="Q?", stop=stop)
+    assert caught.value.param == param
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
         ({"stop": 5}, "stop"),
-        ({"stop": []}, "stop"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"stop": ["ok", 3]}, "stop[1]"),
         ({"stop": "x" * 257}, "stop"),
         ({"temperature": "hot"}, "temperature"),
@@ -258,6 +277,16 @@ def test_a_completion_system_without_documents_is_the_system_prompt():
         (),
         "Why?",
     )
+
+
+@pytest.mark.parametrize("documents", [None, ["Doc one."]])
+def test_a_whitespace_completion_system_is_no_system_prompt_as_in_lmcache_shape(documents):
+    """`system: "  "` was kept as the system prompt, while the same text before the first
+    separator of LMCache's shape is none: the two shapes of one request built different
+    prompts (an empty system turn against one holding the spaces)."""
+    structured = completion(prompt="Why?", system="  ", documents=documents)
+    in_text = completion(prompt="  # # Doc one. # # Why?" if documents else "Why?")
+    assert structured.system == in_text.system == ""
 
 
 def test_a_lone_surrogate_is_refused_naming_the_field():
