@@ -322,6 +322,9 @@ SHADOW_CLOSE_S = 5.0
 
 
 class HoleBlendConnector(KVConnectorBase_V1):
+    # vLLM's tensor-parallel size: above 1 the workers run in processes of their own.
+    num_shards = 1
+
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
@@ -347,7 +350,7 @@ class HoleBlendConnector(KVConnectorBase_V1):
         self._scheduler: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
         # Tensor parallelism: one entry per rank of each segment (vllm_connector/store.py).
-        num_shards = vllm_config.parallel_config.tensor_parallel_size
+        num_shards = self.num_shards = vllm_config.parallel_config.tensor_parallel_size
         if role == KVConnectorRole.SCHEDULER:
             index = self.store if num_shards == 1 else AllShardsIndex(self.store, num_shards)
             self._scheduler = _SchedulerSide(vllm_config, self.settings, index, self.step_tokens)
@@ -384,7 +387,10 @@ class HoleBlendConnector(KVConnectorBase_V1):
         if isinstance(meta, HoleBlendWorkerMetadata):
             self._scheduler.record_outcomes(meta.outcomes)
             self._scheduler.record_failed_loads(meta.failed)
-        _record_stored(getattr(connector_output, "kv_connector_stats", None))
+        stats = getattr(connector_output, "kv_connector_stats", None)
+        _record_stored(stats)
+        if self.num_shards > 1:  # at 1 the worker shares this process and counts them itself
+            _record_failures(stats)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         figures = self._scheduler.finished(request.request_id, request)
@@ -942,6 +948,18 @@ def _record_stored(stats: KVConnectorStats | None) -> None:
     for name, value in (getattr(stats, "data", None) or {}).items():
         if name.startswith(STORED_STAT_PREFIX) and value:
             metrics.STORED_SEGMENTS.labels(source=name.removeprefix(STORED_STAT_PREFIX)).inc(value)
+
+
+def _record_failures(stats: KVConnectorStats | None) -> None:
+    """Count the workers' failed loads and stores (`holeblend_load_failures_total`,
+    `holeblend_store_failures_total`) on the scheduler side, from the stats vLLM sums over
+    the ranks: at tensor parallel > 1 the workers record them in their own processes, which
+    export nothing."""
+    data = getattr(stats, "data", None) or {}
+    if data.get("num_failed_loads"):
+        metrics.LOAD_FAILURES.inc(data["num_failed_loads"])
+    if data.get("num_failed_stores"):
+        metrics.STORE_FAILURES.inc(data["num_failed_stores"])
 
 
 def _count_failed_write(kv: SegmentKV) -> None:

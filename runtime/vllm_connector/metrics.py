@@ -6,15 +6,19 @@ the workers stored (from vLLM's connector stats). vLLM runs the scheduler in its
 process, so `serve_metrics` exports this registry on its own port there
 (`$HOLEBLEND_METRICS_PORT`), next to vLLM's own /metrics. What a worker records itself
 (load and store failures, the store queue, its tiers' and admission counters) is in that
-registry only at tensor parallel 1, where vLLM runs the worker in the engine-core process.
+registry only at tensor parallel 1, where vLLM runs the worker in the engine-core process;
+at tensor parallel > 1 the scheduler side counts the load and store failures from the
+connector stats, and the store queue is absent (`StoreQueue`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
 
 from holeblend_runtime.kv.admission import AdmissionMetrics
 from holeblend_runtime.kv.tiers import TierMetrics
@@ -64,12 +68,37 @@ STORED_SEGMENTS = Counter(
     ["source"],
     registry=REGISTRY,
 )
-STORE_QUEUE = Gauge(
-    "holeblend_store_queue_segments",
-    "Segments accepted for storing and not yet written (the writer thread's queue); lookups "
-    "of other processes find a segment only once it is written",
-    registry=REGISTRY,
-)
+
+
+class StoreQueue:
+    """`holeblend_store_queue_segments`, read at scrape time from the store of the worker in
+    this process (`set_function`); absent where no worker shares the process: the
+    engine-core process at tensor parallel > 1, whose workers run in processes of their
+    own, would otherwise export a 0 that reads as an empty queue."""
+
+    NAME = "holeblend_store_queue_segments"
+    HELP = (
+        "Segments accepted for storing and not yet written (the writer thread's queue); "
+        "lookups of other processes find a segment only once it is written"
+    )
+
+    def __init__(self) -> None:
+        self._num_pending: Callable[[], int] | None = None
+
+    def set_function(self, num_pending: Callable[[], int]) -> None:
+        self._num_pending = num_pending
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return [GaugeMetricFamily(self.NAME, self.HELP)]
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        if self._num_pending is None:
+            return []
+        return [GaugeMetricFamily(self.NAME, self.HELP, value=self._num_pending())]
+
+
+STORE_QUEUE = StoreQueue()
+REGISTRY.register(STORE_QUEUE)
 LOOKUP_FAILURES = Counter(
     "holeblend_lookup_failures", "Lookups that failed and ran as a full miss", registry=REGISTRY
 )

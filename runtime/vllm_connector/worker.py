@@ -226,14 +226,31 @@ class BlendWorker:
         """Compute the request's missing segments that are still not stored (a load may
         have stored them in context) in canonical context; the number stored. Segments its
         load offered the store are left out: stored, or refused by the tier's admission
-        (computing them again would be refused too)."""
+        (computing them again would be refused too), unless another tensor-parallel rank
+        lacks them."""
         keys = self.engine.segment_keys(request.prompt)
         offered = self._offered.pop(request.request_id, frozenset())
-        wanted = [i for i in request.segments if keys[i] is not None and i not in offered]
-        # Computing runs collectives under tensor parallelism: every rank computes what
-        # any rank lacks.
-        found = self._on_every_rank(self.engine.store.contains_many([keys[i] for i in wanted]))
-        missing = [i for i, is_found in zip(wanted, found, strict=True) if not is_found]
+        wanted = [i for i in request.segments if keys[i] is not None]
+        # Computing runs collectives under tensor parallelism: every rank computes what any
+        # rank lacks, so every rank agrees over the same segments (one rank's load may have
+        # offered a segment another's failed to), and a lookup that raises on one rank (an
+        # I/O error) fails the store on every rank in the same all-reduce.
+        failure: Exception | None = None
+        looked_up = [i for i in wanted if i not in offered]
+        try:
+            held = self.engine.store.contains_many([keys[i] for i in looked_up])
+        except Exception as error:  # raised after the other ranks hear of it
+            failure, held = error, [False] * len(looked_up)
+        found = {i for i, is_held in zip(looked_up, held, strict=True) if is_held} | offered
+        agreed = self._on_every_rank([failure is None, *(i in found for i in wanted)])
+        if failure is not None:
+            raise failure
+        if not agreed[0]:
+            raise RuntimeError(
+                "looking up the segments to store failed on another tensor-parallel rank; "
+                "the store fails on every rank (that rank logged why)"
+            )
+        missing = [i for i, is_found in zip(wanted, agreed[1:], strict=True) if not is_found]
         stored = self.engine.cache_segments(request.prompt, missing) if missing else 0
         self._num_stored["computed"] += stored
         return stored
