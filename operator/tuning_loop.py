@@ -1,7 +1,10 @@
 """The tuner's driver: reads the metrics, asks the control law, writes the result.
 
 Every second the loop looks for BlendDeployments (as last watched) whose tuning interval is
-up; for each one:
+up, and evaluates each in a task of its own, up to MAX_TUNING at once: an owner whose API
+requests are throttled (Retry-After) or whose Prometheus is slow holds up only itself. One
+owner's evaluations stay one at a time: the next is due only after the last has ended, so a
+namesake created after a delete is never tuned beside the old object. Each evaluation:
 
 1. Only the active replica tunes. Standalone, that is this process. With `--peering`, it
    is the live peer of highest priority in kopf's peering object, by kopf's own rule (an
@@ -75,6 +78,9 @@ LOG = logging.getLogger(__name__)
 TICK_S = 1.0
 WINDOW_INTERVALS = 10
 HISTORY_LENGTH = 20  # TuningStatus.history's bound
+# Owners evaluated at once: each holds a few API requests in flight (kube.Client allows 16
+# by default), and the reconcile needs some of them too.
+MAX_TUNING = 8
 PEERING_KINDS = {k.kind: k for k in kube.FRAMEWORK_KINDS if k.group == "kopf.dev"}
 
 
@@ -315,6 +321,8 @@ class TuningLoop:
         self._last: dict[tuple, float] = {}
         self._session: aiohttp.ClientSession | None = None
         self._scrape: ScrapeSource | None = None
+        self._running: dict[tuple, asyncio.Task] = {}  # owner -> its evaluation under way
+        self._slots = asyncio.Semaphore(MAX_TUNING)
 
     async def run(self) -> None:
         try:
@@ -322,12 +330,21 @@ class TuningLoop:
                 await asyncio.sleep(TICK_S)
                 await self.tick()
         finally:
+            running = list(self._running.values())
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
             if self._session is not None:
                 await self._session.close()
 
     async def tick(self) -> None:
+        """Starts the evaluations that are due and waits for them a tick at most: one that
+        takes longer goes on by itself, and its owner is not due again until it has ended."""
         now = time.monotonic()
+        started = []
         for key, kept in list(self.operator.owners.items()):
+            if key in self._running:  # what it changes (scrape history, gauges) waits too
+                continue
             interval = kept.interval  # interval_of(the owner), kept next to it
             if interval is None:  # not tuned (any more): no gauges, and nothing due
                 if self._last.pop(key, None) is not None:
@@ -338,6 +355,18 @@ class TuningLoop:
             if now < last + interval:
                 continue
             self._last[key] = now
+            started.append(self._start(key))
+        if started:
+            await asyncio.wait(started, timeout=TICK_S)
+
+    def _start(self, key: tuple) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(self._evaluate(key))
+        self._running[key] = task
+        task.add_done_callback(lambda _: self._running.pop(key, None))
+        return task
+
+    async def _evaluate(self, key: tuple) -> None:
+        async with self._slots:
             try:
                 await self.tune(key)
             except Exception:  # never let one owner stop the loop: log and try next interval
