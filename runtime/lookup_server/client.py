@@ -25,6 +25,7 @@ import math
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -146,17 +147,20 @@ class LookupConnection:
 
     def _read_reply(self, sock: socket.socket, deadline: float) -> tuple[int, bytes]:
         """The reply's status and body; the whole reply must arrive before `deadline`, not
-        each read."""
-        buffer = b""
-        while (head_end := buffer.find(b"\r\n\r\n")) < 0:
+        each read. The reply grows in place: a multi-megabyte reply (a lookup of many keys, a
+        stats reply) would otherwise be copied whole on every read."""
+        buffer = bytearray()
+        scanned = 0  # bytes searched for the head's end already, less a partial "\r\n\r"
+        while (head_end := buffer.find(b"\r\n\r\n", scanned)) < 0:
+            scanned = max(0, len(buffer) - 3)
             buffer += _recv(sock, deadline)
-        status, length, closes = _reply_head(buffer[:head_end])
+        status, length, closes = _reply_head(bytes(buffer[:head_end]))
         end = head_end + 4 + length
         while len(buffer) < end:
             buffer += _recv(sock, deadline)
         if closes:
             self.close()
-        return status, buffer[head_end + 4 : end]
+        return status, bytes(buffer[head_end + 4 : end])
 
     def close(self) -> None:
         if self._sock is not None:
@@ -508,7 +512,7 @@ class Announcer:
         self.pod = pod
         self.holdings = holdings
         self.config = config or AnnouncerConfig()
-        self._pending: list[tuple[str, object]] = []
+        self._pending: deque[tuple[str, object]] = deque()
         # Announcements taken from `_pending` and not yet answered (for `flush`).
         self._num_sending = 0
         self._cond = threading.Condition()
@@ -536,7 +540,7 @@ class Announcer:
     def _enqueue(self, item: tuple[str, object]) -> None:
         with self._cond:
             if len(self._pending) >= self.config.max_pending:
-                self._pending.pop(0)
+                self._pending.popleft()
                 self.num_dropped += 1
                 self._needs_resync = True
             self._pending.append(item)
@@ -566,7 +570,7 @@ class Announcer:
                     return
                 if not self._pending:
                     self._cond.wait(max(0.0, next_heartbeat - time.monotonic()))
-                batch, self._pending = self._pending, []
+                batch, self._pending = self._pending, deque()
                 self._num_sending = len(batch)
             try:
                 self._send(batch)
@@ -606,7 +610,7 @@ class Announcer:
                 return
         self._last_resync = time.monotonic()
 
-    def _send(self, batch: list[tuple[str, object]]) -> None:
+    def _send(self, batch: deque[tuple[str, object]]) -> None:
         """Send runs of the same kind in order, so an evict after an admit stays last."""
         for kind, run in itertools.groupby(batch, key=lambda item: item[0]):
             values = [value for _, value in run]
