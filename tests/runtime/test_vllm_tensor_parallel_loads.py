@@ -119,10 +119,16 @@ def _rank(rank: int, kv_dir: str, rendezvous: str, results: "mp.Queue") -> None:
 @pytest.fixture(scope="module")
 def rank_results(tmp_path_factory) -> dict:
     """Each rank's outcome of each load, by (rank, case); fails if a rank hangs."""
-    root = tmp_path_factory.mktemp("tensor_parallel")
+    return run_ranks(_rank, tmp_path_factory.mktemp("tensor_parallel"))
+
+
+def run_ranks(rank, root) -> dict:
+    """`rank(rank_index, kv_dir, rendezvous_file, results)` on NUM_RANKS spawned processes;
+    what they put in `results`, by (rank, case). Fails if a rank still runs after
+    JOIN_TIMEOUT_S (the ranks hang) or one raised (their collectives did not pair up)."""
     results = mp.get_context("spawn").Queue()
     ranks = mp.spawn(
-        _rank,
+        rank,
         args=(str(root / "kv"), str(root / "rendezvous"), results),
         nprocs=NUM_RANKS,
         join=False,

@@ -7,7 +7,6 @@ model, store and ranks these reuse)."""
 import datetime
 import errno
 import os
-import time
 
 import pytest
 import torch
@@ -17,11 +16,10 @@ from test_vllm_tensor_parallel_loads import (
     BLOCK,
     BROKEN_RANK,
     COLLECTIVE_TIMEOUT_S,
-    JOIN_TIMEOUT_S,
     NUM_RANKS,
     _Attention,
-    _drain,
     _engine,
+    run_ranks,
 )
 
 from holeblend_runtime.blend.reuse import ReusePolicy
@@ -107,26 +105,7 @@ def _rank(rank: int, kv_dir: str, rendezvous: str, results: "mp.Queue") -> None:
 @pytest.fixture(scope="module")
 def rank_results(tmp_path_factory) -> dict:
     """Each rank's outcome of each store, by (rank, case); fails if a rank hangs."""
-    root = tmp_path_factory.mktemp("tensor_parallel_stores")
-    results = mp.get_context("spawn").Queue()
-    ranks = mp.spawn(
-        _rank,
-        args=(str(root / "kv"), str(root / "rendezvous"), results),
-        nprocs=NUM_RANKS,
-        join=False,
-    )
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    try:
-        while not ranks.join(timeout=max(deadline - time.monotonic(), 0)):
-            if time.monotonic() >= deadline:
-                pytest.fail(f"a rank still runs after {JOIN_TIMEOUT_S} s: the ranks hang")
-    except mp.ProcessRaisedException as error:
-        pytest.fail(f"the ranks' collectives did not pair up; outcomes {_drain(results)}: {error}")
-    finally:
-        for process in ranks.processes:
-            if process.is_alive():
-                process.kill()
-    return _drain(results)
+    return run_ranks(_rank, tmp_path_factory.mktemp("tensor_parallel_stores"))
 
 
 def test_a_store_whose_lookup_raises_on_one_rank_fails_on_every_rank(rank_results):
