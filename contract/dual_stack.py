@@ -32,6 +32,17 @@ def every_address_socket(port: int) -> socket.socket:
     return _bound(socket.AF_INET, "0.0.0.0", port)
 
 
+def listening_site(runner, host: str, port: int):
+    """An aiohttp site of `runner` listening where `host` says: "::" (EVERY_ADDRESS) on
+    every address, IPv6 and IPv4, on one dual-stack socket (aiohttp would bind it for IPv6
+    alone); any other host as given."""
+    from aiohttp import web  # the servers that take it have aiohttp; the lookup server not
+
+    if host == EVERY_ADDRESS:
+        return web.SockSite(runner, every_address_socket(port))
+    return web.TCPSite(runner, host, port)
+
+
 def _bound(family: socket.AddressFamily, host: str, port: int) -> socket.socket:
     """A TCP socket of `family` bound to (host, port) as asyncio binds its own (address
     reuse on), dual-stack when IPv6; closed if binding fails, and the error names the

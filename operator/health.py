@@ -8,7 +8,7 @@ import weakref
 import aiohttp.web
 import prometheus_client
 
-from holeblend_contract.dual_stack import every_address_socket
+from holeblend_contract.dual_stack import listening_site
 
 # kopf's names for its watch-stream tasks, one per resource and namespace.
 WATCHER_TASK_PREFIXES = ("watcher for ", "peering observer for ")
@@ -78,11 +78,7 @@ class HealthServer:
         app.router.add_get("/metrics", self._metrics)
         self._runner = aiohttp.web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        if host:
-            site = aiohttp.web.TCPSite(self._runner, host, port)
-        else:
-            site = aiohttp.web.SockSite(self._runner, every_address_socket(port))
-        await site.start()
+        await listening_site(self._runner, host, port).start()
         self.port = self._runner.addresses[0][1]
         logging.getLogger("kopf").addHandler(self._certificates)
 

@@ -17,6 +17,7 @@ import sys
 
 import kopf
 
+from holeblend_contract.dual_stack import EVERY_ADDRESS
 from holeblend_operator import handlers, settings
 from holeblend_operator.health import HealthServer
 
@@ -127,12 +128,12 @@ async def serve(config: settings.OperatorSettings, stop: asyncio.Event | None = 
         with contextlib.suppress(asyncio.CancelledError):
             await trimming
         reason = exc.strerror or exc
-        if config.health_host and exc.errno != errno.EADDRINUSE:
+        if config.health_host != EVERY_ADDRESS and exc.errno != errno.EADDRINUSE:
             raise StartError(
                 f"--health-host: cannot listen on {config.health_host!r} ({reason}); give an "
-                "address of this pod, or leave it empty to listen on every address"
+                f"address of this pod, or {EVERY_ADDRESS} (the default) for every address"
             ) from None
-        where = f"{config.health_host or 'every address'}:{config.health_port}"
+        where = f"{config.health_host}:{config.health_port}"
         raise StartError(
             f"--health-port: cannot listen on {where} ({reason}); "
             "stop what holds it or pick another port"

@@ -6,6 +6,7 @@ import math
 import os
 from collections.abc import Mapping
 
+from holeblend_contract.dual_stack import EVERY_ADDRESS
 from holeblend_operator.host_paths import DEFAULT_HOST_PATH_PREFIXES
 
 ENV_PREFIX = "HOLEBLEND_OPERATOR_"
@@ -14,7 +15,7 @@ ENV_PREFIX = "HOLEBLEND_OPERATOR_"
 # as vLLM cannot start on "::" on a node whose kernel has IPv6 turned off.
 DEFAULT_POD_LISTEN_ADDRESS = "0.0.0.0"
 # What --pod-listen-address takes: every IPv4 address, or every address (IPv6 and IPv4).
-POD_LISTEN_ADDRESSES = (DEFAULT_POD_LISTEN_ADDRESS, "::")
+POD_LISTEN_ADDRESSES = (DEFAULT_POD_LISTEN_ADDRESS, EVERY_ADDRESS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,8 +24,8 @@ class OperatorSettings:
     peering: str | None = None  # kopf peering name for HA (one active replica); None: standalone
     peering_priority: int = 0  # highest live priority is active; 0 picks a random one per process
     peering_lifetime_s: int = 60  # a silent peer counts as dead after this; standby takes over
-    # where /healthz and /metrics listen; empty: every address, IPv6 and IPv4 (dual-stack)
-    health_host: str = ""
+    # where /healthz and /metrics listen; "::": every address, IPv6 and IPv4 (dual-stack)
+    health_host: str = EVERY_ADDRESS
     health_port: int = 8080  # 0 picks a free port (tests)
     status_debounce_s: float = 0.5  # child events within this window cause one refresh per owner
     requeue_s: float = 30.0  # look again at an owner that is not ready (or failed) after this

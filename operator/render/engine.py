@@ -171,12 +171,12 @@ def priority_flags(bd: BlendDeployment) -> list[str]:
     return [*PRIORITY_FLAGS, SCHEDULER_FLAG, contract.SHADOW_SCHEDULER_CLS]
 
 
-def engine_env(bd: BlendDeployment, listen_address: str = "0.0.0.0") -> list[dict]:
+def engine_env(bd: BlendDeployment, listen_address: str = DEFAULT_POD_LISTEN_ADDRESS) -> list[dict]:
     """Our variables first, then the user's; a user variable replaces ours of the same name.
     The connector's metrics listen where the engine does (`listen_address`; the variable is
     left out at the default, 0.0.0.0, the connector's own)."""
     metrics = [EnvVar(name=METRICS_PORT_ENV, value=str(bd.spec.engine.metrics_port))]
-    if listen_address != "0.0.0.0":
+    if listen_address != DEFAULT_POD_LISTEN_ADDRESS:
         metrics.append(EnvVar(name=METRICS_HOST_ENV, value=listen_address))
     ours = [
         EnvVar(name="HOLEBLEND_CONFIG", value=CONFIG_PATH),

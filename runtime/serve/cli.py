@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from aiohttp import web
 
 from holeblend_contract.blend_settings import BlendSettingsError
-from holeblend_contract.dual_stack import EVERY_ADDRESS, every_address_socket
+from holeblend_contract.dual_stack import listening_site
 from holeblend_runtime.kv.tiers import TieredKVStore
 from holeblend_runtime.serve.app import Server
 from holeblend_runtime.serve.settings import ServeSettings, parse_settings
@@ -79,14 +79,6 @@ async def serve(server: Server, settings: ServeSettings) -> int:
     _stop_threads(server)
     log.info("stopped")
     return status
-
-
-def listening_site(runner: web.AppRunner, host: str, port: int) -> web.BaseSite:
-    """Where the server listens: `host` "::" is every address, IPv6 and IPv4, on one
-    dual-stack socket (aiohttp would bind it for IPv6 alone); any other host as given."""
-    if host == EVERY_ADDRESS:
-        return web.SockSite(runner, every_address_socket(port))
-    return web.TCPSite(runner, host, port)
 
 
 def listen_error(error: OSError, settings: ServeSettings) -> str:

@@ -412,8 +412,11 @@ class EngineWorker:
         if pool.max_bytes is None or job.stop_reason() is not None:
             return True
         num_tokens = job.prompt.num_tokens
-        limit = min(job.max_tokens, self.engine.config.context_length - num_tokens)
-        return pool.can_start(num_tokens, limit)
+        return pool.can_start(num_tokens, self._token_limit(job, num_tokens))
+
+    def _token_limit(self, job: Job, num_prompt_tokens: int) -> int:
+        """The answer's token limit: `max_tokens` within what the context leaves."""
+        return min(job.max_tokens, self.engine.config.context_length - num_prompt_tokens)
 
     def _before_step(self) -> None:
         if self.between_steps is not None:
@@ -455,7 +458,7 @@ class EngineWorker:
         prefill = self.engine.prefill(job.prompt, self.mode, self.live.recompute_ratio)
         self.metrics.observe_prefill(prefill)
         job.emit(PrefillDone.of(prefill, time.perf_counter() - job.arrived))
-        limit = min(job.max_tokens, self.engine.config.context_length - prefill.num_prompt_tokens)
+        limit = self._token_limit(job, prefill.num_prompt_tokens)
         sequence = self.engine.start_decode(prefill, limit)
         running = _Running(job, prefill.mode, prefill.ratio, is_blended(prefill), sequence, limit)
         if self.on_prefilled is not None:

@@ -3,8 +3,6 @@
 
 import socket
 
-import pytest
-
 from holeblend_runtime import local_http
 from holeblend_runtime.vllm_connector import metrics
 
@@ -14,7 +12,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.skipif(not socket.has_dualstack_ipv6(), reason="no dual-stack IPv6 here")
 def test_every_address_takes_ipv6_and_ipv4_scrapes(monkeypatch):
     port = free_port()
     monkeypatch.setenv(metrics.METRICS_PORT_ENV, str(port))

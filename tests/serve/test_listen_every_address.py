@@ -8,9 +8,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from holeblend_contract.dual_stack import every_address_socket
+from holeblend_contract.dual_stack import every_address_socket, listening_site
 from holeblend_runtime.serve.app import Server
-from holeblend_runtime.serve.cli import listening_site, serve
+from holeblend_runtime.serve.cli import serve
 from holeblend_runtime.serve.settings import ServeSettings
 from tests.serve.conftest import example_settings_json
 
