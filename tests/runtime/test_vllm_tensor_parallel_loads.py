@@ -71,7 +71,8 @@ def _outcome(worker: BlendWorker, load: LoadRequest) -> dict:
         return {"failed": True, "error": repr(error)}
 
 
-def _rank(rank: int, kv_dir: str, rendezvous: str, results: "mp.Queue") -> None:
+def join_group(rank: int, rendezvous: str) -> None:
+    """This process as rank `rank` of a gloo group of NUM_RANKS (one torch thread each)."""
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -80,13 +81,21 @@ def _rank(rank: int, kv_dir: str, rendezvous: str, results: "mp.Queue") -> None:
         world_size=NUM_RANKS,
         timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )
+
+
+def two_document_prompt(engine: BlendEngine):
+    return engine.build_prompt(
+        "Answer from the documents.",
+        ["The Varn bridge has seven stone arches. " * 3, "Oskeby museum opened in 1923. " * 3],
+        "How many arches?",
+    )
+
+
+def _rank(rank: int, kv_dir: str, rendezvous: str, results: "mp.Queue") -> None:
+    join_group(rank, rendezvous)
     try:
         engine = _engine(kv_dir, rank)
-        prompt = engine.build_prompt(
-            "Answer from the documents.",
-            ["The Varn bridge has seven stone arches. " * 3, "Oskeby museum opened in 1923. " * 3],
-            "How many arches?",
-        )
+        prompt = two_document_prompt(engine)
         engine.cache_segments(prompt)
         planner = ReusePlanner(
             engine.prompt_builder.separator_ids, engine.keyer, engine.store, ReusePolicy.HOLE

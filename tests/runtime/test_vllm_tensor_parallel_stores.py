@@ -4,7 +4,6 @@ over a real process group (gloo, on the CPU): what fails on one rank must never 
 other waiting in a collective, as for loads (test_vllm_tensor_parallel_loads.py, whose
 model, store and ranks these reuse)."""
 
-import datetime
 import errno
 import os
 
@@ -15,11 +14,12 @@ import torch.multiprocessing as mp
 from test_vllm_tensor_parallel_loads import (
     BLOCK,
     BROKEN_RANK,
-    COLLECTIVE_TIMEOUT_S,
     NUM_RANKS,
     _Attention,
     _engine,
+    join_group,
     run_ranks,
+    two_document_prompt,
 )
 
 from holeblend_runtime.blend.reuse import ReusePolicy
@@ -56,22 +56,11 @@ def _stored(worker: BlendWorker, request: StoreRequest) -> dict:
 
 
 def _rank(rank: int, kv_dir: str, rendezvous: str, results: "mp.Queue") -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{rendezvous}",
-        rank=rank,
-        world_size=NUM_RANKS,
-        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-    )
+    join_group(rank, rendezvous)
     try:
         engine = _engine(kv_dir, rank)
         lookups = engine.store = _LookupFails(engine.store)
-        prompt = engine.build_prompt(
-            "Answer from the documents.",
-            ["The Varn bridge has seven stone arches. " * 3, "Oskeby museum opened in 1923. " * 3],
-            "How many arches?",
-        )
+        prompt = two_document_prompt(engine)
         documents = [i for i, s in enumerate(prompt.segments) if s.kind is SegmentKind.DOCUMENT]
         hole = documents[0]  # not cached: a hole between the system prompt and the last one
         engine.cache_segments(prompt, [i for i in range(len(prompt.segments)) if i != hole])
