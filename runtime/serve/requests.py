@@ -25,6 +25,9 @@ that are checked for type and range and then ignored (greedy decoding is what te
 0 gives), and fields the blend engine does not implement, accepted only at their
 default value (`logprobs: 5`, `echo: true`, `tools: [...]`, `frequency_penalty: 0.5`, ...
 are a 400 naming the field). Any other field is a 400 naming it, as OpenAI's API does.
+Integer fields also take an integral float (`1.0`: some JSON encoders write 1 so), as vLLM's
+server does; `1.5` is a 400 naming the field. Types are otherwise JSON's own: `true` or `"1"`
+for an integer is a 400, where vLLM's lax parsing reads 1.
 """
 
 from __future__ import annotations
@@ -122,7 +125,7 @@ def _request(kind: str, body: Mapping[str, Any], system, documents, question) ->
         raise BadRequest("stream_options", "may only be set with stream: true")
     _check_stream_options(options)
     n = _or_default(body, "n", 1)
-    if type(n) is not int or n != 1:
+    if _integral(n) != 1:
         raise BadRequest("n", f"only n=1 is supported, got {n!r}")
     max_tokens, max_tokens_field = _max_tokens(body)
     return RagRequest(
@@ -180,9 +183,18 @@ def _number(low: float, high: float, *, low_open: bool = False):
     return check
 
 
+def _integral(value: Any) -> int | None:
+    """The integer a JSON number stands for (`16` or `16.0`); None for anything else,
+    `1.5` and booleans included."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value if type(value) is int else None
+
+
 def _integer(low: int, high: int):
     def check(value: Any) -> str | None:
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        number = _integral(value)
+        if number is None or not low <= number <= high:
             return f"must be an integer in [{low}, {high}], got {value!r}"
         return None
 
@@ -214,8 +226,13 @@ def _neutral(check: Callable[[Any], str | None], neutral: int):
 def _only(*defaults: Any):
     """An unimplemented field: accepted only at one of its default values."""
 
+    def is_default(value: Any, default: Any) -> bool:
+        if type(default) is int:  # `top_logprobs: 0.0` too, not `false`
+            return _integral(value) == default
+        return type(value) is type(default) and value == default
+
     def check(value: Any) -> str | None:
-        if any(type(value) is type(d) and value == d for d in defaults):
+        if any(is_default(value, d) for d in defaults):
             return None
         shown = " or ".join(json.dumps(d) for d in defaults)
         return f"is not supported by the blend engine; leave it out or send {shown}"
@@ -333,9 +350,10 @@ def _max_tokens(body: Mapping[str, Any]) -> tuple[int | None, str]:
     for name in ("max_tokens", "max_completion_tokens"):
         if (value := body.get(name)) is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        number = _integral(value)
+        if number is None or number < 1:
             raise BadRequest(name, f"must be a positive integer, got {value!r}")
-        found = (value, name)
+        found = (number, name)
     return found
 
 
