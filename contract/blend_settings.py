@@ -243,9 +243,22 @@ def parse_lookup_url(url: str) -> tuple[str, int]:
     """(host, port) of an http://HOST:PORT lookup server URL (`lookupServerUrl`);
     ValueError naming it for anything else, a port outside 1-65535 included (urllib's own
     errors name no setting, and its port 0 would read as 80), and a host name no DNS query
-    can carry (every lookup would fail once the pod runs). Checked when the file loads, so
-    a vLLM pod refuses it at start with this message, and by the lookup client."""
+    can carry (every lookup would fail once the pod runs). A user, password, query or
+    fragment is refused too: the client opens a plain connection to HOST:PORT and sends
+    none of them, so a URL that carries credentials would look protected and not be.
+    Checked when the file loads, so a vLLM pod refuses it at start with this message, and
+    by the lookup client."""
     refusal = f"lookupServerUrl: expected http://HOST:PORT with a port in 1-65535, got {url!r}"
+    extras = [
+        name
+        for name, mark in (("user or password", "@"), ("query", "?"), ("fragment", "#"))
+        if mark in url
+    ]
+    if extras:  # checked first, and the URL not quoted: a password would reach the logs
+        raise ValueError(
+            f"lookupServerUrl: has a {' and a '.join(extras)}, which the lookup client never "
+            "sends (it connects to HOST:PORT alone); write http://HOST:PORT"
+        )
     try:
         parts = urlsplit(url)
         port = parts.port
@@ -353,13 +366,15 @@ class BlendSettings(_Settings):
     @field_validator("filter_layers")
     @classmethod
     def _check_filter_layers(cls, value: tuple[int, ...], info: ValidationInfo) -> tuple[int, ...]:
-        return check_filter_layers(info.data.get("check_layer", DEFAULT_CHECK_LAYER), value)
+        if "check_layer" not in info.data:  # refused, with its own error: nothing to compare
+            return value
+        return check_filter_layers(info.data["check_layer"], value)
 
     @model_validator(mode="before")
     @classmethod
     def _refuse_newer_format(cls, data: Any) -> Any:
-        version = data.get("formatVersion") if isinstance(data, dict) else None
-        if isinstance(version, int) and version > FORMAT_VERSION:
+        version = _as_version(data.get("formatVersion")) if isinstance(data, dict) else None
+        if version is not None and version > FORMAT_VERSION:
             raise ValueError(
                 f"formatVersion: {version} is newer than this runtime reads "
                 f"({FORMAT_VERSION}); upgrade the runtime image to match the operator"
@@ -379,6 +394,20 @@ class BlendSettings(_Settings):
     def restart_settings(self) -> dict:
         """Everything but `LIVE_KEYS`: what must not change without a restart."""
         return {k: v for k, v in self.to_wire().items() if k not in LIVE_KEYS}
+
+
+def _as_version(value: Any) -> int | None:
+    """`value` as the int field reads it (2, 2.0 and "2" alike: a newer file is refused as
+    newer however its writer spelt the number); None for what the field refuses."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        return None
+    if isinstance(value, int):
+        return value
+    try:
+        number = float(value)
+    except ValueError:
+        return None
+    return int(number) if number.is_integer() else None
 
 
 def parse_blend_settings(text: str | bytes, source: str = CONFIG_KEY) -> BlendSettings:

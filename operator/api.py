@@ -1724,7 +1724,8 @@ def format_validation_error(exc) -> str:
         value = error.get("input")
         if isinstance(value, str) and len(value) > QUOTED_INPUT_MAX_LENGTH:
             message = message.replace(repr(value), _quoted(value))  # validators quote it too
-        if error["type"] not in ("extra_forbidden", "missing") and _is_scalar(value):
+        shown = isinstance(value, str) and _quoted(value) in message  # the validator's quote
+        if error["type"] not in ("extra_forbidden", "missing") and _is_scalar(value) and not shown:
             message += f" (got {_quoted(value)})"
         problems.append(f"{path}: {message}" if path else message)
     return "; ".join(problems)

@@ -133,7 +133,8 @@ async def serve(config: settings.OperatorSettings, stop: asyncio.Event | None = 
                 f"--health-host: cannot listen on {config.health_host!r} ({reason}); give an "
                 f"address of this pod, or {EVERY_ADDRESS} (the default) for every address"
             ) from None
-        where = f"{config.health_host}:{config.health_port}"
+        host = config.health_host
+        where = f"[{host}]:{config.health_port}" if ":" in host else f"{host}:{config.health_port}"
         raise StartError(
             f"--health-port: cannot listen on {where} ({reason}); "
             "stop what holds it or pick another port"
