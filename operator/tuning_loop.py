@@ -322,6 +322,7 @@ class TuningLoop:
         self._session: aiohttp.ClientSession | None = None
         self._scrape: ScrapeSource | None = None
         self._running: dict[tuple, asyncio.Task] = {}  # owner -> its evaluation under way
+        self._deleted: set[tuple] = set()  # owners deleted while their evaluation runs
         self._slots = asyncio.Semaphore(MAX_TUNING)
 
     async def run(self) -> None:
@@ -362,8 +363,12 @@ class TuningLoop:
     def _start(self, key: tuple) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(self._evaluate(key))
         self._running[key] = task
-        task.add_done_callback(lambda _: self._running.pop(key, None))
+        task.add_done_callback(lambda _: self._ended(key))
         return task
+
+    def _ended(self, key: tuple) -> None:
+        self._running.pop(key, None)
+        self._deleted.discard(key)
 
     async def _evaluate(self, key: tuple) -> None:
         async with self._slots:
@@ -373,10 +378,15 @@ class TuningLoop:
                 LOG.exception("tuning %s/%s failed", *key)
 
     def forget(self, key: tuple) -> None:
-        """A BlendDeployment deleted: nothing due, and its series and scrape history go."""
+        """A BlendDeployment deleted: nothing due, and its series and scrape history go. An
+        evaluation of it under way does not record its decision in them when it ends: its
+        status write may have been answered before the deletion, and the series would be
+        exported again for good (or counted as a namesake's, created meanwhile)."""
         self._last.pop(key, None)
         metrics.TUNING.forget(key)
         self._forget_scrape(key)
+        if key in self._running:
+            self._deleted.add(key)
 
     def _forget_scrape(self, key: tuple) -> None:
         """Drop the owner's scrape history: kept while it is not tuned, its snapshots would
@@ -443,7 +453,8 @@ class TuningLoop:
             patched = await client.patch_status(
                 *key, status_patch(bd, status, decision, seen, _now(), notices)
             )
-        self._record(key, spec, decision, seen)
+        if key not in self._deleted:
+            self._record(key, spec, decision, seen)
         if patched is not None:
             self.operator.keep_owner(key, patched)
         if decision.is_change:
