@@ -32,6 +32,12 @@ def every_address_socket(port: int) -> socket.socket:
     return _bound(socket.AF_INET, "0.0.0.0", port)
 
 
+def host_port(host: str, port: int) -> str:
+    """`host:port` as a URL or a log line writes it: an IPv6 address in brackets
+    (`[fd00::7]:8000`), which without them reads as an address ending in the port."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def listening_site(runner, host: str, port: int):
     """An aiohttp site of `runner` listening where `host` says: "::" (EVERY_ADDRESS) on
     every address, IPv6 and IPv4, on one dual-stack socket (aiohttp would bind it for IPv6

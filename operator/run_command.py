@@ -17,7 +17,7 @@ import sys
 
 import kopf
 
-from holeblend_contract.dual_stack import EVERY_ADDRESS
+from holeblend_contract.dual_stack import EVERY_ADDRESS, host_port
 from holeblend_operator import handlers, settings
 from holeblend_operator.health import HealthServer
 
@@ -133,8 +133,7 @@ async def serve(config: settings.OperatorSettings, stop: asyncio.Event | None = 
                 f"--health-host: cannot listen on {config.health_host!r} ({reason}); give an "
                 f"address of this pod, or {EVERY_ADDRESS} (the default) for every address"
             ) from None
-        host = config.health_host
-        where = f"[{host}]:{config.health_port}" if ":" in host else f"{host}:{config.health_port}"
+        where = host_port(config.health_host, config.health_port)
         raise StartError(
             f"--health-port: cannot listen on {where} ({reason}); "
             "stop what holds it or pick another port"

@@ -41,6 +41,7 @@ import time
 
 import aiohttp
 
+from holeblend_contract.dual_stack import host_port
 from holeblend_operator import kube, metrics
 from holeblend_operator.api import (
     REASON_MAX_LENGTH,
@@ -500,9 +501,11 @@ class TuningLoop:
                 for pod in pods
                 if _is_ready(pod) and (ip := (pod.get("status") or {}).get("podIP"))
             }
-            urls = {name: f"http://{ip}:{port}/metrics" for name, ip in ready.items()}
+            urls = {name: f"http://{host_port(ip, port)}/metrics" for name, ip in ready.items()}
             if port != engine_port:
-                ttft_urls = {n: f"http://{ip}:{engine_port}/metrics" for n, ip in ready.items()}
+                ttft_urls = {
+                    n: f"http://{host_port(ip, engine_port)}/metrics" for n, ip in ready.items()
+                }
         name = engine_name(bd.metadata.name)
         return Target(namespace, name, urls, ttft_histogram(bd), ttft_urls)
 

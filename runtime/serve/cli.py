@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from aiohttp import web
 
 from holeblend_contract.blend_settings import BlendSettingsError
-from holeblend_contract.dual_stack import listening_site
+from holeblend_contract.dual_stack import host_port, listening_site
 from holeblend_runtime.kv.tiers import TieredKVStore
 from holeblend_runtime.serve.app import Server
 from holeblend_runtime.serve.settings import ServeSettings, parse_settings
@@ -65,7 +65,7 @@ async def serve(server: Server, settings: ServeSettings) -> int:
         return 2
     # The bound addresses (port 0 asks the system for a free one).
     bound = [address[:2] for address in runner.addresses]
-    where = ", ".join(f"{host}:{port}" for host, port in bound)
+    where = ", ".join(host_port(host, port) for host, port in bound)
     log.info("listening on %s; loading the model", where)
     watcher = asyncio.create_task(server.live.watch(settings.reload_interval))
     watcher.add_done_callback(_log_watcher_end)
@@ -84,7 +84,7 @@ async def serve(server: Server, settings: ServeSettings) -> int:
 def listen_error(error: OSError, settings: ServeSettings) -> str:
     """Why the server cannot listen, naming the flag to change."""
     reason = error.strerror or error
-    where = f"{settings.host}:{settings.port}"
+    where = host_port(settings.host, settings.port)
     if error.errno in (errno.EADDRINUSE, errno.EACCES):  # taken, or below 1024 without root
         return f"--port: cannot listen on {where} ({reason}); stop what holds it or pick another"
     return (
