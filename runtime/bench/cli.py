@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import sys
 import tempfile
 import time
@@ -272,8 +273,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         # random.Random(-7) draws what random.Random(7) draws: the same workload under
         # another name, which numpy's bootstrap would refuse only after the whole sweep.
         parser.error(f"--seed: must be >= 0, got {args.seed}")
+    if not 0 < args.store_gib < math.inf:
+        # int() of it raises only once the model is loaded (OverflowError for inf).
+        parser.error(f"--store-gib: must be a positive number of GiB, got {args.store_gib}")
     if (problem := _device_problem(args.device)) is not None:
         parser.error(f"--device: {problem}")
+    for flag, path in (("--json", args.json), ("--png", args.png)):
+        if path is not None and (problem := _output_problem(path)) is not None:
+            parser.error(f"{flag}: {problem}")
     if args.png is not None:  # before the sweep, not after it
         try:
             import matplotlib  # noqa: F401
@@ -311,6 +318,17 @@ def _device_problem(name: str) -> str | None:
     count = backend.device_count()
     if device.index is not None and device.index >= count:
         return f"{name!r}: this machine has {count} {device.type} device(s)"
+    return None
+
+
+def _output_problem(path: Path) -> str | None:
+    """Why a file cannot be written at `path`, or None: checked before the run, which
+    would otherwise find out only at its end, its results lost."""
+    if path.is_dir():
+        return f"{path} is a directory; name a file in it"
+    existing = next(parent for parent in path.parents if parent.exists())
+    if not existing.is_dir():
+        return f"{existing} is not a directory"
     return None
 
 

@@ -16,7 +16,9 @@ Pure and seeded: the same config gives the same stream, for every mode's server.
 
 from __future__ import annotations
 
+import math
 import random
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -55,8 +57,16 @@ class LoadWorkloadConfig:
                 "documents_per_request: must be <= num_corpus_documents "
                 f"({self.documents_per_request} > {self.num_corpus_documents})"
             )
-        if self.zipf_s < 0:
-            raise ValueError(f"zipf_s: must be >= 0, got {self.zipf_s}")
+        if not 0 <= self.zipf_s < math.inf:
+            raise ValueError(f"zipf_s: must be a number >= 0, got {self.zipf_s}")
+        if self.zipf_s * math.log(self.num_corpus_documents) >= math.log(sys.float_info.max):
+            # The last rank's weight is 1 / n ** s: n ** s past the largest float raises
+            # OverflowError.
+            raise ValueError(
+                f"zipf_s: {self.zipf_s} is too steep for {self.num_corpus_documents} documents "
+                f"({self.num_corpus_documents} ** {self.zipf_s} is past the largest float); "
+                "lower --zipf"
+            )
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import os
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -131,9 +133,30 @@ def format_table(results: Sequence[dict[str, Any]], keys: Sequence[str] = RESULT
 def write_json(
     path: Path, model: str, config: dict[str, Any], results: Sequence[dict[str, Any]]
 ) -> None:
+    """Write the document whole or not at all: through a file beside `path` renamed over
+    it, so a failed write (a full disk, an interrupt) leaves any earlier file as it was.
+    A NaN or infinite number (overflowed half-precision logits) is written as null:
+    strict JSON readers refuse Python's NaN and Infinity."""
     path.parent.mkdir(parents=True, exist_ok=True)
     document = {"model": model, "config": config, "results": list(results)}
-    path.write_text(json.dumps(document, indent=2) + "\n")
+    text = json.dumps(_finite(document), indent=2, allow_nan=False) + "\n"
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        partial.write_text(text, encoding="utf-8")
+        partial.replace(path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def _finite(value: Any) -> Any:
+    """`value` with every NaN or infinite float in it replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(item) for item in value]
+    return value
 
 
 def _short_header(key: str) -> str:
