@@ -5,7 +5,9 @@ call (and take the miss path) for `open_s` seconds. Then it is half-open: the fi
 caller to ask `is_open` is let through as the trial call, and the others are skipped
 while it runs. The trial's success closes the breaker; its failure opens it again at
 once for another `open_s` seconds. A trial that reports neither within `open_s` (its
-caller raised) is given up and the next caller becomes the trial. Thread-safe.
+caller raised) is given up and the next caller becomes the trial; one whose call never
+reached the remote (its caller's deadline was spent first) says so (`not_tried`), and the
+next caller becomes the trial at once. Thread-safe.
 """
 
 from __future__ import annotations
@@ -56,6 +58,12 @@ class CircuitBreaker:
             if self._is_tripped and self._clock() >= self._open_until:
                 self._is_tripped = False
                 self._trial_since = None
+
+    def not_tried(self) -> None:
+        """The call let through did not reach the remote: neither a success nor a
+        failure. A half-open breaker lets the next caller through as its trial."""
+        with self._lock:
+            self._trial_since = None
 
     def failed(self) -> bool:
         """Count a failure; True when it opened the breaker (a failed trial reopens it)."""

@@ -1,13 +1,14 @@
 """The runtime's client of the lookup server: fast, bounded, and never the reason a request fails.
 
 1. `LookupConnection` speaks the wire format (`lookup_server/wire.py`) over one
-   keep-alive HTTP/1.1 socket with a millisecond timeout; any failure closes it.
+   keep-alive HTTP/1.1 socket with a millisecond timeout; a failed exchange closes it.
 2. `LookupClient` wraps calls in a budget: `timeout_ms` per attempt, at most `retries`
    more attempts, the wait for the connection (threads share it) included, and a
    circuit breaker that stops trying for `breaker_open_s` after `breaker_failures`
    consecutive failures. Only failures that say the server cannot
-   serve count toward it (no connection, no reply in time, garbage, a 502/503/504);
-   an error the server answered for one request (`bad_request`, `too_large`, ...) is
+   serve count toward it (no connection, no reply in time, garbage or a reply over
+   `max_reply_bytes`, a 502/503/504), not a call whose own deadline passed before it sent
+   a byte; an error the server answered for one request (`bad_request`, `too_large`, ...) is
    that request's answer, and the server is up. A failed or skipped `lookup` answers
    "all miss" and counts it; serving goes on from the local tier and compute.
 3. `Announcer` (a daemon thread) sends admits and evicts in batches off the request
@@ -44,6 +45,20 @@ log = logging.getLogger(__name__)
 SERVER_ERRORS = frozenset({"bad_reply", "unavailable"})
 # HTTP statuses of a plain-text reply coded `unavailable`.
 UNAVAILABLE_STATUSES = (502, 503, 504)
+# Codes of the refusals logged once per operation each. Any other code a server sends is
+# logged once per operation as one (`other`): a server of another build, or a broken one
+# with a new code in every reply, must not add a log line and a remembered code per call.
+LOGGED_REFUSAL_CODES = frozenset({*wire.ERROR_CODES, "http_error"})
+# Bytes of a reply's head at most, its final blank line included: the server's is under
+# 200 bytes, and this is what it takes of a request's head (room for a proxy's headers).
+# Bytes without a head's end past it are not an HTTP reply (another service at the port).
+MAX_REPLY_HEAD_BYTES = 8192
+# Bytes of a reply's body at most (`ClientConfig.max_reply_bytes`). The largest reply a
+# server sends is a lookup's: per key at most 16 bytes and one name per pod holding the
+# segment, 259 bytes at most (`wire.Limits.max_name_chars`; a pod's own name, host and
+# pid, is under 80). 64 MiB holds 1024 keys (`max_keys`) each held by 250 pods of the
+# longest names; a `pairs_get` reply is under 1 MiB, a `stats` reply under 1 KiB.
+MAX_REPLY_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -61,9 +76,12 @@ class Location:
 class LookupConnection:
     """One keep-alive connection; not thread-safe (`LookupClient` serialises calls)."""
 
-    def __init__(self, host: str, port: int, timeout_s: float) -> None:
+    def __init__(
+        self, host: str, port: int, timeout_s: float, max_reply_bytes: int = MAX_REPLY_BYTES
+    ) -> None:
         self.address = (host, port)
         self.timeout_s = timeout_s
+        self.max_reply_bytes = max_reply_bytes
         self._sock: socket.socket | None = None
         # Name resolution has no timeout of its own and a broken cluster DNS can hang for
         # seconds: it runs on a helper thread, waited on only within the call's budget, and
@@ -83,6 +101,8 @@ class LookupConnection:
         body = wire.encode(message)
         try:
             return _decode_reply(*self._exchange(body, deadline))
+        except BudgetSpent:
+            raise  # nothing was sent: the connection is as good as before
         except (OSError, wire.WireError) as error:
             if not isinstance(error, wire.WireError) or error.code == "bad_reply":
                 self.close()
@@ -108,9 +128,10 @@ class LookupConnection:
             # RuntimeError from the stopped resolver.
             raise ConnectionError("the lookup client is closed")
         family, address = self._resolve(deadline)
+        timeout = _left(deadline)
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
-            sock.settimeout(_left(deadline))
+            sock.settimeout(timeout)
             sock.connect(address)
         except OSError:
             sock.close()
@@ -148,13 +169,25 @@ class LookupConnection:
     def _read_reply(self, sock: socket.socket, deadline: float) -> tuple[int, bytes]:
         """The reply's status and body; the whole reply must arrive before `deadline`, not
         each read. The reply grows in place: a multi-megabyte reply (a lookup of many keys, a
-        stats reply) would otherwise be copied whole on every read."""
+        stats reply) would otherwise be copied whole on every read. A head or a body over
+        its bound is refused without reading on (ConnectionError: whatever answers is not
+        a lookup server that can serve), so a stream of bytes cannot fill the memory."""
         buffer = bytearray()
         scanned = 0  # bytes searched for the head's end already, less a partial "\r\n\r"
-        while (head_end := buffer.find(b"\r\n\r\n", scanned)) < 0:
+        while (head_end := buffer.find(b"\r\n\r\n", scanned, MAX_REPLY_HEAD_BYTES)) < 0:
+            if len(buffer) >= MAX_REPLY_HEAD_BYTES:
+                raise ConnectionError(
+                    f"lookup server reply without the end of its head in its first "
+                    f"{MAX_REPLY_HEAD_BYTES} bytes: is another service at its address?"
+                )
             scanned = max(0, len(buffer) - 3)
             buffer += _recv(sock, deadline)
         status, length, closes = _reply_head(bytes(buffer[:head_end]))
+        if length > self.max_reply_bytes:
+            raise ConnectionError(
+                f"lookup server reply of {length} bytes is over the client's max_reply_bytes "
+                f"({self.max_reply_bytes}); raise it if the server's replies are that large"
+            )
         end = head_end + 4 + length
         while len(buffer) < end:
             buffer += _recv(sock, deadline)
@@ -175,11 +208,17 @@ class LookupConnection:
             self._resolver.shutdown(wait=False, cancel_futures=True)
 
 
+class BudgetSpent(TimeoutError):
+    """The call's deadline passed before an attempt sent a byte: no failure of the
+    server's (a slow caller must not open the breaker for a healthy server)."""
+
+
 def _left(deadline: float) -> float:
-    """Seconds left before `deadline`; TimeoutError when none are."""
+    """Seconds left before `deadline`, asked before a step that precedes sending the
+    request; BudgetSpent when none are."""
     left = deadline - time.monotonic()
     if left <= 0:
-        raise TimeoutError("the lookup's budget is spent")
+        raise BudgetSpent("the lookup's budget is spent")
     return left
 
 
@@ -279,6 +318,9 @@ class ClientConfig:
     # Keys sent in one lookup request at most (the server's `--max-keys`): a longer lookup
     # goes in several requests, since the server refuses the whole of a longer one.
     max_keys: int = wire.Limits().max_keys
+    # Bytes of one reply's body at most; a longer reply is refused as a failure of the
+    # server (see `MAX_REPLY_BYTES`). Raise it with `max_keys`.
+    max_reply_bytes: int = MAX_REPLY_BYTES
 
     def __post_init__(self) -> None:
         if not 0 < self.timeout_ms < math.inf:
@@ -293,6 +335,8 @@ class ClientConfig:
             raise ValueError(f"breaker_open_s: must be >= 0 and finite, got {self.breaker_open_s}")
         if self.max_keys < 1:
             raise ValueError(f"max_keys: must be >= 1, got {self.max_keys}")
+        if self.max_reply_bytes < 1:
+            raise ValueError(f"max_reply_bytes: must be >= 1, got {self.max_reply_bytes}")
 
 
 @dataclass
@@ -301,7 +345,7 @@ class ClientStats:
 
     calls: int = 0
     # Calls that got no reply map: the server failed or refused them, or another thread's
-    # call held the connection past this call's budget.
+    # call held the connection past this call's budget, or the caller's deadline was spent.
     failures: int = 0
     # Failed calls the server refused with an error reply (they do not count toward the
     # circuit breaker).
@@ -328,7 +372,9 @@ class LookupClient:
         self.config = config or ClientConfig()
         self.model = model
         host, port = parse_lookup_url(url)
-        self._connection = LookupConnection(host, port, self.config.timeout_ms / 1000)
+        self._connection = LookupConnection(
+            host, port, self.config.timeout_ms / 1000, self.config.max_reply_bytes
+        )
         self._lock = threading.Lock()
         # `stats` changes, made both under `_lock` (held over network calls) and without it.
         self._stats_lock = threading.Lock()
@@ -398,7 +444,7 @@ class LookupClient:
     def _call_with_retries(self, message: dict, deadline: float) -> dict | None:
         op = message["op"]
         self._count_call(op)
-        last_error: Exception = TimeoutError("the call's budget went to waiting for the connection")
+        last_error: Exception = BudgetSpent("the call's deadline passed before an attempt")
         for _ in range(self.config.retries + 1):
             if time.monotonic() >= deadline:
                 break  # no attempt could end in time: a socket and an address are kept
@@ -409,6 +455,8 @@ class LookupClient:
                 if error.code != "bad_reply":
                     break  # the server answered: trying again at once gives the same
                 continue
+            except BudgetSpent:
+                break  # this attempt sent nothing: the failure is the one before, if any
             except OSError as error:
                 last_error = error
                 continue
@@ -420,6 +468,9 @@ class LookupClient:
     def _record_failure(self, op: str, error: Exception) -> None:
         with self._stats_lock:
             self.stats.failures += 1
+        if isinstance(error, BudgetSpent):
+            self.breaker.not_tried()  # the server had no part in it
+            return
         if isinstance(error, wire.WireError) and error.code not in SERVER_ERRORS:
             self._record_refusal(op, error)
             return
@@ -429,12 +480,13 @@ class LookupClient:
     def _record_refusal(self, op: str, error: wire.WireError) -> None:
         """The server is up and refused this one request: that closes a half-open breaker
         as a reply does. Logged once per operation and code (a client bug would otherwise
-        log on every lookup)."""
+        log on every lookup); codes no server of this build sends, once as one."""
         self.breaker.succeeded()
         self.stats.refused += 1
-        if (op, error.code) not in self._refusals_logged:
-            self._refusals_logged.add((op, error.code))
-            log.warning("lookup server refused a %s request (%s); logged once", op, error)
+        code = error.code if error.code in LOGGED_REFUSAL_CODES else "other"
+        if (op, code) not in self._refusals_logged:
+            self._refusals_logged.add((op, code))
+            log.warning("lookup server refused a %s request (%.300s); logged once", op, error)
 
     def close(self) -> None:
         """Close the connection; a later call fails (a lookup answers all miss) and
