@@ -16,9 +16,10 @@
    - request bytes buffered across all connections stay within `max_buffer_bytes`: a
      request's announced body is reserved when its head arrives, and one that does not
      fit is answered 503 and its connection closed. Large bodies, requests still waiting
-     for their bytes and replies left unread may use only seven eighths of it, so lookups
-     and heartbeats, which arrive whole, always find room; a connection whose unread
-     replies do not fit there is aborted;
+     for their bytes or their turn, and replies left unread (every byte the kernel does
+     not hold) may use only seven eighths of it, so lookups and heartbeats, which arrive
+     whole, always find room; a connection whose unread replies do not fit there is
+     aborted;
    - one connection gets at most `requests_per_turn` answers per event-loop turn, and
      none while its replies pile up unread (asyncio write flow control), so a client
      pipelining thousands of requests cannot delay the others' lookups;
@@ -56,9 +57,9 @@ log = logging.getLogger(__name__)
 # Bytes of one request head at most, its final blank line included.
 MAX_HEADER_BYTES = 8192
 # Replies queued for one client (beyond what the kernel holds) before the server stops
-# answering it until it reads (asyncio write flow control).
+# reading and answering it until it has read them all. Queued replies count against the
+# memory budget from their first byte, below this mark too.
 WRITE_HIGH_WATER = 64 << 10
-WRITE_LOW_WATER = 16 << 10
 # Requests with bodies larger than this may not take the last eighth of the memory budget,
 # so a flood of large half-sent admits cannot refuse the small lookups and heartbeats.
 SMALL_BODY_BYTES = 64 << 10
@@ -365,6 +366,9 @@ class _Connection(asyncio.Protocol):
         self.charged = 0
         self.write_charged = 0
         self.reading_paused = False
+        # Replies wait beyond what the kernel holds (charged against the budget); over
+        # WRITE_HIGH_WATER, writing_paused: the connection is not read or answered meanwhile.
+        self.replies_queued = False
         self.writing_paused = False
         self.turn_scheduled = False
         self.saw_eof = False
@@ -387,7 +391,9 @@ class _Connection(asyncio.Protocol):
         if len(self.server.connections) >= self.config.max_connections:
             self._refuse()
             return
-        self.transport.set_write_buffer_limits(WRITE_HIGH_WATER, WRITE_LOW_WATER)
+        # pause_writing as soon as a reply is queued, resume_writing once all are written:
+        # the budget's charge for queued replies follows them from their first byte.
+        self.transport.set_write_buffer_limits(0, 0)
         self.server.connections.add(self)
         self._arm(self.loop.time() + self.config.idle_timeout_s, "idle")
 
@@ -428,17 +434,18 @@ class _Connection(asyncio.Protocol):
         return True
 
     def pause_writing(self) -> None:
-        self.writing_paused = True
-        self._pause_reading()
-        assert self.transport is not None
-        if self._charge_write(self.transport.get_write_buffer_size()):
-            self._arm(self.loop.time() + self.config.write_timeout_s, "write")
+        """A reply is queued: `_write`, which queued it, charges it."""
+        self.replies_queued = True
 
     def resume_writing(self) -> None:
-        self.writing_paused = False
+        """Every queued reply is written: its charge goes, and a connection held back for
+        its unread replies is read and answered again."""
+        self.replies_queued = False
         self._set_write_charge(0)
-        if not self.discarding:
-            self._schedule_turn()
+        if self.writing_paused:
+            self.writing_paused = False
+            if not self.discarding:
+                self._schedule_turn()
 
     def _refuse(self) -> None:
         """Over `max_connections`: answer 503 and close at once, without the linger of
@@ -466,6 +473,9 @@ class _Connection(asyncio.Protocol):
                 break
         else:
             # More may be buffered: answer it after the other connections had their turn.
+            self._release_answered()
+            if self._refuse_over_share():
+                return
             self._schedule_turn()
             if not (self.closing or self.writing_paused):
                 # A connection that closes keeps its linger deadline, and one whose replies
@@ -479,11 +489,7 @@ class _Connection(asyncio.Protocol):
         if self.saw_eof:
             self._close()  # the client is done sending and no complete request is left
             return
-        if self.charged and self.server.buffered_bytes > self.config.large_body_budget:
-            # Waiting for the rest of a request, this connection would hold part of the
-            # budget's last eighth: that is room for requests that arrive whole.
-            in_use = self.server.buffered_bytes - self.charged
-            self._refuse_over_budget(self.charged, in_use, self.config.large_body_budget)
+        if self._refuse_over_share():
             return
         if self.reading_paused and not self.writing_paused:
             self.reading_paused = False
@@ -598,6 +604,8 @@ class _Connection(asyncio.Protocol):
             f"{close}{extra_headers}\r\n"
         )
         self.transport.write(head.encode() + payload)
+        if self.replies_queued:
+            self._charge_write(self.transport.get_write_buffer_size())
 
     # --- memory budget ------------------------------------------------------------------
 
@@ -612,9 +620,23 @@ class _Connection(asyncio.Protocol):
         self._refuse_over_budget(needed, in_use, budget)
         return False
 
+    def _refuse_over_share(self) -> bool:
+        """Refuse (503) a connection that holds request bytes between turns while the
+        budget in use is past its seven-eighths share; True when refused.
+
+        Waiting, for the rest of a request or for its turn to answer pipelined ones, the
+        connection would hold part of the budget's last eighth: that is room for requests
+        that arrive whole, answered in the read that brings them.
+        """
+        if not (self.charged and self.server.buffered_bytes > self.config.large_body_budget):
+            return False
+        in_use = self.server.buffered_bytes - self.charged
+        self._refuse_over_budget(self.charged, in_use, self.config.large_body_budget)
+        return True
+
     def _refuse_over_budget(self, needed: int, in_use: int, budget: int) -> None:
         limit = self.config.max_buffer_bytes
-        share = "" if budget == limit else f", and unfinished requests may hold only {budget}"
+        share = "" if budget == limit else f", and requests not yet answered may hold only {budget}"
         self._fail(
             _HttpError(
                 503,
@@ -630,26 +652,31 @@ class _Connection(asyncio.Protocol):
         self.server.buffered_bytes += num_bytes - self.charged
         self.charged = num_bytes
 
-    def _charge_write(self, num_bytes: int) -> bool:
-        """Charge the replies this client left unread; False (connection aborted) when they
-        would push the budget in use past its seven-eighths share for large requests.
+    def _charge_write(self, num_bytes: int) -> None:
+        """Charge the `num_bytes` of replies queued for this client (the kernel's buffers
+        hold no more); past WRITE_HIGH_WATER it is not read or answered until it has read
+        them all, and is dropped after `write_timeout_s`.
 
-        Unread replies, like large bodies, may not take the last eighth of the budget, so
-        clients that ask for large replies and never read them cannot lock the lookups and
-        heartbeats of the others out. The client that hits the limit loses its connection
-        and its unsent replies at once (`write_budget`) instead of holding them for
-        `write_timeout_s`.
+        Queued replies, small ones too, count: thousands of connections that never read
+        would otherwise hold up to WRITE_HIGH_WATER each outside the budget. Like large
+        bodies they may not take the last eighth of it, so clients that never read cannot
+        lock the lookups and heartbeats of the others out: the client that hits the limit
+        loses its connection and its unsent replies at once (`write_budget`) instead of
+        holding them for the idle or write timeout.
         """
         in_use = self.server.buffered_bytes - self.write_charged
-        if in_use + num_bytes <= self.config.large_body_budget:
-            self._set_write_charge(num_bytes)
-            return True
-        self.server.metrics.count_error("write_budget")
-        self.abort()
-        return False
+        if in_use + num_bytes > self.config.large_body_budget:
+            self.server.metrics.count_error("write_budget")
+            self.abort()
+            return
+        self._set_write_charge(num_bytes)
+        if num_bytes > WRITE_HIGH_WATER and not self.writing_paused:
+            self.writing_paused = True
+            self._pause_reading()
+            self._arm(self.loop.time() + self.config.write_timeout_s, "write")
 
     def _set_write_charge(self, num_bytes: int) -> None:
-        """Unread replies count against the budget while the client is over the high-water mark."""
+        """Queued replies count against the budget until they are written."""
         self.server.buffered_bytes += num_bytes - self.write_charged
         self.write_charged = num_bytes
 
