@@ -90,7 +90,12 @@ class SlotEstimate:
     """When the full queue frees a place: when the compute thread takes its next job, i.e.
     (the batch being full) when the running job that started first ends. Expected from
     the durations of the recently finished jobs (their mean, the last `window` jobs) minus
-    what that job has already taken.
+    what that job has already taken, never later than a running job's deadline (it ends
+    there). Once that job has run past the mean, the mean says nothing more: the estimate
+    is then when some running job ends at the latest (`ends_by`: its tokens left at the
+    recent step time, or its deadline). With answers of mixed lengths the job running
+    longest often is past it, and 1 s would send every refused client back each second
+    until a place frees.
 
     Jobs are told apart by `key` (any hashable; the default None is one job at a time)."""
 
@@ -98,12 +103,24 @@ class SlotEstimate:
         self._durations: deque[float] = deque([initial_s], maxlen=window)
         # key -> start time, in start order.
         self._running: dict[Hashable, float] = {}
+        # key -> the running job's deadline.
+        self._deadlines: dict[Hashable, float] = {}
+        # key -> when the running job ends at the latest.
+        self._latest_ends: dict[Hashable, float] = {}
 
-    def started(self, now: float, key: Hashable = None) -> None:
+    def started(self, now: float, key: Hashable = None, deadline: float = math.inf) -> None:
         self._running.pop(key, None)
         self._running[key] = now
+        self._deadlines[key] = self._latest_ends[key] = deadline
+
+    def ends_by(self, when: float, key: Hashable = None) -> None:
+        """The running job `key` ends by `when` (or its deadline) at the latest."""
+        if key in self._running:
+            self._latest_ends[key] = min(when, self._deadlines[key])
 
     def finished(self, now: float, key: Hashable = None) -> None:
+        self._deadlines.pop(key, None)
+        self._latest_ends.pop(key, None)
         if (since := self._running.pop(key, None)) is not None:
             self._durations.append(now - since)
 
@@ -111,8 +128,12 @@ class SlotEstimate:
         """Whole seconds (at least 1, as Retry-After takes) until a place is expected."""
         expected = sum(self._durations) / len(self._durations)
         first = next(iter(self._running.values()), None)
-        elapsed = 0.0 if first is None else now - first
-        return max(1, math.ceil(expected - elapsed))
+        rest = expected - (0.0 if first is None else now - first)
+        if rest > 0:
+            estimate = min(rest, min(self._deadlines.values(), default=math.inf) - now)
+        else:
+            estimate = min(self._latest_ends.values(), default=math.inf) - now
+        return max(1, math.ceil(estimate)) if math.isfinite(estimate) else 1
 
 
 @dataclass(frozen=True)
@@ -435,7 +456,7 @@ class EngineWorker:
             reason = job.stop_reason()
             if reason is None:
                 self._running.add(job)
-                self._slot.started(time.perf_counter(), job)
+                self._slot.started(time.perf_counter(), job, job.deadline)
         if reason is not None:
             _report(job, Finished(reason))
             return
@@ -470,6 +491,7 @@ class EngineWorker:
 
     def _step(self, batch: list[_Running]) -> list[_Running]:
         """One decode step for every job in the batch; the jobs still going."""
+        started = time.perf_counter()
         try:
             self.engine.decode_step([r.sequence for r in batch], [r.answer[-1] for r in batch])
         except Exception as error:  # fails the jobs of this step; the thread serves on
@@ -488,7 +510,17 @@ class EngineWorker:
                 self._fail(running, error)
                 continue
             self._finish(running.job)
+        self._bound_ends(going, time.perf_counter() - started)
         return going
+
+    def _bound_ends(self, going: list[_Running], step_s: float) -> None:
+        """When each job still going ends at the latest (for Retry-After): its tokens left
+        at this step's time, or its deadline if that comes first."""
+        now = time.perf_counter()
+        with self._lock:
+            for running in going:
+                num_left = running.limit - len(running.answer)
+                self._slot.ends_by(now + num_left * step_s, running.job)
 
     def _fail(self, running: _Running, error: Exception) -> None:
         """End a job with `error`: its KV row goes back to the decode pool (if `_end` has
