@@ -16,7 +16,8 @@ of the step. `AsyncKVStore` wraps the worker's store (`KVStore`, same protocol):
    `contains` counts it, so a store followed by a load of the same segment never misses.
 3. `prefetch(keys)` starts reading entries on a reader thread (one batched `get_many`);
    the next `get_many` that asks for them takes the result, waiting for it if it is not
-   in yet. Unclaimed prefetches are bounded (oldest dropped) and `discard` drops them.
+   in yet. A `put` drops its key's read ahead (it may have read the tier before the
+   write). Unclaimed prefetches are bounded (oldest dropped) and `discard` drops them.
 4. `flush` waits until every accepted entry is written; `close` flushes (bounded) and
    stops the threads (a read ahead not started by then is read when a `get_many` claims
    it). What a flush out of time leaves is dropped then: the entries still waiting are
@@ -95,6 +96,8 @@ class AsyncKVStore:
         with self._condition:
             if self._is_closed:
                 raise RuntimeError("put: the store is closed")
+            # A read ahead of the key may have read the tier before this entry's write.
+            self._prefetched.pop(kv.key, None)
             if self._replace_waiting(kv, ready):
                 return True
             # An entry larger than the bound alone waits for an empty queue.

@@ -16,14 +16,15 @@ a blob that is corrupted, truncated, of another format, model, dtype or key is a
 and the tier no longer reports it held (`contains_many`) until it stores the key again.
 
 Keys follow `holeblend_contract.shared_tier` (per-BlendDeployment prefix). Every Redis
-error or timeout is a miss (reads) or a refused store (writes), counted in `stats`. A
-circuit breaker skips Redis for a while after repeated failures to reach it (connection
-errors, timeouts, and the error replies of a server that cannot serve any command now:
-see `is_unavailable`); an error reply to one command (`ResponseError`: out of memory
-under `noeviction`, no permission, a key of another type) shows Redis is up and does not
-feed it. A blob larger than Redis takes in one argument (`proto-max-bulk-len`) is refused
-without being sent. This module imports no torch (the tiered store converts tensors), so
-the lookup benchmark can use it.
+error, timeout or reply that cannot be read (a server that does not speak Redis) is a
+miss (reads) or a refused store (writes), counted in `stats`. A circuit breaker skips
+Redis for a while after repeated failures to reach it (connection errors, timeouts, and
+the error replies of a server that cannot serve any command now: see `is_unavailable`);
+an error reply to one command (`ResponseError`: out of memory under `noeviction`, no
+permission, a key of another type) shows Redis is up and does not feed it. A blob larger
+than Redis takes in one argument (`proto-max-bulk-len`) is refused without being sent.
+This module imports no torch (the tiered store converts tensors), so the lookup
+benchmark can use it.
 """
 
 from __future__ import annotations
@@ -141,6 +142,8 @@ def decode_blob(
     """The header and payload of a checked blob written by `deployment`; BlobError for
     anything wrong. With `expected`, the blob's dtype is `expected.dtype` or one of
     `also_dtypes` (a reader whose segments come in two dtypes checks which is whose)."""
+    if not isinstance(blob, bytes | bytearray | memoryview):  # a server not speaking Redis
+        raise BlobError(f"not a blob: a {type(blob).__name__} reply")
     if len(blob) < _PREFIX.size:
         raise BlobError(f"truncated: {len(blob)} bytes")
     magic, version, meta_len = _PREFIX.unpack_from(blob)
@@ -182,6 +185,8 @@ def _header(meta: dict) -> BlobHeader:
     shape = meta.get("shape")
     if not (isinstance(shape, list) and len(shape) == 4 and all(_is_count(n) for n in shape)):
         raise BlobError(f"shape: expected 4 non-negative integers, got {shape!r}")
+    if shape[2] == 0:  # no segment is empty: its tensors could not even be built
+        raise BlobError(f"shape: {shape} holds no tokens")
     # A name first: a list or map (a corrupted or forged header) cannot be looked up.
     if not isinstance(meta.get("dtype"), str) or meta["dtype"] not in DTYPE_SIZES:
         raise BlobError(f"dtype: {meta.get('dtype')!r} is not one of {sorted(DTYPE_SIZES)}")
@@ -477,9 +482,9 @@ class SharedTier:
         """(what the call came to, `function(*args)` or None): ANSWERED with its result;
         REFUSED when Redis answered with an error (counted in `errors` unless not
         `counts_refusal`; Redis is up, so it closes the breaker like a success);
-        UNREACHED when the breaker is open, Redis was not reached or answered that it
-        cannot serve now (a failure for the breaker). Each call's own outcome, whatever
-        other threads' calls come to."""
+        UNREACHED when the breaker is open, Redis was not reached, answered that it
+        cannot serve now or answered what cannot be read (a failure for the breaker).
+        Each call's own outcome, whatever other threads' calls come to."""
         if self.breaker.is_open:
             self._count("skipped_by_breaker")
             return UNREACHED, None
@@ -496,6 +501,13 @@ class SharedTier:
             return REFUSED, None
         except (redis.RedisError, OSError) as error:
             self._failed(_name(function), error)
+            return UNREACHED, None
+        except Exception as error:
+            # A reply redis-py cannot make sense of (a server not speaking Redis: its
+            # handshake reads HELLO's answer as a map). The connection it left half opened
+            # in the pool would read the next command's reply out of step: closed.
+            self._failed(_name(function), error)
+            self.client.connection_pool.disconnect(inuse_connections=False)
             return UNREACHED, None
         self.breaker.succeeded()
         return ANSWERED, result
